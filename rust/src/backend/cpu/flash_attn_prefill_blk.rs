@@ -1,0 +1,96 @@
+//! CPU form of `flash_attn_prefill_blk`: classify each (bq x bk) tile of the F16 mask.
+
+use rayon::prelude::*;
+
+use super::{host_slice, SendPtr};
+use crate::encoder::Dispatch;
+use crate::error::{MlxError, Result};
+
+/// Mirror of the params block the op binds at index 0.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct BlkParams {
+    pub rows: i32,
+    pub kv_pad: i32,
+    pub bq: i32,
+    pub bk: i32,
+}
+
+/// Every value of the tile is -inf or at most -65504 (the most negative half).
+const SKIP: u8 = 0;
+/// Some values are neither all-masked nor all-zero.
+const MIXED: u8 = 1;
+/// Every value is +0 or -0.
+const ZERO: u8 = 2;
+
+/// The class of one tile, from its half bit patterns.
+#[inline]
+pub fn classify(bits: impl Iterator<Item = u16>) -> u8 {
+    let (mut all_masked, mut all_zero) = (true, true);
+    for h in bits {
+        let mag = h & 0x7fff;
+        // Negative, at least 65504 in magnitude, and not NaN (NaN magnitudes exceed 0x7c00).
+        all_masked &= h & 0x8000 != 0 && (0x7bff..=0x7c00).contains(&mag);
+        all_zero &= mag == 0;
+        if !all_masked && !all_zero {
+            return MIXED;
+        }
+    }
+    if all_masked {
+        SKIP
+    } else if all_zero {
+        ZERO
+    } else {
+        MIXED
+    }
+}
+
+/// Mask `[rows, kv_pad]` at index 1, blk at index 2, params at 0.
+pub fn run(d: &Dispatch) -> Result<()> {
+    let p: BlkParams = d.constant(0)?;
+    let (rows, kv_pad, bq, bk) = (p.rows as usize, p.kv_pad as usize, p.bq as usize, p.bk as usize);
+    let (mask, mask_len) = host_slice(d, 1)?;
+    let (blk, blk_len) = host_slice(d, 2)?;
+    let q_tiles = rows.div_ceil(bq);
+    let k_tiles = kv_pad / bk;
+    if mask_len < rows * kv_pad * 2 || blk_len < q_tiles * k_tiles {
+        return Err(MlxError::Internal("flash_attn_prefill_blk: buffers smaller than validated".into()));
+    }
+    let mask = SendPtr(mask as *mut u16);
+    let blk = SendPtr(blk);
+    (0..q_tiles).into_par_iter().for_each(|qt| {
+        let (m, b) = (mask, blk);
+        let r0 = qt * bq;
+        let r1 = (r0 + bq).min(rows);
+        for kt in 0..k_tiles {
+            let bits = (r0..r1).flat_map(|r| {
+                // SAFETY: r < rows and the tile's columns are < kv_pad: inside the mask.
+                (0..bk).map(move |j| unsafe { *m.0.add(r * kv_pad + kt * bk + j) })
+            });
+            // SAFETY: qt * k_tiles + kt < q_tiles * k_tiles <= blk_len; one task per row of tiles.
+            unsafe { *b.0.add(qt * k_tiles + kt) = classify(bits) };
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(x: f32) -> u16 {
+        half::f16::from_f32(x).to_bits()
+    }
+
+    #[test]
+    fn classes_of_crafted_tiles() {
+        assert_eq!(classify([h(f32::NEG_INFINITY); 4].into_iter()), SKIP);
+        assert_eq!(classify([h(-65504.0), h(f32::NEG_INFINITY)].into_iter()), SKIP);
+        assert_eq!(classify([h(0.0), h(-0.0)].into_iter()), ZERO);
+        assert_eq!(classify([h(0.0), h(f32::NEG_INFINITY)].into_iter()), MIXED);
+        assert_eq!(classify([h(-65472.0)].into_iter()), MIXED, "the next half above -65504 is not masked");
+        assert_eq!(classify([h(1e-7)].into_iter()), MIXED, "a subnormal is not zero");
+        assert_eq!(classify([0xfe00u16].into_iter()), MIXED, "NaN is neither masked nor zero");
+        assert_eq!(classify([h(f32::INFINITY)].into_iter()), MIXED);
+    }
+}

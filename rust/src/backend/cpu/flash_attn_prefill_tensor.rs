@@ -1,0 +1,489 @@
+//! CPU form of `flash_attn_prefill_tensor_f16_d256` / `_d512` (SPEC section 2).
+//!
+//! One work item is one query tile of the blk table (`bq` rows) times one KV head, with
+//! every query head that shares that KV head: the K/V tile of a step is converted to f32
+//! once and used by `bq * group` rows. Scores are kept transposed (`[cache row][query row]`)
+//! so the per-row max, exp, half rounding and sums run across SIMD lanes without
+//! horizontal reductions. Items run in parallel on all cores; scratch is per thread and
+//! reused, so the hot loop allocates nothing.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::simd::{Portable, Simd, W};
+use super::{host_slice, SendPtr};
+use crate::encoder::Dispatch;
+use crate::error::{MlxError, Result};
+
+/// Cache rows per step (the blk `bk`).
+const C: usize = 64;
+
+/// Mirror of the params block the op binds at index 0 (the same twelve words the Metal
+/// kernel reads).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Params {
+    pub rows: i32,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub kv_pad: i32,
+    pub q_row_stride: i32,
+    pub q_head_stride: i32,
+    pub k_row_stride: i32,
+    pub k_head_stride: i32,
+    pub v_row_stride: i32,
+    pub v_head_stride: i32,
+    pub mask_row_stride: i32,
+    pub scale: f32,
+}
+
+/// Queries per blk tile at head dim `D` (the kernel's `Q`).
+const fn bq_of(d: usize) -> usize {
+    if d == 256 {
+        32
+    } else {
+        16
+    }
+}
+
+/// Entry point of `flash_attn_prefill_tensor_f16_d256`.
+pub fn run_d256(d: &Dispatch) -> Result<()> {
+    run_head_dim::<256>(d)
+}
+
+/// Entry point of `flash_attn_prefill_tensor_f16_d512`.
+pub fn run_d512(d: &Dispatch) -> Result<()> {
+    run_head_dim::<512>(d)
+}
+
+/// Everything a work item reads, as plain numbers and pointers.
+#[derive(Clone, Copy)]
+struct Problem {
+    rows: usize,
+    n_heads: usize,
+    kv_pad: usize,
+    group: usize,
+    bq: usize,
+    q_rs: usize,
+    q_hs: usize,
+    k_rs: usize,
+    k_hs: usize,
+    v_rs: usize,
+    v_hs: usize,
+    mask_rs: usize,
+    scale: f32,
+    q: *const f32,
+    k: *const u16,
+    v: *const u16,
+    mask: *const u16,
+    blk: *const u8,
+    out: SendPtr<f32>,
+}
+
+// SAFETY: read-only inputs, and an output every item writes a disjoint part of.
+unsafe impl Send for Problem {}
+unsafe impl Sync for Problem {}
+
+fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
+    let p: Params = d.constant(0)?;
+    let bad = |what: &str| MlxError::Internal(format!("flash_attn_prefill_tensor (cpu): {what}"));
+    let dims = [p.rows, p.n_heads, p.n_kv_heads, p.kv_pad, p.q_row_stride, p.q_head_stride,
+        p.k_row_stride, p.k_head_stride, p.v_row_stride, p.v_head_stride, p.mask_row_stride];
+    if dims.iter().any(|&x| x < 0) || p.rows == 0 || p.n_heads == 0 || p.n_kv_heads == 0 {
+        return Err(bad("negative or empty dimension"));
+    }
+    let u = |x: i32| x as usize;
+    let (rows, nh, nkv, kv_pad) = (u(p.rows), u(p.n_heads), u(p.n_kv_heads), u(p.kv_pad));
+    if nh % nkv != 0 || kv_pad % C != 0 || kv_pad == 0 {
+        return Err(bad("shape breaks the op's contract"));
+    }
+    let bq = bq_of(D);
+    let (q, q_len) = host_slice(d, 1)?;
+    let (k, k_len) = host_slice(d, 2)?;
+    let (v, v_len) = host_slice(d, 3)?;
+    let (mask, mask_len) = host_slice(d, 4)?;
+    let (blk, blk_len) = host_slice(d, 5)?;
+    let (out, out_len) = host_slice(d, 6)?;
+    // The op validated all of this; a kernel that writes memory re-checks what it relies on.
+    let need = |last_row: usize, rs: usize, last_head: usize, hs: usize, esz: usize| {
+        (last_row * rs + last_head * hs + D) * esz
+    };
+    let sizes_ok = q_len >= need(rows - 1, u(p.q_row_stride), nh - 1, u(p.q_head_stride), 4)
+        && k_len >= need(kv_pad - 1, u(p.k_row_stride), nkv - 1, u(p.k_head_stride), 2)
+        && v_len >= need(kv_pad - 1, u(p.v_row_stride), nkv - 1, u(p.v_head_stride), 2)
+        && mask_len >= ((rows - 1) * u(p.mask_row_stride) + kv_pad) * 2
+        && blk_len >= rows.div_ceil(bq) * (kv_pad / C)
+        && out_len >= rows * nh * D * 4;
+    if !sizes_ok {
+        return Err(bad("a buffer is smaller than its strides need"));
+    }
+    let pb = Problem {
+        rows,
+        n_heads: nh,
+        kv_pad,
+        group: nh / nkv,
+        bq,
+        q_rs: u(p.q_row_stride),
+        q_hs: u(p.q_head_stride),
+        k_rs: u(p.k_row_stride),
+        k_hs: u(p.k_head_stride),
+        v_rs: u(p.v_row_stride),
+        v_hs: u(p.v_head_stride),
+        mask_rs: u(p.mask_row_stride),
+        scale: p.scale,
+        q: q as *const f32,
+        k: k as *const u16,
+        v: v as *const u16,
+        mask: mask as *const u16,
+        blk,
+        out: SendPtr(out as *mut f32),
+    };
+    let item: unsafe fn(&Problem, usize, usize, &mut Scratch) = pick::<D>();
+    let q_tiles = rows.div_ceil(bq);
+    (0..q_tiles * nkv).into_par_iter().for_each(|w| {
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            // SAFETY: `pick` chose an instruction set this CPU has; sizes checked above.
+            unsafe { item(&pb, w / nkv, w % nkv, &mut s) };
+        })
+    });
+    Ok(())
+}
+
+/// The work-item function for the instruction set in use.
+fn pick<const D: usize>() -> unsafe fn(&Problem, usize, usize, &mut Scratch) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match super::simd::selected_isa() {
+            "avx512" => return item_avx512::<D>,
+            "avx2+fma+f16c" => return item_avx2::<D>,
+            _ => {}
+        }
+    }
+    item_portable::<D>
+}
+
+unsafe fn item_portable<const D: usize>(pb: &Problem, qt: usize, g: usize, s: &mut Scratch) {
+    work_item::<Portable, D>(pb, qt, g, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn item_avx512<const D: usize>(pb: &Problem, qt: usize, g: usize, s: &mut Scratch) {
+    work_item::<super::simd::Avx512, D>(pb, qt, g, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn item_avx2<const D: usize>(pb: &Problem, qt: usize, g: usize, s: &mut Scratch) {
+    work_item::<super::simd::Avx2, D>(pb, qt, g, s)
+}
+
+/// Per-thread working memory of a work item, grown on demand and reused.
+#[derive(Default)]
+struct Scratch {
+    /// Q^T, `[D][R]`: the item's query rows, scaled and rounded to half.
+    qt: Vec<f32>,
+    /// O, `[R][D]`: unnormalised output accumulators.
+    o: Vec<f32>,
+    /// Scores then probabilities, transposed: `[C][R]`.
+    st: Vec<f32>,
+    /// K and V of one step in f32, `[C][D]` each.
+    kf: Vec<f32>,
+    vf: Vec<f32>,
+    /// One step of mask rows, `[bq][C]`, then transposed to `[C][bq]`.
+    mrow: Vec<f32>,
+    mt: Vec<f32>,
+    /// Running max, running sum, and this step's rescale factor, `[R]` each.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    ms: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+fn grow(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}
+
+/// One work item: query tile `qt`, KV head `g`, all `group` query heads of that KV head.
+#[inline(always)]
+unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, qt: usize, g: usize, sc: &mut Scratch) {
+    let bq = pb.bq;
+    let r = bq * pb.group; // rows of the item, a multiple of W
+    let r0 = qt * bq;
+    let nr = bq.min(pb.rows - r0);
+    let steps = pb.kv_pad / C;
+    grow(&mut sc.qt, D * r);
+    grow(&mut sc.o, r * D);
+    grow(&mut sc.st, C * r);
+    grow(&mut sc.kf, C * D);
+    grow(&mut sc.vf, C * D);
+    grow(&mut sc.mrow, bq * C);
+    grow(&mut sc.mt, C * bq);
+    grow(&mut sc.m, r);
+    grow(&mut sc.l, r);
+    grow(&mut sc.ms, r);
+    let (qt_b, o_b, st_b) = (sc.qt.as_mut_ptr(), sc.o.as_mut_ptr(), sc.st.as_mut_ptr());
+    let (kf, vf) = (sc.kf.as_mut_ptr(), sc.vf.as_mut_ptr());
+    let (mrow, mt) = (sc.mrow.as_mut_ptr(), sc.mt.as_mut_ptr());
+    let (m_b, l_b, ms_b) = (sc.m.as_mut_ptr(), sc.l.as_mut_ptr(), sc.ms.as_mut_ptr());
+
+    // Q: qh = half(scale * q), transposed into Q^T; rows past the prompt are zero.
+    let scale = S::splat(pb.scale);
+    let mut tmp = [0f32; D];
+    for hh in 0..pb.group {
+        let h = g * pb.group + hh;
+        for rr in 0..bq {
+            let i = hh * bq + rr;
+            if rr < nr {
+                let src = pb.q.add((r0 + rr) * pb.q_rs + h * pb.q_hs);
+                for dv in (0..D).step_by(W) {
+                    S::store(tmp.as_mut_ptr().add(dv), S::round_half(S::mul(S::load(src.add(dv)), scale)));
+                }
+            } else {
+                tmp.fill(0.0);
+            }
+            for (dd, &x) in tmp.iter().enumerate() {
+                *qt_b.add(dd * r + i) = x;
+            }
+        }
+    }
+    for i in 0..r {
+        *m_b.add(i) = -f32::MAX / 2.0;
+        *l_b.add(i) = 0.0;
+    }
+    std::ptr::write_bytes(o_b, 0, r * D);
+
+    for step in 0..steps {
+        let t = *pb.blk.add(qt * steps + step);
+        if t == 0 {
+            continue;
+        }
+        let c0 = step * C;
+        load_tile::<S, D>(kf, pb.k.add(c0 * pb.k_rs + g * pb.k_hs), pb.k_rs);
+        load_tile::<S, D>(vf, pb.v.add(c0 * pb.v_rs + g * pb.v_hs), pb.v_rs);
+        scores::<S, D>(kf, qt_b, st_b, r);
+        if t != 2 {
+            add_mask::<S>(pb, mrow, mt, st_b, r0, nr, c0, r);
+        }
+        softmax_step::<S>(st_b, m_b, l_b, ms_b, r);
+        accumulate::<S, D>(st_b, vf, o_b, ms_b, r);
+    }
+
+    // O / S, or zeros where S == 0 (a row that saw no unmasked cache row).
+    for hh in 0..pb.group {
+        let h = g * pb.group + hh;
+        for rr in 0..nr {
+            let i = hh * bq + rr;
+            let dst = pb.out.0.add(((r0 + rr) * pb.n_heads + h) * D);
+            let l = *l_b.add(i);
+            let lv = S::splat(l);
+            for dv in (0..D).step_by(W) {
+                let o = if l == 0.0 { S::splat(0.0) } else { S::div(S::load(o_b.add(i * D + dv)), lv) };
+                S::store(dst.add(dv), o);
+            }
+        }
+    }
+}
+
+/// `C` rows of `D` halves (row stride `rs` elements) widened to f32 `[C][D]`.
+#[inline(always)]
+unsafe fn load_tile<S: Simd, const D: usize>(dst: *mut f32, src: *const u16, rs: usize) {
+    for j in 0..C {
+        let s = src.add(j * rs);
+        for dv in (0..D).step_by(W) {
+            S::store(dst.add(j * D + dv), S::load_f16(s.add(dv)));
+        }
+    }
+}
+
+/// `st[j][i] = sum_d kf[j][d] * qt[d][i]` for `j < C`, `i < r`.
+#[inline(always)]
+unsafe fn scores<S: Simd, const D: usize>(kf: *const f32, qt: *const f32, st: *mut f32, r: usize) {
+    let wide = if S::WIDE_BLOCKS { 4 } else { 2 };
+    let mut i0 = 0;
+    while i0 + wide * W <= r {
+        for j0 in (0..C).step_by(4) {
+            if S::WIDE_BLOCKS {
+                scores_block::<S, D, 4, 4>(kf, qt, st, r, j0, i0);
+            } else {
+                scores_block::<S, D, 4, 2>(kf, qt, st, r, j0, i0);
+            }
+        }
+        i0 += wide * W;
+    }
+    while i0 < r {
+        for j0 in (0..C).step_by(4) {
+            scores_block::<S, D, 4, 1>(kf, qt, st, r, j0, i0);
+        }
+        i0 += W;
+    }
+}
+
+#[inline(always)]
+unsafe fn scores_block<S: Simd, const D: usize, const JB: usize, const IV: usize>(
+    kf: *const f32,
+    qt: *const f32,
+    st: *mut f32,
+    r: usize,
+    j0: usize,
+    i0: usize,
+) {
+    let mut acc = [[S::splat(0.0); IV]; JB];
+    for d in 0..D {
+        let mut qv = [S::splat(0.0); IV];
+        for (iv, q) in qv.iter_mut().enumerate() {
+            *q = S::load(qt.add(d * r + i0 + iv * W));
+        }
+        for (jj, row) in acc.iter_mut().enumerate() {
+            let kb = S::splat(*kf.add((j0 + jj) * D + d));
+            for (iv, a) in row.iter_mut().enumerate() {
+                *a = S::fma(kb, qv[iv], *a);
+            }
+        }
+    }
+    for (jj, row) in acc.iter().enumerate() {
+        for (iv, a) in row.iter().enumerate() {
+            S::store(st.add((j0 + jj) * r + i0 + iv * W), *a);
+        }
+    }
+}
+
+/// Add the mask of cache rows `c0..c0+C` to the scores of every head of the item.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn add_mask<S: Simd>(
+    pb: &Problem,
+    mrow: *mut f32,
+    mt: *mut f32,
+    st: *mut f32,
+    r0: usize,
+    nr: usize,
+    c0: usize,
+    r: usize,
+) {
+    let bq = pb.bq;
+    for rr in 0..bq {
+        for jv in (0..C).step_by(W) {
+            // Mask rows past the prompt are never read; those query rows are never written.
+            let x = if rr < nr {
+                S::load_f16(pb.mask.add((r0 + rr) * pb.mask_rs + c0 + jv))
+            } else {
+                S::splat(0.0)
+            };
+            S::store(mrow.add(rr * C + jv), x);
+        }
+    }
+    for rr in 0..bq {
+        for j in 0..C {
+            *mt.add(j * bq + rr) = *mrow.add(rr * C + j);
+        }
+    }
+    for j in 0..C {
+        for hh in 0..pb.group {
+            for rv in (0..bq).step_by(W) {
+                let p = st.add(j * r + hh * bq + rv);
+                S::store(p, S::add(S::load(p), S::load(mt.add(j * bq + rv))));
+            }
+        }
+    }
+}
+
+/// Online softmax of one step, lanes = rows: new max with the lazy (> +8) rescale,
+/// `p = half(exp(s - M))` in place of the scores, `S = S * ms + sum p`.
+#[inline(always)]
+unsafe fn softmax_step<S: Simd>(st: *mut f32, m: *mut f32, l: *mut f32, ms: *mut f32, r: usize) {
+    let one = S::splat(1.0);
+    for i0 in (0..r).step_by(W) {
+        let mut mx = S::load(st.add(i0));
+        for j in 1..C {
+            mx = S::max(S::load(st.add(j * r + i0)), mx);
+        }
+        let m_old = S::load(m.add(i0));
+        let thresh = S::add(m_old, S::splat(8.0));
+        let scale = S::select_gt(mx, thresh, S::exp(S::sub(m_old, mx)), one);
+        let m_new = S::select_gt(mx, thresh, mx, m_old);
+        S::store(m.add(i0), m_new);
+        S::store(ms.add(i0), scale);
+        let mut sum = S::splat(0.0);
+        for j in 0..C {
+            let ptr = st.add(j * r + i0);
+            let p = S::round_half(S::exp(S::sub(S::load(ptr), m_new)));
+            S::store(ptr, p);
+            sum = S::add(sum, p);
+        }
+        S::store(l.add(i0), S::fma(S::load(l.add(i0)), scale, sum));
+    }
+}
+
+/// `o[i] = o[i] * ms[i] + sum_j p[j][i] * vf[j]`.
+#[inline(always)]
+unsafe fn accumulate<S: Simd, const D: usize>(p: *const f32, vf: *const f32, o: *mut f32, ms: *const f32, r: usize) {
+    if S::WIDE_BLOCKS {
+        for i0 in (0..r).step_by(4) {
+            for d0 in (0..D).step_by(4 * W) {
+                accumulate_block::<S, D, 4, 4>(p, vf, o, ms, r, i0, d0);
+            }
+        }
+    } else {
+        for i0 in (0..r).step_by(2) {
+            for d0 in (0..D).step_by(2 * W) {
+                accumulate_block::<S, D, 2, 2>(p, vf, o, ms, r, i0, d0);
+            }
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, const DV: usize>(
+    p: *const f32,
+    vf: *const f32,
+    o: *mut f32,
+    ms: *const f32,
+    r: usize,
+    i0: usize,
+    d0: usize,
+) {
+    let mut acc = [[S::splat(0.0); DV]; IB];
+    for (ii, row) in acc.iter_mut().enumerate() {
+        let s = S::splat(*ms.add(i0 + ii));
+        for (dv, a) in row.iter_mut().enumerate() {
+            *a = S::mul(S::load(o.add((i0 + ii) * D + d0 + dv * W)), s);
+        }
+    }
+    for j in 0..C {
+        let mut vv = [S::splat(0.0); DV];
+        for (dv, x) in vv.iter_mut().enumerate() {
+            *x = S::load(vf.add(j * D + d0 + dv * W));
+        }
+        for (ii, row) in acc.iter_mut().enumerate() {
+            let pb = S::splat(*p.add(j * r + i0 + ii));
+            for (dv, a) in row.iter_mut().enumerate() {
+                *a = S::fma(pb, vv[dv], *a);
+            }
+        }
+    }
+    for (ii, row) in acc.iter().enumerate() {
+        for (dv, a) in row.iter().enumerate() {
+            S::store(o.add((i0 + ii) * D + d0 + dv * W), *a);
+        }
+    }
+}
+
+/// The CPU form of both entry points: the pipeline's name says which head dim.
+pub fn run(d: &Dispatch) -> Result<()> {
+    use crate::ops::flash_attn_prefill_tensor::{K_TENSOR_F16_D256, K_TENSOR_F16_D512};
+    match d.pipeline.name() {
+        K_TENSOR_F16_D256 => run_d256(d),
+        K_TENSOR_F16_D512 => run_d512(d),
+        other => Err(MlxError::KernelNotFound(format!(
+            "flash_attn_prefill_tensor has no CPU entry point {other}"
+        ))),
+    }
+}

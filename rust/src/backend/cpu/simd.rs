@@ -1,0 +1,455 @@
+//! A 16-lane f32 vector abstraction with one implementation per instruction set, chosen at
+//! run time. Kernels are written once, generic over [`Simd`], `#[inline(always)]`, and
+//! instantiated inside `#[target_feature]` entry points so the intrinsics inline.
+//!
+//! Every operation that can meet a NaN keeps it (min/max/clamps are ordered so a NaN input
+//! comes out NaN), so a NaN in Q, K or V reaches the output instead of vanishing.
+
+#![allow(clippy::missing_safety_doc)]
+
+/// Lanes per vector.
+pub const W: usize = 16;
+
+/// A 16-lane f32 vector type and its operations.
+pub trait Simd: Copy + Send + Sync + 'static {
+    type V: Copy;
+    /// Human-readable name of the instruction set.
+    const NAME: &'static str;
+    /// Whether the register file holds a 4x4 block of vectors plus operands (32 zmm) or
+    /// only a 2x2 one (16 ymm hold 8 two-register vectors).
+    const WIDE_BLOCKS: bool;
+    unsafe fn splat(x: f32) -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    unsafe fn store(p: *mut f32, v: Self::V);
+    /// Load 16 IEEE halves and widen them.
+    unsafe fn load_f16(p: *const u16) -> Self::V;
+    /// Round every lane to the nearest half (ties to even) and widen back.
+    unsafe fn round_half(v: Self::V) -> Self::V;
+    /// `a * b + c`, fused where the hardware has it.
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `if a > b { a } else { b }` (a NaN in `a` never wins, one in `b` does).
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `if a < b { a } else { b }`.
+    unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
+    /// Lane-wise `if a > b { t } else { f }`.
+    unsafe fn select_gt(a: Self::V, b: Self::V, t: Self::V, f: Self::V) -> Self::V;
+    /// Lane-wise round to the nearest integer (ties to even).
+    unsafe fn round(v: Self::V) -> Self::V;
+    /// `p * 2^n` for integral `n` in [-126, 127].
+    unsafe fn ldexp(p: Self::V, n: Self::V) -> Self::V;
+
+    /// e^x to about 2 ulp; 0 below -87.3, e^88.3 above 88.3, NaN stays NaN.
+    #[inline(always)]
+    unsafe fn exp(x: Self::V) -> Self::V {
+        let lo = Self::splat(-87.33);
+        let hi = Self::splat(88.3);
+        // NaN is the second operand of both, so it survives the clamps.
+        let xc = Self::max(lo, Self::min(hi, x));
+        let n = Self::round(Self::mul(xc, Self::splat(std::f32::consts::LOG2_E)));
+        // Cody-Waite reduction: ln 2 in two parts.
+        let r = Self::fma(n, Self::splat(-0.693_359_4), xc);
+        let r = Self::fma(n, Self::splat(2.121_944_4e-4), r);
+        let mut p = Self::splat(1.987_569_1e-4);
+        p = Self::fma(p, r, Self::splat(1.398_199_9e-3));
+        p = Self::fma(p, r, Self::splat(8.333_452e-3));
+        p = Self::fma(p, r, Self::splat(4.166_579_6e-2));
+        p = Self::fma(p, r, Self::splat(1.666_666_5e-1));
+        p = Self::fma(p, r, Self::splat(0.5));
+        let r2 = Self::mul(r, r);
+        let p = Self::add(Self::fma(p, r2, r), Self::splat(1.0));
+        let e = Self::ldexp(p, n);
+        // Below the clamp the true value rounds to 0 in half anyway; make it exactly 0.
+        Self::select_gt(lo, x, Self::splat(0.0), e)
+    }
+}
+
+/// Plain Rust, 16 lanes as an array; correct everywhere, vectorised where LLVM can.
+#[derive(Clone, Copy)]
+pub struct Portable;
+
+macro_rules! lanes {
+    (|$i:ident| $e:expr) => {{
+        let mut out = [0f32; W];
+        for $i in 0..W {
+            out[$i] = $e;
+        }
+        out
+    }};
+}
+
+impl Simd for Portable {
+    type V = [f32; W];
+    const NAME: &'static str = "portable";
+    const WIDE_BLOCKS: bool = true;
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self::V {
+        [x; W]
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::V {
+        std::ptr::read_unaligned(p as *const [f32; W])
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::V) {
+        std::ptr::write_unaligned(p as *mut [f32; W], v)
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self::V {
+        let h = std::ptr::read_unaligned(p as *const [u16; W]);
+        lanes!(|i| half::f16::from_bits(h[i]).to_f32())
+    }
+    #[inline(always)]
+    unsafe fn round_half(v: Self::V) -> Self::V {
+        lanes!(|i| half::f16::from_f32(v[i]).to_f32())
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        // Unfused: a libm fma call per lane would be far slower than the rounding it saves.
+        lanes!(|i| a[i] * b[i] + c[i])
+    }
+    #[inline(always)]
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V {
+        lanes!(|i| a[i] + b[i])
+    }
+    #[inline(always)]
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V {
+        lanes!(|i| a[i] - b[i])
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V {
+        lanes!(|i| a[i] * b[i])
+    }
+    #[inline(always)]
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V {
+        lanes!(|i| a[i] / b[i])
+    }
+    #[inline(always)]
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V {
+        lanes!(|i| if a[i] > b[i] { a[i] } else { b[i] })
+    }
+    #[inline(always)]
+    unsafe fn min(a: Self::V, b: Self::V) -> Self::V {
+        lanes!(|i| if a[i] < b[i] { a[i] } else { b[i] })
+    }
+    #[inline(always)]
+    unsafe fn select_gt(a: Self::V, b: Self::V, t: Self::V, f: Self::V) -> Self::V {
+        lanes!(|i| if a[i] > b[i] { t[i] } else { f[i] })
+    }
+    #[inline(always)]
+    unsafe fn round(v: Self::V) -> Self::V {
+        lanes!(|i| v[i].round_ties_even())
+    }
+    #[inline(always)]
+    unsafe fn ldexp(p: Self::V, n: Self::V) -> Self::V {
+        lanes!(|i| p[i] * f32::from_bits((((n[i] as i32) + 127) as u32) << 23))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use x86::{Avx2, Avx512};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Simd, W};
+    use std::arch::x86_64::*;
+
+    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+    /// AVX-512F (with F16C conversions through `vcvtph2ps`/`vcvtps2ph` on zmm).
+    #[derive(Clone, Copy)]
+    pub struct Avx512;
+
+    impl Simd for Avx512 {
+        type V = __m512;
+        const NAME: &'static str = "avx512";
+        const WIDE_BLOCKS: bool = true;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            _mm512_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            _mm512_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+        #[inline(always)]
+        unsafe fn round_half(v: __m512) -> __m512 {
+            _mm512_cvtph_ps(_mm512_cvtps_ph::<NEAREST>(v))
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            _mm512_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+            _mm512_sub_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn div(a: __m512, b: __m512) -> __m512 {
+            _mm512_div_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn max(a: __m512, b: __m512) -> __m512 {
+            let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b);
+            _mm512_mask_blend_ps(m, b, a)
+        }
+        #[inline(always)]
+        unsafe fn min(a: __m512, b: __m512) -> __m512 {
+            let m = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b);
+            _mm512_mask_blend_ps(m, b, a)
+        }
+        #[inline(always)]
+        unsafe fn select_gt(a: __m512, b: __m512, t: __m512, f: __m512) -> __m512 {
+            let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b);
+            _mm512_mask_blend_ps(m, f, t)
+        }
+        #[inline(always)]
+        unsafe fn round(v: __m512) -> __m512 {
+            _mm512_roundscale_ps::<NEAREST>(v)
+        }
+        #[inline(always)]
+        unsafe fn ldexp(p: __m512, n: __m512) -> __m512 {
+            _mm512_scalef_ps(p, n)
+        }
+    }
+
+    /// AVX2 + FMA + F16C, 16 lanes as two ymm registers.
+    #[derive(Clone, Copy)]
+    pub struct Avx2;
+
+    #[derive(Clone, Copy)]
+    pub struct Pair(__m256, __m256);
+
+    macro_rules! both {
+        ($f:ident, $a:expr, $b:expr) => {
+            Pair($f($a.0, $b.0), $f($a.1, $b.1))
+        };
+    }
+
+    impl Simd for Avx2 {
+        type V = Pair;
+        const NAME: &'static str = "avx2+fma+f16c";
+        const WIDE_BLOCKS: bool = false;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Pair {
+            let v = _mm256_set1_ps(x);
+            Pair(v, v)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Pair {
+            Pair(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(W / 2)))
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: Pair) {
+            _mm256_storeu_ps(p, v.0);
+            _mm256_storeu_ps(p.add(W / 2), v.1);
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u16) -> Pair {
+            Pair(
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(W / 2) as *const __m128i)),
+            )
+        }
+        #[inline(always)]
+        unsafe fn round_half(v: Pair) -> Pair {
+            Pair(
+                _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v.0)),
+                _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v.1)),
+            )
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Pair, b: Pair, c: Pair) -> Pair {
+            Pair(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1))
+        }
+        #[inline(always)]
+        unsafe fn add(a: Pair, b: Pair) -> Pair {
+            both!(_mm256_add_ps, a, b)
+        }
+        #[inline(always)]
+        unsafe fn sub(a: Pair, b: Pair) -> Pair {
+            both!(_mm256_sub_ps, a, b)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Pair, b: Pair) -> Pair {
+            both!(_mm256_mul_ps, a, b)
+        }
+        #[inline(always)]
+        unsafe fn div(a: Pair, b: Pair) -> Pair {
+            both!(_mm256_div_ps, a, b)
+        }
+        #[inline(always)]
+        unsafe fn max(a: Pair, b: Pair) -> Pair {
+            Self::select_gt(a, b, a, b)
+        }
+        #[inline(always)]
+        unsafe fn min(a: Pair, b: Pair) -> Pair {
+            Self::select_gt(b, a, a, b)
+        }
+        #[inline(always)]
+        unsafe fn select_gt(a: Pair, b: Pair, t: Pair, f: Pair) -> Pair {
+            let m0 = _mm256_cmp_ps::<_CMP_GT_OQ>(a.0, b.0);
+            let m1 = _mm256_cmp_ps::<_CMP_GT_OQ>(a.1, b.1);
+            Pair(_mm256_blendv_ps(f.0, t.0, m0), _mm256_blendv_ps(f.1, t.1, m1))
+        }
+        #[inline(always)]
+        unsafe fn round(v: Pair) -> Pair {
+            Pair(
+                _mm256_round_ps::<NEAREST>(v.0),
+                _mm256_round_ps::<NEAREST>(v.1),
+            )
+        }
+        #[inline(always)]
+        unsafe fn ldexp(p: Pair, n: Pair) -> Pair {
+            let bias = _mm256_set1_epi32(127);
+            let e0 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n.0), bias));
+            let e1 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n.1), bias));
+            Pair(
+                _mm256_mul_ps(p.0, _mm256_castsi256_ps(e0)),
+                _mm256_mul_ps(p.1, _mm256_castsi256_ps(e1)),
+            )
+        }
+    }
+}
+
+/// The instruction sets this CPU offers that the kernels can use, best first.
+pub fn detected_isas() -> Vec<&'static str> {
+    let mut v = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx512() {
+            v.push(<Avx512 as Simd>::NAME);
+        }
+        if has_avx2() {
+            v.push(<Avx2 as Simd>::NAME);
+        }
+    }
+    v.push(<Portable as Simd>::NAME);
+    v
+}
+
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
+}
+
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx2() -> bool {
+    std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
+}
+
+static FORCED: std::sync::Mutex<Option<&'static str>> = std::sync::Mutex::new(None);
+
+/// Make the kernels use the instruction set `name` (one of [`detected_isas`]), or go back to
+/// the best one with `None`. For tests and benchmarks that compare the code paths.
+pub fn force_isa(name: Option<&str>) -> crate::error::Result<()> {
+    let pick = match name {
+        None | Some("") | Some("auto") => None,
+        Some(n) => Some(*detected_isas().iter().find(|d| **d == n).ok_or_else(|| {
+            crate::error::MlxError::InvalidArgument(format!(
+                "instruction set {n:?} is not available here (available: {})",
+                detected_isas().join(", ")
+            ))
+        })?),
+    };
+    *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = pick;
+    Ok(())
+}
+
+/// The implementation the kernels use: the one forced by [`force_isa`], else the one named
+/// by `MLX_NATIVE_CPU_ISA` if this CPU has it, else the best detected.
+pub fn selected_isa() -> &'static str {
+    if let Some(n) = *FORCED.lock().unwrap_or_else(|e| e.into_inner()) {
+        return n;
+    }
+    let detected = detected_isas();
+    if let Ok(want) = std::env::var("MLX_NATIVE_CPU_ISA") {
+        if let Some(name) = detected.iter().find(|n| **n == want) {
+            return name;
+        }
+    }
+    detected[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check_exp<S: Simd>() {
+        unsafe {
+            for &x in &[-100.0f32, -87.0, -20.0, -1.5, -0.3, 0.0, 0.25, 1.0, 3.0, 8.0, 30.0] {
+                let got = {
+                    let mut out = [0f32; W];
+                    S::store(out.as_mut_ptr(), S::exp(S::splat(x)));
+                    out[3]
+                };
+                let want = (x as f64).exp();
+                if x < -87.33 {
+                    assert_eq!(got, 0.0);
+                } else {
+                    let rel = ((got as f64 - want) / want).abs();
+                    assert!(rel < 3e-7, "{} exp({x}) = {got}, want {want}", S::NAME);
+                }
+            }
+            let mut out = [0f32; W];
+            S::store(out.as_mut_ptr(), S::exp(S::splat(f32::NEG_INFINITY)));
+            assert_eq!(out[0], 0.0);
+            S::store(out.as_mut_ptr(), S::exp(S::splat(f32::NAN)));
+            assert!(out[0].is_nan(), "{}: NaN must survive exp", S::NAME);
+        }
+    }
+
+    fn check_round_half<S: Simd>() {
+        let vals: Vec<f32> = (0..W)
+            .map(|i| [1.0009766f32, 0.33333, -7.12345, 65519.0, 65520.0, 1e-6, -3e-8, 2.5e-5][i % 8] * (1.0 + i as f32 * 1e-4))
+            .collect();
+        unsafe {
+            let mut out = [0f32; W];
+            S::store(out.as_mut_ptr(), S::round_half(S::load(vals.as_ptr())));
+            for i in 0..W {
+                assert_eq!(out[i].to_bits(), half::f16::from_f32(vals[i]).to_f32().to_bits(), "{} lane {i}", S::NAME);
+            }
+        }
+    }
+
+    #[test]
+    fn every_detected_isa_matches_the_reference_math() {
+        check_exp::<Portable>();
+        check_round_half::<Portable>();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if has_avx2() {
+                check_exp::<Avx2>();
+                check_round_half::<Avx2>();
+            }
+            if has_avx512() {
+                check_exp::<Avx512>();
+                check_round_half::<Avx512>();
+            }
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! How a named kernel runs on each kind of device. The runtime talks to a backend only
+//! through [`Backend`] and [`Memory`]; the op layer never sees either.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use crate::encoder::Dispatch;
+use crate::error::Result;
+use crate::kernel_registry::{KernelSource, Pipeline};
+
+pub mod cpu;
+
+/// The kinds of backend the library knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+            BackendKind::Metal => "metal",
+        }
+    }
+}
+
+/// One allocation (or one wrapped region) that a backend can run kernels on.
+pub trait Memory: Send + Sync {
+    /// Size in bytes.
+    fn len(&self) -> usize;
+    /// Whether the region is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Address of byte 0 where the host can read and write it directly (CPU memory,
+    /// Metal shared storage); `None` for device-only memory.
+    fn host_ptr(&self) -> Option<*mut u8>;
+    /// Copy `dst.len()` bytes starting at `offset` to the host.
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// Copy `src` into the region starting at `offset`.
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()>;
+    /// For the backend that made it, to reach its own type.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A device's implementation: memory, kernel compilation and execution.
+pub trait Backend: Send + Sync {
+    fn kind(&self) -> BackendKind;
+    /// One line that names the device (`cpu (2 threads, avx512)`, `cuda:0 NVIDIA H200`).
+    fn description(&self) -> String;
+    /// Zero-filled memory of `bytes` bytes.
+    fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>>;
+    /// Use `bytes` bytes at `ptr` without copying.
+    ///
+    /// # Safety
+    /// The region must stay valid, and not be freed or reused, while any buffer that wraps
+    /// it exists.
+    unsafe fn wrap_host(&self, ptr: *mut u8, bytes: usize) -> Result<Arc<dyn Memory>>;
+    /// Build the pipeline of the kernel `name` from its source.
+    fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline>;
+    /// Run the dispatches in order; returns once they are complete.
+    fn execute(&self, dispatches: &[Dispatch]) -> Result<()>;
+}
+
+/// Names of the backends that can open a device on this machine, best first.
+pub fn available_backends() -> Vec<&'static str> {
+    vec![BackendKind::Cpu.name()]
+}
+
+/// Open the backend `name` (`auto`, `cpu`).
+pub fn open(name: &str) -> Result<Arc<dyn Backend>> {
+    match name {
+        "auto" | "cpu" => Ok(Arc::new(cpu::CpuBackend::new())),
+        "cuda" | "metal" => Err(crate::error::MlxError::BackendUnavailable(format!(
+            "the {name} backend is not part of this build"
+        ))),
+        other => Err(crate::error::MlxError::DeviceNotFound(format!(
+            "unknown backend {other:?} (expected one of auto, cpu, cuda, metal)"
+        ))),
+    }
+}

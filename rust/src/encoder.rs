@@ -1,0 +1,177 @@
+//! Command encoding: ops record dispatches; `commit_and_wait` runs them on the device.
+
+use crate::buffer::MlxBuffer;
+use crate::device::MlxDevice;
+use crate::error::{MlxError, Result};
+use crate::kernel_registry::Pipeline;
+
+/// A 3-D size (a grid of threadgroups, or the threads of one threadgroup).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GridSize {
+    pub width: u64,
+    pub height: u64,
+    pub depth: u64,
+}
+
+impl GridSize {
+    pub const fn new(width: u64, height: u64, depth: u64) -> Self {
+        GridSize { width, height, depth }
+    }
+    /// width * height * depth (saturating).
+    pub fn count(&self) -> u64 {
+        self.width.saturating_mul(self.height).saturating_mul(self.depth)
+    }
+}
+
+/// One argument of a dispatch, by reference, as the op passes it.
+#[derive(Debug, Clone, Copy)]
+pub enum KernelArg<'a> {
+    Buffer(&'a MlxBuffer),
+    /// A buffer starting `offset` bytes into it.
+    BufferWithOffset(&'a MlxBuffer, u64),
+    /// A small constant block (a params struct), copied at encode time.
+    Bytes(&'a [u8]),
+}
+
+/// The bytes of a plain-old-data value.
+pub fn as_bytes<T: bytemuck::Pod>(value: &T) -> &[u8] {
+    bytemuck::bytes_of(value)
+}
+
+/// One argument as the encoder keeps it: the buffer shared, the bytes copied.
+#[derive(Debug, Clone)]
+pub enum BoundArg {
+    Buffer(MlxBuffer),
+    Bytes(Vec<u8>),
+}
+
+/// A recorded dispatch: what a backend runs.
+#[derive(Clone)]
+pub struct Dispatch {
+    pub pipeline: Pipeline,
+    pub args: Vec<(u64, BoundArg)>,
+    /// (index, bytes) of threadgroup memory blocks.
+    pub shared: Vec<(u64, u64)>,
+    pub grid: GridSize,
+    pub threadgroup: GridSize,
+}
+
+impl Dispatch {
+    /// The buffer bound at `index`.
+    pub fn buffer(&self, index: u64) -> Result<&MlxBuffer> {
+        match self.args.iter().find(|(i, _)| *i == index) {
+            Some((_, BoundArg::Buffer(b))) => Ok(b),
+            _ => Err(MlxError::Internal(format!(
+                "{}: no buffer bound at index {index}",
+                self.pipeline.name()
+            ))),
+        }
+    }
+
+    /// The constant block bound at `index`, read as `T`.
+    pub fn constant<T: bytemuck::Pod>(&self, index: u64) -> Result<T> {
+        match self.args.iter().find(|(i, _)| *i == index) {
+            Some((_, BoundArg::Bytes(b))) if b.len() == std::mem::size_of::<T>() => {
+                Ok(bytemuck::pod_read_unaligned(b))
+            }
+            _ => Err(MlxError::Internal(format!(
+                "{}: no {}-byte constant bound at index {index}",
+                self.pipeline.name(),
+                std::mem::size_of::<T>()
+            ))),
+        }
+    }
+
+    /// Bytes of the threadgroup memory block `index`.
+    pub fn shared_bytes(&self, index: u64) -> u64 {
+        self.shared.iter().find(|(i, _)| *i == index).map_or(0, |(_, b)| *b)
+    }
+}
+
+/// Records dispatches for one device and runs them on commit.
+pub struct CommandEncoder {
+    device: MlxDevice,
+    pending: Vec<Dispatch>,
+}
+
+impl CommandEncoder {
+    pub fn new(device: MlxDevice) -> Self {
+        CommandEncoder { device, pending: Vec::new() }
+    }
+
+    pub fn device(&self) -> &MlxDevice {
+        &self.device
+    }
+
+    /// Dispatches recorded and not yet committed.
+    pub fn pending(&self) -> &[Dispatch] {
+        &self.pending
+    }
+
+    /// Record one dispatch of `grid` threadgroups of `threadgroup` threads.
+    ///
+    /// Unlike the Metal encoder this returns a `Result`: a buffer of another device, or an
+    /// offset past a buffer's end, is refused here, before anything runs.
+    pub fn encode_threadgroups_with_args_and_shared(
+        &mut self,
+        pipeline: &Pipeline,
+        args: &[(u64, KernelArg<'_>)],
+        shared: &[(u64, u64)],
+        grid: GridSize,
+        threadgroup: GridSize,
+    ) -> Result<()> {
+        let mut bound = Vec::with_capacity(args.len());
+        for (index, arg) in args {
+            let arg = match *arg {
+                KernelArg::Buffer(b) => BoundArg::Buffer(self.own(b, 0)?),
+                KernelArg::BufferWithOffset(b, off) => BoundArg::Buffer(self.own(b, off)?),
+                KernelArg::Bytes(bytes) => BoundArg::Bytes(bytes.to_vec()),
+            };
+            bound.push((*index, arg));
+        }
+        self.pending.push(Dispatch {
+            pipeline: pipeline.clone(),
+            args: bound,
+            shared: shared.to_vec(),
+            grid,
+            threadgroup,
+        });
+        Ok(())
+    }
+
+    fn own(&self, b: &MlxBuffer, offset: u64) -> Result<MlxBuffer> {
+        if b.device_id() != self.device.registry_id() {
+            return Err(MlxError::InvalidArgument(format!(
+                "a buffer of device {} was passed to an encoder of device {}",
+                b.device_id(),
+                self.device.registry_id()
+            )));
+        }
+        if offset == 0 {
+            return Ok(b.clone());
+        }
+        let off = usize::try_from(offset).unwrap_or(usize::MAX);
+        if off > b.data_byte_len() {
+            return Err(MlxError::InvalidArgument(format!(
+                "offset {offset} is past the end of a {}-byte buffer",
+                b.data_byte_len()
+            )));
+        }
+        b.view(off, b.data_byte_len() - off, b.dtype(), Vec::new())
+    }
+
+    /// Run every recorded dispatch in order and wait for them. The encoder is empty
+    /// afterwards, whether or not they succeeded.
+    pub fn commit_and_wait(&mut self) -> Result<()> {
+        let work = std::mem::take(&mut self.pending);
+        if work.is_empty() {
+            return Ok(());
+        }
+        self.device.backend().execute(&work)
+    }
+
+    /// Drop every recorded dispatch without running it.
+    pub fn discard(&mut self) {
+        self.pending.clear();
+    }
+}

@@ -1,0 +1,666 @@
+//! The C ABI: the only place that speaks C.
+//!
+//! - Objects (devices, buffers, encoders) are opaque `uint64_t` handles. A handle is never
+//!   reused, so a closed, stale, null or wrong-kind handle is an `MLXN_INVALID_HANDLE`
+//!   error, not undefined behaviour.
+//! - Every call returns an `int32_t` status: 0 on success, else [`MlxError::code`]. The
+//!   message of the last failure on the calling thread is [`mlxn_last_error`].
+//! - No panic crosses the boundary: each call runs under `catch_unwind`, and a panic is
+//!   reported as an `Internal` error.
+//! - A call that fails writes none of its output parameters and dispatches nothing.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+
+use crate::backend::BackendKind;
+use crate::buffer::MlxBuffer;
+use crate::device::MlxDevice;
+use crate::dtypes::DType;
+use crate::encoder::CommandEncoder;
+use crate::error::{MlxError, Result};
+use crate::kernel_registry::KernelRegistry;
+use crate::ops::flash_attn_prefill_blk::{self, FlashAttnPrefillBlkParams};
+use crate::ops::flash_attn_prefill_tensor::{self as fa, FlashAttnPrefillTensorParams};
+
+/// Most dimensions a buffer's shape may have through the C ABI.
+pub const MLXN_MAX_DIMS: usize = 8;
+
+/// Parameters of `mlxn_dispatch_flash_attn_prefill_tensor_f16` (strides in elements).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MlxnFlashAttnPrefillTensorParams {
+    pub rows: u32,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    pub kv_pad: u32,
+    pub q_row_stride: u32,
+    pub q_head_stride: u32,
+    pub k_row_stride: u32,
+    pub k_head_stride: u32,
+    pub v_row_stride: u32,
+    pub v_head_stride: u32,
+    pub scale: f32,
+}
+
+/// What `mlxn_buffer_info` reports.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MlxnBufferInfo {
+    /// `DType` code.
+    pub dtype: u32,
+    /// Dimensions used in `shape` (0 for a flat buffer).
+    pub ndim: u32,
+    pub shape: [u64; MLXN_MAX_DIMS],
+    /// Bytes visible through the buffer.
+    pub byte_len: u64,
+    /// Host address of the first byte where the memory is host-visible, else null.
+    pub host_ptr: *mut c_void,
+    /// 0 CPU, 1 CUDA, 2 Metal.
+    pub backend: u32,
+}
+
+struct DeviceCtx {
+    device: MlxDevice,
+    registry: Mutex<KernelRegistry>,
+}
+
+struct EncoderCtx {
+    ctx: Arc<DeviceCtx>,
+    encoder: Mutex<CommandEncoder>,
+}
+
+enum Object {
+    Device(Arc<DeviceCtx>),
+    Buffer(MlxBuffer),
+    Encoder(Arc<EncoderCtx>),
+}
+
+impl Object {
+    fn kind(&self) -> &'static str {
+        match self {
+            Object::Device(_) => "device",
+            Object::Buffer(_) => "buffer",
+            Object::Encoder(_) => "encoder",
+        }
+    }
+}
+
+static HANDLES: LazyLock<Mutex<HashMap<u64, Object>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Lock, ignoring poisoning: every critical section here leaves its data consistent.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn insert(obj: Object) -> u64 {
+    let h = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+    lock(&HANDLES).insert(h, obj);
+    h
+}
+
+fn lookup<T>(h: u64, want: &str, pick: impl FnOnce(&Object) -> Option<T>) -> Result<T> {
+    if h == 0 {
+        return Err(MlxError::InvalidHandle(format!("null {want} handle")));
+    }
+    let table = lock(&HANDLES);
+    match table.get(&h) {
+        None => Err(MlxError::InvalidHandle(format!("{want} handle {h} is closed or was never issued"))),
+        Some(obj) => pick(obj).ok_or_else(|| {
+            MlxError::InvalidHandle(format!("handle {h} is a {}, not a {want}", obj.kind()))
+        }),
+    }
+}
+
+fn device(h: u64) -> Result<Arc<DeviceCtx>> {
+    lookup(h, "device", |o| match o {
+        Object::Device(d) => Some(d.clone()),
+        _ => None,
+    })
+}
+
+fn buffer(h: u64) -> Result<MlxBuffer> {
+    lookup(h, "buffer", |o| match o {
+        Object::Buffer(b) => Some(b.clone()),
+        _ => None,
+    })
+}
+
+fn encoder(h: u64) -> Result<Arc<EncoderCtx>> {
+    lookup(h, "encoder", |o| match o {
+        Object::Encoder(e) => Some(e.clone()),
+        _ => None,
+    })
+}
+
+fn release(h: u64, want: &str, is_kind: fn(&Object) -> bool) -> Result<()> {
+    let mut table = lock(&HANDLES);
+    match table.get(&h) {
+        None if h == 0 => Err(MlxError::InvalidHandle(format!("null {want} handle"))),
+        None => Err(MlxError::InvalidHandle(format!("{want} handle {h} is closed or was never issued"))),
+        Some(o) if !is_kind(o) => {
+            Err(MlxError::InvalidHandle(format!("handle {h} is a {}, not a {want}", o.kind())))
+        }
+        Some(_) => {
+            // Drop outside the lock: dropping an encoder or buffer may free memory.
+            let obj = table.remove(&h);
+            drop(table);
+            drop(obj);
+            Ok(())
+        }
+    }
+}
+
+fn set_last_error(msg: String) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic with a non-string payload".into()
+    }
+}
+
+/// Run `f`, turning its error or panic into a status code and the thread's last error.
+fn guard(f: impl FnOnce() -> Result<()>) -> i32 {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => {
+            set_last_error(e.to_string());
+            e.code()
+        }
+        Err(p) => {
+            let e = MlxError::Internal(format!("panic: {}", panic_message(p.as_ref())));
+            set_last_error(e.to_string());
+            e.code()
+        }
+    }
+}
+
+fn out_ptr<T>(p: *mut T, what: &str) -> Result<*mut T> {
+    if p.is_null() {
+        Err(MlxError::InvalidArgument(format!("{what} is a null pointer")))
+    } else {
+        Ok(p)
+    }
+}
+
+unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(MlxError::InvalidArgument(format!("{what} is a null pointer")));
+    }
+    CStr::from_ptr(p)
+        .to_str()
+        .map_err(|_| MlxError::InvalidArgument(format!("{what} is not UTF-8")))
+}
+
+unsafe fn shape_arg(shape: *const u64, ndim: usize) -> Result<Vec<usize>> {
+    if ndim > MLXN_MAX_DIMS {
+        return Err(MlxError::InvalidArgument(format!(
+            "{ndim} dimensions, at most {MLXN_MAX_DIMS}"
+        )));
+    }
+    if ndim > 0 && shape.is_null() {
+        return Err(MlxError::InvalidArgument("shape is a null pointer".into()));
+    }
+    (0..ndim)
+        .map(|i| {
+            usize::try_from(*shape.add(i))
+                .map_err(|_| MlxError::InvalidArgument("a dimension exceeds the address space".into()))
+        })
+        .collect()
+}
+
+fn dtype_arg(code: u32) -> Result<DType> {
+    DType::from_code(code).ok_or_else(|| MlxError::UnsupportedDtype(format!("no dtype has code {code}")))
+}
+
+/// Copy `s` (NUL-terminated) into `buf` of `cap` bytes, truncating; `needed` gets the full
+/// size including the NUL. `buf` may be null to ask for the size.
+unsafe fn write_string(s: &str, buf: *mut c_char, cap: usize, needed: *mut usize) -> Result<()> {
+    if !needed.is_null() {
+        *needed = s.len() + 1;
+    }
+    if !buf.is_null() && cap > 0 {
+        let n = s.len().min(cap - 1);
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf as *mut u8, n);
+        *buf.add(n) = 0;
+    }
+    Ok(())
+}
+
+fn backend_code(kind: BackendKind) -> u32 {
+    match kind {
+        BackendKind::Cpu => 0,
+        BackendKind::Cuda => 1,
+        BackendKind::Metal => 2,
+    }
+}
+
+// ---------------------------------------------------------------- library
+
+/// The library version, a static NUL-terminated string.
+#[no_mangle]
+pub extern "C" fn mlxn_version() -> *const c_char {
+    static V: LazyLock<CString> = LazyLock::new(|| CString::new(crate::VERSION).unwrap_or_default());
+    V.as_ptr()
+}
+
+/// The message of the last failed call on this thread (empty if none). Valid until the
+/// next failing call on this thread.
+#[no_mangle]
+pub extern "C" fn mlxn_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// Comma-separated names of the backends that can open a device here, best first.
+///
+/// # Safety
+/// `buf` must hold `cap` bytes (or be null); `needed` must be null or valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_backends(buf: *mut c_char, cap: usize, needed: *mut usize) -> i32 {
+    guard(|| write_string(&crate::backend::available_backends().join(","), buf, cap, needed))
+}
+
+/// The CPU backend's facts: `isa=<in use>;detected=<a,b,..>;threads=<n>`.
+///
+/// # Safety
+/// As for [`mlxn_backends`].
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_cpu_info(buf: *mut c_char, cap: usize, needed: *mut usize) -> i32 {
+    guard(|| {
+        use crate::backend::cpu::simd;
+        let s = format!(
+            "isa={};detected={};threads={}",
+            simd::selected_isa(),
+            simd::detected_isas().join(","),
+            crate::backend::cpu::threads()
+        );
+        write_string(&s, buf, cap, needed)
+    })
+}
+
+/// Make the CPU kernels use one instruction set (`avx512`, `avx2+fma+f16c`, `portable`),
+/// or the best available with null, `""` or `auto`. Process-wide; for tests and benchmarks.
+///
+/// # Safety
+/// `name` must be null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_cpu_force_isa(name: *const c_char) -> i32 {
+    guard(|| {
+        let name = if name.is_null() { None } else { Some(c_str(name, "name")?) };
+        crate::backend::cpu::simd::force_isa(name)
+    })
+}
+
+// ---------------------------------------------------------------- devices
+
+/// Open a device: `auto`, `cpu`, `cuda`, `cuda:N`, `metal`.
+///
+/// # Safety
+/// `backend` must be a NUL-terminated string; `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_device_open(backend: *const c_char, out: *mut u64) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let name = c_str(backend, "backend")?;
+        let device = MlxDevice::new(name)?;
+        let ctx = DeviceCtx { device, registry: Mutex::new(crate::default_registry()) };
+        *out = insert(Object::Device(Arc::new(ctx)));
+        Ok(())
+    })
+}
+
+/// Close a device handle. Buffers and encoders made from it stay usable until they are
+/// freed; the device itself goes when the last of them does.
+#[no_mangle]
+pub extern "C" fn mlxn_device_close(dev: u64) -> i32 {
+    guard(|| release(dev, "device", |o| matches!(o, Object::Device(_))))
+}
+
+/// A one-line description of the device and its backend code (0 CPU, 1 CUDA, 2 Metal).
+///
+/// # Safety
+/// As for [`mlxn_backends`]; `backend` must be null or valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_device_info(
+    dev: u64,
+    backend: *mut u32,
+    buf: *mut c_char,
+    cap: usize,
+    needed: *mut usize,
+) -> i32 {
+    guard(|| {
+        let d = device(dev)?;
+        if !backend.is_null() {
+            *backend = backend_code(d.device.backend_kind());
+        }
+        write_string(&d.device.description(), buf, cap, needed)
+    })
+}
+
+/// Whether the tensor flash-attention pipeline for `head_dim` builds on the device
+/// (`*out` = 1 or 0). An unsupported head dim is an error.
+///
+/// # Safety
+/// `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_flash_attn_prefill_tensor_available(dev: u64, head_dim: u32, out: *mut i32) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let d = device(dev)?;
+        let ok = fa::flash_attn_prefill_tensor_available(&mut lock(&d.registry), &d.device, head_dim)?;
+        *out = ok as i32;
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------- buffers
+
+/// A new zero-filled buffer of `shape` (`ndim` dims) elements of `dtype` on the device.
+///
+/// # Safety
+/// `shape` must hold `ndim` values; `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_buffer_new(dev: u64, dtype: u32, shape: *const u64, ndim: usize, out: *mut u64) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let d = device(dev)?;
+        let dtype = dtype_arg(dtype)?;
+        let shape = shape_arg(shape, ndim)?;
+        let b = d.device.alloc_buffer(dtype, &shape)?;
+        *out = insert(Object::Buffer(b));
+        Ok(())
+    })
+}
+
+/// A buffer over `nbytes` bytes of host memory at `ptr`, used in place (no copy) where the
+/// backend can (the CPU); the caller keeps the memory alive until the buffer is freed.
+///
+/// # Safety
+/// `ptr` must point to `nbytes` bytes that stay valid until the buffer handle is freed and
+/// no dispatch that uses it is pending; `shape` must hold `ndim` values; `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_buffer_wrap_host(
+    dev: u64,
+    ptr: *mut c_void,
+    nbytes: usize,
+    dtype: u32,
+    shape: *const u64,
+    ndim: usize,
+    out: *mut u64,
+) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let d = device(dev)?;
+        let dtype = dtype_arg(dtype)?;
+        let shape = shape_arg(shape, ndim)?;
+        let b = d.device.wrap_host(ptr as *mut u8, nbytes, dtype, &shape)?;
+        *out = insert(Object::Buffer(b));
+        Ok(())
+    })
+}
+
+/// Describe a buffer.
+///
+/// # Safety
+/// `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_buffer_info(buf: u64, out: *mut MlxnBufferInfo) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let b = buffer(buf)?;
+        let mut shape = [0u64; MLXN_MAX_DIMS];
+        for (s, &d) in shape.iter_mut().zip(b.shape()) {
+            *s = d as u64;
+        }
+        let backend = lookup_backend_of(&b);
+        *out = MlxnBufferInfo {
+            dtype: b.dtype() as u32,
+            ndim: b.shape().len() as u32,
+            shape,
+            byte_len: b.data_byte_len() as u64,
+            host_ptr: b.host_ptr().map_or(std::ptr::null_mut(), |p| p as *mut c_void),
+            backend,
+        };
+        Ok(())
+    })
+}
+
+fn lookup_backend_of(b: &MlxBuffer) -> u32 {
+    let table = lock(&HANDLES);
+    table
+        .values()
+        .find_map(|o| match o {
+            Object::Device(d) if d.device.registry_id() == b.device_id() => {
+                Some(backend_code(d.device.backend_kind()))
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| if b.host_ptr().is_some() { 0 } else { 1 })
+}
+
+/// Copy `n` bytes at byte `offset` of the buffer into `dst`.
+///
+/// # Safety
+/// `dst` must hold `n` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_buffer_read(buf: u64, offset: usize, dst: *mut c_void, n: usize) -> i32 {
+    guard(|| {
+        let b = buffer(buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let dst = out_ptr(dst, "dst")?;
+        b.read_bytes(offset, std::slice::from_raw_parts_mut(dst as *mut u8, n))
+    })
+}
+
+/// Copy `n` bytes from `src` into the buffer at byte `offset`.
+///
+/// # Safety
+/// `src` must hold `n` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_buffer_write(buf: u64, offset: usize, src: *const c_void, n: usize) -> i32 {
+    guard(|| {
+        let b = buffer(buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if src.is_null() {
+            return Err(MlxError::InvalidArgument("src is a null pointer".into()));
+        }
+        b.write_bytes(offset, std::slice::from_raw_parts(src as *const u8, n))
+    })
+}
+
+/// Free a buffer handle. Memory a pending dispatch still uses stays until it is done.
+#[no_mangle]
+pub extern "C" fn mlxn_buffer_free(buf: u64) -> i32 {
+    guard(|| release(buf, "buffer", |o| matches!(o, Object::Buffer(_))))
+}
+
+// ---------------------------------------------------------------- encoders
+
+/// A new command encoder on the device.
+///
+/// # Safety
+/// `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_encoder_new(dev: u64, out: *mut u64) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let ctx = device(dev)?;
+        let encoder = Mutex::new(ctx.device.command_encoder());
+        *out = insert(Object::Encoder(Arc::new(EncoderCtx { ctx, encoder })));
+        Ok(())
+    })
+}
+
+/// Dispatches recorded and not yet committed.
+///
+/// # Safety
+/// `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_encoder_pending(enc: u64, out: *mut u64) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let e = encoder(enc)?;
+        *out = lock(&e.encoder).pending().len() as u64;
+        Ok(())
+    })
+}
+
+/// Run every recorded dispatch and wait for them to finish.
+#[no_mangle]
+pub extern "C" fn mlxn_encoder_commit_and_wait(enc: u64) -> i32 {
+    guard(|| {
+        let e = encoder(enc)?;
+        let mut guard = lock(&e.encoder);
+        guard.commit_and_wait()
+    })
+}
+
+/// Free an encoder; dispatches it recorded and never committed are dropped unrun.
+#[no_mangle]
+pub extern "C" fn mlxn_encoder_free(enc: u64) -> i32 {
+    guard(|| release(enc, "encoder", |o| matches!(o, Object::Encoder(_))))
+}
+
+// ---------------------------------------------------------------- ops
+
+/// `dispatch_flash_attn_prefill_tensor_f16`: record one flash-attention dispatch.
+///
+/// # Safety
+/// `params` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill_tensor_f16(
+    enc: u64,
+    q: u64,
+    k: u64,
+    v: u64,
+    mask: u64,
+    blk: u64,
+    out: u64,
+    params: *const MlxnFlashAttnPrefillTensorParams,
+) -> i32 {
+    guard(|| {
+        if params.is_null() {
+            return Err(MlxError::InvalidArgument("params is a null pointer".into()));
+        }
+        let c = *params;
+        let e = encoder(enc)?;
+        let (q, k, v, mask, blk, out) = (buffer(q)?, buffer(k)?, buffer(v)?, buffer(mask)?, buffer(blk)?, buffer(out)?);
+        let p = FlashAttnPrefillTensorParams {
+            rows: c.rows,
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            kv_pad: c.kv_pad,
+            q_row_stride: c.q_row_stride,
+            q_head_stride: c.q_head_stride,
+            k_row_stride: c.k_row_stride,
+            k_head_stride: c.k_head_stride,
+            v_row_stride: c.v_row_stride,
+            v_head_stride: c.v_head_stride,
+            scale: c.scale,
+        };
+        let mut encoder = lock(&e.encoder);
+        let mut registry = lock(&e.ctx.registry);
+        fa::dispatch_flash_attn_prefill_tensor_f16(
+            &mut encoder,
+            &mut registry,
+            &e.ctx.device,
+            &q,
+            &k,
+            &v,
+            &mask,
+            &blk,
+            &out,
+            &p,
+        )
+    })
+}
+
+/// `dispatch_flash_attn_prefill_blk`: record one mask classification.
+#[no_mangle]
+pub extern "C" fn mlxn_dispatch_flash_attn_prefill_blk(
+    enc: u64,
+    mask: u64,
+    blk: u64,
+    rows: u32,
+    kv_pad: u32,
+    bq: u32,
+    bk: u32,
+) -> i32 {
+    guard(|| {
+        let e = encoder(enc)?;
+        let (mask, blk) = (buffer(mask)?, buffer(blk)?);
+        let p = FlashAttnPrefillBlkParams { rows, kv_pad, bq, bk };
+        let mut encoder = lock(&e.encoder);
+        let mut registry = lock(&e.ctx.registry);
+        flash_attn_prefill_blk::dispatch_flash_attn_prefill_blk(&mut encoder, &mut registry, &e.ctx.device, &mask, &blk, &p)
+    })
+}
+
+/// Queries per threadgroup (the blk `bq`) at `head_dim`.
+///
+/// # Safety
+/// `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_queries_per_threadgroup(head_dim: u32, out: *mut u32) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        *out = fa::queries_per_threadgroup(head_dim)?;
+        Ok(())
+    })
+}
+
+/// Threadgroup memory of one dispatch of the Metal kernel at `head_dim`.
+///
+/// # Safety
+/// `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_threadgroup_memory_bytes(head_dim: u32, out: *mut u64) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        *out = fa::threadgroup_memory_bytes(head_dim)?;
+        Ok(())
+    })
+}
+
+/// `kv_len` rounded up to a multiple of the cache step.
+///
+/// # Safety
+/// `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_kv_pad(kv_len: u32, out: *mut u32) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        if kv_len > u32::MAX - (fa::CACHE_ROWS_PER_STEP - 1) {
+            return Err(MlxError::InvalidArgument(format!("kv_len {kv_len} cannot be padded in 32 bits")));
+        }
+        *out = fa::kv_pad(kv_len);
+        Ok(())
+    })
+}
+
+/// Cache rows per step (the blk `bk`).
+#[no_mangle]
+pub extern "C" fn mlxn_cache_rows_per_step() -> u32 {
+    fa::CACHE_ROWS_PER_STEP
+}
