@@ -55,7 +55,7 @@ pub struct MlxnBufferInfo {
     pub dtype: u32,
     /// Dimensions used in `shape` (0 for a flat buffer).
     pub ndim: u32,
-    pub shape: [u64; MLXN_MAX_DIMS],
+    pub shape: [u64; 8],
     /// Bytes visible through the buffer.
     pub byte_len: u64,
     /// Host address of the first byte where the memory is host-visible, else null.

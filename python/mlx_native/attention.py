@@ -1,0 +1,269 @@
+"""High-level prefill attention on numpy arrays: pads the cache, builds the mask and the
+tile-skip table, dispatches, returns the output."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import numpy as np
+
+from .device import Buffer, Device, _as_numpy
+from .errors import InvalidArgumentError, UnsupportedDtypeError
+from .ops import (
+    CACHE_ROWS_PER_STEP,
+    FlashAttnPrefillTensorParams,
+    dispatch_flash_attn_prefill_blk,
+    dispatch_flash_attn_prefill_tensor_f16,
+    kv_pad,
+    queries_per_threadgroup,
+)
+
+_default_lock = threading.Lock()
+_default: Optional[Device] = None
+
+#: Rows of the mask built at a time (bounds the temporary memory of huge masks).
+_MASK_CHUNK_ROWS = 1024
+
+
+def default_device() -> Device:
+    """The device ``flash_attn_prefill`` uses when none is given: ``Device("auto")``,
+    opened once per process."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Device("auto")
+        return _default
+
+
+def causal_mask(rows: int, kv_len: int, window: Optional[int] = None, dtype: Any = np.float16) -> np.ndarray:
+    """Additive mask ``[rows, kv_len]``: 0 where query row ``r`` may see cache row ``j``,
+    ``-inf`` elsewhere. Causal: ``j <= r + (kv_len - rows)`` (the prompt is the last
+    ``rows`` rows of the cache); with a window ``w`` also ``j > r + (kv_len - rows) - w``."""
+    rows, kv_len = _nonneg(rows, "rows"), _nonneg(kv_len, "kv_len")
+    if window is not None and _nonneg(window, "window") < 1:
+        raise InvalidArgumentError(f"window must be at least 1, got {window}")
+    out = np.empty((rows, kv_len), dtype=dtype)
+    for r0 in range(0, rows, _MASK_CHUNK_ROWS):
+        r1 = min(rows, r0 + _MASK_CHUNK_ROWS)
+        out[r0:r1] = np.where(_visible(r0, r1, rows, kv_len, window), 0, -np.inf).astype(dtype)
+    return out
+
+
+def _visible(r0: int, r1: int, rows: int, kv_len: int, window: Optional[int]) -> np.ndarray:
+    last = np.arange(r0, r1)[:, None] + (kv_len - rows)
+    j = np.arange(kv_len)[None, :]
+    ok = j <= last
+    if window is not None:
+        ok &= j > last - window
+    return ok
+
+
+def flash_attn_prefill_blk(mask: Any, bq: int, bk: int = CACHE_ROWS_PER_STEP, *, device: Optional[Device] = None) -> np.ndarray:
+    """The tile-skip table of an F16 mask ``[rows, kv_pad]`` (``kv_pad`` a multiple of
+    ``bk``): uint8 ``[ceil(rows/bq), kv_pad/bk]``, 0 = every value -inf (or <= -65504),
+    2 = every value zero, 1 = anything else. Computed by the library's kernel."""
+    dev = device or default_device()
+    m = _as_numpy(mask)
+    if m.ndim != 2:
+        raise InvalidArgumentError(f"mask must be 2-D [rows, kv_pad], got shape {m.shape}")
+    if m.dtype != np.float16:
+        raise UnsupportedDtypeError(f"mask must be float16, got {m.dtype.name}")
+    rows, kvp = m.shape
+    if bq <= 0 or bk <= 0:
+        raise InvalidArgumentError(f"bq and bk must be positive, got {bq} and {bk}")
+    blk = np.empty((-(-rows // bq), kvp // bk), dtype=np.uint8)
+    mbuf = dev.buffer(np.ascontiguousarray(m))
+    bbuf = dev.buffer(blk) if dev.backend == "cpu" else dev.empty(blk.shape, np.uint8)
+    with dev.encoder() as enc:
+        dispatch_flash_attn_prefill_blk(enc, mbuf, bbuf, rows=rows, kv_pad=kvp, bq=bq, bk=bk)
+    return blk if dev.backend == "cpu" else bbuf.numpy()
+
+
+def flash_attn_prefill(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any = None,
+    *,
+    causal: bool = False,
+    window: Optional[int] = None,
+    scale: float = 1.0,
+    device: Optional[Device] = None,
+) -> np.ndarray:
+    """Prefill attention, SPEC section 2, on arrays.
+
+    - ``q``: float32 ``[rows, n_heads, head_dim]``, ``head_dim`` 256 or 512;
+    - ``k``, ``v``: float16 ``[kv_len, n_kv_heads, head_dim]``, ``n_heads`` a multiple of
+      ``n_kv_heads`` (query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``);
+    - ``mask``: ``None``, an additive float mask ``[rows, kv_len]`` (rounded to float16),
+      or a boolean one (True = may attend);
+    - ``causal``: also hide cache rows after each query row (the prompt is the last
+      ``rows`` rows of the cache); ``window=w`` keeps only the last ``w`` of them and
+      implies ``causal``;
+    - ``scale``: folded into Q before Q is rounded to half.
+
+    Any strides are accepted: views whose last axis is contiguous are used in place, others
+    are copied. Returns float32 ``[rows, n_heads, head_dim]``; a row that may attend to
+    nothing is zeros."""
+    plan = PrefillPlan(q, k, v, mask, causal=causal, window=window, scale=scale, device=device)
+    return plan.run()
+
+
+class PrefillPlan:
+    """One prefill's buffers on a device, built once and runnable many times (what
+    ``flash_attn_prefill`` does in one go; benchmarks time ``run`` alone).
+
+    ``visible_pairs`` counts the (query row, cache row) pairs the mask leaves visible, the
+    useful work of SPEC section 5."""
+
+    def __init__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any = None,
+        *,
+        causal: bool = False,
+        window: Optional[int] = None,
+        scale: float = 1.0,
+        device: Optional[Device] = None,
+    ):
+        dev = device or default_device()
+        self.device = dev
+        q, k, v = _as_numpy(q), _as_numpy(k), _as_numpy(v)
+        _expect(q, "q", np.float32)
+        _expect(k, "k", np.float16)
+        _expect(v, "v", np.float16)
+        rows, n_heads, head_dim = q.shape
+        kv_len, n_kv_heads, k_dim = k.shape
+        if v.shape != k.shape:
+            raise InvalidArgumentError(f"v has shape {v.shape}, k has {k.shape}: they must match")
+        if k_dim != head_dim:
+            raise InvalidArgumentError(f"q has head_dim {head_dim}, k and v have {k_dim}")
+        if n_kv_heads == 0 or n_heads % n_kv_heads:
+            raise InvalidArgumentError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+        bq = queries_per_threadgroup(head_dim)  # raises for a head dim other than 256/512
+        if window is not None:
+            causal = True
+        self.shape = (rows, n_heads, head_dim)
+        self.visible_pairs = 0
+        self._empty = rows == 0 or kv_len == 0 or n_heads == 0
+        if self._empty:
+            return
+        kvp = kv_pad(kv_len)
+        full_mask = _build_mask(mask, rows, kv_len, kvp, causal, window)
+        self.visible_pairs = int(np.count_nonzero(full_mask > np.float16(-65504)))
+        k_arr, v_arr = _pad_cache(k, kvp), _pad_cache(v, kvp)
+        qb, q_rs, q_hs = _strided_buffer(dev, q, multiple=4)
+        kb, k_rs, k_hs = _strided_buffer(dev, k_arr)
+        vb, v_rs, v_hs = _strided_buffer(dev, v_arr)
+        self._on_host = dev.backend == "cpu"
+        blk_shape = (-(-rows // bq), kvp // CACHE_ROWS_PER_STEP)
+        if self._on_host:
+            self._out = np.empty(self.shape, dtype=np.float32)
+            ob = dev.buffer(self._out)
+            blkb = dev.buffer(np.empty(blk_shape, dtype=np.uint8))
+        else:
+            ob = dev.empty(self.shape, np.float32)
+            blkb = dev.empty(blk_shape, np.uint8)
+        self._buffers = dict(q=qb, k=kb, v=vb, mask=dev.buffer(full_mask), blk=blkb, out=ob)
+        self._blk_args = dict(rows=rows, kv_pad=kvp, bq=bq, bk=CACHE_ROWS_PER_STEP)
+        self.params = FlashAttnPrefillTensorParams(
+            rows=rows,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            kv_pad=kvp,
+            q_row_stride=q_rs,
+            q_head_stride=q_hs,
+            k_row_stride=k_rs,
+            k_head_stride=k_hs,
+            v_row_stride=v_rs,
+            v_head_stride=v_hs,
+            scale=float(scale),
+        )
+
+    def run(self) -> np.ndarray:
+        """Classify the mask, run the attention, and return the output (a new array on
+        every call for device backends; the same host array, overwritten, on the CPU)."""
+        if self._empty:
+            return np.zeros(self.shape, dtype=np.float32)
+        b = self._buffers
+        with self.device.encoder() as enc:
+            dispatch_flash_attn_prefill_blk(enc, b["mask"], b["blk"], **self._blk_args)
+            dispatch_flash_attn_prefill_tensor_f16(
+                enc, b["q"], b["k"], b["v"], b["mask"], b["blk"], b["out"], self.params
+            )
+        return self._out if self._on_host else b["out"].numpy()
+
+
+def _expect(a: np.ndarray, name: str, dtype) -> None:
+    if a.dtype != dtype:
+        raise UnsupportedDtypeError(
+            f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name} (convert with .astype)"
+        )
+    if a.ndim != 3:
+        raise InvalidArgumentError(f"{name} must be 3-D [rows, heads, head_dim], got shape {a.shape}")
+
+
+def _nonneg(x, name: str) -> int:
+    if int(x) != x or x < 0:
+        raise InvalidArgumentError(f"{name} must be a non-negative integer, got {x!r}")
+    return int(x)
+
+
+def _build_mask(mask, rows: int, kv_len: int, kvp: int, causal: bool, window) -> np.ndarray:
+    """F16 ``[rows, kv_pad]``: the user's mask (or zeros), -inf where causality or the
+    window hides a cache row, -inf in the padding columns."""
+    full = np.full((rows, kvp), -np.inf, dtype=np.float16)
+    if mask is None:
+        full[:, :kv_len] = 0
+    else:
+        m = _as_numpy(mask)
+        if m.shape != (rows, kv_len):
+            raise InvalidArgumentError(f"mask must have shape {(rows, kv_len)}, got {m.shape}")
+        if m.dtype == np.bool_:
+            full[:, :kv_len] = np.where(m, 0, -np.inf).astype(np.float16)
+        elif np.issubdtype(m.dtype, np.floating) or m.dtype.name == "bfloat16":
+            full[:, :kv_len] = m.astype(np.float16)
+        else:
+            raise UnsupportedDtypeError(f"mask must be floating point or bool, got {m.dtype.name}")
+    if causal:
+        for r0 in range(0, rows, _MASK_CHUNK_ROWS):
+            r1 = min(rows, r0 + _MASK_CHUNK_ROWS)
+            hidden = ~_visible(r0, r1, rows, kv_len, window)
+            full[r0:r1, :kv_len][hidden] = -np.inf
+    return full
+
+
+def _pad_cache(x: np.ndarray, kvp: int) -> np.ndarray:
+    """The cache with ``kvp`` rows: the array itself when it has them, else a zero-padded
+    copy (padding rows must be finite; their mask columns are -inf)."""
+    if x.shape[0] == kvp:
+        return x
+    padded = np.zeros((kvp,) + x.shape[1:], dtype=x.dtype)
+    padded[: x.shape[0]] = x
+    return padded
+
+
+def _strided_buffer(dev: Device, x: np.ndarray, multiple: int = 1):
+    """A buffer over the memory span of the 3-D view ``x`` and its (row, head) strides in
+    elements; a contiguous copy when the view cannot be used in place."""
+    item = x.itemsize
+    s0, s1, s2 = x.strides
+    usable = (
+        dev.backend == "cpu"
+        and s2 == item
+        and s0 >= 0
+        and s1 >= 0
+        and s0 % (item * multiple) == 0
+        and s1 % (item * multiple) == 0
+        and x.flags.aligned
+    )
+    if usable:
+        n = (x.shape[0] - 1) * (s0 // item) + (x.shape[1] - 1) * (s1 // item) + x.shape[2]
+        flat = np.lib.stride_tricks.as_strided(x, shape=(n,), strides=(item,), writeable=False)
+        return dev.buffer(flat), s0 // item, s1 // item
+    c = np.ascontiguousarray(x)
+    return dev.buffer(c), c.shape[1] * c.shape[2], c.shape[2]

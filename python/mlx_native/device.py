@@ -1,0 +1,295 @@
+"""Devices, buffers and command encoders."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ._lib import check, ffi, get_string, lib
+from .errors import InvalidArgumentError, UnsupportedDtypeError
+
+# DType codes of the C ABI.
+DTYPE_CODES = {
+    "float32": 0,
+    "float16": 1,
+    "bfloat16": 2,
+    "uint8": 3,
+    "uint16": 4,
+    "uint32": 5,
+    "int32": 6,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+BACKEND_NAMES = {0: "cpu", 1: "cuda", 2: "metal"}
+
+
+def version() -> str:
+    """The native library's version."""
+    return ffi.string(lib.mlxn_version()).decode()
+
+
+def backends() -> list:
+    """Backends that can open a device on this machine, best first (``cpu`` always)."""
+    return get_string(lib.mlxn_backends).split(",")
+
+
+def cpu_info() -> dict:
+    """The CPU backend's instruction set in use, the ones detected, and its threads."""
+    fields = dict(kv.split("=", 1) for kv in get_string(lib.mlxn_cpu_info).split(";"))
+    return {
+        "isa": fields["isa"],
+        "detected": fields["detected"].split(","),
+        "threads": int(fields["threads"]),
+    }
+
+
+def force_cpu_isa(name: Optional[str]) -> None:
+    """Make the CPU kernels use one instruction set (``avx512``, ``avx2+fma+f16c``,
+    ``portable``), or the best available with ``None``. Process-wide; for tests and
+    benchmarks that compare code paths."""
+    check(lib.mlxn_cpu_force_isa(ffi.NULL if name is None else name.encode()))
+
+
+def _dtype_code(dtype: Any) -> int:
+    name = np.dtype(dtype).name
+    if name not in DTYPE_CODES:
+        raise UnsupportedDtypeError(
+            f"dtype {name} is not supported (supported: {', '.join(DTYPE_CODES)})"
+        )
+    return DTYPE_CODES[name]
+
+
+def _numpy_dtype(code: int) -> np.dtype:
+    name = DTYPE_NAMES[code]
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise UnsupportedDtypeError("bfloat16 buffers need the ml_dtypes package") from e
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _free(fn, handle: int) -> None:
+    # Called by weakref.finalize, possibly at interpreter exit: never raise.
+    try:
+        fn(handle)
+    except Exception:  # pragma: no cover
+        pass
+
+
+class Device:
+    """A compute device: ``Device()`` or ``Device("auto")`` picks Metal if present, else
+    CUDA if a GPU is present, else the CPU; ``Device("cpu")``, ``Device("cuda")``,
+    ``Device("cuda:1")`` or ``Device("metal")`` ask for one."""
+
+    def __init__(self, backend: str = "auto"):
+        if not isinstance(backend, str):
+            raise InvalidArgumentError(f"backend must be a string, got {type(backend).__name__}")
+        out = ffi.new("uint64_t *")
+        check(lib.mlxn_device_open(backend.encode(), out))
+        self._handle = out[0]
+        self._finalizer = weakref.finalize(self, _free, lib.mlxn_device_close, self._handle)
+        code = ffi.new("uint32_t *")
+        self.description = get_string(lib.mlxn_device_info, self._handle, code)
+        self.backend = BACKEND_NAMES.get(code[0], "unknown")
+
+    @property
+    def handle(self) -> int:
+        return self._handle
+
+    def close(self) -> None:
+        """Release the device handle (buffers made from it stay valid until freed).
+        Closing twice raises ``InvalidHandleError``."""
+        if not self._finalizer.alive:
+            check(lib.mlxn_device_close(self._handle))  # raises: already closed
+        self._finalizer.detach()
+        check(lib.mlxn_device_close(self._handle))
+
+    def __repr__(self) -> str:
+        return f"Device({self.backend!r}: {self.description})"
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._finalizer.alive:
+            self.close()
+
+    # -- buffers -------------------------------------------------------------------------
+
+    def empty(self, shape: Sequence[int] | int, dtype: Any = np.float32) -> "Buffer":
+        """A zero-filled buffer of ``shape`` elements of ``dtype`` on this device."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        if any(int(d) < 0 for d in shape):
+            raise InvalidArgumentError(f"negative dimension in shape {shape}")
+        code = _dtype_code(dtype)
+        dims = ffi.new("uint64_t[]", [int(d) for d in shape] or [0])
+        out = ffi.new("uint64_t *")
+        check(lib.mlxn_buffer_new(self._handle, code, dims, len(shape), out))
+        return Buffer(self, out[0], _numpy_dtype(code), shape, owner=None, writable=True)
+
+    def buffer(self, array: Any, *, copy: bool = False) -> "Buffer":
+        """A buffer holding ``array`` (numpy float32/float16/uint8/..., bfloat16 through
+        ml_dtypes, or anything numpy can view: the buffer protocol, CPU DLPack tensors).
+
+        On the CPU the buffer uses the array's memory in place when it is contiguous and
+        aligned (``copy=False``); the buffer keeps the array alive. Otherwise, or with
+        ``copy=True``, it holds a copy. A read-only array gives a read-only buffer, which
+        cannot be an output."""
+        arr = _as_numpy(array)
+        code = _dtype_code(arr.dtype)
+        shape = arr.shape
+        dims = ffi.new("uint64_t[]", [int(d) for d in shape] or [0])
+        out = ffi.new("uint64_t *")
+        in_place = (
+            self.backend == "cpu"
+            and not copy
+            and arr.flags.c_contiguous
+            and arr.flags.aligned
+        )
+        if in_place:
+            writable = bool(arr.flags.writeable)
+            ptr = ffi.cast("void *", arr.ctypes.data) if arr.nbytes else ffi.NULL
+            check(lib.mlxn_buffer_wrap_host(self._handle, ptr, arr.nbytes, code, dims, len(shape), out))
+            return Buffer(self, out[0], arr.dtype, shape, owner=arr, writable=writable)
+        if self.backend == "cpu":
+            owned = np.array(arr, copy=True, order="C")
+            ptr = ffi.cast("void *", owned.ctypes.data) if owned.nbytes else ffi.NULL
+            check(lib.mlxn_buffer_wrap_host(self._handle, ptr, owned.nbytes, code, dims, len(shape), out))
+            return Buffer(self, out[0], owned.dtype, shape, owner=owned, writable=True)
+        buf = self.empty(shape, arr.dtype)
+        buf.write(arr)
+        return buf
+
+    def encoder(self) -> "Encoder":
+        """A command encoder; as a context manager it commits and waits on exit."""
+        return Encoder(self)
+
+
+def _as_numpy(array: Any) -> np.ndarray:
+    if isinstance(array, np.ndarray):
+        return array
+    if hasattr(array, "__dlpack__") and not hasattr(array, "__array_interface__"):
+        try:
+            return np.from_dlpack(array)
+        except (TypeError, RuntimeError, BufferError) as e:
+            raise InvalidArgumentError(
+                f"cannot view {type(array).__name__} on the host through DLPack: {e}"
+            ) from e
+    try:
+        return np.asarray(array)
+    except Exception as e:
+        raise InvalidArgumentError(f"cannot make an array of {type(array).__name__}: {e}") from e
+
+
+class Buffer:
+    """A typed, shaped buffer on a device. ``numpy()`` copies it to a new array."""
+
+    def __init__(self, device: Device, handle: int, dtype: np.dtype, shape, owner, writable: bool):
+        self.device = device
+        self._handle = handle
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(d) for d in shape)
+        self.writable = writable
+        # The array whose memory the buffer uses in place: kept alive with the buffer.
+        self._owner = owner
+        self._finalizer = weakref.finalize(self, _free, lib.mlxn_buffer_free, handle)
+
+    @property
+    def handle(self) -> int:
+        return self._handle
+
+    @property
+    def nbytes(self) -> int:
+        info = ffi.new("MlxnBufferInfo *")
+        check(lib.mlxn_buffer_info(self._handle, info))
+        return int(info.byte_len)
+
+    def numpy(self) -> np.ndarray:
+        """A new array with the buffer's contents."""
+        out = np.empty(self.shape, dtype=self.dtype)
+        if out.nbytes:
+            check(lib.mlxn_buffer_read(self._handle, 0, ffi.cast("void *", out.ctypes.data), out.nbytes))
+        return out
+
+    def write(self, array: Any) -> None:
+        """Copy ``array`` (same dtype and size) into the buffer."""
+        arr = np.ascontiguousarray(_as_numpy(array))
+        if arr.dtype != self.dtype:
+            raise UnsupportedDtypeError(f"buffer holds {self.dtype.name}, got {arr.dtype.name}")
+        if not self.writable:
+            raise InvalidArgumentError("the buffer wraps a read-only array")
+        if arr.nbytes:
+            check(lib.mlxn_buffer_write(self._handle, 0, ffi.cast("void *", arr.ctypes.data), arr.nbytes))
+
+    def free(self) -> None:
+        """Release the buffer now. Freeing twice raises ``InvalidHandleError``."""
+        if not self._finalizer.alive:
+            check(lib.mlxn_buffer_free(self._handle))  # raises: already freed
+        self._finalizer.detach()
+        # The wrapped array (if any) stays referenced: a pending dispatch may still use it.
+        check(lib.mlxn_buffer_free(self._handle))
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.dtype.name}, shape={self.shape}, device={self.device.backend})"
+
+
+class Encoder:
+    """Records dispatches; ``commit()`` runs them and waits. As a context manager it
+    commits on a clean exit and discards what it recorded if the block raised."""
+
+    def __init__(self, device: Device):
+        self.device = device
+        out = ffi.new("uint64_t *")
+        check(lib.mlxn_encoder_new(device.handle, out))
+        self._handle = out[0]
+        self._finalizer = weakref.finalize(self, _free, lib.mlxn_encoder_free, self._handle)
+        # Buffers used by recorded dispatches stay alive (with their arrays) until commit.
+        self._keep: list = []
+        self._lock = threading.Lock()
+
+    @property
+    def handle(self) -> int:
+        return self._handle
+
+    def _hold(self, *buffers: "Buffer") -> None:
+        with self._lock:
+            self._keep.extend(buffers)
+
+    @property
+    def pending(self) -> int:
+        """Dispatches recorded and not yet committed."""
+        out = ffi.new("uint64_t *")
+        check(lib.mlxn_encoder_pending(self._handle, out))
+        return int(out[0])
+
+    def commit(self) -> None:
+        """Run every recorded dispatch and wait for it to finish."""
+        try:
+            check(lib.mlxn_encoder_commit_and_wait(self._handle))
+        finally:
+            with self._lock:
+                self._keep.clear()
+
+    def close(self) -> None:
+        """Free the encoder; dispatches never committed are dropped unrun."""
+        if not self._finalizer.alive:
+            check(lib.mlxn_encoder_free(self._handle))  # raises: already closed
+        self._finalizer.detach()
+        check(lib.mlxn_encoder_free(self._handle))
+        with self._lock:
+            self._keep.clear()
+
+    def __enter__(self) -> "Encoder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.commit()
+        finally:
+            if self._finalizer.alive:
+                self.close()

@@ -1,0 +1,86 @@
+"""Exceptions: one per Rust ``MlxError`` variant, each also a familiar builtin."""
+
+from __future__ import annotations
+
+
+class MlxError(Exception):
+    """Base of every error the library raises. ``code`` is the C ABI status."""
+
+    code: int = -1
+
+
+class DeviceNotFoundError(MlxError, RuntimeError):
+    """No device of the requested kind exists, or the name is not a backend."""
+
+    code = 1
+
+
+class BackendUnavailableError(DeviceNotFoundError):
+    """The backend is part of the library but cannot run here (no driver, no compiler)."""
+
+    code = 2
+
+
+class CommandBufferError(MlxError, RuntimeError):
+    """A command failed while it ran on the device."""
+
+    code = 3
+
+
+class ShaderCompilationError(MlxError, RuntimeError):
+    """A kernel source did not compile."""
+
+    code = 4
+
+
+class BufferAllocationError(MlxError, MemoryError):
+    """Memory could not be allocated."""
+
+    code = 5
+
+
+class InvalidArgumentError(MlxError, ValueError):
+    """A parameter, shape, stride or buffer does not meet the operation's contract."""
+
+    code = 6
+
+
+class KernelNotFoundError(MlxError, LookupError):
+    """No kernel of that name, or no form of it for this backend."""
+
+    code = 7
+
+
+class UnsupportedDtypeError(MlxError, TypeError):
+    """A dtype the operation does not take."""
+
+    code = 8
+
+
+class InvalidHandleError(MlxError, ValueError):
+    """A device, buffer or encoder that was closed, freed, or never valid."""
+
+    code = 9
+
+
+class InternalError(MlxError, RuntimeError):
+    """A bug in mlx-native (a caught panic, a broken invariant). Please report it."""
+
+    code = 10
+
+
+BY_CODE = {
+    cls.code: cls
+    for cls in (
+        DeviceNotFoundError,
+        BackendUnavailableError,
+        CommandBufferError,
+        ShaderCompilationError,
+        BufferAllocationError,
+        InvalidArgumentError,
+        KernelNotFoundError,
+        UnsupportedDtypeError,
+        InvalidHandleError,
+        InternalError,
+    )
+}

@@ -1,0 +1,50 @@
+"""Shared fixtures: every test that computes runs on every backend present, and on the
+CPU once per instruction set this machine has."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx_native as mx
+
+
+def _targets():
+    out = []
+    for backend in mx.backends():
+        if backend == "cpu":
+            for isa in mx.cpu_info()["detected"]:
+                out.append(("cpu", isa))
+        else:
+            out.append((backend, None))
+    return out
+
+
+TARGETS = _targets()
+
+
+@pytest.fixture(params=TARGETS, ids=[f"{b}-{i}" if i else b for b, i in TARGETS])
+def device(request):
+    """A device of each backend present (the CPU once per instruction set)."""
+    backend, isa = request.param
+    if isa is not None:
+        mx.force_cpu_isa(isa)
+    try:
+        yield mx.Device(backend)
+    finally:
+        if isa is not None:
+            mx.force_cpu_isa(None)
+
+
+@pytest.fixture
+def cpu():
+    return mx.Device("cpu")
+
+
+@pytest.fixture
+def rng(request):
+    # A reproducible stream per test (crc32: str hashes differ between processes).
+    import zlib
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return np.random.default_rng(seed)
