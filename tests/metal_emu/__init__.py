@@ -10,6 +10,7 @@ modelled and what is not."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -76,6 +77,17 @@ def translate(source: str, filename: str) -> str:
     return f'#line 1 "{filename}"\n{body}\n#line 1 "<metal_emu entry points>"\n{registrars}\n'
 
 
+def _object_name(stem: str, text: str) -> str:
+    """Object files are named by a hash of what went into them, so a build directory can be
+    reused for builds that differ in one source only."""
+    h = hashlib.sha256(text.encode())
+    h.update(" ".join(CXX_FLAGS).encode())
+    for header in sorted(HERE.rglob("*.h")) + sorted((HERE / "include").rglob("*")):
+        if header.is_file():
+            h.update(header.read_bytes())
+    return f"{stem}-{h.hexdigest()[:16]}.o"
+
+
 def _compile(cxx: str, src: Path, obj: Path) -> subprocess.Popen:
     cmd = [cxx, *CXX_FLAGS, "-I", str(HERE), "-I", str(HERE / "include"), "-c", str(src), "-o", str(obj)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -99,25 +111,32 @@ def build(out_dir: Path, sources: Optional[Mapping[str, str]] = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     if sources is None:
         sources = {name: path.read_text() for name, path in SHADER_FILES.items()}
-    jobs = [(HERE / "runtime.cpp", out_dir / "runtime.o")]
+    runtime = HERE / "runtime.cpp"
+    objects = [(runtime, out_dir / _object_name("runtime", runtime.read_text()))]
     for name, text in sources.items():
-        cpp = out_dir / (Path(name).stem + ".cpp")
-        cpp.write_text(translate(text, f"shaders/{name}"))
-        jobs.append((cpp, out_dir / (Path(name).stem + ".o")))
+        cpp_text = translate(text, f"shaders/{name}")
+        stem = Path(name).stem
+        cpp = out_dir / f"{stem}-{hashlib.sha256(cpp_text.encode()).hexdigest()[:16]}.cpp"
+        cpp.write_text(cpp_text)
+        objects.append((cpp, out_dir / _object_name(stem, cpp_text)))
+    todo = [(src, obj) for src, obj in objects if not obj.exists()]
     # A few compilations at a time (the CI machine has two cores).
-    width = max(1, min(len(jobs), os.cpu_count() or 1))
+    width = max(1, min(len(todo), os.cpu_count() or 1))
     errors = []
-    for i in range(0, len(jobs), width):
-        procs = [(src, _compile(cxx, src, obj)) for src, obj in jobs[i : i + width]]
+    for i in range(0, len(todo), width):
+        procs = [(src, _compile(cxx, src, obj)) for src, obj in todo[i : i + width]]
         for src, proc in procs:
             out, _ = proc.communicate()
             if proc.returncode != 0:
                 errors.append(f"{src.name}:\n{out}")
     if errors:
         raise EmulatorError("the emulator did not compile:\n" + "\n".join(errors))
-    exe = out_dir / "metal_emu"
+    key = hashlib.sha256(" ".join(obj.name for _, obj in objects).encode()).hexdigest()[:16]
+    exe = out_dir / f"metal_emu-{key}"
+    if exe.exists():
+        return exe
     link = subprocess.run(
-        [cxx, "-pthread", *[str(obj) for _, obj in jobs], "-o", str(exe)],
+        [cxx, "-pthread", *[str(obj) for _, obj in objects], "-o", str(exe)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
