@@ -284,6 +284,21 @@ def test_a_missing_barrier_is_caught(build_dir, rng):
     assert any(clearly_wrong(o, c) for o in outs)
 
 
+def test_a_missing_barrier_after_the_softmax_is_caught_by_another_schedule(build_dir, rng):
+    # Dropping the barrier between writing P (and the row scales) and P.V is invisible when
+    # the threads run in index order, and wrong in other orders: the schedules differ.
+    bad = mutated(
+        build_dir,
+        "*sflag = step;  // no reset needed: a later step writes its own number\n        }\n"
+        "        threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+        "*sflag = step;  // no reset needed: a later step writes its own number\n        }\n",
+    )
+    c = make_case(rng, 50, 2, 1, 256, 200, mask="peer")
+    forward, blk = emu_attention(bad, c)
+    others = [emu_attention(bad, c, blk=blk, schedule=s)[0] for s in ("reverse", "random:1")]
+    assert any(clearly_wrong(o, c) for o in others)
+
+
 def test_a_layout_assumption_is_caught(build_dir, rng):
     # Storing the scores as if thread t held elements t*n .. t*n+n-1 in row-major order is
     # right for one layout (the emulator's seed 0) and wrong for others: Apple documents the
@@ -305,7 +320,10 @@ def test_a_layout_assumption_is_caught(build_dir, rng):
 
 SELF_TEST = r"""
 #include <metal_stdlib>
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
 using namespace metal;
+using namespace mpp::tensor_ops;
 
 // Each thread writes its index, then reads its neighbour's: right only after a barrier.
 kernel void neighbour(device uint * out [[buffer(0)]],
@@ -341,6 +359,41 @@ kernel void simd_ops(device float * out [[buffer(0)]],
     out[(sg * 32 + lane) * 4 + 1] = simd_max(x);
     out[(sg * 32 + lane) * 4 + 2] = simd_shuffle(x, ushort(31 - lane));
     out[(sg * 32 + lane) * 4 + 3] = simd_shuffle_xor(x, ushort(1));
+}
+
+// C = A.A and C = A.A^T for a row-major 16x16 A (a tensor of extents (columns, rows)), by the
+// 64 threads of two simdgroups, through a cooperative destination; with `partial`, only the
+// first simdgroup enters run().
+using dev_half = tensor<device half, dextents<int32_t, 2>, tensor_inline>;
+using dev_float = tensor<device float, dextents<int32_t, 2>, tensor_inline>;
+template <bool TransposeRight>
+void square(device half * a, device float * c, uint tid, bool partial)
+{
+    dev_half ta(a, dextents<int32_t, 2>(16, 16), array<int32_t, 2>({1, 16}));
+    dev_float tc(c, dextents<int32_t, 2>(16, 16), array<int32_t, 2>({1, 16}));
+    constexpr auto desc = matmul2d_descriptor(16, 16, 16, false, TransposeRight, false,
+                                              matmul2d_descriptor::mode::multiply);
+    matmul2d<desc, execution_simdgroups<2>> op;
+    auto cc = op.template get_destination_cooperative_tensor<dev_half, dev_half, float>();
+    if (!partial || tid < 32) {
+        op.run(ta, ta, cc);
+    }
+    cc.store(tc);
+}
+kernel void matmul_nn(device half * a [[buffer(0)]], device float * c [[buffer(1)]],
+                      uint tid [[thread_index_in_threadgroup]])
+{
+    square<false>(a, c, tid, false);
+}
+kernel void matmul_nt(device half * a [[buffer(0)]], device float * c [[buffer(1)]],
+                      uint tid [[thread_index_in_threadgroup]])
+{
+    square<true>(a, c, tid, false);
+}
+kernel void matmul_by_half_the_scope(device half * a [[buffer(0)]], device float * c [[buffer(1)]],
+                                     uint tid [[thread_index_in_threadgroup]])
+{
+    square<false>(a, c, tid, true);
 }
 """
 
@@ -382,3 +435,24 @@ def test_emulator_simdgroup_functions(self_test_emu):
         assert (got[sg, :, 1] == x.max()).all()
         assert np.array_equal(got[sg, :, 2], x[::-1])
         assert np.array_equal(got[sg, :, 3], x[np.arange(32) ^ 1])
+
+
+@pytest.mark.parametrize("layout_seed", [0, 5])
+def test_emulator_matmul2d_follows_the_documented_operand_extents(self_test_emu, rng, layout_seed):
+    # Apple's header: for C = A.B (m x n), A is a tensor of extents (k, m), B of (n, k), or
+    # (k, n) with transpose_right; C of (n, m). A row-major matrix has extents (columns, rows).
+    a = rng.uniform(-1, 1, (16, 16)).astype(np.float16)
+    a64 = a.astype(np.float64)
+    for kernel, want in (("matmul_nn", a64 @ a64), ("matmul_nt", a64 @ a64.T)):
+        res = self_test_emu.dispatch(
+            kernel, (1, 1, 1), (64, 1, 1), buffers={0: a, 1: np.full((16, 16), np.nan, np.float32)},
+            layout_seed=layout_seed,
+        )  # fmt: skip
+        assert np.allclose(res[1], want, rtol=1e-5, atol=1e-5), kernel
+
+
+def test_emulator_rejects_a_matmul2d_run_not_entered_by_its_whole_scope(self_test_emu):
+    a = np.ones((16, 16), np.float16)
+    with pytest.raises(metal_emu.EmulatorError, match="matmul2d"):
+        self_test_emu.dispatch("matmul_by_half_the_scope", (1, 1, 1), (64, 1, 1),
+                               buffers={0: a, 1: np.zeros((16, 16), np.float32)})  # fmt: skip
