@@ -16,6 +16,12 @@
 // OS threads. Device buffers and threadgroup memory end at an inaccessible page, so a read or
 // write past their end faults; threadgroup memory starts filled with 0xff bytes (NaN).
 
+#if defined(__APPLE__)
+// The ucontext functions are hidden on macOS unless asked for (never tried there).
+#define _XOPEN_SOURCE 700
+#define _DARWIN_C_SOURCE
+#endif
+
 #include "metal_emu_core.h"
 
 #include <sys/mman.h>
