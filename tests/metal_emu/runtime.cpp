@@ -375,14 +375,12 @@ void Worker::run_threadgroup(uint3 tg) {
     if (d.order == Order::reverse) std::reverse(order.begin(), order.end());
     for (;;) {
         if (d.order == Order::random) std::shuffle(order.begin(), order.end(), rng);
-        bool ran = false;
         for (uint i : order) {
             Fiber& f = fibers[i];
             if (f.state != State::ready) continue;
             running = &f;
             if (swapcontext(&sched, &f.ctx) != 0) fail("swapcontext failed");
             running = nullptr;
-            ran = true;
             if (f.state == State::simd) release_simd_if_complete(f.info.simdgroup_index_in_threadgroup);
         }
         uint done = 0, at_barrier = 0, ready = 0;
@@ -406,7 +404,6 @@ void Worker::run_threadgroup(uint3 tg) {
             for (uint i = 0; i < n; ++i) fibers[i].state = State::ready;
             continue;
         }
-        (void)ran;
         stuck();
     }
 }
