@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::kernel_registry::{KernelSource, Pipeline};
 
 pub mod cpu;
+pub mod metal;
 
 /// The kinds of backend the library knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -68,14 +69,21 @@ pub trait Backend: Send + Sync {
 
 /// Names of the backends that can open a device on this machine, best first.
 pub fn available_backends() -> Vec<&'static str> {
-    vec![BackendKind::Cpu.name()]
+    let mut names = Vec::new();
+    if metal::is_present() {
+        names.push(BackendKind::Metal.name());
+    }
+    names.push(BackendKind::Cpu.name());
+    names
 }
 
-/// Open the backend `name` (`auto`, `cpu`).
+/// Open the backend `name` (`auto`: Metal if present, else the CPU; `cpu`; `metal`).
 pub fn open(name: &str) -> Result<Arc<dyn Backend>> {
     match name {
-        "auto" | "cpu" => Ok(Arc::new(cpu::CpuBackend::new())),
-        "cuda" | "metal" => Err(crate::error::MlxError::BackendUnavailable(format!(
+        "auto" => Ok(metal::open().unwrap_or_else(|_| Arc::new(cpu::CpuBackend::new()))),
+        "cpu" => Ok(Arc::new(cpu::CpuBackend::new())),
+        "metal" => metal::open(),
+        "cuda" => Err(crate::error::MlxError::BackendUnavailable(format!(
             "the {name} backend is not part of this build"
         ))),
         other => Err(crate::error::MlxError::DeviceNotFound(format!(
