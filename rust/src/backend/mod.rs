@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::kernel_registry::{KernelSource, Pipeline};
 
 pub mod cpu;
+pub mod cuda;
 
 /// The kinds of backend the library knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -64,18 +65,48 @@ pub trait Backend: Send + Sync {
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline>;
     /// Run the dispatches in order; returns once they are complete.
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()>;
+    /// Use `bytes` bytes of device memory at address `addr` (a PyTorch or CuPy tensor)
+    /// without copying. Backends without device memory refuse.
+    ///
+    /// # Safety
+    /// The region must stay allocated while any buffer that wraps it exists.
+    unsafe fn wrap_device(&self, addr: u64, bytes: usize) -> Result<Arc<dyn Memory>> {
+        let _ = (addr, bytes);
+        Err(crate::error::MlxError::InvalidArgument(format!(
+            "the {} backend has no device memory to wrap",
+            self.kind().name()
+        )))
+    }
+    /// Wait until the work queued on another library's stream (a CUDA stream handle) is
+    /// done, before this device uses memory that work writes. Backends without streams
+    /// refuse.
+    fn wait_stream(&self, stream: u64) -> Result<()> {
+        let _ = stream;
+        Err(crate::error::MlxError::InvalidArgument(format!(
+            "the {} backend has no streams",
+            self.kind().name()
+        )))
+    }
 }
 
 /// Names of the backends that can open a device on this machine, best first.
 pub fn available_backends() -> Vec<&'static str> {
-    vec![BackendKind::Cpu.name()]
+    let mut out = Vec::new();
+    if cuda::usable() {
+        out.push(BackendKind::Cuda.name());
+    }
+    out.push(BackendKind::Cpu.name());
+    out
 }
 
-/// Open the backend `name` (`auto`, `cpu`).
+/// Open the backend `name` (`auto`, `cpu`, `cuda`, `cuda:N`). `auto` prefers a CUDA
+/// device when one is usable.
 pub fn open(name: &str) -> Result<Arc<dyn Backend>> {
     match name {
+        "auto" if cuda::usable() => Ok(Arc::new(cuda::CudaBackend::open(0)?)),
         "auto" | "cpu" => Ok(Arc::new(cpu::CpuBackend::new())),
-        "cuda" | "metal" => Err(crate::error::MlxError::BackendUnavailable(format!(
+        n if n == "cuda" || n.starts_with("cuda:") => Ok(Arc::new(cuda::CudaBackend::open(cuda::parse_name(n)?)?)),
+        "metal" => Err(crate::error::MlxError::BackendUnavailable(format!(
             "the {name} backend is not part of this build"
         ))),
         other => Err(crate::error::MlxError::DeviceNotFound(format!(
