@@ -358,7 +358,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         k_row[jb] = s_k + (u32)((wj0 + jb * 16 + l7 + ((lane >> 4) << 3)) * D * 2);
     const Swz4 k_sw((lane >> 3) & 1, l7); // B (K): chunk +1 for lanes 8..15, 24..31
     const int v_r = l7 + (((lane >> 3) & 1) << 3);  // B (V^T): row within a 16-row k-chunk
-    const Swz4 v_sw(lane >> 4, l7);       // B (V^T): chunk +1 for lanes 16..31
+    const Swz4& v_sw = q_sw;              // B (V^T): chunk +1 for lanes 16..31, as A
     const u32 v_col = (u32)(wd0 * 2);     // wd0 / 8 is a multiple of 16: no swizzle bits
     const u32 red_me = s_red + (u32)(warp * 32 * 4);
     const u32 red_group = s_red + (u32)(rg * C::G * 32 * 4);
@@ -518,6 +518,10 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #pragma unroll
                         for (int e = 0; e < 4; ++e) o[mt][nb][e] *= ms[mt][e >> 1];
             }
+        } else if (C::G > 1) {
+            // An idle row group passes its barrier too: every warp sees the same barrier
+            // sequence each step.
+            named_barrier(1 + rg, C::G * 32);
         }
 
         bool need_mask_next = false;

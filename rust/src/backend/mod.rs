@@ -46,6 +46,10 @@ pub trait Memory: Send + Sync {
     fn write(&self, offset: usize, src: &[u8]) -> Result<()>;
     /// For the backend that made it, to reach its own type.
     fn as_any(&self) -> &dyn Any;
+    /// Device address of byte 0 for device memory (unique in the process), else `None`.
+    fn device_addr(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A device's implementation: memory, kernel compilation and execution.

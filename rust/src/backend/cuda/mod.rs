@@ -276,6 +276,9 @@ impl Memory for CudaMemory {
     fn as_any(&self) -> &dyn Any {
         self
     }
+    fn device_addr(&self) -> Option<u64> {
+        Some(self.ptr)
+    }
 }
 
 /// A compiled kernel: its function, and how the backend launches it.

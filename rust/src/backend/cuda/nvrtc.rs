@@ -330,8 +330,29 @@ pub fn compile_report(file: &str, source: &str, arch: &str) -> Result<String> {
     let nv = nvrtc()?;
     let mut opts = options(arch);
     opts.push("--ptxas-options=-v".into());
-    let (_, log) = nv.compile(file, source, &opts)?;
-    Ok(log)
+    let (cubin, log) = nv.compile(file, source, &opts)?;
+    let (maj, min) = nv.version();
+    let mut report = format!("nvrtc {maj}.{min} ({})\n", nv.origin);
+    for name in entry_points(&cubin) {
+        report.push_str(&format!("entry point {name}\n"));
+    }
+    report.push_str(&log);
+    Ok(report)
+}
+
+/// Names of the kernels in a cubin: its `.text.<name>` sections.
+pub fn entry_points(cubin: &[u8]) -> Vec<String> {
+    let mut out = Vec::new();
+    for part in cubin.split(|&b| b == 0) {
+        if let Some(name) = part.strip_prefix(b".text.") {
+            if let Ok(n) = std::str::from_utf8(name) {
+                if !n.is_empty() && !out.iter().any(|o: &String| o == n) {
+                    out.push(n.to_string());
+                }
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
