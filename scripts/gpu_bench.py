@@ -142,7 +142,7 @@ def table(results):
         best = best_with_mask(r["peers"])
         bm = f"{best[0].split('+')[0][5:]} {best[1]:.2f}ms" if best else "-"
         bx = f"{best[1] / r['ours_ms']:.1f}" if best else "-"
-        ic = [(k, p["ms"]) for k, p in r["peers"].items() if k.endswith("+is_causal") and "ms" in p]
+        ic = [(k, p["ms"]) for k, p in r["peers"].items() if "+is_causal" in k and "ms" in p]
         icb = min(ic, key=lambda x: x[1]) if ic else None
         ics = f"{icb[0].split('+')[0][5:]} {icb[1]:.2f}ms" if icb else "-"
         icx = f"{icb[1] / r['ours_ms']:.2f}" if icb else "-"
@@ -155,9 +155,9 @@ def table(results):
     for r in results:
         for k2, p in r["peers"].items():
             if "ms" in p:
-                lines.append(f"  {r['case']:13} {k2:24} {p['ms']:9.3f} ms {p['tflops']:7.1f} TFLOP/s  x{p['ours_speedup']:.2f}")
+                lines.append(f"  {r['case']:13} {k2:28} {p['ms']:9.3f} ms {p['tflops']:7.1f} TFLOP/s  x{p['ours_speedup']:.2f}")
             else:
-                lines.append(f"  {r['case']:13} {k2:24} refused: {p['refused'][:110]}")
+                lines.append(f"  {r['case']:13} {k2:28} refused: {p['refused'][:110]}")
     return "\n".join(lines)
 
 

@@ -12,8 +12,6 @@ ENV = "MLX_NATIVE_NVRTC"
 _CANDIDATES = (
     ("nvidia", "cu13", "lib", "libnvrtc.so.13"),
     ("nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.12"),
-    ("nvidia", "cu13", "bin", "x86_64", "nvrtc64_130_0.dll"),
-    ("nvidia", "cuda_nvrtc", "bin", "nvrtc64_120_0.dll"),
 )
 
 

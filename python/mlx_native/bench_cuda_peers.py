@@ -37,11 +37,12 @@ def _torch():
     return torch
 
 
-def to_torch_inputs(q: Any, k: Any, v: Any, mask: Any = None):
+def to_torch_inputs(q: Any, k: Any, v: Any, mask: Any = None, *, expand_kv: bool = True):
     """fp16 CUDA tensors for SDPA from the kernel's layouts: q ``[rows, heads, dim]``,
     k/v ``[kv_len, kv_heads, dim]`` (numpy or torch), mask ``[rows, kv_len]`` or None.
     Returns ``(q, k, v, mask)`` as ``[1, heads, rows|kv_len, dim]`` and ``[1, 1, rows,
-    kv_len]`` (KV heads repeated to the query heads)."""
+    kv_len]``; with ``expand_kv`` the KV heads are repeated to the query heads, else K/V
+    keep their own heads (for ``enable_gqa=True``)."""
     torch = _torch()
 
     def t(x):
@@ -53,7 +54,7 @@ def to_torch_inputs(q: Any, k: Any, v: Any, mask: Any = None):
     n_heads, n_kv = tq.shape[1], tk.shape[1]
     if n_heads % n_kv:
         raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv}")
-    group = n_heads // n_kv
+    group = n_heads // n_kv if expand_kv else 1
     tq = tq.permute(1, 0, 2).unsqueeze(0).contiguous()
     tk = tk.permute(1, 0, 2).repeat_interleave(group, dim=0).unsqueeze(0).contiguous()
     tv = tv.permute(1, 0, 2).repeat_interleave(group, dim=0).unsqueeze(0).contiguous()
@@ -79,15 +80,17 @@ def time_cuda(fn, *, warmup: int = 2, repeat: int = 10) -> float:
     return float(np.median(times))
 
 
-def _one(backend: str, q, k, v, mask, is_causal: bool, warmup: int, repeat: int) -> Dict[str, Any]:
+def _one(backend: str, q, k, v, mask, is_causal: bool, warmup: int, repeat: int, gqa: bool = False) -> Dict[str, Any]:
     torch = _torch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     member = getattr(SDPBackend, BACKENDS[backend])
 
+    extra = {"enable_gqa": True} if gqa else {}
+
     def call():
-        return sdpa(q, k, v, attn_mask=mask, is_causal=is_causal, scale=1.0)
+        return sdpa(q, k, v, attn_mask=mask, is_causal=is_causal, scale=1.0, **extra)
 
     with sdpa_kernel([member]):
         with warnings.catch_warnings(record=True) as caught:
@@ -120,19 +123,32 @@ def sdpa_peers(
 ) -> Dict[str, Dict[str, Any]]:
     """Time SDPA on one case with every backend in ``backends``: with ``mask`` (``"<name>+mask"``)
     and, when ``causal`` says the mask is exactly causal (rows == kv_len), with
-    ``is_causal=True`` and no mask (``"<name>+is_causal"``). Values are ``{"ms": t}`` or
-    ``{"refused": reason}``."""
-    tq, tk, tv, tm = to_torch_inputs(q, k, v, mask)
+    ``is_causal=True`` and no mask (``"<name>+is_causal"``). K/V heads are repeated to
+    the query heads; for grouped-query cases each is also timed as PyTorch runs it
+    natively, ``enable_gqa=True`` on the unrepeated K/V (``"...+gqa"``). Values are
+    ``{"ms": t}`` or ``{"refused": reason}``."""
+    variants = [("", True)]
+    if _shape(q)[1] != _shape(k)[1]:
+        variants.append(("+gqa", False))
     out: Dict[str, Dict[str, Any]] = {}
-    for b in backends:
-        out[f"sdpa-{b}+mask"] = _one(b, tq, tk, tv, tm, False, warmup, repeat)
-    if causal and tq.shape[2] == tk.shape[2]:
+    for suffix, expand in variants:
+        tq, tk, tv, tm = to_torch_inputs(q, k, v, mask, expand_kv=expand)
+        gqa = not expand
         for b in backends:
-            out[f"sdpa-{b}+is_causal"] = _one(b, tq, tk, tv, None, True, warmup, repeat)
+            out[f"sdpa-{b}+mask{suffix}"] = _one(b, tq, tk, tv, tm, False, warmup, repeat, gqa)
+        if causal and tq.shape[2] == tk.shape[2]:
+            for b in backends:
+                out[f"sdpa-{b}+is_causal{suffix}"] = _one(b, tq, tk, tv, None, True, warmup, repeat, gqa)
+        del tq, tk, tv, tm
     return out
 
 
+def _shape(x) -> tuple:
+    return tuple(x.shape)
+
+
 def best_with_mask(results: Dict[str, Dict[str, Any]]) -> Optional[tuple]:
-    """``(name, ms)`` of the fastest peer that ran with the mask, or None."""
-    timed = [(k, r["ms"]) for k, r in results.items() if k.endswith("+mask") and "ms" in r]
+    """``(name, ms)`` of the fastest peer that ran with the mask (either K/V form), or
+    None."""
+    timed = [(k, r["ms"]) for k, r in results.items() if "+mask" in k and "ms" in r]
     return min(timed, key=lambda x: x[1]) if timed else None

@@ -24,12 +24,15 @@ pub const ATTENTION_THREADS: u32 = 256;
 /// Query rows of one warp's row group.
 const ROWS_PER_GROUP: u32 = 32;
 
-/// Dynamic shared memory of one attention CTA (the kernel's `Cfg<D>::SMEM`, which the
-/// kernel checks against these numbers at compile time).
-pub fn attention_shared_bytes(head_dim: u32) -> Option<u32> {
-    match head_dim {
-        256 => Some(164_864),
-        512 => Some(214_016),
+/// Dynamic shared memory of one attention CTA: the kernel's `Cfg<D>::SMEM`, or
+/// `hopper::HCfg<D>::SMEM` for the wgmma form (the kernel checks both against these
+/// numbers at compile time).
+pub fn attention_shared_bytes(head_dim: u32, hopper: bool) -> Option<u32> {
+    match (head_dim, hopper) {
+        (256, false) => Some(164_864),
+        (512, false) => Some(214_016),
+        (256, true) => Some(230_400),
+        (512, true) => Some(214_528),
         _ => None,
     }
 }
@@ -61,10 +64,11 @@ impl KernelKind {
         }
     }
 
-    /// Shared memory the launch needs beyond the default 48 KiB limit, if any.
-    pub fn dynamic_shared_bytes(&self) -> Option<u32> {
+    /// Shared memory the launch needs beyond the default 48 KiB limit, if any; `hopper`:
+    /// the source was compiled with its sm_90a (wgmma) form.
+    pub fn dynamic_shared_bytes(&self, hopper: bool) -> Option<u32> {
         match self {
-            KernelKind::Attention { head_dim } => attention_shared_bytes(*head_dim),
+            KernelKind::Attention { head_dim } => attention_shared_bytes(*head_dim, hopper),
             _ => None,
         }
     }
@@ -95,15 +99,24 @@ pub struct AttentionGeometry {
     pub head_groups: u32,
 }
 
-/// The CTA shape for a problem: 8 warps hold `row_groups` groups of 32 (query, head) rows
-/// (4 at head dim 256, 2 at 512). A CTA takes as many heads of one KV group as divide
-/// both the group and the row groups, so those heads share each K/V tile.
-pub fn attention_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) -> Result<AttentionGeometry> {
-    let row_groups = match head_dim {
-        256 => 4,
-        512 => 2,
+/// The CTA shape for a problem. A CTA holds 128 (query, head) rows at head dim 256 and 64
+/// at 512, in blocks of 32 consecutive queries of one head (the mma.sync form: a warp
+/// pair's rows) or of 16 (the wgmma form, `hopper`: a warp's rows). It takes as many
+/// heads of one KV group as divide both the group and the number of blocks (a power of
+/// two), so those heads share each K/V tile and the query tiles stay short.
+pub fn attention_geometry(
+    head_dim: u32,
+    rows: u32,
+    n_heads: u32,
+    n_kv_heads: u32,
+    hopper: bool,
+) -> Result<AttentionGeometry> {
+    let cta_rows = match head_dim {
+        256 => 128,
+        512 => 64,
         _ => return Err(MlxError::InvalidArgument(format!("no CUDA attention kernel for head_dim {head_dim}"))),
     };
+    let row_groups = cta_rows / if hopper { 16 } else { ROWS_PER_GROUP };
     if rows == 0 || n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
         return Err(MlxError::Internal(format!("attention shape {rows} x {n_heads}/{n_kv_heads} breaks the op's contract")));
     }
@@ -112,7 +125,7 @@ pub fn attention_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u3
     while group % hpc != 0 {
         hpc /= 2;
     }
-    let qpc = ROWS_PER_GROUP * row_groups / hpc;
+    let qpc = cta_rows / hpc;
     Ok(AttentionGeometry {
         heads_per_cta: hpc,
         queries_per_cta: qpc,
@@ -230,7 +243,8 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, d: &Dispatch) -> Res
     if dims.iter().any(|&x| x < 0) || p.kv_pad == 0 || p.kv_pad % 64 != 0 || p.mask_row_stride != p.kv_pad {
         return Err(internal(name, "shape breaks the op's contract"));
     }
-    let geo = attention_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32)?;
+    let hopper = ctx.hopper_kernels();
+    let geo = attention_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
     let (q, q_len) = device_buffer(ctx, d, 1)?;
     let (k, k_len) = device_buffer(ctx, d, 2)?;
     let (v, v_len) = device_buffer(ctx, d, 3)?;
@@ -276,7 +290,7 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, d: &Dispatch) -> Res
         q_tiles: geo.q_tiles as i32,
         flags,
     };
-    let shared = attention_shared_bytes(head_dim).ok_or_else(|| internal(name, "no shared memory size"))?;
+    let shared = attention_shared_bytes(head_dim, hopper).ok_or_else(|| internal(name, "no shared memory size"))?;
     let mut l = Launch {
         grid: [geo.q_tiles, geo.head_groups, 1],
         block: [ATTENTION_THREADS, 1, 1],
@@ -352,20 +366,25 @@ mod tests {
 
     #[test]
     fn ctas_take_the_heads_of_one_kv_group() {
-        // Gemma 4 26B global: 16 heads over 2 KV heads, head dim 512 -> 2 heads x 32 queries.
-        let g = attention_geometry(512, 8192, 16, 2).unwrap();
+        // Gemma 4 26B global: 16 heads over 2 KV heads, head dim 512 -> 2 heads x 32 queries
+        // (mma.sync), 4 heads x 16 queries (wgmma).
+        let g = attention_geometry(512, 8192, 16, 2, false).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 256, 8));
+        let g = attention_geometry(512, 8192, 16, 2, true).unwrap();
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
         // Sliding: 16 over 8 at 256 -> 2 heads x 64 queries.
-        let g = attention_geometry(256, 8192, 16, 8).unwrap();
+        let g = attention_geometry(256, 8192, 16, 8, false).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 64, 128, 8));
-        // Group of 8 at 256 -> 4 heads x 32 queries; no sharing -> 1 head x 128 queries.
-        assert_eq!(attention_geometry(256, 100, 8, 1).unwrap().heads_per_cta, 4);
-        let g = attention_geometry(256, 129, 8, 8).unwrap();
+        assert_eq!(attention_geometry(256, 8192, 16, 8, true).unwrap(), g);
+        // Group of 8 at 256 -> 4 heads x 32 queries (8 x 16 with wgmma); none -> 1 x 128.
+        assert_eq!(attention_geometry(256, 100, 8, 1, false).unwrap().heads_per_cta, 4);
+        assert_eq!(attention_geometry(256, 100, 8, 1, true).unwrap().heads_per_cta, 8);
+        let g = attention_geometry(256, 129, 8, 8, true).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles), (1, 128, 2));
         // A group of 3 shares nothing; of 6, two heads.
-        assert_eq!(attention_geometry(256, 10, 6, 2).unwrap().heads_per_cta, 1);
-        assert_eq!(attention_geometry(512, 10, 6, 1).unwrap().heads_per_cta, 2);
-        assert!(attention_geometry(128, 10, 6, 1).is_err());
+        assert_eq!(attention_geometry(256, 10, 6, 2, true).unwrap().heads_per_cta, 1);
+        assert_eq!(attention_geometry(512, 10, 6, 1, false).unwrap().heads_per_cta, 2);
+        assert!(attention_geometry(128, 10, 6, 1, false).is_err());
     }
 
     #[test]
@@ -380,6 +399,7 @@ mod tests {
         assert_eq!(KernelKind::of(K_TENSOR_F16_D512), KernelKind::Attention { head_dim: 512 });
         assert_eq!(KernelKind::of(K_BLK_F16), KernelKind::Blk);
         assert_eq!(KernelKind::of("other"), KernelKind::Generic);
-        assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(), Some(164_864));
+        assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(false), Some(164_864));
+        assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(true), Some(230_400));
     }
 }

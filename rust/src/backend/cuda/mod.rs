@@ -55,6 +55,9 @@ unsafe impl Send for Module {}
 
 static CONTEXTS: OnceLock<Mutex<HashMap<i32, Arc<CudaContext>>>> = OnceLock::new();
 
+/// Environment variable that overrides the architecture kernels are compiled for.
+pub const ARCH_ENV: &str = "MLX_NATIVE_CUDA_ARCH";
+
 /// Number of CUDA devices, or why there are none to use.
 pub fn device_count() -> Result<i32> {
     let d = driver()?;
@@ -143,15 +146,26 @@ impl CudaContext {
         Ok(d)
     }
 
-    /// The NVRTC target of this device: `sm_90a` on Hopper (its arch-specific features),
-    /// `sm_XY` elsewhere.
+    /// The NVRTC target of this device: `sm_90a` on Hopper (its arch-specific features:
+    /// the wgmma form of the attention), `sm_XY` elsewhere. `MLX_NATIVE_CUDA_ARCH`
+    /// overrides it (`sm_90` on a Hopper GPU runs the portable mma.sync form).
     pub fn arch(&self) -> String {
+        if let Ok(a) = std::env::var(ARCH_ENV) {
+            if !a.is_empty() && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                return a;
+            }
+        }
         let (maj, min) = self.compute_capability;
         if (maj, min) == (9, 0) {
             "sm_90a".into()
         } else {
             format!("sm_{maj}{min}")
         }
+    }
+
+    /// Whether the kernels are built with their Hopper (sm_90a, wgmma) forms here.
+    pub fn hopper_kernels(&self) -> bool {
+        self.arch() == "sm_90a"
     }
 
     /// Wait for everything queued on this device's stream.
@@ -382,7 +396,7 @@ impl Backend for CudaBackend {
         let kind = kernels::KernelKind::of(name);
         let function = self.ctx.function(kind.file_name(name).as_str(), src, name)?;
         let d = self.ctx.bind()?;
-        if let Some(smem) = kind.dynamic_shared_bytes() {
+        if let Some(smem) = kind.dynamic_shared_bytes(self.ctx.hopper_kernels()) {
             if smem > self.ctx.max_shared_per_block as u32 {
                 return Err(MlxError::KernelNotFound(format!(
                     "{name} needs {smem} bytes of shared memory per block; {} allows {}",
