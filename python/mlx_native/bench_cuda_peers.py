@@ -99,8 +99,7 @@ def _one(backend: str, q, k, v, mask, is_causal: bool, warmup: int, repeat: int,
                 out = call()
                 torch.cuda.synchronize()
             except RuntimeError as e:
-                reasons = [str(w.message).splitlines()[0] for w in caught] or [str(e).splitlines()[0]]
-                return {"refused": "; ".join(dict.fromkeys(reasons))}
+                return {"refused": _reason([str(w.message) for w in caught], str(e))}
         del out
         try:
             ms = time_cuda(call, warmup=warmup, repeat=repeat)
@@ -108,6 +107,17 @@ def _one(backend: str, q, k, v, mask, is_causal: bool, warmup: int, repeat: int,
             return {"refused": str(e).splitlines()[0]}
     torch.cuda.empty_cache()
     return {"ms": ms}
+
+
+def _reason(warnings_text, error: str) -> str:
+    """PyTorch's specific reasons for refusing a backend, without its boilerplate lines."""
+    lines = []
+    for text in warnings_text:
+        for line in text.splitlines():
+            line = line.split("(Triggered internally")[0].strip()
+            if line and not line.endswith("because:"):
+                lines.append(line)
+    return "; ".join(dict.fromkeys(lines)) or error.splitlines()[0]
 
 
 def sdpa_peers(

@@ -224,16 +224,17 @@ fn internal(name: &str, what: &str) -> MlxError {
     MlxError::Internal(format!("{name} (cuda): {what}"))
 }
 
-/// Arguments and geometry of one dispatch of a kernel of `kind`.
-pub fn prepare(ctx: &Arc<CudaContext>, kind: KernelKind, d: &Dispatch) -> Result<Launch> {
+/// Arguments and geometry of one dispatch of a kernel of `kind`; `hopper`: the kernel was
+/// built with its sm_90a (wgmma) form.
+pub fn prepare(ctx: &Arc<CudaContext>, kind: KernelKind, hopper: bool, d: &Dispatch) -> Result<Launch> {
     match kind {
-        KernelKind::Attention { head_dim } => prepare_attention(ctx, head_dim, d),
+        KernelKind::Attention { head_dim } => prepare_attention(ctx, head_dim, hopper, d),
         KernelKind::Blk => prepare_blk(ctx, d),
         KernelKind::Generic => prepare_generic(ctx, d),
     }
 }
 
-fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, d: &Dispatch) -> Result<Launch> {
+fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, d: &Dispatch) -> Result<Launch> {
     let name = d.pipeline.name();
     let p: AttentionParams = d.constant(0)?;
     let dims = [
@@ -243,7 +244,6 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, d: &Dispatch) -> Res
     if dims.iter().any(|&x| x < 0) || p.kv_pad == 0 || p.kv_pad % 64 != 0 || p.mask_row_stride != p.kv_pad {
         return Err(internal(name, "shape breaks the op's contract"));
     }
-    let hopper = ctx.hopper_kernels();
     let geo = attention_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
     let (q, q_len) = device_buffer(ctx, d, 1)?;
     let (k, k_len) = device_buffer(ctx, d, 2)?;

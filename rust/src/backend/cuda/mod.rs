@@ -40,8 +40,9 @@ pub struct CudaContext {
     pub multiprocessors: i32,
     /// Most shared memory one block may opt in to, bytes.
     pub max_shared_per_block: i32,
-    /// Loaded modules by source address (one module holds all entry points of a file).
-    modules: Mutex<HashMap<usize, Module>>,
+    /// Loaded modules by source address and architecture (one module holds all entry
+    /// points of a file).
+    modules: Mutex<HashMap<(usize, String), Module>>,
 }
 
 #[derive(Clone, Copy)]
@@ -163,10 +164,6 @@ impl CudaContext {
         }
     }
 
-    /// Whether the kernels are built with their Hopper (sm_90a, wgmma) forms here.
-    pub fn hopper_kernels(&self) -> bool {
-        self.arch() == "sm_90a"
-    }
 
     /// Wait for everything queued on this device's stream.
     pub fn synchronize(&self) -> Result<()> {
@@ -175,22 +172,22 @@ impl CudaContext {
         d.check(unsafe { (d.cuStreamSynchronize)(self.stream) }, "the device's work failed", MlxError::CommandBufferError)
     }
 
-    /// The module of `source` (compiled or loaded once), and its function `entry`.
-    fn function(&self, file: &str, source: &'static str, entry: &str) -> Result<CuFunction> {
+    /// The module of `source` for `arch` (compiled or loaded once), and its function
+    /// `entry`.
+    fn function(&self, file: &str, source: &'static str, entry: &str, arch: &str) -> Result<CuFunction> {
         let d = self.bind()?;
-        let key = source.as_ptr() as usize;
+        let key = (source.as_ptr() as usize, arch.to_string());
         let module = {
             let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
             match mods.get(&key) {
                 Some(m) => *m,
                 None => {
-                    let arch = self.arch();
-                    let m = match load_module(d, &nvrtc::cubin(file, source, &arch)?) {
+                    let m = match load_module(d, &nvrtc::cubin(file, source, arch)?) {
                         Ok(m) => m,
                         Err(_) => {
                             // A damaged cache file: compile afresh once.
-                            nvrtc::forget(file, source, &arch);
-                            load_module(d, &nvrtc::cubin(file, source, &arch)?)?
+                            nvrtc::forget(file, source, arch);
+                            load_module(d, &nvrtc::cubin(file, source, arch)?)?
                         }
                     };
                     mods.insert(key, Module(m));
@@ -300,6 +297,8 @@ pub struct CudaPipeline {
     ctx: Arc<CudaContext>,
     function: CuFunction,
     kind: kernels::KernelKind,
+    /// Built with the Hopper (sm_90a, wgmma) forms of the kernels.
+    hopper: bool,
 }
 
 // SAFETY: a function handle of a module that lives as long as its context.
@@ -394,9 +393,11 @@ impl Backend for CudaBackend {
             .cuda
             .ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
         let kind = kernels::KernelKind::of(name);
-        let function = self.ctx.function(kind.file_name(name).as_str(), src, name)?;
+        let arch = self.ctx.arch();
+        let hopper = arch == "sm_90a";
+        let function = self.ctx.function(kind.file_name(name).as_str(), src, name, &arch)?;
         let d = self.ctx.bind()?;
-        if let Some(smem) = kind.dynamic_shared_bytes(self.ctx.hopper_kernels()) {
+        if let Some(smem) = kind.dynamic_shared_bytes(hopper) {
             if smem > self.ctx.max_shared_per_block as u32 {
                 return Err(MlxError::KernelNotFound(format!(
                     "{name} needs {smem} bytes of shared memory per block; {} allows {}",
@@ -416,7 +417,7 @@ impl Backend for CudaBackend {
         Ok(Pipeline::new(
             name,
             max_threads.max(0) as u64,
-            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, kind }),
+            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, kind, hopper }),
         ))
     }
 
@@ -432,7 +433,7 @@ impl Backend for CudaBackend {
                     dispatch.pipeline.name()
                 )));
             }
-            let mut launch = kernels::prepare(&self.ctx, p.kind, dispatch)?;
+            let mut launch = kernels::prepare(&self.ctx, p.kind, p.hopper, dispatch)?;
             let mut params = launch.param_pointers();
             // SAFETY: a function of this context, launch dimensions checked by `prepare`,
             // and one pointer per kernel parameter to storage that outlives the call.
