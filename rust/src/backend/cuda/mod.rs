@@ -9,7 +9,8 @@
 //!   process such as PyTorch) and one non-blocking stream per device ordinal, shared by
 //!   every `MlxDevice` opened on it. `execute` launches on that stream and synchronises.
 //! - `shaders/*.cu` are compiled on first use with NVRTC for the device's own architecture
-//!   (`sm_90a` on Hopper), cached per process and on disk ([`nvrtc`]).
+//!   (`sm_90a` on Hopper, where the attention runs on warpgroup MMA; `mma.sync` elsewhere),
+//!   cached per process and on disk ([`nvrtc`]).
 //! - Which geometry a named kernel is launched with is decided here ([`kernels`]), so the
 //!   op layer never asks which backend runs it.
 
