@@ -7,13 +7,15 @@ import sys
 
 
 def _info(args) -> int:
-    from . import backends, cpu_info, version
+    from . import backends, cpu_fma_peak, cpu_info, version
     from .device import Device
 
     print(f"mlx-native {version()}")
     print(f"backends: {', '.join(backends())}")
     ci = cpu_info()
     print(f"cpu: {ci['threads']} threads, instruction set {ci['isa']} (detected: {', '.join(ci['detected'])})")
+    one, allc = cpu_fma_peak(1), cpu_fma_peak(0)
+    print(f"cpu FMA peak ({ci['isa']}, measured): {one:.1f} GFLOP/s one core, {allc:.1f} GFLOP/s all {ci['threads']} threads")
     print(f"default device: {Device('auto').description}")
     return 0
 
