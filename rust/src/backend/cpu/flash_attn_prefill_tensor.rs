@@ -19,6 +19,15 @@ use crate::error::{MlxError, Result};
 /// Cache rows per step (the blk `bk`).
 const C: usize = 64;
 
+static COLUMN_SKIP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether a step of a partly masked tile leaves out the cache rows that are -inf for all
+/// of the tile's rows (on by default). Off computes them; the output is the same to the
+/// bit, which the tests check with this switch.
+pub fn set_column_skipping(on: bool) {
+    COLUMN_SKIP.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Mirror of the params block the op binds at index 0 (the same twelve words the Metal
 /// kernel reads).
 #[repr(C)]
@@ -73,6 +82,7 @@ struct Problem {
     v_hs: usize,
     mask_rs: usize,
     scale: f32,
+    column_skip: bool,
     q: *const f32,
     k: *const u16,
     v: *const u16,
@@ -132,6 +142,7 @@ fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
         v_hs: u(p.v_head_stride),
         mask_rs: u(p.mask_row_stride),
         scale: p.scale,
+        column_skip: COLUMN_SKIP.load(std::sync::atomic::Ordering::Relaxed),
         q: q as *const f32,
         k: k as *const u16,
         v: v as *const u16,
@@ -189,8 +200,9 @@ struct Scratch {
     o: Vec<f32>,
     /// Scores then probabilities, transposed: `[C][R]`.
     st: Vec<f32>,
-    /// K and V of one step in f32, `[C][D]` each.
+    /// K of one step in f32, `[C][D]`.
     kf: Vec<f32>,
+    /// One slice of V's columns of one step in f32, `[C][V_SPAN]`.
     vf: Vec<f32>,
     /// One step of mask rows, `[bq][C]`, then transposed to `[C][bq]`.
     mrow: Vec<f32>,
@@ -223,7 +235,7 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, qt: usize, g: usize, 
     grow(&mut sc.o, r * D);
     grow(&mut sc.st, C * r);
     grow(&mut sc.kf, C * D);
-    grow(&mut sc.vf, C * D);
+    grow(&mut sc.vf, C * V_SPAN);
     grow(&mut sc.mrow, bq * C);
     grow(&mut sc.mt, C * bq);
     grow(&mut sc.m, r);
@@ -266,14 +278,22 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, qt: usize, g: usize, 
             continue;
         }
         let c0 = step * C;
-        load_tile::<S, D>(kf, pb.k.add(c0 * pb.k_rs + g * pb.k_hs), pb.k_rs);
-        load_tile::<S, D>(vf, pb.v.add(c0 * pb.v_rs + g * pb.v_hs), pb.v_rs);
-        scores::<S, D>(kf, qt_b, st_b, r);
-        if t != 2 {
-            add_mask::<S>(pb, mrow, mt, st_b, r0, nr, c0, r);
+        // Cache rows [lo, hi) of the step (multiples of 4) hold every one the tile's rows may
+        // see; the others are -inf for all of them, so their p is exactly 0 and leaving them
+        // out changes no bit (K and V are finite). On the diagonal of a causal mask and at
+        // the edge of a window this skips up to three quarters of the step.
+        let (lo, hi) = if t == 2 { (0, C) } else { load_mask::<S>(pb, mrow, mt, r0, nr, c0) };
+        let (lo, hi) = if pb.column_skip || t == 2 { (lo, hi) } else { (0, C) };
+        if lo >= hi {
+            continue;
         }
-        softmax_step::<S>(st_b, m_b, l_b, ms_b, r);
-        accumulate::<S, D>(st_b, vf, o_b, ms_b, r);
+        load_tile::<S, D>(kf, pb.k.add(c0 * pb.k_rs + g * pb.k_hs), pb.k_rs, lo, hi);
+        scores::<S, D>(kf, qt_b, st_b, r, lo, hi);
+        if t != 2 {
+            add_mask::<S>(pb, mt, st_b, r, lo, hi);
+        }
+        softmax_step::<S>(st_b, m_b, l_b, ms_b, r, lo, hi);
+        accumulate::<S, D>(st_b, pb.v.add(c0 * pb.v_rs + g * pb.v_hs), pb.v_rs, vf, o_b, ms_b, r, lo, hi);
     }
 
     // O / S, or zeros where S == 0 (a row that saw no unmasked cache row).
@@ -292,10 +312,10 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, qt: usize, g: usize, 
     }
 }
 
-/// `C` rows of `D` halves (row stride `rs` elements) widened to f32 `[C][D]`.
+/// Rows `lo..hi` of `C` rows of `D` halves (row stride `rs` elements) widened to f32 `[C][D]`.
 #[inline(always)]
-unsafe fn load_tile<S: Simd, const D: usize>(dst: *mut f32, src: *const u16, rs: usize) {
-    for j in 0..C {
+unsafe fn load_tile<S: Simd, const D: usize>(dst: *mut f32, src: *const u16, rs: usize, lo: usize, hi: usize) {
+    for j in lo..hi {
         let s = src.add(j * rs);
         for dv in (0..D).step_by(W) {
             S::store(dst.add(j * D + dv), S::load_f16(s.add(dv)));
@@ -303,13 +323,13 @@ unsafe fn load_tile<S: Simd, const D: usize>(dst: *mut f32, src: *const u16, rs:
     }
 }
 
-/// `st[j][i] = sum_d kf[j][d] * qt[d][i]` for `j < C`, `i < r`.
+/// `st[j][i] = sum_d kf[j][d] * qt[d][i]` for `lo <= j < hi`, `i < r`.
 #[inline(always)]
-unsafe fn scores<S: Simd, const D: usize>(kf: *const f32, qt: *const f32, st: *mut f32, r: usize) {
+unsafe fn scores<S: Simd, const D: usize>(kf: *const f32, qt: *const f32, st: *mut f32, r: usize, lo: usize, hi: usize) {
     let wide = if S::WIDE_BLOCKS { 4 } else { 2 };
     let mut i0 = 0;
     while i0 + wide * W <= r {
-        for j0 in (0..C).step_by(4) {
+        for j0 in (lo..hi).step_by(4) {
             if S::WIDE_BLOCKS {
                 scores_block::<S, D, 4, 4>(kf, qt, st, r, j0, i0);
             } else {
@@ -319,7 +339,7 @@ unsafe fn scores<S: Simd, const D: usize>(kf: *const f32, qt: *const f32, st: *m
         i0 += wide * W;
     }
     while i0 < r {
-        for j0 in (0..C).step_by(4) {
+        for j0 in (lo..hi).step_by(4) {
             scores_block::<S, D, 4, 1>(kf, qt, st, r, j0, i0);
         }
         i0 += W;
@@ -355,19 +375,10 @@ unsafe fn scores_block<S: Simd, const D: usize, const JB: usize, const IV: usize
     }
 }
 
-/// Add the mask of cache rows `c0..c0+C` to the scores of every head of the item.
+/// Load the mask of cache rows `c0..c0+C` for the tile's rows into `mt` (`[C][bq]`, f32),
+/// and return the range `[lo, hi)` (multiples of 4) outside which every value is -inf.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn add_mask<S: Simd>(
-    pb: &Problem,
-    mrow: *mut f32,
-    mt: *mut f32,
-    st: *mut f32,
-    r0: usize,
-    nr: usize,
-    c0: usize,
-    r: usize,
-) {
+unsafe fn load_mask<S: Simd>(pb: &Problem, mrow: *mut f32, mt: *mut f32, r0: usize, nr: usize, c0: usize) -> (usize, usize) {
     let bq = pb.bq;
     for rr in 0..bq {
         for jv in (0..C).step_by(W) {
@@ -380,12 +391,28 @@ unsafe fn add_mask<S: Simd>(
             S::store(mrow.add(rr * C + jv), x);
         }
     }
-    for rr in 0..bq {
-        for j in 0..C {
-            *mt.add(j * bq + rr) = *mrow.add(rr * C + j);
+    let (mut lo, mut hi) = (C, 0);
+    for j in 0..C {
+        let mut live = false;
+        for rr in 0..bq {
+            let x = *mrow.add(rr * C + j);
+            *mt.add(j * bq + rr) = x;
+            // A NaN counts as seen, as does anything but -inf.
+            live |= rr < nr && x != f32::NEG_INFINITY;
+        }
+        if live {
+            lo = lo.min(j);
+            hi = j + 1;
         }
     }
-    for j in 0..C {
+    (lo & !3, (hi + 3) & !3)
+}
+
+/// Add the mask (`mt`, `[C][bq]`) of cache rows `lo..hi` to the scores of every head.
+#[inline(always)]
+unsafe fn add_mask<S: Simd>(pb: &Problem, mt: *const f32, st: *mut f32, r: usize, lo: usize, hi: usize) {
+    let bq = pb.bq;
+    for j in lo..hi {
         for hh in 0..pb.group {
             for rv in (0..bq).step_by(W) {
                 let p = st.add(j * r + hh * bq + rv);
@@ -398,11 +425,13 @@ unsafe fn add_mask<S: Simd>(
 /// Online softmax of one step, lanes = rows: new max with the lazy (> +8) rescale,
 /// `p = half(exp(s - M))` in place of the scores, `S = S * ms + sum p`.
 #[inline(always)]
-unsafe fn softmax_step<S: Simd>(st: *mut f32, m: *mut f32, l: *mut f32, ms: *mut f32, r: usize) {
+unsafe fn softmax_step<S: Simd>(st: *mut f32, m: *mut f32, l: *mut f32, ms: *mut f32, r: usize, lo: usize, hi: usize) {
     let one = S::splat(1.0);
     for i0 in (0..r).step_by(W) {
-        let mut mx = S::load(st.add(i0));
-        for j in 1..C {
+        // As if the max had started at column 0: the -inf columns before `lo` leave -inf.
+        let first = S::load(st.add(lo * r + i0));
+        let mut mx = if lo == 0 { first } else { S::max(first, S::splat(f32::NEG_INFINITY)) };
+        for j in lo + 1..hi {
             mx = S::max(S::load(st.add(j * r + i0)), mx);
         }
         let m_old = S::load(m.add(i0));
@@ -412,7 +441,7 @@ unsafe fn softmax_step<S: Simd>(st: *mut f32, m: *mut f32, l: *mut f32, ms: *mut
         S::store(m.add(i0), m_new);
         S::store(ms.add(i0), scale);
         let mut sum = S::splat(0.0);
-        for j in 0..C {
+        for j in lo..hi {
             let ptr = st.add(j * r + i0);
             let p = S::round_half(S::exp(S::sub(S::load(ptr), m_new)));
             S::store(ptr, p);
@@ -422,34 +451,59 @@ unsafe fn softmax_step<S: Simd>(st: *mut f32, m: *mut f32, l: *mut f32, ms: *mut
     }
 }
 
-/// `o[i] = o[i] * ms[i] + sum_j p[j][i] * vf[j]`.
+/// Columns of V that one P.V pass covers: a slice of V widened to f32 (`C * V_SPAN * 4` =
+/// 8 KiB) stays in L1 while every row block of the item uses it.
+const V_SPAN: usize = 2 * W;
+
+/// `o[i] = o[i] * ms[i] + sum_j p[j][i] * v[j]` for the `C` rows of V at `v` (halves, row
+/// stride `rs`), slice by slice of `V_SPAN` columns.
 #[inline(always)]
-unsafe fn accumulate<S: Simd, const D: usize>(p: *const f32, vf: *const f32, o: *mut f32, ms: *const f32, r: usize) {
-    if S::WIDE_BLOCKS {
-        for i0 in (0..r).step_by(4) {
-            for d0 in (0..D).step_by(4 * W) {
-                accumulate_block::<S, D, 4, 4>(p, vf, o, ms, r, i0, d0);
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate<S: Simd, const D: usize>(
+    p: *const f32,
+    v: *const u16,
+    rs: usize,
+    vc: *mut f32,
+    o: *mut f32,
+    ms: *const f32,
+    r: usize,
+    lo: usize,
+    hi: usize,
+) {
+    for d0 in (0..D).step_by(V_SPAN) {
+        for j in lo..hi {
+            for x in (0..V_SPAN).step_by(W) {
+                S::store(vc.add(j * V_SPAN + x), S::load_f16(v.add(j * rs + d0 + x)));
             }
         }
-    } else {
-        for i0 in (0..r).step_by(2) {
-            for d0 in (0..D).step_by(2 * W) {
-                accumulate_block::<S, D, 2, 2>(p, vf, o, ms, r, i0, d0);
+        // Row blocks: 8 rows x 2 vectors (16 accumulators) where 32 registers allow it,
+        // 2 x 2 on AVX2's 16 ymm (a vector is two of them there).
+        if S::WIDE_BLOCKS {
+            for i0 in (0..r).step_by(8) {
+                accumulate_block::<S, D, 8>(p, vc, o, ms, r, i0, d0, lo, hi);
+            }
+        } else {
+            for i0 in (0..r).step_by(2) {
+                accumulate_block::<S, D, 2>(p, vc, o, ms, r, i0, d0, lo, hi);
             }
         }
     }
 }
 
 #[inline(always)]
-unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, const DV: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize>(
     p: *const f32,
-    vf: *const f32,
+    vc: *const f32,
     o: *mut f32,
     ms: *const f32,
     r: usize,
     i0: usize,
     d0: usize,
+    lo: usize,
+    hi: usize,
 ) {
+    const DV: usize = V_SPAN / W;
     let mut acc = [[S::splat(0.0); DV]; IB];
     for (ii, row) in acc.iter_mut().enumerate() {
         let s = S::splat(*ms.add(i0 + ii));
@@ -457,10 +511,10 @@ unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, const DV: u
             *a = S::mul(S::load(o.add((i0 + ii) * D + d0 + dv * W)), s);
         }
     }
-    for j in 0..C {
+    for j in lo..hi {
         let mut vv = [S::splat(0.0); DV];
         for (dv, x) in vv.iter_mut().enumerate() {
-            *x = S::load(vf.add(j * D + d0 + dv * W));
+            *x = S::load(vc.add(j * V_SPAN + dv * W));
         }
         for (ii, row) in acc.iter_mut().enumerate() {
             let pb = S::splat(*p.add(j * r + i0 + ii));
