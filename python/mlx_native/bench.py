@@ -155,10 +155,11 @@ def run_bench(
     peer_budget_s: float = 20.0,
     seed: int = 0,
     progress: bool = True,
-    out=sys.stdout,
+    out=None,
+    quiet: bool = False,
 ) -> dict:
     """Run the benchmark and return its report (what ``--json`` writes); prints the table
-    to ``out`` (``None``: print nothing).
+    to ``out`` (default stdout) unless ``quiet``.
 
     ``peers``: names of the peers to run (default: every one installed for the device's
     kind); ``peer_budget_s``: a peer whose runs at a size would take longer than this (as
@@ -174,7 +175,7 @@ def run_bench(
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     dev = Device(device or "auto")
     kind = dev.backend
-    say = (lambda s="": print(s, file=out)) if out is not None else (lambda s="": None)
+    out = None if quiet else (out or sys.stdout)
 
     available, missing = [], {}
     for p in peers_for(kind):
@@ -286,9 +287,10 @@ def _fmt(x, f):
     return "-" if x is None else format(x, f)
 
 
-def print_table(report: dict, out=sys.stdout) -> None:
+def print_table(report: dict, out=None) -> None:
     """The report as a text table: one line per implementation, grouped by case and rows;
     "ours x" is the peer's time over ours (above 1: we are faster)."""
+    out = out or sys.stdout
     m = report["machine"]
     p = report.get("fma_peak_gflops")
     print(f"mlx-native {report['version']} bench on {m['device']}; CPU {m['cpu_model']}, {m['cores']} cores", file=out)
