@@ -35,6 +35,8 @@ fn main() {
     let (rows, hd, nh, nkv) = (arg(0, 1024) as usize, arg(1, 256) as usize, arg(2, 16) as usize, arg(3, 8) as usize);
     let window = arg(4, 0);
     let repeats = arg(5, 3) as usize;
+    // MLX_NATIVE_TIMING_LAYOUT=head: K/V as [kv head][row][dim] instead of [row][kv head][dim].
+    let head_major = std::env::var("MLX_NATIVE_TIMING_LAYOUT").is_ok_and(|v| v == "head");
     let kvp = kv_pad(rows as u32) as usize;
     let dev = MlxDevice::cpu();
     let mut reg = default_registry();
@@ -76,10 +78,10 @@ fn main() {
         kv_pad: kvp as u32,
         q_row_stride: (nh * hd) as u32,
         q_head_stride: hd as u32,
-        k_row_stride: (nkv * hd) as u32,
-        k_head_stride: hd as u32,
-        v_row_stride: (nkv * hd) as u32,
-        v_head_stride: hd as u32,
+        k_row_stride: (if head_major { hd } else { nkv * hd }) as u32,
+        k_head_stride: (if head_major { kvp * hd } else { hd }) as u32,
+        v_row_stride: (if head_major { hd } else { nkv * hd }) as u32,
+        v_head_stride: (if head_major { kvp * hd } else { hd }) as u32,
         scale: 1.0,
     };
     let flops = 4.0 * hd as f64 * nh as f64 * pairs as f64;

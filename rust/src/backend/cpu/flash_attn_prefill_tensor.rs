@@ -470,6 +470,8 @@ unsafe fn accumulate<S: Simd, const D: usize>(
     lo: usize,
     hi: usize,
 ) {
+    // With the lazy rescale most steps keep every max: then O is only read (x * 1 == x).
+    let rescale = (0..r).any(|i| *ms.add(i) != 1.0);
     for d0 in (0..D).step_by(V_SPAN) {
         for j in lo..hi {
             for x in (0..V_SPAN).step_by(W) {
@@ -480,11 +482,11 @@ unsafe fn accumulate<S: Simd, const D: usize>(
         // 2 x 2 on AVX2's 16 ymm (a vector is two of them there).
         if S::WIDE_BLOCKS {
             for i0 in (0..r).step_by(8) {
-                accumulate_block::<S, D, 8>(p, vc, o, ms, r, i0, d0, lo, hi);
+                accumulate_block::<S, D, 8>(p, vc, o, ms, rescale, r, i0, d0, lo, hi);
             }
         } else {
             for i0 in (0..r).step_by(2) {
-                accumulate_block::<S, D, 2>(p, vc, o, ms, r, i0, d0, lo, hi);
+                accumulate_block::<S, D, 2>(p, vc, o, ms, rescale, r, i0, d0, lo, hi);
             }
         }
     }
@@ -497,6 +499,7 @@ unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize>(
     vc: *const f32,
     o: *mut f32,
     ms: *const f32,
+    rescale: bool,
     r: usize,
     i0: usize,
     d0: usize,
@@ -508,7 +511,8 @@ unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize>(
     for (ii, row) in acc.iter_mut().enumerate() {
         let s = S::splat(*ms.add(i0 + ii));
         for (dv, a) in row.iter_mut().enumerate() {
-            *a = S::mul(S::load(o.add((i0 + ii) * D + d0 + dv * W)), s);
+            let x = S::load(o.add((i0 + ii) * D + d0 + dv * W));
+            *a = if rescale { S::mul(x, s) } else { x };
         }
     }
     for j in lo..hi {
