@@ -68,21 +68,6 @@ def case_mask(case: Case, rows: int, kv_len: int) -> np.ndarray:
     return causal_mask(rows, kv_len, case.window if case.mask == "window" else None)
 
 
-def time_best(fn: Callable[[], None], repeats: int, budget_s: float = float("inf")) -> tuple:
-    """``(best seconds, runs timed)``: one warm-up call, then the best of ``repeats`` calls,
-    fewer (at least one) when the warm-up says they would take longer than ``budget_s``."""
-    t = time.perf_counter()
-    fn()
-    warm = time.perf_counter() - t
-    n = repeats if warm * repeats <= budget_s else max(1, int(budget_s / warm))
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best, n
-
-
 class _Progress:
     """tqdm when installed, else a one-line bar on stderr."""
 
@@ -203,8 +188,8 @@ def run_bench(
         report["fma_peak_gflops"] = dict(one_core=cpu_fma_peak(1), all_cores=cpu_fma_peak(0))
     peak = report.get("fma_peak_gflops", {}).get("all_cores")
 
-    # One step per (case, rows, implementation); variants are counted as they appear.
-    per_size = 1 + sum(2 for _ in available)
+    # Per (case, rows): preparing ours, preparing each peer, and the timed rounds.
+    per_size = 2 + len(available)
     bar = _Progress(len(cases) * len(rows) * per_size, progress)
     rate: Dict[tuple, float] = {}  # (case, label) -> last GFLOP/s, to predict run times
     rng = np.random.default_rng(seed)
@@ -222,64 +207,104 @@ def run_bench(
     return report
 
 
+def _timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def _one_size(case, r, smallest, dev, available, repeats, sample_heads, budget, peak, rate, rng, bar) -> List[dict]:
+    """Every implementation on one problem, timed round-robin (one warm-up each, then
+    ``repeats`` rounds of one run each, the best kept), so that a load that comes and goes
+    on the machine falls on all of them alike."""
     nh, nkv, hd = case.n_heads, case.n_kv_heads, case.head_dim
     q, k, v = random_qkv(r, nh, nkv, hd, r, rng)
     mask = case_mask(case, r, r)
     heads = sorted({0, nh - 1} | set(rng.choice(nh, size=min(sample_heads, nh), replace=False).tolist()))
     base = dict(case=case.name, title=case.title, rows=r, kv_len=r, n_heads=nh, n_kv_heads=nkv, head_dim=hd, mask=case.mask, window=case.window)
 
-    bar.step(f"{case.name} {r}: {OURS}")
+    bar.step(f"{case.name} {r}: preparing {OURS}")
     plan = PrefillPlan(q, k, v, mask, device=dev)
     flops = useful_flops(hd, nh, plan.visible_pairs)
     base.update(visible_pairs=plan.visible_pairs, useful_gflop=flops / 1e9)
-    ours_s, n = time_best(plan.run, repeats)
-    ours_out = plan.run().copy()
-    del plan
+    runners: List[Variant] = [Variant(OURS, plan.run, lambda: plan.run().copy())]
+    notes: Dict[str, str] = {}
+    labels = [OURS]
     bar.advance()
-    bar.step(f"{case.name} {r}: float64 reference, heads {heads}")
-    ref = reference_attention(q, k, v, mask, heads=heads)[:, heads]
-
-    def row(label, seconds, runs, out, note=None):
-        d = dict(base, impl=label, ms=None, gflops=None, pct_peak=None, nmse=None, runs=runs, speedup_vs=None, note=note)
-        if seconds is not None:
-            d.update(ms=seconds * 1e3, gflops=flops / seconds / 1e9)
-            d["pct_peak"] = 100.0 * d["gflops"] / peak if peak else None
-            d["speedup_vs"] = seconds / ours_s
-        if out is not None:
-            d["nmse"] = nmse(out[:, heads], ref)
-        return d
-
-    rows_out = [row(OURS, ours_s, n, ours_out)]
-    rows_out[0]["speedup_vs"] = None
     problem = Problem(q, k, v, mask, causal=case.mask == "causal", dense=case.mask == "zero")
     for p in available:
         bar.step(f"{case.name} {r}: preparing {p.name}")
         try:
             variants: List[Variant] = p.variants(problem)
         except Exception as e:  # a peer that fails to build is reported, not fatal
-            rows_out.append(row(p.name, None, 0, None, note=f"failed: {type(e).__name__}: {e}"))
-            bar.advance()
-            bar.advance()
-            continue
-        bar.advance()
+            labels.append(p.name)
+            notes[p.name] = f"failed: {type(e).__name__}: {e}"
+            variants = []
         for vt in variants:
-            bar.step(f"{case.name} {r}: {vt.label}")
             if vt.smallest_only and not smallest:
                 continue
-            predicted = flops / (rate[(case.name, vt.label)] * 1e9) if (case.name, vt.label) in rate else 0.0
-            if predicted > budget:
-                rows_out.append(row(vt.label, None, 0, None, note=f"skipped: ~{predicted:.0f} s a run, over the {budget:.0f} s budget"))
-                continue
-            try:
-                seconds, runs = time_best(vt.run, 1 if vt.smallest_only else repeats, budget)
-                out = vt.output()
-            except Exception as e:
-                rows_out.append(row(vt.label, None, 0, None, note=f"failed: {type(e).__name__}: {e}"))
-                continue
-            rate[(case.name, vt.label)] = flops / seconds / 1e9
-            rows_out.append(row(vt.label, seconds, runs, out))
+            labels.append(vt.label)
+            if (case.name, vt.label) in rate:
+                predicted = flops / (rate[(case.name, vt.label)] * 1e9)
+                if predicted > budget:
+                    notes[vt.label] = f"skipped: ~{predicted:.0f} s a run, over the {budget:.0f} s budget"
+                    continue
+            runners.append(vt)
         bar.advance()
+
+    # Warm-up (timed: it sets how many runs a slow peer gets), then the rounds.
+    best: Dict[str, float] = {}
+    runs: Dict[str, int] = {}
+    want: Dict[str, int] = {}
+    live = []
+    for vt in runners:
+        bar.step(f"{case.name} {r}: warm-up {vt.label}")
+        try:
+            warm = _timed(vt.run)
+        except Exception as e:
+            notes[vt.label] = f"failed: {type(e).__name__}: {e}"
+            continue
+        n = 1 if vt.smallest_only else repeats
+        if vt.label != OURS and warm * n > budget:
+            n = max(1, int(budget / warm))
+        want[vt.label], best[vt.label], runs[vt.label] = n, float("inf"), 0
+        live.append(vt)
+    for rnd in range(max(want.values(), default=0)):
+        for vt in live:
+            if runs[vt.label] >= want[vt.label] or vt.label in notes:
+                continue
+            bar.step(f"{case.name} {r}: round {rnd + 1}/{repeats} {vt.label}")
+            try:
+                best[vt.label] = min(best[vt.label], _timed(vt.run))
+                runs[vt.label] += 1
+            except Exception as e:
+                notes[vt.label] = f"failed: {type(e).__name__}: {e}"
+    bar.step(f"{case.name} {r}: float64 reference, heads {heads}")
+    ref = reference_attention(q, k, v, mask, heads=heads)[:, heads]
+    outputs = {}
+    for vt in live:
+        if vt.label not in notes:
+            try:
+                outputs[vt.label] = vt.output()
+            except Exception as e:
+                notes[vt.label] = f"failed: {type(e).__name__}: {e}"
+    del plan
+    bar.advance()
+
+    ours_s = best.get(OURS)
+    rows_out = []
+    for label in labels:
+        seconds = best.get(label) if label not in notes else None
+        d = dict(base, impl=label, ms=None, gflops=None, pct_peak=None, nmse=None, runs=runs.get(label, 0), speedup_vs=None, note=notes.get(label))
+        if seconds is not None and seconds != float("inf"):
+            d.update(ms=seconds * 1e3, gflops=flops / seconds / 1e9)
+            d["pct_peak"] = 100.0 * d["gflops"] / peak if peak else None
+            if label != OURS and ours_s:
+                d["speedup_vs"] = seconds / ours_s
+            rate[(case.name, label)] = d["gflops"]
+        if label in outputs:
+            d["nmse"] = nmse(outputs[label][:, heads], ref)
+        rows_out.append(d)
     return rows_out
 
 
@@ -296,7 +321,7 @@ def print_table(report: dict, out=None) -> None:
     print(f"mlx-native {report['version']} bench on {m['device']}; CPU {m['cpu_model']}, {m['cores']} cores", file=out)
     if p:
         print(f"measured FMA peak ({m['isa']}): {p['one_core']:.1f} GFLOP/s one core, {p['all_cores']:.1f} GFLOP/s all cores", file=out)
-    print(f"timing: best of {report['repeats']} after a warm-up; GFLOP/s = useful FLOP (SPEC section 5) / time", file=out)
+    print(f"timing: best of {report['repeats']} rounds after a warm-up, implementations in turn; GFLOP/s = useful FLOP (SPEC section 5) / time", file=out)
     for name, why in report["missing_peers"].items():
         print(f"peer {name} missing: {why}", file=out)
     hdr = f"{'case':12} {'rows':>5} {'implementation':28} {'ms':>10} {'GFLOP/s':>8} {'%peak':>6} {'NMSE':>9} {'ours x':>7}"
