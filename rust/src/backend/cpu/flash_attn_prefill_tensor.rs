@@ -152,11 +152,14 @@ fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
     };
     let item: unsafe fn(&Problem, usize, usize, &mut Scratch) = pick::<D>();
     let q_tiles = rows.div_ceil(bq);
+    // Items in KV-head-major order: rayon hands each thread contiguous runs of items, so a
+    // thread walks consecutive query tiles of one KV head, whose K/V rows (the same cache
+    // rows, or a window sliding by one tile) are still in its L2 from the item before.
     (0..q_tiles * nkv).into_par_iter().for_each(|w| {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             // SAFETY: `pick` chose an instruction set this CPU has; sizes checked above.
-            unsafe { item(&pb, w / nkv, w % nkv, &mut s) };
+            unsafe { item(&pb, w % q_tiles, w / q_tiles, &mut s) };
         })
     });
     Ok(())
