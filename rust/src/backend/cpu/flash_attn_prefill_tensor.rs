@@ -329,21 +329,24 @@ unsafe fn load_tile<S: Simd, const D: usize>(dst: *mut f32, src: *const u16, rs:
 /// `st[j][i] = sum_d kf[j][d] * qt[d][i]` for `lo <= j < hi`, `i < r`.
 #[inline(always)]
 unsafe fn scores<S: Simd, const D: usize>(kf: *const f32, qt: *const f32, st: *mut f32, r: usize, lo: usize, hi: usize) {
-    let wide = if S::WIDE_BLOCKS { 4 } else { 2 };
+    // AVX-512: 4 cache rows x 4 vectors (16 zmm accumulators). AVX2 (and the remainder):
+    // 6 cache rows x 1 vector, 12 ymm accumulators; 4 x 2 would need 16 and spill.
     let mut i0 = 0;
-    while i0 + wide * W <= r {
+    while S::WIDE_BLOCKS && i0 + 4 * W <= r {
         for j0 in (lo..hi).step_by(4) {
-            if S::WIDE_BLOCKS {
-                scores_block::<S, D, 4, 4>(kf, qt, st, r, j0, i0);
-            } else {
-                scores_block::<S, D, 4, 2>(kf, qt, st, r, j0, i0);
-            }
+            scores_block::<S, D, 4, 4>(kf, qt, st, r, j0, i0);
         }
-        i0 += wide * W;
+        i0 += 4 * W;
     }
     while i0 < r {
-        for j0 in (lo..hi).step_by(4) {
-            scores_block::<S, D, 4, 1>(kf, qt, st, r, j0, i0);
+        let mut j0 = lo;
+        while j0 + 6 <= hi {
+            scores_block::<S, D, 6, 1>(kf, qt, st, r, j0, i0);
+            j0 += 6;
+        }
+        while j0 < hi {
+            scores_block::<S, D, 2, 1>(kf, qt, st, r, j0, i0);
+            j0 += 2;
         }
         i0 += W;
     }
@@ -482,14 +485,15 @@ unsafe fn accumulate<S: Simd, const D: usize>(
             }
         }
         // Row blocks: 8 rows x 2 vectors (16 accumulators) where 32 registers allow it,
-        // 2 x 2 on AVX2's 16 ymm (a vector is two of them there).
+        // 2 x 2 on AVX2's 16 ymm (a vector is two of them there; 4 x 1 and 6 x 1 measured
+        // slower).
         if S::WIDE_BLOCKS {
             for i0 in (0..r).step_by(8) {
-                accumulate_block::<S, D, 8>(p, vc, o, ms, rescale, r, i0, d0, lo, hi);
+                accumulate_block::<S, D, 8, 2>(p, vc, o, ms, rescale, r, i0, d0, lo, hi);
             }
         } else {
             for i0 in (0..r).step_by(2) {
-                accumulate_block::<S, D, 2>(p, vc, o, ms, rescale, r, i0, d0, lo, hi);
+                accumulate_block::<S, D, 2, 2>(p, vc, o, ms, rescale, r, i0, d0, lo, hi);
             }
         }
     }
@@ -497,7 +501,7 @@ unsafe fn accumulate<S: Simd, const D: usize>(
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize>(
+unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, const DV: usize>(
     p: *const f32,
     vc: *const f32,
     o: *mut f32,
@@ -509,7 +513,6 @@ unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize>(
     lo: usize,
     hi: usize,
 ) {
-    const DV: usize = V_SPAN / W;
     let mut acc = [[S::splat(0.0); DV]; IB];
     for (ii, row) in acc.iter_mut().enumerate() {
         let s = S::splat(*ms.add(i0 + ii));
@@ -521,7 +524,7 @@ unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize>(
     for j in lo..hi {
         let mut vv = [S::splat(0.0); DV];
         for (dv, x) in vv.iter_mut().enumerate() {
-            *x = S::load(vc.add(j * V_SPAN + dv * W));
+            *x = S::load(vc.add(j * DV * W + dv * W));
         }
         for (ii, row) in acc.iter_mut().enumerate() {
             let pb = S::splat(*p.add(j * r + i0 + ii));
