@@ -27,6 +27,9 @@ fn cases() -> Vec<(&'static str, Case)> {
         ("d512 zero mask kv=64", Case::new(4, 17, 4, 4, 512, 64, 1, MaskKind::Zero)),
         ("d256 gqa4 peer scale", scaled),
         ("d512 gqa2 peer longer cache", Case::new(6, 24, 4, 2, 512, 300, 0, MaskKind::Peer)),
+        // One head per KV head: 4 query tiles per work item, the last item with one of 5.
+        ("d256 mha window, items of 4 tiles", Case::new(7, 150, 3, 3, 256, 150, 1, MaskKind::Window(40))),
+        ("d256 gqa2 peer, items of 2 tiles", Case::new(8, 100, 4, 2, 256, 100, 0, MaskKind::Peer)),
     ]
 }
 

@@ -1,11 +1,14 @@
 //! CPU form of `flash_attn_prefill_tensor_f16_d256` / `_d512` (SPEC section 2).
 //!
-//! One work item is one query tile of the blk table (`bq` rows) times one KV head, with
-//! every query head that shares that KV head: the K/V tile of a step is converted to f32
-//! once and used by `bq * group` rows. Scores are kept transposed (`[cache row][query row]`)
-//! so the per-row max, exp, half rounding and sums run across SIMD lanes without
-//! horizontal reductions. Items run in parallel on all cores; scratch is per thread and
-//! reused, so the hot loop allocates nothing.
+//! One work item is one KV head times up to four consecutive query tiles of the blk table
+//! (`bq` rows each, about 128 rows in all), with every query head that shares that KV head:
+//! the K/V tile of a step is converted to f32 once and used by all those rows, while each
+//! query tile follows its own blk bytes and mask. Scores are kept transposed (`[cache
+//! row][query row]`) so the per-row max, exp, half rounding and sums run across SIMD lanes
+//! without horizontal reductions; in a partly masked step a tile computes only the cache rows
+//! some of its rows can see. Items run in parallel on all cores (rayon, work stealing), a
+//! thread taking consecutive items of one KV head; scratch is per thread and reused, so the
+//! hot loop allocates nothing.
 
 use std::cell::RefCell;
 
@@ -56,6 +59,16 @@ const fn bq_of(d: usize) -> usize {
     }
 }
 
+/// Most query tiles one work item takes.
+const MAX_NT: usize = 4;
+
+/// Query tiles per work item for `rows_per_tile` rows (bq times the heads sharing a KV
+/// head): enough for about 128 rows, so that the conversion of each K/V tile to f32 is
+/// shared by that many rows (64-row items spent about 3% more).
+fn tiles_per_item(rows_per_tile: usize) -> usize {
+    (128 / rows_per_tile).clamp(1, MAX_NT)
+}
+
 /// Entry point of `flash_attn_prefill_tensor_f16_d256`.
 pub fn run_d256(d: &Dispatch) -> Result<()> {
     run_head_dim::<256>(d)
@@ -74,6 +87,8 @@ struct Problem {
     kv_pad: usize,
     group: usize,
     bq: usize,
+    /// Query tiles per work item (they share each K/V tile's conversion).
+    nt: usize,
     q_rs: usize,
     q_hs: usize,
     k_rs: usize,
@@ -134,6 +149,7 @@ fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
         kv_pad,
         group: nh / nkv,
         bq,
+        nt: tiles_per_item(bq * (nh / nkv)),
         q_rs: u(p.q_row_stride),
         q_hs: u(p.q_head_stride),
         k_rs: u(p.k_row_stride),
@@ -151,15 +167,15 @@ fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
         out: SendPtr(out as *mut f32),
     };
     let item: unsafe fn(&Problem, usize, usize, &mut Scratch) = pick::<D>();
-    let q_tiles = rows.div_ceil(bq);
+    let groups = rows.div_ceil(bq).div_ceil(pb.nt);
     // Items in KV-head-major order: rayon hands each thread contiguous runs of items, so a
     // thread walks consecutive query tiles of one KV head, whose K/V rows (the same cache
     // rows, or a window sliding by one tile) are still in its L2 from the item before.
-    (0..q_tiles * nkv).into_par_iter().for_each(|w| {
+    (0..groups * nkv).into_par_iter().for_each(|w| {
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
             // SAFETY: `pick` chose an instruction set this CPU has; sizes checked above.
-            unsafe { item(&pb, w % q_tiles, w / q_tiles, &mut s) };
+            unsafe { item(&pb, w % groups, w / groups, &mut s) };
         })
     });
     Ok(())
@@ -226,21 +242,39 @@ fn grow(v: &mut Vec<f32>, n: usize) {
     }
 }
 
-/// One work item: query tile `qt`, KV head `g`, all `group` query heads of that KV head.
+/// One query tile of a work item, and what it does in the current step.
+#[derive(Clone, Copy, Default)]
+struct Sub {
+    /// First query row, and rows below the prompt's end (0 for a tile past it).
+    r0: usize,
+    nr: usize,
+    /// The item's rows of this tile: `[ib, ie)`.
+    ib: usize,
+    ie: usize,
+    /// This step: the blk byte, and the cache rows `[lo, hi)` it computes (empty: none).
+    t: u8,
+    lo: usize,
+    hi: usize,
+}
+
+/// One work item: query tiles `grp * nt ..` (up to `nt` of them), KV head `g`, all `group`
+/// query heads of that KV head. Row `i` of the item is tile `i / (group * bq)`, head
+/// `i / bq % group`, query row `i % bq` of the tile. Each tile follows its own blk bytes and
+/// mask; the tiles share the conversion of every K/V tile.
 #[inline(always)]
-unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, qt: usize, g: usize, sc: &mut Scratch) {
-    let bq = pb.bq;
-    let r = bq * pb.group; // rows of the item, a multiple of W
-    let r0 = qt * bq;
-    let nr = bq.min(pb.rows - r0);
+unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, grp: usize, g: usize, sc: &mut Scratch) {
+    let (bq, nt) = (pb.bq, pb.nt);
+    let per = bq * pb.group; // rows of one tile, a multiple of W
+    let r = per * nt; // rows of the item
     let steps = pb.kv_pad / C;
+    let q_tiles = pb.rows.div_ceil(bq);
     grow(&mut sc.qt, D * r);
     grow(&mut sc.o, r * D);
     grow(&mut sc.st, C * r);
     grow(&mut sc.kf, C * D);
     grow(&mut sc.vf, C * V_SPAN);
     grow(&mut sc.mrow, bq * C);
-    grow(&mut sc.mt, C * bq);
+    grow(&mut sc.mt, nt * C * bq);
     grow(&mut sc.m, r);
     grow(&mut sc.l, r);
     grow(&mut sc.ms, r);
@@ -249,23 +283,34 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, qt: usize, g: usize, 
     let (mrow, mt) = (sc.mrow.as_mut_ptr(), sc.mt.as_mut_ptr());
     let (m_b, l_b, ms_b) = (sc.m.as_mut_ptr(), sc.l.as_mut_ptr(), sc.ms.as_mut_ptr());
 
+    let mut subs = [Sub::default(); MAX_NT];
+    for (k, sub) in subs.iter_mut().enumerate().take(nt) {
+        let qt = grp * nt + k;
+        let r0 = qt * bq;
+        let nr = if qt < q_tiles { bq.min(pb.rows - r0) } else { 0 };
+        *sub = Sub { r0, nr, ib: k * per, ie: (k + 1) * per, ..Sub::default() };
+    }
+    let subs = &mut subs[..nt];
+
     // Q: qh = half(scale * q), transposed into Q^T; rows past the prompt are zero.
     let scale = S::splat(pb.scale);
     let mut tmp = [0f32; D];
-    for hh in 0..pb.group {
-        let h = g * pb.group + hh;
-        for rr in 0..bq {
-            let i = hh * bq + rr;
-            if rr < nr {
-                let src = pb.q.add((r0 + rr) * pb.q_rs + h * pb.q_hs);
-                for dv in (0..D).step_by(W) {
-                    S::store(tmp.as_mut_ptr().add(dv), S::round_half(S::mul(S::load(src.add(dv)), scale)));
+    for sub in subs.iter() {
+        for hh in 0..pb.group {
+            let h = g * pb.group + hh;
+            for rr in 0..bq {
+                let i = sub.ib + hh * bq + rr;
+                if rr < sub.nr {
+                    let src = pb.q.add((sub.r0 + rr) * pb.q_rs + h * pb.q_hs);
+                    for dv in (0..D).step_by(W) {
+                        S::store(tmp.as_mut_ptr().add(dv), S::round_half(S::mul(S::load(src.add(dv)), scale)));
+                    }
+                } else {
+                    tmp.fill(0.0);
                 }
-            } else {
-                tmp.fill(0.0);
-            }
-            for (dd, &x) in tmp.iter().enumerate() {
-                *qt_b.add(dd * r + i) = x;
+                for (dd, &x) in tmp.iter().enumerate() {
+                    *qt_b.add(dd * r + i) = x;
+                }
             }
         }
     }
@@ -276,40 +321,58 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, qt: usize, g: usize, 
     std::ptr::write_bytes(o_b, 0, r * D);
 
     for step in 0..steps {
-        let t = *pb.blk.add(qt * steps + step);
-        if t == 0 {
-            continue;
-        }
         let c0 = step * C;
-        // Cache rows [lo, hi) of the step (multiples of 4) hold every one the tile's rows may
-        // see; the others are -inf for all of them, so their p is exactly 0 and leaving them
-        // out changes no bit (K and V are finite). On the diagonal of a causal mask and at
-        // the edge of a window this skips up to three quarters of the step.
-        let (lo, hi) = if t == 2 { (0, C) } else { load_mask::<S>(pb, mrow, mt, r0, nr, c0) };
-        let (lo, hi) = if pb.column_skip || t == 2 { (lo, hi) } else { (0, C) };
-        if lo >= hi {
+        // Per tile: cache rows [lo, hi) of the step (multiples of 4) hold every one the
+        // tile's rows may see; the others are -inf for all of them, so their p is exactly 0
+        // and leaving them out changes no bit (K and V are finite). On the diagonal of a
+        // causal mask and at the edge of a window this skips up to three quarters of a step.
+        let (mut lo_all, mut hi_all) = (C, 0);
+        for (k, sub) in subs.iter_mut().enumerate() {
+            sub.t = if sub.nr == 0 { 0 } else { *pb.blk.add((grp * nt + k) * steps + step) };
+            let (lo, hi) = match sub.t {
+                0 => (C, 0),
+                2 => (0, C),
+                _ => {
+                    let range = load_mask::<S>(pb, mrow, mt.add(k * C * bq), sub.r0, sub.nr, c0);
+                    if pb.column_skip { range } else { (0, C) }
+                }
+            };
+            (sub.lo, sub.hi) = (lo, hi);
+            if lo < hi {
+                lo_all = lo_all.min(lo);
+                hi_all = hi_all.max(hi);
+            }
+        }
+        if lo_all >= hi_all {
             continue;
         }
-        load_tile::<S, D>(kf, pb.k.add(c0 * pb.k_rs + g * pb.k_hs), pb.k_rs, lo, hi);
-        scores::<S, D>(kf, qt_b, st_b, r, lo, hi);
-        if t != 2 {
-            add_mask::<S>(pb, mt, st_b, r, lo, hi);
+        load_tile::<S, D>(kf, pb.k.add(c0 * pb.k_rs + g * pb.k_hs), pb.k_rs, lo_all, hi_all);
+        for (k, sub) in subs.iter().enumerate() {
+            if sub.lo >= sub.hi {
+                continue;
+            }
+            scores::<S, D>(kf, qt_b, st_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
+            if sub.t != 2 {
+                add_mask::<S>(pb, mt.add(k * C * bq), st_b, r, sub.ib, sub.lo, sub.hi);
+            }
+            softmax_step::<S>(st_b, m_b, l_b, ms_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
         }
-        softmax_step::<S>(st_b, m_b, l_b, ms_b, r, lo, hi);
-        accumulate::<S, D>(st_b, pb.v.add(c0 * pb.v_rs + g * pb.v_hs), pb.v_rs, vf, o_b, ms_b, r, lo, hi);
+        accumulate::<S, D>(st_b, pb.v.add(c0 * pb.v_rs + g * pb.v_hs), pb.v_rs, vf, o_b, ms_b, r, subs, lo_all, hi_all);
     }
 
     // O / S, or zeros where S == 0 (a row that saw no unmasked cache row).
-    for hh in 0..pb.group {
-        let h = g * pb.group + hh;
-        for rr in 0..nr {
-            let i = hh * bq + rr;
-            let dst = pb.out.0.add(((r0 + rr) * pb.n_heads + h) * D);
-            let l = *l_b.add(i);
-            let lv = S::splat(l);
-            for dv in (0..D).step_by(W) {
-                let o = if l == 0.0 { S::splat(0.0) } else { S::div(S::load(o_b.add(i * D + dv)), lv) };
-                S::store(dst.add(dv), o);
+    for sub in subs.iter() {
+        for hh in 0..pb.group {
+            let h = g * pb.group + hh;
+            for rr in 0..sub.nr {
+                let i = sub.ib + hh * bq + rr;
+                let dst = pb.out.0.add(((sub.r0 + rr) * pb.n_heads + h) * D);
+                let l = *l_b.add(i);
+                let lv = S::splat(l);
+                for dv in (0..D).step_by(W) {
+                    let o = if l == 0.0 { S::splat(0.0) } else { S::div(S::load(o_b.add(i * D + dv)), lv) };
+                    S::store(dst.add(dv), o);
+                }
             }
         }
     }
@@ -326,19 +389,21 @@ unsafe fn load_tile<S: Simd, const D: usize>(dst: *mut f32, src: *const u16, rs:
     }
 }
 
-/// `st[j][i] = sum_d kf[j][d] * qt[d][i]` for `lo <= j < hi`, `i < r`.
+/// `st[j][i] = sum_d kf[j][d] * qt[d][i]` for `lo <= j < hi`, `ib <= i < ie` (row stride
+/// of `qt` and `st`: `r`).
 #[inline(always)]
-unsafe fn scores<S: Simd, const D: usize>(kf: *const f32, qt: *const f32, st: *mut f32, r: usize, lo: usize, hi: usize) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores<S: Simd, const D: usize>(kf: *const f32, qt: *const f32, st: *mut f32, r: usize, ib: usize, ie: usize, lo: usize, hi: usize) {
     // AVX-512: 4 cache rows x 4 vectors (16 zmm accumulators). AVX2 (and the remainder):
     // 6 cache rows x 1 vector, 12 ymm accumulators; 4 x 2 would need 16 and spill.
-    let mut i0 = 0;
-    while S::WIDE_BLOCKS && i0 + 4 * W <= r {
+    let mut i0 = ib;
+    while S::WIDE_BLOCKS && i0 + 4 * W <= ie {
         for j0 in (lo..hi).step_by(4) {
             scores_block::<S, D, 4, 4>(kf, qt, st, r, j0, i0);
         }
         i0 += 4 * W;
     }
-    while i0 < r {
+    while i0 < ie {
         let mut j0 = lo;
         while j0 + 6 <= hi {
             scores_block::<S, D, 6, 1>(kf, qt, st, r, j0, i0);
@@ -414,14 +479,15 @@ unsafe fn load_mask<S: Simd>(pb: &Problem, mrow: *mut f32, mt: *mut f32, r0: usi
     (lo & !3, (hi + 3) & !3)
 }
 
-/// Add the mask (`mt`, `[C][bq]`) of cache rows `lo..hi` to the scores of every head.
+/// Add the mask (`mt`, `[C][bq]`) of cache rows `lo..hi` to the scores of every head of
+/// the tile whose rows start at `ib`.
 #[inline(always)]
-unsafe fn add_mask<S: Simd>(pb: &Problem, mt: *const f32, st: *mut f32, r: usize, lo: usize, hi: usize) {
+unsafe fn add_mask<S: Simd>(pb: &Problem, mt: *const f32, st: *mut f32, r: usize, ib: usize, lo: usize, hi: usize) {
     let bq = pb.bq;
     for j in lo..hi {
         for hh in 0..pb.group {
             for rv in (0..bq).step_by(W) {
-                let p = st.add(j * r + hh * bq + rv);
+                let p = st.add(j * r + ib + hh * bq + rv);
                 S::store(p, S::add(S::load(p), S::load(mt.add(j * bq + rv))));
             }
         }
@@ -431,9 +497,10 @@ unsafe fn add_mask<S: Simd>(pb: &Problem, mt: *const f32, st: *mut f32, r: usize
 /// Online softmax of one step, lanes = rows: new max with the lazy (> +8) rescale,
 /// `p = half(exp(s - M))` in place of the scores, `S = S * ms + sum p`.
 #[inline(always)]
-unsafe fn softmax_step<S: Simd>(st: *mut f32, m: *mut f32, l: *mut f32, ms: *mut f32, r: usize, lo: usize, hi: usize) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn softmax_step<S: Simd>(st: *mut f32, m: *mut f32, l: *mut f32, ms: *mut f32, r: usize, ib: usize, ie: usize, lo: usize, hi: usize) {
     let one = S::splat(1.0);
-    for i0 in (0..r).step_by(W) {
+    for i0 in (ib..ie).step_by(W) {
         // As if the max had started at column 0: the -inf columns before `lo` leave -inf.
         let first = S::load(st.add(lo * r + i0));
         let mut mx = if lo == 0 { first } else { S::max(first, S::splat(f32::NEG_INFINITY)) };
@@ -461,8 +528,9 @@ unsafe fn softmax_step<S: Simd>(st: *mut f32, m: *mut f32, l: *mut f32, ms: *mut
 /// 8 KiB) stays in L1 while every row block of the item uses it.
 const V_SPAN: usize = 2 * W;
 
-/// `o[i] = o[i] * ms[i] + sum_j p[j][i] * v[j]` for the `C` rows of V at `v` (halves, row
-/// stride `rs`), slice by slice of `V_SPAN` columns.
+/// `o[i] = o[i] * ms[i] + sum_j p[j][i] * v[j]` for the rows of every tile in `subs` that
+/// computes this step, over its cache rows, with V at `v` (halves, row stride `rs`), slice
+/// by slice of `V_SPAN` columns (rows `lo..hi` of each slice widened once for all tiles).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn accumulate<S: Simd, const D: usize>(
@@ -473,11 +541,15 @@ unsafe fn accumulate<S: Simd, const D: usize>(
     o: *mut f32,
     ms: *const f32,
     r: usize,
+    subs: &[Sub],
     lo: usize,
     hi: usize,
 ) {
     // With the lazy rescale most steps keep every max: then O is only read (x * 1 == x).
-    let rescale = (0..r).any(|i| *ms.add(i) != 1.0);
+    let mut rescale = [false; MAX_NT];
+    for (k, sub) in subs.iter().enumerate() {
+        rescale[k] = (sub.ib..sub.ie).any(|i| *ms.add(i) != 1.0);
+    }
     for d0 in (0..D).step_by(V_SPAN) {
         for j in lo..hi {
             for x in (0..V_SPAN).step_by(W) {
@@ -487,13 +559,18 @@ unsafe fn accumulate<S: Simd, const D: usize>(
         // Row blocks: 8 rows x 2 vectors (16 accumulators) where 32 registers allow it,
         // 2 x 2 on AVX2's 16 ymm (a vector is two of them there; 4 x 1 and 6 x 1 measured
         // slower).
-        if S::WIDE_BLOCKS {
-            for i0 in (0..r).step_by(8) {
-                accumulate_block::<S, D, 8, 2>(p, vc, o, ms, rescale, r, i0, d0, lo, hi);
+        for (k, sub) in subs.iter().enumerate() {
+            if sub.lo >= sub.hi {
+                continue;
             }
-        } else {
-            for i0 in (0..r).step_by(2) {
-                accumulate_block::<S, D, 2, 2>(p, vc, o, ms, rescale, r, i0, d0, lo, hi);
+            if S::WIDE_BLOCKS {
+                for i0 in (sub.ib..sub.ie).step_by(8) {
+                    accumulate_block::<S, D, 8, 2>(p, vc, o, ms, rescale[k], r, i0, d0, sub.lo, sub.hi);
+                }
+            } else {
+                for i0 in (sub.ib..sub.ie).step_by(2) {
+                    accumulate_block::<S, D, 2, 2>(p, vc, o, ms, rescale[k], r, i0, d0, sub.lo, sub.hi);
+                }
             }
         }
     }
