@@ -76,6 +76,8 @@ def test_bench_says_which_peers_are_missing(monkeypatch, capsys):
 
 
 def test_bench_rejects_bad_options():
+    with pytest.raises(ValueError, match="unknown peer"):
+        bench.run_bench(rows=[16], peers=["no-such-peer"], quiet=True, progress=False)
     with pytest.raises(ValueError, match="unknown case"):
         bench.run_bench(rows=[16], cases=["nope"], quiet=True, progress=False)
     with pytest.raises(ValueError, match="repeats"):
@@ -100,3 +102,9 @@ def test_progress_bar_without_tqdm(monkeypatch, capsys):
     bar.close()
     err = capsys.readouterr().err
     assert "0/4 first" in err and "1/4 second" in err and "#" in err
+
+
+def test_cli_bench_reports_a_missing_device_cleanly():
+    r = subprocess.run([sys.executable, "-m", "mlx_native", "bench", "--device", "no-such-backend", "--rows", "16"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and r.stderr.startswith("bench: ") and "Traceback" not in r.stderr

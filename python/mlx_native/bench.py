@@ -162,8 +162,15 @@ def run_bench(
     kind = dev.backend
     out = None if quiet else (out or sys.stdout)
 
+    registered = peers_for(kind)
+    if peers is not None:
+        unknown = sorted(set(peers) - {p.name for p in registered})
+        if unknown:
+            raise ValueError(
+                f"unknown peer(s) {', '.join(unknown)} for a {kind} device; known: {', '.join(p.name for p in registered) or 'none'}"
+            )
     available, missing = [], {}
-    for p in peers_for(kind):
+    for p in registered:
         if peers is not None and p.name not in peers:
             continue
         why = p.missing()
@@ -329,6 +336,8 @@ def print_table(report: dict, out=None) -> None:
     print(f"timing: best of {report['repeats']} rounds after a warm-up, implementations in turn; GFLOP/s = useful FLOP (SPEC section 5) / time", file=out)
     for name, why in report["missing_peers"].items():
         print(f"peer {name} missing: {why}", file=out)
+    if not report["peers"] and not report["missing_peers"]:
+        print(f"no peer run (none asked for, or none registered for {report['device_kind']} devices)", file=out)
     hdr = f"{'case':12} {'rows':>5} {'implementation':28} {'ms':>10} {'GFLOP/s':>8} {'%peak':>6} {'NMSE':>9} {'ours x':>7}"
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
@@ -400,17 +409,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args) -> int:
-    report = run_bench(
-        rows=args.rows,
-        cases=args.cases,
-        repeats=args.repeats,
-        device=args.device,
-        peers=args.peers,
-        sample_heads=args.sample_heads,
-        peer_budget_s=args.peer_budget,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    from .errors import MlxError
+
+    try:
+        report = run_bench(
+            rows=args.rows,
+            cases=args.cases,
+            repeats=args.repeats,
+            device=args.device,
+            peers=args.peers,
+            sample_heads=args.sample_heads,
+            peer_budget_s=args.peer_budget,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+    except (ValueError, MlxError) as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
