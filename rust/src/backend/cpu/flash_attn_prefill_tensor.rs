@@ -293,23 +293,31 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, grp: usize, g: usize,
     let subs = &mut subs[..nt];
 
     // Q: qh = half(scale * q), transposed into Q^T; rows past the prompt are zero.
+    // By blocks of W rows, so that every line of Q^T is written whole, once.
     let scale = S::splat(pb.scale);
-    let mut tmp = [0f32; D];
+    let mut tmp = [[0f32; D]; W];
     for sub in subs.iter() {
         for hh in 0..pb.group {
             let h = g * pb.group + hh;
-            for rr in 0..bq {
-                let i = sub.ib + hh * bq + rr;
-                if rr < sub.nr {
-                    let src = pb.q.add((sub.r0 + rr) * pb.q_rs + h * pb.q_hs);
-                    for dv in (0..D).step_by(W) {
-                        S::store(tmp.as_mut_ptr().add(dv), S::round_half(S::mul(S::load(src.add(dv)), scale)));
+            for rb in (0..bq).step_by(W) {
+                for (x, row) in tmp.iter_mut().enumerate() {
+                    let rr = rb + x;
+                    if rr < sub.nr {
+                        let src = pb.q.add((sub.r0 + rr) * pb.q_rs + h * pb.q_hs);
+                        for dv in (0..D).step_by(W) {
+                            S::store(row.as_mut_ptr().add(dv), S::round_half(S::mul(S::load(src.add(dv)), scale)));
+                        }
+                    } else {
+                        row.fill(0.0);
                     }
-                } else {
-                    tmp.fill(0.0);
                 }
-                for (dd, &x) in tmp.iter().enumerate() {
-                    *qt_b.add(dd * r + i) = x;
+                let i0 = sub.ib + hh * bq + rb;
+                for dd in 0..D {
+                    let mut col = [0f32; W];
+                    for (x, c) in col.iter_mut().enumerate() {
+                        *c = tmp[x][dd];
+                    }
+                    S::store(qt_b.add(dd * r + i0), S::load(col.as_ptr()));
                 }
             }
         }
