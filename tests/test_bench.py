@@ -34,7 +34,7 @@ def test_bench_runs_a_tiny_case_end_to_end_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run(
         [sys.executable, "-m", "mlx_native", "bench", "--rows", "64", "--cases", "sliding", "global",
-         "--repeats", "1", "--device", "cpu", "--peers", "numpy float64 reference", "--json", str(out)],
+         "--repeats", "1", "--device", "cpu", "--peers", "reference", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr
@@ -86,7 +86,7 @@ def test_bench_rejects_bad_options():
 
 def test_bench_plot(tmp_path):
     report = bench.run_bench(rows=[16, 32], cases=["dense"], repeats=1, device="cpu",
-                             peers=["numpy float64 reference"], progress=False, quiet=True)
+                             peers=["reference"], progress=False, quiet=True)
     path = tmp_path / "ratios.png"
     try:
         import matplotlib  # noqa: F401

@@ -321,7 +321,8 @@ def _one_size(case, r, smallest, dev, available, repeats, sample_heads, budget, 
 
 
 def _fmt(x, f):
-    return "-" if x is None else format(x, f)
+    """``x`` in format ``f`` (``"10.1f"``), or a dash as wide."""
+    return format(x, f) if x is not None else "-".rjust(int(f.split(".")[0]))
 
 
 def print_table(report: dict, out=None) -> None:
@@ -399,7 +400,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS), help="prompt lengths (kv_len = rows)")
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="shapes to run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (best is kept)")
-    p.add_argument("--peers", nargs="*", default=None, help="peer names to run (default: all installed; none: --peers with no name)")
+    p.add_argument("--peers", nargs="*", default=None, help="peers to run (on a CPU device: torch, mlx, reference; default: every one installed; --peers alone: none)")
     p.add_argument("--peer-budget", type=float, default=20.0, help="seconds one peer may spend at one size (slow peers are skipped at larger sizes)")
     p.add_argument("--sample-heads", type=int, default=3, help="query heads checked against the float64 reference")
     p.add_argument("--seed", type=int, default=0)

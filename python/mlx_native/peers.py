@@ -206,7 +206,7 @@ class NumpyReference(Peer):
     """``mlx_native.reference.reference_attention``: exact float64 numpy, every head (run
     at the smallest size only)."""
 
-    name = "numpy float64 reference"
+    name = "reference"
 
     def variants(self, problem: Problem) -> List[Variant]:
         state = {}
