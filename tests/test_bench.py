@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -114,3 +115,25 @@ def test_cli_bench_reports_a_missing_device_cleanly():
     r = subprocess.run([sys.executable, "-m", "mlx_native", "bench", "--device", "no-such-backend", "--rows", "16"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and r.stderr.startswith("bench: ") and "Traceback" not in r.stderr
+
+
+def test_cli_bench_threads(tmp_path):
+    out = tmp_path / "one.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_native", "bench", "--rows", "32", "--cases", "dense", "--repeats", "1",
+         "--peers", "--threads", "1", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["machine"]["threads_used"] == 1
+    assert "on the 1 threads in use" in r.stdout
+
+
+def test_bench_threads_cannot_change_a_running_pool():
+    mx.cpu_info()  # the pool runs now, with every core
+    n = mx.cpu_info()["threads"]
+    before = os.environ.get("RAYON_NUM_THREADS")
+    with pytest.raises(ValueError, match="already runs"):
+        bench.run_bench(rows=[16], threads=n + 1, quiet=True, progress=False)
+    assert os.environ.get("RAYON_NUM_THREADS") == before

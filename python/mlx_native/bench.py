@@ -107,6 +107,25 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _use_threads(n: int) -> None:
+    """Make the CPU backend use ``n`` threads: only possible before its thread pool starts
+    (the first kernel or ``cpu_info()`` starts it), through ``RAYON_NUM_THREADS``."""
+    if int(n) != n or n < 1:
+        raise ValueError(f"threads must be a positive integer, got {n!r}")
+    before = os.environ.get("RAYON_NUM_THREADS")
+    os.environ["RAYON_NUM_THREADS"] = str(int(n))
+    got = cpu_info()["threads"]
+    if got != n:
+        if before is None:
+            del os.environ["RAYON_NUM_THREADS"]
+        else:
+            os.environ["RAYON_NUM_THREADS"] = before
+        raise ValueError(
+            f"the CPU backend already runs {got} threads in this process (set RAYON_NUM_THREADS={n} "
+            "before the library first runs, or use the command line)"
+        )
+
+
 def machine_info(device: Device) -> dict:
     """CPU model, cores, the CPU backend's instruction set and threads."""
     model = platform.processor() or platform.machine()
@@ -142,6 +161,7 @@ def run_bench(
     progress: bool = True,
     out=None,
     quiet: bool = False,
+    threads: Optional[int] = None,
 ) -> dict:
     """Run the benchmark and return its report (what ``--json`` writes); prints the table
     to ``out`` (default stdout) unless ``quiet``.
@@ -158,6 +178,8 @@ def run_bench(
         raise ValueError(f"rows must be positive integers, got {rows}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if threads is not None:
+        _use_threads(threads)
     dev = Device(device or "auto")
     kind = dev.backend
     out = None if quiet else (out or sys.stdout)
@@ -194,6 +216,7 @@ def run_bench(
     # The peak is measured before and after the runs and the higher kept: a load on the
     # machine lowers a measurement, never raises it.
     peaks = [dict(one_core=cpu_fma_peak(1), all_cores=cpu_fma_peak(0))] if kind == "cpu" else []
+    report["machine"]["threads_used"] = cpu_info()["threads"]
 
     # Per (case, rows): preparing ours, preparing each peer, and the timed rounds.
     per_size = 2 + len(available)
@@ -214,6 +237,7 @@ def run_bench(
         report["fma_peak_gflops"] = {k: max(p[k] for p in peaks) for k in peaks[0]}
         for d in report["results"]:
             if d["gflops"] is not None:
+                # all_cores: the peak of the threads in use (as many as --threads says).
                 d["pct_peak"] = 100.0 * d["gflops"] / report["fma_peak_gflops"]["all_cores"]
     if out is not None:
         print_table(report, out)
@@ -244,7 +268,7 @@ def _one_size(case, r, smallest, dev, available, repeats, sample_heads, budget, 
     notes: Dict[str, str] = {}
     labels = [OURS]
     bar.advance()
-    problem = Problem(q, k, v, mask, causal=case.mask == "causal", dense=case.mask == "zero")
+    problem = Problem(q, k, v, mask, causal=case.mask == "causal", dense=case.mask == "zero", threads=cpu_info()["threads"])
     for p in available:
         bar.step(f"{case.name} {r}: preparing {p.name}")
         try:
@@ -333,7 +357,8 @@ def print_table(report: dict, out=None) -> None:
     p = report.get("fma_peak_gflops")
     print(f"mlx-native {report['version']} bench on {m['device']}; CPU {m['cpu_model']}, {m['cores']} cores", file=out)
     if p:
-        print(f"measured FMA peak ({m['isa']}): {p['one_core']:.1f} GFLOP/s one core, {p['all_cores']:.1f} GFLOP/s all cores", file=out)
+        n = m.get("threads_used", m["threads"])
+        print(f"measured FMA peak ({m['isa']}): {p['one_core']:.1f} GFLOP/s one core, {p['all_cores']:.1f} GFLOP/s on the {n} threads in use (%peak)", file=out)
     print(f"timing: best of {report['repeats']} rounds after a warm-up, implementations in turn; GFLOP/s = useful FLOP (SPEC section 5) / time", file=out)
     for name, why in report["missing_peers"].items():
         print(f"peer {name} missing: {why}", file=out)
@@ -406,6 +431,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-budget", type=float, default=20.0, help="seconds one peer may spend at one size (slow peers are skipped at larger sizes)")
     p.add_argument("--sample-heads", type=int, default=3, help="query heads checked against the float64 reference")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="threads of the CPU backend and the CPU peers (default: every core)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw the ratios to the peers (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -425,6 +451,7 @@ def main_from_args(args) -> int:
             peer_budget_s=args.peer_budget,
             seed=args.seed,
             progress=not args.no_progress,
+            threads=args.threads,
         )
     except (ValueError, MlxError) as e:
         print(f"bench: {e}", file=sys.stderr)

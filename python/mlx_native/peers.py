@@ -37,6 +37,8 @@ class Problem:
     scale: float = 1.0
     causal: bool = False
     dense: bool = False
+    #: CPU threads the peer should use (as many as the library's backend uses).
+    threads: Optional[int] = None
 
 
 @dataclass
@@ -121,6 +123,8 @@ class TorchCpuSdpa(Peer):
         import torch
         import torch.nn.functional as F
 
+        if problem.threads:
+            torch.set_num_threads(problem.threads)
         g = _group(problem)
         q = torch.from_numpy(np.ascontiguousarray(problem.q.transpose(1, 0, 2)))[None]
         k = torch.from_numpy(problem.k.astype(np.float32).transpose(1, 0, 2))
