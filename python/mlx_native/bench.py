@@ -426,7 +426,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="device name for mlx_native.Device: auto (default), cpu, cuda, cuda:N, metal")
     p.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS), help="prompt lengths (kv_len = rows)")
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="shapes to run")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (best is kept)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up, one run of each implementation per round (the best is kept)")
     p.add_argument("--peers", nargs="*", default=None, help="peers to run (on a CPU device: torch, mlx, reference; default: every one installed; --peers alone: none)")
     p.add_argument("--peer-budget", type=float, default=20.0, help="seconds one peer may spend at one size (slow peers are skipped at larger sizes)")
     p.add_argument("--sample-heads", type=int, default=3, help="query heads checked against the float64 reference")
