@@ -244,7 +244,13 @@ def run_bench(
     return report
 
 
+#: Pause before every timed run: worker threads of the implementation that ran before
+#: (OpenMP spins for a while after a parallel region) must not run into the next one's time.
+SETTLE_S = 0.05
+
+
 def _timed(fn: Callable[[], None]) -> float:
+    time.sleep(SETTLE_S)
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
