@@ -29,7 +29,7 @@ fn cases() -> Vec<(&'static str, Case)> {
         ("d512 gqa2 peer longer cache", Case::new(6, 24, 4, 2, 512, 300, 0, MaskKind::Peer)),
         // One head per KV head: 4 query tiles per work item, the last item with one of 5.
         ("d256 mha window, items of 4 tiles", Case::new(7, 150, 3, 3, 256, 150, 1, MaskKind::Window(40))),
-        ("d256 gqa2 peer, items of 2 tiles", Case::new(8, 100, 4, 2, 256, 100, 0, MaskKind::Peer)),
+        ("d256 gqa2 peer, one item of 4 tiles", Case::new(8, 100, 4, 2, 256, 100, 0, MaskKind::Peer)),
     ]
 }
 

@@ -1,7 +1,7 @@
 //! CPU form of `flash_attn_prefill_tensor_f16_d256` / `_d512` (SPEC section 2).
 //!
 //! One work item is one KV head times up to four consecutive query tiles of the blk table
-//! (`bq` rows each, about 128 rows in all), with every query head that shares that KV head:
+//! (`bq` rows each, 128 to 256 rows in all), with every query head that shares that KV head:
 //! the K/V tile of a step is converted to f32 once and used by all those rows, while each
 //! query tile follows its own blk bytes and mask. Scores are kept transposed (`[cache
 //! row][query row]`) so the per-row max, exp, half rounding and sums run across SIMD lanes
@@ -63,10 +63,11 @@ const fn bq_of(d: usize) -> usize {
 const MAX_NT: usize = 4;
 
 /// Query tiles per work item for `rows_per_tile` rows (bq times the heads sharing a KV
-/// head): enough for about 128 rows, so that the conversion of each K/V tile to f32 is
-/// shared by that many rows (64-row items spent about 3% more).
-fn tiles_per_item(rows_per_tile: usize) -> usize {
-    (128 / rows_per_tile).clamp(1, MAX_NT)
+/// head) at head dim `d`: enough for about 64K elements of Q (256 rows at 256, 128 at 512),
+/// so that the conversion of each K/V tile to f32 is shared by that many rows while Q^T
+/// and O stay within L2 (64-row items spent about 4% more than 256-row ones).
+fn tiles_per_item(rows_per_tile: usize, d: usize) -> usize {
+    (65536 / d / rows_per_tile).clamp(1, MAX_NT)
 }
 
 /// Entry point of `flash_attn_prefill_tensor_f16_d256`.
@@ -149,7 +150,7 @@ fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
         kv_pad,
         group: nh / nkv,
         bq,
-        nt: tiles_per_item(bq * (nh / nkv)),
+        nt: tiles_per_item(bq * (nh / nkv), D),
         q_rs: u(p.q_row_stride),
         q_hs: u(p.q_head_stride),
         k_rs: u(p.k_row_stride),
