@@ -332,19 +332,6 @@ mod x86 {
     }
 }
 
-/// Ask for the cache line holding `p` to be brought into L2. A hint: it never faults and
-/// changes no result; a no-op where there is no prefetch instruction at hand.
-#[inline(always)]
-pub fn prefetch_l2<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: SSE is part of x86-64, and a prefetch reads nothing architecturally.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p as *const i8)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
 /// The instruction sets this CPU offers that the kernels can use, best first.
 pub fn detected_isas() -> Vec<&'static str> {
     let mut v = Vec::new();
