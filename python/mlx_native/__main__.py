@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_native info | demo``."""
+"""Command line: ``python -m mlx_native info | demo | bench``."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import sys
 
 
 def _info(args) -> int:
-    from . import backends, cpu_info, version
+    from . import backends, cpu_fma_peak, cpu_info, version
     from .device import Device
 
     print(f"mlx-native {version()}")
     print(f"backends: {', '.join(backends())}")
     ci = cpu_info()
     print(f"cpu: {ci['threads']} threads, instruction set {ci['isa']} (detected: {', '.join(ci['detected'])})")
+    one, allc = cpu_fma_peak(1), cpu_fma_peak(0)
+    print(f"cpu FMA peak ({ci['isa']}, measured): {one:.1f} GFLOP/s one core, {allc:.1f} GFLOP/s all {ci['threads']} threads")
     print(f"default device: {Device('auto').description}")
     return 0
 
@@ -25,6 +27,12 @@ def _demo(args) -> int:
     return 0 if all(r["nmse"] <= 5e-4 for r in results) else 1
 
 
+def _bench(args) -> int:
+    from .bench import main_from_args
+
+    return main_from_args(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlx_native", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,8 +42,11 @@ def main(argv=None) -> int:
     demo.add_argument("--device", default=None, help="auto (default), cpu, cuda, metal")
     demo.add_argument("--repeats", type=int, default=3)
     demo.add_argument("--seed", type=int, default=0)
+    from .bench import add_arguments as bench_arguments
+
+    bench_arguments(sub.add_parser("bench", help="the SPEC shapes against the installed peers (PyTorch, MLX), timed"))
     args = parser.parse_args(argv)
-    return {"info": _info, "demo": _demo}[args.command](args)
+    return {"info": _info, "demo": _demo, "bench": _bench}[args.command](args)
 
 
 if __name__ == "__main__":

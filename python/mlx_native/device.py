@@ -45,6 +45,17 @@ def cpu_info() -> dict:
     }
 
 
+def cpu_fma_peak(threads: int = 0) -> float:
+    """Measured FMA peak of the CPU in GFLOP/s (float32, an FMA is 2 FLOP per lane) on
+    ``threads`` threads (0: all the threads the kernels use), with the instruction set the
+    kernels use now. Takes about a quarter of a second."""
+    if int(threads) != threads or threads < 0:
+        raise InvalidArgumentError(f"threads must be a non-negative integer, got {threads!r}")
+    out = ffi.new("double *")
+    check(lib.mlxn_cpu_fma_peak(int(threads), out))
+    return float(out[0])
+
+
 def force_cpu_isa(name: Optional[str]) -> None:
     """Make the CPU kernels use one instruction set (``avx512``, ``avx2+fma+f16c``,
     ``portable``), or the best available with ``None``. Process-wide; for tests and

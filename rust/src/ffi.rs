@@ -307,6 +307,21 @@ pub unsafe extern "C" fn mlxn_cpu_force_isa(name: *const c_char) -> i32 {
     })
 }
 
+/// The measured FMA peak of the CPU in GFLOP/s (f32, an FMA counting 2 FLOP per lane) on
+/// `threads` threads (0: all the threads the kernels use), with the instruction set the
+/// kernels use now. Runs a calibrated register-only loop for about a quarter of a second.
+///
+/// # Safety
+/// `out_gflops` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_cpu_fma_peak(threads: u32, out_gflops: *mut f64) -> i32 {
+    guard(|| {
+        let out = out_ptr(out_gflops, "out_gflops")?;
+        *out = crate::backend::cpu::peak::fma_peak_gflops(threads as usize)?;
+        Ok(())
+    })
+}
+
 // ---------------------------------------------------------------- devices
 
 /// Open a device: `auto`, `cpu`, `cuda`, `cuda:N`, `metal`.

@@ -174,3 +174,19 @@ fn errors_are_per_thread() {
     .unwrap();
     assert_eq!(last_error(), here);
 }
+
+#[test]
+fn fma_peak_is_measured_and_checks_its_arguments() {
+    let mut one = -1.0f64;
+    assert_eq!(unsafe { mlxn_cpu_fma_peak(1, &mut one) }, 0);
+    assert!(one.is_finite() && one > 0.1, "one-thread peak {one}");
+    let mut all = -1.0f64;
+    assert_eq!(unsafe { mlxn_cpu_fma_peak(0, &mut all) }, 0);
+    assert!(all.is_finite() && all > 0.1, "all-thread peak {all}");
+    assert_eq!(unsafe { mlxn_cpu_fma_peak(1, ptr::null_mut()) }, INVALID_ARGUMENT);
+    assert!(last_error().contains("out_gflops is a null pointer"), "{}", last_error());
+    let mut untouched = 5.0f64;
+    assert_eq!(unsafe { mlxn_cpu_fma_peak(100_000, &mut untouched) }, INVALID_ARGUMENT);
+    assert!(last_error().contains("at most"), "{}", last_error());
+    assert_eq!(untouched, 5.0, "out untouched on failure");
+}

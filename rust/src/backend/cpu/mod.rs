@@ -12,6 +12,7 @@ use crate::kernel_registry::{CpuKernelFn, KernelSource, Pipeline};
 
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
+pub mod peak;
 pub mod simd;
 
 /// Alignment of CPU allocations (a cache line, and a zmm register).

@@ -209,13 +209,13 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn max(a: __m512, b: __m512) -> __m512 {
-            let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b);
-            _mm512_mask_blend_ps(m, b, a)
+            // vmaxps is exactly `a > b ? a : b` (the second operand on NaN or equal zeros).
+            _mm512_max_ps(a, b)
         }
         #[inline(always)]
         unsafe fn min(a: __m512, b: __m512) -> __m512 {
-            let m = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b);
-            _mm512_mask_blend_ps(m, b, a)
+            // vminps is exactly `a < b ? a : b`.
+            _mm512_min_ps(a, b)
         }
         #[inline(always)]
         unsafe fn select_gt(a: __m512, b: __m512, t: __m512, f: __m512) -> __m512 {
@@ -299,11 +299,12 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn max(a: Pair, b: Pair) -> Pair {
-            Self::select_gt(a, b, a, b)
+            // vmaxps is exactly `a > b ? a : b` (the second operand on NaN or equal zeros).
+            both!(_mm256_max_ps, a, b)
         }
         #[inline(always)]
         unsafe fn min(a: Pair, b: Pair) -> Pair {
-            Self::select_gt(b, a, a, b)
+            both!(_mm256_min_ps, a, b)
         }
         #[inline(always)]
         unsafe fn select_gt(a: Pair, b: Pair, t: Pair, f: Pair) -> Pair {
@@ -436,19 +437,39 @@ mod tests {
         }
     }
 
+    fn check_max_min<S: Simd>() {
+        let pairs = [(1.0f32, 2.0f32), (2.0, 1.0), (0.0, -0.0), (-0.0, 0.0), (f32::NAN, 1.0), (1.0, f32::NAN), (f32::NEG_INFINITY, -3.0), (5.0, 5.0)];
+        let a: Vec<f32> = (0..W).map(|i| pairs[i % 8].0).collect();
+        let b: Vec<f32> = (0..W).map(|i| pairs[i % 8].1).collect();
+        unsafe {
+            let (mut mx, mut mn) = ([0f32; W], [0f32; W]);
+            S::store(mx.as_mut_ptr(), S::max(S::load(a.as_ptr()), S::load(b.as_ptr())));
+            S::store(mn.as_mut_ptr(), S::min(S::load(a.as_ptr()), S::load(b.as_ptr())));
+            for i in 0..W {
+                let want_max = if a[i] > b[i] { a[i] } else { b[i] };
+                let want_min = if a[i] < b[i] { a[i] } else { b[i] };
+                assert_eq!(mx[i].to_bits(), want_max.to_bits(), "{} max lane {i}", S::NAME);
+                assert_eq!(mn[i].to_bits(), want_min.to_bits(), "{} min lane {i}", S::NAME);
+            }
+        }
+    }
+
     #[test]
     fn every_detected_isa_matches_the_reference_math() {
         check_exp::<Portable>();
         check_round_half::<Portable>();
+        check_max_min::<Portable>();
         #[cfg(target_arch = "x86_64")]
         {
             if has_avx2() {
                 check_exp::<Avx2>();
                 check_round_half::<Avx2>();
+                check_max_min::<Avx2>();
             }
             if has_avx512() {
                 check_exp::<Avx512>();
                 check_round_half::<Avx512>();
+                check_max_min::<Avx512>();
             }
         }
     }

@@ -1,0 +1,141 @@
+//! The machine's own limit: the measured rate of fused multiply-adds on registers, with the
+//! instruction set the kernels use. Independent accumulator chains (more than the FMA
+//! latency times the FMA ports) run a calibrated number of iterations on each of `threads`
+//! threads; the best of a few runs is the peak. Reported in GFLOP/s (an FMA is 2 FLOP, per
+//! f32 lane), the unit of the kernels' useful FLOP/s, so "% of peak" is a plain ratio.
+
+use std::hint::black_box;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use super::simd::{Portable, Simd, W};
+use crate::error::{MlxError, Result};
+
+/// Independent accumulators: 12 vectors (24 ymm for AVX2 is too many for 16 registers, so
+/// that path uses 6 pairs = 12 ymm); enough to cover a 4-cycle latency on 2 ports.
+const CHAINS: usize = 12;
+
+/// Inner iterations per timed call, each `CHAINS` FMAs of `W` lanes.
+#[inline(always)]
+unsafe fn chains<S: Simd, const N: usize>(iters: u64, seed: f32) -> f32 {
+    let a = S::splat(black_box(0.999_999));
+    let b = S::splat(black_box(1e-7));
+    let mut acc = [S::splat(seed); N];
+    for (i, x) in acc.iter_mut().enumerate() {
+        *x = S::add(*x, S::splat(i as f32));
+    }
+    for _ in 0..iters {
+        // Unrolled by the fixed-size array: N independent dependency chains.
+        for x in acc.iter_mut() {
+            *x = S::fma(*x, a, b);
+        }
+    }
+    let mut sum = S::splat(0.0);
+    for x in acc {
+        sum = S::add(sum, x);
+    }
+    let mut out = [0f32; W];
+    S::store(out.as_mut_ptr(), sum);
+    out.iter().sum()
+}
+
+unsafe fn run_portable(iters: u64, seed: f32) -> f32 {
+    chains::<Portable, CHAINS>(iters, seed)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn run_avx512(iters: u64, seed: f32) -> f32 {
+    chains::<super::simd::Avx512, CHAINS>(iters, seed)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_avx2(iters: u64, seed: f32) -> f32 {
+    chains::<super::simd::Avx2, { CHAINS / 2 }>(iters, seed)
+}
+
+/// The loop for the instruction set in use, and the FLOP of one iteration.
+fn pick() -> (unsafe fn(u64, f32) -> f32, f64) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match super::simd::selected_isa() {
+            "avx512" => return (run_avx512, (CHAINS * W * 2) as f64),
+            "avx2+fma+f16c" => return (run_avx2, (CHAINS / 2 * W * 2) as f64),
+            _ => {}
+        }
+    }
+    (run_portable, (CHAINS * W * 2) as f64)
+}
+
+/// Wall time of `iters` iterations on each of `threads` threads started together.
+fn timed(f: unsafe fn(u64, f32) -> f32, threads: usize, iters: u64) -> Duration {
+    let barrier = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    // SAFETY: `pick` chose an instruction set this CPU has.
+                    black_box(unsafe { f(iters, t as f32) });
+                    barrier.wait();
+                })
+            })
+            .collect();
+        barrier.wait();
+        let t0 = Instant::now();
+        barrier.wait();
+        let dt = t0.elapsed();
+        for h in handles {
+            let _ = h.join();
+        }
+        dt
+    })
+}
+
+/// Most threads [`fma_peak_gflops`] accepts.
+pub const MAX_THREADS: usize = 1024;
+
+/// Measured FMA peak of `threads` threads (0: the kernels' thread count), GFLOP/s, with
+/// the instruction set the kernels use now. Takes about a quarter of a second.
+pub fn fma_peak_gflops(threads: usize) -> Result<f64> {
+    let threads = if threads == 0 { super::threads() } else { threads };
+    if threads > MAX_THREADS {
+        return Err(MlxError::InvalidArgument(format!(
+            "threads must be at most {MAX_THREADS}, got {threads}"
+        )));
+    }
+    let (f, flop_per_iter) = pick();
+    // Calibrate: grow the count until one run takes at least 20 ms (clock ramp-up included).
+    let mut iters: u64 = 1 << 14;
+    loop {
+        let dt = timed(f, threads, iters);
+        if dt >= Duration::from_millis(20) || iters >= 1 << 40 {
+            break;
+        }
+        let grow = (0.03 / dt.as_secs_f64().max(1e-6)).clamp(2.0, 64.0);
+        iters = (iters as f64 * grow) as u64;
+    }
+    let best = (0..5).map(|_| timed(f, threads, iters)).min().unwrap_or(Duration::MAX);
+    Ok(threads as f64 * iters as f64 * flop_per_iter / best.as_secs_f64() / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_is_positive_and_threads_are_checked() {
+        let one = fma_peak_gflops(1).unwrap();
+        assert!(one.is_finite() && one > 0.1, "one-core peak {one}");
+        assert!(fma_peak_gflops(MAX_THREADS + 1).is_err());
+    }
+
+    #[test]
+    fn the_loop_computes_what_it_says() {
+        // x <- x * a + b with a = 0.999999, b = 1e-7 stays finite and near its start.
+        let r = unsafe { run_portable(1000, 1.0) };
+        assert!(r.is_finite() && r > 0.0);
+    }
+}
