@@ -51,6 +51,13 @@ class Variant:
     output: Callable[[], np.ndarray]
     #: Only worth running at the smallest size of a benchmark (slow references).
     smallest_only: bool = False
+    #: Attention calls one ``run()`` makes (device peers batch short calls before they
+    #: wait); the time of a run is divided by it.
+    calls: int = 1
+
+
+class Refused(Exception):
+    """Raised by a variant's ``run`` when the peer refuses the case (the message says why)."""
 
 
 class Peer:
