@@ -16,6 +16,7 @@ Lower level, mirroring the Rust op names::
 """
 
 from .attention import PrefillPlan, causal_mask, default_device, flash_attn_prefill, flash_attn_prefill_blk
+from .attention import check_q_fits_half
 from .device import Buffer, Device, Encoder, backends, cpu_info, force_cpu_isa, version
 from .errors import (
     BackendUnavailableError,
@@ -67,6 +68,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "backends",
     "causal_mask",
+    "check_q_fits_half",
     "cpu_info",
     "default_device",
     "dispatch_flash_attn_prefill_blk",

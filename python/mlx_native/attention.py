@@ -59,6 +59,39 @@ def _visible(r0: int, r1: int, rows: int, kv_len: int, window: Optional[int]) ->
     return ok
 
 
+def check_q_fits_half(q: Any, scale: float = 1.0) -> None:
+    """Raise ``InvalidArgumentError`` if ``half(scale * q)`` is not finite somewhere.
+
+    The kernel folds ``scale`` into Q and rounds Q to float16 (SPEC section 2, step 1): a
+    value with ``|scale * q| >= 65520`` becomes +-inf in half, and a NaN stays NaN; either
+    makes that (row, head) of the output NaN or inf. This finds the first such element."""
+    q = _as_numpy(q)
+    s = np.float32(scale)
+    if not np.isfinite(s):
+        raise InvalidArgumentError(f"scale {scale!r} is not finite")
+    rows = q.shape[0] if q.ndim else 1
+    flat = q.reshape(rows, -1) if q.ndim else q.reshape(1, 1)
+    for r0 in range(0, rows, _MASK_CHUNK_ROWS):
+        chunk = flat[r0 : r0 + _MASK_CHUNK_ROWS]
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = ~np.isfinite((s * chunk.astype(np.float32)).astype(np.float16))
+        if bad.any():
+            i = np.unravel_index(int(np.argmax(bad.ravel())) + r0 * flat.shape[1], q.shape)
+            raise InvalidArgumentError(
+                f"q{list(i)} = {q[i]!r} times scale {scale!r} is not finite in half "
+                f"(|scale * q| must stay below 65520 and q must be finite)"
+            )
+
+
+def _check_finite(name: str, a: np.ndarray, allow_neg_inf: bool = False) -> None:
+    """Raise ``InvalidArgumentError`` naming the first NaN or infinite element of ``a``
+    (``-inf`` allowed where ``allow_neg_inf``)."""
+    bad = np.isnan(a) | (np.isposinf(a)) | (np.isneginf(a) & (not allow_neg_inf))
+    if bad.any():
+        i = np.unravel_index(int(np.argmax(bad.ravel())), a.shape)
+        raise InvalidArgumentError(f"{name}{list(i)} = {a[i]!r} is not finite")
+
+
 def flash_attn_prefill_blk(mask: Any, bq: int, bk: int = CACHE_ROWS_PER_STEP, *, device: Optional[Device] = None) -> np.ndarray:
     """The tile-skip table of an F16 mask ``[rows, kv_pad]`` (``kv_pad`` a multiple of
     ``bk``): uint8 ``[ceil(rows/bq), kv_pad/bk]``, 0 = every value -inf (or <= -65504),
@@ -90,6 +123,7 @@ def flash_attn_prefill(
     window: Optional[int] = None,
     scale: float = 1.0,
     device: Optional[Device] = None,
+    check_finite: bool = False,
 ) -> np.ndarray:
     """Prefill attention, SPEC section 2, on arrays.
 
@@ -101,12 +135,18 @@ def flash_attn_prefill(
     - ``causal``: also hide cache rows after each query row (the prompt is the last
       ``rows`` rows of the cache); ``window=w`` keeps only the last ``w`` of them and
       implies ``causal``;
-    - ``scale``: folded into Q before Q is rounded to half.
+    - ``scale``: folded into Q before Q is rounded to half;
+    - ``check_finite``: first raise ``InvalidArgumentError`` if ``half(scale * q)``, ``k``
+      or ``v`` holds a NaN or an infinity, or the mask a NaN or +inf (costs a pass over the
+      inputs; without it such a value gives NaN/inf in the output rows it reaches, see
+      ``docs/reliability.md``).
 
     Any strides are accepted: views whose last axis is contiguous are used in place, others
     are copied. Returns float32 ``[rows, n_heads, head_dim]``; a row that may attend to
     nothing is zeros."""
-    plan = PrefillPlan(q, k, v, mask, causal=causal, window=window, scale=scale, device=device)
+    plan = PrefillPlan(
+        q, k, v, mask, causal=causal, window=window, scale=scale, device=device, check_finite=check_finite
+    )
     return plan.run()
 
 
@@ -128,6 +168,7 @@ class PrefillPlan:
         window: Optional[int] = None,
         scale: float = 1.0,
         device: Optional[Device] = None,
+        check_finite: bool = False,
     ):
         dev = device or default_device()
         self.device = dev
@@ -146,6 +187,12 @@ class PrefillPlan:
         bq = queries_per_threadgroup(head_dim)  # raises for a head dim other than 256/512
         if window is not None:
             causal = True
+        if check_finite:
+            check_q_fits_half(q, scale)
+            _check_finite("k", k)
+            _check_finite("v", v)
+        # One run at a time: runs share the table and (on the CPU) the output array.
+        self._lock = threading.Lock()
         self.shape = (rows, n_heads, head_dim)
         self.visible_pairs = 0
         self._empty = rows == 0 or kv_len == 0 or n_heads == 0
@@ -153,6 +200,8 @@ class PrefillPlan:
             return
         kvp = kv_pad(kv_len)
         full_mask = _build_mask(mask, rows, kv_len, kvp, causal, window)
+        if check_finite:
+            _check_finite("mask", full_mask, allow_neg_inf=True)
         self.visible_pairs = int(np.count_nonzero(full_mask > np.float16(-65504)))
         k_arr, v_arr = _pad_cache(k, kvp), _pad_cache(v, kvp)
         qb, q_rs, q_hs = _strided_buffer(dev, q, multiple=4)
@@ -190,12 +239,13 @@ class PrefillPlan:
         if self._empty:
             return np.zeros(self.shape, dtype=np.float32)
         b = self._buffers
-        with self.device.encoder() as enc:
-            dispatch_flash_attn_prefill_blk(enc, b["mask"], b["blk"], **self._blk_args)
-            dispatch_flash_attn_prefill_tensor_f16(
-                enc, b["q"], b["k"], b["v"], b["mask"], b["blk"], b["out"], self.params
-            )
-        return self._out if self._on_host else b["out"].numpy()
+        with self._lock:
+            with self.device.encoder() as enc:
+                dispatch_flash_attn_prefill_blk(enc, b["mask"], b["blk"], **self._blk_args)
+                dispatch_flash_attn_prefill_tensor_f16(
+                    enc, b["q"], b["k"], b["v"], b["mask"], b["blk"], b["out"], self.params
+                )
+            return self._out if self._on_host else b["out"].numpy()
 
 
 def _expect(a: np.ndarray, name: str, dtype) -> None:

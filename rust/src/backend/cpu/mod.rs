@@ -3,7 +3,7 @@
 
 use std::alloc::Layout;
 use std::any::Any;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::{Backend, BackendKind, Memory};
 use crate::encoder::Dispatch;
@@ -52,6 +52,11 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
+        // Linux overcommits: a huge zeroed allocation can succeed and the process be killed
+        // later, when the pages are touched. More than the machine has is refused here.
+        if memory_limit().is_some_and(|limit| bytes as u64 > limit) {
+            return Err(MlxError::BufferAllocationError { bytes: bytes as u64 });
+        }
         Ok(Arc::new(HostMemory::zeroed(bytes)?))
     }
 
@@ -78,6 +83,35 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+}
+
+/// Bytes of memory the process could ever get: RAM plus swap, capped by the cgroup's
+/// limit, read once. `None` where the system does not say (then the allocator decides).
+pub fn memory_limit() -> Option<u64> {
+    static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
+    *LIMIT.get_or_init(read_memory_limit)
+}
+
+#[cfg(target_os = "linux")]
+fn read_memory_limit() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| {
+        info.lines().find_map(|l| {
+            let kb = l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim();
+            kb.parse::<u64>().ok().map(|kb| kb.saturating_mul(1024))
+        })
+    };
+    let total = field("MemTotal:")?.saturating_add(field("SwapTotal:").unwrap_or(0));
+    // cgroup v2, then v1; "max" or a huge number means no limit.
+    let cgroup = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok());
+    Some(cgroup.map_or(total, |c| c.min(total)))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn read_memory_limit() -> Option<u64> {
+    None
 }
 
 /// Host memory the library owns: 64-byte aligned, zero-filled.
