@@ -118,6 +118,8 @@ fn read_memory_limit() -> Option<u64> {
 pub struct HostMemory {
     ptr: *mut u8,
     len: usize,
+    /// The block as allocated (`ptr` is its first 64-byte aligned address).
+    base: *mut u8,
 }
 
 // SAFETY: the allocation is owned and only reached through raw pointers whose use the
@@ -128,16 +130,24 @@ unsafe impl Sync for HostMemory {}
 impl HostMemory {
     pub fn zeroed(len: usize) -> Result<Self> {
         if len == 0 {
-            return Ok(HostMemory { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(), len });
+            return Ok(HostMemory { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(), len, base: std::ptr::null_mut() });
         }
-        let layout = Layout::from_size_align(len, ALIGN)
-            .map_err(|_| MlxError::BufferAllocationError { bytes: len as u64 })?;
+        // A small alignment keeps `alloc_zeroed` on calloc, whose large blocks are fresh
+        // zero pages, untouched until used (an over-aligned layout is allocated, then
+        // zeroed byte by byte); the 64-byte alignment is made by hand inside the block.
+        let layout = Self::layout(len).ok_or(MlxError::BufferAllocationError { bytes: len as u64 })?;
         // SAFETY: layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
+        let base = unsafe { std::alloc::alloc_zeroed(layout) };
+        if base.is_null() {
             return Err(MlxError::BufferAllocationError { bytes: len as u64 });
         }
-        Ok(HostMemory { ptr, len })
+        // SAFETY: the block has ALIGN spare bytes, so the aligned start plus len stays inside.
+        let ptr = unsafe { base.add(base.align_offset(ALIGN)) };
+        Ok(HostMemory { ptr, len, base })
+    }
+
+    fn layout(len: usize) -> Option<Layout> {
+        Layout::from_size_align(len.checked_add(ALIGN)?, std::mem::align_of::<u64>()).ok()
     }
 }
 
@@ -145,7 +155,7 @@ impl Drop for HostMemory {
     fn drop(&mut self) {
         if self.len > 0 {
             // SAFETY: allocated in `zeroed` with this layout.
-            unsafe { std::alloc::dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, ALIGN)) }
+            unsafe { std::alloc::dealloc(self.base, Self::layout(self.len).unwrap_unchecked()) }
         }
     }
 }
