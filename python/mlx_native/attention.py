@@ -78,7 +78,7 @@ def check_q_fits_half(q: Any, scale: float = 1.0) -> None:
         if bad.any():
             i = np.unravel_index(int(np.argmax(bad.ravel())) + r0 * flat.shape[1], q.shape)
             raise InvalidArgumentError(
-                f"q{list(i)} = {q[i]!r} times scale {scale!r} is not finite in half "
+                f"q[{', '.join(str(int(x)) for x in i)}] = {float(q[i])!r} times scale {scale!r} is not finite in half "
                 f"(|scale * q| must stay below 65520 and q must be finite)"
             )
 
@@ -89,7 +89,7 @@ def _check_finite(name: str, a: np.ndarray, allow_neg_inf: bool = False) -> None
     bad = np.isnan(a) | (np.isposinf(a)) | (np.isneginf(a) & (not allow_neg_inf))
     if bad.any():
         i = np.unravel_index(int(np.argmax(bad.ravel())), a.shape)
-        raise InvalidArgumentError(f"{name}{list(i)} = {a[i]!r} is not finite")
+        raise InvalidArgumentError(f"{name}[{', '.join(str(int(x)) for x in i)}] = {float(a[i])!r} is not finite")
 
 
 def flash_attn_prefill_blk(mask: Any, bq: int, bk: int = CACHE_ROWS_PER_STEP, *, device: Optional[Device] = None) -> np.ndarray:
