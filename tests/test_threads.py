@@ -180,7 +180,9 @@ def test_closing_objects_under_another_threads_feet(device, rng):
     gc.collect()
     start = live_handles()
     q, k, v, mask, _ = _cases(rng, 1)[0]
-    stop = time.perf_counter() + 1.5
+    # 1.5 s, or longer where everything is slow (valgrind) until both outcomes are common.
+    start_t = time.perf_counter()
+    stop, hard_stop = start_t + 1.5, start_t + 90
     unexpected: list = []
     counts = {"ok": 0, "InvalidHandleError": 0, "InvalidArgumentError": 0}
     lock = threading.Lock()
@@ -189,7 +191,10 @@ def test_closing_objects_under_another_threads_feet(device, rng):
 
     def chaos(seed):
         r = np.random.default_rng(seed)
-        while time.perf_counter() < stop:
+        while True:
+            now = time.perf_counter()
+            if now > hard_stop or (now > stop and counts["ok"] > 50 and counts["InvalidHandleError"] > 10):
+                break
             try:
                 what = r.integers(6)
                 plan = shared["plan"]
