@@ -244,6 +244,7 @@ def _classify(mask: np.ndarray, rows: int, kvp: int, bq: int, bk: int = 64) -> n
     only the rows that exist (padding rows count as both)."""
     m = np.asarray(mask).reshape(rows, kvp).astype(np.float32)
     qt = -(-rows // bq)
+    bq = min(bq, rows)  # a single tile taller than the mask holds only the rows there are
     masked = np.ones((qt * bq, kvp), bool)
     zero = np.ones((qt * bq, kvp), bool)
     masked[:rows] = m <= -65504
