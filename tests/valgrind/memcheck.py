@@ -87,7 +87,7 @@ def main() -> int:
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
     ]
     env = dict(os.environ, PYTHONMALLOC="malloc")
-    env.setdefault("MLXN_FUZZ_CASES", "40")
+    env.setdefault("MLXN_FUZZ_CASES", "25")
     print("memcheck:", " ".join(cmd), flush=True)
     rc = subprocess.call(cmd, env=env, cwd=ROOT)
     try:
