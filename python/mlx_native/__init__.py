@@ -17,6 +17,7 @@ Lower level, mirroring the Rust op names::
 
 from .attention import PrefillPlan, causal_mask, default_device, flash_attn_prefill, flash_attn_prefill_blk
 from .attention import check_q_fits_half
+from .cuda import compile_check as cuda_compile_check
 from .device import Buffer, Device, Encoder, backends, cpu_info, force_cpu_isa, version
 from .errors import (
     BackendUnavailableError,
@@ -70,6 +71,7 @@ __all__ = [
     "causal_mask",
     "check_q_fits_half",
     "cpu_info",
+    "cuda_compile_check",
     "default_device",
     "dispatch_flash_attn_prefill_blk",
     "dispatch_flash_attn_prefill_tensor_f16",

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import cuda as _cuda
 from .device import Buffer, Device, _as_numpy
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 from .ops import (
@@ -124,7 +125,7 @@ def flash_attn_prefill(
     scale: float = 1.0,
     device: Optional[Device] = None,
     check_finite: bool = False,
-) -> np.ndarray:
+) -> Any:
     """Prefill attention, SPEC section 2, on arrays.
 
     - ``q``: float32 ``[rows, n_heads, head_dim]``, ``head_dim`` 256 or 512;
@@ -143,7 +144,13 @@ def flash_attn_prefill(
 
     Any strides are accepted: views whose last axis is contiguous are used in place, others
     are copied. Returns float32 ``[rows, n_heads, head_dim]``; a row that may attend to
-    nothing is zeros."""
+    nothing is zeros.
+
+    ``q``, ``k``, ``v`` may be CUDA arrays (PyTorch tensors, CuPy arrays): they are used in
+    place on the CUDA device they live on (or ``device``), and the result is a new array
+    of ``q``'s library on that device (torch in, torch out; numpy in, numpy out). The
+    call waits for the arrays' producer stream (PyTorch's current stream) before it
+    starts and for its own work before it returns."""
     plan = PrefillPlan(
         q, k, v, mask, causal=causal, window=window, scale=scale, device=device, check_finite=check_finite
     )
@@ -170,16 +177,23 @@ class PrefillPlan:
         device: Optional[Device] = None,
         check_finite: bool = False,
     ):
-        dev = device or default_device()
+        on_gpu = [_cuda.is_cuda_array(x) for x in (q, k, v)]
+        if any(on_gpu):
+            first = (q, k, v)[on_gpu.index(True)]
+            dev = device or _cuda_device(_cuda.device_index(first))
+            if dev.backend != "cuda":
+                raise InvalidArgumentError(f"CUDA arrays need a CUDA device, got {dev!r}")
+        else:
+            dev = device or default_device()
         self.device = dev
-        q, k, v = _as_numpy(q), _as_numpy(k), _as_numpy(v)
+        q, k, v = (x if g else _as_numpy(x) for x, g in zip((q, k, v), on_gpu))
         _expect(q, "q", np.float32)
         _expect(k, "k", np.float16)
         _expect(v, "v", np.float16)
-        rows, n_heads, head_dim = q.shape
-        kv_len, n_kv_heads, k_dim = k.shape
-        if v.shape != k.shape:
-            raise InvalidArgumentError(f"v has shape {v.shape}, k has {k.shape}: they must match")
+        rows, n_heads, head_dim = _shape(q)
+        kv_len, n_kv_heads, k_dim = _shape(k)
+        if _shape(v) != _shape(k):
+            raise InvalidArgumentError(f"v has shape {_shape(v)}, k has {_shape(k)}: they must match")
         if k_dim != head_dim:
             raise InvalidArgumentError(f"q has head_dim {head_dim}, k and v have {k_dim}")
         if n_kv_heads == 0 or n_heads % n_kv_heads:
@@ -188,14 +202,18 @@ class PrefillPlan:
         if window is not None:
             causal = True
         if check_finite:
-            check_q_fits_half(q, scale)
-            _check_finite("k", k)
-            _check_finite("v", v)
+            host = lambda x, g: _cuda.to_host(x) if g else x  # noqa: E731
+            check_q_fits_half(host(q, on_gpu[0]), scale)
+            _check_finite("k", host(k, on_gpu[1]))
+            _check_finite("v", host(v, on_gpu[2]))
         # One run at a time: runs share the table and (on the CPU) the output array.
         self._lock = threading.Lock()
         self.shape = (rows, n_heads, head_dim)
         self.visible_pairs = 0
         self._empty = rows == 0 or kv_len == 0 or n_heads == 0
+        # Output in q's library when q is a CUDA array; the CUDA arrays used in place.
+        self._like = q if on_gpu[0] else None
+        self._cuda_arrays = []
         if self._empty:
             return
         kvp = kv_pad(kv_len)
@@ -204,12 +222,17 @@ class PrefillPlan:
             _check_finite("mask", full_mask, allow_neg_inf=True)
         self.visible_pairs = int(np.count_nonzero(full_mask > np.float16(-65504)))
         k_arr, v_arr = _pad_cache(k, kvp), _pad_cache(v, kvp)
-        qb, q_rs, q_hs = _strided_buffer(dev, q, multiple=4)
-        kb, k_rs, k_hs = _strided_buffer(dev, k_arr)
-        vb, v_rs, v_hs = _strided_buffer(dev, v_arr)
+        qb, q_rs, q_hs = self._operand(dev, q, multiple=4)
+        kb, k_rs, k_hs = self._operand(dev, k_arr)
+        vb, v_rs, v_hs = self._operand(dev, v_arr)
         self._on_host = dev.backend == "cpu"
         blk_shape = (-(-rows // bq), kvp // CACHE_ROWS_PER_STEP)
-        if self._on_host:
+        if self._like is not None:
+            self._out = _cuda.empty(self._like, self.shape, np.float32)
+            ob = _cuda.wrap(dev, self._out)
+            self._cuda_arrays.append(self._out)
+            blkb = dev.empty(blk_shape, np.uint8)
+        elif self._on_host:
             self._out = np.empty(self.shape, dtype=np.float32)
             ob = dev.buffer(self._out)
             blkb = dev.buffer(np.empty(blk_shape, dtype=np.uint8))
@@ -233,28 +256,74 @@ class PrefillPlan:
             scale=float(scale),
         )
 
-    def run(self) -> np.ndarray:
-        """Classify the mask, run the attention, and return the output (a new array on
-        every call for device backends; the same host array, overwritten, on the CPU)."""
+    def encode(self, encoder, *, classify: bool = True) -> None:
+        """Record this prefill's dispatches on ``encoder`` (an encoder of the plan's
+        device) without running them: the mask classification (unless ``classify`` is
+        False and an earlier run left the table in place) and the attention. Benchmarks
+        record many and commit once."""
         if self._empty:
+            return
+        b = self._buffers
+        if classify:
+            dispatch_flash_attn_prefill_blk(encoder, b["mask"], b["blk"], **self._blk_args)
+        dispatch_flash_attn_prefill_tensor_f16(
+            encoder, b["q"], b["k"], b["v"], b["mask"], b["blk"], b["out"], self.params
+        )
+
+    def _operand(self, dev: Device, x, multiple: int = 1):
+        if not _cuda.is_cuda_array(x):
+            return _strided_buffer(dev, x, multiple)
+        view = _cuda.view(x)
+        s0, s1, s2 = view.strides
+        if s2 != 1 or s0 % multiple or s1 % multiple:
+            x = _cuda.contiguous(x)
+            view = _cuda.view(x)
+            s0, s1, s2 = view.strides
+        self._cuda_arrays.append(x)
+        return _cuda.wrap(dev, x, span=True), s0, s1
+
+    def run(self):
+        """Classify the mask, run the attention, and return the output (a new array on
+        every call for device backends; the same host array, overwritten, on the CPU; the
+        same CUDA array, overwritten, when q is one)."""
+        if self._empty:
+            if self._like is not None:
+                return _cuda.zeros(self._like, self.shape, np.float32)
             return np.zeros(self.shape, dtype=np.float32)
         b = self._buffers
         with self._lock:
+            if self._cuda_arrays:
+                _cuda.wait(self.device, [_cuda.producer_stream(x) for x in self._cuda_arrays])
             with self.device.encoder() as enc:
-                dispatch_flash_attn_prefill_blk(enc, b["mask"], b["blk"], **self._blk_args)
-                dispatch_flash_attn_prefill_tensor_f16(
-                    enc, b["q"], b["k"], b["v"], b["mask"], b["blk"], b["out"], self.params
-                )
-            return self._out if self._on_host else b["out"].numpy()
+                self.encode(enc)
+            if self._like is not None or self._on_host:
+                return self._out
+            return b["out"].numpy()
 
 
-def _expect(a: np.ndarray, name: str, dtype) -> None:
-    if a.dtype != dtype:
+def _shape(a) -> tuple:
+    return _cuda.view(a).shape if _cuda.is_cuda_array(a) else a.shape
+
+
+def _expect(a, name: str, dtype) -> None:
+    a_dtype, a_shape = (_cuda.view(a).dtype, _cuda.view(a).shape) if _cuda.is_cuda_array(a) else (a.dtype, a.shape)
+    if a_dtype != dtype:
         raise UnsupportedDtypeError(
-            f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name} (convert with .astype)"
+            f"{name} must be {np.dtype(dtype).name}, got {a_dtype.name} (convert with .astype)"
         )
-    if a.ndim != 3:
-        raise InvalidArgumentError(f"{name} must be 3-D [rows, heads, head_dim], got shape {a.shape}")
+    if len(a_shape) != 3:
+        raise InvalidArgumentError(f"{name} must be 3-D [rows, heads, head_dim], got shape {a_shape}")
+
+
+_cuda_devices: dict = {}
+
+
+def _cuda_device(index: int) -> Device:
+    """``Device("cuda:index")``, opened once per process."""
+    with _default_lock:
+        if index not in _cuda_devices:
+            _cuda_devices[index] = Device(f"cuda:{index}")
+        return _cuda_devices[index]
 
 
 def _nonneg(x, name: str) -> int:
@@ -270,7 +339,7 @@ def _build_mask(mask, rows: int, kv_len: int, kvp: int, causal: bool, window) ->
     if mask is None:
         full[:, :kv_len] = 0
     else:
-        m = _as_numpy(mask)
+        m = _cuda.to_host(mask) if _cuda.is_cuda_array(mask) else _as_numpy(mask)
         if m.shape != (rows, kv_len):
             raise InvalidArgumentError(f"mask must have shape {(rows, kv_len)}, got {m.shape}")
         if m.dtype == np.bool_:
@@ -287,11 +356,13 @@ def _build_mask(mask, rows: int, kv_len: int, kvp: int, causal: bool, window) ->
     return full
 
 
-def _pad_cache(x: np.ndarray, kvp: int) -> np.ndarray:
+def _pad_cache(x, kvp: int):
     """The cache with ``kvp`` rows: the array itself when it has them, else a zero-padded
     copy (padding rows must be finite; their mask columns are -inf)."""
-    if x.shape[0] == kvp:
+    if _shape(x)[0] == kvp:
         return x
+    if _cuda.is_cuda_array(x):
+        return _cuda.padded_rows(x, kvp)
     padded = np.zeros((kvp,) + x.shape[1:], dtype=x.dtype)
     padded[: x.shape[0]] = x
     return padded

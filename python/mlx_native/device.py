@@ -147,7 +147,16 @@ class Device:
         On the CPU the buffer uses the array's memory in place when it is contiguous and
         aligned (``copy=False``); the buffer keeps the array alive. Otherwise, or with
         ``copy=True``, it holds a copy. A read-only array gives a read-only buffer, which
-        cannot be an output."""
+        cannot be an output.
+
+        On a CUDA device a CUDA array (PyTorch tensor, CuPy array: anything with the CUDA
+        Array Interface) is used in place when it is contiguous (``copy=False``), after
+        waiting for its producer stream; the buffer keeps it alive."""
+        if self.backend == "cuda":
+            from . import cuda as _cuda
+
+            if _cuda.is_cuda_array(array):
+                return _cuda.wrap(self, _cuda.copy(array) if copy else array)
         arr = _as_numpy(array)
         code = _dtype_code(arr.dtype)
         shape = arr.shape
@@ -172,6 +181,12 @@ class Device:
         buf = self.empty(shape, arr.dtype)
         buf.write(arr)
         return buf
+
+    def wait_stream(self, stream: int) -> None:
+        """Wait until the work queued on another library's CUDA stream (a
+        ``cudaStream_t`` as an int; 1 and 2 name the default streams) is done. CUDA
+        devices only."""
+        check(lib.mlxn_device_wait_stream(self._handle, int(stream)))
 
     def encoder(self) -> "Encoder":
         """A command encoder; as a context manager it commits and waits on exit."""

@@ -125,7 +125,15 @@ impl MlxBuffer {
                     && a0 < b0 + other.byte_len
                     && b0 < a0 + self.byte_len;
             }
-            _ => Arc::ptr_eq(&self.memory, &other.memory),
+            _ => match (self.memory.device_addr(), other.memory.device_addr()) {
+                // The same for two wrappers of one CUDA tensor.
+                (Some(a), Some(b)) if a != 0 && b != 0 => {
+                    let (a0, b0) = (a + self.byte_offset as u64, b + other.byte_offset as u64);
+                    let (al, bl) = (self.byte_len as u64, other.byte_len as u64);
+                    return al > 0 && bl > 0 && a0 < b0 + bl && b0 < a0 + al;
+                }
+                _ => Arc::ptr_eq(&self.memory, &other.memory),
+            },
         };
         same && self.byte_len > 0
             && other.byte_len > 0

@@ -89,6 +89,21 @@ impl MlxDevice {
         MlxBuffer::new(mem, self.inner.id, dtype, shape.to_vec())
     }
 
+    /// A buffer over `bytes` bytes of this device's memory at address `addr` (a CUDA
+    /// tensor of another library), without copying.
+    ///
+    /// # Safety
+    /// The memory must stay allocated while the buffer (or any clone or view) exists.
+    pub unsafe fn wrap_device(&self, addr: u64, bytes: usize, dtype: DType, shape: &[usize]) -> Result<MlxBuffer> {
+        if addr % dtype.size_of() as u64 != 0 {
+            return Err(MlxError::InvalidArgument(format!(
+                "device address {addr:#x} is not aligned to {dtype} elements"
+            )));
+        }
+        let mem = self.inner.backend.wrap_device(addr, bytes)?;
+        MlxBuffer::new(mem, self.inner.id, dtype, shape.to_vec())
+    }
+
     /// A new command encoder on this device.
     pub fn command_encoder(&self) -> CommandEncoder {
         CommandEncoder::new(self.clone())

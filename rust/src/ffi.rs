@@ -430,6 +430,66 @@ pub unsafe extern "C" fn mlxn_buffer_wrap_host(
     })
 }
 
+/// A buffer over `nbytes` bytes of device memory at address `addr` (a CUDA tensor of
+/// PyTorch or CuPy), used in place; the device must be a CUDA device and the address
+/// memory of that device. The caller keeps the memory alive until the buffer is freed.
+///
+/// # Safety
+/// `addr` must stay allocated until the buffer handle is freed and no dispatch that uses
+/// it is pending; `shape` must hold `ndim` values; `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_buffer_wrap_device(
+    dev: u64,
+    addr: u64,
+    nbytes: usize,
+    dtype: u32,
+    shape: *const u64,
+    ndim: usize,
+    out: *mut u64,
+) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let d = device(dev)?;
+        let dtype = dtype_arg(dtype)?;
+        let shape = shape_arg(shape, ndim)?;
+        let b = d.device.wrap_device(addr, nbytes, dtype, &shape)?;
+        *out = insert(Object::Buffer(b));
+        Ok(())
+    })
+}
+
+/// Wait for the work queued on another library's CUDA stream (`stream`, as the CUDA
+/// Array Interface gives it: a `cudaStream_t`, or 1 / 2 for the default streams) before
+/// the device uses memory that work writes. An error on devices without streams.
+#[no_mangle]
+pub extern "C" fn mlxn_device_wait_stream(dev: u64, stream: u64) -> i32 {
+    guard(|| device(dev)?.device.backend().wait_stream(stream))
+}
+
+/// Compile every CUDA kernel source of the library with NVRTC for `arch` (`sm_90a`,
+/// `sm_80`, ...), without a GPU; the string is ptxas's report (registers, spills per
+/// entry point). `BackendUnavailable` when NVRTC cannot be loaded, `ShaderCompilationError`
+/// with the compiler's log when a source does not compile.
+///
+/// # Safety
+/// `arch` must be a NUL-terminated string; otherwise as for [`mlxn_backends`].
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_cuda_compile_check(
+    arch: *const c_char,
+    buf: *mut c_char,
+    cap: usize,
+    needed: *mut usize,
+) -> i32 {
+    guard(|| {
+        let arch = c_str(arch, "arch")?;
+        if arch.is_empty() || !arch.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+            return Err(MlxError::InvalidArgument(format!("bad CUDA architecture {arch:?} (sm_90a, sm_80, ...)")));
+        }
+        let report = crate::backend::cuda::compile_check(arch)?;
+        write_string(&report, buf, cap, needed)
+    })
+}
+
 /// Describe a buffer.
 ///
 /// # Safety

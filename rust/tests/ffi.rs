@@ -229,9 +229,11 @@ fn every_entry_point_refuses_every_bad_handle() {
             assert_eq!(flag, 77);
             assert_eq!(mlxn_buffer_new(h, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
             assert_eq!(mlxn_buffer_wrap_host(h, host.as_mut_ptr().cast(), 16, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
+            assert_eq!(mlxn_buffer_wrap_device(h, 1 << 20, 16, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
             assert_eq!(mlxn_encoder_new(h, &mut out), INVALID_HANDLE);
             assert_eq!(out, 77);
         }
+        assert_eq!(mlxn_device_wait_stream(h, 1), INVALID_HANDLE);
         assert_eq!(mlxn_device_close(h), INVALID_HANDLE);
     }
     for h in bad_buffers {

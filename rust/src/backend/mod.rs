@@ -9,6 +9,8 @@ use crate::error::Result;
 use crate::kernel_registry::{KernelSource, Pipeline};
 
 pub mod cpu;
+pub mod cuda;
+pub mod metal;
 
 /// The kinds of backend the library knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -45,6 +47,10 @@ pub trait Memory: Send + Sync {
     fn write(&self, offset: usize, src: &[u8]) -> Result<()>;
     /// For the backend that made it, to reach its own type.
     fn as_any(&self) -> &dyn Any;
+    /// Device address of byte 0 for device memory (unique in the process), else `None`.
+    fn device_addr(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A device's implementation: memory, kernel compilation and execution.
@@ -64,22 +70,65 @@ pub trait Backend: Send + Sync {
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline>;
     /// Run the dispatches in order; returns once they are complete.
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()>;
+    /// Use `bytes` bytes of device memory at address `addr` (a PyTorch or CuPy tensor)
+    /// without copying. Backends without device memory refuse.
+    ///
+    /// # Safety
+    /// The region must stay allocated while any buffer that wraps it exists.
+    unsafe fn wrap_device(&self, addr: u64, bytes: usize) -> Result<Arc<dyn Memory>> {
+        let _ = (addr, bytes);
+        Err(crate::error::MlxError::InvalidArgument(format!(
+            "the {} backend has no device memory to wrap",
+            self.kind().name()
+        )))
+    }
+    /// Wait until the work queued on another library's stream (a CUDA stream handle) is
+    /// done, before this device uses memory that work writes. Backends without streams
+    /// refuse.
+    fn wait_stream(&self, stream: u64) -> Result<()> {
+        let _ = stream;
+        Err(crate::error::MlxError::InvalidArgument(format!(
+            "the {} backend has no streams",
+            self.kind().name()
+        )))
+    }
 }
 
 /// Names of the backends that can open a device on this machine, best first.
 pub fn available_backends() -> Vec<&'static str> {
-    vec![BackendKind::Cpu.name()]
+    let mut names = Vec::new();
+    if metal::is_present() {
+        names.push(BackendKind::Metal.name());
+    }
+    if cuda::usable() {
+        names.push(BackendKind::Cuda.name());
+    }
+    names.push(BackendKind::Cpu.name());
+    names
 }
 
-/// Open the backend `name` (`auto`, `cpu`).
+/// Open the backend `name`: `auto` (Metal if present, else CUDA if a GPU, its driver and
+/// NVRTC are usable, else the CPU), `cpu`, `cuda`, `cuda:N` or `metal`.
 pub fn open(name: &str) -> Result<Arc<dyn Backend>> {
     match name {
-        "auto" | "cpu" => Ok(Arc::new(cpu::CpuBackend::new())),
-        "cuda" | "metal" => Err(crate::error::MlxError::BackendUnavailable(format!(
-            "the {name} backend is not part of this build"
-        ))),
+        "auto" => {
+            if let Ok(m) = metal::open() {
+                return Ok(m);
+            }
+            if cuda::usable() {
+                if let Ok(c) = cuda::CudaBackend::open(0) {
+                    return Ok(Arc::new(c));
+                }
+            }
+            Ok(Arc::new(cpu::CpuBackend::new()))
+        }
+        "cpu" => Ok(Arc::new(cpu::CpuBackend::new())),
+        "metal" => metal::open(),
+        n if n == "cuda" || n.starts_with("cuda:") => {
+            Ok(Arc::new(cuda::CudaBackend::open(cuda::parse_name(n)?)?))
+        }
         other => Err(crate::error::MlxError::DeviceNotFound(format!(
-            "unknown backend {other:?} (expected one of auto, cpu, cuda, metal)"
+            "unknown backend {other:?} (expected one of auto, cpu, cuda, cuda:N, metal)"
         ))),
     }
 }

@@ -21,8 +21,8 @@ pub const K_BLK_F16: &str = "flash_attn_prefill_blk";
 
 /// The kernel in each of its forms.
 pub static FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: None,
-    cuda: None,
+    metal: Some(include_str!("../../../shaders/flash_attn_prefill_blk.metal")),
+    cuda: Some(include_str!("../../../shaders/flash_attn_prefill_blk.cu")),
     cpu: Some(crate::backend::cpu::flash_attn_prefill_blk::run),
 };
 

@@ -40,8 +40,8 @@ use crate::DType;
 
 /// The kernel in each of its forms (MSL, CUDA, CPU); all entry points of each.
 pub static FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: None,
-    cuda: None,
+    metal: Some(include_str!("../../../shaders/flash_attn_prefill_tensor.metal")),
+    cuda: Some(include_str!("../../../shaders/flash_attn_prefill_tensor.cu")),
     cpu: Some(crate::backend::cpu::flash_attn_prefill_tensor::run),
 };
 

@@ -1,0 +1,405 @@
+//! How each named kernel is launched on CUDA: its arguments and geometry.
+//!
+//! The op layer encodes the Metal geometry (for the attention: `ceil(rows / bq) x n_heads`
+//! threadgroups of 32 x 8 threads). The CUDA kernels choose their own: the attention runs
+//! CTAs of 8 warps over `heads_per_cta` heads that share one KV head times
+//! `queries_per_cta` queries, reading the standard tile-skip table; the mask classifier
+//! runs one warp per tile. Any other kernel is launched as encoded, its arguments in
+//! index order (constant blocks by value, buffers as device pointers).
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use super::{CudaContext, CudaMemory};
+use crate::buffer::MlxBuffer;
+use crate::encoder::{BoundArg, Dispatch};
+use crate::error::{MlxError, Result};
+use crate::ops::flash_attn_prefill_blk::{FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE, K_BLK_F16};
+use crate::ops::flash_attn_prefill_tensor::{
+    FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE, K_TENSOR_F16_D256, K_TENSOR_F16_D512,
+};
+
+/// Threads of an attention CTA (8 warps).
+pub const ATTENTION_THREADS: u32 = 256;
+/// Query rows of one warp's row group.
+const ROWS_PER_GROUP: u32 = 32;
+
+/// Dynamic shared memory of one attention CTA: the kernel's `Cfg<D>::SMEM`, or
+/// `hopper::HCfg<D>::SMEM` for the wgmma form (the kernel checks both against these
+/// numbers at compile time).
+pub fn attention_shared_bytes(head_dim: u32, hopper: bool) -> Option<u32> {
+    match (head_dim, hopper) {
+        (256, false) => Some(164_864),
+        (512, false) => Some(214_016),
+        (256, true) => Some(230_400),
+        (512, true) => Some(214_528),
+        _ => None,
+    }
+}
+
+/// Which launcher a kernel name gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelKind {
+    Attention { head_dim: u32 },
+    Blk,
+    Generic,
+}
+
+impl KernelKind {
+    pub fn of(name: &str) -> Self {
+        match name {
+            K_TENSOR_F16_D256 => KernelKind::Attention { head_dim: 256 },
+            K_TENSOR_F16_D512 => KernelKind::Attention { head_dim: 512 },
+            K_BLK_F16 => KernelKind::Blk,
+            _ => KernelKind::Generic,
+        }
+    }
+
+    /// The source file's name, for messages and the cubin cache.
+    pub fn file_name(&self, name: &str) -> String {
+        match self {
+            KernelKind::Attention { .. } => "flash_attn_prefill_tensor.cu".into(),
+            KernelKind::Blk => "flash_attn_prefill_blk.cu".into(),
+            KernelKind::Generic => format!("{name}.cu"),
+        }
+    }
+
+    /// Shared memory the launch needs beyond the default 48 KiB limit, if any; `hopper`:
+    /// the source was compiled with its sm_90a (wgmma) form.
+    pub fn dynamic_shared_bytes(&self, hopper: bool) -> Option<u32> {
+        match self {
+            KernelKind::Attention { head_dim } => attention_shared_bytes(*head_dim, hopper),
+            _ => None,
+        }
+    }
+}
+
+/// Every CUDA source of the library with its file name.
+pub fn sources() -> Vec<(&'static str, &'static str)> {
+    let mut out = Vec::new();
+    if let Some(s) = FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE.cuda {
+        out.push(("flash_attn_prefill_tensor.cu", s));
+    }
+    if let Some(s) = FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE.cuda {
+        out.push(("flash_attn_prefill_blk.cu", s));
+    }
+    out
+}
+
+/// Geometry of one attention launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionGeometry {
+    /// Query heads of one CTA (they share one KV head).
+    pub heads_per_cta: u32,
+    /// Query rows of one CTA.
+    pub queries_per_cta: u32,
+    /// CTAs along the query rows.
+    pub q_tiles: u32,
+    /// CTAs along the heads.
+    pub head_groups: u32,
+}
+
+/// The CTA shape for a problem. A CTA holds 128 (query, head) rows at head dim 256 and 64
+/// at 512, in blocks of 32 consecutive queries of one head (the mma.sync form: a warp
+/// pair's rows) or of 16 (the wgmma form, `hopper`: a warp's rows). It takes as many
+/// heads of one KV group as divide both the group and the number of blocks (a power of
+/// two), so those heads share each K/V tile and the query tiles stay short.
+pub fn attention_geometry(
+    head_dim: u32,
+    rows: u32,
+    n_heads: u32,
+    n_kv_heads: u32,
+    hopper: bool,
+) -> Result<AttentionGeometry> {
+    let cta_rows = match head_dim {
+        256 => 128,
+        512 => 64,
+        _ => return Err(MlxError::InvalidArgument(format!("no CUDA attention kernel for head_dim {head_dim}"))),
+    };
+    let row_groups = cta_rows / if hopper { 16 } else { ROWS_PER_GROUP };
+    if rows == 0 || n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        return Err(MlxError::Internal(format!("attention shape {rows} x {n_heads}/{n_kv_heads} breaks the op's contract")));
+    }
+    let group = n_heads / n_kv_heads;
+    let mut hpc = row_groups;
+    while group % hpc != 0 {
+        hpc /= 2;
+    }
+    let qpc = cta_rows / hpc;
+    Ok(AttentionGeometry {
+        heads_per_cta: hpc,
+        queries_per_cta: qpc,
+        q_tiles: rows.div_ceil(qpc),
+        head_groups: n_heads / hpc,
+    })
+}
+
+/// Mirror of the attention params block (the op's twelve words).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct AttentionParams {
+    pub rows: i32,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub kv_pad: i32,
+    pub q_row_stride: i32,
+    pub q_head_stride: i32,
+    pub k_row_stride: i32,
+    pub k_head_stride: i32,
+    pub v_row_stride: i32,
+    pub v_head_stride: i32,
+    pub mask_row_stride: i32,
+    pub scale: f32,
+}
+
+/// The kernel's `Launch` block.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct AttentionLaunch {
+    heads_per_cta: i32,
+    queries_per_cta: i32,
+    q_tiles: i32,
+    flags: i32,
+}
+
+const FLAG_Q_ALIGNED: i32 = 1;
+const FLAG_K_ALIGNED: i32 = 2;
+const FLAG_V_ALIGNED: i32 = 4;
+const FLAG_MASK_ALIGNED: i32 = 8;
+const FLAG_OUT_ALIGNED: i32 = 16;
+
+/// Mirror of the blk params block.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct BlkParams {
+    rows: i32,
+    kv_pad: i32,
+    bq: i32,
+    bk: i32,
+}
+
+/// One launch, ready: geometry and the bytes of each kernel parameter.
+pub struct Launch {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+    /// Each parameter's value, 8-byte aligned storage.
+    params: Vec<Vec<u64>>,
+}
+
+impl Launch {
+    /// One pointer per kernel parameter, valid while `self` lives.
+    pub fn param_pointers(&mut self) -> Vec<*mut c_void> {
+        self.params.iter_mut().map(|p| p.as_mut_ptr() as *mut c_void).collect()
+    }
+
+    fn push_bytes(&mut self, bytes: &[u8]) {
+        let mut v = vec![0u64; bytes.len().div_ceil(8).max(1)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut v)[..bytes.len()].copy_from_slice(bytes);
+        self.params.push(v);
+    }
+
+    fn push_ptr(&mut self, p: u64) {
+        self.params.push(vec![p]);
+    }
+}
+
+/// Device address of a dispatch's buffer, and its length; it must be memory of `ctx`.
+fn device_buffer(ctx: &Arc<CudaContext>, d: &Dispatch, index: u64) -> Result<(u64, usize)> {
+    let b = d.buffer(index)?;
+    device_address(ctx, b, d.pipeline.name(), index)
+}
+
+fn device_address(ctx: &Arc<CudaContext>, b: &MlxBuffer, name: &str, index: u64) -> Result<(u64, usize)> {
+    let mem = b.memory().as_any().downcast_ref::<CudaMemory>().ok_or_else(|| {
+        MlxError::InvalidArgument(format!("{name}: buffer {index} is not CUDA device memory"))
+    })?;
+    if !Arc::ptr_eq(mem.context(), ctx) {
+        return Err(MlxError::InvalidArgument(format!("{name}: buffer {index} belongs to another CUDA device")));
+    }
+    Ok((mem.device_ptr() + b.byte_offset() as u64, b.data_byte_len()))
+}
+
+fn internal(name: &str, what: &str) -> MlxError {
+    MlxError::Internal(format!("{name} (cuda): {what}"))
+}
+
+/// Arguments and geometry of one dispatch of a kernel of `kind`; `hopper`: the kernel was
+/// built with its sm_90a (wgmma) form.
+pub fn prepare(ctx: &Arc<CudaContext>, kind: KernelKind, hopper: bool, d: &Dispatch) -> Result<Launch> {
+    match kind {
+        KernelKind::Attention { head_dim } => prepare_attention(ctx, head_dim, hopper, d),
+        KernelKind::Blk => prepare_blk(ctx, d),
+        KernelKind::Generic => prepare_generic(ctx, d),
+    }
+}
+
+fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, d: &Dispatch) -> Result<Launch> {
+    let name = d.pipeline.name();
+    let p: AttentionParams = d.constant(0)?;
+    let dims = [
+        p.rows, p.n_heads, p.n_kv_heads, p.kv_pad, p.q_row_stride, p.q_head_stride, p.k_row_stride,
+        p.k_head_stride, p.v_row_stride, p.v_head_stride, p.mask_row_stride,
+    ];
+    if dims.iter().any(|&x| x < 0) || p.kv_pad == 0 || p.kv_pad % 64 != 0 || p.mask_row_stride != p.kv_pad {
+        return Err(internal(name, "shape breaks the op's contract"));
+    }
+    let geo = attention_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
+    let (q, q_len) = device_buffer(ctx, d, 1)?;
+    let (k, k_len) = device_buffer(ctx, d, 2)?;
+    let (v, v_len) = device_buffer(ctx, d, 3)?;
+    let (mask, mask_len) = device_buffer(ctx, d, 4)?;
+    let (blk, blk_len) = device_buffer(ctx, d, 5)?;
+    let (out, out_len) = device_buffer(ctx, d, 6)?;
+    // The op validated these sizes; a kernel that writes device memory checks again.
+    let u = |x: i32| x as u64;
+    let hd = head_dim as u64;
+    let need = |last_row: u64, rs: u64, last_head: u64, hs: u64, esz: u64| {
+        last_row.saturating_mul(rs).saturating_add(last_head.saturating_mul(hs)).saturating_add(hd).saturating_mul(esz)
+    };
+    let (rows, nh, nkv, kvp) = (u(p.rows), u(p.n_heads), u(p.n_kv_heads), u(p.kv_pad));
+    let bq: u64 = if head_dim == 256 { 32 } else { 16 };
+    let sizes_ok = q_len as u64 >= need(rows - 1, u(p.q_row_stride), nh - 1, u(p.q_head_stride), 4)
+        && k_len as u64 >= need(kvp - 1, u(p.k_row_stride), nkv - 1, u(p.k_head_stride), 2)
+        && v_len as u64 >= need(kvp - 1, u(p.v_row_stride), nkv - 1, u(p.v_head_stride), 2)
+        && mask_len as u64 >= ((rows - 1) * kvp + kvp) * 2
+        && blk_len as u64 >= rows.div_ceil(bq) * (kvp / 64)
+        && out_len as u64 >= rows * nh * hd * 4;
+    if !sizes_ok {
+        return Err(internal(name, "a buffer is smaller than its strides need"));
+    }
+    let mut flags = 0;
+    if q % 16 == 0 && p.q_row_stride % 4 == 0 && p.q_head_stride % 4 == 0 {
+        flags |= FLAG_Q_ALIGNED;
+    }
+    if k % 16 == 0 && p.k_row_stride % 8 == 0 && p.k_head_stride % 8 == 0 {
+        flags |= FLAG_K_ALIGNED;
+    }
+    if v % 16 == 0 && p.v_row_stride % 8 == 0 && p.v_head_stride % 8 == 0 {
+        flags |= FLAG_V_ALIGNED;
+    }
+    if mask % 16 == 0 {
+        flags |= FLAG_MASK_ALIGNED;
+    }
+    if out % 8 == 0 {
+        flags |= FLAG_OUT_ALIGNED;
+    }
+    let launch = AttentionLaunch {
+        heads_per_cta: geo.heads_per_cta as i32,
+        queries_per_cta: geo.queries_per_cta as i32,
+        q_tiles: geo.q_tiles as i32,
+        flags,
+    };
+    let shared = attention_shared_bytes(head_dim, hopper).ok_or_else(|| internal(name, "no shared memory size"))?;
+    let mut l = Launch {
+        grid: [geo.q_tiles, geo.head_groups, 1],
+        block: [ATTENTION_THREADS, 1, 1],
+        shared_bytes: shared,
+        params: Vec::new(),
+    };
+    l.push_bytes(bytemuck::bytes_of(&p));
+    l.push_bytes(bytemuck::bytes_of(&launch));
+    for ptr in [q, k, v, mask, blk, out] {
+        l.push_ptr(ptr);
+    }
+    Ok(l)
+}
+
+fn prepare_blk(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
+    let name = d.pipeline.name();
+    let p: BlkParams = d.constant(0)?;
+    if p.rows <= 0 || p.kv_pad <= 0 || p.bq <= 0 || p.bk <= 0 || p.kv_pad % p.bk != 0 {
+        return Err(internal(name, "shape breaks the op's contract"));
+    }
+    let (mask, mask_len) = device_buffer(ctx, d, 1)?;
+    let (blk, blk_len) = device_buffer(ctx, d, 2)?;
+    let (rows, kvp) = (p.rows as u64, p.kv_pad as u64);
+    let tiles = rows.div_ceil(p.bq as u64) * (kvp / p.bk as u64);
+    if (mask_len as u64) < rows * kvp * 2 || (blk_len as u64) < tiles {
+        return Err(internal(name, "buffers smaller than validated"));
+    }
+    let ctas = tiles.div_ceil(8);
+    if ctas > i32::MAX as u64 {
+        return Err(MlxError::InvalidArgument(format!("{name}: {tiles} tiles is more than one launch takes")));
+    }
+    let aligned = (mask % 16 == 0 && p.bk % 8 == 0) as i32;
+    let mut l = Launch { grid: [ctas as u32, 1, 1], block: [256, 1, 1], shared_bytes: 0, params: Vec::new() };
+    l.push_bytes(bytemuck::bytes_of(&p));
+    l.push_ptr(mask);
+    l.push_ptr(blk);
+    l.push_bytes(&aligned.to_ne_bytes());
+    Ok(l)
+}
+
+fn prepare_generic(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
+    let name = d.pipeline.name();
+    let dim = |x: u64, what: &str| -> Result<u32> {
+        u32::try_from(x).map_err(|_| MlxError::InvalidArgument(format!("{name}: {what} {x} is too large for CUDA")))
+    };
+    let mut l = Launch {
+        grid: [dim(d.grid.width, "grid")?, dim(d.grid.height, "grid")?, dim(d.grid.depth, "grid")?],
+        block: [
+            dim(d.threadgroup.width, "block")?,
+            dim(d.threadgroup.height, "block")?,
+            dim(d.threadgroup.depth, "block")?,
+        ],
+        shared_bytes: dim(d.shared.iter().map(|(_, b)| *b).sum(), "shared memory")?,
+        params: Vec::new(),
+    };
+    let mut args: Vec<&(u64, BoundArg)> = d.args.iter().collect();
+    args.sort_by_key(|(i, _)| *i);
+    for (index, arg) in args {
+        match arg {
+            BoundArg::Bytes(b) => l.push_bytes(b),
+            BoundArg::Buffer(b) => {
+                let (ptr, _) = device_address(ctx, b, name, *index)?;
+                l.push_ptr(ptr);
+            }
+        }
+    }
+    Ok(l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ctas_take_the_heads_of_one_kv_group() {
+        // Gemma 4 26B global: 16 heads over 2 KV heads, head dim 512 -> 2 heads x 32 queries
+        // (mma.sync), 4 heads x 16 queries (wgmma).
+        let g = attention_geometry(512, 8192, 16, 2, false).unwrap();
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 256, 8));
+        let g = attention_geometry(512, 8192, 16, 2, true).unwrap();
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
+        // Sliding: 16 over 8 at 256 -> 2 heads x 64 queries.
+        let g = attention_geometry(256, 8192, 16, 8, false).unwrap();
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 64, 128, 8));
+        assert_eq!(attention_geometry(256, 8192, 16, 8, true).unwrap(), g);
+        // Group of 8 at 256 -> 4 heads x 32 queries (8 x 16 with wgmma); none -> 1 x 128.
+        assert_eq!(attention_geometry(256, 100, 8, 1, false).unwrap().heads_per_cta, 4);
+        assert_eq!(attention_geometry(256, 100, 8, 1, true).unwrap().heads_per_cta, 8);
+        let g = attention_geometry(256, 129, 8, 8, true).unwrap();
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles), (1, 128, 2));
+        // A group of 3 shares nothing; of 6, two heads.
+        assert_eq!(attention_geometry(256, 10, 6, 2, true).unwrap().heads_per_cta, 1);
+        assert_eq!(attention_geometry(512, 10, 6, 1, false).unwrap().heads_per_cta, 2);
+        assert!(attention_geometry(128, 10, 6, 1, false).is_err());
+    }
+
+    #[test]
+    fn the_op_and_the_kernel_agree_on_the_params_block() {
+        assert_eq!(std::mem::size_of::<AttentionParams>(), 48);
+        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 16);
+        assert_eq!(std::mem::size_of::<BlkParams>(), 16);
+    }
+
+    #[test]
+    fn names_pick_their_launchers() {
+        assert_eq!(KernelKind::of(K_TENSOR_F16_D512), KernelKind::Attention { head_dim: 512 });
+        assert_eq!(KernelKind::of(K_BLK_F16), KernelKind::Blk);
+        assert_eq!(KernelKind::of("other"), KernelKind::Generic);
+        assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(false), Some(164_864));
+        assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(true), Some(230_400));
+    }
+}

@@ -1,0 +1,526 @@
+//! The CUDA backend: NVIDIA GPUs through the driver API, loaded at run time.
+//!
+//! - The driver (`libcuda.so.1`) and NVRTC are opened with `libloading` when a CUDA device
+//!   is first asked for; a machine without them still builds, imports and runs the CPU
+//!   backend, and `open("cuda")` is a clean `BackendUnavailable`. (A loader of our own
+//!   rather than the `cudarc` crate: the backend needs about thirty entry points, and
+//!   this way no CUDA version is chosen at build time.)
+//! - One context (the device's primary context, shared with other CUDA users in the
+//!   process such as PyTorch) and one non-blocking stream per device ordinal, shared by
+//!   every `MlxDevice` opened on it. `execute` launches on that stream and synchronises.
+//! - `shaders/*.cu` are compiled on first use with NVRTC for the device's own architecture
+//!   (`sm_90a` on Hopper, where the attention runs on warpgroup MMA; `mma.sync` elsewhere),
+//!   cached per process and on disk ([`nvrtc`]).
+//! - Which geometry a named kernel is launched with is decided here ([`kernels`]), so the
+//!   op layer never asks which backend runs it.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::{Backend, BackendKind, Memory};
+use crate::encoder::Dispatch;
+use crate::error::{MlxError, Result};
+use crate::kernel_registry::{KernelSource, Pipeline};
+
+pub mod driver;
+pub mod kernels;
+pub mod nvrtc;
+
+use driver::{driver, CuContext, CuDevicePtr, CuFunction, CuModule, CuStream, Driver};
+
+/// One device: its primary context, stream and loaded modules. Lives for the process.
+pub struct CudaContext {
+    pub ordinal: i32,
+    ctx: CuContext,
+    stream: CuStream,
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    pub multiprocessors: i32,
+    /// Most shared memory one block may opt in to, bytes.
+    pub max_shared_per_block: i32,
+    /// Loaded modules by source address and architecture (one module holds all entry
+    /// points of a file).
+    modules: Mutex<HashMap<(usize, String), Module>>,
+}
+
+#[derive(Clone, Copy)]
+struct Module(CuModule);
+
+// SAFETY: contexts, streams and modules are driver handles usable from any thread (the
+// context is made current on each thread before use, see `bind`).
+unsafe impl Send for CudaContext {}
+unsafe impl Sync for CudaContext {}
+unsafe impl Send for Module {}
+
+static CONTEXTS: OnceLock<Mutex<HashMap<i32, Arc<CudaContext>>>> = OnceLock::new();
+
+/// Environment variable that overrides the architecture kernels are compiled for.
+pub const ARCH_ENV: &str = "MLX_NATIVE_CUDA_ARCH";
+
+/// Number of CUDA devices, or why there are none to use.
+pub fn device_count() -> Result<i32> {
+    let d = driver()?;
+    let mut n = 0;
+    // SAFETY: valid out pointer.
+    d.check(unsafe { (d.cuDeviceGetCount)(&mut n) }, "cuDeviceGetCount", MlxError::BackendUnavailable)?;
+    Ok(n)
+}
+
+/// Whether a CUDA device can be opened and its kernels compiled here (driver, a device,
+/// NVRTC). Probed once.
+pub fn usable() -> bool {
+    static USABLE: OnceLock<bool> = OnceLock::new();
+    *USABLE.get_or_init(|| matches!(device_count(), Ok(n) if n > 0) && nvrtc::nvrtc().is_ok())
+}
+
+impl CudaContext {
+    /// The context of device `ordinal`, made on first use.
+    pub fn get(ordinal: i32) -> Result<Arc<CudaContext>> {
+        let d = driver()?;
+        let count = device_count()?;
+        if count == 0 {
+            return Err(MlxError::BackendUnavailable("the CUDA driver reports no device".into()));
+        }
+        if ordinal < 0 || ordinal >= count {
+            return Err(MlxError::DeviceNotFound(format!(
+                "cuda:{ordinal} does not exist ({count} CUDA device{} here)",
+                if count == 1 { "" } else { "s" }
+            )));
+        }
+        nvrtc::nvrtc()?;
+        let map = CONTEXTS.get_or_init(|| Mutex::new(HashMap::new()));
+        let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = map.get(&ordinal) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(Self::create(d, ordinal)?);
+        map.insert(ordinal, c.clone());
+        Ok(c)
+    }
+
+    fn create(d: &Driver, ordinal: i32) -> Result<CudaContext> {
+        let unavailable = MlxError::BackendUnavailable;
+        let mut dev = 0;
+        // SAFETY: valid out pointers and an ordinal below the device count, throughout.
+        unsafe {
+            d.check((d.cuDeviceGet)(&mut dev, ordinal), "cuDeviceGet", unavailable)?;
+            let mut name = [0 as c_char; 256];
+            d.check((d.cuDeviceGetName)(name.as_mut_ptr(), 256, dev), "cuDeviceGetName", unavailable)?;
+            let name = std::ffi::CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
+            let attr = |a: c_int| -> Result<i32> {
+                let mut v = 0;
+                d.check((d.cuDeviceGetAttribute)(&mut v, a, dev), "cuDeviceGetAttribute", unavailable)?;
+                Ok(v)
+            };
+            let cc = (attr(driver::ATTR_COMPUTE_CAPABILITY_MAJOR)?, attr(driver::ATTR_COMPUTE_CAPABILITY_MINOR)?);
+            let multiprocessors = attr(driver::ATTR_MULTIPROCESSOR_COUNT)?;
+            let max_shared_per_block = attr(driver::ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+            let mut ctx: CuContext = std::ptr::null_mut();
+            d.check((d.cuDevicePrimaryCtxRetain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain", unavailable)?;
+            d.check((d.cuCtxSetCurrent)(ctx), "cuCtxSetCurrent", unavailable)?;
+            let mut stream: CuStream = std::ptr::null_mut();
+            d.check(
+                (d.cuStreamCreate)(&mut stream, driver::STREAM_NON_BLOCKING),
+                "cuStreamCreate",
+                unavailable,
+            )?;
+            Ok(CudaContext {
+                ordinal,
+                ctx,
+                stream,
+                name,
+                compute_capability: cc,
+                multiprocessors,
+                max_shared_per_block,
+                modules: Mutex::new(HashMap::new()),
+            })
+        }
+    }
+
+    /// Make this context current on the calling thread (every driver call needs it).
+    pub fn bind(&self) -> Result<&'static Driver> {
+        let d = driver()?;
+        // SAFETY: a live context handle.
+        d.check(unsafe { (d.cuCtxSetCurrent)(self.ctx) }, "cuCtxSetCurrent", MlxError::CommandBufferError)?;
+        Ok(d)
+    }
+
+    /// The NVRTC target of this device: `sm_90a` on Hopper (its arch-specific features:
+    /// the wgmma form of the attention), `sm_XY` elsewhere. `MLX_NATIVE_CUDA_ARCH`
+    /// overrides it (`sm_90` on a Hopper GPU runs the portable mma.sync form).
+    pub fn arch(&self) -> String {
+        if let Ok(a) = std::env::var(ARCH_ENV) {
+            if !a.is_empty() && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                return a;
+            }
+        }
+        let (maj, min) = self.compute_capability;
+        if (maj, min) == (9, 0) {
+            "sm_90a".into()
+        } else {
+            format!("sm_{maj}{min}")
+        }
+    }
+
+
+    /// Wait for everything queued on this device's stream.
+    pub fn synchronize(&self) -> Result<()> {
+        let d = self.bind()?;
+        // SAFETY: a live stream of the current context.
+        d.check(unsafe { (d.cuStreamSynchronize)(self.stream) }, "the device's work failed", MlxError::CommandBufferError)
+    }
+
+    /// The module of `source` for `arch` (compiled or loaded once), and its function
+    /// `entry`.
+    fn function(&self, file: &str, source: &'static str, entry: &str, arch: &str) -> Result<CuFunction> {
+        let d = self.bind()?;
+        let key = (source.as_ptr() as usize, arch.to_string());
+        let module = {
+            let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            match mods.get(&key) {
+                Some(m) => *m,
+                None => {
+                    let m = match load_module(d, &nvrtc::cubin(file, source, arch)?) {
+                        Ok(m) => m,
+                        Err(_) => {
+                            // A damaged cache file: compile afresh once.
+                            nvrtc::forget(file, source, arch);
+                            load_module(d, &nvrtc::cubin(file, source, arch)?)?
+                        }
+                    };
+                    mods.insert(key, Module(m));
+                    Module(m)
+                }
+            }
+        };
+        let cname = CString::new(entry).map_err(|_| MlxError::KernelNotFound(format!("bad kernel name {entry:?}")))?;
+        let mut f: CuFunction = std::ptr::null_mut();
+        // SAFETY: a loaded module and a NUL-terminated name.
+        let r = unsafe { (d.cuModuleGetFunction)(&mut f, module.0, cname.as_ptr()) };
+        if r == driver::CUDA_ERROR_NOT_FOUND {
+            return Err(MlxError::KernelNotFound(format!("{file} has no entry point {entry}")));
+        }
+        d.check(r, &format!("cuModuleGetFunction({entry})"), MlxError::CommandBufferError)?;
+        Ok(f)
+    }
+}
+
+fn load_module(d: &Driver, cubin: &[u8]) -> Result<CuModule> {
+    let mut m: CuModule = std::ptr::null_mut();
+    // SAFETY: a complete cubin image in memory.
+    let r = unsafe { (d.cuModuleLoadData)(&mut m, cubin.as_ptr() as *const c_void) };
+    d.check(r, "cuModuleLoadData", |message| MlxError::ShaderCompilationError { name: "cubin".into(), message })?;
+    Ok(m)
+}
+
+/// Device memory: an allocation of ours (freed on drop) or a region someone else owns.
+pub struct CudaMemory {
+    ctx: Arc<CudaContext>,
+    ptr: CuDevicePtr,
+    len: usize,
+    owned: bool,
+}
+
+impl CudaMemory {
+    /// Device address of byte 0.
+    pub fn device_ptr(&self) -> CuDevicePtr {
+        self.ptr
+    }
+    /// The context the memory belongs to.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        if self.owned && self.ptr != 0 {
+            if let Ok(d) = self.ctx.bind() {
+                // SAFETY: allocated by cuMemAlloc in this context; every kernel that used it
+                // has completed (execute synchronises before returning).
+                unsafe { (d.cuMemFree_v2)(self.ptr) };
+            }
+        }
+    }
+}
+
+impl Memory for CudaMemory {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn host_ptr(&self) -> Option<*mut u8> {
+        None
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if offset.checked_add(dst.len()).is_none_or(|e| e > self.len) {
+            return Err(MlxError::InvalidArgument("read past the end of a buffer".into()));
+        }
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let d = self.ctx.bind()?;
+        // SAFETY: the range is inside the allocation; the host buffer holds dst.len() bytes
+        // and outlives the synchronisation below.
+        let r = unsafe {
+            (d.cuMemcpyDtoHAsync_v2)(dst.as_mut_ptr() as *mut c_void, self.ptr + offset as u64, dst.len(), self.ctx.stream)
+        };
+        d.check(r, "copy to the host", MlxError::CommandBufferError)?;
+        self.ctx.synchronize()
+    }
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        if offset.checked_add(src.len()).is_none_or(|e| e > self.len) {
+            return Err(MlxError::InvalidArgument("write past the end of a buffer".into()));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let d = self.ctx.bind()?;
+        // SAFETY: as for read; the source stays valid until the stream is synchronised.
+        let r = unsafe {
+            (d.cuMemcpyHtoDAsync_v2)(self.ptr + offset as u64, src.as_ptr() as *const c_void, src.len(), self.ctx.stream)
+        };
+        d.check(r, "copy to the device", MlxError::CommandBufferError)?;
+        self.ctx.synchronize()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn device_addr(&self) -> Option<u64> {
+        Some(self.ptr)
+    }
+}
+
+/// A compiled kernel: its function, and how the backend launches it.
+pub struct CudaPipeline {
+    ctx: Arc<CudaContext>,
+    function: CuFunction,
+    kind: kernels::KernelKind,
+    /// Built with the Hopper (sm_90a, wgmma) forms of the kernels.
+    hopper: bool,
+}
+
+// SAFETY: a function handle of a module that lives as long as its context.
+unsafe impl Send for CudaPipeline {}
+unsafe impl Sync for CudaPipeline {}
+
+/// A CUDA device.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaBackend {
+    /// Open device `ordinal`.
+    pub fn open(ordinal: i32) -> Result<Self> {
+        Ok(CudaBackend { ctx: CudaContext::get(ordinal)? })
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+/// Parse `cuda` or `cuda:N` into an ordinal.
+pub fn parse_name(name: &str) -> Result<i32> {
+    match name.strip_prefix("cuda") {
+        Some("") => Ok(0),
+        Some(rest) => rest
+            .strip_prefix(':')
+            .and_then(|n| n.parse::<i32>().ok())
+            .filter(|&n| n >= 0)
+            .ok_or_else(|| MlxError::DeviceNotFound(format!("bad CUDA device name {name:?} (cuda or cuda:N)"))),
+        None => Err(MlxError::DeviceNotFound(format!("{name:?} is not a CUDA device name"))),
+    }
+}
+
+impl Backend for CudaBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+
+    fn description(&self) -> String {
+        let c = &self.ctx;
+        format!(
+            "cuda:{} {} (sm_{}{}, {} multiprocessors)",
+            c.ordinal, c.name, c.compute_capability.0, c.compute_capability.1, c.multiprocessors
+        )
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
+        if bytes == 0 {
+            return Ok(Arc::new(CudaMemory { ctx: self.ctx.clone(), ptr: 0, len: 0, owned: false }));
+        }
+        let d = self.ctx.bind()?;
+        let mut ptr: CuDevicePtr = 0;
+        // SAFETY: valid out pointer.
+        let r = unsafe { (d.cuMemAlloc_v2)(&mut ptr, bytes) };
+        if r != driver::CUDA_SUCCESS {
+            return Err(MlxError::BufferAllocationError { bytes: bytes as u64 });
+        }
+        let mem = CudaMemory { ctx: self.ctx.clone(), ptr, len: bytes, owned: true };
+        // SAFETY: the whole new allocation.
+        let r = unsafe { (d.cuMemsetD8Async)(ptr, 0, bytes, self.ctx.stream) };
+        d.check(r, "zero-filling a new buffer", MlxError::CommandBufferError)?;
+        self.ctx.synchronize()?;
+        Ok(Arc::new(mem))
+    }
+
+    unsafe fn wrap_host(&self, _ptr: *mut u8, _bytes: usize) -> Result<Arc<dyn Memory>> {
+        Err(MlxError::InvalidArgument(
+            "the CUDA backend cannot use host memory in place: copy it into a device buffer".into(),
+        ))
+    }
+
+    unsafe fn wrap_device(&self, addr: u64, bytes: usize) -> Result<Arc<dyn Memory>> {
+        if bytes > 0 {
+            check_device_range(&self.ctx, addr, bytes)?;
+        }
+        Ok(Arc::new(CudaMemory { ctx: self.ctx.clone(), ptr: addr, len: bytes, owned: false }))
+    }
+
+    fn wait_stream(&self, stream: u64) -> Result<()> {
+        let d = self.ctx.bind()?;
+        // SAFETY: the caller names a stream of this process (CUDA Array Interface `stream`:
+        // 1 and 2 are the driver's legacy and per-thread default streams).
+        let r = unsafe { (d.cuStreamSynchronize)(stream as usize as CuStream) };
+        d.check(r, &format!("synchronising stream {stream:#x}"), MlxError::InvalidArgument)
+    }
+
+    fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
+        let src = source
+            .cuda
+            .ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
+        let kind = kernels::KernelKind::of(name);
+        let arch = self.ctx.arch();
+        let hopper = arch == "sm_90a";
+        let function = self.ctx.function(kind.file_name(name).as_str(), src, name, &arch)?;
+        let d = self.ctx.bind()?;
+        if let Some(smem) = kind.dynamic_shared_bytes(hopper) {
+            if smem > self.ctx.max_shared_per_block as u32 {
+                return Err(MlxError::KernelNotFound(format!(
+                    "{name} needs {smem} bytes of shared memory per block; {} allows {}",
+                    self.ctx.name, self.ctx.max_shared_per_block
+                )));
+            }
+            // SAFETY: a valid function handle.
+            let r = unsafe {
+                (d.cuFuncSetAttribute)(function, driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as c_int)
+            };
+            d.check(r, &format!("{name}: raising its shared memory limit"), MlxError::CommandBufferError)?;
+        }
+        let mut max_threads = 0;
+        // SAFETY: a valid function handle and out pointer.
+        let r = unsafe { (d.cuFuncGetAttribute)(&mut max_threads, driver::FUNC_MAX_THREADS_PER_BLOCK, function) };
+        d.check(r, "cuFuncGetAttribute", MlxError::CommandBufferError)?;
+        Ok(Pipeline::new(
+            name,
+            max_threads.max(0) as u64,
+            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, kind, hopper }),
+        ))
+    }
+
+    fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {
+        let d = self.ctx.bind()?;
+        for dispatch in dispatches {
+            let p = dispatch.pipeline.inner::<CudaPipeline>().ok_or_else(|| {
+                MlxError::InvalidArgument(format!("pipeline {} was not built by the CUDA backend", dispatch.pipeline.name()))
+            })?;
+            if !Arc::ptr_eq(&p.ctx, &self.ctx) {
+                return Err(MlxError::InvalidArgument(format!(
+                    "pipeline {} was built for another CUDA device",
+                    dispatch.pipeline.name()
+                )));
+            }
+            let mut launch = kernels::prepare(&self.ctx, p.kind, p.hopper, dispatch)?;
+            let mut params = launch.param_pointers();
+            // SAFETY: a function of this context, launch dimensions checked by `prepare`,
+            // and one pointer per kernel parameter to storage that outlives the call.
+            let r = unsafe {
+                (d.cuLaunchKernel)(
+                    p.function,
+                    launch.grid[0],
+                    launch.grid[1],
+                    launch.grid[2],
+                    launch.block[0],
+                    launch.block[1],
+                    launch.block[2],
+                    launch.shared_bytes,
+                    self.ctx.stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            };
+            d.check(r, &format!("launching {}", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
+        }
+        self.ctx.synchronize()
+    }
+}
+
+/// Check that `[addr, addr + bytes)` is device memory of `ctx`'s device.
+fn check_device_range(ctx: &CudaContext, addr: u64, bytes: usize) -> Result<()> {
+    let d = ctx.bind()?;
+    let bad = |what: String| MlxError::InvalidArgument(format!("device address {addr:#x}: {what}"));
+    let attr_u32 = |a: c_int| -> Result<u32> {
+        let mut v: u32 = 0;
+        // SAFETY: the attribute is a 32-bit value for these attributes.
+        let r = unsafe { (d.cuPointerGetAttribute)(&mut v as *mut u32 as *mut c_void, a, addr) };
+        if r != driver::CUDA_SUCCESS {
+            return Err(bad(format!("not CUDA memory ({})", d.error_text(r))));
+        }
+        Ok(v)
+    };
+    let attr_u64 = |a: c_int| -> Result<u64> {
+        let mut v: u64 = 0;
+        // SAFETY: the range attributes are pointer-sized values.
+        let r = unsafe { (d.cuPointerGetAttribute)(&mut v as *mut u64 as *mut c_void, a, addr) };
+        if r != driver::CUDA_SUCCESS {
+            return Err(bad(format!("not CUDA memory ({})", d.error_text(r))));
+        }
+        Ok(v)
+    };
+    let ty = attr_u32(driver::POINTER_MEMORY_TYPE)?;
+    if ty != driver::MEMORYTYPE_DEVICE && ty != driver::MEMORYTYPE_UNIFIED {
+        return Err(bad(format!("memory type {ty} is not device memory")));
+    }
+    let ordinal = attr_u32(driver::POINTER_DEVICE_ORDINAL)? as i32;
+    if ordinal != ctx.ordinal {
+        return Err(bad(format!("it belongs to cuda:{ordinal}, not cuda:{}", ctx.ordinal)));
+    }
+    let start = attr_u64(driver::POINTER_RANGE_START_ADDR)?;
+    let size = attr_u64(driver::POINTER_RANGE_SIZE)?;
+    let end = addr.checked_add(bytes as u64);
+    if end.is_none_or(|e| e > start.saturating_add(size)) {
+        return Err(bad(format!(
+            "{bytes} bytes run past the end of its allocation ({size} bytes at {start:#x})"
+        )));
+    }
+    Ok(())
+}
+
+/// Compile every CUDA source of the library for `arch` (no device needed): the compiler's
+/// report (ptxas resource usage per entry point), or the first compile error.
+pub fn compile_check(arch: &str) -> Result<String> {
+    let mut report = String::new();
+    for (file, source) in kernels::sources() {
+        let log = nvrtc::compile_report(file, source, arch)?;
+        report.push_str(&format!("== {file} ({arch})\n{log}\n"));
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse() {
+        assert_eq!(parse_name("cuda").unwrap(), 0);
+        assert_eq!(parse_name("cuda:3").unwrap(), 3);
+        for bad in ["cuda:", "cuda:-1", "cuda:x", "cuda3", "cpu"] {
+            assert!(matches!(parse_name(bad), Err(MlxError::DeviceNotFound(_))), "{bad}");
+        }
+    }
+}

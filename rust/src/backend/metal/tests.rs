@@ -1,0 +1,410 @@
+//! The Metal backend's logic against the recording fake: what the ops encode (argument
+//! indices, constant blocks, threadgroup memory, grid and threadgroup sizes), compilation and
+//! its cache, the tensor-API probe, memory, checks and error mapping.
+
+use std::alloc::Layout;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::backend::{MetalBackend, MetalMemory, Storage};
+use super::fake::{FakeMetal, FillOnRun, Recorded};
+use crate::backend::cpu::HostMemory;
+use crate::backend::{Backend, BackendKind};
+use crate::encoder::{GridSize, KernelArg};
+use crate::kernel_registry::{KernelRegistry, KernelSource};
+use crate::ops::flash_attn_prefill_blk::{dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams, K_BLK_F16};
+use crate::ops::flash_attn_prefill_tensor::{
+    dispatch_flash_attn_prefill_tensor_f16, flash_attn_prefill_tensor_available, threadgroup_memory_bytes,
+    FlashAttnPrefillTensorParams, K_TENSOR_F16_D256, K_TENSOR_F16_D512,
+};
+use crate::{default_registry, DType, MlxBuffer, MlxDevice, MlxError};
+
+fn fake_device(api: FakeMetal) -> (MlxDevice, Arc<MetalBackend<FakeMetal>>) {
+    let backend = Arc::new(MetalBackend::new(api));
+    (MlxDevice::from_backend(backend.clone()), backend)
+}
+
+fn buffer_id(b: &MlxBuffer) -> usize {
+    b.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().expect("Metal memory").buffer().id
+}
+
+struct Attention {
+    q: MlxBuffer,
+    k: MlxBuffer,
+    v: MlxBuffer,
+    mask: MlxBuffer,
+    blk: MlxBuffer,
+    out: MlxBuffer,
+    p: FlashAttnPrefillTensorParams,
+}
+
+fn attention(dev: &MlxDevice, head_dim: u32) -> Attention {
+    let (rows, nh, nkv, kv_pad) = (45u32, 4u32, 2u32, 192u32);
+    let bq = if head_dim == 256 { 32 } else { 16 };
+    let n = |x: u32| x as usize;
+    let p = FlashAttnPrefillTensorParams {
+        rows,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim,
+        kv_pad,
+        q_row_stride: nh * head_dim,
+        q_head_stride: head_dim,
+        k_row_stride: nkv * head_dim,
+        k_head_stride: head_dim,
+        v_row_stride: nkv * head_dim,
+        v_head_stride: head_dim,
+        scale: 0.5,
+    };
+    Attention {
+        q: dev.alloc_buffer(DType::F32, &[n(rows * nh * head_dim)]).unwrap(),
+        k: dev.alloc_buffer(DType::F16, &[n(kv_pad * nkv * head_dim)]).unwrap(),
+        v: dev.alloc_buffer(DType::F16, &[n(kv_pad * nkv * head_dim)]).unwrap(),
+        mask: dev.alloc_buffer(DType::F16, &[n(rows * kv_pad)]).unwrap(),
+        blk: dev.alloc_buffer(DType::U8, &[n(rows.div_ceil(bq) * kv_pad / 64)]).unwrap(),
+        out: dev.alloc_buffer(DType::F32, &[n(rows * nh * head_dim)]).unwrap(),
+        p,
+    }
+}
+
+fn dispatch(dev: &MlxDevice, reg: &mut KernelRegistry, a: &Attention) -> crate::Result<()> {
+    let mut enc = dev.command_encoder();
+    dispatch_flash_attn_prefill_tensor_f16(&mut enc, reg, dev, &a.q, &a.k, &a.v, &a.mask, &a.blk, &a.out, &a.p)?;
+    enc.commit_and_wait()
+}
+
+fn words(ints: &[i32], scale: f32) -> Vec<u8> {
+    let mut v: Vec<u8> = ints.iter().flat_map(|x| x.to_le_bytes()).collect();
+    v.extend_from_slice(&scale.to_le_bytes());
+    v
+}
+
+#[test]
+fn attention_binds_what_the_kernel_declares_at_256_and_512() {
+    for (head_dim, name, q_tiles) in [(256u32, K_TENSOR_F16_D256, 2u64), (512, K_TENSOR_F16_D512, 3)] {
+        let (dev, be) = fake_device(FakeMetal::new());
+        let mut reg = default_registry();
+        let a = attention(&dev, head_dim);
+        dispatch(&dev, &mut reg, &a).unwrap();
+        let hd = head_dim as i32;
+        let params = words(&[45, 4, 2, 192, 4 * hd, hd, 2 * hd, hd, 2 * hd, hd, 192], 0.5);
+        assert_eq!(params.len(), 48);
+        let buf = |index, b: &MlxBuffer| Recorded::SetBuffer { index, buffer: buffer_id(b), offset: 0 };
+        assert_eq!(
+            be.api().last_run(),
+            vec![
+                Recorded::SetPipeline(name.into()),
+                Recorded::SetBytes { index: 0, bytes: params },
+                buf(1, &a.q),
+                buf(2, &a.k),
+                buf(3, &a.v),
+                buf(4, &a.mask),
+                buf(5, &a.blk),
+                buf(6, &a.out),
+                Recorded::SetThreadgroupMemoryLength { index: 0, bytes: threadgroup_memory_bytes(head_dim).unwrap() },
+                Recorded::DispatchThreadgroups { grid: GridSize::new(q_tiles, 4, 1), threadgroup: GridSize::new(32, 8, 1) },
+            ],
+            "head dim {head_dim}"
+        );
+    }
+}
+
+#[test]
+fn blk_binds_what_the_kernel_declares() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    let mut reg = default_registry();
+    let mask = dev.alloc_buffer(DType::F16, &[45 * 192]).unwrap();
+    let blk = dev.alloc_buffer(DType::U8, &[2 * 3]).unwrap();
+    let mut enc = dev.command_encoder();
+    let p = FlashAttnPrefillBlkParams { rows: 45, kv_pad: 192, bq: 32, bk: 64 };
+    dispatch_flash_attn_prefill_blk(&mut enc, &mut reg, &dev, &mask, &blk, &p).unwrap();
+    enc.commit_and_wait().unwrap();
+    let params: Vec<u8> = [45i32, 192, 32, 64].iter().flat_map(|x| x.to_le_bytes()).collect();
+    assert_eq!(
+        be.api().last_run(),
+        vec![
+            Recorded::SetPipeline(K_BLK_F16.into()),
+            Recorded::SetBytes { index: 0, bytes: params },
+            Recorded::SetBuffer { index: 1, buffer: buffer_id(&mask), offset: 0 },
+            Recorded::SetBuffer { index: 2, buffer: buffer_id(&blk), offset: 0 },
+            Recorded::DispatchThreadgroups { grid: GridSize::new(3, 2, 1), threadgroup: GridSize::new(32, 1, 1) },
+        ]
+    );
+}
+
+#[test]
+fn a_view_is_bound_at_its_byte_offset() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    let mut reg = default_registry();
+    let mut a = attention(&dev, 256);
+    let big = dev.alloc_buffer(DType::F32, &[a.q.element_count() + 64]).unwrap();
+    a.q = big.view(256, a.q.data_byte_len(), DType::F32, vec![]).unwrap();
+    dispatch(&dev, &mut reg, &a).unwrap();
+    assert!(be.api().last_run().contains(&Recorded::SetBuffer { index: 1, buffer: buffer_id(&big), offset: 256 }));
+}
+
+#[test]
+fn one_compilation_per_source_and_one_pipeline_per_kernel_and_device() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    let mut reg = default_registry();
+    let (a256, a512) = (attention(&dev, 256), attention(&dev, 512));
+    dispatch(&dev, &mut reg, &a256).unwrap();
+    dispatch(&dev, &mut reg, &a512).unwrap();
+    dispatch(&dev, &mut reg, &a256).unwrap();
+    // Both entry points come from one .metal file: one library, two pipelines.
+    assert_eq!(be.api().compiles.load(Ordering::Relaxed), 1);
+    assert_eq!(be.api().pipelines.load(Ordering::Relaxed), 2);
+    assert_eq!(be.api().runs.lock().unwrap().len(), 3);
+    // Another device compiles for itself.
+    let (dev2, be2) = fake_device(FakeMetal::new());
+    let b = attention(&dev2, 256);
+    dispatch(&dev2, &mut reg, &b).unwrap();
+    assert_eq!(be2.api().compiles.load(Ordering::Relaxed), 1);
+    assert_eq!(be.api().compiles.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn the_probe_reads_a_missing_tensor_header_as_unavailable() {
+    let missing = "program_source:21:10: fatal error: 'metal_tensor' file not found";
+    let api = FakeMetal::new();
+    *api.compile_error.lock().unwrap() = Some(("<metal_tensor>".into(), missing.into()));
+    let (dev, _) = fake_device(api);
+    let mut reg = default_registry();
+    assert!(!flash_attn_prefill_tensor_available(&mut reg, &dev, 256).unwrap());
+    assert!(!flash_attn_prefill_tensor_available(&mut reg, &dev, 512).unwrap());
+    // The tile-skip kernel does not need the tensor API and still builds.
+    assert!(reg.get_pipeline(K_BLK_F16, &dev).is_ok());
+    // Dispatching anyway is the compile error, by name.
+    let a = attention(&dev, 256);
+    match dispatch(&dev, &mut reg, &a) {
+        Err(MlxError::ShaderCompilationError { name, message }) => {
+            assert_eq!(name, K_TENSOR_F16_D256);
+            assert_eq!(message, missing);
+        }
+        other => panic!("expected a compile error, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_probe_reports_other_compile_errors_as_errors_and_success_as_available() {
+    let api = FakeMetal::new();
+    *api.compile_error.lock().unwrap() =
+        Some(("<metal_tensor>".into(), "program_source:90:5: error: use of undeclared identifier 'qh'".into()));
+    let (dev, _) = fake_device(api);
+    let mut reg = default_registry();
+    match flash_attn_prefill_tensor_available(&mut reg, &dev, 256) {
+        Err(MlxError::ShaderCompilationError { name, message }) => {
+            assert_eq!(name, K_TENSOR_F16_D256);
+            assert!(message.contains("undeclared identifier"));
+        }
+        other => panic!("expected a compile error, got {other:?}"),
+    }
+    let (dev, _) = fake_device(FakeMetal::new());
+    assert!(flash_attn_prefill_tensor_available(&mut reg, &dev, 256).unwrap());
+    assert!(flash_attn_prefill_tensor_available(&mut reg, &dev, 512).unwrap());
+}
+
+#[test]
+fn a_pipeline_too_narrow_for_eight_simdgroups_is_refused_before_anything_runs() {
+    let mut api = FakeMetal::new();
+    api.max_threads = 128;
+    let (dev, be) = fake_device(api);
+    let mut reg = default_registry();
+    let a = attention(&dev, 256);
+    match dispatch(&dev, &mut reg, &a) {
+        Err(MlxError::InvalidArgument(m)) => assert!(m.contains("allows 128 threads per threadgroup, needs 256"), "{m}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    assert!(be.api().runs.lock().unwrap().is_empty());
+}
+
+/// Encode the blk kernel with the given sizes and arguments by hand and commit.
+fn raw_blk(
+    dev: &MlxDevice,
+    args: &[(u64, KernelArg<'_>)],
+    shared: &[(u64, u64)],
+    threadgroup: GridSize,
+) -> crate::Result<()> {
+    let mut reg = default_registry();
+    let pipeline = reg.get_pipeline(K_BLK_F16, dev)?.clone();
+    let mut enc = dev.command_encoder();
+    enc.encode_threadgroups_with_args_and_shared(&pipeline, args, shared, GridSize::new(1, 1, 1), threadgroup)?;
+    enc.commit_and_wait()
+}
+
+#[test]
+fn dispatches_metal_cannot_run_are_refused_before_anything_runs() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    let out = dev.alloc_buffer(DType::U8, &[64]).unwrap();
+    let small = [1u8; 16];
+    let big = vec![0u8; 4097];
+    let ok_args = [(0, KernelArg::Bytes(&small)), (2, KernelArg::Buffer(&out))];
+    type Case<'a> = (&'a str, Vec<(u64, KernelArg<'a>)>, Vec<(u64, u64)>, GridSize, &'a str);
+    let cases: Vec<Case<'_>> = vec![
+        ("too many threads", ok_args.to_vec(), vec![], GridSize::new(1025, 1, 1), "the pipeline allows 1 to 1024"),
+        ("no threads", ok_args.to_vec(), vec![], GridSize::new(0, 1, 1), "the pipeline allows"),
+        ("threadgroup memory", ok_args.to_vec(), vec![(0, 32768), (1, 16)], GridSize::new(32, 1, 1), "exceed the device's 32768"),
+        ("odd threadgroup memory", ok_args.to_vec(), vec![(0, 20)], GridSize::new(32, 1, 1), "multiple of 16"),
+        ("bytes too big", vec![(0, KernelArg::Bytes(&big))], vec![], GridSize::new(32, 1, 1), "4096"),
+        ("index 31", vec![(31, KernelArg::Buffer(&out))], vec![], GridSize::new(32, 1, 1), "index 31"),
+    ];
+    for (what, args, shared, tg, needle) in cases {
+        match raw_blk(&dev, &args, &shared, tg) {
+            Err(MlxError::InvalidArgument(m)) => assert!(m.contains(needle), "{what}: {m}"),
+            other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+        }
+    }
+    assert!(be.api().runs.lock().unwrap().is_empty());
+    raw_blk(&dev, &ok_args, &[(0, 32768)], GridSize::new(1024, 1, 1)).unwrap();
+    assert_eq!(be.api().runs.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn memory_of_another_backend_is_refused() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    // A buffer of this device's id over CPU memory (the public API cannot make one).
+    let cpu = MlxBuffer::new(Arc::new(HostMemory::zeroed(64).unwrap()), dev.registry_id(), DType::U8, vec![]).unwrap();
+    match raw_blk(&dev, &[(2, KernelArg::Buffer(&cpu))], &[], GridSize::new(32, 1, 1)) {
+        Err(MlxError::InvalidArgument(m)) => assert!(m.contains("index 2 is not memory of the Metal backend"), "{m}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    assert!(be.api().runs.lock().unwrap().is_empty());
+}
+
+#[test]
+fn a_failed_command_buffer_is_a_command_error_with_metal_s_message() {
+    let api = FakeMetal::new();
+    *api.fail_run.lock().unwrap() = Some("Caused GPU Timeout Error (00000002:kIOGPUCommandBufferCallbackErrorTimeout)".into());
+    let (dev, _) = fake_device(api);
+    let mut reg = default_registry();
+    let a = attention(&dev, 512);
+    match dispatch(&dev, &mut reg, &a) {
+        Err(MlxError::CommandBufferError(m)) => {
+            assert!(m.starts_with(K_TENSOR_F16_D512), "{m}");
+            assert!(m.contains("kIOGPUCommandBufferCallbackErrorTimeout"), "{m}");
+        }
+        other => panic!("expected CommandBufferError, got {other:?}"),
+    }
+}
+
+#[test]
+fn allocations_are_zeroed_shared_buffers_and_failures_are_allocation_errors() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    assert_eq!(be.kind(), BackendKind::Metal);
+    assert_eq!(be.description(), "metal (Fake GPU)");
+    let b = dev.alloc_buffer(DType::F32, &[1000]).unwrap();
+    let mut bytes = vec![1u8; 4000];
+    b.read_bytes(0, &mut bytes).unwrap();
+    assert!(bytes.iter().all(|&x| x == 0), "the fake fills new buffers with 0xA5");
+    let mem = b.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().unwrap();
+    assert_eq!(mem.storage(), Storage::Owned);
+    assert_eq!(dev.alloc_buffer(DType::F32, &[0]).unwrap().data_byte_len(), 0);
+    *be.api().fail_alloc.lock().unwrap() = true;
+    assert_eq!(dev.alloc_buffer(DType::U8, &[77]).unwrap_err(), MlxError::BufferAllocationError { bytes: 77 });
+}
+
+/// Page-aligned host memory (16 KiB pages, the fake's).
+struct Pages {
+    ptr: *mut u8,
+    layout: Layout,
+}
+impl Pages {
+    fn new(bytes: usize) -> Self {
+        let layout = Layout::from_size_align(bytes, 16384).unwrap();
+        // SAFETY: non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null());
+        Pages { ptr, layout }
+    }
+}
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+#[test]
+fn page_aligned_host_memory_is_used_in_place() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    let pages = Pages::new(32768);
+    // SAFETY: `pages` outlives the buffer.
+    let blk = unsafe { dev.wrap_host(pages.ptr, 20000, DType::U8, &[20000]) }.unwrap();
+    let mem = blk.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().unwrap();
+    assert_eq!(mem.storage(), Storage::NoCopy);
+    assert!(mem.buffer().no_copy);
+    assert_eq!(blk.host_ptr(), Some(pages.ptr));
+    let (contents, len) = be.api().buffers.lock().unwrap()[&mem.buffer().id];
+    assert_eq!((contents, len), (pages.ptr as usize, 32768), "whole pages, no copy");
+    // What the kernel writes is in the host memory, with no copy back.
+    *be.api().fill_on_run.lock().unwrap() = Some(FillOnRun { index: 2, byte: 7 });
+    let mask = dev.alloc_buffer(DType::F16, &[64 * 64]).unwrap();
+    let mut reg = default_registry();
+    let mut enc = dev.command_encoder();
+    let p = FlashAttnPrefillBlkParams { rows: 64, kv_pad: 64, bq: 32, bk: 64 };
+    dispatch_flash_attn_prefill_blk(&mut enc, &mut reg, &dev, &mask, &blk, &p).unwrap();
+    enc.commit_and_wait().unwrap();
+    // SAFETY: 20000 bytes of `pages`.
+    assert!(unsafe { std::slice::from_raw_parts(pages.ptr, 20000) }.iter().all(|&x| x == 7));
+}
+
+#[test]
+fn unaligned_host_memory_is_staged_around_each_command_buffer() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    let pages = Pages::new(65536);
+    // SAFETY: 16 bytes into `pages`: unaligned, in bounds; `pages` outlives the buffers.
+    let (mask_ptr, blk_ptr) = unsafe { (pages.ptr.add(16), pages.ptr.add(40000)) };
+    let mask = unsafe { dev.wrap_host(mask_ptr, 64 * 64 * 2, DType::F16, &[64 * 64]) }.unwrap();
+    let blk = unsafe { dev.wrap_host(blk_ptr, 2, DType::U8, &[2]) }.unwrap();
+    for b in [&mask, &blk] {
+        let mem = b.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().unwrap();
+        assert_eq!(mem.storage(), Storage::Staged);
+    }
+    mask.write_bytes(0, &[3u8; 64 * 64 * 2]).unwrap();
+    *be.api().fill_on_run.lock().unwrap() = Some(FillOnRun { index: 2, byte: 9 });
+    let mut reg = default_registry();
+    let mut enc = dev.command_encoder();
+    let p = FlashAttnPrefillBlkParams { rows: 64, kv_pad: 64, bq: 32, bk: 64 };
+    dispatch_flash_attn_prefill_blk(&mut enc, &mut reg, &dev, &mask, &blk, &p).unwrap();
+    enc.commit_and_wait().unwrap();
+    // The kernel saw the host's mask, and its output came back to the host.
+    let mask_mem = mask.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().unwrap();
+    let (contents, _) = be.api().buffers.lock().unwrap()[&mask_mem.buffer().id];
+    // SAFETY: the fake's buffer holds the mask's bytes.
+    assert!(unsafe { std::slice::from_raw_parts(contents as *const u8, 64 * 64 * 2) }.iter().all(|&x| x == 3));
+    // SAFETY: two bytes at blk_ptr.
+    assert_eq!(unsafe { std::slice::from_raw_parts(blk_ptr, 2) }, &[9, 9]);
+}
+
+#[test]
+fn a_kernel_without_a_metal_form_or_function_is_not_found() {
+    let (dev, _) = fake_device(FakeMetal::new());
+    let mut reg = KernelRegistry::new();
+    reg.register_source("cpu_only", KernelSource { metal: None, cuda: None, cpu: None });
+    assert!(matches!(reg.get_pipeline("cpu_only", &dev), Err(MlxError::KernelNotFound(_))));
+    reg.register_source(
+        "no_such_kernel",
+        crate::ops::flash_attn_prefill_blk::FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE,
+    );
+    match reg.get_pipeline("no_such_kernel", &dev) {
+        Err(MlxError::KernelNotFound(m)) => assert!(m.contains("no function"), "{m}"),
+        other => panic!("expected KernelNotFound, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_ops_name_the_metal_entry_points_of_their_sources() {
+    let (dev, _) = fake_device(FakeMetal::new());
+    let mut reg = default_registry();
+    for name in [K_TENSOR_F16_D256, K_TENSOR_F16_D512, K_BLK_F16] {
+        reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}
+
+#[cfg(not(target_os = "macos"))]
+#[test]
+fn off_macos_metal_is_unavailable_and_auto_is_the_cpu() {
+    assert!(matches!(crate::backend::open("metal"), Err(MlxError::BackendUnavailable(_))));
+    assert!(!crate::backend::available_backends().contains(&"metal"));
+    assert_eq!(crate::backend::open("auto").unwrap().kind(), BackendKind::Cpu);
+}

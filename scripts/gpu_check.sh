@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Everything the CUDA backend needs a GPU for, in one go (one device-machine call):
+# install the wheel, list the device, run the whole pytest suite (it runs on every backend
+# that backends() lists, CUDA included), the benchmark against PyTorch SDPA, and
+# compute-sanitizer (memcheck, racecheck, synccheck) on small cases. Logs and JSON go to
+# $OUT (default /tmp/gpu-check).
+#
+#   bash scripts/gpu_check.sh [WHEEL_DIR] [--quick]
+#
+# WHEEL_DIR holds the mlx_native wheel (and any wheels it needs that the machine lacks,
+# cffi for instance); without it the installed package is used.
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+WHEELS=${1:-}
+QUICK=${2:-}
+export PYTHONUNBUFFERED=1
+status=0
+stage() { echo; echo "==== $* ($(date +%T))"; }
+
+stage device
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv 2>&1 | tee "$OUT/device.txt"
+
+if [ -n "$WHEELS" ]; then
+  stage install
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl || exit 2
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import mlx_native as mx, os; print(mx.version(), mx.backends(), mx.Device('cuda'), os.environ.get('MLX_NATIVE_NVRTC'))" 2>&1 | tee -a "$OUT/device.txt" || exit 3
+
+stage pytest
+timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -rfEs -p no:cacheprovider "$HERE/tests" 2>&1 | tee "$OUT/pytest.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=4
+
+stage pytest-portable
+# The portable mma.sync form of the attention (what GPUs before Hopper run), on this GPU.
+MLX_NATIVE_CUDA_ARCH=sm_90 timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
+  "$HERE/tests/test_correctness.py" "$HERE/tests/test_cuda.py" -k "cuda" 2>&1 | tail -3
+[ "${PIPESTATUS[0]}" = 0 ] || status=8
+
+stage sass
+CUBIN=$(ls -t "${MLX_NATIVE_CUDA_CACHE:-$HOME/.cache/mlx_native/cuda}"/flash_attn_prefill_tensor-*.cubin 2>/dev/null | head -1)
+if [ -n "$CUBIN" ]; then
+  cuobjdump --dump-sass "$CUBIN" > /tmp/sass.txt 2>&1
+  echo "$CUBIN: $(grep -c HGMMA /tmp/sass.txt) HGMMA, $(grep -c HMMA /tmp/sass.txt) HMMA, $(grep -c LDSM /tmp/sass.txt) LDSM, $(grep -cE 'LDL|STL' /tmp/sass.txt) LDL/STL"
+fi
+
+stage bench
+if [ "$QUICK" = "--quick" ]; then
+  timeout 300 python3 "$HERE/scripts/gpu_bench.py" --cases global-2048,sliding-2048 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+else
+  timeout ${BENCH_TIMEOUT:-230} python3 "$HERE/scripts/gpu_bench.py" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+fi
+rc=$?
+[ $rc = 0 ] || status=6
+tail -n 60 "$OUT/bench.log"
+echo "bench exit $rc"
+
+stage sanitizer
+for tool in memcheck racecheck synccheck; do
+  timeout ${SANITIZER_TIMEOUT:-45} compute-sanitizer --tool $tool --error-exitcode 9 python3 "$HERE/scripts/gpu_small_case.py" > "$OUT/sanitizer-$tool.log" 2>&1
+  rc=$?
+  echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|worst nmse' "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"
+  [ $rc = 0 ] || status=5
+done
+
+stage ncu
+if [ "${SKIP_NCU:-}" != 1 ] && command -v ncu >/dev/null; then
+  timeout ${NCU_TIMEOUT:-120} ncu --clock-control none -k regex:flash_attn_prefill_tensor -c 2 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section LaunchStats --section Occupancy \
+    --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio,smsp__average_warps_issue_stalled_misc_per_issue_active.ratio,smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio,smsp__inst_executed.sum \
+    python3 "$HERE/scripts/profile_case.py" > "$OUT/ncu.txt" 2>&1
+  echo "ncu exit $?"
+  grep -E "flash_attn_prefill_tensor_f16|Duration|Executed Ipc A|gmma_cycles|pipe_alu|pipe_fma|pipe_xu|issue_stalled|inst_executed.sum" "$OUT/ncu.txt" | grep -v "==PROF==" | awk '{print $1, $NF}' | head -60
+fi
+
+stage summary
+grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+echo "gpu_check status $status"
+exit $status

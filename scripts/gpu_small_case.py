@@ -1,0 +1,31 @@
+#!/usr/bin/env python3
+"""Small CUDA cases for compute-sanitizer (memcheck, racecheck, synccheck): both head dims,
+aligned and odd strides, partial tiles, GQA, all three tile classes. Exits non-zero when an
+output misses the float64 reference."""
+
+import sys
+
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
+
+import mlx_native as mx  # noqa: E402
+from helpers import make_case, run_low_level  # noqa: E402
+from mlx_native.reference import nmse, reference_attention  # noqa: E402
+
+dev = mx.Device("cuda")
+rng = np.random.default_rng(1)
+worst = 0.0
+for rows, nh, nkv, hd, kv, mask, pad in [
+    (40, 4, 2, 256, 150, "peer", (4, 1, 2)),
+    (70, 8, 1, 256, 200, "causal", (0, 0, 0)),
+    (33, 4, 2, 512, 130, "peer", (0, 0, 0)),
+    (20, 2, 2, 512, 77, "causal", (4, 1, 2)),
+]:
+    c = make_case(rng, rows, nh, nkv, hd, kv, mask=mask, pad=pad)
+    out, blk = run_low_level(dev, c)
+    e = nmse(out, reference_attention(c.q, c.k, c.v, c.mask))
+    worst = max(worst, e)
+    print(f"rows {rows} heads {nh}/{nkv} d{hd} kv {kv} {mask} pad {pad}: nmse {e:.2e}, blk classes {sorted(set(blk.ravel().tolist()))}")
+print("worst nmse", worst)
+sys.exit(0 if worst < 1e-5 else 1)

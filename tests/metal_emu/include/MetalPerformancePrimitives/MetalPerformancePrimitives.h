@@ -1,0 +1,2 @@
+// Emulator stand-in for the Metal header of this name.
+#include "metal_emu.h"

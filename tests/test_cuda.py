@@ -1,0 +1,190 @@
+"""The CUDA backend: its kernels compile with NVRTC everywhere (no GPU needed; CI requires
+it), and where a GPU is present, CUDA arrays of PyTorch and CuPy are used in place,
+larger shapes than the shared suite's match the reference on every row, and the skip
+table changes no bit. (The shared suite runs on CUDA too: its `device` fixture covers
+every backend `backends()` lists.)"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import mlx_native as mx
+from mlx_native.reference import nmse, peer_mask, random_qkv, reference_attention
+
+from helpers import make_case, run_low_level
+
+HAS_CUDA = "cuda" in mx.backends()
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")
+
+ENTRY_POINTS = ("flash_attn_prefill_tensor_f16_d256", "flash_attn_prefill_tensor_f16_d512", "flash_attn_prefill_blk")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_kernels_compile_with_nvrtc_without_spills(arch):
+    # CI sets MLX_NATIVE_REQUIRE_NVRTC=1 and installs NVRTC: there a missing compiler fails.
+    try:
+        report = mx.cuda_compile_check(arch)
+    except mx.BackendUnavailableError as e:
+        if os.environ.get("MLX_NATIVE_REQUIRE_NVRTC") == "1":
+            pytest.fail(f"NVRTC is required here and could not be loaded: {e}")
+        pytest.skip(f"NVRTC not found: {e}")
+    for entry in ENTRY_POINTS:
+        assert f"entry point {entry}" in report, report
+    # NVRTC 13.0 (what CI installs) returns ptxas's resource report; some builds return
+    # none, and then there is nothing to read spills from.
+    spills = [line for line in report.splitlines() if "spill stores" in line]
+    if os.environ.get("MLX_NATIVE_REQUIRE_NVRTC") == "1" or spills:
+        assert len(spills) == len(ENTRY_POINTS), report
+        assert all(", 0 bytes spill stores" in line for line in spills), report
+
+
+def test_bad_architecture_names_are_refused():
+    with pytest.raises(mx.InvalidArgumentError, match="architecture"):
+        mx.cuda_compile_check("sm_90a; rm")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the answer where no GPU is usable")
+def test_cuda_arrays_need_a_cuda_device():
+    assert mx.Device().backend == "cpu"
+    with pytest.raises(mx.InvalidArgumentError):
+        mx.Device("cpu").wait_stream(1)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+def _row_nmse(out, ref):
+    """NMSE of every (row, head) against the reference (rows of zeros compared plainly)."""
+    out = np.asarray(out, np.float64)
+    num = ((out - ref) ** 2).sum(axis=-1)
+    den = (ref**2).sum(axis=-1)
+    return np.where(den > 0, num / np.where(den > 0, den, 1), num)
+
+
+ALIGNED, ODD = (0, 0, 0), (4, 1, 2)  # view padding: 16-byte aligned K/V rows, or odd strides
+
+# (rows, n_heads, n_kv_heads, head_dim, kv_len, mask, window, scale, view padding)
+BIG_CASES = [
+    (300, 16, 2, 512, 300, "causal", None, 1.0, ALIGNED),  # global layer shape, causal skip
+    (257, 16, 8, 256, 700, "causal", 128, 1.0, ALIGNED),  # sliding layer, longer cache
+    (200, 8, 1, 256, 333, "peer", None, 4.0, ODD),  # GQA 8: 4 heads per CTA; big scores: rescales
+    (190, 4, 4, 512, 250, "peer", None, 3.0, ALIGNED),  # d512 without sharing: 64 queries per CTA
+    (131, 6, 2, 256, 129, "zero", None, 1.0, ODD),  # group 3: one head per CTA
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", BIG_CASES, ids=lambda c: f"r{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-kv{c[4]}-{c[5]}-pad{c[8][1]}")
+def test_larger_shapes_match_on_every_row_and_skipping_changes_no_bit(rng, case):
+    rows, nh, nkv, hd, kv_len, mask, window, scale, pad = case
+    dev = mx.Device("cuda")
+    c = make_case(rng, rows, nh, nkv, hd, kv_len, scale=scale, mask=mask, window=window, pad=pad)
+    out, blk = run_low_level(dev, c)
+    ref = reference_attention(c.q, c.k, c.v, c.mask, scale=scale)
+    assert np.isfinite(out).all()
+    worst = _row_nmse(out, ref).max()
+    assert worst < 1e-5, f"worst row nmse {worst:.3e}"
+    ones, _ = run_low_level(dev, c, blk_override=np.ones_like(blk))
+    assert np.array_equal(out.view(np.uint32), ones.view(np.uint32))
+    cpu_blk = mx.flash_attn_prefill_blk(c.mask, bq=mx.queries_per_threadgroup(hd), device=mx.Device("cpu"))
+    assert np.array_equal(blk, cpu_blk)
+
+
+@needs_gpu
+def test_torch_in_torch_out_in_place_and_strided(rng):
+    torch = pytest.importorskip("torch")
+    rows, nh, nkv, hd, kv_len = 100, 8, 2, 256, 130  # kv_len not a multiple of 64: padded on the GPU
+    q, k, v = random_qkv(rows, nh, nkv, hd, kv_len, rng)
+    # A strided q: every other head of a wider tensor, used in place.
+    qw = torch.zeros((rows, 2 * nh, hd), dtype=torch.float32, device="cuda")
+    qw[:, ::2] = torch.from_numpy(q).cuda()
+    tq, tk, tv = qw[:, ::2], torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda()
+    out = mx.flash_attn_prefill(tq, tk, tv, causal=True)
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.float32
+    assert tuple(out.shape) == (rows, nh, hd)
+    ref = reference_attention(q, k, v, mx.causal_mask(rows, kv_len))
+    assert nmse(out.cpu().numpy(), ref) < 1e-5
+    host = mx.flash_attn_prefill(q, k, v, causal=True, device=mx.Device("cuda"))
+    assert isinstance(host, np.ndarray)
+    assert np.array_equal(host, out.cpu().numpy()), "the same kernel on the same data"
+
+
+@needs_gpu
+def test_torch_side_stream_is_waited_for(rng):
+    torch = pytest.importorskip("torch")
+    rows, nh, hd = 256, 4, 256
+    q, k, v = random_qkv(rows, nh, nh, hd, rows, rng)
+    side = torch.cuda.Stream()
+    tk, tv = torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda()
+    base = torch.from_numpy(q).cuda()
+    big = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        for _ in range(20):  # keep the stream busy before q is written
+            big = torch.tanh(big @ big)
+        tq = base * 1.0 + big[0, 0] * 0.0  # q is written on the side stream, late
+        out = mx.flash_attn_prefill(tq, tk, tv, causal=True)
+    torch.cuda.synchronize()
+    ref = reference_attention(q, k, v, mx.causal_mask(rows, rows))
+    assert nmse(out.cpu().numpy(), ref) < 1e-5
+
+
+@needs_gpu
+def test_device_buffer_wraps_torch_memory_in_place():
+    torch = pytest.importorskip("torch")
+    dev = mx.Device("cuda")
+    t = torch.arange(64, dtype=torch.float32, device="cuda")
+    b = dev.buffer(t)
+    assert b.shape == (64,) and b.dtype == np.float32
+    t[5] = -1.0
+    torch.cuda.synchronize()
+    assert b.numpy()[5] == -1.0, "the buffer is the tensor's memory"
+    c = dev.buffer(t, copy=True)
+    t[6] = -2.0
+    torch.cuda.synchronize()
+    assert c.numpy()[6] == 6.0
+    with pytest.raises(mx.InvalidArgumentError, match="non-contiguous"):
+        dev.buffer(t[::2])
+
+
+@needs_gpu
+def test_wrapping_memory_that_is_not_this_devices_is_refused():
+    torch = pytest.importorskip("torch")
+    from mlx_native._lib import ffi, lib
+
+    dev = mx.Device("cuda")
+    t = torch.zeros(16, dtype=torch.float32, device="cuda")
+    out = ffi.new("uint64_t *")
+    dims = ffi.new("uint64_t[]", [16])
+    host = np.zeros(16, np.float32)
+    for addr, n in ((host.ctypes.data, 64), (t.data_ptr() + (1 << 44), 64), (t.data_ptr(), 1 << 40)):
+        status = lib.mlxn_buffer_wrap_device(dev.handle, addr, n, 0, dims, 1, out)
+        assert status == mx.InvalidArgumentError.code, ffi.string(lib.mlxn_last_error())
+
+
+@needs_gpu
+def test_cupy_in_cupy_out(rng):
+    cupy = pytest.importorskip("cupy")
+    q, k, v = random_qkv(70, 4, 2, 512, 70, rng)
+    m = peer_mask(70, 70, rng)
+    out = mx.flash_attn_prefill(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), m)
+    assert isinstance(out, cupy.ndarray) and out.dtype == np.float32
+    assert nmse(out.get(), reference_attention(q, k, v, m)) < 1e-5
+
+
+@needs_gpu
+def test_two_wrappers_of_one_tensor_overlap():
+    torch = pytest.importorskip("torch")
+    dev = mx.Device("cuda")
+    n = 40 * 4 * 256
+    t = torch.zeros(2 * n, dtype=torch.float32, device="cuda")
+    q, out = dev.buffer(t[:n]), dev.buffer(t[1024 : 1024 + n])
+    k = dev.empty(128 * 512, np.float16)
+    mask = dev.empty((40, 128), np.float16)
+    blk = dev.empty((2, 2), np.uint8)
+    p = mx.FlashAttnPrefillTensorParams(40, 4, 2, 256, 128, 1024, 256, 512, 256, 512, 256)
+    with pytest.raises(mx.InvalidArgumentError, match="out overlaps q"):
+        with dev.encoder() as enc:
+            mx.dispatch_flash_attn_prefill_tensor_f16(enc, q, k, k, mask, blk, out, p)
