@@ -85,6 +85,15 @@ def _computed(table, r, j):
     return table[r // BQ, j // 64] != 0
 
 
+def _maybe_computed(table, r, j, tall=128):
+    """Whether a backend with query tiles of up to ``tall`` rows may compute cache row j for
+    row r: SPEC section 1 lets it skip a step only when every table row of its tile says
+    0, so it computes the tile for rows whose own entry is 0 when a neighbour's is not."""
+    per = tall // BQ
+    g = r // tall
+    return bool(table[g * per : (g + 1) * per, j // 64].any())
+
+
 # ------------------------------------------------------------------ non-finite inputs
 
 
@@ -113,15 +122,21 @@ def test_nan_in_k_poisons_the_rows_that_compute_its_tile(device, rng, j):
     clean = k.copy()
     clean[j, g, 7] = 0
     ref = _reference(q, clean, v, m)
-    hit = np.zeros((ROWS, NH), bool)
+    hit = np.zeros((ROWS, NH), bool)  # rows whose table entry makes them compute it
+    may = np.zeros((ROWS, NH), bool)  # rows a backend with taller query tiles may also
     for r in range(ROWS):
-        if _computed(table, r, j):
-            hit[r, g * GROUP : (g + 1) * GROUP] = True
+        hit[r, g * GROUP : (g + 1) * GROUP] = _computed(table, r, j)
+        may[r, g * GROUP : (g + 1) * GROUP] = _maybe_computed(table, r, j)
     assert hit.any()
     assert np.isnan(out[hit]).all()
-    assert np.isfinite(out[~hit]).all() and nmse(out[~hit], ref[~hit]) < 5e-4
+    sure = ~may
+    assert np.isfinite(out[sure]).all() and nmse(out[sure], ref[sure]) < 5e-4
+    # In between: NaN (the tile was computed) or exact (it was skipped).
+    between = may & ~hit
+    each = np.isnan(out[between]).all(axis=-1) | np.isclose(out[between], ref[between], rtol=1e-2, atol=2e-3).all(axis=-1)
+    assert each.all()
     if j == 70:
-        assert not hit[:32].any(), "rows 0..31 skip that tile and are unaffected"
+        assert not hit[:32].any(), "rows 0..31 skip that tile by their own entry"
 
 
 def test_inf_in_k_poisons_rows_whose_score_is_inf_or_nan(device, rng):
@@ -159,14 +174,18 @@ def test_non_finite_v_poisons_one_output_dim_of_the_rows_that_compute_its_tile(d
     clean[j, g, d] = 0
     ref = _reference(q, k, clean, m)
     hit = np.zeros(out.shape, bool)
+    may = np.zeros(out.shape, bool)
     for r in range(ROWS):
-        if _computed(table, r, j):
-            hit[r, g * GROUP : (g + 1) * GROUP, d] = True
+        hit[r, g * GROUP : (g + 1) * GROUP, d] = _computed(table, r, j)
+        may[r, g * GROUP : (g + 1) * GROUP, d] = _maybe_computed(table, r, j)
     assert hit.any()
     bad = out[hit]
     assert np.isnan(bad).all() if np.isnan(value) else (~np.isfinite(bad)).all()
-    assert np.isfinite(out[~hit]).all()
-    assert nmse(out[~hit], ref[~hit]) < 5e-4
+    sure = ~may
+    assert np.isfinite(out[sure]).all(), np.argwhere(~np.isfinite(out) & sure)[:10].tolist()
+    assert nmse(out[sure], ref[sure]) < 5e-4
+    between = may & ~hit
+    assert (~np.isfinite(out[between]) | np.isclose(out[between], ref[between], rtol=1e-2, atol=2e-3)).all()
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "+inf"])
@@ -221,16 +240,17 @@ def test_minus_65504_over_whole_tiles_skips_them_and_gives_zeros(device, rng):
 
 def test_a_row_masked_only_by_minus_65504_attends_as_a_shifted_softmax(device, rng):
     """Row 40 is -65504 everywhere, but the other rows of its query tile (32..63) see
-    cache rows in tiles 0 and 2: those tiles are computed for row 40 too, where
+    cache rows in tiles 0 and 2 (tile 1 is -inf for every row, skipped by any backend):
+    those tiles are computed for row 40 too, where
     exp(s - 65504 - M) is a plain softmax shifted by a constant. Row 40 attends over the
     cache rows of the computed tiles, not over nothing (the float64 reference of the same
     mask attends over all of them)."""
     q, k, v, m = _problem(rng)
-    m[32:64, 64:128] = -np.inf  # tile (1, 1) skipped for the whole query tile
+    m[:, 64:128] = -np.inf  # cache rows 64..127 skipped for every query row
     r = 40
     m[r] = -65504
     out, table = _run(device, q, k, v, m)
-    assert list(table[1]) == [1, 0, 1] or list(table[1]) == [2, 0, 1], table[1]
+    assert table[1, 0] != 0 and table[1, 1] == 0 and table[1, 2] != 0, table[1]
     computed = np.array([_computed(table, r, j) for j in range(KVP)])
     shifted = np.where(computed, 0, -np.inf).astype(np.float16)[None, :]
     want = _reference(q[r : r + 1], k, v, shifted)[0]
@@ -384,6 +404,18 @@ def test_the_largest_kv_pad_runs(device, rng):
             enc, qb, kb, kb, mask, device.buffer(blk), out, _tiny(kv_pad=kvp, k_row_stride=0, v_row_stride=0)
         )
     assert np.allclose(out.numpy(), kv.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("bq", [2**31 - 1, 2**31 - 64, 2**30 + 1])
+def test_blk_tiles_taller_than_the_mask(device, rng, bq):
+    """bq near the i32 limit: rows + bq passes 2^31 (a 32-bit tile count would wrap)."""
+    m = rng.uniform(-1, 1, (40, 128)).astype(np.float16)
+    m[:, 64:] = -np.inf
+    mb = device.buffer(m)
+    blk = device.buffer(np.full((1, 2), 9, np.uint8), copy=True)
+    with device.encoder() as enc:
+        mx.dispatch_flash_attn_prefill_blk(enc, mb, blk, rows=40, kv_pad=128, bq=bq)
+    assert blk.numpy().tolist() == [[1, 0]]
 
 
 def test_kv_pad_of_the_largest_lengths():
