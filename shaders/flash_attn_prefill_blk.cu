@@ -26,7 +26,7 @@ extern "C" __global__ void __launch_bounds__(256)
 flash_attn_prefill_blk(const BlkParams p, const u16* __restrict__ mask, u8* __restrict__ blk, int aligned) {
     const int lane = threadIdx.x & 31;
     const i64 k_tiles = p.kv_pad / p.bk;
-    const i64 q_tiles = (p.rows + p.bq - 1) / p.bq;
+    const i64 q_tiles = ((i64)p.rows + p.bq - 1) / p.bq;  // in 64 bits: rows + bq may pass 2^31
     const i64 tile = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (tile >= q_tiles * k_tiles) return;  // the whole warp leaves together
     const i64 qt = tile / k_tiles, kt = tile % k_tiles;

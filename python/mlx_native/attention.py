@@ -60,6 +60,39 @@ def _visible(r0: int, r1: int, rows: int, kv_len: int, window: Optional[int]) ->
     return ok
 
 
+def check_q_fits_half(q: Any, scale: float = 1.0) -> None:
+    """Raise ``InvalidArgumentError`` if ``half(scale * q)`` is not finite somewhere.
+
+    The kernel folds ``scale`` into Q and rounds Q to float16 (SPEC section 2, step 1): a
+    value with ``|scale * q| >= 65520`` becomes +-inf in half, and a NaN stays NaN; either
+    makes that (row, head) of the output NaN or inf. This finds the first such element."""
+    q = _as_numpy(q)
+    s = np.float32(scale)
+    if not np.isfinite(s):
+        raise InvalidArgumentError(f"scale {scale!r} is not finite")
+    rows = q.shape[0] if q.ndim else 1
+    flat = q.reshape(rows, -1) if q.ndim else q.reshape(1, 1)
+    for r0 in range(0, rows, _MASK_CHUNK_ROWS):
+        chunk = flat[r0 : r0 + _MASK_CHUNK_ROWS]
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = ~np.isfinite((s * chunk.astype(np.float32)).astype(np.float16))
+        if bad.any():
+            i = np.unravel_index(int(np.argmax(bad.ravel())) + r0 * flat.shape[1], q.shape)
+            raise InvalidArgumentError(
+                f"q[{', '.join(str(int(x)) for x in i)}] = {float(q[i])!r} times scale {scale!r} is not finite in half "
+                f"(|scale * q| must stay below 65520 and q must be finite)"
+            )
+
+
+def _check_finite(name: str, a: np.ndarray, allow_neg_inf: bool = False) -> None:
+    """Raise ``InvalidArgumentError`` naming the first NaN or infinite element of ``a``
+    (``-inf`` allowed where ``allow_neg_inf``)."""
+    bad = np.isnan(a) | (np.isposinf(a)) | (np.isneginf(a) & (not allow_neg_inf))
+    if bad.any():
+        i = np.unravel_index(int(np.argmax(bad.ravel())), a.shape)
+        raise InvalidArgumentError(f"{name}[{', '.join(str(int(x)) for x in i)}] = {float(a[i])!r} is not finite")
+
+
 def flash_attn_prefill_blk(mask: Any, bq: int, bk: int = CACHE_ROWS_PER_STEP, *, device: Optional[Device] = None) -> np.ndarray:
     """The tile-skip table of an F16 mask ``[rows, kv_pad]`` (``kv_pad`` a multiple of
     ``bk``): uint8 ``[ceil(rows/bq), kv_pad/bk]``, 0 = every value -inf (or <= -65504),
@@ -91,6 +124,7 @@ def flash_attn_prefill(
     window: Optional[int] = None,
     scale: float = 1.0,
     device: Optional[Device] = None,
+    check_finite: bool = False,
 ) -> Any:
     """Prefill attention, SPEC section 2, on arrays.
 
@@ -102,7 +136,11 @@ def flash_attn_prefill(
     - ``causal``: also hide cache rows after each query row (the prompt is the last
       ``rows`` rows of the cache); ``window=w`` keeps only the last ``w`` of them and
       implies ``causal``;
-    - ``scale``: folded into Q before Q is rounded to half.
+    - ``scale``: folded into Q before Q is rounded to half;
+    - ``check_finite``: first raise ``InvalidArgumentError`` if ``half(scale * q)``, ``k``
+      or ``v`` holds a NaN or an infinity, or the mask a NaN or +inf (costs a pass over the
+      inputs; without it such a value gives NaN/inf in the output rows it reaches, see
+      ``docs/reliability.md``).
 
     Any strides are accepted: views whose last axis is contiguous are used in place, others
     are copied. Returns float32 ``[rows, n_heads, head_dim]``; a row that may attend to
@@ -113,7 +151,9 @@ def flash_attn_prefill(
     of ``q``'s library on that device (torch in, torch out; numpy in, numpy out). The
     call waits for the arrays' producer stream (PyTorch's current stream) before it
     starts and for its own work before it returns."""
-    plan = PrefillPlan(q, k, v, mask, causal=causal, window=window, scale=scale, device=device)
+    plan = PrefillPlan(
+        q, k, v, mask, causal=causal, window=window, scale=scale, device=device, check_finite=check_finite
+    )
     return plan.run()
 
 
@@ -135,6 +175,7 @@ class PrefillPlan:
         window: Optional[int] = None,
         scale: float = 1.0,
         device: Optional[Device] = None,
+        check_finite: bool = False,
     ):
         on_gpu = [_cuda.is_cuda_array(x) for x in (q, k, v)]
         if any(on_gpu):
@@ -160,6 +201,13 @@ class PrefillPlan:
         bq = queries_per_threadgroup(head_dim)  # raises for a head dim other than 256/512
         if window is not None:
             causal = True
+        if check_finite:
+            host = lambda x, g: _cuda.to_host(x) if g else x  # noqa: E731
+            check_q_fits_half(host(q, on_gpu[0]), scale)
+            _check_finite("k", host(k, on_gpu[1]))
+            _check_finite("v", host(v, on_gpu[2]))
+        # One run at a time: runs share the table and (on the CPU) the output array.
+        self._lock = threading.Lock()
         self.shape = (rows, n_heads, head_dim)
         self.visible_pairs = 0
         self._empty = rows == 0 or kv_len == 0 or n_heads == 0
@@ -170,6 +218,8 @@ class PrefillPlan:
             return
         kvp = kv_pad(kv_len)
         full_mask = _build_mask(mask, rows, kv_len, kvp, causal, window)
+        if check_finite:
+            _check_finite("mask", full_mask, allow_neg_inf=True)
         self.visible_pairs = int(np.count_nonzero(full_mask > np.float16(-65504)))
         k_arr, v_arr = _pad_cache(k, kvp), _pad_cache(v, kvp)
         qb, q_rs, q_hs = self._operand(dev, q, multiple=4)
@@ -241,13 +291,14 @@ class PrefillPlan:
                 return _cuda.zeros(self._like, self.shape, np.float32)
             return np.zeros(self.shape, dtype=np.float32)
         b = self._buffers
-        if self._cuda_arrays:
-            _cuda.wait(self.device, [_cuda.producer_stream(x) for x in self._cuda_arrays])
-        with self.device.encoder() as enc:
-            self.encode(enc)
-        if self._like is not None or self._on_host:
-            return self._out
-        return b["out"].numpy()
+        with self._lock:
+            if self._cuda_arrays:
+                _cuda.wait(self.device, [_cuda.producer_stream(x) for x in self._cuda_arrays])
+            with self.device.encoder() as enc:
+                self.encode(enc)
+            if self._like is not None or self._on_host:
+                return self._out
+            return b["out"].numpy()
 
 
 def _shape(a) -> tuple:

@@ -42,6 +42,8 @@ def cpu_info() -> dict:
         "isa": fields["isa"],
         "detected": fields["detected"].split(","),
         "threads": int(fields["threads"]),
+        # The most one buffer may take (RAM plus swap within the cgroup limit); 0 unknown.
+        "memory": int(fields.get("memory", 0)),
     }
 
 
@@ -54,6 +56,13 @@ def cpu_fma_peak(threads: int = 0) -> float:
     out = ffi.new("double *")
     check(lib.mlxn_cpu_fma_peak(int(threads), out))
     return float(out[0])
+
+
+def live_handles() -> int:
+    """Devices, buffers and encoders open now in this process (for leak checks)."""
+    out = ffi.new("uint64_t *")
+    check(lib.mlxn_handle_count(out))
+    return int(out[0])
 
 
 def force_cpu_isa(name: Optional[str]) -> None:
@@ -250,6 +259,23 @@ class Buffer:
             raise InvalidArgumentError("the buffer wraps a read-only array")
         if arr.nbytes:
             check(lib.mlxn_buffer_write(self._handle, 0, ffi.cast("void *", arr.ctypes.data), arr.nbytes))
+
+    def view(self, byte_offset: int, shape: Sequence[int] | int, dtype: Any = None) -> "Buffer":
+        """A buffer over the bytes of ``shape`` elements of ``dtype`` (default: this
+        buffer's) starting ``byte_offset`` bytes in: the same memory, no copy. It keeps
+        this buffer's memory (and the array it wraps) alive."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        dt = self.dtype if dtype is None else np.dtype(dtype)
+        code = _dtype_code(dt)
+        if int(byte_offset) < 0 or any(int(d) < 0 for d in shape):
+            raise InvalidArgumentError(f"negative offset or dimension: {byte_offset}, {shape}")
+        nbytes = int(np.prod(shape, dtype=object)) * dt.itemsize
+        if nbytes >= 2**63 or int(byte_offset) >= 2**63:
+            raise InvalidArgumentError(f"a view of {nbytes} bytes at {byte_offset} exceeds any buffer")
+        dims = ffi.new("uint64_t[]", [int(d) for d in shape] or [0])
+        out = ffi.new("uint64_t *")
+        check(lib.mlxn_buffer_view(self._handle, int(byte_offset), nbytes, code, dims, len(shape), out))
+        return Buffer(self.device, out[0], _numpy_dtype(code), shape, owner=self, writable=self.writable)
 
     def free(self) -> None:
         """Release the buffer now. Freeing twice raises ``InvalidHandleError``."""

@@ -276,7 +276,8 @@ pub unsafe extern "C" fn mlxn_backends(buf: *mut c_char, cap: usize, needed: *mu
     guard(|| write_string(&crate::backend::available_backends().join(","), buf, cap, needed))
 }
 
-/// The CPU backend's facts: `isa=<in use>;detected=<a,b,..>;threads=<n>`.
+/// The CPU backend's facts: `isa=<in use>;detected=<a,b,..>;threads=<n>;memory=<bytes>`
+/// (memory: the most a buffer may take, RAM plus swap within the cgroup limit; 0 unknown).
 ///
 /// # Safety
 /// As for [`mlxn_backends`].
@@ -285,10 +286,11 @@ pub unsafe extern "C" fn mlxn_cpu_info(buf: *mut c_char, cap: usize, needed: *mu
     guard(|| {
         use crate::backend::cpu::simd;
         let s = format!(
-            "isa={};detected={};threads={}",
+            "isa={};detected={};threads={};memory={}",
             simd::selected_isa(),
             simd::detected_isas().join(","),
-            crate::backend::cpu::threads()
+            crate::backend::cpu::threads(),
+            crate::backend::cpu::memory_limit().unwrap_or(0)
         );
         write_string(&s, buf, cap, needed)
     })
@@ -318,6 +320,19 @@ pub unsafe extern "C" fn mlxn_cpu_fma_peak(threads: u32, out_gflops: *mut f64) -
     guard(|| {
         let out = out_ptr(out_gflops, "out_gflops")?;
         *out = crate::backend::cpu::peak::fma_peak_gflops(threads as usize)?;
+        Ok(())
+    })
+}
+
+/// Handles (devices, buffers, encoders) open now, process-wide; for leak checks.
+///
+/// # Safety
+/// `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_handle_count(out: *mut u64) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        *out = lock(&HANDLES).len() as u64;
         Ok(())
     })
 }
@@ -560,6 +575,33 @@ pub unsafe extern "C" fn mlxn_buffer_write(buf: u64, offset: usize, src: *const 
             return Err(MlxError::InvalidArgument("src is a null pointer".into()));
         }
         b.write_bytes(offset, std::slice::from_raw_parts(src as *const u8, n))
+    })
+}
+
+/// A new buffer handle over `byte_len` bytes at `byte_offset` of `buf`, as `dtype` with
+/// `shape` (`ndim` dims, 0 for flat): the same memory, no copy; it keeps the memory alive
+/// after `buf` is freed. The offset must be aligned to `dtype`.
+///
+/// # Safety
+/// `shape` must hold `ndim` values; `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_buffer_view(
+    buf: u64,
+    byte_offset: usize,
+    byte_len: usize,
+    dtype: u32,
+    shape: *const u64,
+    ndim: usize,
+    out: *mut u64,
+) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let b = buffer(buf)?;
+        let dtype = dtype_arg(dtype)?;
+        let shape = shape_arg(shape, ndim)?;
+        let view = b.view(byte_offset, byte_len, dtype, shape)?;
+        *out = insert(Object::Buffer(view));
+        Ok(())
     })
 }
 

@@ -190,3 +190,144 @@ fn fma_peak_is_measured_and_checks_its_arguments() {
     assert!(last_error().contains("at most"), "{}", last_error());
     assert_eq!(untouched, 5.0, "out untouched on failure");
 }
+
+/// Every entry point that takes a handle, called with a null, a freed, a never-issued and
+/// a wrong-kind one: `MLXN_INVALID_HANDLE`, out-parameters untouched, nothing else changed.
+#[test]
+fn every_entry_point_refuses_every_bad_handle() {
+    let dev = open_cpu();
+    let (mut enc, mut buf, mut blk) = (0u64, 0u64, 0u64);
+    let ms = [32u64, 64];
+    let one = [1u64];
+    unsafe {
+        assert_eq!(mlxn_encoder_new(dev, &mut enc), 0);
+        assert_eq!(mlxn_buffer_new(dev, 1, ms.as_ptr(), 2, &mut buf), 0);
+        assert_eq!(mlxn_buffer_new(dev, 3, one.as_ptr(), 1, &mut blk), 0);
+    }
+    // A freed one of each kind.
+    let (mut dead_dev, mut dead_enc, mut dead_buf) = (0u64, 0u64, 0u64);
+    let cpu = CString::new("cpu").unwrap();
+    unsafe {
+        assert_eq!(mlxn_device_open(cpu.as_ptr(), &mut dead_dev), 0);
+        assert_eq!(mlxn_encoder_new(dead_dev, &mut dead_enc), 0);
+        assert_eq!(mlxn_buffer_new(dead_dev, 1, ms.as_ptr(), 2, &mut dead_buf), 0);
+    }
+    assert_eq!(mlxn_encoder_free(dead_enc), 0);
+    assert_eq!(mlxn_buffer_free(dead_buf), 0);
+    assert_eq!(mlxn_device_close(dead_dev), 0);
+    let never = u64::MAX - 1;
+    let bad_devices = [0, dead_dev, never, buf, enc];
+    let bad_buffers = [0, dead_buf, never, dev, enc];
+    let bad_encoders = [0, dead_enc, never, dev, buf];
+    let p = MlxnFlashAttnPrefillTensorParams {
+        rows: 32,
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 256,
+        kv_pad: 64,
+        q_row_stride: 256,
+        q_head_stride: 256,
+        k_row_stride: 256,
+        k_head_stride: 256,
+        v_row_stride: 256,
+        v_head_stride: 256,
+        scale: 1.0,
+    };
+    let mut host = [0f32; 4];
+    let shape = [4u64];
+    for h in bad_devices {
+        let (mut out, mut flag, mut code) = (77u64, 77i32, 77u32);
+        let mut needed = 77usize;
+        unsafe {
+            assert_eq!(mlxn_device_info(h, &mut code, ptr::null_mut(), 0, &mut needed), INVALID_HANDLE, "{h}");
+            assert_eq!((code, needed), (77, 77));
+            assert_eq!(mlxn_flash_attn_prefill_tensor_available(h, 256, &mut flag), INVALID_HANDLE);
+            assert_eq!(flag, 77);
+            assert_eq!(mlxn_buffer_new(h, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
+            assert_eq!(mlxn_buffer_wrap_host(h, host.as_mut_ptr().cast(), 16, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
+            assert_eq!(mlxn_buffer_wrap_device(h, 1 << 20, 16, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
+            assert_eq!(mlxn_encoder_new(h, &mut out), INVALID_HANDLE);
+            assert_eq!(out, 77);
+        }
+        assert_eq!(mlxn_device_wait_stream(h, 1), INVALID_HANDLE);
+        assert_eq!(mlxn_device_close(h), INVALID_HANDLE);
+    }
+    for h in bad_buffers {
+        let mut out = 77u64;
+        let mut bytes = [9u8; 4];
+        let mut info = std::mem::MaybeUninit::<MlxnBufferInfo>::uninit();
+        unsafe {
+            assert_eq!(mlxn_buffer_info(h, info.as_mut_ptr()), INVALID_HANDLE, "{h}");
+            assert_eq!(mlxn_buffer_read(h, 0, bytes.as_mut_ptr().cast(), 4), INVALID_HANDLE);
+            assert_eq!(bytes, [9; 4]);
+            assert_eq!(mlxn_buffer_write(h, 0, bytes.as_ptr().cast(), 4), INVALID_HANDLE);
+            assert_eq!(mlxn_buffer_view(h, 0, 4, 3, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
+            assert_eq!(out, 77);
+        }
+        assert_eq!(mlxn_buffer_free(h), INVALID_HANDLE);
+        // In each buffer position of both ops.
+        assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(enc, h, blk, 32, 64, 32, 64), INVALID_HANDLE);
+        assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(enc, buf, h, 32, 64, 32, 64), INVALID_HANDLE);
+        for pos in 0..6 {
+            let mut hs = [buf; 6];
+            hs[pos] = h;
+            let s = unsafe { mlxn_dispatch_flash_attn_prefill_tensor_f16(enc, hs[0], hs[1], hs[2], hs[3], hs[4], hs[5], &p) };
+            assert_eq!(s, INVALID_HANDLE, "buffer position {pos}, handle {h}");
+        }
+    }
+    for h in bad_encoders {
+        let mut out = 77u64;
+        unsafe {
+            assert_eq!(mlxn_encoder_pending(h, &mut out), INVALID_HANDLE, "{h}");
+            assert_eq!(out, 77);
+            assert_eq!(mlxn_dispatch_flash_attn_prefill_tensor_f16(h, buf, buf, buf, buf, blk, buf, &p), INVALID_HANDLE);
+        }
+        assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(h, buf, blk, 32, 64, 32, 64), INVALID_HANDLE);
+        assert_eq!(mlxn_encoder_commit_and_wait(h), INVALID_HANDLE);
+        assert_eq!(mlxn_encoder_free(h), INVALID_HANDLE);
+    }
+    // Nothing was recorded along the way; the good handles still work.
+    let mut pending = 9u64;
+    assert_eq!(unsafe { mlxn_encoder_pending(enc, &mut pending) }, 0);
+    assert_eq!(pending, 0);
+    assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(enc, buf, blk, 32, 64, 32, 64), 0);
+    assert_eq!(mlxn_encoder_commit_and_wait(enc), 0);
+    assert_eq!(mlxn_encoder_free(enc), 0);
+    assert_eq!(mlxn_buffer_free(buf), 0);
+    assert_eq!(mlxn_buffer_free(blk), 0);
+    assert_eq!(mlxn_device_close(dev), 0);
+}
+
+/// A view shares its memory and outlives the buffer it was made from; a bad view is refused.
+#[test]
+fn views_share_memory_and_are_checked() {
+    let dev = open_cpu();
+    let mut base = 0u64;
+    let n = [16u64];
+    unsafe { assert_eq!(mlxn_buffer_new(dev, 0, n.as_ptr(), 1, &mut base), 0) };
+    let mut view = 77u64;
+    let two = [2u64];
+    // Past the end, misaligned, too small for its shape, an unknown dtype.
+    unsafe {
+        assert_eq!(mlxn_buffer_view(base, 60, 8, 0, two.as_ptr(), 1, &mut view), INVALID_ARGUMENT);
+        assert!(last_error().contains("exceeds the buffer"), "{}", last_error());
+        assert_eq!(mlxn_buffer_view(base, 2, 8, 0, two.as_ptr(), 1, &mut view), INVALID_ARGUMENT);
+        assert!(last_error().contains("not aligned"), "{}", last_error());
+        assert_eq!(mlxn_buffer_view(base, 0, 4, 0, two.as_ptr(), 1, &mut view), INVALID_ARGUMENT);
+        assert_eq!(mlxn_buffer_view(base, usize::MAX, 8, 0, two.as_ptr(), 1, &mut view), INVALID_ARGUMENT);
+        assert_eq!(mlxn_buffer_view(base, 0, 8, 42, two.as_ptr(), 1, &mut view), 8);
+        assert_eq!(view, 77);
+        assert_eq!(mlxn_buffer_view(base, 8, 8, 0, two.as_ptr(), 1, &mut view), 0);
+    }
+    let vals = [1.5f32, -2.0];
+    unsafe { assert_eq!(mlxn_buffer_write(view, 0, vals.as_ptr().cast(), 8), 0) };
+    let mut all = [0f32; 16];
+    unsafe { assert_eq!(mlxn_buffer_read(base, 0, all.as_mut_ptr().cast(), 64), 0) };
+    assert_eq!(&all[2..4], &vals);
+    assert_eq!(mlxn_buffer_free(base), 0);
+    let mut back = [0f32; 2];
+    unsafe { assert_eq!(mlxn_buffer_read(view, 0, back.as_mut_ptr().cast(), 8), 0) };
+    assert_eq!(back, vals, "the view keeps the memory");
+    assert_eq!(mlxn_buffer_free(view), 0);
+    assert_eq!(mlxn_device_close(dev), 0);
+}

@@ -71,9 +71,11 @@ pub fn queries_per_threadgroup(head_dim: u32) -> Result<u32> {
     }
 }
 
-/// `kv_len` rounded up to a multiple of [`CACHE_ROWS_PER_STEP`].
+/// `kv_len` rounded up to a multiple of [`CACHE_ROWS_PER_STEP`]. Saturates at `u32::MAX`
+/// (not a multiple of the step, so no dispatch accepts it) where the rounding would not
+/// fit in 32 bits, instead of overflowing.
 pub fn kv_pad(kv_len: u32) -> u32 {
-    kv_len.div_ceil(CACHE_ROWS_PER_STEP) * CACHE_ROWS_PER_STEP
+    kv_len.div_ceil(CACHE_ROWS_PER_STEP).saturating_mul(CACHE_ROWS_PER_STEP)
 }
 
 fn kernel_name(head_dim: u32) -> Result<&'static str> {
@@ -349,5 +351,8 @@ mod tests {
         assert_eq!(kv_pad(1), 64);
         assert_eq!(kv_pad(64), 64);
         assert_eq!(kv_pad(1281), 1344);
+        assert_eq!(kv_pad(u32::MAX - 63), u32::MAX - 63);
+        assert_eq!(kv_pad(u32::MAX - 62), u32::MAX, "saturates, never overflows");
+        assert_eq!(kv_pad(u32::MAX), u32::MAX);
     }
 }

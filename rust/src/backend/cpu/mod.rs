@@ -3,7 +3,7 @@
 
 use std::alloc::Layout;
 use std::any::Any;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::{Backend, BackendKind, Memory};
 use crate::encoder::Dispatch;
@@ -53,6 +53,11 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
+        // Linux overcommits: a huge zeroed allocation can succeed and the process be killed
+        // later, when the pages are touched. More than the machine has is refused here.
+        if memory_limit().is_some_and(|limit| bytes as u64 > limit) {
+            return Err(MlxError::BufferAllocationError { bytes: bytes as u64 });
+        }
         Ok(Arc::new(HostMemory::zeroed(bytes)?))
     }
 
@@ -81,10 +86,41 @@ impl Backend for CpuBackend {
     }
 }
 
+/// Bytes of memory the process could ever get: RAM plus swap, capped by the cgroup's
+/// limit, read once. `None` where the system does not say (then the allocator decides).
+pub fn memory_limit() -> Option<u64> {
+    static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
+    *LIMIT.get_or_init(read_memory_limit)
+}
+
+#[cfg(target_os = "linux")]
+fn read_memory_limit() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| {
+        info.lines().find_map(|l| {
+            let kb = l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim();
+            kb.parse::<u64>().ok().map(|kb| kb.saturating_mul(1024))
+        })
+    };
+    let total = field("MemTotal:")?.saturating_add(field("SwapTotal:").unwrap_or(0));
+    // cgroup v2, then v1; "max" or a huge number means no limit.
+    let cgroup = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok());
+    Some(cgroup.map_or(total, |c| c.min(total)))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn read_memory_limit() -> Option<u64> {
+    None
+}
+
 /// Host memory the library owns: 64-byte aligned, zero-filled.
 pub struct HostMemory {
     ptr: *mut u8,
     len: usize,
+    /// The block as allocated (`ptr` is its first 64-byte aligned address).
+    base: *mut u8,
 }
 
 // SAFETY: the allocation is owned and only reached through raw pointers whose use the
@@ -95,16 +131,24 @@ unsafe impl Sync for HostMemory {}
 impl HostMemory {
     pub fn zeroed(len: usize) -> Result<Self> {
         if len == 0 {
-            return Ok(HostMemory { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(), len });
+            return Ok(HostMemory { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(), len, base: std::ptr::null_mut() });
         }
-        let layout = Layout::from_size_align(len, ALIGN)
-            .map_err(|_| MlxError::BufferAllocationError { bytes: len as u64 })?;
+        // A small alignment keeps `alloc_zeroed` on calloc, whose large blocks are fresh
+        // zero pages, untouched until used (an over-aligned layout is allocated, then
+        // zeroed byte by byte); the 64-byte alignment is made by hand inside the block.
+        let layout = Self::layout(len).ok_or(MlxError::BufferAllocationError { bytes: len as u64 })?;
         // SAFETY: layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
+        let base = unsafe { std::alloc::alloc_zeroed(layout) };
+        if base.is_null() {
             return Err(MlxError::BufferAllocationError { bytes: len as u64 });
         }
-        Ok(HostMemory { ptr, len })
+        // SAFETY: the block has ALIGN spare bytes, so the aligned start plus len stays inside.
+        let ptr = unsafe { base.add(base.align_offset(ALIGN)) };
+        Ok(HostMemory { ptr, len, base })
+    }
+
+    fn layout(len: usize) -> Option<Layout> {
+        Layout::from_size_align(len.checked_add(ALIGN)?, std::mem::align_of::<u64>()).ok()
     }
 }
 
@@ -112,7 +156,7 @@ impl Drop for HostMemory {
     fn drop(&mut self) {
         if self.len > 0 {
             // SAFETY: allocated in `zeroed` with this layout.
-            unsafe { std::alloc::dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, ALIGN)) }
+            unsafe { std::alloc::dealloc(self.base, Self::layout(self.len).unwrap_unchecked()) }
         }
     }
 }
