@@ -120,8 +120,8 @@ def test_cli_bench_reports_a_missing_device_cleanly():
 def test_cli_bench_threads(tmp_path):
     out = tmp_path / "one.json"
     r = subprocess.run(
-        [sys.executable, "-m", "mlx_native", "bench", "--rows", "32", "--cases", "dense", "--repeats", "1",
-         "--peers", "--threads", "1", "--no-progress", "--json", str(out)],
+        [sys.executable, "-m", "mlx_native", "bench", "--device", "cpu", "--rows", "32", "--cases", "dense",
+         "--repeats", "1", "--peers", "--threads", "1", "--no-progress", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr

@@ -649,4 +649,6 @@ def test_prefill_matches_reference_or_raises_the_documented_error(device):
     n = sum(tally.counts.values())
     print(f"\n{device.description}: {n} prefills: {dict(sorted(tally.counts.items()))}")
     if _n >= 200:
-        assert tally.counts.get("valid", 0) * 3 >= n, tally.counts
+        # At least a quarter valid: the draws aim at about a third, and the exact share
+        # moves with hypothesis's version (28% was seen with another version).
+        assert tally.counts.get("valid", 0) * 4 >= n, tally.counts
