@@ -169,6 +169,62 @@ struct Swz4 {
 
 // ------------------------------------------------------------------ tile loads
 
+// 16 bytes (8 halves) from `src` into shared memory at `dst`: asynchronous when `src` is
+// 16-byte aligned, else read as halves and stored in one go.
+__device__ __forceinline__ void copy8_f16(u32 dst, const u16* __restrict__ src, bool aligned) {
+    if (aligned) {
+        cp_async16(dst, src, 16);
+    } else {
+        u32 w[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[e] = (u32)src[2 * e] | ((u32)src[2 * e + 1] << 16);
+        st_shared_v4(dst, w[0], w[1], w[2], w[3]);
+    }
+}
+
+// 8 floats of Q at `src`, scaled and rounded to half: qh = half(scale * q), as 4 half2.
+__device__ __forceinline__ void load_q8_half(u32 (&w)[4], const float* __restrict__ src, float scale, bool aligned) {
+    float f[8];
+    if (aligned) {
+        const float4 a = *reinterpret_cast<const float4*>(src);
+        const float4 b = *reinterpret_cast<const float4*>(src + 4);
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+        f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = src[e];
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w[e] = pack_half2(scale * f[2 * e], scale * f[2 * e + 1]);
+}
+
+// The first cache step after `t` that some row of table rows [tr_first, tr_last] computes
+// (`steps` if none), and in `need_mask` whether some row of it needs its mask (byte 1).
+// Called by a whole warp: each lane looks at one step of a 32-step window.
+__device__ __forceinline__ int next_active_step(const u8* __restrict__ blk, int steps, int tr_first, int tr_last,
+                                                int lane, int t, bool& need_mask) {
+    for (int base = t + 1; base < steps; base += 32) {
+        const int s = base + lane;
+        bool act = false, nm = false;
+        if (s < steps) {
+            for (int tr = tr_first; tr <= tr_last; ++tr) {
+                const u8 b = blk[(i64)tr * steps + s];
+                act |= b != 0;
+                nm |= b == 1;
+            }
+        }
+        const u32 ba = __ballot_sync(0xffffffffu, act);
+        const u32 bm = __ballot_sync(0xffffffffu, nm);
+        if (ba) {
+            const int f = __ffs(ba) - 1;
+            need_mask = (bm >> f) & 1u;
+            return base + f;
+        }
+    }
+    need_mask = false;
+    return steps;
+}
+
 // `nrows` rows of `D` halves at `src + row * row_stride` into shared memory (swizzled,
 // D * 2 bytes per row). Asynchronous when the rows are 16-byte aligned, else synchronous.
 template <int D>
@@ -179,15 +235,7 @@ __device__ __forceinline__ void load_rows_f16(u32 dst, const u16* __restrict__ s
     for (int i = threadIdx.x; i < total; i += NTHREADS) {
         const int r = i / CH, c = i % CH;
         const u16* s = src + (i64)r * row_stride + c * 8;
-        const u32 d = dst + (u32)(r * D * 2) + swz(c, r & 7);
-        if (aligned) {
-            cp_async16(d, s, 16);
-        } else {
-            u32 w[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) w[e] = (u32)s[2 * e] | ((u32)s[2 * e + 1] << 16);
-            st_shared_v4(d, w[0], w[1], w[2], w[3]);
-        }
+        copy8_f16(dst + (u32)(r * D * 2) + swz(c, r & 7), s, aligned);
     }
 }
 
@@ -275,19 +323,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             const int h = (int)blockIdx.y * hpc + rgi % hpc;
             u32 w[4] = {0u, 0u, 0u, 0u};
             if (qr < rows) {
-                const float* s = q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8;
-                float f[8];
-                if (L.flags & FLAG_Q_ALIGNED) {
-                    const float4 a = *reinterpret_cast<const float4*>(s);
-                    const float4 b = *reinterpret_cast<const float4*>(s + 4);
-                    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-                    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) f[e] = s[e];
-                }
-#pragma unroll
-                for (int e = 0; e < 4; ++e) w[e] = pack_half2(p.scale * f[2 * e], p.scale * f[2 * e + 1]);
+                load_q8_half(w, q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8, p.scale,
+                             (L.flags & FLAG_Q_ALIGNED) != 0);
             }
             st_shared_v4(s_q + (u32)(r * D * 2) + swz(c, r & 7), w[0], w[1], w[2], w[3]);
         }
@@ -302,26 +339,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     // The next step after `t` that some row of the CTA computes (steps if none), and
     // whether some row needs its mask. Each lane looks at one step of a 32-step window.
     auto next_active = [&](int t, bool& need_mask) -> int {
-        for (int base = t + 1; base < steps; base += 32) {
-            const int s = base + lane;
-            bool act = false, nm = false;
-            if (s < steps) {
-                for (int tr = tr_first; tr <= tr_last; ++tr) {
-                    const u8 b = blk[(i64)tr * steps + s];
-                    act |= b != 0;
-                    nm |= b == 1;
-                }
-            }
-            const u32 ba = __ballot_sync(0xffffffffu, act);
-            const u32 bm = __ballot_sync(0xffffffffu, nm);
-            if (ba) {
-                const int f = __ffs(ba) - 1;
-                need_mask = (bm >> f) & 1u;
-                return base + f;
-            }
-        }
-        need_mask = false;
-        return steps;
+        return next_active_step(blk, steps, tr_first, tr_last, lane, t, need_mask);
     };
 
     const u16* k_base = k + (i64)kvh * p.k_head_stride;
@@ -717,15 +735,7 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ sr
     const u32 sw[2] = {(u32)(((c & 7) ^ (r0 & 7)) << 4), (u32)(((c & 7) ^ ((r0 + 4) & 7)) << 4)};
 #pragma unroll 4  // fully unrolled, the addresses of 16 passes stay live and spill at 512
     for (int n = 0; n < STEP / RPI; ++n) {
-        const u32 d = d0 + (u32)(n * RPI * 128) + sw[RPI % 8 == 0 ? 0 : (n & 1)];
-        if (aligned) {
-            cp_async16(d, s, 16);
-        } else {
-            u32 w[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) w[e] = (u32)s[2 * e] | ((u32)s[2 * e + 1] << 16);
-            st_shared_v4(d, w[0], w[1], w[2], w[3]);
-        }
+        copy8_f16(d0 + (u32)(n * RPI * 128) + sw[RPI % 8 == 0 ? 0 : (n & 1)], s, aligned);
         s += pass;
     }
 }
@@ -771,19 +781,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             const int h = (int)blockIdx.y * hpc + r / qpc;
             u32 w[4] = {0u, 0u, 0u, 0u};
             if (qr < rows) {
-                const float* s = q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8;
-                float f[8];
-                if (L.flags & FLAG_Q_ALIGNED) {
-                    const float4 a = *reinterpret_cast<const float4*>(s);
-                    const float4 b = *reinterpret_cast<const float4*>(s + 4);
-                    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-                    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) f[e] = s[e];
-                }
-#pragma unroll
-                for (int e = 0; e < 4; ++e) w[e] = pack_half2(p.scale * f[2 * e], p.scale * f[2 * e + 1]);
+                load_q8_half(w, q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8, p.scale,
+                             (L.flags & FLAG_Q_ALIGNED) != 0);
             }
             st_shared_v4(s_q + atom_off(C::ROWS, r, c), w[0], w[1], w[2], w[3]);
         }
@@ -802,26 +801,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     }
 
     auto next_active = [&](int t, bool& need_mask) -> int {
-        for (int base = t + 1; base < steps; base += 32) {
-            const int s = base + lane;
-            bool act = false, nm = false;
-            if (s < steps) {
-                for (int tr = tr_first; tr <= tr_last; ++tr) {
-                    const u8 b = blk[(i64)tr * steps + s];
-                    act |= b != 0;
-                    nm |= b == 1;
-                }
-            }
-            const u32 ba = __ballot_sync(0xffffffffu, act);
-            const u32 bm = __ballot_sync(0xffffffffu, nm);
-            if (ba) {
-                const int f = __ffs(ba) - 1;
-                need_mask = (bm >> f) & 1u;
-                return base + f;
-            }
-        }
-        need_mask = false;
-        return steps;
+        return next_active_step(blk, steps, tr_first, tr_last, lane, t, need_mask);
     };
 
     const u16* k_base = k + (i64)kvh * p.k_head_stride;
