@@ -8,29 +8,14 @@ import pytest
 import mlx_native as mx
 from mlx_native.reference import nmse, peer_mask, random_qkv, reference_attention
 
-from helpers import make_case, run_low_level
+from helpers import CASES, case_id, make_case, run_low_level
 
 #: The SPEC bar, and what these kernels actually reach (far less; a regression shows).
 SPEC_BAR = 5e-4
 EXPECTED = 1e-5
 
-# (rows, n_heads, n_kv_heads, head_dim, kv_len, scale, mask, window)
-CASES = [
-    (45, 4, 4, 256, 130, 1.0, "peer", None),  # GQA 1, partial tiles, kv not a multiple of 64
-    (37, 4, 2, 256, 100, 0.6, "peer", None),  # GQA 2, scale != 1
-    (20, 8, 1, 256, 200, 1.0, "causal", 64),  # GQA 8, window, longer cache
-    (33, 2, 1, 512, 77, 1.0, "causal", None),  # d512, GQA 2, causal, partial
-    (17, 8, 1, 512, 64, 1.3, "peer", None),  # d512, GQA 8
-    (64, 4, 2, 512, 192, 1.0, "zero", None),  # d512 full tiles, zero mask
-]
 
-
-def _id(c):
-    rows, nh, nkv, hd, kv, scale, mask, w = c
-    return f"r{rows}-h{nh}/{nkv}-d{hd}-kv{kv}-s{scale}-{mask}{'' if w is None else w}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_low_level_strided_matches_reference(device, rng, case):
     rows, nh, nkv, hd, kv_len, scale, mask, window = case
     c = make_case(rng, rows, nh, nkv, hd, kv_len, scale=scale, mask=mask, window=window)

@@ -16,7 +16,7 @@ import metal_emu
 import mlx_native as mx
 from mlx_native.reference import nmse, reference_attention
 
-from helpers import _span, make_case, run_low_level
+from helpers import CASES, _span, case_id, make_case, run_low_level
 
 EXPECTED = 1e-5  # against the float64 reference (SPEC bar: 5e-4)
 CPU_AGREEMENT = 1e-10  # against the CPU backend, which computes the same rounded steps (seen: <2e-13)
@@ -142,23 +142,8 @@ def test_blk_reads_no_row_past_rows(emu):
 
 # -- attention against the reference and the CPU backend ----------------------------------------
 
-# (rows, n_heads, n_kv_heads, head_dim, kv_len, scale, mask, window)
-CASES = [
-    (45, 4, 4, 256, 130, 1.0, "peer", None),  # GQA 1, partial query tile, kv not a multiple of 64
-    (37, 4, 2, 256, 100, 0.6, "peer", None),  # GQA 2, scale != 1
-    (20, 8, 1, 256, 200, 1.0, "causal", 64),  # GQA 8, window, longer cache
-    (33, 2, 1, 512, 77, 1.0, "causal", None),  # d512, GQA 2, causal, partial tiles
-    (17, 8, 1, 512, 64, 1.3, "peer", None),  # d512, GQA 8
-    (64, 4, 2, 512, 192, 1.0, "zero", None),  # d512 full tiles, zero mask
-]
 
-
-def _id(c):
-    rows, nh, nkv, hd, kv, scale, mask, w = c
-    return f"r{rows}-h{nh}/{nkv}-d{hd}-kv{kv}-s{scale}-{mask}{'' if w is None else w}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_strided_cases_match_the_reference_and_the_cpu(emu, rng, case):
     rows, nh, nkv, hd, kv_len, scale, mask, window = case
     c = make_case(rng, rows, nh, nkv, hd, kv_len, scale=scale, mask=mask, window=window)
