@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::kernel_registry::{KernelSource, Pipeline};
 
 pub mod cpu;
+pub mod params;
 pub mod cuda;
 pub mod metal;
 

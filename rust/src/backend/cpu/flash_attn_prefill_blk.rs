@@ -6,15 +6,8 @@ use super::{host_slice, SendPtr};
 use crate::encoder::Dispatch;
 use crate::error::{MlxError, Result};
 
-/// Mirror of the params block the op binds at index 0.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct BlkParams {
-    pub rows: i32,
-    pub kv_pad: i32,
-    pub bq: i32,
-    pub bk: i32,
-}
+/// The params block the op binds at index 0.
+pub use crate::backend::params::BlkParams;
 
 /// Every value of the tile is -inf or at most -65504 (the most negative half).
 const SKIP: u8 = 0;

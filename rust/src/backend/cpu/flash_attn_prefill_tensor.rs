@@ -31,24 +31,8 @@ pub fn set_column_skipping(on: bool) {
     COLUMN_SKIP.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Mirror of the params block the op binds at index 0 (the same twelve words the Metal
-/// kernel reads).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct Params {
-    pub rows: i32,
-    pub n_heads: i32,
-    pub n_kv_heads: i32,
-    pub kv_pad: i32,
-    pub q_row_stride: i32,
-    pub q_head_stride: i32,
-    pub k_row_stride: i32,
-    pub k_head_stride: i32,
-    pub v_row_stride: i32,
-    pub v_head_stride: i32,
-    pub mask_row_stride: i32,
-    pub scale: f32,
-}
+/// The params block the op binds at index 0.
+pub use crate::backend::params::AttentionParams as Params;
 
 /// Queries per blk tile at head dim `D` (the kernel's `Q`).
 const fn bq_of(d: usize) -> usize {

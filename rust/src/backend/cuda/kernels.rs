@@ -134,23 +134,8 @@ pub fn attention_geometry(
     })
 }
 
-/// Mirror of the attention params block (the op's twelve words).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct AttentionParams {
-    pub rows: i32,
-    pub n_heads: i32,
-    pub n_kv_heads: i32,
-    pub kv_pad: i32,
-    pub q_row_stride: i32,
-    pub q_head_stride: i32,
-    pub k_row_stride: i32,
-    pub k_head_stride: i32,
-    pub v_row_stride: i32,
-    pub v_head_stride: i32,
-    pub mask_row_stride: i32,
-    pub scale: f32,
-}
+/// The attention params block the op binds at index 0.
+pub use crate::backend::params::AttentionParams;
 
 /// The kernel's `Launch` block.
 #[repr(C)]
@@ -168,15 +153,7 @@ const FLAG_V_ALIGNED: i32 = 4;
 const FLAG_MASK_ALIGNED: i32 = 8;
 const FLAG_OUT_ALIGNED: i32 = 16;
 
-/// Mirror of the blk params block.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct BlkParams {
-    rows: i32,
-    kv_pad: i32,
-    bq: i32,
-    bk: i32,
-}
+use crate::backend::params::BlkParams;
 
 /// One launch, ready: geometry and the bytes of each kernel parameter.
 pub struct Launch {
