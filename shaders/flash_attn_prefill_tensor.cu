@@ -663,6 +663,49 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// ---- CTA pairs (thread-block clusters of 2) and the tensor memory accelerator (TMA).
+// A tensor map, made on the host (cuTensorMapEncodeTiled) and passed as a grid constant.
+struct __align__(64) TMap {
+    u64 opaque[16];
+};
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// Split cluster barrier: every thread of both CTAs arrives, then waits for all arrivals.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// This thread's arrival on `bar`, expecting `bytes` more bytes of TMA writes this phase.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Wait until the phase of `bar` with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// One box of a 3-d tensor map into shared memory at `dst` of every CTA in `cta_mask`
+// (the same offset in each), completing bytes on the mbarrier at `bar` in each.
+__device__ __forceinline__ void tma_load_3d_mc(u32 dst, const TMap* map, int c0, int c1, int c2, u32 bar,
+                                               unsigned short cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
+
 // Shared-memory matrix descriptor: start address, leading and stride byte offsets, and
 // the 128-byte swizzle mode (bits 62-63 = 1).
 __device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo, u32 sbo) {
@@ -719,7 +762,8 @@ struct HCfg {
     static constexpr int MASK_BYTES = ROWS * STEP * 2;
     static constexpr int P_BYTES = G > 1 ? 2 * 4 * 2 * 32 * 16 : 0;  // [warpgroup][warp][k-chunk][lane]
     static constexpr int RED_BYTES = G > 1 ? 2 * 64 * 4 : 0;          // [warpgroup][row]
-    static constexpr int SMEM = 1024 + Q_BYTES + NSTAGE * (2 * KV_BYTES + MASK_BYTES) + P_BYTES + RED_BYTES;
+    static constexpr int BAR_BYTES = G > 1 ? 64 : 0;                  // the CTA-pair form's mbarriers
+    static constexpr int SMEM = 1024 + Q_BYTES + NSTAGE * (2 * KV_BYTES + MASK_BYTES) + P_BYTES + RED_BYTES + BAR_BYTES;
 };
 
 // 64 rows of D halves at src + row * row_stride into an atom-layout tile of 64 rows.
@@ -740,12 +784,19 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ sr
     }
 }
 
-template <int D>
+// PAIR (head dim 512): the CTA is one of a cluster of two that hold the same queries and
+// the two halves of the heads of one KV head, so they need the same K/V tiles on the same
+// steps. Each tile is read from memory once, by the TMA, and multicast into both CTAs'
+// shared memory (each CTA issues half of its boxes): half the L2 traffic. Full tiles are
+// waited on mbarriers; a split cluster barrier says when both CTAs are done with one.
+template <int D, bool PAIR = false>
 __device__ __forceinline__ void attention(const Params& p, const Launch& L, const float* __restrict__ q,
                                           const u16* __restrict__ k, const u16* __restrict__ v,
                                           const u16* __restrict__ mask, const u8* __restrict__ blk,
-                                          float* __restrict__ out) {
+                                          float* __restrict__ out, const TMap* kmap = nullptr,
+                                          const TMap* vmap = nullptr) {
     typedef HCfg<D> C;
+    static_assert(!PAIR || C::G > 1, "the CTA-pair form is the head-dim-512 one");
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_base = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
     const u32 s_q = s_base;
@@ -753,6 +804,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const u32 s_mask = s_kv + C::NSTAGE * 2 * C::KV_BYTES;  // stage i
     const u32 s_p = s_mask + C::NSTAGE * C::MASK_BYTES;
     const u32 s_red = s_p + C::P_BYTES;
+    const u32 s_bar = s_red + C::RED_BYTES;  // PAIR: K full, V full (8 bytes each)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g8 = lane >> 2, tig = lane & 3;
@@ -882,6 +934,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                 mx[hh] = m;
             }
         }
+        if constexpr (PAIR) cluster_arrive();  // this thread is done with the step's K
         if constexpr (C::G > 1) {
             // Both warpgroups hold the same rows: exchange the maxima (every step, so the
             // barrier sequence is the same everywhere).
@@ -991,6 +1044,58 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             stage ^= 1;
             t = tn;
         }
+    } else if constexpr (PAIR) {
+        const u32 rank = cluster_rank();
+        const u32 bar_k = s_bar, bar_v = s_bar + 8;
+        const u32 s_k = s_kv, s_v = s_kv + C::KV_BYTES;
+        // This CTA's half of a tile's boxes (64 rows x 64 halves, 8 KB each), sent to both.
+        auto issue = [&](const TMap* map, u32 dst, u32 bar, int t) {
+            mbar_expect_tx(bar, C::KV_BYTES);
+#pragma unroll
+            for (int i = 0; i < D / 128; ++i) {
+                const int cb = (int)rank * (D / 128) + i;
+                tma_load_3d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, bar, 3);
+            }
+        };
+        if (tid == 0) {
+            mbar_init(bar_k, 1);
+            mbar_init(bar_v, 1);
+            fence_mbar_init();
+        }
+        fence_proxy_async();  // Q (ordinary stores) before wgmma reads it
+        cluster_arrive();
+        cluster_wait();  // both CTAs' barriers exist before any tile lands in either
+        u32 ph_k = 0, ph_v = 0;
+        if (t < steps) {
+            if (tid == 0) issue(kmap, s_k, bar_k, t);
+            if (need_mask) load_mask(0, t);
+            cp_async_commit();
+        }
+        cluster_arrive();  // V is free (the first wait below)
+        while (t < steps) {
+            cp_async_wait_all();
+            mbar_wait(bar_k, ph_k);
+            ph_k ^= 1;
+            __syncthreads();  // the mask tile is in
+            cluster_wait();   // both CTAs are done with the last V
+            if (tid == 0) issue(vmap, s_v, bar_v, t);
+            bool nm = false;
+            const int tn = next_active(t, nm);
+            const bool act = scores_and_softmax(t, 0);  // arrives once its Q K^T is done
+            cluster_wait();  // both CTAs are done with K
+            if (tn < steps && tid == 0) issue(kmap, s_k, bar_k, tn);
+            mbar_wait(bar_v, ph_v);
+            ph_v ^= 1;
+            __syncthreads();  // P is visible; the mask tile is free
+            if (tn < steps && nm) {
+                load_mask(0, tn);
+                cp_async_commit();
+            }
+            if (act) pv(0);
+            cluster_arrive();  // done with V
+            t = tn;
+        }
+        cluster_wait();  // the partner no longer touches this CTA's shared memory
     } else {
         if (t < steps) {
             load_k(0, t);
@@ -1066,7 +1171,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 }
 
 static_assert(HCfg<256>::SMEM == 230400, "Hopper d256 shared memory changed: update the CUDA backend");
-static_assert(HCfg<512>::SMEM == 214528, "Hopper d512 shared memory changed: update the CUDA backend");
+static_assert(HCfg<512>::SMEM == 214592, "Hopper d512 shared memory changed: update the CUDA backend");
 
 }  // namespace hopper
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -1094,6 +1199,21 @@ flash_attn_prefill_tensor_f16_d512(const Params p, const Launch L, const float* 
     attention<512>(p, L, q, k, v, mask, blk, out);
 #endif
 }
+
+#ifdef MLXN_HOPPER
+// Head dim 512 in CTA pairs (`hopper::attention<512, true>`): launched in clusters of two
+// along y, the two CTAs of a pair take the two halves of the heads of one KV head. K and V
+// come through tensor maps (3-d: head dim, KV heads, cache rows; boxes of 64 x 1 x 64 with
+// the 128-byte swizzle), made by the host when the strides allow it.
+extern "C" __global__ void __cluster_dims__(1, 2, 1) __launch_bounds__(NTHREADS, 1)
+flash_attn_prefill_tensor_f16_d512_pair(const Params p, const Launch L, const float* __restrict__ q,
+                                        const u16* __restrict__ k, const u16* __restrict__ v,
+                                        const u16* __restrict__ mask, const u8* __restrict__ blk,
+                                        float* __restrict__ out, const __grid_constant__ hopper::TMap kmap,
+                                        const __grid_constant__ hopper::TMap vmap) {
+    hopper::attention<512, true>(p, L, q, k, v, mask, blk, out, &kmap, &vmap);
+}
+#endif
 
 // Shared memory of one CTA, for the host (kept in step with Cfg by a compile-time check).
 static_assert(Cfg<256>::SMEM == 164864, "d256 shared memory changed: update the CUDA backend");

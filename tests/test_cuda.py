@@ -6,6 +6,7 @@ every backend `backends()` lists.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -31,13 +32,14 @@ def test_kernels_compile_with_nvrtc_without_spills(arch):
         if os.environ.get("MLX_NATIVE_REQUIRE_NVRTC") == "1":
             pytest.fail(f"NVRTC is required here and could not be loaded: {e}")
         pytest.skip(f"NVRTC not found: {e}")
-    for entry in ENTRY_POINTS:
+    entries = ENTRY_POINTS + (("flash_attn_prefill_tensor_f16_d512_pair",) if arch == "sm_90a" else ())
+    for entry in entries:
         assert f"entry point {entry}" in report, report
     # NVRTC 13.0 (what CI installs) returns ptxas's resource report; some builds return
     # none, and then there is nothing to read spills from.
     spills = [line for line in report.splitlines() if "spill stores" in line]
     if os.environ.get("MLX_NATIVE_REQUIRE_NVRTC") == "1" or spills:
-        assert len(spills) == len(ENTRY_POINTS), report
+        assert len(spills) == len(entries), report
         assert all(", 0 bytes spill stores" in line for line in spills), report
 
 
@@ -90,6 +92,35 @@ def test_larger_shapes_match_on_every_row_and_skipping_changes_no_bit(rng, case)
     assert np.array_equal(out.view(np.uint32), ones.view(np.uint32))
     cpu_blk = mx.flash_attn_prefill_blk(c.mask, bq=mx.queries_per_threadgroup(hd), device=mx.Device("cpu"))
     assert np.array_equal(blk, cpu_blk)
+
+
+# Head dim 512 with 8 or more query heads per KV head: on Hopper, two CTAs (a cluster)
+# take the two halves of a KV head's query heads and receive each K/V tile once, through
+# TMA multicast (the CTA-pair form). (rows, n_heads, n_kv_heads, kv_len, mask, scale)
+PAIR_CASES = [
+    (300, 16, 2, 300, "peer", 1.0),  # the global layer's heads, every tile class
+    (77, 8, 1, 130, "causal", 0.7),  # one KV head, partial tiles
+    (129, 32, 2, 200, "peer", 2.0),  # groups of 16: two pairs per KV head
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"r{c[0]}-h{c[1]}/{c[2]}-kv{c[3]}-{c[4]}")
+def test_cta_pair_form_matches_the_one_cta_form_bit_for_bit(rng, case, monkeypatch):
+    rows, nh, nkv, kv_len, mask, scale = case
+    dev = mx.Device("cuda")
+    c = make_case(rng, rows, nh, nkv, 512, kv_len, scale=scale, mask=mask, pad=ALIGNED)
+    monkeypatch.setenv("MLX_NATIVE_CUDA_PAIR", "1")
+    pair, _ = run_low_level(dev, c)
+    worst = _row_nmse(pair, reference_attention(c.q, c.k, c.v, c.mask, scale=scale)).max()
+    assert worst < 1e-5, f"worst row nmse {worst:.3e}"
+    # K stored head-major ([KV head][row][dim]): other strides for the tensor map.
+    k_hm = np.ascontiguousarray(c.k.transpose(1, 0, 2)).transpose(1, 0, 2)
+    pair_hm, _ = run_low_level(dev, dataclasses.replace(c, k=k_hm, k_base=k_hm))
+    monkeypatch.setenv("MLX_NATIVE_CUDA_PAIR", "0")
+    single, _ = run_low_level(dev, c)
+    assert np.array_equal(pair.view(np.uint32), single.view(np.uint32))
+    assert np.array_equal(pair_hm.view(np.uint32), single.view(np.uint32))
 
 
 @needs_gpu

@@ -41,6 +41,32 @@ pub const MEMORYTYPE_UNIFIED: c_uint = 4;
 /// `CU_STREAM_NON_BLOCKING`: no implicit ordering with the legacy default stream.
 pub const STREAM_NON_BLOCKING: c_uint = 1;
 
+/// A `CUtensorMap`: 128 opaque bytes, 64-byte aligned.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub struct TensorMap(pub [u64; 16]);
+
+/// `cuTensorMapEncodeTiled(map, dtype, rank, address, dims, strides, box, element strides,
+/// interleave, swizzle, L2 promotion, out-of-bounds fill)`.
+pub type TensorMapEncodeTiled = unsafe extern "C" fn(
+    *mut TensorMap,
+    c_int,
+    u32,
+    *mut c_void,
+    *const u64,
+    *const u64,
+    *const u32,
+    *const u32,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+) -> CuResult;
+// CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion
+pub const TENSOR_MAP_FLOAT16: c_int = 6;
+pub const TENSOR_MAP_SWIZZLE_128B: c_int = 3;
+pub const TENSOR_MAP_L2_256B: c_int = 3;
+
 macro_rules! driver_api {
     ($($name:ident : fn($($arg:ty),*) -> $ret:ty;)*) => {
         /// Entry points of the driver, resolved from `libcuda.so.1`.
@@ -48,6 +74,8 @@ macro_rules! driver_api {
         pub struct Driver {
             _lib: Library,
             $(pub $name: unsafe extern "C" fn($($arg),*) -> $ret,)*
+            /// `cuTensorMapEncodeTiled` (CUDA 12 and later drivers), if this one has it.
+            pub cuTensorMapEncodeTiled: Option<TensorMapEncodeTiled>,
         }
 
         impl Driver {
@@ -64,7 +92,9 @@ macro_rules! driver_api {
                             )
                             .map_err(|e| format!("{}: {e}", stringify!($name)))?;
                     )*
-                    Ok(Driver { _lib: lib, $($name,)* })
+                    let cuTensorMapEncodeTiled =
+                        lib.get::<TensorMapEncodeTiled>(b"cuTensorMapEncodeTiled\0").ok().map(|f| *f);
+                    Ok(Driver { _lib: lib, $($name,)* cuTensorMapEncodeTiled })
                 }
             }
         }

@@ -10,6 +10,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
+use super::driver::{self, TensorMap};
 use super::{CudaContext, CudaMemory};
 use crate::buffer::MlxBuffer;
 use crate::encoder::{BoundArg, Dispatch};
@@ -32,7 +33,7 @@ pub fn attention_shared_bytes(head_dim: u32, hopper: bool) -> Option<u32> {
         (256, false) => Some(164_864),
         (512, false) => Some(214_016),
         (256, true) => Some(230_400),
-        (512, true) => Some(214_528),
+        (512, true) => Some(214_592),
         _ => None,
     }
 }
@@ -162,6 +163,8 @@ pub struct Launch {
     pub shared_bytes: u32,
     /// Each parameter's value, 8-byte aligned storage.
     params: Vec<Vec<u64>>,
+    /// Launch the CTA-pair form (`PAIR_ENTRY`, clusters of two, tensor maps).
+    pub pair: bool,
 }
 
 impl Launch {
@@ -179,6 +182,51 @@ impl Launch {
     fn push_ptr(&mut self, p: u64) {
         self.params.push(vec![p]);
     }
+}
+
+/// The head-dim-512 entry point that runs in CTA pairs sharing K/V tiles (Hopper only).
+pub const PAIR_ENTRY: &str = "flash_attn_prefill_tensor_f16_d512_pair";
+/// `MLX_NATIVE_CUDA_PAIR=0` keeps head dim 512 on the one-CTA form (to compare or test it).
+pub const PAIR_ENV: &str = "MLX_NATIVE_CUDA_PAIR";
+
+fn pair_enabled() -> bool {
+    std::env::var(PAIR_ENV).map(|v| v != "0").unwrap_or(true)
+}
+
+/// The tensor map of K or V for the CTA-pair form: dims (head dim, KV heads, cache rows),
+/// boxes of 64 x 1 x 64 halves, 128-byte swizzle; `None` where TMA cannot address the view.
+fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_pad: u32, row_stride: i32, head_stride: i32) -> Option<TensorMap> {
+    let encode = driver::driver().ok()?.cuTensorMapEncodeTiled?;
+    let row = row_stride as u64 * 2;
+    // A KV-head dimension of 1 never steps: any valid stride does.
+    let head = if n_kv == 1 { head_dim as u64 * 2 } else { head_stride as u64 * 2 };
+    let ok = |s: u64| s > 0 && s % 16 == 0 && s < (1 << 40);
+    if base % 16 != 0 || !ok(row) || !ok(head) {
+        return None;
+    }
+    let dims = [head_dim as u64, n_kv as u64, kv_pad as u64];
+    let strides = [head, row];
+    let boxes = [64u32, 1, 64];
+    let elem = [1u32, 1, 1];
+    let mut map = TensorMap([0; 16]);
+    // SAFETY: every array has the documented length for rank 3; the map is written in place.
+    let r = unsafe {
+        encode(
+            &mut map,
+            driver::TENSOR_MAP_FLOAT16,
+            3,
+            base as usize as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            0,
+            driver::TENSOR_MAP_SWIZZLE_128B,
+            driver::TENSOR_MAP_L2_256B,
+            0,
+        )
+    };
+    (r == driver::CUDA_SUCCESS).then_some(map)
 }
 
 /// Device address of a dispatch's buffer, and its length; it must be memory of `ctx`.
@@ -203,15 +251,16 @@ fn internal(name: &str, what: &str) -> MlxError {
 
 /// Arguments and geometry of one dispatch of a kernel of `kind`; `hopper`: the kernel was
 /// built with its sm_90a (wgmma) form.
-pub fn prepare(ctx: &Arc<CudaContext>, kind: KernelKind, hopper: bool, d: &Dispatch) -> Result<Launch> {
+/// `pair`: the CTA-pair form of head dim 512 was built.
+pub fn prepare(ctx: &Arc<CudaContext>, kind: KernelKind, hopper: bool, pair: bool, d: &Dispatch) -> Result<Launch> {
     match kind {
-        KernelKind::Attention { head_dim } => prepare_attention(ctx, head_dim, hopper, d),
+        KernelKind::Attention { head_dim } => prepare_attention(ctx, head_dim, hopper, pair, d),
         KernelKind::Blk => prepare_blk(ctx, d),
         KernelKind::Generic => prepare_generic(ctx, d),
     }
 }
 
-fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, d: &Dispatch) -> Result<Launch> {
+fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: bool, d: &Dispatch) -> Result<Launch> {
     let name = d.pipeline.name();
     let p: AttentionParams = d.constant(0)?;
     let dims = [
@@ -273,11 +322,30 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, d: &Di
         block: [ATTENTION_THREADS, 1, 1],
         shared_bytes: shared,
         params: Vec::new(),
+        pair: false,
     };
     l.push_bytes(bytemuck::bytes_of(&p));
     l.push_bytes(bytemuck::bytes_of(&launch));
     for ptr in [q, k, v, mask, blk, out] {
         l.push_ptr(ptr);
+    }
+    // CTA pairs: the two CTAs of a cluster (y = 2j, 2j + 1) must take heads of one KV head.
+    let group = p.n_heads / p.n_kv_heads;
+    if pair
+        && hopper
+        && head_dim == 512
+        && geo.head_groups % 2 == 0
+        && group as u32 % (2 * geo.heads_per_cta) == 0
+        && pair_enabled()
+    {
+        let (nkv, kvp) = (p.n_kv_heads as u32, p.kv_pad as u32);
+        let km = kv_tensor_map(k, head_dim, nkv, kvp, p.k_row_stride, p.k_head_stride);
+        let vm = kv_tensor_map(v, head_dim, nkv, kvp, p.v_row_stride, p.v_head_stride);
+        if let (Some(km), Some(vm)) = (km, vm) {
+            l.push_bytes(bytemuck::cast_slice(&km.0));
+            l.push_bytes(bytemuck::cast_slice(&vm.0));
+            l.pair = true;
+        }
     }
     Ok(l)
 }
@@ -300,7 +368,8 @@ fn prepare_blk(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
         return Err(MlxError::InvalidArgument(format!("{name}: {tiles} tiles is more than one launch takes")));
     }
     let aligned = (mask % 16 == 0 && p.bk % 8 == 0) as i32;
-    let mut l = Launch { grid: [ctas as u32, 1, 1], block: [256, 1, 1], shared_bytes: 0, params: Vec::new() };
+    let mut l =
+        Launch { grid: [ctas as u32, 1, 1], block: [256, 1, 1], shared_bytes: 0, params: Vec::new(), pair: false };
     l.push_bytes(bytemuck::bytes_of(&p));
     l.push_ptr(mask);
     l.push_ptr(blk);
@@ -322,6 +391,7 @@ fn prepare_generic(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
         ],
         shared_bytes: dim(d.shared.iter().map(|(_, b)| *b).sum(), "shared memory")?,
         params: Vec::new(),
+        pair: false,
     };
     let mut args: Vec<&(u64, BoundArg)> = d.args.iter().collect();
     args.sort_by_key(|(i, _)| *i);
@@ -378,5 +448,6 @@ mod tests {
         assert_eq!(KernelKind::of("other"), KernelKind::Generic);
         assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(false), Some(164_864));
         assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(true), Some(230_400));
+        assert_eq!(KernelKind::Attention { head_dim: 512 }.dynamic_shared_bytes(true), Some(214_592));
     }
 }

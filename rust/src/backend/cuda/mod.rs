@@ -297,6 +297,8 @@ impl Memory for CudaMemory {
 pub struct CudaPipeline {
     ctx: Arc<CudaContext>,
     function: CuFunction,
+    /// The CTA-pair form (head dim 512 on Hopper), where the module has it.
+    pair: Option<CuFunction>,
     kind: kernels::KernelKind,
     /// Built with the Hopper (sm_90a, wgmma) forms of the kernels.
     hopper: bool,
@@ -398,6 +400,10 @@ impl Backend for CudaBackend {
         let hopper = arch == "sm_90a";
         let function = self.ctx.function(kind.file_name(name).as_str(), src, name, &arch)?;
         let d = self.ctx.bind()?;
+        let mut pair = None;
+        if hopper && kind == (kernels::KernelKind::Attention { head_dim: 512 }) {
+            pair = Some(self.ctx.function(kind.file_name(name).as_str(), src, kernels::PAIR_ENTRY, &arch)?);
+        }
         if let Some(smem) = kind.dynamic_shared_bytes(hopper) {
             if smem > self.ctx.max_shared_per_block as u32 {
                 return Err(MlxError::KernelNotFound(format!(
@@ -405,11 +411,13 @@ impl Backend for CudaBackend {
                     self.ctx.name, self.ctx.max_shared_per_block
                 )));
             }
-            // SAFETY: a valid function handle.
-            let r = unsafe {
-                (d.cuFuncSetAttribute)(function, driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as c_int)
-            };
-            d.check(r, &format!("{name}: raising its shared memory limit"), MlxError::CommandBufferError)?;
+            for f in std::iter::once(function).chain(pair) {
+                // SAFETY: a valid function handle.
+                let r = unsafe {
+                    (d.cuFuncSetAttribute)(f, driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as c_int)
+                };
+                d.check(r, &format!("{name}: raising its shared memory limit"), MlxError::CommandBufferError)?;
+            }
         }
         let mut max_threads = 0;
         // SAFETY: a valid function handle and out pointer.
@@ -418,7 +426,7 @@ impl Backend for CudaBackend {
         Ok(Pipeline::new(
             name,
             max_threads.max(0) as u64,
-            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, kind, hopper }),
+            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, pair, kind, hopper }),
         ))
     }
 
@@ -434,13 +442,17 @@ impl Backend for CudaBackend {
                     dispatch.pipeline.name()
                 )));
             }
-            let mut launch = kernels::prepare(&self.ctx, p.kind, p.hopper, dispatch)?;
+            let mut launch = kernels::prepare(&self.ctx, p.kind, p.hopper, p.pair.is_some(), dispatch)?;
+            let function = match (launch.pair, p.pair) {
+                (true, Some(f)) => f,
+                _ => p.function,
+            };
             let mut params = launch.param_pointers();
             // SAFETY: a function of this context, launch dimensions checked by `prepare`,
             // and one pointer per kernel parameter to storage that outlives the call.
             let r = unsafe {
                 (d.cuLaunchKernel)(
-                    p.function,
+                    function,
                     launch.grid[0],
                     launch.grid[1],
                     launch.grid[2],

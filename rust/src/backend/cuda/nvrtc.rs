@@ -76,6 +76,8 @@ const FILE_NAMES: &[&str] = &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
 pub const NVRTC_ENV: &str = "MLX_NATIVE_NVRTC";
 /// Environment variable naming the cubin cache folder (`0` or `off`: no disk cache).
 pub const CACHE_ENV: &str = "MLX_NATIVE_CUDA_CACHE";
+/// Extra `-D` options for NVRTC (development: timing variants of a kernel).
+pub const DEFINES_ENV: &str = "MLX_NATIVE_CUDA_DEFINES";
 
 static NVRTC: OnceLock<std::result::Result<Nvrtc, String>> = OnceLock::new();
 
@@ -229,8 +231,14 @@ impl Nvrtc {
 }
 
 /// The options a kernel is compiled with for `arch` (`sm_90a`, `sm_80`, ...).
+/// `MLX_NATIVE_CUDA_DEFINES` adds `-D` options (a development knob, for timing variants of
+/// a kernel; anything else in it is ignored).
 pub fn options(arch: &str) -> Vec<String> {
-    vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-lineinfo".into()]
+    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-lineinfo".into()];
+    if let Ok(extra) = std::env::var(DEFINES_ENV) {
+        o.extend(extra.split_whitespace().filter(|d| d.starts_with("-D") && d.len() > 2).map(String::from));
+    }
+    o
 }
 
 /// 64-bit FNV-1a: a hash that stays the same across builds, for cache file names.

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Time kernel variants (a development tool): each `-D` set of MLX_NATIVE_CUDA_DEFINES in
+its own process, on a few bench cases; ours only, attention alone, median of trials.
+
+    python3 scripts/gpu_variants.py --cases global-8192,dense-16384 base NOKV NOQK+NOPV ...
+
+A variant `A+B` compiles with -DMLXN_EXP_A -DMLXN_EXP_B; `base` with neither; `NOPAIR`
+sets MLX_NATIVE_CUDA_PAIR=0 (head dim 512 on the one-CTA form).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child(cases, repeat, trials):
+    sys.path.insert(0, HERE)
+    import numpy as np
+    import mlx_native as mx
+    from gpu_bench import CASES, time_ours
+    from mlx_native.reference import useful_flops
+
+    dev = mx.Device("cuda")
+    rng = np.random.default_rng(0)
+    res = {}
+    for name in cases:
+        rows, nh, nkv, hd, kind, window = CASES[name]
+        q = rng.uniform(-1, 1, size=(rows, nh, hd)).astype(np.float32)
+        k = rng.uniform(-1, 1, size=(rows, nkv, hd)).astype(np.float16)
+        v = rng.uniform(-1, 1, size=(rows, nkv, hd)).astype(np.float16)
+        mask = np.zeros((rows, rows), np.float16) if kind == "zero" else mx.causal_mask(rows, rows, window)
+        plan = mx.PrefillPlan(q, k, v, mask, device=dev)
+        flops = useful_flops(hd, nh, plan.visible_pairs)
+        ms = time_ours(plan, dev, repeat, trials, classify=False)
+        ms2 = time_ours(plan, dev, repeat, trials, classify=False)
+        res[name] = (min(ms, ms2), flops / min(ms, ms2) / 1e9, abs(ms - ms2) / min(ms, ms2))
+    print(json.dumps(res))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="global-8192,dense-16384")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("variants", nargs="*", default=["base"])
+    a = ap.parse_args()
+    cases = a.cases.split(",")
+    if a.child:
+        return child(cases, a.repeat, a.trials)
+    for var in a.variants:
+        names = [n for n in var.split("+") if n and n != "base"]
+        defs = " ".join(f"-DMLXN_EXP_{n}" for n in names if n != "NOPAIR")
+        env = dict(os.environ, MLX_NATIVE_CUDA_DEFINES=defs)
+        if "NOPAIR" in names:
+            env["MLX_NATIVE_CUDA_PAIR"] = "0"
+        r = subprocess.run([sys.executable, __file__, "--child", "--cases", a.cases, "--repeat", str(a.repeat),
+                            "--trials", str(a.trials)], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"{var:28} FAILED\n{r.stderr[-3000:]}", flush=True)
+            continue
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        cells = "  ".join(f"{n}: {ms:7.3f} ms {tf:6.1f} TF/s (spread {sp:.1%})" for n, (ms, tf, sp) in res.items())
+        print(f"{var:28} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
