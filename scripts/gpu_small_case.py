@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Small CUDA cases for compute-sanitizer (memcheck, racecheck, synccheck): both head dims,
-aligned and odd strides, partial tiles, GQA, all three tile classes. Exits non-zero when an
+aligned and odd strides, partial tiles, GQA, all three tile classes, and (on Hopper) the
+head-dim-512 CTA pairs. Exits non-zero when an
 output misses the float64 reference."""
 
 import sys
@@ -21,6 +22,7 @@ for rows, nh, nkv, hd, kv, mask, pad in [
     (70, 8, 1, 256, 200, "causal", (0, 0, 0)),
     (33, 4, 2, 512, 130, "peer", (0, 0, 0)),
     (20, 2, 2, 512, 77, "causal", (4, 1, 2)),
+    (50, 16, 2, 512, 200, "peer", (0, 0, 0)),  # CTA pairs (Hopper): TMA multicast, clusters
 ]:
     c = make_case(rng, rows, nh, nkv, hd, kv, mask=mask, pad=pad)
     out, blk = run_low_level(dev, c)

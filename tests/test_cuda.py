@@ -94,13 +94,15 @@ def test_larger_shapes_match_on_every_row_and_skipping_changes_no_bit(rng, case)
     assert np.array_equal(blk, cpu_blk)
 
 
-# Head dim 512 with 8 or more query heads per KV head: on Hopper, two CTAs (a cluster)
+# Head dim 512 with an even number of query heads per KV head: on Hopper, two CTAs (a cluster)
 # take the two halves of a KV head's query heads and receive each K/V tile once, through
 # TMA multicast (the CTA-pair form). (rows, n_heads, n_kv_heads, kv_len, mask, scale)
 PAIR_CASES = [
     (300, 16, 2, 300, "peer", 1.0),  # the global layer's heads, every tile class
     (77, 8, 1, 130, "causal", 0.7),  # one KV head, partial tiles
     (129, 32, 2, 200, "peer", 2.0),  # groups of 16: two pairs per KV head
+    (90, 8, 2, 190, "causal", 1.0),  # groups of 4: 2 heads x 32 queries per CTA
+    (100, 4, 2, 150, "peer", 1.5),  # groups of 2: 1 head x 64 queries per CTA
 ]
 
 

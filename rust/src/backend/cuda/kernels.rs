@@ -135,6 +135,26 @@ pub fn attention_geometry(
     })
 }
 
+/// The CTA shape of the CTA-pair form (head dim 512 on Hopper): 64 rows per CTA as
+/// [`attention_geometry`] gives them, but with at most half of each KV head's query heads
+/// per CTA, so that the two CTAs of a cluster (y = 2j, 2j + 1) share the KV head. `None`
+/// when the group of query heads per KV head is odd.
+pub fn pair_geometry(rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<AttentionGeometry> {
+    if rows == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        return None;
+    }
+    let group = n_heads / n_kv_heads;
+    if group % 2 != 0 {
+        return None;
+    }
+    let mut hpc = 4; // 64 rows of 16 queries
+    while (group / 2) % hpc != 0 {
+        hpc /= 2;
+    }
+    let qpc = 64 / hpc;
+    Some(AttentionGeometry { heads_per_cta: hpc, queries_per_cta: qpc, q_tiles: rows.div_ceil(qpc), head_groups: n_heads / hpc })
+}
+
 /// The attention params block the op binds at index 0.
 pub use crate::backend::params::AttentionParams;
 
@@ -270,7 +290,7 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
     if dims.iter().any(|&x| x < 0) || p.kv_pad == 0 || p.kv_pad % 64 != 0 || p.mask_row_stride != p.kv_pad {
         return Err(internal(name, "shape breaks the op's contract"));
     }
-    let geo = attention_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
+    let mut geo = attention_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
     let (q, q_len) = device_buffer(ctx, d, 1)?;
     let (k, k_len) = device_buffer(ctx, d, 2)?;
     let (v, v_len) = device_buffer(ctx, d, 3)?;
@@ -310,6 +330,20 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
     if out % 8 == 0 {
         flags |= FLAG_OUT_ALIGNED;
     }
+    // CTA pairs sharing each K/V tile (Hopper, head dim 512): where the group of query
+    // heads splits in two and TMA can address K and V.
+    let mut maps = None;
+    if pair && hopper && head_dim == 512 && pair_enabled() {
+        if let Some(g) = pair_geometry(p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32) {
+            let (nkv, kvp) = (p.n_kv_heads as u32, p.kv_pad as u32);
+            let km = kv_tensor_map(k, head_dim, nkv, kvp, p.k_row_stride, p.k_head_stride);
+            let vm = kv_tensor_map(v, head_dim, nkv, kvp, p.v_row_stride, p.v_head_stride);
+            if let (Some(km), Some(vm)) = (km, vm) {
+                maps = Some((km, vm));
+                geo = g;
+            }
+        }
+    }
     let launch = AttentionLaunch {
         heads_per_cta: geo.heads_per_cta as i32,
         queries_per_cta: geo.queries_per_cta as i32,
@@ -329,23 +363,10 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
     for ptr in [q, k, v, mask, blk, out] {
         l.push_ptr(ptr);
     }
-    // CTA pairs: the two CTAs of a cluster (y = 2j, 2j + 1) must take heads of one KV head.
-    let group = p.n_heads / p.n_kv_heads;
-    if pair
-        && hopper
-        && head_dim == 512
-        && geo.head_groups % 2 == 0
-        && group as u32 % (2 * geo.heads_per_cta) == 0
-        && pair_enabled()
-    {
-        let (nkv, kvp) = (p.n_kv_heads as u32, p.kv_pad as u32);
-        let km = kv_tensor_map(k, head_dim, nkv, kvp, p.k_row_stride, p.k_head_stride);
-        let vm = kv_tensor_map(v, head_dim, nkv, kvp, p.v_row_stride, p.v_head_stride);
-        if let (Some(km), Some(vm)) = (km, vm) {
-            l.push_bytes(bytemuck::cast_slice(&km.0));
-            l.push_bytes(bytemuck::cast_slice(&vm.0));
-            l.pair = true;
-        }
+    if let Some((km, vm)) = maps {
+        l.push_bytes(bytemuck::cast_slice(&km.0));
+        l.push_bytes(bytemuck::cast_slice(&vm.0));
+        l.pair = true;
     }
     Ok(l)
 }
@@ -432,6 +453,31 @@ mod tests {
         assert_eq!(attention_geometry(256, 10, 6, 2, true).unwrap().heads_per_cta, 1);
         assert_eq!(attention_geometry(512, 10, 6, 1, false).unwrap().heads_per_cta, 2);
         assert!(attention_geometry(128, 10, 6, 1, false).is_err());
+    }
+
+    #[test]
+    fn cta_pairs_split_each_kv_group_in_two() {
+        // Global layer: 16 / 2 -> 4 heads x 16 queries; the pair (y = 2j, 2j + 1) is the 8.
+        let g = pair_geometry(8192, 16, 2).unwrap();
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
+        // Groups of 4 and 2: 2 heads x 32 queries, 1 head x 64; groups of 16: 4 x 16.
+        let g = pair_geometry(100, 8, 2).unwrap();
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 4, 4));
+        let g = pair_geometry(100, 4, 2).unwrap();
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 64, 2, 4));
+        assert_eq!(pair_geometry(100, 32, 2).unwrap().heads_per_cta, 4);
+        // Every pair stays inside one KV group.
+        for (nh, nkv) in [(16, 2), (8, 2), (4, 2), (32, 2), (24, 2), (12, 1), (2, 1)] {
+            let g = pair_geometry(10, nh, nkv).unwrap();
+            let group = nh / nkv;
+            assert_eq!(g.head_groups % 2, 0);
+            for j in 0..g.head_groups / 2 {
+                assert_eq!((2 * j * g.heads_per_cta) / group, ((2 * j + 1) * g.heads_per_cta) / group);
+            }
+        }
+        // Odd groups (and no sharing) have no pairs.
+        assert!(pair_geometry(10, 3, 1).is_none());
+        assert!(pair_geometry(10, 4, 4).is_none());
     }
 
     #[test]
