@@ -5,7 +5,8 @@ its own process, on a few bench cases; ours only, attention alone, median of tri
     python3 scripts/gpu_variants.py --cases global-8192,dense-16384 base NOKV NOQK+NOPV ...
 
 A variant `A+B` compiles with -DMLXN_EXP_A -DMLXN_EXP_B; `base` with neither; `NOPAIR`
-sets MLX_NATIVE_CUDA_PAIR=0 (head dim 512 on the one-CTA form).
+sets MLX_NATIVE_CUDA_PAIR=0 (the one-CTA forms), `QPAIR` MLX_NATIVE_CUDA_PAIR=queries
+(query pairs only).
 """
 import argparse
 import json
@@ -53,10 +54,12 @@ def main():
         return child(cases, a.repeat, a.trials)
     for var in a.variants:
         names = [n for n in var.split("+") if n and n != "base"]
-        defs = " ".join(f"-DMLXN_EXP_{n}" for n in names if n != "NOPAIR")
+        defs = " ".join(f"-DMLXN_EXP_{n}" for n in names if n not in ("NOPAIR", "QPAIR"))
         env = dict(os.environ, MLX_NATIVE_CUDA_DEFINES=defs)
         if "NOPAIR" in names:
             env["MLX_NATIVE_CUDA_PAIR"] = "0"
+        if "QPAIR" in names:
+            env["MLX_NATIVE_CUDA_PAIR"] = "queries"
         r = subprocess.run([sys.executable, __file__, "--child", "--cases", a.cases, "--repeat", str(a.repeat),
                             "--trials", str(a.trials)], env=env, capture_output=True, text=True)
         if r.returncode != 0:

@@ -762,7 +762,7 @@ struct HCfg {
     static constexpr int MASK_BYTES = ROWS * STEP * 2;
     static constexpr int P_BYTES = G > 1 ? 2 * 4 * 2 * 32 * 16 : 0;  // [warpgroup][warp][k-chunk][lane]
     static constexpr int RED_BYTES = G > 1 ? 2 * 64 * 4 : 0;          // [warpgroup][row]
-    static constexpr int BAR_BYTES = G > 1 ? 64 : 0;                  // the CTA-pair form's mbarriers
+    static constexpr int BAR_BYTES = 64;                              // the CTA-pair forms' mbarriers
     static constexpr int SMEM = 1024 + Q_BYTES + NSTAGE * (2 * KV_BYTES + MASK_BYTES) + P_BYTES + RED_BYTES + BAR_BYTES;
 };
 
@@ -784,19 +784,23 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ sr
     }
 }
 
-// PAIR (head dim 512): the CTA is one of a cluster of two that hold the same queries and
-// the two halves of the heads of one KV head, so they need the same K/V tiles on the same
+// PAIR: the CTA is one of a cluster of two that read the same K/V tiles: PAIR_HEADS, the
+// two take the two halves of one KV head's query heads for the same queries (clusters
+// along y); PAIR_QUERIES, neighbouring query tiles of the same heads (clusters along x;
+// the last CTA of an odd number of tiles has no rows). Both walk the union of their active
 // steps. Each tile is read from memory once, by the TMA, and multicast into both CTAs'
 // shared memory (each CTA issues half of its boxes): half the L2 traffic. Full tiles are
 // waited on mbarriers; a split cluster barrier says when both CTAs are done with one.
-template <int D, bool PAIR = false>
+#define PAIR_NONE 0
+#define PAIR_HEADS 1
+#define PAIR_QUERIES 2
+template <int D, int PAIR = PAIR_NONE>
 __device__ __forceinline__ void attention(const Params& p, const Launch& L, const float* __restrict__ q,
                                           const u16* __restrict__ k, const u16* __restrict__ v,
                                           const u16* __restrict__ mask, const u8* __restrict__ blk,
                                           float* __restrict__ out, const TMap* kmap = nullptr,
                                           const TMap* vmap = nullptr) {
     typedef HCfg<D> C;
-    static_assert(!PAIR || C::G > 1, "the CTA-pair form is the head-dim-512 one");
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_base = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
     const u32 s_q = s_base;
@@ -814,7 +818,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int rg = wgi / C::G, ch = wgi % C::G;    // row group, column half (head dim 512)
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
     const int qt = L.q_tiles - 1 - (int)blockIdx.x;  // longest causal rows first
-    const int q_cta = qt * qpc;
+    const int q_cta = qt >= 0 ? qt * qpc : p.rows;    // qt < 0: a pair's empty CTA
     const int r0 = rg * 64 + wq * 16;              // first CTA row of this warp
     const int head = (int)blockIdx.y * hpc + r0 / qpc;
     const int q_loc = r0 % qpc;                    // first query of the warp, inside the CTA
@@ -852,8 +856,22 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         tr_wg[w] = qw < rows ? qw / C::BQ : -1;
     }
 
+    // The steps walked: those of this CTA's table rows, or of both CTAs' of a query pair.
+    int walk_first = tr_first, walk_last = tr_last;
+    if constexpr (PAIR == PAIR_QUERIES) {
+        walk_first = 0x7fffffff;
+        walk_last = -1;
+        for (int m = 0; m < 2; ++m) {
+            const int qm = L.q_tiles - 1 - (int)((blockIdx.x & ~1u) + m);
+            if (qm >= 0) {
+                const int a = qm * qpc, e = min(a + qpc, rows);
+                walk_first = min(walk_first, a / C::BQ);
+                walk_last = max(walk_last, (e - 1) / C::BQ);
+            }
+        }
+    }
     auto next_active = [&](int t, bool& need_mask) -> int {
-        return next_active_step(blk, steps, tr_first, tr_last, lane, t, need_mask);
+        return next_active_step(blk, steps, walk_first, walk_last, lane, t, need_mask);
     };
 
     const u16* k_base = k + (i64)kvh * p.k_head_stride;
@@ -934,7 +952,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                 mx[hh] = m;
             }
         }
-        if constexpr (PAIR) cluster_arrive();  // this thread is done with the step's K
+        if constexpr (PAIR && C::NSTAGE == 1) cluster_arrive();  // this thread is done with the step's K
         if constexpr (C::G > 1) {
             // Both warpgroups hold the same rows: exchange the maxima (every step, so the
             // barrier sequence is the same everywhere).
@@ -1018,9 +1036,64 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         fence_regs(o);
     };
 
+    // PAIR: this CTA's half of a tile's boxes (64 rows x 64 halves, 8 KB each), for both.
+    auto tma_half = [&](const TMap* map, u32 dst, u32 bar, int t) {
+        const int rank = (int)cluster_rank();
+#pragma unroll
+        for (int i = 0; i < D / 128; ++i) {
+            const int cb = rank * (D / 128) + i;
+            tma_load_3d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, bar, 3);
+        }
+    };
+    if constexpr (PAIR != PAIR_NONE) {
+        if (tid == 0) {
+            mbar_init(s_bar, 1);
+            mbar_init(s_bar + 8, 1);
+            fence_mbar_init();
+        }
+        fence_proxy_async();  // Q (ordinary stores) before wgmma reads it
+        cluster_arrive();
+        cluster_wait();  // both CTAs' barriers exist before any tile lands in either
+    }
+
     bool need_mask = false;
     int t = next_active(-1, need_mask);
-    if constexpr (C::NSTAGE == 2) {
+    if constexpr (C::NSTAGE == 2 && PAIR != PAIR_NONE) {
+        // Stage i's K and V complete on the mbarrier at s_bar + 8 i.
+        auto issue = [&](int st, int t) {
+            const u32 bar = s_bar + 8 * st, dst = s_kv + st * 2 * C::KV_BYTES;
+            mbar_expect_tx(bar, 2 * C::KV_BYTES);
+            tma_half(kmap, dst, bar, t);
+            tma_half(vmap, dst + C::KV_BYTES, bar, t);
+        };
+        if (t < steps) {
+            if (tid == 0) issue(0, t);
+            if (need_mask) load_mask(0, t);
+            cp_async_commit();
+        }
+        cluster_arrive();  // stage 1 is free (the first wait below)
+        int stage = 0;
+        u32 phases = 0;
+        while (t < steps) {
+            cp_async_wait_all();
+            mbar_wait(s_bar + 8 * stage, (phases >> stage) & 1u);
+            phases ^= 1u << stage;
+            __syncthreads();  // step t's mask tile is in; this CTA is done with the other stage
+            cluster_wait();   // and so is the partner
+            bool nm = false;
+            const int tn = next_active(t, nm);
+            if (tn < steps) {
+                if (tid == 0) issue(stage ^ 1, tn);
+                if (nm) load_mask(stage ^ 1, tn);
+                cp_async_commit();
+            }
+            if (scores_and_softmax(t, stage)) pv(stage);
+            cluster_arrive();  // done with this stage
+            stage ^= 1;
+            t = tn;
+        }
+        cluster_wait();  // the partner no longer touches this CTA's shared memory
+    } else if constexpr (C::NSTAGE == 2) {
         if (t < steps) {
             load_k(0, t);
             load_v(0, t);
@@ -1044,27 +1117,13 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             stage ^= 1;
             t = tn;
         }
-    } else if constexpr (PAIR) {
-        const u32 rank = cluster_rank();
+    } else if constexpr (PAIR != PAIR_NONE) {
         const u32 bar_k = s_bar, bar_v = s_bar + 8;
         const u32 s_k = s_kv, s_v = s_kv + C::KV_BYTES;
-        // This CTA's half of a tile's boxes (64 rows x 64 halves, 8 KB each), sent to both.
         auto issue = [&](const TMap* map, u32 dst, u32 bar, int t) {
             mbar_expect_tx(bar, C::KV_BYTES);
-#pragma unroll
-            for (int i = 0; i < D / 128; ++i) {
-                const int cb = (int)rank * (D / 128) + i;
-                tma_load_3d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, bar, 3);
-            }
+            tma_half(map, dst, bar, t);
         };
-        if (tid == 0) {
-            mbar_init(bar_k, 1);
-            mbar_init(bar_v, 1);
-            fence_mbar_init();
-        }
-        fence_proxy_async();  // Q (ordinary stores) before wgmma reads it
-        cluster_arrive();
-        cluster_wait();  // both CTAs' barriers exist before any tile lands in either
         u32 ph_k = 0, ph_v = 0;
         if (t < steps) {
             if (tid == 0) issue(kmap, s_k, bar_k, t);
@@ -1170,7 +1229,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     }
 }
 
-static_assert(HCfg<256>::SMEM == 230400, "Hopper d256 shared memory changed: update the CUDA backend");
+static_assert(HCfg<256>::SMEM == 230464, "Hopper d256 shared memory changed: update the CUDA backend");
 static_assert(HCfg<512>::SMEM == 214592, "Hopper d512 shared memory changed: update the CUDA backend");
 
 }  // namespace hopper
@@ -1201,18 +1260,22 @@ flash_attn_prefill_tensor_f16_d512(const Params p, const Launch L, const float* 
 }
 
 #ifdef MLXN_HOPPER
-// Head dim 512 in CTA pairs (`hopper::attention<512, true>`): launched in clusters of two
-// along y, the two CTAs of a pair take the two halves of the heads of one KV head. K and V
-// come through tensor maps (3-d: head dim, KV heads, cache rows; boxes of 64 x 1 x 64 with
-// the 128-byte swizzle), made by the host when the strides allow it.
-extern "C" __global__ void __cluster_dims__(1, 2, 1) __launch_bounds__(NTHREADS, 1)
-flash_attn_prefill_tensor_f16_d512_pair(const Params p, const Launch L, const float* __restrict__ q,
-                                        const u16* __restrict__ k, const u16* __restrict__ v,
-                                        const u16* __restrict__ mask, const u8* __restrict__ blk,
-                                        float* __restrict__ out, const __grid_constant__ hopper::TMap kmap,
-                                        const __grid_constant__ hopper::TMap vmap) {
-    hopper::attention<512, true>(p, L, q, k, v, mask, blk, out, &kmap, &vmap);
-}
+// The CTA-pair forms (`hopper::attention<D, PAIR_HEADS | PAIR_QUERIES>`), launched in
+// clusters of two along y (heads) or x (query tiles). K and V come through tensor maps
+// (3-d: head dim, KV heads, cache rows; boxes of 64 x 1 x 64 with the 128-byte swizzle),
+// made by the host when the strides allow it.
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY)                                                            \
+    extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(NTHREADS, 1)                 \
+    NAME(const Params p, const Launch L, const float* __restrict__ q, const u16* __restrict__ k,            \
+         const u16* __restrict__ v, const u16* __restrict__ mask, const u8* __restrict__ blk,               \
+         float* __restrict__ out, const __grid_constant__ hopper::TMap kmap,                                \
+         const __grid_constant__ hopper::TMap vmap) {                                                       \
+        hopper::attention<DIM, MODE>(p, L, q, k, v, mask, blk, out, &kmap, &vmap);                          \
+    }
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_heads, 256, PAIR_HEADS, 1, 2)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_queries, 256, PAIR_QUERIES, 2, 1)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_heads, 512, PAIR_HEADS, 1, 2)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_queries, 512, PAIR_QUERIES, 2, 1)
 #endif
 
 // Shared memory of one CTA, for the host (kept in step with Cfg by a compile-time check).

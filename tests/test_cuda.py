@@ -32,7 +32,8 @@ def test_kernels_compile_with_nvrtc_without_spills(arch):
         if os.environ.get("MLX_NATIVE_REQUIRE_NVRTC") == "1":
             pytest.fail(f"NVRTC is required here and could not be loaded: {e}")
         pytest.skip(f"NVRTC not found: {e}")
-    entries = ENTRY_POINTS + (("flash_attn_prefill_tensor_f16_d512_pair",) if arch == "sm_90a" else ())
+    pairs = [f"flash_attn_prefill_tensor_f16_d{d}_pair_{m}" for d in (256, 512) for m in ("heads", "queries")]
+    entries = ENTRY_POINTS + (tuple(pairs) if arch == "sm_90a" else ())
     for entry in entries:
         assert f"entry point {entry}" in report, report
     # NVRTC 13.0 (what CI installs) returns ptxas's resource report; some builds return
@@ -94,35 +95,45 @@ def test_larger_shapes_match_on_every_row_and_skipping_changes_no_bit(rng, case)
     assert np.array_equal(blk, cpu_blk)
 
 
-# Head dim 512 with an even number of query heads per KV head: on Hopper, two CTAs (a cluster)
-# take the two halves of a KV head's query heads and receive each K/V tile once, through
-# TMA multicast (the CTA-pair form). (rows, n_heads, n_kv_heads, kv_len, mask, scale)
+# On Hopper, two CTAs (a cluster) receive each K/V tile once, through TMA multicast: the
+# two halves of a KV head's query heads where their number is even ("heads"), else two
+# neighbouring query tiles ("queries"; MLX_NATIVE_CUDA_PAIR=queries forces it). The output
+# must be the one-CTA form's bit for bit.
+# (rows, n_heads, n_kv_heads, head_dim, kv_len, mask, window, scale)
 PAIR_CASES = [
-    (300, 16, 2, 300, "peer", 1.0),  # the global layer's heads, every tile class
-    (77, 8, 1, 130, "causal", 0.7),  # one KV head, partial tiles
-    (129, 32, 2, 200, "peer", 2.0),  # groups of 16: two pairs per KV head
-    (90, 8, 2, 190, "causal", 1.0),  # groups of 4: 2 heads x 32 queries per CTA
-    (100, 4, 2, 150, "peer", 1.5),  # groups of 2: 1 head x 64 queries per CTA
+    (300, 16, 2, 512, 300, "peer", None, 1.0),  # the global layer's heads, every tile class
+    (77, 8, 1, 512, 130, "causal", None, 0.7),  # one KV head, partial tiles
+    (129, 32, 2, 512, 200, "peer", None, 2.0),  # groups of 16: two pairs per KV head
+    (90, 8, 2, 512, 190, "causal", None, 1.0),  # groups of 4: 2 heads x 32 queries per CTA
+    (100, 4, 2, 512, 150, "peer", None, 1.5),  # groups of 2: 1 head x 64 queries per CTA
+    (150, 3, 1, 512, 200, "peer", None, 1.0),  # group of 3: query pairs, 3 tiles (one CTA empty)
+    (257, 16, 8, 256, 700, "causal", 128, 1.0),  # sliding-layer heads, window
+    (200, 8, 8, 256, 333, "peer", None, 4.0),  # no sharing: query pairs; big scores
+    (300, 4, 4, 256, 300, "causal", None, 1.0),  # 3 query tiles: the last pair has an empty CTA
+    (131, 16, 1, 256, 129, "zero", None, 1.0),  # groups of 16 at 256: 8 heads x 16 queries
 ]
 
 
 @needs_gpu
-@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"r{c[0]}-h{c[1]}/{c[2]}-kv{c[3]}-{c[4]}")
-def test_cta_pair_form_matches_the_one_cta_form_bit_for_bit(rng, case, monkeypatch):
-    rows, nh, nkv, kv_len, mask, scale = case
+@pytest.mark.parametrize("mode", ["auto", "queries"])
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"r{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-kv{c[4]}-{c[5]}")
+def test_cta_pair_forms_match_the_one_cta_form_bit_for_bit(rng, case, mode, monkeypatch):
+    rows, nh, nkv, hd, kv_len, mask, window, scale = case
     dev = mx.Device("cuda")
-    c = make_case(rng, rows, nh, nkv, 512, kv_len, scale=scale, mask=mask, pad=ALIGNED)
-    monkeypatch.setenv("MLX_NATIVE_CUDA_PAIR", "1")
-    pair, _ = run_low_level(dev, c)
+    c = make_case(rng, rows, nh, nkv, hd, kv_len, scale=scale, mask=mask, window=window, pad=ALIGNED)
+    monkeypatch.setenv("MLX_NATIVE_CUDA_PAIR", "1" if mode == "auto" else mode)
+    pair, blk = run_low_level(dev, c)
     worst = _row_nmse(pair, reference_attention(c.q, c.k, c.v, c.mask, scale=scale)).max()
     assert worst < 1e-5, f"worst row nmse {worst:.3e}"
     # K stored head-major ([KV head][row][dim]): other strides for the tensor map.
     k_hm = np.ascontiguousarray(c.k.transpose(1, 0, 2)).transpose(1, 0, 2)
     pair_hm, _ = run_low_level(dev, dataclasses.replace(c, k=k_hm, k_base=k_hm))
+    # Every step computed (all-ones table): still the same bits.
+    pair_ones, _ = run_low_level(dev, c, blk_override=np.ones_like(blk))
     monkeypatch.setenv("MLX_NATIVE_CUDA_PAIR", "0")
     single, _ = run_low_level(dev, c)
-    assert np.array_equal(pair.view(np.uint32), single.view(np.uint32))
-    assert np.array_equal(pair_hm.view(np.uint32), single.view(np.uint32))
+    for got in (pair, pair_hm, pair_ones):
+        assert np.array_equal(got.view(np.uint32), single.view(np.uint32))
 
 
 @needs_gpu

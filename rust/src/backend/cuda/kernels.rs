@@ -32,7 +32,7 @@ pub fn attention_shared_bytes(head_dim: u32, hopper: bool) -> Option<u32> {
     match (head_dim, hopper) {
         (256, false) => Some(164_864),
         (512, false) => Some(214_016),
-        (256, true) => Some(230_400),
+        (256, true) => Some(230_464),
         (512, true) => Some(214_592),
         _ => None,
     }
@@ -135,11 +135,11 @@ pub fn attention_geometry(
     })
 }
 
-/// The CTA shape of the CTA-pair form (head dim 512 on Hopper): 64 rows per CTA as
-/// [`attention_geometry`] gives them, but with at most half of each KV head's query heads
-/// per CTA, so that the two CTAs of a cluster (y = 2j, 2j + 1) share the KV head. `None`
-/// when the group of query heads per KV head is odd.
-pub fn pair_geometry(rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<AttentionGeometry> {
+/// The CTA shape of the head-pair form (Hopper): the rows per CTA of
+/// [`attention_geometry`] (128 at head dim 256, 64 at 512), but with at most half of each
+/// KV head's query heads per CTA, so that the two CTAs of a cluster (y = 2j, 2j + 1) share
+/// the KV head. `None` when the group of query heads per KV head is odd.
+pub fn pair_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<AttentionGeometry> {
     if rows == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
         return None;
     }
@@ -147,11 +147,12 @@ pub fn pair_geometry(rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<Attenti
     if group % 2 != 0 {
         return None;
     }
-    let mut hpc = 4; // 64 rows of 16 queries
+    let cta_rows = if head_dim == 256 { 128 } else { 64 };
+    let mut hpc = cta_rows / 16; // blocks of 16 queries
     while (group / 2) % hpc != 0 {
         hpc /= 2;
     }
-    let qpc = 64 / hpc;
+    let qpc = cta_rows / hpc;
     Some(AttentionGeometry { heads_per_cta: hpc, queries_per_cta: qpc, q_tiles: rows.div_ceil(qpc), head_groups: n_heads / hpc })
 }
 
@@ -183,8 +184,8 @@ pub struct Launch {
     pub shared_bytes: u32,
     /// Each parameter's value, 8-byte aligned storage.
     params: Vec<Vec<u64>>,
-    /// Launch the CTA-pair form (`PAIR_ENTRY`, clusters of two, tensor maps).
-    pub pair: bool,
+    /// Launch a CTA-pair form (clusters of two, tensor maps) instead of the plain one.
+    pub pair: Option<PairMode>,
 }
 
 impl Launch {
@@ -204,13 +205,39 @@ impl Launch {
     }
 }
 
-/// The head-dim-512 entry point that runs in CTA pairs sharing K/V tiles (Hopper only).
-pub const PAIR_ENTRY: &str = "flash_attn_prefill_tensor_f16_d512_pair";
-/// `MLX_NATIVE_CUDA_PAIR=0` keeps head dim 512 on the one-CTA form (to compare or test it).
+/// How the two CTAs of a cluster that share each K/V tile (Hopper) split the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairMode {
+    /// The two halves of one KV head's query heads, same queries (clusters along y).
+    Heads,
+    /// Neighbouring query tiles, same heads (clusters along x).
+    Queries,
+}
+
+impl PairMode {
+    pub const ALL: [PairMode; 2] = [PairMode::Heads, PairMode::Queries];
+
+    /// The entry point of this form for `head_dim`.
+    pub fn entry(self, head_dim: u32) -> String {
+        let mode = match self {
+            PairMode::Heads => "heads",
+            PairMode::Queries => "queries",
+        };
+        format!("flash_attn_prefill_tensor_f16_d{head_dim}_pair_{mode}")
+    }
+}
+
+/// `MLX_NATIVE_CUDA_PAIR`: `0` keeps the one-CTA forms (to compare or test them), `queries`
+/// uses query pairs only; unset (or anything else), head pairs where the group of query
+/// heads splits in two, else query pairs.
 pub const PAIR_ENV: &str = "MLX_NATIVE_CUDA_PAIR";
 
-fn pair_enabled() -> bool {
-    std::env::var(PAIR_ENV).map(|v| v != "0").unwrap_or(true)
+fn pair_setting() -> (bool, bool) {
+    match std::env::var(PAIR_ENV).as_deref() {
+        Ok("0") => (false, false),
+        Ok("queries") => (false, true),
+        _ => (true, true),
+    }
 }
 
 /// The tensor map of K or V for the CTA-pair form: dims (head dim, KV heads, cache rows),
@@ -281,6 +308,7 @@ pub fn prepare(ctx: &Arc<CudaContext>, kind: KernelKind, hopper: bool, pair: boo
 }
 
 fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: bool, d: &Dispatch) -> Result<Launch> {
+    let (pair_heads, pair_queries) = pair_setting();
     let name = d.pipeline.name();
     let p: AttentionParams = d.constant(0)?;
     let dims = [
@@ -330,17 +358,26 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
     if out % 8 == 0 {
         flags |= FLAG_OUT_ALIGNED;
     }
-    // CTA pairs sharing each K/V tile (Hopper, head dim 512): where the group of query
-    // heads splits in two and TMA can address K and V.
+    // CTA pairs sharing each K/V tile (Hopper): where TMA can address K and V; head pairs
+    // where the group of query heads splits in two, else pairs of query tiles.
     let mut maps = None;
-    if pair && hopper && head_dim == 512 && pair_enabled() {
-        if let Some(g) = pair_geometry(p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32) {
-            let (nkv, kvp) = (p.n_kv_heads as u32, p.kv_pad as u32);
-            let km = kv_tensor_map(k, head_dim, nkv, kvp, p.k_row_stride, p.k_head_stride);
-            let vm = kv_tensor_map(v, head_dim, nkv, kvp, p.v_row_stride, p.v_head_stride);
-            if let (Some(km), Some(vm)) = (km, vm) {
+    let mut mode = None;
+    if pair && hopper && (pair_heads || pair_queries) {
+        let (nkv, kvp) = (p.n_kv_heads as u32, p.kv_pad as u32);
+        let km = kv_tensor_map(k, head_dim, nkv, kvp, p.k_row_stride, p.k_head_stride);
+        let vm = kv_tensor_map(v, head_dim, nkv, kvp, p.v_row_stride, p.v_head_stride);
+        if let (Some(km), Some(vm)) = (km, vm) {
+            let heads = pair_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32);
+            match heads.filter(|_| pair_heads) {
+                Some(g) => {
+                    geo = g;
+                    mode = Some(PairMode::Heads);
+                }
+                None if pair_queries => mode = Some(PairMode::Queries),
+                None => {}
+            }
+            if mode.is_some() {
                 maps = Some((km, vm));
-                geo = g;
             }
         }
     }
@@ -351,12 +388,14 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
         flags,
     };
     let shared = attention_shared_bytes(head_dim, hopper).ok_or_else(|| internal(name, "no shared memory size"))?;
+    // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
+    let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
     let mut l = Launch {
-        grid: [geo.q_tiles, geo.head_groups, 1],
+        grid: [grid_x, geo.head_groups, 1],
         block: [ATTENTION_THREADS, 1, 1],
         shared_bytes: shared,
         params: Vec::new(),
-        pair: false,
+        pair: None,
     };
     l.push_bytes(bytemuck::bytes_of(&p));
     l.push_bytes(bytemuck::bytes_of(&launch));
@@ -366,7 +405,7 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
     if let Some((km, vm)) = maps {
         l.push_bytes(bytemuck::cast_slice(&km.0));
         l.push_bytes(bytemuck::cast_slice(&vm.0));
-        l.pair = true;
+        l.pair = mode;
     }
     Ok(l)
 }
@@ -390,7 +429,7 @@ fn prepare_blk(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
     }
     let aligned = (mask % 16 == 0 && p.bk % 8 == 0) as i32;
     let mut l =
-        Launch { grid: [ctas as u32, 1, 1], block: [256, 1, 1], shared_bytes: 0, params: Vec::new(), pair: false };
+        Launch { grid: [ctas as u32, 1, 1], block: [256, 1, 1], shared_bytes: 0, params: Vec::new(), pair: None };
     l.push_bytes(bytemuck::bytes_of(&p));
     l.push_ptr(mask);
     l.push_ptr(blk);
@@ -412,7 +451,7 @@ fn prepare_generic(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
         ],
         shared_bytes: dim(d.shared.iter().map(|(_, b)| *b).sum(), "shared memory")?,
         params: Vec::new(),
-        pair: false,
+        pair: None,
     };
     let mut args: Vec<&(u64, BoundArg)> = d.args.iter().collect();
     args.sort_by_key(|(i, _)| *i);
@@ -458,17 +497,21 @@ mod tests {
     #[test]
     fn cta_pairs_split_each_kv_group_in_two() {
         // Global layer: 16 / 2 -> 4 heads x 16 queries; the pair (y = 2j, 2j + 1) is the 8.
-        let g = pair_geometry(8192, 16, 2).unwrap();
+        let g = pair_geometry(512, 8192, 16, 2).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
         // Groups of 4 and 2: 2 heads x 32 queries, 1 head x 64; groups of 16: 4 x 16.
-        let g = pair_geometry(100, 8, 2).unwrap();
+        let g = pair_geometry(512, 100, 8, 2).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 4, 4));
-        let g = pair_geometry(100, 4, 2).unwrap();
+        let g = pair_geometry(512, 100, 4, 2).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 64, 2, 4));
-        assert_eq!(pair_geometry(100, 32, 2).unwrap().heads_per_cta, 4);
+        assert_eq!(pair_geometry(512, 100, 32, 2).unwrap().heads_per_cta, 4);
+        // Head dim 256 (128 rows): sliding 16 / 8 -> 1 head x 128 queries; 16 / 1 -> 8 x 16.
+        let g = pair_geometry(256, 8192, 16, 8).unwrap();
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 128, 64, 16));
+        assert_eq!(pair_geometry(256, 100, 16, 1).unwrap().heads_per_cta, 8);
         // Every pair stays inside one KV group.
-        for (nh, nkv) in [(16, 2), (8, 2), (4, 2), (32, 2), (24, 2), (12, 1), (2, 1)] {
-            let g = pair_geometry(10, nh, nkv).unwrap();
+        for (hd, nh, nkv) in [(512, 16, 2), (512, 8, 2), (512, 4, 2), (512, 32, 2), (512, 24, 2), (512, 12, 1), (256, 2, 1), (256, 24, 1), (256, 16, 8)] {
+            let g = pair_geometry(hd, 10, nh, nkv).unwrap();
             let group = nh / nkv;
             assert_eq!(g.head_groups % 2, 0);
             for j in 0..g.head_groups / 2 {
@@ -476,8 +519,8 @@ mod tests {
             }
         }
         // Odd groups (and no sharing) have no pairs.
-        assert!(pair_geometry(10, 3, 1).is_none());
-        assert!(pair_geometry(10, 4, 4).is_none());
+        assert!(pair_geometry(512, 10, 3, 1).is_none());
+        assert!(pair_geometry(256, 10, 4, 4).is_none());
     }
 
     #[test]
@@ -493,7 +536,7 @@ mod tests {
         assert_eq!(KernelKind::of(K_BLK_F16), KernelKind::Blk);
         assert_eq!(KernelKind::of("other"), KernelKind::Generic);
         assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(false), Some(164_864));
-        assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(true), Some(230_400));
+        assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(true), Some(230_464));
         assert_eq!(KernelKind::Attention { head_dim: 512 }.dynamic_shared_bytes(true), Some(214_592));
     }
 }

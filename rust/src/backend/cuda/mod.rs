@@ -297,8 +297,8 @@ impl Memory for CudaMemory {
 pub struct CudaPipeline {
     ctx: Arc<CudaContext>,
     function: CuFunction,
-    /// The CTA-pair form (head dim 512 on Hopper), where the module has it.
-    pair: Option<CuFunction>,
+    /// The CTA-pair forms (Hopper), heads then queries, where the module has them.
+    pairs: Option<[CuFunction; 2]>,
     kind: kernels::KernelKind,
     /// Built with the Hopper (sm_90a, wgmma) forms of the kernels.
     hopper: bool,
@@ -400,9 +400,11 @@ impl Backend for CudaBackend {
         let hopper = arch == "sm_90a";
         let function = self.ctx.function(kind.file_name(name).as_str(), src, name, &arch)?;
         let d = self.ctx.bind()?;
-        let mut pair = None;
-        if hopper && kind == (kernels::KernelKind::Attention { head_dim: 512 }) {
-            pair = Some(self.ctx.function(kind.file_name(name).as_str(), src, kernels::PAIR_ENTRY, &arch)?);
+        let mut pairs = None;
+        if let (true, kernels::KernelKind::Attention { head_dim }) = (hopper, kind) {
+            let file = kind.file_name(name);
+            let [h, q] = kernels::PairMode::ALL.map(|m| self.ctx.function(&file, src, &m.entry(head_dim), &arch));
+            pairs = Some([h?, q?]);
         }
         if let Some(smem) = kind.dynamic_shared_bytes(hopper) {
             if smem > self.ctx.max_shared_per_block as u32 {
@@ -411,7 +413,7 @@ impl Backend for CudaBackend {
                     self.ctx.name, self.ctx.max_shared_per_block
                 )));
             }
-            for f in std::iter::once(function).chain(pair) {
+            for f in std::iter::once(function).chain(pairs.into_iter().flatten()) {
                 // SAFETY: a valid function handle.
                 let r = unsafe {
                     (d.cuFuncSetAttribute)(f, driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as c_int)
@@ -426,7 +428,7 @@ impl Backend for CudaBackend {
         Ok(Pipeline::new(
             name,
             max_threads.max(0) as u64,
-            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, pair, kind, hopper }),
+            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, pairs, kind, hopper }),
         ))
     }
 
@@ -442,9 +444,10 @@ impl Backend for CudaBackend {
                     dispatch.pipeline.name()
                 )));
             }
-            let mut launch = kernels::prepare(&self.ctx, p.kind, p.hopper, p.pair.is_some(), dispatch)?;
-            let function = match (launch.pair, p.pair) {
-                (true, Some(f)) => f,
+            let mut launch = kernels::prepare(&self.ctx, p.kind, p.hopper, p.pairs.is_some(), dispatch)?;
+            let function = match (launch.pair, p.pairs) {
+                (Some(kernels::PairMode::Heads), Some([h, _])) => h,
+                (Some(kernels::PairMode::Queries), Some([_, q])) => q,
                 _ => p.function,
             };
             let mut params = launch.param_pointers();
