@@ -6,7 +6,7 @@ its own process, on a few bench cases; ours only, attention alone, median of tri
 
 A variant `A+B` compiles with -DMLXN_EXP_A -DMLXN_EXP_B; `base` with neither; `NOPAIR`
 sets MLX_NATIVE_CUDA_PAIR=0 (the one-CTA forms), `QPAIR` MLX_NATIVE_CUDA_PAIR=queries
-(query pairs only).
+(query pairs only), `PAIR=x` MLX_NATIVE_CUDA_PAIR=x.
 """
 import argparse
 import json
@@ -54,12 +54,15 @@ def main():
         return child(cases, a.repeat, a.trials)
     for var in a.variants:
         names = [n for n in var.split("+") if n and n != "base"]
-        defs = " ".join(f"-DMLXN_EXP_{n}" for n in names if n not in ("NOPAIR", "QPAIR"))
+        defs = " ".join(f"-DMLXN_EXP_{n}" for n in names if n not in ("NOPAIR", "QPAIR") and "=" not in n)
         env = dict(os.environ, MLX_NATIVE_CUDA_DEFINES=defs)
         if "NOPAIR" in names:
             env["MLX_NATIVE_CUDA_PAIR"] = "0"
         if "QPAIR" in names:
             env["MLX_NATIVE_CUDA_PAIR"] = "queries"
+        for n in names:
+            if n.startswith("PAIR="):
+                env["MLX_NATIVE_CUDA_PAIR"] = n[5:]
         r = subprocess.run([sys.executable, __file__, "--child", "--cases", a.cases, "--repeat", str(a.repeat),
                             "--trials", str(a.trials)], env=env, capture_output=True, text=True)
         if r.returncode != 0:

@@ -444,30 +444,38 @@ impl Backend for CudaBackend {
                     dispatch.pipeline.name()
                 )));
             }
+            let launch_one = |function: CuFunction, launch: &mut kernels::Launch| {
+                let mut params = launch.param_pointers();
+                // SAFETY: a function of this context, launch dimensions checked by `prepare`,
+                // and one pointer per kernel parameter to storage that outlives the call.
+                unsafe {
+                    (d.cuLaunchKernel)(
+                        function,
+                        launch.grid[0],
+                        launch.grid[1],
+                        launch.grid[2],
+                        launch.block[0],
+                        launch.block[1],
+                        launch.block[2],
+                        launch.shared_bytes,
+                        self.ctx.stream,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                }
+            };
             let mut launch = kernels::prepare(&self.ctx, p.kind, p.hopper, p.pairs.is_some(), dispatch)?;
-            let function = match (launch.pair, p.pairs) {
-                (Some(kernels::PairMode::Heads), Some([h, _])) => h,
-                (Some(kernels::PairMode::Queries), Some([_, q])) => q,
-                _ => p.function,
+            let mut r = match (launch.pair, p.pairs) {
+                (Some(kernels::PairMode::Heads), Some([h, _])) => launch_one(h, &mut launch),
+                (Some(kernels::PairMode::Queries), Some([_, q])) => launch_one(q, &mut launch),
+                _ => launch_one(p.function, &mut launch),
             };
-            let mut params = launch.param_pointers();
-            // SAFETY: a function of this context, launch dimensions checked by `prepare`,
-            // and one pointer per kernel parameter to storage that outlives the call.
-            let r = unsafe {
-                (d.cuLaunchKernel)(
-                    function,
-                    launch.grid[0],
-                    launch.grid[1],
-                    launch.grid[2],
-                    launch.block[0],
-                    launch.block[1],
-                    launch.block[2],
-                    launch.shared_bytes,
-                    self.ctx.stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            };
+            if r != driver::CUDA_SUCCESS && launch.pair.is_some() {
+                // A GPU that cannot place the cluster (a launch-configuration error, which
+                // leaves the context usable): the one-CTA form, which computes the same bits.
+                let mut plain = kernels::prepare(&self.ctx, p.kind, p.hopper, false, dispatch)?;
+                r = launch_one(p.function, &mut plain);
+            }
             d.check(r, &format!("launching {}", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
         }
         self.ctx.synchronize()
