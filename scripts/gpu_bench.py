@@ -88,7 +88,8 @@ def time_ours(plan, dev, repeat, trials, classify=True):
     return float(np.median(per))
 
 
-def run_case(name, dev, args, rng):
+def case_inputs(name, rng):
+    """Random Q, K, V and the mask of a case (the cache as long as the prompt)."""
     rows, nh, nkv, hd, kind, window = CASES[name]
     kv = rows
     q = rng.uniform(-1, 1, size=(rows, nh, hd)).astype(np.float32)
@@ -98,6 +99,12 @@ def run_case(name, dev, args, rng):
         mask = np.zeros((rows, kv), np.float16)
     else:
         mask = mx.causal_mask(rows, kv, window)
+    return q, k, v, mask
+
+
+def run_case(name, dev, args, rng):
+    rows, nh, nkv, hd, kind, window = CASES[name]
+    q, k, v, mask = case_inputs(name, rng)
     plan = mx.PrefillPlan(q, k, v, mask, device=dev)
     flops = useful_flops(hd, nh, plan.visible_pairs)
     ms = time_ours(plan, dev, args.repeat, args.trials)

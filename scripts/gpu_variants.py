@@ -15,26 +15,24 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Shorthands for MLX_NATIVE_CUDA_PAIR settings.
+ALIASES = {"NOPAIR": "PAIR=0", "QPAIR": "PAIR=queries"}
 
 
 def child(cases, repeat, trials):
     sys.path.insert(0, HERE)
     import numpy as np
     import mlx_native as mx
-    from gpu_bench import CASES, time_ours
+    from gpu_bench import case_inputs, time_ours
     from mlx_native.reference import useful_flops
 
     dev = mx.Device("cuda")
     rng = np.random.default_rng(0)
     res = {}
     for name in cases:
-        rows, nh, nkv, hd, kind, window = CASES[name]
-        q = rng.uniform(-1, 1, size=(rows, nh, hd)).astype(np.float32)
-        k = rng.uniform(-1, 1, size=(rows, nkv, hd)).astype(np.float16)
-        v = rng.uniform(-1, 1, size=(rows, nkv, hd)).astype(np.float16)
-        mask = np.zeros((rows, rows), np.float16) if kind == "zero" else mx.causal_mask(rows, rows, window)
+        q, k, v, mask = case_inputs(name, rng)
         plan = mx.PrefillPlan(q, k, v, mask, device=dev)
-        flops = useful_flops(hd, nh, plan.visible_pairs)
+        flops = useful_flops(q.shape[2], q.shape[1], plan.visible_pairs)
         ms = time_ours(plan, dev, repeat, trials, classify=False)
         ms2 = time_ours(plan, dev, repeat, trials, classify=False)
         res[name] = (min(ms, ms2), flops / min(ms, ms2) / 1e9, abs(ms - ms2) / min(ms, ms2))
@@ -53,13 +51,9 @@ def main():
     if a.child:
         return child(cases, a.repeat, a.trials)
     for var in a.variants:
-        names = [n for n in var.split("+") if n and n != "base"]
-        defs = " ".join(f"-DMLXN_EXP_{n}" for n in names if n not in ("NOPAIR", "QPAIR") and "=" not in n)
+        names = [ALIASES.get(n, n) for n in var.split("+") if n and n != "base"]
+        defs = " ".join(f"-DMLXN_EXP_{n}" for n in names if not n.startswith("PAIR="))
         env = dict(os.environ, MLX_NATIVE_CUDA_DEFINES=defs)
-        if "NOPAIR" in names:
-            env["MLX_NATIVE_CUDA_PAIR"] = "0"
-        if "QPAIR" in names:
-            env["MLX_NATIVE_CUDA_PAIR"] = "queries"
         for n in names:
             if n.startswith("PAIR="):
                 env["MLX_NATIVE_CUDA_PAIR"] = n[5:]

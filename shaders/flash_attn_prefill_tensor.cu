@@ -808,7 +808,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const u32 s_mask = s_kv + C::NSTAGE * 2 * C::KV_BYTES;  // stage i
     const u32 s_p = s_mask + C::NSTAGE * C::MASK_BYTES;
     const u32 s_red = s_p + C::P_BYTES;
-    const u32 s_bar = s_red + C::RED_BYTES;  // PAIR: K full, V full (8 bytes each)
+    const u32 s_bar = s_red + C::RED_BYTES;  // PAIR: two mbarriers (K, V at 512; stage 0, 1 at 256)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g8 = lane >> 2, tig = lane & 3;

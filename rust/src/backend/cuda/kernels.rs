@@ -135,25 +135,14 @@ pub fn attention_geometry(
     })
 }
 
-/// The CTA shape of the head-pair form (Hopper): the rows per CTA of
-/// [`attention_geometry`] (128 at head dim 256, 64 at 512), but with at most half of each
-/// KV head's query heads per CTA, so that the two CTAs of a cluster (y = 2j, 2j + 1) share
-/// the KV head. `None` when the group of query heads per KV head is odd.
+/// The CTA shape of the head-pair form (Hopper): the wgmma form's shape for groups of half
+/// the query heads per KV head, so that the two CTAs of a cluster (y = 2j, 2j + 1) split
+/// one KV head's heads. `None` when that group is odd.
 pub fn pair_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<AttentionGeometry> {
-    if rows == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 || (n_heads / n_kv_heads) % 2 != 0 {
         return None;
     }
-    let group = n_heads / n_kv_heads;
-    if group % 2 != 0 {
-        return None;
-    }
-    let cta_rows = if head_dim == 256 { 128 } else { 64 };
-    let mut hpc = cta_rows / 16; // blocks of 16 queries
-    while (group / 2) % hpc != 0 {
-        hpc /= 2;
-    }
-    let qpc = cta_rows / hpc;
-    Some(AttentionGeometry { heads_per_cta: hpc, queries_per_cta: qpc, q_tiles: rows.div_ceil(qpc), head_groups: n_heads / hpc })
+    attention_geometry(head_dim, rows, n_heads, n_kv_heads * 2, true).ok()
 }
 
 /// The attention params block the op binds at index 0.
@@ -232,11 +221,12 @@ impl PairMode {
 /// heads splits in two, else query pairs.
 pub const PAIR_ENV: &str = "MLX_NATIVE_CUDA_PAIR";
 
-fn pair_setting() -> (bool, bool) {
+/// `None`: no pairs; `Some(heads)`: pairs, head pairs allowed or not.
+fn pair_setting() -> Option<bool> {
     match std::env::var(PAIR_ENV).as_deref() {
-        Ok("0") => (false, false),
-        Ok("queries") => (false, true),
-        _ => (true, true),
+        Ok("0") => None,
+        Ok("queries") => Some(false),
+        _ => Some(true),
     }
 }
 
@@ -298,7 +288,7 @@ fn internal(name: &str, what: &str) -> MlxError {
 
 /// Arguments and geometry of one dispatch of a kernel of `kind`; `hopper`: the kernel was
 /// built with its sm_90a (wgmma) form.
-/// `pair`: the CTA-pair form of head dim 512 was built.
+/// `pair`: the CTA-pair forms were built (Hopper).
 pub fn prepare(ctx: &Arc<CudaContext>, kind: KernelKind, hopper: bool, pair: bool, d: &Dispatch) -> Result<Launch> {
     match kind {
         KernelKind::Attention { head_dim } => prepare_attention(ctx, head_dim, hopper, pair, d),
@@ -308,7 +298,6 @@ pub fn prepare(ctx: &Arc<CudaContext>, kind: KernelKind, hopper: bool, pair: boo
 }
 
 fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: bool, d: &Dispatch) -> Result<Launch> {
-    let (pair_heads, pair_queries) = pair_setting();
     let name = d.pipeline.name();
     let p: AttentionParams = d.constant(0)?;
     let dims = [
@@ -362,23 +351,20 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
     // where the group of query heads splits in two, else pairs of query tiles.
     let mut maps = None;
     let mut mode = None;
-    if pair && hopper && (pair_heads || pair_queries) {
+    if let Some(heads_allowed) = if pair && hopper { pair_setting() } else { None } {
         let (nkv, kvp) = (p.n_kv_heads as u32, p.kv_pad as u32);
         let km = kv_tensor_map(k, head_dim, nkv, kvp, p.k_row_stride, p.k_head_stride);
         let vm = kv_tensor_map(v, head_dim, nkv, kvp, p.v_row_stride, p.v_head_stride);
         if let (Some(km), Some(vm)) = (km, vm) {
             let heads = pair_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32);
-            match heads.filter(|_| pair_heads) {
+            mode = Some(match heads.filter(|_| heads_allowed) {
                 Some(g) => {
                     geo = g;
-                    mode = Some(PairMode::Heads);
+                    PairMode::Heads
                 }
-                None if pair_queries => mode = Some(PairMode::Queries),
-                None => {}
-            }
-            if mode.is_some() {
-                maps = Some((km, vm));
-            }
+                None => PairMode::Queries,
+            });
+            maps = Some((km, vm));
         }
     }
     let launch = AttentionLaunch {
