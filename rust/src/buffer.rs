@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use crate::backend::Memory;
 use crate::dtypes::DType;
 use crate::error::{MlxError, Result};
+use crate::interface::{BufferBinding, Memory};
 
 /// A typed view (`dtype`, `shape`, byte offset and length) of one allocation. Cloning is
 /// cheap and shares the memory.
@@ -68,6 +68,15 @@ impl MlxBuffer {
     }
     pub fn memory(&self) -> &Arc<dyn Memory> {
         &self.memory
+    }
+    /// The typed byte range this view covers, as a dispatch binds it.
+    pub fn binding(&self) -> BufferBinding {
+        BufferBinding {
+            memory: self.memory.clone(),
+            dtype: self.dtype,
+            byte_offset: self.byte_offset,
+            byte_len: self.byte_len,
+        }
     }
 
     /// A view of `byte_len` bytes at `byte_offset` (relative to this view), as `dtype`.

@@ -3,11 +3,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::backend::{self, Backend, BackendKind};
+use crate::backend;
 use crate::buffer::MlxBuffer;
 use crate::dtypes::DType;
-use crate::encoder::CommandEncoder;
 use crate::error::{MlxError, Result};
+use crate::interface::{Backend, BackendKind};
 
 static NEXT_DEVICE_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -102,10 +102,5 @@ impl MlxDevice {
         }
         let mem = self.inner.backend.wrap_device(addr, bytes)?;
         MlxBuffer::new(mem, self.inner.id, dtype, shape.to_vec())
-    }
-
-    /// A new command encoder on this device.
-    pub fn command_encoder(&self) -> CommandEncoder {
-        CommandEncoder::new(self.clone())
     }
 }

@@ -3,25 +3,8 @@
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::error::{MlxError, Result};
-use crate::kernel_registry::Pipeline;
-
-/// A 3-D size (a grid of threadgroups, or the threads of one threadgroup).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GridSize {
-    pub width: u64,
-    pub height: u64,
-    pub depth: u64,
-}
-
-impl GridSize {
-    pub const fn new(width: u64, height: u64, depth: u64) -> Self {
-        GridSize { width, height, depth }
-    }
-    /// width * height * depth (saturating).
-    pub fn count(&self) -> u64 {
-        self.width.saturating_mul(self.height).saturating_mul(self.depth)
-    }
-}
+pub use crate::interface::{BoundArg, Dispatch, GridSize};
+use crate::interface::Pipeline;
 
 /// One argument of a dispatch, by reference, as the op passes it.
 #[derive(Debug, Clone, Copy)]
@@ -38,53 +21,10 @@ pub fn as_bytes<T: bytemuck::Pod>(value: &T) -> &[u8] {
     bytemuck::bytes_of(value)
 }
 
-/// One argument as the encoder keeps it: the buffer shared, the bytes copied.
-#[derive(Debug, Clone)]
-pub enum BoundArg {
-    Buffer(MlxBuffer),
-    Bytes(Vec<u8>),
-}
-
-/// A recorded dispatch: what a backend runs.
-#[derive(Clone)]
-pub struct Dispatch {
-    pub pipeline: Pipeline,
-    pub args: Vec<(u64, BoundArg)>,
-    /// (index, bytes) of threadgroup memory blocks.
-    pub shared: Vec<(u64, u64)>,
-    pub grid: GridSize,
-    pub threadgroup: GridSize,
-}
-
-impl Dispatch {
-    /// The buffer bound at `index`.
-    pub fn buffer(&self, index: u64) -> Result<&MlxBuffer> {
-        match self.args.iter().find(|(i, _)| *i == index) {
-            Some((_, BoundArg::Buffer(b))) => Ok(b),
-            _ => Err(MlxError::Internal(format!(
-                "{}: no buffer bound at index {index}",
-                self.pipeline.name()
-            ))),
-        }
-    }
-
-    /// The constant block bound at `index`, read as `T`.
-    pub fn constant<T: bytemuck::Pod>(&self, index: u64) -> Result<T> {
-        match self.args.iter().find(|(i, _)| *i == index) {
-            Some((_, BoundArg::Bytes(b))) if b.len() == std::mem::size_of::<T>() => {
-                Ok(bytemuck::pod_read_unaligned(b))
-            }
-            _ => Err(MlxError::Internal(format!(
-                "{}: no {}-byte constant bound at index {index}",
-                self.pipeline.name(),
-                std::mem::size_of::<T>()
-            ))),
-        }
-    }
-
-    /// Bytes of the threadgroup memory block `index`.
-    pub fn shared_bytes(&self, index: u64) -> u64 {
-        self.shared.iter().find(|(i, _)| *i == index).map_or(0, |(_, b)| *b)
+impl MlxDevice {
+    /// A new command encoder on this device.
+    pub fn command_encoder(&self) -> CommandEncoder {
+        CommandEncoder::new(self.clone())
     }
 }
 
@@ -123,8 +63,8 @@ impl CommandEncoder {
         let mut bound = Vec::with_capacity(args.len());
         for (index, arg) in args {
             let arg = match *arg {
-                KernelArg::Buffer(b) => BoundArg::Buffer(self.own(b, 0)?),
-                KernelArg::BufferWithOffset(b, off) => BoundArg::Buffer(self.own(b, off)?),
+                KernelArg::Buffer(b) => BoundArg::Buffer(self.own(b, 0)?.binding()),
+                KernelArg::BufferWithOffset(b, off) => BoundArg::Buffer(self.own(b, off)?.binding()),
                 KernelArg::Bytes(bytes) => BoundArg::Bytes(bytes.to_vec()),
             };
             bound.push((*index, arg));

@@ -29,23 +29,10 @@ use crate::ops::flash_attn_prefill_tensor::{self as fa, FlashAttnPrefillTensorPa
 /// Most dimensions a buffer's shape may have through the C ABI.
 pub const MLXN_MAX_DIMS: usize = 8;
 
-/// Parameters of `mlxn_dispatch_flash_attn_prefill_tensor_f16` (strides in elements).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct MlxnFlashAttnPrefillTensorParams {
-    pub rows: u32,
-    pub n_heads: u32,
-    pub n_kv_heads: u32,
-    pub head_dim: u32,
-    pub kv_pad: u32,
-    pub q_row_stride: u32,
-    pub q_head_stride: u32,
-    pub k_row_stride: u32,
-    pub k_head_stride: u32,
-    pub v_row_stride: u32,
-    pub v_head_stride: u32,
-    pub scale: f32,
-}
+/// Parameters of `mlxn_dispatch_flash_attn_prefill_tensor_f16` (strides in elements): the
+/// op's own params struct, `#[repr(C)]`, named `MlxnFlashAttnPrefillTensorParams` in the C
+/// header (`cbindgen.toml` renames it).
+pub type MlxnFlashAttnPrefillTensorParams = FlashAttnPrefillTensorParams;
 
 /// What `mlxn_buffer_info` reports.
 #[repr(C)]
@@ -500,7 +487,7 @@ pub unsafe extern "C" fn mlxn_cuda_compile_check(
         if arch.is_empty() || !arch.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
             return Err(MlxError::InvalidArgument(format!("bad CUDA architecture {arch:?} (sm_90a, sm_80, ...)")));
         }
-        let report = crate::backend::cuda::compile_check(arch)?;
+        let report = crate::backend::cuda::compile_check(arch, &crate::default_registry().cuda_sources())?;
         write_string(&report, buf, cap, needed)
     })
 }
@@ -673,29 +660,15 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill_tensor_f16(
     mask: u64,
     blk: u64,
     out: u64,
-    params: *const MlxnFlashAttnPrefillTensorParams,
+    params: *const FlashAttnPrefillTensorParams,
 ) -> i32 {
     guard(|| {
         if params.is_null() {
             return Err(MlxError::InvalidArgument("params is a null pointer".into()));
         }
-        let c = *params;
+        let p = *params;
         let e = encoder(enc)?;
         let (q, k, v, mask, blk, out) = (buffer(q)?, buffer(k)?, buffer(v)?, buffer(mask)?, buffer(blk)?, buffer(out)?);
-        let p = FlashAttnPrefillTensorParams {
-            rows: c.rows,
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-            kv_pad: c.kv_pad,
-            q_row_stride: c.q_row_stride,
-            q_head_stride: c.q_head_stride,
-            k_row_stride: c.k_row_stride,
-            k_head_stride: c.k_head_stride,
-            v_row_stride: c.v_row_stride,
-            v_head_stride: c.v_head_stride,
-            scale: c.scale,
-        };
         let mut encoder = lock(&e.encoder);
         let mut registry = lock(&e.ctx.registry);
         fa::dispatch_flash_attn_prefill_tensor_f16(

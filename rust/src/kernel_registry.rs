@@ -1,59 +1,10 @@
 //! Kernel sources by name, and the pipelines built from them, cached per device.
 
-use std::any::Any;
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use crate::device::MlxDevice;
-use crate::encoder::Dispatch;
 use crate::error::{MlxError, Result};
-
-/// The CPU form of a kernel: runs one whole dispatch.
-pub type CpuKernelFn = fn(&Dispatch) -> Result<()>;
-
-/// A kernel in each of its forms. A backend takes the form it can run; a kernel without
-/// that form is [`MlxError::KernelNotFound`] there.
-#[derive(Clone, Copy)]
-pub struct KernelSource {
-    /// Metal Shading Language source (all entry points of one file).
-    pub metal: Option<&'static str>,
-    /// CUDA C++ source (all entry points of one file).
-    pub cuda: Option<&'static str>,
-    /// The CPU implementation.
-    pub cpu: Option<CpuKernelFn>,
-}
-
-/// A compiled kernel, ready to dispatch on one device.
-#[derive(Clone)]
-pub struct Pipeline {
-    name: Arc<str>,
-    max_threads: u64,
-    inner: Arc<dyn Any + Send + Sync>,
-}
-
-impl std::fmt::Debug for Pipeline {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Pipeline({})", self.name)
-    }
-}
-
-impl Pipeline {
-    /// A pipeline whose backend-specific state is `inner`.
-    pub fn new(name: &str, max_threads: u64, inner: Arc<dyn Any + Send + Sync>) -> Self {
-        Pipeline { name: name.into(), max_threads, inner }
-    }
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-    /// The most threads one threadgroup of this pipeline may have.
-    pub fn max_total_threads_per_threadgroup(&self) -> u64 {
-        self.max_threads
-    }
-    /// The backend's own state, if it is a `T`.
-    pub fn inner<T: 'static>(&self) -> Option<&T> {
-        self.inner.downcast_ref::<T>()
-    }
-}
+pub use crate::interface::{KernelSource, Pipeline, SourceFile};
 
 /// Outcome of [`KernelRegistry::probe_optional_pipeline`].
 #[derive(Debug, Clone, PartialEq)]
@@ -86,6 +37,21 @@ impl KernelRegistry {
     /// Whether `name` has a registered source.
     pub fn has_source(&self, name: &str) -> bool {
         self.sources.contains_key(name)
+    }
+
+    /// The names of every registered kernel, sorted.
+    pub fn kernel_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.sources.keys().map(String::as_str).collect();
+        names.sort();
+        names
+    }
+
+    /// Every distinct CUDA source file of the registered kernels, by file name.
+    pub fn cuda_sources(&self) -> Vec<SourceFile> {
+        let mut files: Vec<SourceFile> = self.sources.values().filter_map(|s| s.cuda).collect();
+        files.sort_by_key(|f| f.name);
+        files.dedup_by_key(|f| f.name);
+        files
     }
 
     /// The pipeline of `name` on `device`, compiled on first use and cached.

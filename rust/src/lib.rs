@@ -3,9 +3,12 @@
 //! by all heads, a tile-skip table), on a CPU backend everywhere, CUDA on NVIDIA GPUs and
 //! Metal on Apple Silicon.
 //!
-//! Layers (see `DESIGN.md` of the project): [`ops`] validate and encode named kernels;
-//! the runtime ([`device`], [`buffer`], [`encoder`], [`kernel_registry`]) hands them to a
-//! [`backend`]; [`ffi`] is the only place that speaks C.
+//! Layers, from the top (the README's Layout section draws them): [`ffi`] is the only
+//! place that speaks C; [`ops`] validate and encode named kernels; the runtime
+//! ([`device`], [`buffer`], [`encoder`], [`kernel_registry`]) hands their dispatches to a
+//! [`backend`]; every layer stands on [`interface`], the leaf of value types and backend
+//! traits, and the ops and backends share [`params`], the params blocks of the dispatches.
+//! Nothing lower imports anything higher.
 
 pub mod backend;
 pub mod buffer;
@@ -14,15 +17,18 @@ pub mod dtypes;
 pub mod encoder;
 pub mod error;
 pub mod ffi;
+pub mod interface;
 pub mod kernel_registry;
 pub mod ops;
+pub mod params;
 
 pub use buffer::MlxBuffer;
 pub use device::MlxDevice;
 pub use dtypes::DType;
 pub use encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
 pub use error::{MlxError, Result};
-pub use kernel_registry::{KernelRegistry, KernelSource};
+pub use interface::{KernelSource, SourceFile};
+pub use kernel_registry::KernelRegistry;
 
 /// The library version (the crate's).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -32,4 +38,23 @@ pub fn default_registry() -> KernelRegistry {
     let mut registry = KernelRegistry::new();
     ops::register_all(&mut registry);
     registry
+}
+
+#[cfg(test)]
+mod tests {
+    /// The ops name their kernels; each backend keeps its own table of forms by name. A
+    /// kernel an op registers and a backend's table lacks would be `KernelNotFound` there.
+    #[test]
+    fn every_registered_kernel_has_a_form_in_every_backend() {
+        let registry = super::default_registry();
+        let names = registry.kernel_names();
+        assert_eq!(names.len(), 3, "{names:?}");
+        for name in names {
+            assert!(crate::backend::cpu::kernel(name).is_some(), "{name}: no CPU form");
+            assert!(crate::backend::cuda::kernel(name).is_some(), "{name}: no CUDA launcher");
+            assert_eq!(crate::backend::metal::function_of(name), name, "{name}: no Metal function");
+        }
+        assert!(crate::backend::cpu::kernel("no_such_kernel").is_none());
+        assert!(crate::backend::cuda::kernel("no_such_kernel").is_none());
+    }
 }

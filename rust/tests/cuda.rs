@@ -15,7 +15,7 @@ fn nvrtc_required() -> bool {
 #[test]
 fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
     for arch in ["sm_90a", "sm_80"] {
-        match cuda::compile_check(arch) {
+        match cuda::compile_check(arch, &mlx_native::default_registry().cuda_sources()) {
             Ok(report) => {
                 let mut entries: Vec<String> = ["flash_attn_prefill_tensor_f16_d256", "flash_attn_prefill_tensor_f16_d512", "flash_attn_prefill_blk"]
                     .map(String::from)
@@ -23,7 +23,7 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                 if arch == "sm_90a" {
                     // The CTA-pair forms exist on Hopper only.
                     for hd in [256, 512] {
-                        entries.extend(cuda::kernels::PairMode::ALL.map(|m| m.entry(hd)));
+                        entries.extend(cuda::flash_attn_prefill_tensor::PairMode::ALL.map(|m| m.entry(hd)));
                     }
                 }
                 for entry in &entries {

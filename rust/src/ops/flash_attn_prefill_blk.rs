@@ -13,17 +13,21 @@ use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
 use crate::error::{MlxError, Result};
-use crate::kernel_registry::{KernelRegistry, KernelSource};
-use crate::DType;
+use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
+use crate::dtypes::DType;
+
+pub use crate::params::FlashAttnPrefillBlkParamsGpu;
 
 /// Kernel entry point.
 pub const K_BLK_F16: &str = "flash_attn_prefill_blk";
 
-/// The kernel in each of its forms.
+/// The device sources (MSL, CUDA).
 pub static FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(include_str!("../../../shaders/flash_attn_prefill_blk.metal")),
-    cuda: Some(include_str!("../../../shaders/flash_attn_prefill_blk.cu")),
-    cpu: Some(crate::backend::cpu::flash_attn_prefill_blk::run),
+    metal: Some(SourceFile {
+        name: "flash_attn_prefill_blk.metal",
+        text: include_str!("../../../shaders/flash_attn_prefill_blk.metal"),
+    }),
+    cuda: Some(SourceFile { name: "flash_attn_prefill_blk.cu", text: include_str!("../../../shaders/flash_attn_prefill_blk.cu") }),
 };
 
 /// Threads of one threadgroup (one tile each).
@@ -45,16 +49,6 @@ pub struct FlashAttnPrefillBlkParams {
     pub bq: u32,
     /// Cache rows per tile.
     pub bk: u32,
-}
-
-/// Rust mirror of the kernel's params block.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct FlashAttnPrefillBlkParamsGpu {
-    rows: i32,
-    kv_pad: i32,
-    bq: i32,
-    bk: i32,
 }
 
 /// Bytes of the table for `p`: `ceil(rows / bq) * (kv_pad / bk)`.

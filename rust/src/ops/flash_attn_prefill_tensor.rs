@@ -24,10 +24,12 @@
 //!
 //! Changes from the Metal-only original, each because a Metal-only type had to go: the grid
 //! is a [`GridSize`] instead of `MTLSize`; the kernel source is a [`KernelSource`] that names
-//! its Metal, CUDA and CPU forms; the registry takes the [`MlxDevice`] instead of its Metal
-//! device; encoding returns a `Result`. Size arithmetic saturates so a huge stride is a size
-//! error, never an overflow. One check is added after the original ones: `out` must not
-//! overlap an input.
+//! its Metal and CUDA sources (the CPU backend keeps its form by kernel name); the registry
+//! takes the [`MlxDevice`] instead of its Metal device; encoding returns a `Result`; the
+//! params mirror lives in [`crate::params`], where the backends read it (and `DType` comes
+//! from [`crate::dtypes`], not through the crate root). Size arithmetic
+//! saturates so a huge stride is a size error, never an overflow. One check is added after
+//! the original ones: `out` must not overlap an input.
 
 use crate::encoder::GridSize;
 
@@ -35,14 +37,21 @@ use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::encoder::{as_bytes, CommandEncoder, KernelArg};
 use crate::error::{MlxError, Result};
-use crate::kernel_registry::{KernelRegistry, KernelSource};
-use crate::DType;
+use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
+use crate::dtypes::DType;
 
-/// The kernel in each of its forms (MSL, CUDA, CPU); all entry points of each.
+pub use crate::params::FlashAttnPrefillTensorParamsGpu;
+
+/// The device sources (MSL, CUDA); all entry points of each.
 pub static FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(include_str!("../../../shaders/flash_attn_prefill_tensor.metal")),
-    cuda: Some(include_str!("../../../shaders/flash_attn_prefill_tensor.cu")),
-    cpu: Some(crate::backend::cpu::flash_attn_prefill_tensor::run),
+    metal: Some(SourceFile {
+        name: "flash_attn_prefill_tensor.metal",
+        text: include_str!("../../../shaders/flash_attn_prefill_tensor.metal"),
+    }),
+    cuda: Some(SourceFile {
+        name: "flash_attn_prefill_tensor.cu",
+        text: include_str!("../../../shaders/flash_attn_prefill_tensor.cu"),
+    }),
 };
 
 /// Kernel entry point at head dim 256.
@@ -107,7 +116,9 @@ pub fn flash_attn_prefill_tensor_available(
         .available)
 }
 
-/// Shapes and strides of one dispatch. Strides are in elements.
+/// Shapes and strides of one dispatch. Strides are in elements. `#[repr(C)]`: the C ABI
+/// passes it as it is.
+#[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FlashAttnPrefillTensorParams {
     pub rows: u32,
@@ -124,24 +135,6 @@ pub struct FlashAttnPrefillTensorParams {
     pub v_head_stride: u32,
     /// Pre-softmax scale folded into Q (1.0 for Gemma 4).
     pub scale: f32,
-}
-
-/// Rust mirror of the MSL `FlashAttnPrefillTensorParams`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct FlashAttnPrefillTensorParamsGpu {
-    rows: i32,
-    n_heads: i32,
-    n_kv_heads: i32,
-    kv_pad: i32,
-    q_row_stride: i32,
-    q_head_stride: i32,
-    k_row_stride: i32,
-    k_head_stride: i32,
-    v_row_stride: i32,
-    v_head_stride: i32,
-    mask_row_stride: i32,
-    scale: f32,
 }
 
 /// Threadgroup memory of one dispatch: queries (half), scores (float),

@@ -1,5 +1,7 @@
-//! One file per op: constants, validation, the params mirror, and the dispatch. An op
-//! validates, looks up its pipeline by name and encodes; it never asks which backend runs.
+//! One file per op: constants, validation and the dispatch; [`crate::params`] holds the
+//! params blocks they bind (where the backends read them too). An op validates, names its
+//! kernels and their sources, looks up its pipeline by name and encodes; it never asks
+//! which backend runs, and imports none.
 
 pub mod dense_mm_capability;
 pub mod flash_attn_prefill_blk;

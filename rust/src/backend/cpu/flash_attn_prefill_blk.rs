@@ -2,12 +2,13 @@
 
 use rayon::prelude::*;
 
-use super::{host_slice, SendPtr};
-use crate::encoder::Dispatch;
+use super::{host_slice, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
+use crate::interface::Dispatch;
+use crate::params::FlashAttnPrefillBlkParamsGpu as BlkParams;
 
-/// The params block the op binds at index 0.
-pub use crate::backend::params::BlkParams;
+/// This op's kernel, by name.
+pub const KERNELS: &[(&str, CpuKernelFn)] = &[("flash_attn_prefill_blk", run)];
 
 /// Every value of the tile is -inf or at most -65504 (the most negative half).
 const SKIP: u8 = 0;
@@ -77,13 +78,15 @@ pub fn classify(bits: impl Iterator<Item = u16>) -> u8 {
 /// Mask `[rows, kv_pad]` at index 1, blk at index 2, params at 0.
 pub fn run(d: &Dispatch) -> Result<()> {
     let p: BlkParams = d.constant(0)?;
+    let bad = |what: &str| MlxError::Internal(format!("flash_attn_prefill_blk (cpu): {what}"));
+    let (mask_need, blk_need) = p.extents().ok_or_else(|| bad("shape breaks the op's contract"))?;
     let (rows, kv_pad, bq, bk) = (p.rows as usize, p.kv_pad as usize, p.bq as usize, p.bk as usize);
     let (mask, mask_len) = host_slice(d, 1)?;
     let (blk, blk_len) = host_slice(d, 2)?;
     let q_tiles = rows.div_ceil(bq);
     let k_tiles = kv_pad / bk;
-    if mask_len < rows * kv_pad * 2 || blk_len < q_tiles * k_tiles {
-        return Err(MlxError::Internal("flash_attn_prefill_blk: buffers smaller than validated".into()));
+    if (mask_len as u64) < mask_need || (blk_len as u64) < blk_need {
+        return Err(bad("buffers smaller than validated"));
     }
     let mask = SendPtr(mask as *mut u16);
     let blk = SendPtr(blk);

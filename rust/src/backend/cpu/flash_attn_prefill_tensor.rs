@@ -15,9 +15,14 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::simd::{Portable, Simd, W};
-use super::{host_slice, SendPtr};
-use crate::encoder::Dispatch;
+use super::{host_slice, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
+use crate::interface::Dispatch;
+use crate::params::FlashAttnPrefillTensorParamsGpu as Params;
+
+/// This op's kernels, by name.
+pub const KERNELS: &[(&str, CpuKernelFn)] =
+    &[("flash_attn_prefill_tensor_f16_d256", run_d256), ("flash_attn_prefill_tensor_f16_d512", run_d512)];
 
 /// Cache rows per step (the blk `bk`).
 const C: usize = 64;
@@ -30,9 +35,6 @@ static COLUMN_SKIP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBoo
 pub fn set_column_skipping(on: bool) {
     COLUMN_SKIP.store(on, std::sync::atomic::Ordering::Relaxed);
 }
-
-/// The params block the op binds at index 0.
-pub use crate::backend::params::AttentionParams as Params;
 
 /// Queries per blk tile at head dim `D` (the kernel's `Q`).
 const fn bq_of(d: usize) -> usize {
@@ -97,37 +99,23 @@ unsafe impl Sync for Problem {}
 
 fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
     let p: Params = d.constant(0)?;
-    let bad = |what: &str| MlxError::Internal(format!("flash_attn_prefill_tensor (cpu): {what}"));
-    let dims = [p.rows, p.n_heads, p.n_kv_heads, p.kv_pad, p.q_row_stride, p.q_head_stride,
-        p.k_row_stride, p.k_head_stride, p.v_row_stride, p.v_head_stride, p.mask_row_stride];
-    if dims.iter().any(|&x| x < 0) || p.rows == 0 || p.n_heads == 0 || p.n_kv_heads == 0 {
-        return Err(bad("negative or empty dimension"));
-    }
-    let u = |x: i32| x as usize;
-    let (rows, nh, nkv, kv_pad) = (u(p.rows), u(p.n_heads), u(p.n_kv_heads), u(p.kv_pad));
-    if nh % nkv != 0 || kv_pad % C != 0 || kv_pad == 0 {
-        return Err(bad("shape breaks the op's contract"));
-    }
     let bq = bq_of(D);
+    // The op validated the dispatch; a kernel that writes memory checks what it relies on,
+    // from the same extents.
+    let bad = |what: &str| MlxError::Internal(format!("flash_attn_prefill_tensor (cpu): {what}"));
+    let e = p.extents(D as u64, bq as u64).ok_or_else(|| bad("shape breaks the op's contract"))?;
     let (q, q_len) = host_slice(d, 1)?;
     let (k, k_len) = host_slice(d, 2)?;
     let (v, v_len) = host_slice(d, 3)?;
     let (mask, mask_len) = host_slice(d, 4)?;
     let (blk, blk_len) = host_slice(d, 5)?;
     let (out, out_len) = host_slice(d, 6)?;
-    // The op validated all of this; a kernel that writes memory re-checks what it relies on.
-    let need = |last_row: usize, rs: usize, last_head: usize, hs: usize, esz: usize| {
-        (last_row * rs + last_head * hs + D) * esz
-    };
-    let sizes_ok = q_len >= need(rows - 1, u(p.q_row_stride), nh - 1, u(p.q_head_stride), 4)
-        && k_len >= need(kv_pad - 1, u(p.k_row_stride), nkv - 1, u(p.k_head_stride), 2)
-        && v_len >= need(kv_pad - 1, u(p.v_row_stride), nkv - 1, u(p.v_head_stride), 2)
-        && mask_len >= ((rows - 1) * u(p.mask_row_stride) + kv_pad) * 2
-        && blk_len >= rows.div_ceil(bq) * (kv_pad / C)
-        && out_len >= rows * nh * D * 4;
-    if !sizes_ok {
+    let fits = [(q_len, e.q), (k_len, e.k), (v_len, e.v), (mask_len, e.mask), (blk_len, e.blk), (out_len, e.out)];
+    if fits.iter().any(|&(have, need)| (have as u64) < need) {
         return Err(bad("a buffer is smaller than its strides need"));
     }
+    let u = |x: i32| x as usize;
+    let (rows, nh, nkv, kv_pad) = (u(p.rows), u(p.n_heads), u(p.n_kv_heads), u(p.kv_pad));
     let pb = Problem {
         rows,
         n_heads: nh,
@@ -607,17 +595,5 @@ unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, const DV: u
         for (dv, a) in row.iter().enumerate() {
             S::store(o.add((i0 + ii) * D + d0 + dv * W), *a);
         }
-    }
-}
-
-/// The CPU form of both entry points: the pipeline's name says which head dim.
-pub fn run(d: &Dispatch) -> Result<()> {
-    use crate::ops::flash_attn_prefill_tensor::{K_TENSOR_F16_D256, K_TENSOR_F16_D512};
-    match d.pipeline.name() {
-        K_TENSOR_F16_D256 => run_d256(d),
-        K_TENSOR_F16_D512 => run_d512(d),
-        other => Err(MlxError::KernelNotFound(format!(
-            "flash_attn_prefill_tensor has no CPU entry point {other}"
-        ))),
     }
 }

@@ -1,22 +1,32 @@
 //! The CPU backend: always present. A kernel is a Rust function that runs a whole dispatch,
 //! spreading its tiles over all cores (rayon) with SIMD inner loops chosen at run time.
+//! Each op's host file (`flash_attn_prefill_tensor.rs`, `flash_attn_prefill_blk.rs`) lists
+//! its kernels by name in a `KERNELS` table; [`kernel`] looks a name up in all of them.
 
-use std::alloc::Layout;
-use std::any::Any;
 use std::sync::{Arc, OnceLock};
 
-use super::{Backend, BackendKind, Memory};
-use crate::encoder::Dispatch;
 use crate::error::{MlxError, Result};
-use crate::kernel_registry::{CpuKernelFn, KernelSource, Pipeline};
+use crate::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline};
 
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
+pub mod memory;
 pub mod peak;
 pub mod simd;
 
-/// Alignment of CPU allocations (a cache line, and a zmm register).
-const ALIGN: usize = 64;
+pub use memory::{HostMemory, WrappedHostMemory};
+
+/// The CPU form of a kernel: runs one whole dispatch.
+pub type CpuKernelFn = fn(&Dispatch) -> Result<()>;
+
+/// The CPU form of the kernel `name`, from the op host files' tables.
+pub fn kernel(name: &str) -> Option<CpuKernelFn> {
+    flash_attn_prefill_tensor::KERNELS
+        .iter()
+        .chain(flash_attn_prefill_blk::KERNELS)
+        .find(|(n, _)| *n == name)
+        .map(|(_, f)| *f)
+}
 
 /// The CPU device.
 pub struct CpuBackend;
@@ -62,11 +72,11 @@ impl Backend for CpuBackend {
     }
 
     unsafe fn wrap_host(&self, ptr: *mut u8, bytes: usize) -> Result<Arc<dyn Memory>> {
-        Ok(Arc::new(WrappedHostMemory { ptr, len: bytes }))
+        Ok(Arc::new(WrappedHostMemory::new(ptr, bytes)))
     }
 
-    fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
-        let kernel = source.cpu.ok_or_else(|| {
+    fn compile(&self, name: &str, _source: &KernelSource) -> Result<Pipeline> {
+        let kernel = kernel(name).ok_or_else(|| {
             MlxError::KernelNotFound(format!("kernel {name} has no CPU implementation"))
         })?;
         Ok(Pipeline::new(name, 1024, Arc::new(CpuPipeline { kernel })))
@@ -115,104 +125,6 @@ fn read_memory_limit() -> Option<u64> {
     None
 }
 
-/// Host memory the library owns: 64-byte aligned, zero-filled.
-pub struct HostMemory {
-    ptr: *mut u8,
-    len: usize,
-    /// The block as allocated (`ptr` is its first 64-byte aligned address).
-    base: *mut u8,
-}
-
-// SAFETY: the allocation is owned and only reached through raw pointers whose use the
-// kernels and the buffer API coordinate (a dispatch's writes are to its output alone).
-unsafe impl Send for HostMemory {}
-unsafe impl Sync for HostMemory {}
-
-impl HostMemory {
-    pub fn zeroed(len: usize) -> Result<Self> {
-        if len == 0 {
-            return Ok(HostMemory { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(), len, base: std::ptr::null_mut() });
-        }
-        // A small alignment keeps `alloc_zeroed` on calloc, whose large blocks are fresh
-        // zero pages, untouched until used (an over-aligned layout is allocated, then
-        // zeroed byte by byte); the 64-byte alignment is made by hand inside the block.
-        let layout = Self::layout(len).ok_or(MlxError::BufferAllocationError { bytes: len as u64 })?;
-        // SAFETY: layout has a non-zero size.
-        let base = unsafe { std::alloc::alloc_zeroed(layout) };
-        if base.is_null() {
-            return Err(MlxError::BufferAllocationError { bytes: len as u64 });
-        }
-        // SAFETY: the block has ALIGN spare bytes, so the aligned start plus len stays inside.
-        let ptr = unsafe { base.add(base.align_offset(ALIGN)) };
-        Ok(HostMemory { ptr, len, base })
-    }
-
-    fn layout(len: usize) -> Option<Layout> {
-        Layout::from_size_align(len.checked_add(ALIGN)?, std::mem::align_of::<u64>()).ok()
-    }
-}
-
-impl Drop for HostMemory {
-    fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: allocated in `zeroed` with this layout.
-            unsafe { std::alloc::dealloc(self.base, Self::layout(self.len).unwrap_unchecked()) }
-        }
-    }
-}
-
-/// Host memory owned by someone else (a numpy array), used in place.
-pub struct WrappedHostMemory {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: as for HostMemory; the owner keeps it alive (the contract of `wrap_host`).
-unsafe impl Send for WrappedHostMemory {}
-unsafe impl Sync for WrappedHostMemory {}
-
-fn host_read(ptr: *mut u8, len: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
-    if offset.checked_add(dst.len()).is_none_or(|e| e > len) {
-        return Err(MlxError::InvalidArgument("read past the end of a buffer".into()));
-    }
-    // SAFETY: range checked above.
-    unsafe { std::ptr::copy_nonoverlapping(ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
-    Ok(())
-}
-
-fn host_write(ptr: *mut u8, len: usize, offset: usize, src: &[u8]) -> Result<()> {
-    if offset.checked_add(src.len()).is_none_or(|e| e > len) {
-        return Err(MlxError::InvalidArgument("write past the end of a buffer".into()));
-    }
-    // SAFETY: range checked above; `copy` allows the source to overlap the buffer.
-    unsafe { std::ptr::copy(src.as_ptr(), ptr.add(offset), src.len()) };
-    Ok(())
-}
-
-macro_rules! host_memory_impl {
-    ($t:ty) => {
-        impl Memory for $t {
-            fn len(&self) -> usize {
-                self.len
-            }
-            fn host_ptr(&self) -> Option<*mut u8> {
-                Some(self.ptr)
-            }
-            fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-                host_read(self.ptr, self.len, offset, dst)
-            }
-            fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-                host_write(self.ptr, self.len, offset, src)
-            }
-            fn as_any(&self) -> &dyn Any {
-                self
-            }
-        }
-    };
-}
-host_memory_impl!(HostMemory);
-host_memory_impl!(WrappedHostMemory);
-
 /// Host address and length of a dispatch's buffer, for a CPU kernel.
 pub(crate) fn host_slice(d: &Dispatch, index: u64) -> Result<(*mut u8, usize)> {
     let b = d.buffer(index)?;
@@ -222,7 +134,7 @@ pub(crate) fn host_slice(d: &Dispatch, index: u64) -> Result<(*mut u8, usize)> {
             d.pipeline.name()
         ))
     })?;
-    Ok((p, b.data_byte_len()))
+    Ok((p, b.byte_len))
 }
 
 /// A raw pointer that may cross threads; the kernels write disjoint ranges through it.

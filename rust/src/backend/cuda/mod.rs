@@ -11,24 +11,34 @@
 //! - `shaders/*.cu` are compiled on first use with NVRTC for the device's own architecture
 //!   (`sm_90a` on Hopper, where the attention runs on warpgroup MMA; `mma.sync` elsewhere),
 //!   cached per process and on disk ([`nvrtc`]).
-//! - Which geometry a named kernel is launched with is decided here ([`kernels`]), so the
-//!   op layer never asks which backend runs it.
+//! - How each named kernel is launched (its geometry and parameters) is decided by its
+//!   op's host file here (`flash_attn_prefill_tensor.rs`, `flash_attn_prefill_blk.rs`,
+//!   through their `KERNELS` tables, [`launch`]), so the op layer never asks which backend
+//!   runs it.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::{Backend, BackendKind, Memory};
-use crate::encoder::Dispatch;
 use crate::error::{MlxError, Result};
-use crate::kernel_registry::{KernelSource, Pipeline};
+use crate::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline, SourceFile};
 
 pub mod driver;
-pub mod kernels;
+pub mod flash_attn_prefill_blk;
+pub mod flash_attn_prefill_tensor;
+pub mod launch;
+pub mod memory;
 pub mod nvrtc;
 
 use driver::{driver, CuContext, CuDevicePtr, CuFunction, CuModule, CuStream, Driver};
+use launch::{CudaKernel, Launch, PrepareContext};
+pub use memory::CudaMemory;
+
+/// The launcher of the kernel `name`, from the op host files' tables; `None` for a kernel
+/// launched as its op encoded it.
+pub fn kernel(name: &str) -> Option<&'static CudaKernel> {
+    flash_attn_prefill_tensor::KERNELS.iter().chain(flash_attn_prefill_blk::KERNELS).find(|k| k.name == name)
+}
 
 /// One device: its primary context, stream and loaded modules. Lives for the process.
 pub struct CudaContext {
@@ -175,7 +185,8 @@ impl CudaContext {
 
     /// The module of `source` for `arch` (compiled or loaded once), and its function
     /// `entry`.
-    fn function(&self, file: &str, source: &'static str, entry: &str, arch: &str) -> Result<CuFunction> {
+    fn function(&self, src: SourceFile, entry: &str, arch: &str) -> Result<CuFunction> {
+        let (file, source) = (src.name, src.text);
         let d = self.bind()?;
         let key = (source.as_ptr() as usize, arch.to_string());
         let module = {
@@ -216,95 +227,18 @@ fn load_module(d: &Driver, cubin: &[u8]) -> Result<CuModule> {
     Ok(m)
 }
 
-/// Device memory: an allocation of ours (freed on drop) or a region someone else owns.
-pub struct CudaMemory {
-    ctx: Arc<CudaContext>,
-    ptr: CuDevicePtr,
-    len: usize,
-    owned: bool,
-}
-
-impl CudaMemory {
-    /// Device address of byte 0.
-    pub fn device_ptr(&self) -> CuDevicePtr {
-        self.ptr
-    }
-    /// The context the memory belongs to.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-}
-
-impl Drop for CudaMemory {
-    fn drop(&mut self) {
-        if self.owned && self.ptr != 0 {
-            if let Ok(d) = self.ctx.bind() {
-                // SAFETY: allocated by cuMemAlloc in this context; every kernel that used it
-                // has completed (execute synchronises before returning).
-                unsafe { (d.cuMemFree_v2)(self.ptr) };
-            }
-        }
-    }
-}
-
-impl Memory for CudaMemory {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn host_ptr(&self) -> Option<*mut u8> {
-        None
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        if offset.checked_add(dst.len()).is_none_or(|e| e > self.len) {
-            return Err(MlxError::InvalidArgument("read past the end of a buffer".into()));
-        }
-        if dst.is_empty() {
-            return Ok(());
-        }
-        let d = self.ctx.bind()?;
-        // SAFETY: the range is inside the allocation; the host buffer holds dst.len() bytes
-        // and outlives the synchronisation below.
-        let r = unsafe {
-            (d.cuMemcpyDtoHAsync_v2)(dst.as_mut_ptr() as *mut c_void, self.ptr + offset as u64, dst.len(), self.ctx.stream)
-        };
-        d.check(r, "copy to the host", MlxError::CommandBufferError)?;
-        self.ctx.synchronize()
-    }
-    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        if offset.checked_add(src.len()).is_none_or(|e| e > self.len) {
-            return Err(MlxError::InvalidArgument("write past the end of a buffer".into()));
-        }
-        if src.is_empty() {
-            return Ok(());
-        }
-        let d = self.ctx.bind()?;
-        // SAFETY: as for read; the source stays valid until the stream is synchronised.
-        let r = unsafe {
-            (d.cuMemcpyHtoDAsync_v2)(self.ptr + offset as u64, src.as_ptr() as *const c_void, src.len(), self.ctx.stream)
-        };
-        d.check(r, "copy to the device", MlxError::CommandBufferError)?;
-        self.ctx.synchronize()
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-    fn device_addr(&self) -> Option<u64> {
-        Some(self.ptr)
-    }
-}
-
-/// A compiled kernel: its function, and how the backend launches it.
+/// A compiled kernel: its function, its variants' functions, and how it is launched.
 pub struct CudaPipeline {
     ctx: Arc<CudaContext>,
     function: CuFunction,
-    /// The CTA-pair forms (Hopper), heads then queries, where the module has them.
-    pairs: Option<[CuFunction; 2]>,
-    kind: kernels::KernelKind,
+    /// The functions of [`CudaKernel::hopper_variants`] where the module has them (Hopper).
+    variants: Vec<CuFunction>,
+    kernel: Option<&'static CudaKernel>,
     /// Built with the Hopper (sm_90a, wgmma) forms of the kernels.
     hopper: bool,
 }
 
-// SAFETY: a function handle of a module that lives as long as its context.
+// SAFETY: function handles of a module that lives as long as its context.
 unsafe impl Send for CudaPipeline {}
 unsafe impl Sync for CudaPipeline {}
 
@@ -378,7 +312,7 @@ impl Backend for CudaBackend {
 
     unsafe fn wrap_device(&self, addr: u64, bytes: usize) -> Result<Arc<dyn Memory>> {
         if bytes > 0 {
-            check_device_range(&self.ctx, addr, bytes)?;
+            memory::check_device_range(&self.ctx, addr, bytes)?;
         }
         Ok(Arc::new(CudaMemory { ctx: self.ctx.clone(), ptr: addr, len: bytes, owned: false }))
     }
@@ -395,25 +329,23 @@ impl Backend for CudaBackend {
         let src = source
             .cuda
             .ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
-        let kind = kernels::KernelKind::of(name);
+        let kernel = kernel(name);
         let arch = self.ctx.arch();
         let hopper = arch == "sm_90a";
-        let function = self.ctx.function(kind.file_name(name).as_str(), src, name, &arch)?;
+        let function = self.ctx.function(src, name, &arch)?;
         let d = self.ctx.bind()?;
-        let mut pairs = None;
-        if let (true, kernels::KernelKind::Attention { head_dim }) = (hopper, kind) {
-            let file = kind.file_name(name);
-            let [h, q] = kernels::PairMode::ALL.map(|m| self.ctx.function(&file, src, &m.entry(head_dim), &arch));
-            pairs = Some([h?, q?]);
-        }
-        if let Some(smem) = kind.dynamic_shared_bytes(hopper) {
+        let variants = match kernel {
+            Some(k) if hopper => k.hopper_variants.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<_>>()?,
+            _ => Vec::new(),
+        };
+        if let Some(smem) = kernel.and_then(|k| (k.shared_bytes)(hopper)) {
             if smem > self.ctx.max_shared_per_block as u32 {
                 return Err(MlxError::KernelNotFound(format!(
                     "{name} needs {smem} bytes of shared memory per block; {} allows {}",
                     self.ctx.name, self.ctx.max_shared_per_block
                 )));
             }
-            for f in std::iter::once(function).chain(pairs.into_iter().flatten()) {
+            for &f in std::iter::once(&function).chain(&variants) {
                 // SAFETY: a valid function handle.
                 let r = unsafe {
                     (d.cuFuncSetAttribute)(f, driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as c_int)
@@ -428,7 +360,7 @@ impl Backend for CudaBackend {
         Ok(Pipeline::new(
             name,
             max_threads.max(0) as u64,
-            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, pairs, kind, hopper }),
+            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, variants, kernel, hopper }),
         ))
     }
 
@@ -444,7 +376,8 @@ impl Backend for CudaBackend {
                     dispatch.pipeline.name()
                 )));
             }
-            let launch_one = |function: CuFunction, launch: &mut kernels::Launch| {
+            let launch_one = |launch: &mut Launch| {
+                let function = launch.variant.and_then(|i| p.variants.get(i).copied()).unwrap_or(p.function);
                 let mut params = launch.param_pointers();
                 // SAFETY: a function of this context, launch dimensions checked by `prepare`,
                 // and one pointer per kernel parameter to storage that outlives the call.
@@ -464,17 +397,17 @@ impl Backend for CudaBackend {
                     )
                 }
             };
-            let mut launch = kernels::prepare(&self.ctx, p.kind, p.hopper, p.pairs.is_some(), dispatch)?;
-            let mut r = match (launch.pair, p.pairs) {
-                (Some(kernels::PairMode::Heads), Some([h, _])) => launch_one(h, &mut launch),
-                (Some(kernels::PairMode::Queries), Some([_, q])) => launch_one(q, &mut launch),
-                _ => launch_one(p.function, &mut launch),
+            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper };
+            let prepare = |variants: bool| match p.kernel {
+                Some(k) => (k.prepare)(&pc, dispatch, variants && !p.variants.is_empty()),
+                None => launch::launch_as_encoded(&self.ctx, dispatch),
             };
-            if r != driver::CUDA_SUCCESS && launch.pair.is_some() {
+            let mut launch = prepare(true)?;
+            let mut r = launch_one(&mut launch);
+            if r != driver::CUDA_SUCCESS && launch.variant.is_some() {
                 // A GPU that cannot place the cluster (a launch-configuration error, which
-                // leaves the context usable): the one-CTA form, which computes the same bits.
-                let mut plain = kernels::prepare(&self.ctx, p.kind, p.hopper, false, dispatch)?;
-                r = launch_one(p.function, &mut plain);
+                // leaves the context usable): the plain form, which computes the same bits.
+                r = launch_one(&mut prepare(false)?);
             }
             d.check(r, &format!("launching {}", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
         }
@@ -482,54 +415,13 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Check that `[addr, addr + bytes)` is device memory of `ctx`'s device.
-fn check_device_range(ctx: &CudaContext, addr: u64, bytes: usize) -> Result<()> {
-    let d = ctx.bind()?;
-    let bad = |what: String| MlxError::InvalidArgument(format!("device address {addr:#x}: {what}"));
-    let attr_u32 = |a: c_int| -> Result<u32> {
-        let mut v: u32 = 0;
-        // SAFETY: the attribute is a 32-bit value for these attributes.
-        let r = unsafe { (d.cuPointerGetAttribute)(&mut v as *mut u32 as *mut c_void, a, addr) };
-        if r != driver::CUDA_SUCCESS {
-            return Err(bad(format!("not CUDA memory ({})", d.error_text(r))));
-        }
-        Ok(v)
-    };
-    let attr_u64 = |a: c_int| -> Result<u64> {
-        let mut v: u64 = 0;
-        // SAFETY: the range attributes are pointer-sized values.
-        let r = unsafe { (d.cuPointerGetAttribute)(&mut v as *mut u64 as *mut c_void, a, addr) };
-        if r != driver::CUDA_SUCCESS {
-            return Err(bad(format!("not CUDA memory ({})", d.error_text(r))));
-        }
-        Ok(v)
-    };
-    let ty = attr_u32(driver::POINTER_MEMORY_TYPE)?;
-    if ty != driver::MEMORYTYPE_DEVICE && ty != driver::MEMORYTYPE_UNIFIED {
-        return Err(bad(format!("memory type {ty} is not device memory")));
-    }
-    let ordinal = attr_u32(driver::POINTER_DEVICE_ORDINAL)? as i32;
-    if ordinal != ctx.ordinal {
-        return Err(bad(format!("it belongs to cuda:{ordinal}, not cuda:{}", ctx.ordinal)));
-    }
-    let start = attr_u64(driver::POINTER_RANGE_START_ADDR)?;
-    let size = attr_u64(driver::POINTER_RANGE_SIZE)?;
-    let end = addr.checked_add(bytes as u64);
-    if end.is_none_or(|e| e > start.saturating_add(size)) {
-        return Err(bad(format!(
-            "{bytes} bytes run past the end of its allocation ({size} bytes at {start:#x})"
-        )));
-    }
-    Ok(())
-}
-
-/// Compile every CUDA source of the library for `arch` (no device needed): the compiler's
-/// report (ptxas resource usage per entry point), or the first compile error.
-pub fn compile_check(arch: &str) -> Result<String> {
+/// Compile the CUDA sources `files` for `arch` (no device needed): the compiler's report
+/// (ptxas resource usage per entry point), or the first compile error.
+pub fn compile_check(arch: &str, files: &[SourceFile]) -> Result<String> {
     let mut report = String::new();
-    for (file, source) in kernels::sources() {
-        let log = nvrtc::compile_report(file, source, arch)?;
-        report.push_str(&format!("== {file} ({arch})\n{log}\n"));
+    for f in files {
+        let log = nvrtc::compile_report(f.name, f.text, arch)?;
+        report.push_str(&format!("== {} ({arch})\n{log}\n", f.name));
     }
     Ok(report)
 }

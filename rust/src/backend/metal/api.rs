@@ -5,7 +5,7 @@
 //! binding, threadgroup memory, grid and threadgroup sizes, checks and error mapping) is
 //! platform-independent code in [`super::backend`], compiled and tested everywhere.
 
-use crate::encoder::GridSize;
+use crate::interface::GridSize;
 
 /// Why a pipeline could not be built from a compiled library.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,10 +7,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::api::{Command, MetalApi, PipelineError};
-use crate::backend::{Backend, BackendKind, Memory};
-use crate::encoder::{BoundArg, Dispatch};
 use crate::error::{MlxError, Result};
-use crate::kernel_registry::{KernelSource, Pipeline};
+use crate::interface::{Backend, BackendKind, BoundArg, BufferBinding, Dispatch, KernelSource, Memory, Pipeline};
 
 /// The most bytes `setBytes:length:atIndex:` takes.
 pub const MAX_SET_BYTES: usize = 4096;
@@ -143,8 +141,8 @@ impl<A: MetalApi> MetalBackend<A> {
     }
 
     /// The Metal memory behind the buffer bound at `index` of `d`.
-    fn metal_memory<'d>(&self, d: &'d Dispatch, index: u64, b: &'d crate::MlxBuffer) -> Result<&'d MetalMemory<A>> {
-        b.memory().as_any().downcast_ref::<MetalMemory<A>>().ok_or_else(|| {
+    fn metal_memory<'d>(&self, d: &'d Dispatch, index: u64, b: &'d BufferBinding) -> Result<&'d MetalMemory<A>> {
+        b.memory.as_any().downcast_ref::<MetalMemory<A>>().ok_or_else(|| {
             MlxError::InvalidArgument(format!(
                 "{}: the buffer at index {index} is not memory of the Metal backend",
                 d.pipeline.name()
@@ -185,11 +183,12 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
     }
 
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
-        let text = source
+        let file = source
             .metal
             .ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no Metal form")))?;
-        let library = self.library(name, text)?;
-        let info = self.api.new_pipeline(&library, name).map_err(|e| match e {
+        let library = self.library(name, file.text)?;
+        let function = super::function_of(name);
+        let info = self.api.new_pipeline(&library, function).map_err(|e| match e {
             PipelineError::NoFunction => {
                 MlxError::KernelNotFound(format!("the Metal source of {name} has no function of that name"))
             }
@@ -262,7 +261,7 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
                         if mem.storage == Storage::Staged && !staged.iter().any(|m| std::ptr::eq(*m, mem)) {
                             staged.push(mem);
                         }
-                        commands.push(Command::SetBuffer { index, buffer: &mem.buffer, offset: b.byte_offset() as u64 });
+                        commands.push(Command::SetBuffer { index, buffer: &mem.buffer, offset: b.byte_offset as u64 });
                     }
                 }
             }

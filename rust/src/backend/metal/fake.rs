@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use super::api::{Command, MetalApi, PipelineError, PipelineInfo};
-use crate::encoder::GridSize;
+use crate::interface::GridSize;
 
 /// A command as recorded: buffers by id, bytes copied.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,11 +11,13 @@
 
 use std::sync::Arc;
 
-use crate::backend::Backend;
 use crate::error::{MlxError, Result};
+use crate::interface::Backend;
 
 pub mod api;
 pub mod backend;
+pub mod flash_attn_prefill_blk;
+pub mod flash_attn_prefill_tensor;
 #[cfg(test)]
 mod fake;
 #[cfg(test)]
@@ -25,6 +27,24 @@ mod objc;
 
 pub use api::MetalApi;
 pub use backend::MetalBackend;
+
+/// How the Metal backend runs one named kernel: the MSL function of the op's source that
+/// implements it, dispatched with the grid, threadgroup and threadgroup memory the op
+/// encoded (the Metal kernels are the origin's: the ops encode their geometry).
+pub struct MetalKernel {
+    pub name: &'static str,
+    pub function: &'static str,
+}
+
+/// The MSL function of the kernel `name`, from the op host files' tables (a kernel no
+/// table names is looked up by its own name).
+pub fn function_of(name: &str) -> &str {
+    flash_attn_prefill_tensor::KERNELS
+        .iter()
+        .chain(flash_attn_prefill_blk::KERNELS)
+        .find(|k| k.name == name)
+        .map_or(name, |k| k.function)
+}
 
 /// Whether a Metal device exists here (always false off macOS).
 pub fn is_present() -> bool {

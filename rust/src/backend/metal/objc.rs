@@ -13,7 +13,7 @@ use objc2_metal::{
 };
 
 use super::api::{Command, MetalApi, PipelineError, PipelineInfo};
-use crate::encoder::GridSize;
+use crate::interface::GridSize;
 
 /// The system's default Metal device and one command queue on it.
 pub struct ObjcMetal {

@@ -380,7 +380,7 @@ fn unaligned_host_memory_is_staged_around_each_command_buffer() {
 fn a_kernel_without_a_metal_form_or_function_is_not_found() {
     let (dev, _) = fake_device(FakeMetal::new());
     let mut reg = KernelRegistry::new();
-    reg.register_source("cpu_only", KernelSource { metal: None, cuda: None, cpu: None });
+    reg.register_source("cpu_only", KernelSource { metal: None, cuda: None });
     assert!(matches!(reg.get_pipeline("cpu_only", &dev), Err(MlxError::KernelNotFound(_))));
     reg.register_source(
         "no_such_kernel",

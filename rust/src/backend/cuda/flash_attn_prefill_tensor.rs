@@ -1,28 +1,40 @@
-//! How each named kernel is launched on CUDA: its arguments and geometry.
+//! CUDA host side of `flash_attn_prefill_tensor_f16_d256` / `_d512`
+//! (`shaders/flash_attn_prefill_tensor.cu`): the CTA geometry, the kernel's `Launch` block,
+//! the alignment flags, and on Hopper the CTA-pair forms with their TMA tensor maps.
 //!
-//! The op layer encodes the Metal geometry (for the attention: `ceil(rows / bq) x n_heads`
-//! threadgroups of 32 x 8 threads). The CUDA kernels choose their own: the attention runs
-//! CTAs of 8 warps over `heads_per_cta` heads that share one KV head times
-//! `queries_per_cta` queries, reading the standard tile-skip table; the mask classifier
-//! runs one warp per tile. Any other kernel is launched as encoded, its arguments in
-//! index order (constant blocks by value, buffers as device pointers).
+//! The op encodes the Metal geometry (`ceil(rows / bq) x n_heads` threadgroups of 32 x 8
+//! threads). The CUDA kernels choose their own from the op's params block: CTAs of 8 warps
+//! over `heads_per_cta` heads that share one KV head times `queries_per_cta` queries,
+//! reading the standard tile-skip table (SPEC section 1 allows taller query tiles).
 
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::OnceLock;
 
 use super::driver::{self, TensorMap};
-use super::{CudaContext, CudaMemory};
-use crate::buffer::MlxBuffer;
-use crate::encoder::{BoundArg, Dispatch};
+use super::launch::{contract, device_buffer, CudaKernel, Launch, PrepareContext};
 use crate::error::{MlxError, Result};
-use crate::ops::flash_attn_prefill_blk::{FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE, K_BLK_F16};
-use crate::ops::flash_attn_prefill_tensor::{
-    FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE, K_TENSOR_F16_D256, K_TENSOR_F16_D512,
-};
+use crate::interface::Dispatch;
+use crate::params::FlashAttnPrefillTensorParamsGpu as Params;
+
+/// This op's kernels, by name.
+pub const KERNELS: &[CudaKernel] = &[
+    CudaKernel {
+        name: "flash_attn_prefill_tensor_f16_d256",
+        hopper_variants: &["flash_attn_prefill_tensor_f16_d256_pair_heads", "flash_attn_prefill_tensor_f16_d256_pair_queries"],
+        shared_bytes: |hopper| attention_shared_bytes(256, hopper),
+        prepare: |pc, d, variants| prepare(pc, 256, d, variants),
+    },
+    CudaKernel {
+        name: "flash_attn_prefill_tensor_f16_d512",
+        hopper_variants: &["flash_attn_prefill_tensor_f16_d512_pair_heads", "flash_attn_prefill_tensor_f16_d512_pair_queries"],
+        shared_bytes: |hopper| attention_shared_bytes(512, hopper),
+        prepare: |pc, d, variants| prepare(pc, 512, d, variants),
+    },
+];
 
 /// Threads of an attention CTA (8 warps).
 pub const ATTENTION_THREADS: u32 = 256;
-/// Query rows of one warp's row group.
+/// Query rows of one warp's row group (the mma.sync form).
 const ROWS_PER_GROUP: u32 = 32;
 
 /// Dynamic shared memory of one attention CTA: the kernel's `Cfg<D>::SMEM`, or
@@ -36,55 +48,6 @@ pub fn attention_shared_bytes(head_dim: u32, hopper: bool) -> Option<u32> {
         (512, true) => Some(214_592),
         _ => None,
     }
-}
-
-/// Which launcher a kernel name gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KernelKind {
-    Attention { head_dim: u32 },
-    Blk,
-    Generic,
-}
-
-impl KernelKind {
-    pub fn of(name: &str) -> Self {
-        match name {
-            K_TENSOR_F16_D256 => KernelKind::Attention { head_dim: 256 },
-            K_TENSOR_F16_D512 => KernelKind::Attention { head_dim: 512 },
-            K_BLK_F16 => KernelKind::Blk,
-            _ => KernelKind::Generic,
-        }
-    }
-
-    /// The source file's name, for messages and the cubin cache.
-    pub fn file_name(&self, name: &str) -> String {
-        match self {
-            KernelKind::Attention { .. } => "flash_attn_prefill_tensor.cu".into(),
-            KernelKind::Blk => "flash_attn_prefill_blk.cu".into(),
-            KernelKind::Generic => format!("{name}.cu"),
-        }
-    }
-
-    /// Shared memory the launch needs beyond the default 48 KiB limit, if any; `hopper`:
-    /// the source was compiled with its sm_90a (wgmma) form.
-    pub fn dynamic_shared_bytes(&self, hopper: bool) -> Option<u32> {
-        match self {
-            KernelKind::Attention { head_dim } => attention_shared_bytes(*head_dim, hopper),
-            _ => None,
-        }
-    }
-}
-
-/// Every CUDA source of the library with its file name.
-pub fn sources() -> Vec<(&'static str, &'static str)> {
-    let mut out = Vec::new();
-    if let Some(s) = FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE.cuda {
-        out.push(("flash_attn_prefill_tensor.cu", s));
-    }
-    if let Some(s) = FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE.cuda {
-        out.push(("flash_attn_prefill_blk.cu", s));
-    }
-    out
 }
 
 /// Geometry of one attention launch.
@@ -145,9 +108,6 @@ pub fn pair_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) ->
     attention_geometry(head_dim, rows, n_heads, n_kv_heads * 2, true).ok()
 }
 
-/// The attention params block the op binds at index 0.
-pub use crate::backend::params::AttentionParams;
-
 /// The kernel's `Launch` block.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -164,36 +124,6 @@ const FLAG_V_ALIGNED: i32 = 4;
 const FLAG_MASK_ALIGNED: i32 = 8;
 const FLAG_OUT_ALIGNED: i32 = 16;
 
-use crate::backend::params::BlkParams;
-
-/// One launch, ready: geometry and the bytes of each kernel parameter.
-pub struct Launch {
-    pub grid: [u32; 3],
-    pub block: [u32; 3],
-    pub shared_bytes: u32,
-    /// Each parameter's value, 8-byte aligned storage.
-    params: Vec<Vec<u64>>,
-    /// Launch a CTA-pair form (clusters of two, tensor maps) instead of the plain one.
-    pub pair: Option<PairMode>,
-}
-
-impl Launch {
-    /// One pointer per kernel parameter, valid while `self` lives.
-    pub fn param_pointers(&mut self) -> Vec<*mut c_void> {
-        self.params.iter_mut().map(|p| p.as_mut_ptr() as *mut c_void).collect()
-    }
-
-    fn push_bytes(&mut self, bytes: &[u8]) {
-        let mut v = vec![0u64; bytes.len().div_ceil(8).max(1)];
-        bytemuck::cast_slice_mut::<u64, u8>(&mut v)[..bytes.len()].copy_from_slice(bytes);
-        self.params.push(v);
-    }
-
-    fn push_ptr(&mut self, p: u64) {
-        self.params.push(vec![p]);
-    }
-}
-
 /// How the two CTAs of a cluster that share each K/V tile (Hopper) split the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PairMode {
@@ -205,6 +135,11 @@ pub enum PairMode {
 
 impl PairMode {
     pub const ALL: [PairMode; 2] = [PairMode::Heads, PairMode::Queries];
+
+    /// Its index among the kernel's [`CudaKernel::hopper_variants`].
+    fn variant(self) -> usize {
+        self as usize
+    }
 
     /// The entry point of this form for `head_dim`.
     pub fn entry(self, head_dim: u32) -> String {
@@ -221,13 +156,14 @@ impl PairMode {
 /// heads splits in two, else query pairs.
 pub const PAIR_ENV: &str = "MLX_NATIVE_CUDA_PAIR";
 
-/// `None`: no pairs; `Some(heads)`: pairs, head pairs allowed or not.
+/// `None`: no pairs; `Some(heads)`: pairs, head pairs allowed or not. Read once.
 fn pair_setting() -> Option<bool> {
-    match std::env::var(PAIR_ENV).as_deref() {
+    static SETTING: OnceLock<Option<bool>> = OnceLock::new();
+    *SETTING.get_or_init(|| match std::env::var(PAIR_ENV).as_deref() {
         Ok("0") => None,
         Ok("queries") => Some(false),
         _ => Some(true),
-    }
+    })
 }
 
 /// The tensor map of K or V for the CTA-pair form: dims (head dim, KV heads, cache rows),
@@ -266,46 +202,16 @@ fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_pad: u32, row_stride: i
     (r == driver::CUDA_SUCCESS).then_some(map)
 }
 
-/// Device address of a dispatch's buffer, and its length; it must be memory of `ctx`.
-fn device_buffer(ctx: &Arc<CudaContext>, d: &Dispatch, index: u64) -> Result<(u64, usize)> {
-    let b = d.buffer(index)?;
-    device_address(ctx, b, d.pipeline.name(), index)
-}
-
-fn device_address(ctx: &Arc<CudaContext>, b: &MlxBuffer, name: &str, index: u64) -> Result<(u64, usize)> {
-    let mem = b.memory().as_any().downcast_ref::<CudaMemory>().ok_or_else(|| {
-        MlxError::InvalidArgument(format!("{name}: buffer {index} is not CUDA device memory"))
-    })?;
-    if !Arc::ptr_eq(mem.context(), ctx) {
-        return Err(MlxError::InvalidArgument(format!("{name}: buffer {index} belongs to another CUDA device")));
-    }
-    Ok((mem.device_ptr() + b.byte_offset() as u64, b.data_byte_len()))
-}
-
-fn internal(name: &str, what: &str) -> MlxError {
-    MlxError::Internal(format!("{name} (cuda): {what}"))
-}
-
-/// Arguments and geometry of one dispatch of a kernel of `kind`; `hopper`: the kernel was
-/// built with its sm_90a (wgmma) form.
-/// `pair`: the CTA-pair forms were built (Hopper).
-pub fn prepare(ctx: &Arc<CudaContext>, kind: KernelKind, hopper: bool, pair: bool, d: &Dispatch) -> Result<Launch> {
-    match kind {
-        KernelKind::Attention { head_dim } => prepare_attention(ctx, head_dim, hopper, pair, d),
-        KernelKind::Blk => prepare_blk(ctx, d),
-        KernelKind::Generic => prepare_generic(ctx, d),
-    }
-}
-
-fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: bool, d: &Dispatch) -> Result<Launch> {
+fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool) -> Result<Launch> {
+    let (ctx, hopper) = (pc.ctx, pc.hopper);
     let name = d.pipeline.name();
-    let p: AttentionParams = d.constant(0)?;
-    let dims = [
-        p.rows, p.n_heads, p.n_kv_heads, p.kv_pad, p.q_row_stride, p.q_head_stride, p.k_row_stride,
-        p.k_head_stride, p.v_row_stride, p.v_head_stride, p.mask_row_stride,
-    ];
-    if dims.iter().any(|&x| x < 0) || p.kv_pad == 0 || p.kv_pad % 64 != 0 || p.mask_row_stride != p.kv_pad {
-        return Err(internal(name, "shape breaks the op's contract"));
+    let p: Params = d.constant(0)?;
+    let bq: u64 = if head_dim == 256 { 32 } else { 16 };
+    // The op validated the dispatch; a kernel that writes device memory checks what it
+    // relies on, from the same extents.
+    let e = p.extents(head_dim as u64, bq).ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
+    if p.mask_row_stride != p.kv_pad {
+        return Err(contract(name, "the mask's row stride is not kv_pad"));
     }
     let mut geo = attention_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
     let (q, q_len) = device_buffer(ctx, d, 1)?;
@@ -314,22 +220,9 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
     let (mask, mask_len) = device_buffer(ctx, d, 4)?;
     let (blk, blk_len) = device_buffer(ctx, d, 5)?;
     let (out, out_len) = device_buffer(ctx, d, 6)?;
-    // The op validated these sizes; a kernel that writes device memory checks again.
-    let u = |x: i32| x as u64;
-    let hd = head_dim as u64;
-    let need = |last_row: u64, rs: u64, last_head: u64, hs: u64, esz: u64| {
-        last_row.saturating_mul(rs).saturating_add(last_head.saturating_mul(hs)).saturating_add(hd).saturating_mul(esz)
-    };
-    let (rows, nh, nkv, kvp) = (u(p.rows), u(p.n_heads), u(p.n_kv_heads), u(p.kv_pad));
-    let bq: u64 = if head_dim == 256 { 32 } else { 16 };
-    let sizes_ok = q_len as u64 >= need(rows - 1, u(p.q_row_stride), nh - 1, u(p.q_head_stride), 4)
-        && k_len as u64 >= need(kvp - 1, u(p.k_row_stride), nkv - 1, u(p.k_head_stride), 2)
-        && v_len as u64 >= need(kvp - 1, u(p.v_row_stride), nkv - 1, u(p.v_head_stride), 2)
-        && mask_len as u64 >= ((rows - 1) * kvp + kvp) * 2
-        && blk_len as u64 >= rows.div_ceil(bq) * (kvp / 64)
-        && out_len as u64 >= rows * nh * hd * 4;
-    if !sizes_ok {
-        return Err(internal(name, "a buffer is smaller than its strides need"));
+    let fits = [(q_len, e.q), (k_len, e.k), (v_len, e.v), (mask_len, e.mask), (blk_len, e.blk), (out_len, e.out)];
+    if fits.iter().any(|&(have, need)| (have as u64) < need) {
+        return Err(contract(name, "a buffer is smaller than its strides need"));
     }
     let mut flags = 0;
     if q % 16 == 0 && p.q_row_stride % 4 == 0 && p.q_head_stride % 4 == 0 {
@@ -351,7 +244,7 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
     // where the group of query heads splits in two, else pairs of query tiles.
     let mut maps = None;
     let mut mode = None;
-    if let Some(heads_allowed) = if pair && hopper { pair_setting() } else { None } {
+    if let Some(heads_allowed) = if variants && hopper { pair_setting() } else { None } {
         let (nkv, kvp) = (p.n_kv_heads as u32, p.kv_pad as u32);
         let km = kv_tensor_map(k, head_dim, nkv, kvp, p.k_row_stride, p.k_head_stride);
         let vm = kv_tensor_map(v, head_dim, nkv, kvp, p.v_row_stride, p.v_head_stride);
@@ -373,16 +266,10 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
         q_tiles: geo.q_tiles as i32,
         flags,
     };
-    let shared = attention_shared_bytes(head_dim, hopper).ok_or_else(|| internal(name, "no shared memory size"))?;
+    let shared = attention_shared_bytes(head_dim, hopper).ok_or_else(|| contract(name, "no shared memory size"))?;
     // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
     let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
-    let mut l = Launch {
-        grid: [grid_x, geo.head_groups, 1],
-        block: [ATTENTION_THREADS, 1, 1],
-        shared_bytes: shared,
-        params: Vec::new(),
-        pair: None,
-    };
+    let mut l = Launch::new([grid_x, geo.head_groups, 1], [ATTENTION_THREADS, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(&p));
     l.push_bytes(bytemuck::bytes_of(&launch));
     for ptr in [q, k, v, mask, blk, out] {
@@ -391,67 +278,11 @@ fn prepare_attention(ctx: &Arc<CudaContext>, head_dim: u32, hopper: bool, pair: 
     if let Some((km, vm)) = maps {
         l.push_bytes(bytemuck::cast_slice(&km.0));
         l.push_bytes(bytemuck::cast_slice(&vm.0));
-        l.pair = mode;
+        l.variant = mode.map(PairMode::variant);
     }
     Ok(l)
 }
 
-fn prepare_blk(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
-    let name = d.pipeline.name();
-    let p: BlkParams = d.constant(0)?;
-    if p.rows <= 0 || p.kv_pad <= 0 || p.bq <= 0 || p.bk <= 0 || p.kv_pad % p.bk != 0 {
-        return Err(internal(name, "shape breaks the op's contract"));
-    }
-    let (mask, mask_len) = device_buffer(ctx, d, 1)?;
-    let (blk, blk_len) = device_buffer(ctx, d, 2)?;
-    let (rows, kvp) = (p.rows as u64, p.kv_pad as u64);
-    let tiles = rows.div_ceil(p.bq as u64) * (kvp / p.bk as u64);
-    if (mask_len as u64) < rows * kvp * 2 || (blk_len as u64) < tiles {
-        return Err(internal(name, "buffers smaller than validated"));
-    }
-    let ctas = tiles.div_ceil(8);
-    if ctas > i32::MAX as u64 {
-        return Err(MlxError::InvalidArgument(format!("{name}: {tiles} tiles is more than one launch takes")));
-    }
-    let aligned = (mask % 16 == 0 && p.bk % 8 == 0) as i32;
-    let mut l =
-        Launch { grid: [ctas as u32, 1, 1], block: [256, 1, 1], shared_bytes: 0, params: Vec::new(), pair: None };
-    l.push_bytes(bytemuck::bytes_of(&p));
-    l.push_ptr(mask);
-    l.push_ptr(blk);
-    l.push_bytes(&aligned.to_ne_bytes());
-    Ok(l)
-}
-
-fn prepare_generic(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
-    let name = d.pipeline.name();
-    let dim = |x: u64, what: &str| -> Result<u32> {
-        u32::try_from(x).map_err(|_| MlxError::InvalidArgument(format!("{name}: {what} {x} is too large for CUDA")))
-    };
-    let mut l = Launch {
-        grid: [dim(d.grid.width, "grid")?, dim(d.grid.height, "grid")?, dim(d.grid.depth, "grid")?],
-        block: [
-            dim(d.threadgroup.width, "block")?,
-            dim(d.threadgroup.height, "block")?,
-            dim(d.threadgroup.depth, "block")?,
-        ],
-        shared_bytes: dim(d.shared.iter().map(|(_, b)| *b).sum(), "shared memory")?,
-        params: Vec::new(),
-        pair: None,
-    };
-    let mut args: Vec<&(u64, BoundArg)> = d.args.iter().collect();
-    args.sort_by_key(|(i, _)| *i);
-    for (index, arg) in args {
-        match arg {
-            BoundArg::Bytes(b) => l.push_bytes(b),
-            BoundArg::Buffer(b) => {
-                let (ptr, _) = device_address(ctx, b, name, *index)?;
-                l.push_ptr(ptr);
-            }
-        }
-    }
-    Ok(l)
-}
 
 #[cfg(test)]
 mod tests {
@@ -510,19 +341,22 @@ mod tests {
     }
 
     #[test]
-    fn the_op_and_the_kernel_agree_on_the_params_block() {
-        assert_eq!(std::mem::size_of::<AttentionParams>(), 48);
+    fn the_kernel_blocks_have_their_sizes() {
+        assert_eq!(std::mem::size_of::<Params>(), 48);
         assert_eq!(std::mem::size_of::<AttentionLaunch>(), 16);
-        assert_eq!(std::mem::size_of::<BlkParams>(), 16);
     }
 
     #[test]
-    fn names_pick_their_launchers() {
-        assert_eq!(KernelKind::of(K_TENSOR_F16_D512), KernelKind::Attention { head_dim: 512 });
-        assert_eq!(KernelKind::of(K_BLK_F16), KernelKind::Blk);
-        assert_eq!(KernelKind::of("other"), KernelKind::Generic);
-        assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(false), Some(164_864));
-        assert_eq!(KernelKind::Attention { head_dim: 256 }.dynamic_shared_bytes(true), Some(230_464));
-        assert_eq!(KernelKind::Attention { head_dim: 512 }.dynamic_shared_bytes(true), Some(214_592));
+    fn each_kernel_states_its_shared_memory_and_pair_forms() {
+        assert_eq!((KERNELS[0].shared_bytes)(false), Some(164_864));
+        assert_eq!((KERNELS[0].shared_bytes)(true), Some(230_464));
+        assert_eq!((KERNELS[1].shared_bytes)(true), Some(214_592));
+        for (k, hd) in KERNELS.iter().zip([256, 512]) {
+            let names: Vec<String> = PairMode::ALL.iter().map(|m| m.entry(hd)).collect();
+            assert_eq!(k.hopper_variants, names.as_slice());
+            for m in PairMode::ALL {
+                assert_eq!(k.hopper_variants[m.variant()], m.entry(hd));
+            }
+        }
     }
 }

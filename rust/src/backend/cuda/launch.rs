@@ -1,0 +1,114 @@
+//! What the CUDA backend knows of each kernel, and one launch ready to go.
+//!
+//! Each op's host file (`flash_attn_prefill_tensor.rs`, `flash_attn_prefill_blk.rs`) lists
+//! its kernels in a `KERNELS` table of [`CudaKernel`]s: how a dispatch of that name becomes
+//! a [`Launch`] (grid, block, shared memory, parameter bytes). A kernel that no table names
+//! is launched as its op encoded it ([`launch_as_encoded`]): its arguments in index order,
+//! constant blocks by value and buffers as device pointers.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use super::memory::CudaMemory;
+use super::CudaContext;
+use crate::error::{MlxError, Result};
+use crate::interface::{BoundArg, BufferBinding, Dispatch};
+
+/// How the CUDA backend runs one named kernel.
+pub struct CudaKernel {
+    pub name: &'static str,
+    /// Other entry points of the same source this kernel may launch instead, on Hopper
+    /// builds (the CTA-pair forms), in the order [`Launch::variant`] counts them.
+    pub hopper_variants: &'static [&'static str],
+    /// Dynamic shared memory one CTA needs beyond the default 48 KiB; `hopper`: the source
+    /// was compiled with its sm_90a forms.
+    pub shared_bytes: fn(hopper: bool) -> Option<u32>,
+    /// The launch of a dispatch; with `variants` false, the plain entry point only.
+    pub prepare: fn(&PrepareContext<'_>, &Dispatch, bool) -> Result<Launch>,
+}
+
+/// What [`CudaKernel::prepare`] may consult besides the dispatch.
+pub struct PrepareContext<'a> {
+    pub ctx: &'a Arc<CudaContext>,
+    /// The module was built with the sm_90a (wgmma) forms.
+    pub hopper: bool,
+}
+
+/// One launch, ready: geometry and the bytes of each kernel parameter.
+pub struct Launch {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+    /// Each parameter's value, 8-byte aligned storage.
+    params: Vec<Vec<u64>>,
+    /// Which of [`CudaKernel::hopper_variants`] to launch instead of the plain entry point.
+    pub variant: Option<usize>,
+}
+
+impl Launch {
+    pub fn new(grid: [u32; 3], block: [u32; 3], shared_bytes: u32) -> Self {
+        Launch { grid, block, shared_bytes, params: Vec::new(), variant: None }
+    }
+
+    /// One pointer per kernel parameter, valid while `self` lives.
+    pub fn param_pointers(&mut self) -> Vec<*mut c_void> {
+        self.params.iter_mut().map(|p| p.as_mut_ptr() as *mut c_void).collect()
+    }
+
+    /// The next parameter: a block of bytes passed by value.
+    pub fn push_bytes(&mut self, bytes: &[u8]) {
+        let mut v = vec![0u64; bytes.len().div_ceil(8).max(1)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut v)[..bytes.len()].copy_from_slice(bytes);
+        self.params.push(v);
+    }
+
+    /// The next parameter: a device pointer.
+    pub fn push_ptr(&mut self, p: u64) {
+        self.params.push(vec![p]);
+    }
+}
+
+/// Device address of a dispatch's buffer, and its length; it must be memory of `ctx`.
+pub fn device_buffer(ctx: &Arc<CudaContext>, d: &Dispatch, index: u64) -> Result<(u64, usize)> {
+    device_address(ctx, d.buffer(index)?, d.pipeline.name(), index)
+}
+
+fn device_address(ctx: &Arc<CudaContext>, b: &BufferBinding, name: &str, index: u64) -> Result<(u64, usize)> {
+    let mem = b.memory.as_any().downcast_ref::<CudaMemory>().ok_or_else(|| {
+        MlxError::InvalidArgument(format!("{name}: buffer {index} is not CUDA device memory"))
+    })?;
+    if !Arc::ptr_eq(mem.context(), ctx) {
+        return Err(MlxError::InvalidArgument(format!("{name}: buffer {index} belongs to another CUDA device")));
+    }
+    Ok((mem.device_ptr() + b.byte_offset as u64, b.byte_len))
+}
+
+/// An internal error of a kernel's launch preparation: the op's contract was broken.
+pub fn contract(name: &str, what: &str) -> MlxError {
+    MlxError::Internal(format!("{name} (cuda): {what}"))
+}
+
+/// A kernel no table names, launched as its op encoded it.
+pub fn launch_as_encoded(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
+    let name = d.pipeline.name();
+    let dim = |x: u64, what: &str| -> Result<u32> {
+        u32::try_from(x).map_err(|_| MlxError::InvalidArgument(format!("{name}: {what} {x} is too large for CUDA")))
+    };
+    let mut l = Launch::new(
+        [dim(d.grid.width, "grid")?, dim(d.grid.height, "grid")?, dim(d.grid.depth, "grid")?],
+        [dim(d.threadgroup.width, "block")?, dim(d.threadgroup.height, "block")?, dim(d.threadgroup.depth, "block")?],
+        dim(d.shared.iter().map(|(_, b)| *b).sum(), "shared memory")?,
+    );
+    let mut args: Vec<&(u64, BoundArg)> = d.args.iter().collect();
+    args.sort_by_key(|(i, _)| *i);
+    for (index, arg) in args {
+        match arg {
+            BoundArg::Bytes(b) => l.push_bytes(b),
+            BoundArg::Buffer(b) => {
+                let (ptr, _) = device_address(ctx, b, name, *index)?;
+                l.push_ptr(ptr);
+            }
+        }
+    }
+    Ok(l)
+}

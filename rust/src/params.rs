@@ -1,0 +1,218 @@
+//! The params blocks the ops bind at index 0 of their dispatches: the one Rust definition
+//! of each, `#[repr(C)]`. The op writes it; every Rust backend reads it back from the
+//! dispatch ([`crate::interface::Dispatch::constant`]); the device sources declare the same
+//! struct (`shaders/*.cu`, `shaders/*.metal`), held to this one by the tests below (size,
+//! field names, order and offsets).
+//!
+//! This file imports nothing of the crate: the ops write these blocks and the backends read
+//! them without either reaching into the other.
+
+/// `flash_attn_prefill_tensor_f16_*` (the origin op's `FlashAttnPrefillTensorParamsGpu`):
+/// twelve 32-bit words, strides in elements.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct FlashAttnPrefillTensorParamsGpu {
+    pub rows: i32,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub kv_pad: i32,
+    pub q_row_stride: i32,
+    pub q_head_stride: i32,
+    pub k_row_stride: i32,
+    pub k_head_stride: i32,
+    pub v_row_stride: i32,
+    pub v_head_stride: i32,
+    pub mask_row_stride: i32,
+    pub scale: f32,
+}
+
+/// Bytes each buffer of one attention dispatch must hold, from its params and head dim
+/// (SPEC section 2: last row * row stride + last head * head stride + head_dim elements);
+/// `None` for a shape that breaks the op's contract (a negative or empty dimension).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionExtents {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub mask: u64,
+    pub blk: u64,
+    pub out: u64,
+}
+
+impl FlashAttnPrefillTensorParamsGpu {
+    /// What the op validated and what a backend that writes memory relies on: the bytes of
+    /// every buffer, for query tiles of `bq` rows.
+    pub fn extents(&self, head_dim: u64, bq: u64) -> Option<AttentionExtents> {
+        let dims = [
+            self.rows,
+            self.n_heads,
+            self.n_kv_heads,
+            self.kv_pad,
+            self.q_row_stride,
+            self.q_head_stride,
+            self.k_row_stride,
+            self.k_head_stride,
+            self.v_row_stride,
+            self.v_head_stride,
+            self.mask_row_stride,
+        ];
+        if dims.iter().any(|&x| x < 0) || self.rows == 0 || self.n_heads == 0 || self.n_kv_heads == 0 {
+            return None;
+        }
+        if self.kv_pad == 0 || self.kv_pad % 64 != 0 || self.n_heads % self.n_kv_heads != 0 || bq == 0 {
+            return None;
+        }
+        let u = |x: i32| x as u64;
+        let (rows, nh, nkv, kvp) = (u(self.rows), u(self.n_heads), u(self.n_kv_heads), u(self.kv_pad));
+        let span = |last_row: u64, rs: i32, last_head: u64, hs: i32, width: u64, esz: u64| {
+            last_row
+                .saturating_mul(u(rs))
+                .saturating_add(last_head.saturating_mul(u(hs)))
+                .saturating_add(width)
+                .saturating_mul(esz)
+        };
+        Some(AttentionExtents {
+            q: span(rows - 1, self.q_row_stride, nh - 1, self.q_head_stride, head_dim, 4),
+            k: span(kvp - 1, self.k_row_stride, nkv - 1, self.k_head_stride, head_dim, 2),
+            v: span(kvp - 1, self.v_row_stride, nkv - 1, self.v_head_stride, head_dim, 2),
+            mask: span(rows - 1, self.mask_row_stride, 0, 0, kvp, 2),
+            blk: rows.div_ceil(bq).saturating_mul(kvp / 64),
+            out: rows.saturating_mul(nh).saturating_mul(head_dim).saturating_mul(4),
+        })
+    }
+}
+
+/// `flash_attn_prefill_blk` (the op's `FlashAttnPrefillBlkParamsGpu`): four 32-bit words.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct FlashAttnPrefillBlkParamsGpu {
+    pub rows: i32,
+    pub kv_pad: i32,
+    pub bq: i32,
+    pub bk: i32,
+}
+
+impl FlashAttnPrefillBlkParamsGpu {
+    /// Bytes of the mask and of the table, `None` for a shape that breaks the op's contract.
+    pub fn extents(&self) -> Option<(u64, u64)> {
+        if self.rows <= 0 || self.kv_pad <= 0 || self.bq <= 0 || self.bk <= 0 || self.kv_pad % self.bk != 0 {
+            return None;
+        }
+        let (rows, kvp) = (self.rows as u64, self.kv_pad as u64);
+        Some((rows * kvp * 2, rows.div_ceil(self.bq as u64) * (kvp / self.bk as u64)))
+    }
+}
+
+/// One field of a params block as the device sources must declare it: name and offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Field {
+    pub name: &'static str,
+    pub offset: usize,
+}
+
+macro_rules! fields {
+    ($t:ty: $($f:ident),*) => {
+        &[$(Field { name: stringify!($f), offset: std::mem::offset_of!($t, $f) }),*]
+    };
+}
+
+/// The fields of [`FlashAttnPrefillTensorParamsGpu`], in order.
+pub const ATTENTION_FIELDS: &[Field] = fields!(FlashAttnPrefillTensorParamsGpu: rows, n_heads, n_kv_heads,
+    kv_pad, q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride, v_head_stride,
+    mask_row_stride, scale);
+
+/// The fields of [`FlashAttnPrefillBlkParamsGpu`], in order.
+pub const BLK_FIELDS: &[Field] = fields!(FlashAttnPrefillBlkParamsGpu: rows, kv_pad, bq, bk);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fields of `struct <name> { ... }` in a C-like source, with the offsets a C
+    /// compiler gives them: every field here is a 4-byte `int` or `float`, so offsets are
+    /// 4 apart (anything else fails the parse, and the test with it).
+    fn device_fields(source: &str, name: &str) -> Vec<(String, usize)> {
+        let start = source.find(&format!("struct {name} {{")).unwrap_or_else(|| panic!("no struct {name}"));
+        let body = &source[start..];
+        let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
+        let mut out = Vec::new();
+        for decl in body.split(';') {
+            let decl: String = decl.lines().map(|l| l.split("//").next().unwrap()).collect::<Vec<_>>().join(" ");
+            let decl = decl.trim();
+            if decl.is_empty() {
+                continue;
+            }
+            let (ty, names) = decl.split_once(char::is_whitespace).unwrap();
+            assert!(ty == "int" || ty == "float", "{name}: field type {ty} is not a 4-byte int or float");
+            for n in names.split(',') {
+                let offset = out.len() * 4;
+                out.push((n.trim().to_string(), offset));
+            }
+        }
+        out
+    }
+
+    fn rust_fields(fields: &[Field]) -> Vec<(String, usize)> {
+        fields.iter().map(|f| (f.name.to_string(), f.offset)).collect()
+    }
+
+    #[test]
+    fn the_blocks_have_the_ops_sizes() {
+        assert_eq!(std::mem::size_of::<FlashAttnPrefillTensorParamsGpu>(), 48);
+        assert_eq!(std::mem::size_of::<FlashAttnPrefillBlkParamsGpu>(), 16);
+        assert_eq!(ATTENTION_FIELDS.len() * 4, 48);
+        assert_eq!(BLK_FIELDS.len() * 4, 16);
+    }
+
+    #[test]
+    fn device_sources_declare_the_same_attention_block() {
+        let rust = rust_fields(ATTENTION_FIELDS);
+        let cu = include_str!("../../shaders/flash_attn_prefill_tensor.cu");
+        let metal = include_str!("../../shaders/flash_attn_prefill_tensor.metal");
+        assert_eq!(device_fields(cu, "Params"), rust, "shaders/flash_attn_prefill_tensor.cu drifted");
+        assert_eq!(device_fields(metal, "FlashAttnPrefillTensorParams"), rust, "the .metal struct drifted");
+    }
+
+    #[test]
+    fn device_sources_declare_the_same_blk_block() {
+        let rust = rust_fields(BLK_FIELDS);
+        let cu = include_str!("../../shaders/flash_attn_prefill_blk.cu");
+        let metal = include_str!("../../shaders/flash_attn_prefill_blk.metal");
+        assert_eq!(device_fields(cu, "BlkParams"), rust, "shaders/flash_attn_prefill_blk.cu drifted");
+        assert_eq!(device_fields(metal, "FlashAttnPrefillBlkParams"), rust, "the .metal struct drifted");
+    }
+
+    #[test]
+    fn a_drifted_struct_is_seen() {
+        let swapped = "struct Params {\n int n_heads, rows;\n};";
+        let f = device_fields(swapped, "Params");
+        assert_ne!(f, rust_fields(&ATTENTION_FIELDS[..2]));
+        assert_eq!(f, vec![("n_heads".to_string(), 0), ("rows".to_string(), 4)]);
+    }
+
+    #[test]
+    fn extents_follow_the_strides() {
+        let p = FlashAttnPrefillTensorParamsGpu {
+            rows: 33,
+            n_heads: 4,
+            n_kv_heads: 2,
+            kv_pad: 128,
+            q_row_stride: 1024,
+            q_head_stride: 256,
+            k_row_stride: 512,
+            k_head_stride: 256,
+            v_row_stride: 512,
+            v_head_stride: 256,
+            mask_row_stride: 128,
+            scale: 1.0,
+        };
+        let e = p.extents(256, 32).unwrap();
+        assert_eq!(e.q, (32 * 1024 + 3 * 256 + 256) * 4);
+        assert_eq!(e.k, (127 * 512 + 256 + 256) * 2);
+        assert_eq!(e.mask, (32 * 128 + 128) * 2);
+        assert_eq!(e.blk, 2 * 2);
+        assert_eq!(e.out, 33 * 4 * 256 * 4);
+        assert!(FlashAttnPrefillTensorParamsGpu { kv_pad: 100, ..p }.extents(256, 32).is_none());
+        assert!(FlashAttnPrefillTensorParamsGpu { rows: -1, ..p }.extents(256, 32).is_none());
+    }
+}
