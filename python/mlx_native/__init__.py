@@ -17,8 +17,7 @@ Lower level, mirroring the Rust op names::
 
 from .attention import PrefillPlan, causal_mask, default_device, flash_attn_prefill, flash_attn_prefill_blk
 from .attention import check_q_fits_half
-from .cuda import compile_check as cuda_compile_check
-from .device import Buffer, Device, Encoder, backends, cpu_fma_peak, cpu_info, force_cpu_isa, version
+from .device import Buffer, Device, Encoder, backends, cpu_fma_peak, cpu_info, cuda_compile_check, force_cpu_isa, version
 from .errors import (
     BackendUnavailableError,
     BufferAllocationError,

@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import cuda as _cuda
-from .device import Buffer, Device, _as_numpy
+from .arrays import Operand
+from .device import Device, _as_numpy
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 from .ops import (
     CACHE_ROWS_PER_STEP,
@@ -177,23 +177,24 @@ class PrefillPlan:
         device: Optional[Device] = None,
         check_finite: bool = False,
     ):
-        on_gpu = [_cuda.is_cuda_array(x) for x in (q, k, v)]
+        ops = [Operand.of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+        on_gpu = [o.on_cuda for o in ops]
         if any(on_gpu):
-            first = (q, k, v)[on_gpu.index(True)]
-            dev = device or _cuda_device(_cuda.device_index(first))
+            first = ops[on_gpu.index(True)]
+            dev = device or _cuda_device(first.device_index)
             if dev.backend != "cuda":
                 raise InvalidArgumentError(f"CUDA arrays need a CUDA device, got {dev!r}")
         else:
             dev = device or default_device()
         self.device = dev
-        q, k, v = (x if g else _as_numpy(x) for x, g in zip((q, k, v), on_gpu))
-        _expect(q, "q", np.float32)
-        _expect(k, "k", np.float16)
-        _expect(v, "v", np.float16)
-        rows, n_heads, head_dim = _shape(q)
-        kv_len, n_kv_heads, k_dim = _shape(k)
-        if _shape(v) != _shape(k):
-            raise InvalidArgumentError(f"v has shape {_shape(v)}, k has {_shape(k)}: they must match")
+        qo, ko, vo = ops
+        _expect(qo, "q", np.float32)
+        _expect(ko, "k", np.float16)
+        _expect(vo, "v", np.float16)
+        rows, n_heads, head_dim = qo.shape
+        kv_len, n_kv_heads, k_dim = ko.shape
+        if vo.shape != ko.shape:
+            raise InvalidArgumentError(f"v has shape {vo.shape}, k has {ko.shape}: they must match")
         if k_dim != head_dim:
             raise InvalidArgumentError(f"q has head_dim {head_dim}, k and v have {k_dim}")
         if n_kv_heads == 0 or n_heads % n_kv_heads:
@@ -202,17 +203,16 @@ class PrefillPlan:
         if window is not None:
             causal = True
         if check_finite:
-            host = lambda x, g: _cuda.to_host(x) if g else x  # noqa: E731
-            check_q_fits_half(host(q, on_gpu[0]), scale)
-            _check_finite("k", host(k, on_gpu[1]))
-            _check_finite("v", host(v, on_gpu[2]))
+            check_q_fits_half(qo.to_host(), scale)
+            _check_finite("k", ko.to_host())
+            _check_finite("v", vo.to_host())
         # One run at a time: runs share the table and (on the CPU) the output array.
         self._lock = threading.Lock()
         self.shape = (rows, n_heads, head_dim)
         self.visible_pairs = 0
         self._empty = rows == 0 or kv_len == 0 or n_heads == 0
         # Output in q's library when q is a CUDA array; the CUDA arrays used in place.
-        self._like = q if on_gpu[0] else None
+        self._like = qo if on_gpu[0] else None
         self._cuda_arrays = []
         if self._empty:
             return
@@ -221,16 +221,17 @@ class PrefillPlan:
         if check_finite:
             _check_finite("mask", full_mask, allow_neg_inf=True)
         self.visible_pairs = int(np.count_nonzero(full_mask > np.float16(-65504)))
-        k_arr, v_arr = _pad_cache(k, kvp), _pad_cache(v, kvp)
-        qb, q_rs, q_hs = self._operand(dev, q, multiple=4)
+        k_arr, v_arr = _pad_cache(ko, kvp), _pad_cache(vo, kvp)
+        qb, q_rs, q_hs = self._operand(dev, qo, multiple=4)
         kb, k_rs, k_hs = self._operand(dev, k_arr)
         vb, v_rs, v_hs = self._operand(dev, v_arr)
         self._on_host = dev.backend == "cpu"
         blk_shape = (-(-rows // bq), kvp // CACHE_ROWS_PER_STEP)
         if self._like is not None:
-            self._out = _cuda.empty(self._like, self.shape, np.float32)
-            ob = _cuda.wrap(dev, self._out)
-            self._cuda_arrays.append(self._out)
+            out = self._like.new_empty(self.shape, np.float32)
+            self._out = out.obj
+            ob = dev.wrap(out)
+            self._cuda_arrays.append(out)
             blkb = dev.empty(blk_shape, np.uint8)
         elif self._on_host:
             self._out = np.empty(self.shape, dtype=np.float32)
@@ -270,17 +271,15 @@ class PrefillPlan:
             encoder, b["q"], b["k"], b["v"], b["mask"], b["blk"], b["out"], self.params
         )
 
-    def _operand(self, dev: Device, x, multiple: int = 1):
-        if not _cuda.is_cuda_array(x):
-            return _strided_buffer(dev, x, multiple)
-        view = _cuda.view(x)
-        s0, s1, s2 = view.strides
+    def _operand(self, dev: Device, op: Operand, multiple: int = 1):
+        if not op.on_cuda:
+            return _strided_buffer(dev, op.host_array(), multiple)
+        s0, s1, s2 = op.strides
         if s2 != 1 or s0 % multiple or s1 % multiple:
-            x = _cuda.contiguous(x)
-            view = _cuda.view(x)
-            s0, s1, s2 = view.strides
-        self._cuda_arrays.append(x)
-        return _cuda.wrap(dev, x, span=True), s0, s1
+            op = op.made_contiguous()
+            s0, s1, s2 = op.strides
+        self._cuda_arrays.append(op)
+        return dev.wrap(op, span=True), s0, s1
 
     def run(self):
         """Classify the mask, run the attention, and return the output (a new array on
@@ -288,12 +287,13 @@ class PrefillPlan:
         same CUDA array, overwritten, when q is one)."""
         if self._empty:
             if self._like is not None:
-                return _cuda.zeros(self._like, self.shape, np.float32)
+                return self._like.new_zeros(self.shape, np.float32).obj
             return np.zeros(self.shape, dtype=np.float32)
         b = self._buffers
         with self._lock:
-            if self._cuda_arrays:
-                _cuda.wait(self.device, [_cuda.producer_stream(x) for x in self._cuda_arrays])
+            for s in dict.fromkeys(x.producer_stream() for x in self._cuda_arrays):
+                if s is not None:
+                    self.device.wait_stream(s)
             with self.device.encoder() as enc:
                 self.encode(enc)
             if self._like is not None or self._on_host:
@@ -301,18 +301,11 @@ class PrefillPlan:
             return b["out"].numpy()
 
 
-def _shape(a) -> tuple:
-    return _cuda.view(a).shape if _cuda.is_cuda_array(a) else a.shape
-
-
-def _expect(a, name: str, dtype) -> None:
-    a_dtype, a_shape = (_cuda.view(a).dtype, _cuda.view(a).shape) if _cuda.is_cuda_array(a) else (a.dtype, a.shape)
-    if a_dtype != dtype:
-        raise UnsupportedDtypeError(
-            f"{name} must be {np.dtype(dtype).name}, got {a_dtype.name} (convert with .astype)"
-        )
-    if len(a_shape) != 3:
-        raise InvalidArgumentError(f"{name} must be 3-D [rows, heads, head_dim], got shape {a_shape}")
+def _expect(op: Operand, name: str, dtype) -> None:
+    if op.dtype != dtype:
+        raise UnsupportedDtypeError(f"{name} must be {np.dtype(dtype).name}, got {op.dtype.name}")
+    if op.ndim != 3:
+        raise InvalidArgumentError(f"{name} must be 3-D [rows, heads, head_dim], got shape {op.shape}")
 
 
 _cuda_devices: dict = {}
@@ -339,7 +332,7 @@ def _build_mask(mask, rows: int, kv_len: int, kvp: int, causal: bool, window) ->
     if mask is None:
         full[:, :kv_len] = 0
     else:
-        m = _cuda.to_host(mask) if _cuda.is_cuda_array(mask) else _as_numpy(mask)
+        m = Operand.of(mask, "mask").to_host()
         if m.shape != (rows, kv_len):
             raise InvalidArgumentError(f"mask must have shape {(rows, kv_len)}, got {m.shape}")
         if m.dtype == np.bool_:
@@ -356,15 +349,13 @@ def _build_mask(mask, rows: int, kv_len: int, kvp: int, causal: bool, window) ->
     return full
 
 
-def _pad_cache(x, kvp: int):
-    """The cache with ``kvp`` rows: the array itself when it has them, else a zero-padded
+def _pad_cache(op: Operand, kvp: int) -> Operand:
+    """The cache with ``kvp`` rows: the operand itself when it has them, else a zero-padded
     copy (padding rows must be finite; their mask columns are -inf)."""
-    if _shape(x)[0] == kvp:
-        return x
-    if _cuda.is_cuda_array(x):
-        return _cuda.padded_rows(x, kvp)
-    padded = np.zeros((kvp,) + x.shape[1:], dtype=x.dtype)
-    padded[: x.shape[0]] = x
+    if op.shape[0] == kvp:
+        return op
+    padded = op.new_zeros((kvp,) + op.shape[1:], op.dtype)
+    padded.obj[: op.shape[0]] = op.obj if op.library != "numpy" else op.host_array()
     return padded
 
 

@@ -9,19 +9,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ._lib import check, ffi, get_string, lib
+from .arrays import Operand
+from .dtypes import dtype_code as _dtype_code
+from .dtypes import numpy_dtype as _numpy_dtype
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 
-# DType codes of the C ABI.
-DTYPE_CODES = {
-    "float32": 0,
-    "float16": 1,
-    "bfloat16": 2,
-    "uint8": 3,
-    "uint16": 4,
-    "uint32": 5,
-    "int32": 6,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 BACKEND_NAMES = {0: "cpu", 1: "cuda", 2: "metal"}
 
 
@@ -58,6 +50,16 @@ def cpu_fma_peak(threads: int = 0) -> float:
     return float(out[0])
 
 
+def cuda_compile_check(arch: str = "sm_90a") -> str:
+    """Compile every CUDA kernel of the library with NVRTC for ``arch`` (``sm_90a``,
+    ``sm_80``, ...) without a GPU. Returns ptxas's report (registers and spills per entry
+    point); raises ``BackendUnavailableError`` when NVRTC is not found and
+    ``ShaderCompilationError`` (with the compiler's log) when a kernel does not compile."""
+    if not isinstance(arch, str):
+        raise InvalidArgumentError(f"arch must be a string such as 'sm_90a', got {type(arch).__name__}")
+    return get_string(lib.mlxn_cuda_compile_check, arch.encode())
+
+
 def live_handles() -> int:
     """Devices, buffers and encoders open now in this process (for leak checks)."""
     out = ffi.new("uint64_t *")
@@ -70,26 +72,6 @@ def force_cpu_isa(name: Optional[str]) -> None:
     ``portable``), or the best available with ``None``. Process-wide; for tests and
     benchmarks that compare code paths."""
     check(lib.mlxn_cpu_force_isa(ffi.NULL if name is None else name.encode()))
-
-
-def _dtype_code(dtype: Any) -> int:
-    name = np.dtype(dtype).name
-    if name not in DTYPE_CODES:
-        raise UnsupportedDtypeError(
-            f"dtype {name} is not supported (supported: {', '.join(DTYPE_CODES)})"
-        )
-    return DTYPE_CODES[name]
-
-
-def _numpy_dtype(code: int) -> np.dtype:
-    name = DTYPE_NAMES[code]
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise UnsupportedDtypeError("bfloat16 buffers need the ml_dtypes package") from e
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def _free(fn, handle: int) -> None:
@@ -163,12 +145,16 @@ class Device:
         On a CUDA device a CUDA array (PyTorch tensor, CuPy array: anything with the CUDA
         Array Interface) is used in place when it is contiguous (``copy=False``), after
         waiting for its producer stream; the buffer keeps it alive."""
-        if self.backend == "cuda":
-            from . import cuda as _cuda
-
-            if _cuda.is_cuda_array(array):
-                return _cuda.wrap(self, _cuda.copy(array) if copy else array)
-        arr = _as_numpy(array)
+        op = Operand.of(array)
+        if op.on_cuda:
+            if self.backend != "cuda":
+                raise InvalidArgumentError(f"a CUDA array needs a CUDA device, not {self!r}")
+            if not op.contiguous:
+                raise InvalidArgumentError(
+                    f"a non-contiguous CUDA array (strides {op.strides}) cannot be used in place; pass a contiguous one"
+                )
+            return self.wrap(op.copied() if copy else op)
+        arr = op.host_array()
         code = _dtype_code(arr.dtype)
         shape = arr.shape
         dims = ffi.new("uint64_t[]", [int(d) for d in shape] or [0])
@@ -193,6 +179,31 @@ class Device:
         buf.write(arr)
         return buf
 
+    def wrap(self, op: Operand, *, span: bool = False) -> "Buffer":
+        """A buffer over an operand's memory on this device, used in place and kept alive
+        by the buffer: the operand's own shape when it is contiguous, or (``span=True``) a
+        flat buffer over the elements from its first to its last. A CUDA operand is waited
+        for first (its producer stream)."""
+        if span:
+            shape = (op.span_elements(),)
+        elif op.contiguous:
+            shape = op.shape
+        else:
+            raise InvalidArgumentError(f"an array with strides {op.strides} is not contiguous; wrap its span instead")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * op.dtype.itemsize
+        code = _dtype_code(op.dtype)
+        dims = ffi.new("uint64_t[]", [int(d) for d in shape] or [0])
+        out = ffi.new("uint64_t *")
+        if op.on_cuda:
+            stream = op.producer_stream()
+            if stream is not None:
+                self.wait_stream(stream)
+            check(lib.mlxn_buffer_wrap_device(self._handle, op.ptr, nbytes, code, dims, len(shape), out))
+        else:
+            ptr = ffi.cast("void *", op.ptr) if nbytes else ffi.NULL
+            check(lib.mlxn_buffer_wrap_host(self._handle, ptr, nbytes, code, dims, len(shape), out))
+        return Buffer(self, out[0], op.dtype, shape, owner=op.obj, writable=not op.readonly)
+
     def wait_stream(self, stream: int) -> None:
         """Wait until the work queued on another library's CUDA stream (a
         ``cudaStream_t`` as an int; 1 and 2 name the default streams) is done. CUDA
@@ -205,19 +216,8 @@ class Device:
 
 
 def _as_numpy(array: Any) -> np.ndarray:
-    if isinstance(array, np.ndarray):
-        return array
-    if hasattr(array, "__dlpack__") and not hasattr(array, "__array_interface__"):
-        try:
-            return np.from_dlpack(array)
-        except (TypeError, RuntimeError, BufferError) as e:
-            raise InvalidArgumentError(
-                f"cannot view {type(array).__name__} on the host through DLPack: {e}"
-            ) from e
-    try:
-        return np.asarray(array)
-    except Exception as e:
-        raise InvalidArgumentError(f"cannot make an array of {type(array).__name__}: {e}") from e
+    """``array`` as a host numpy array (a view where it can be)."""
+    return Operand.of(array).to_host()
 
 
 class Buffer:

@@ -1,0 +1,312 @@
+"""One operand adapter for every kind of array the library takes: numpy arrays, PyTorch
+tensors (CPU and CUDA), CuPy arrays, and anything numpy can view (the buffer protocol,
+CPU DLPack). An :class:`Operand` says where the elements are (address, shape, strides in
+elements, dtype, device) and makes new arrays of the same library on the same device, so
+the layers above never branch on where an array came from.
+
+Nothing here imports the rest of the package but the errors and dtypes: the device layer
+and the attention API stand on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .dtypes import bfloat16_dtype, numpy_dtype_of_name
+from .errors import InvalidArgumentError, UnsupportedDtypeError
+
+
+
+def _library(x: Any) -> str:
+    mod = type(x).__module__.split(".")[0]
+    if mod in ("torch", "cupy", "numpy"):
+        return mod
+    return "other"
+
+
+def _torch_dtype_name(t: Any) -> str:
+    name = str(t.dtype).rsplit(".", 1)[-1]
+    return {"float": "float32", "half": "float16", "double": "float64"}.get(name, name)
+
+
+@dataclass
+class Operand:
+    """Where one array's elements are. ``strides`` are in elements; ``device`` is ``"cpu"``
+    or ``"cuda:N"``; ``ptr`` is the address of element ``[0, ..., 0]``."""
+
+    obj: Any
+    library: str
+    device: str
+    shape: tuple
+    strides: tuple
+    dtype: np.dtype
+    ptr: int
+    readonly: bool
+
+    # ------------------------------------------------------------------ making one
+
+    @classmethod
+    def of(cls, x: Any, name: str = "array") -> "Operand":
+        """The operand of ``x``; a typed error for anything that is not an array, and for a
+        tensor that requires grad (the library computes no gradient, so it refuses rather
+        than silently dropping one)."""
+        lib = _library(x)
+        if lib == "torch":
+            return cls._of_torch(x, name)
+        cai = _cuda_array_interface(x, name)
+        if cai is not None:
+            return cls._of_cai(x, cai, name)
+        if isinstance(x, (list, tuple, int, float, complex, bool, str, bytes)) or x is None:
+            raise UnsupportedDtypeError(
+                f"{name} must be an array (a numpy array, a torch tensor or a CuPy array), got {type(x).__name__}"
+            )
+        return cls._of_numpy(_as_numpy(x, name), name, obj=x)
+
+    @classmethod
+    def _of_numpy(cls, a: np.ndarray, name: str, obj: Any = None) -> "Operand":
+        item = a.itemsize
+        if any(s % item for s in a.strides):
+            raise InvalidArgumentError(f"{name} has strides {a.strides} that are not whole elements")
+        return cls(
+            obj=a if obj is None or _library(obj) == "numpy" else obj,
+            library="numpy",
+            device="cpu",
+            shape=tuple(int(d) for d in a.shape),
+            strides=tuple(s // item for s in a.strides),
+            dtype=a.dtype,
+            ptr=int(a.ctypes.data) if a.size else 0,
+            readonly=not a.flags.writeable,
+        )
+
+    @classmethod
+    def _of_torch(cls, t: Any, name: str) -> "Operand":
+        if getattr(t, "requires_grad", False):
+            raise InvalidArgumentError(
+                f"{name} requires grad, and mlx_native computes no backward pass: pass {name}.detach() "
+                "(or call it under torch.no_grad())"
+            )
+        dname = _torch_dtype_name(t)
+        try:
+            dtype = numpy_dtype_of_name(dname)
+        except UnsupportedDtypeError:
+            raise UnsupportedDtypeError(f"{name} has dtype {t.dtype}, which mlx_native does not take") from None
+        dev = t.device
+        device = "cpu" if dev.type == "cpu" else (f"cuda:{dev.index or 0}" if dev.type == "cuda" else dev.type)
+        if device not in ("cpu",) and not device.startswith("cuda:"):
+            raise InvalidArgumentError(f"{name} is on device {dev}; mlx_native takes CPU and CUDA tensors")
+        return cls(
+            obj=t,
+            library="torch",
+            device=device,
+            shape=tuple(int(d) for d in t.shape),
+            strides=tuple(int(s) for s in t.stride()),
+            dtype=dtype,
+            ptr=int(t.data_ptr()),
+            readonly=False,
+        )
+
+    @classmethod
+    def _of_cai(cls, x: Any, cai: dict, name: str) -> "Operand":
+        try:
+            dtype = np.dtype(cai["typestr"])
+        except TypeError as e:
+            raise UnsupportedDtypeError(f"{name}: CUDA array of type {cai.get('typestr')!r}: {e}") from e
+        if dtype.kind == "V" and dtype.itemsize == 2:  # bfloat16 arrays describe themselves as <V2
+            dtype = bfloat16_dtype()
+        shape = tuple(int(d) for d in cai["shape"])
+        item = dtype.itemsize
+        if cai.get("strides") is None:
+            strides = _contiguous_strides(shape)
+        else:
+            bs = tuple(int(b) for b in cai["strides"])
+            if any(b % item for b in bs):
+                raise InvalidArgumentError(f"{name}: CUDA array strides {bs} are not whole elements")
+            strides = tuple(b // item for b in bs)
+        ptr, readonly = cai["data"]
+        dev = getattr(x, "device", None)
+        index = next((v for v in (getattr(dev, "id", None), getattr(dev, "index", None)) if isinstance(v, int)), 0)
+        return cls(x, _library(x), f"cuda:{index}", shape, strides, dtype, int(ptr or 0), bool(readonly))
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def device_index(self) -> int:
+        return int(self.device.split(":")[1]) if self.on_cuda else 0
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def contiguous(self) -> bool:
+        return self.size == 0 or tuple(self.strides) == _contiguous_strides(self.shape)
+
+    def span_elements(self) -> int:
+        """Elements from the first to one past the last (non-negative strides)."""
+        if self.size == 0:
+            return 0
+        if any(s < 0 for s in self.strides):
+            raise InvalidArgumentError(f"an array with negative strides {self.strides} cannot be used in place")
+        return sum((d - 1) * s for d, s in zip(self.shape, self.strides)) + 1
+
+    def producer_stream(self) -> Optional[int]:
+        """The CUDA stream whose work must finish before this array is read or written:
+        PyTorch's current stream for a tensor, the interface's ``stream`` for others (None:
+        ready now, or a host array)."""
+        if not self.on_cuda:
+            return None
+        if self.library == "torch":
+            import torch
+
+            return int(torch.cuda.current_stream(self.obj.device).cuda_stream)
+        s = (_cuda_array_interface(self.obj, "array") or {}).get("stream")
+        return None if s is None else int(s)
+
+    # ------------------------------------------------------------------ host views
+
+    def host_array(self) -> np.ndarray:
+        """A numpy view of a host operand's elements (no copy)."""
+        if self.on_cuda:
+            raise InvalidArgumentError("a CUDA array has no host view; use to_host()")
+        if self.library == "numpy":
+            return self.obj if isinstance(self.obj, np.ndarray) else np.asarray(self.obj)
+        if self.library == "torch":
+            t = self.obj
+            if self.dtype == bfloat16_dtype():
+                import torch
+
+                return t.view(torch.int16).numpy().view(self.dtype)
+            return t.numpy()
+        return np.asarray(self.obj)
+
+    def to_host(self) -> np.ndarray:
+        """The elements as a numpy array: a view for host operands, a copy for CUDA ones."""
+        if not self.on_cuda:
+            return self.host_array()
+        if self.library == "torch":
+            import torch
+
+            t = self.obj.detach()
+            if t.dtype == torch.bfloat16:
+                return t.view(torch.int16).cpu().numpy().view(self.dtype)
+            return t.cpu().numpy()
+        if self.library == "cupy":
+            return self.obj.get()
+        raise InvalidArgumentError(f"cannot copy a {type(self.obj).__name__} to the host")
+
+    # ------------------------------------------------------------------ new arrays
+
+    def new_empty(self, shape: Sequence[int], dtype: Any) -> "Operand":
+        """A new C-contiguous array of this operand's library on its device (numpy for
+        arrays of other libraries)."""
+        dt = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        if self.library == "torch":
+            import torch
+
+            t = torch.empty(shape, dtype=_torch_dtype(dt), device=self.obj.device)
+            return Operand.of(t)
+        if self.library == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(self.device_index):
+                return Operand.of(cupy.empty(shape, dtype=dt))
+        return Operand.of(np.empty(shape, dtype=dt))
+
+    def new_zeros(self, shape: Sequence[int], dtype: Any) -> "Operand":
+        out = self.new_empty(shape, dtype)
+        if out.library == "torch":
+            out.obj.zero_()
+        elif out.library == "cupy":
+            out.obj.fill(0)
+        else:
+            out.obj.fill(0)
+        return out
+
+    def made_contiguous(self) -> "Operand":
+        """A C-contiguous copy (this operand itself when it is one)."""
+        if self.contiguous:
+            return self
+        if self.library == "torch":
+            return Operand.of(self.obj.contiguous())
+        if self.library == "cupy":
+            import cupy
+
+            return Operand.of(cupy.ascontiguousarray(self.obj))
+        return Operand.of(np.ascontiguousarray(self.host_array()))
+
+    def copied(self) -> "Operand":
+        """A new C-contiguous copy."""
+        if self.library == "torch":
+            import torch
+
+            return Operand.of(self.obj.clone(memory_format=torch.contiguous_format))
+        if self.library == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(self.device_index):
+                return Operand.of(cupy.array(self.obj, copy=True, order="C"))
+        return Operand.of(np.array(self.host_array(), copy=True, order="C"))
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, s = [], 1
+    for d in reversed(shape):
+        strides.append(s)
+        s *= int(d)
+    return tuple(reversed(strides))
+
+
+def _cuda_array_interface(x: Any, name: str) -> Optional[dict]:
+    try:
+        cai = getattr(x, "__cuda_array_interface__", None)
+    except (AttributeError, TypeError):
+        return None
+    except RuntimeError as e:  # a tensor that requires grad, for instance
+        raise InvalidArgumentError(f"cannot use {name} in place: {e}") from e
+    return cai if isinstance(cai, dict) else None
+
+
+def _as_numpy(x: Any, name: str) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, RuntimeError, BufferError) as e:
+            raise InvalidArgumentError(f"cannot view {name} ({type(x).__name__}) on the host through DLPack: {e}") from e
+    try:
+        a = np.asarray(x)
+    except Exception as e:
+        raise UnsupportedDtypeError(f"cannot make an array of {name} ({type(x).__name__}): {e}") from e
+    if a.dtype == object:
+        raise UnsupportedDtypeError(f"{name} ({type(x).__name__}) is not an array of numbers")
+    return a
+
+
+def _torch_dtype(dt: np.dtype):
+    import torch
+
+    name = "bfloat16" if dt == bfloat16_dtype() else dt.name
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8,
+             "int32": torch.int32, "int64": torch.int64, "bool": torch.bool, "int16": torch.int16}
+    if name not in table:
+        raise UnsupportedDtypeError(f"no torch dtype for {name}")
+    return table[name]
+
+
+def as_host_array(x: Any, name: str = "array") -> np.ndarray:
+    """``x`` as a numpy array: the array itself, a view of a CPU tensor, or a copy of a
+    CUDA one."""
+    return Operand.of(x, name).to_host()
