@@ -393,10 +393,12 @@ fn warn_once(key: &Path, message: &str) -> bool {
     first
 }
 
+#[cfg_attr(not(unix), allow(dead_code))]
 fn is_elf(b: &[u8]) -> bool {
     b.len() > 4 && &b[..4] == b"\x7fELF"
 }
 
+#[cfg_attr(not(unix), allow(dead_code))]
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::{Digest, Sha256};
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
