@@ -280,7 +280,7 @@ fn cache_dir() -> Option<PathBuf> {
 /// What a compile depends on: the library's and NVRTC's versions, the options, the source.
 fn cache_key(nv: &Nvrtc, opts: &[String], source: &str) -> u64 {
     let (maj, min) = nv.version();
-    let ver = format!("{}|nvrtc {maj}.{min}", crate::VERSION);
+    let ver = format!("{}|nvrtc {maj}.{min}", env!("CARGO_PKG_VERSION"));
     fnv1a(&[ver.as_bytes(), opts.join(" ").as_bytes(), source.as_bytes()])
 }
 
