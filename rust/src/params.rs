@@ -103,6 +103,97 @@ impl FlashAttnPrefillBlkParamsGpu {
     }
 }
 
+/// `flash_attn_prefill_d*` (SPEC sections 6-9): one prefill over a batch of sequences, fixed
+/// length or variable length, with a described mask (causal, window), an optional explicit
+/// mask and its tile table, optional lse, and the dtypes of Q and O. Strides in elements
+/// (the table's batch stride in bytes). The 64-bit fields come first, so that the C, CUDA
+/// and Metal structs need no padding.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct FlashAttnPrefillParamsGpu {
+    pub q_batch_stride: i64,
+    pub q_row_stride: i64,
+    pub q_head_stride: i64,
+    pub k_batch_stride: i64,
+    pub k_row_stride: i64,
+    pub k_head_stride: i64,
+    pub v_batch_stride: i64,
+    pub v_row_stride: i64,
+    pub v_head_stride: i64,
+    pub o_batch_stride: i64,
+    pub o_row_stride: i64,
+    pub o_head_stride: i64,
+    /// 0: one mask for every sequence.
+    pub mask_batch_stride: i64,
+    pub mask_row_stride: i64,
+    pub lse_batch_stride: i64,
+    pub lse_head_stride: i64,
+    /// Bytes from one sequence's tile table to the next (0: one table for all).
+    pub blk_batch_stride: i64,
+    /// Sequences.
+    pub batch: i32,
+    /// Query rows of each sequence (fixed length), or of all of them (variable length).
+    pub rows: i32,
+    /// Cache rows of each sequence (fixed length), or of all of them (variable length).
+    pub kv_len: i32,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub head_dim: i32,
+    /// The most query rows of one sequence (what the grid covers).
+    pub max_rows: i32,
+    /// `w` of a window-`w` causal mask; 0 for none.
+    pub window: i32,
+    /// `PREFILL_*` bits.
+    pub flags: i32,
+    /// `DType` codes of Q and O.
+    pub q_dtype: i32,
+    pub o_dtype: i32,
+    /// Rows of a sequence's tile table (`ceil(rows / bq)`, fixed length) and its columns
+    /// (`ceil(kv_len / 64)`): the table of the explicit mask, `[blk_rows][blk_steps]`.
+    pub blk_rows: i32,
+    pub blk_steps: i32,
+    /// Query rows of one table row (`bq`).
+    pub blk_bq: i32,
+    pub scale: f32,
+    pub reserved: i32,
+}
+
+/// Causal visibility (SPEC 6): query row r sees cache row j iff `j <= r + Lk - Lq`.
+pub const PREFILL_CAUSAL: i32 = 1;
+/// An explicit additive F16 mask (and its tile table) is bound.
+pub const PREFILL_MASK: i32 = 2;
+/// Variable length: `cu_seqlens_q` / `cu_seqlens_k` are bound (SPEC 7).
+pub const PREFILL_VARLEN: i32 = 4;
+/// lse is written (SPEC 8).
+pub const PREFILL_LSE: i32 = 8;
+
+/// `flash_attn_prefill_mask_blk`: the tile table of an explicit mask over a batch
+/// (`[batch][ceil(rows / bq)][ceil(kv_len / bk)]` bytes; columns at or past `kv_len` count as
+/// masked, rows at or past `rows` are not read).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct FlashAttnPrefillMaskBlkParamsGpu {
+    pub mask_batch_stride: i64,
+    pub mask_row_stride: i64,
+    pub batch: i32,
+    pub rows: i32,
+    pub kv_len: i32,
+    pub bq: i32,
+    pub bk: i32,
+    pub steps: i32,
+}
+
+impl FlashAttnPrefillMaskBlkParamsGpu {
+    /// Rows of one table.
+    pub fn table_rows(&self) -> i64 {
+        (self.rows as i64 + self.bq as i64 - 1) / self.bq.max(1) as i64
+    }
+    /// Bytes of the tables of every sequence.
+    pub fn table_bytes(&self) -> u64 {
+        (self.batch.max(0) as u64) * (self.table_rows().max(0) as u64) * (self.steps.max(0) as u64)
+    }
+}
+
 /// One field of a params block as the device sources must declare it: name and offset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Field {
@@ -123,6 +214,17 @@ pub const ATTENTION_FIELDS: &[Field] = fields!(FlashAttnPrefillTensorParamsGpu: 
 
 /// The fields of [`FlashAttnPrefillBlkParamsGpu`], in order.
 pub const BLK_FIELDS: &[Field] = fields!(FlashAttnPrefillBlkParamsGpu: rows, kv_pad, bq, bk);
+
+/// The fields of [`FlashAttnPrefillParamsGpu`], in order.
+pub const PREFILL_FIELDS: &[Field] = fields!(FlashAttnPrefillParamsGpu: q_batch_stride, q_row_stride,
+    q_head_stride, k_batch_stride, k_row_stride, k_head_stride, v_batch_stride, v_row_stride, v_head_stride,
+    o_batch_stride, o_row_stride, o_head_stride, mask_batch_stride, mask_row_stride, lse_batch_stride,
+    lse_head_stride, blk_batch_stride, batch, rows, kv_len, n_heads, n_kv_heads, head_dim, max_rows, window,
+    flags, q_dtype, o_dtype, blk_rows, blk_steps, blk_bq, scale, reserved);
+
+/// The fields of [`FlashAttnPrefillMaskBlkParamsGpu`], in order.
+pub const MASK_BLK_FIELDS: &[Field] =
+    fields!(FlashAttnPrefillMaskBlkParamsGpu: mask_batch_stride, mask_row_stride, batch, rows, kv_len, bq, bk, steps);
 
 #[cfg(test)]
 mod tests {

@@ -4,6 +4,7 @@
 //! which backend runs, and imports none.
 
 pub mod dense_mm_capability;
+pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
 

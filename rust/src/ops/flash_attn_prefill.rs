@@ -1,0 +1,585 @@
+//! Flash attention for prefill over a batch (SPEC sections 6-9), beside the origin op
+//! [`super::flash_attn_prefill_tensor`], which stays as it is.
+//!
+//! What it adds to the origin op:
+//! - **batches**: `batch` sequences of `rows` query rows and `kv_len` cache rows each, with
+//!   batch strides (fixed length), or variable length through `cu_seqlens_q` /
+//!   `cu_seqlens_k` (FlashAttention's convention, SPEC 7);
+//! - **described masks**: `causal` and `window`, with each prompt at the end of its cache
+//!   (SPEC 6): the kernels decide visibility from indices, and no `[rows, kv]` array
+//!   exists; an explicit additive F16 mask may be added on the visible pairs, with its tile
+//!   table from [`dispatch_flash_attn_prefill_mask_blk`];
+//! - **lse** (SPEC 8), and the dtypes of SPEC 9: Q F32, F16 or BF16, O F32, F16 or BF16
+//!   (written by the kernel itself);
+//! - any cache length: K and V need not be padded (the last step is partial).
+//!
+//! Strides are in elements, the last axis of every tensor contiguous. Validation follows
+//! the origin's care: every failure is `InvalidArgument` (or `UnsupportedDtype`) naming the
+//! problem, and nothing is dispatched.
+
+use crate::buffer::MlxBuffer;
+use crate::device::MlxDevice;
+use crate::dtypes::DType;
+use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
+use crate::error::{MlxError, Result};
+use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
+use crate::params::{
+    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK,
+    PREFILL_VARLEN,
+};
+
+/// The attention's device sources (MSL, CUDA): the same files as the origin op's, whose
+/// kernels are this one's with a fixed layout.
+pub static FLASH_ATTN_PREFILL_SHADER_SOURCE: KernelSource = KernelSource {
+    metal: Some(SourceFile {
+        name: "flash_attn_prefill_tensor.metal",
+        text: include_str!("../../../shaders/flash_attn_prefill_tensor.metal"),
+    }),
+    cuda: Some(SourceFile {
+        name: "flash_attn_prefill_tensor.cu",
+        text: include_str!("../../../shaders/flash_attn_prefill_tensor.cu"),
+    }),
+};
+
+/// The explicit mask's classifier (MSL, CUDA).
+pub static FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE: KernelSource = KernelSource {
+    metal: Some(SourceFile {
+        name: "flash_attn_prefill_blk.metal",
+        text: include_str!("../../../shaders/flash_attn_prefill_blk.metal"),
+    }),
+    cuda: Some(SourceFile { name: "flash_attn_prefill_blk.cu", text: include_str!("../../../shaders/flash_attn_prefill_blk.cu") }),
+};
+
+/// Kernel entry point at head dim 256.
+pub const K_PREFILL_D256: &str = "flash_attn_prefill_d256";
+/// Kernel entry point at head dim 512.
+pub const K_PREFILL_D512: &str = "flash_attn_prefill_d512";
+/// The explicit mask's classifier.
+pub const K_PREFILL_MASK_BLK: &str = "flash_attn_prefill_mask_blk";
+
+/// Cache rows per step, and columns of a tile of the explicit mask's table.
+pub const CACHE_ROWS_PER_STEP: u32 = 64;
+const SIMDGROUPS: u64 = 8;
+
+/// Register the entry points against their sources.
+pub fn register(registry: &mut KernelRegistry) {
+    registry.register_source(K_PREFILL_D256, FLASH_ATTN_PREFILL_SHADER_SOURCE);
+    registry.register_source(K_PREFILL_D512, FLASH_ATTN_PREFILL_SHADER_SOURCE);
+    registry.register_source(K_PREFILL_MASK_BLK, FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE);
+}
+
+/// Shapes, strides and the mask description of one prefill. Strides are in elements (the
+/// last axis of every tensor is contiguous); `#[repr(C)]`: the C ABI passes it as it is.
+///
+/// Fixed length: `batch` sequences of `rows` query rows and `kv_len` cache rows, sequence
+/// `b` at `b * <x>_strides[0]`. Variable length (`cu_seqlens_*` bound): `rows` and `kv_len`
+/// are the totals, the batch strides must be 0, and sequence `b` owns rows
+/// `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` of Q and O and `cu_seqlens_k[b]..` of K and V.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FlashAttnPrefillParams {
+    /// Q `[batch, rows, n_heads, head_dim]`: batch, row and head strides.
+    pub q_strides: [u64; 3],
+    /// K `[batch, kv_len, n_kv_heads, head_dim]`.
+    pub k_strides: [u64; 3],
+    /// V, as K.
+    pub v_strides: [u64; 3],
+    /// O `[batch, rows, n_heads, head_dim]`.
+    pub out_strides: [u64; 3],
+    /// The explicit mask `[batch or 1, rows, kv_len]`: batch stride (0: one mask for every
+    /// sequence) and row stride. Ignored without a mask.
+    pub mask_strides: [u64; 2],
+    /// lse `[batch, n_heads, rows]` (variable length: `[n_heads, total rows]`): batch and
+    /// head strides; rows are contiguous. Ignored without lse.
+    pub lse_strides: [u64; 2],
+    pub batch: u32,
+    pub rows: u32,
+    pub kv_len: u32,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    /// 1: query row r sees cache row j only if `j <= r + kv_len - rows` (per sequence).
+    pub causal: u32,
+    /// `w >= 1`: also only if `j > r + kv_len - rows - w` (needs `causal`); 0: no window.
+    pub window: u32,
+    /// Folded into Q before Q is rounded to half (SPEC 2, step 1).
+    pub scale: f32,
+}
+
+/// The buffers of one prefill. `mask` and `blk` go together (the table of `mask`, made by
+/// [`dispatch_flash_attn_prefill_mask_blk`]); so do the two `cu_seqlens`.
+#[derive(Debug, Clone, Copy)]
+pub struct FlashAttnPrefillBuffers<'a> {
+    pub q: &'a MlxBuffer,
+    pub k: &'a MlxBuffer,
+    pub v: &'a MlxBuffer,
+    pub out: &'a MlxBuffer,
+    pub mask: Option<&'a MlxBuffer>,
+    pub blk: Option<&'a MlxBuffer>,
+    pub cu_seqlens_q: Option<&'a MlxBuffer>,
+    pub cu_seqlens_k: Option<&'a MlxBuffer>,
+    pub lse: Option<&'a MlxBuffer>,
+}
+
+/// Query rows of one row of the explicit mask's tile table (its `bq`), per head dim: the
+/// origin's `queries_per_threadgroup`, so one classifier serves both ops.
+pub fn mask_tile_rows(head_dim: u32) -> Result<u32> {
+    match head_dim {
+        256 => Ok(32),
+        512 => Ok(16),
+        _ => Err(unsupported_head_dim(head_dim)),
+    }
+}
+
+fn unsupported_head_dim(head_dim: u32) -> MlxError {
+    MlxError::InvalidArgument(format!("flash_attn_prefill: unsupported head_dim {head_dim} (256 or 512)"))
+}
+
+fn kernel_name(head_dim: u32) -> Result<&'static str> {
+    match head_dim {
+        256 => Ok(K_PREFILL_D256),
+        512 => Ok(K_PREFILL_D512),
+        _ => Err(unsupported_head_dim(head_dim)),
+    }
+}
+
+/// Threadgroup memory of one dispatch of the Metal kernel: the origin's formula (queries,
+/// scores, probabilities, row scale, rescale flag), padded to 16.
+pub fn threadgroup_memory_bytes(head_dim: u32) -> Result<u64> {
+    super::flash_attn_prefill_tensor::threadgroup_memory_bytes(head_dim)
+        .map_err(|_| unsupported_head_dim(head_dim))
+}
+
+/// Bytes of the explicit mask's tile table for `p`: `[batch or 1][ceil(rows / bq)][ceil(kv_len / 64)]`
+/// (one table when the mask has batch stride 0).
+pub fn mask_table_bytes(p: &FlashAttnPrefillParams) -> Result<u64> {
+    let bq = mask_tile_rows(p.head_dim)? as u64;
+    let tables = if p.mask_strides[0] == 0 { 1 } else { p.batch as u64 };
+    Ok(tables
+        .saturating_mul((p.rows as u64).div_ceil(bq))
+        .saturating_mul((p.kv_len as u64).div_ceil(CACHE_ROWS_PER_STEP as u64)))
+}
+
+fn invalid(msg: String) -> MlxError {
+    MlxError::InvalidArgument(format!("flash_attn_prefill: {msg}"))
+}
+
+/// Elements a `[n0, n1, n2, width]` view with strides `s` spans: 0 when any count is 0.
+fn span(counts: [u64; 3], s: [u64; 3], width: u64) -> u64 {
+    if counts.contains(&0) || width == 0 {
+        return 0;
+    }
+    (counts[0] - 1)
+        .saturating_mul(s[0])
+        .saturating_add((counts[1] - 1).saturating_mul(s[1]))
+        .saturating_add((counts[2] - 1).saturating_mul(s[2]))
+        .saturating_add(width)
+}
+
+fn need(name: &str, buf: &MlxBuffer, dtypes: &[DType], elems: u64) -> Result<()> {
+    if !dtypes.contains(&buf.dtype()) {
+        let names: Vec<String> = dtypes.iter().map(|d| d.to_string()).collect();
+        return Err(MlxError::UnsupportedDtype(format!(
+            "flash_attn_prefill: {name} must be {}, got {}",
+            names.join(" or "),
+            buf.dtype()
+        )));
+    }
+    let bytes = elems.saturating_mul(buf.dtype().size_of() as u64);
+    if (buf.data_byte_len() as u64) < bytes {
+        return Err(invalid(format!("{name} holds {} bytes, its shape and strides need {bytes}", buf.data_byte_len())));
+    }
+    Ok(())
+}
+
+/// Sequence lengths of a variable-length batch, read from its `cu_seqlens` and checked
+/// (SPEC 7): `(rows of each sequence, cache rows of each sequence)`.
+fn sequence_lengths(p: &FlashAttnPrefillParams, cu_q: &MlxBuffer, cu_k: &MlxBuffer) -> Result<Vec<(u32, u32)>> {
+    let n = p.batch as usize + 1;
+    let read = |name: &str, b: &MlxBuffer, total: u32| -> Result<Vec<i32>> {
+        if b.dtype() != DType::I32 {
+            return Err(MlxError::UnsupportedDtype(format!(
+                "flash_attn_prefill: {name} must be {}, got {}",
+                DType::I32,
+                b.dtype()
+            )));
+        }
+        if b.element_count() < n {
+            return Err(invalid(format!(
+                "{name} has {} entries, a batch of {} needs {n} (batch + 1)",
+                b.element_count(),
+                p.batch
+            )));
+        }
+        let mut bytes = vec![0u8; n * 4];
+        b.read_bytes(0, &mut bytes)?;
+        let cu: Vec<i32> = bytes.chunks_exact(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect();
+        if cu[0] != 0 {
+            return Err(invalid(format!("{name}[0] is {}, it must be 0", cu[0])));
+        }
+        if let Some(i) = cu.windows(2).position(|w| w[1] < w[0]) {
+            return Err(invalid(format!("{name} decreases at entry {}: {} then {}", i + 1, cu[i], cu[i + 1])));
+        }
+        if cu[n - 1] as i64 != total as i64 {
+            return Err(invalid(format!(
+                "{name} ends at {}, not at the total of {total} rows its tensor has",
+                cu[n - 1]
+            )));
+        }
+        Ok(cu)
+    };
+    let cq = read("cu_seqlens_q", cu_q, p.rows)?;
+    let ck = read("cu_seqlens_k", cu_k, p.kv_len)?;
+    let lens: Vec<(u32, u32)> = (0..p.batch as usize)
+        .map(|b| ((cq[b + 1] - cq[b]) as u32, (ck[b + 1] - ck[b]) as u32))
+        .collect();
+    if p.causal != 0 {
+        if let Some(b) = lens.iter().position(|&(lq, lk)| lk < lq) {
+            return Err(invalid(format!(
+                "sequence {b} has {} query rows but {} cache rows: a causal prompt is the end of its cache, which cannot be shorter",
+                lens[b].0, lens[b].1
+            )));
+        }
+    }
+    Ok(lens)
+}
+
+/// A validated prefill: the params block, the kernel and the grid.
+#[derive(Debug, Clone, Copy)]
+pub struct ValidatedPrefill {
+    pub gpu: FlashAttnPrefillParamsGpu,
+    pub kernel: &'static str,
+    pub grid: GridSize,
+    /// Nothing to compute (no query row): no dispatch.
+    pub empty: bool,
+}
+
+/// Check `p` and the buffers against each other (SPEC 6-9) and build the params block.
+/// Reads the `cu_seqlens` (a copy to the host for device memory).
+pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> Result<ValidatedPrefill> {
+    let kernel = kernel_name(p.head_dim)?;
+    let bq = mask_tile_rows(p.head_dim)?;
+    if p.n_heads == 0 || p.n_kv_heads == 0 {
+        return Err(invalid(format!("n_heads {} and n_kv_heads {} must be at least 1", p.n_heads, p.n_kv_heads)));
+    }
+    if p.n_heads % p.n_kv_heads != 0 {
+        return Err(invalid(format!("n_heads {} is not a multiple of n_kv_heads {}", p.n_heads, p.n_kv_heads)));
+    }
+    if p.causal > 1 {
+        return Err(invalid(format!("causal must be 0 or 1, got {}", p.causal)));
+    }
+    if p.window != 0 && p.causal == 0 {
+        return Err(invalid(format!("window {} needs causal = 1 (a window is a causal mask's last rows)", p.window)));
+    }
+    if !p.scale.is_finite() {
+        return Err(invalid(format!("scale {} is not a finite number", p.scale)));
+    }
+    let dims = [p.batch, p.rows, p.kv_len, p.n_heads, p.n_kv_heads, p.window];
+    if dims.iter().any(|&x| x > i32::MAX as u32) {
+        return Err(invalid(format!("a dimension exceeds i32: {p:?}")));
+    }
+    let strides = [p.q_strides, p.k_strides, p.v_strides, p.out_strides];
+    if strides.iter().flatten().chain(p.mask_strides.iter()).chain(p.lse_strides.iter()).any(|&s| s > i64::MAX as u64) {
+        return Err(invalid(format!("a stride exceeds i64: {p:?}")));
+    }
+    let varlen = match (b.cu_seqlens_q, b.cu_seqlens_k) {
+        (None, None) => None,
+        (Some(q), Some(k)) => Some((q, k)),
+        _ => return Err(invalid("cu_seqlens_q and cu_seqlens_k go together: give both or neither".into())),
+    };
+    if b.mask.is_some() != b.blk.is_some() {
+        return Err(invalid("an explicit mask needs its tile table (blk), and a table its mask".into()));
+    }
+    if varlen.is_some() {
+        if b.mask.is_some() {
+            return Err(invalid(
+                "an explicit mask cannot go with cu_seqlens: describe the mask (causal, window) or pad the batch to a fixed length"
+                    .into(),
+            ));
+        }
+        let batch_strides = [p.q_strides[0], p.k_strides[0], p.v_strides[0], p.out_strides[0], p.lse_strides[0]];
+        if batch_strides.iter().any(|&s| s != 0) {
+            return Err(invalid(
+                "with cu_seqlens the sequences are rows of one tensor: the batch strides (of q, k, v, out, lse) must be 0"
+                    .into(),
+            ));
+        }
+    } else if p.causal != 0 && p.kv_len < p.rows {
+        return Err(invalid(format!(
+            "causal with {} query rows and a cache of {} rows: the prompt is the end of its cache, which cannot be shorter",
+            p.rows, p.kv_len
+        )));
+    }
+    let (nb, rows, kvl) = (p.batch as u64, p.rows as u64, p.kv_len as u64);
+    let (nh, nkv, hd) = (p.n_heads as u64, p.n_kv_heads as u64, p.head_dim as u64);
+    // Varlen: one batch of all the rows (the batch strides are 0).
+    let seqs = if varlen.is_some() { nb.min(1) } else { nb };
+    let (q_dtypes, o_dtypes) = ([DType::F32, DType::F16, DType::BF16], [DType::F32, DType::F16, DType::BF16]);
+    need("q", b.q, &q_dtypes, span([seqs, rows, nh], p.q_strides, hd))?;
+    need("k", b.k, &[DType::F16], span([seqs, kvl, nkv], p.k_strides, hd))?;
+    need("v", b.v, &[DType::F16], span([seqs, kvl, nkv], p.v_strides, hd))?;
+    need("out", b.out, &o_dtypes, span([seqs, rows, nh], p.out_strides, hd))?;
+    if let Some(lse) = b.lse {
+        need("lse", lse, &[DType::F32], span([seqs, nh, 1], [p.lse_strides[0], p.lse_strides[1], 0], rows))?;
+    }
+    if let (Some(mask), Some(blk)) = (b.mask, b.blk) {
+        let masks = if p.mask_strides[0] == 0 { nb.min(1) } else { nb };
+        need("mask", mask, &[DType::F16], span([masks, rows, 1], [p.mask_strides[0], p.mask_strides[1], 0], kvl))?;
+        let table = mask_table_bytes(p)?;
+        if blk.dtype() != DType::U8 || (blk.data_byte_len() as u64) < table {
+            return Err(invalid(format!(
+                "blk must be U8 with at least {table} bytes (tiles of {bq} x {CACHE_ROWS_PER_STEP}), got {} {} bytes",
+                blk.dtype(),
+                blk.data_byte_len()
+            )));
+        }
+    }
+    let lens = match varlen {
+        Some((cq, ck)) => Some(sequence_lengths(p, cq, ck)?),
+        None => None,
+    };
+    let inputs = [
+        ("q", Some(b.q)),
+        ("k", Some(b.k)),
+        ("v", Some(b.v)),
+        ("mask", b.mask),
+        ("blk", b.blk),
+        ("cu_seqlens_q", b.cu_seqlens_q),
+        ("cu_seqlens_k", b.cu_seqlens_k),
+    ];
+    for (name, buf) in inputs {
+        if let Some(buf) = buf {
+            if b.out.overlaps(buf) {
+                return Err(invalid(format!("out overlaps {name}")));
+            }
+            if b.lse.is_some_and(|l| l.overlaps(buf)) {
+                return Err(invalid(format!("lse overlaps {name}")));
+            }
+        }
+    }
+    if b.lse.is_some_and(|l| l.overlaps(b.out)) {
+        return Err(invalid("lse overlaps out".into()));
+    }
+
+    let max_rows = match &lens {
+        Some(l) => l.iter().map(|&(lq, _)| lq).max().unwrap_or(0),
+        None => p.rows,
+    };
+    let mut flags = 0;
+    if p.causal != 0 {
+        flags |= PREFILL_CAUSAL;
+    }
+    if b.mask.is_some() {
+        flags |= PREFILL_MASK;
+    }
+    if lens.is_some() {
+        flags |= PREFILL_VARLEN;
+    }
+    if b.lse.is_some() {
+        flags |= PREFILL_LSE;
+    }
+    let blk_rows = (p.rows as u64).div_ceil(bq as u64);
+    let blk_steps = (p.kv_len as u64).div_ceil(CACHE_ROWS_PER_STEP as u64);
+    let i = |x: u64| x as i64;
+    let gpu = FlashAttnPrefillParamsGpu {
+        q_batch_stride: i(p.q_strides[0]),
+        q_row_stride: i(p.q_strides[1]),
+        q_head_stride: i(p.q_strides[2]),
+        k_batch_stride: i(p.k_strides[0]),
+        k_row_stride: i(p.k_strides[1]),
+        k_head_stride: i(p.k_strides[2]),
+        v_batch_stride: i(p.v_strides[0]),
+        v_row_stride: i(p.v_strides[1]),
+        v_head_stride: i(p.v_strides[2]),
+        o_batch_stride: i(p.out_strides[0]),
+        o_row_stride: i(p.out_strides[1]),
+        o_head_stride: i(p.out_strides[2]),
+        mask_batch_stride: if b.mask.is_some() { i(p.mask_strides[0]) } else { 0 },
+        mask_row_stride: if b.mask.is_some() { i(p.mask_strides[1]) } else { 0 },
+        lse_batch_stride: if b.lse.is_some() { i(p.lse_strides[0]) } else { 0 },
+        lse_head_stride: if b.lse.is_some() { i(p.lse_strides[1]) } else { 0 },
+        blk_batch_stride: if b.mask.is_some() && p.mask_strides[0] != 0 { i(blk_rows * blk_steps) } else { 0 },
+        batch: p.batch as i32,
+        rows: p.rows as i32,
+        kv_len: p.kv_len as i32,
+        n_heads: p.n_heads as i32,
+        n_kv_heads: p.n_kv_heads as i32,
+        head_dim: p.head_dim as i32,
+        max_rows: max_rows as i32,
+        window: p.window as i32,
+        flags,
+        q_dtype: b.q.dtype() as i32,
+        o_dtype: b.out.dtype() as i32,
+        blk_rows: blk_rows as i32,
+        blk_steps: blk_steps as i32,
+        blk_bq: bq as i32,
+        scale: p.scale,
+        reserved: 0,
+    };
+    let grid = GridSize::new((max_rows as u64).div_ceil(bq as u64), nh, nb);
+    Ok(ValidatedPrefill { gpu, kernel, grid, empty: nb == 0 || max_rows == 0 })
+}
+
+/// Encode one prefill (SPEC 6-9): validates, then records the dispatch (none when there is
+/// no query row). Binds the params block at 0, Q at 1, K 2, V 3, the mask 4, its table 5,
+/// O 6, lse 7, `cu_seqlens_q` 8, `cu_seqlens_k` 9; a buffer that is not given is bound as
+/// Q, which the kernel then never reads.
+pub fn dispatch_flash_attn_prefill(
+    encoder: &mut CommandEncoder,
+    registry: &mut KernelRegistry,
+    device: &MlxDevice,
+    b: &FlashAttnPrefillBuffers<'_>,
+    p: &FlashAttnPrefillParams,
+) -> Result<()> {
+    let v = validate(b, p)?;
+    encode_validated(encoder, registry, device, b, &v)
+}
+
+/// Record the dispatch of a prefill [`validate`] accepted with these buffers.
+pub fn encode_validated<'a>(
+    encoder: &mut CommandEncoder,
+    registry: &mut KernelRegistry,
+    device: &MlxDevice,
+    b: &FlashAttnPrefillBuffers<'a>,
+    v: &ValidatedPrefill,
+) -> Result<()> {
+    if v.empty {
+        return Ok(());
+    }
+    let pipeline = registry.get_pipeline(v.kernel, device)?;
+    if pipeline.max_total_threads_per_threadgroup() < 32 * SIMDGROUPS {
+        return Err(invalid(format!(
+            "{}: pipeline allows {} threads per threadgroup, needs {}",
+            v.kernel,
+            pipeline.max_total_threads_per_threadgroup(),
+            32 * SIMDGROUPS
+        )));
+    }
+    let smem = threadgroup_memory_bytes(v.gpu.head_dim as u32)?;
+    let q = b.q;
+    let or_q = |x: Option<&'a MlxBuffer>| KernelArg::Buffer(x.unwrap_or(q));
+    encoder.encode_threadgroups_with_args_and_shared(
+        pipeline,
+        &[
+            (0, KernelArg::Bytes(as_bytes(&v.gpu))),
+            (1, KernelArg::Buffer(b.q)),
+            (2, KernelArg::Buffer(b.k)),
+            (3, KernelArg::Buffer(b.v)),
+            (4, or_q(b.mask)),
+            (5, or_q(b.blk)),
+            (6, KernelArg::Buffer(b.out)),
+            (7, or_q(b.lse)),
+            (8, or_q(b.cu_seqlens_q)),
+            (9, or_q(b.cu_seqlens_k)),
+        ],
+        &[(0, smem)],
+        v.grid,
+        GridSize::new(32, SIMDGROUPS, 1),
+    )
+}
+
+/// The params block of the classification of `p`'s explicit mask (tiles of
+/// `mask_tile_rows(head_dim) x 64`).
+pub fn mask_blk_params(p: &FlashAttnPrefillParams) -> Result<FlashAttnPrefillMaskBlkParamsGpu> {
+    let bq = mask_tile_rows(p.head_dim)?;
+    let masks = if p.mask_strides[0] == 0 { p.batch.min(1) } else { p.batch };
+    Ok(FlashAttnPrefillMaskBlkParamsGpu {
+        mask_batch_stride: p.mask_strides[0] as i64,
+        mask_row_stride: p.mask_strides[1] as i64,
+        batch: masks as i32,
+        rows: p.rows as i32,
+        kv_len: p.kv_len as i32,
+        bq: bq as i32,
+        bk: CACHE_ROWS_PER_STEP as i32,
+        steps: p.kv_len.div_ceil(CACHE_ROWS_PER_STEP) as i32,
+    })
+}
+
+/// Encode the classification of `mask` (F16 `[batch or 1, rows, kv_len]`, `p.mask_strides`)
+/// into `blk`, the table [`dispatch_flash_attn_prefill`] reads: per tile, 0 when every value
+/// is -inf (or <= -65504; columns at or past `kv_len` count as such), 2 when every value is
+/// +0 or -0, 1 otherwise (SPEC 1). One threadgroup of 32 threads per tile.
+pub fn dispatch_flash_attn_prefill_mask_blk(
+    encoder: &mut CommandEncoder,
+    registry: &mut KernelRegistry,
+    device: &MlxDevice,
+    mask: &MlxBuffer,
+    blk: &MlxBuffer,
+    p: &FlashAttnPrefillParams,
+) -> Result<()> {
+    let g = mask_blk_params(p)?;
+    if p.batch > i32::MAX as u32 || p.rows > i32::MAX as u32 || p.kv_len > i32::MAX as u32 {
+        return Err(invalid(format!("a dimension exceeds i32: {p:?}")));
+    }
+    if p.mask_strides.iter().any(|&s| s > i64::MAX as u64) {
+        return Err(invalid(format!("a mask stride exceeds i64: {:?}", p.mask_strides)));
+    }
+    let (masks, rows, kvl) = (g.batch as u64, p.rows as u64, p.kv_len as u64);
+    need("mask", mask, &[DType::F16], span([masks, rows, 1], [p.mask_strides[0], p.mask_strides[1], 0], kvl))?;
+    let table = g.table_bytes();
+    if blk.dtype() != DType::U8 || (blk.data_byte_len() as u64) < table {
+        return Err(invalid(format!(
+            "blk must be U8 with at least {table} bytes, got {} {} bytes",
+            blk.dtype(),
+            blk.data_byte_len()
+        )));
+    }
+    if blk.overlaps(mask) {
+        return Err(invalid("blk overlaps the mask".into()));
+    }
+    if table == 0 {
+        return Ok(());
+    }
+    let pipeline = registry.get_pipeline(K_PREFILL_MASK_BLK, device)?;
+    encoder.encode_threadgroups_with_args_and_shared(
+        pipeline,
+        &[(0, KernelArg::Bytes(as_bytes(&g))), (1, KernelArg::Buffer(mask)), (2, KernelArg::Buffer(blk))],
+        &[],
+        GridSize::new(g.steps as u64, g.table_rows() as u64, masks),
+        GridSize::new(32, 1, 1),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_params_block_has_no_padding() {
+        assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 17 * 8 + 16 * 4);
+        assert_eq!(std::mem::size_of::<FlashAttnPrefillMaskBlkParamsGpu>(), 2 * 8 + 6 * 4);
+    }
+
+    #[test]
+    fn spans_count_every_axis() {
+        assert_eq!(span([2, 3, 4], [1000, 100, 10], 8), 1000 + 200 + 30 + 8);
+        assert_eq!(span([0, 3, 4], [1000, 100, 10], 8), 0);
+        assert_eq!(span([1, 1, 1], [u64::MAX, u64::MAX, 0], 8), 8);
+        assert_eq!(span([2, 1, 1], [u64::MAX, 0, 0], 8), u64::MAX, "saturates");
+    }
+
+    #[test]
+    fn the_mask_table_has_one_row_per_tile_of_queries() {
+        let p = FlashAttnPrefillParams {
+            q_strides: [0; 3],
+            k_strides: [0; 3],
+            v_strides: [0; 3],
+            out_strides: [0; 3],
+            mask_strides: [0, 130],
+            lse_strides: [0; 2],
+            batch: 3,
+            rows: 33,
+            kv_len: 129,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 256,
+            causal: 0,
+            window: 0,
+            scale: 1.0,
+        };
+        assert_eq!(mask_table_bytes(&p).unwrap(), 2 * 3);
+        assert_eq!(mask_table_bytes(&FlashAttnPrefillParams { mask_strides: [33 * 130, 130], ..p }).unwrap(), 3 * 2 * 3);
+        assert_eq!(mask_table_bytes(&FlashAttnPrefillParams { head_dim: 512, ..p }).unwrap(), 3 * 3);
+        assert!(mask_table_bytes(&FlashAttnPrefillParams { head_dim: 128, ..p }).is_err());
+    }
+}
