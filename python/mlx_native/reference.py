@@ -74,3 +74,107 @@ def random_qkv(rows: int, n_heads: int, n_kv_heads: int, head_dim: int, kv_len: 
 def useful_flops(head_dim: int, n_heads: int, visible_pairs: int) -> float:
     """SPEC section 5: ``4 * head_dim * n_heads * (unmasked (r, j) pairs)``."""
     return 4.0 * head_dim * n_heads * visible_pairs
+
+
+def visible_mask(lq: int, lk: int, causal: bool = False, window: Optional[int] = None) -> np.ndarray:
+    """SPEC 6: bool ``[lq, lk]``, True where query row r may see cache row j (the prompt is
+    the last ``lq`` rows of the cache: ``offset = lk - lq``)."""
+    r = np.arange(lq)[:, None] + (lk - lq)
+    j = np.arange(lk)[None, :]
+    ok = np.ones((lq, lk), dtype=bool)
+    if causal or window is not None:
+        ok &= j <= r
+    if window is not None:
+        ok &= j > r - window
+    return ok
+
+
+def reference_prefill(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: Optional[np.ndarray] = None,
+    *,
+    causal: bool = False,
+    window: Optional[int] = None,
+    scale: float = 1.0,
+    cu_seqlens_q: Optional[np.ndarray] = None,
+    cu_seqlens_k: Optional[np.ndarray] = None,
+):
+    """SPEC 6-8 in float64 on the kernels' rounded inputs: ``half(scale * q)`` (q read as
+    float from any dtype), K/V as given (float16), an optional additive mask (rounded to
+    float16) added on the visible pairs. Shapes as the high-level API takes them: q
+    ``[rows, H, D]`` or ``[B, rows, H, D]``, k/v ``[kv, Hkv, D]`` or ``[B, kv, Hkv, D]``,
+    mask ``[rows, kv]`` or ``[B or 1, rows, kv]`` (a 4-D ``[B or 1, 1, rows, kv]`` is taken
+    too); variable length with ``cu_seqlens_*`` on 3-D q/k/v (no mask).
+
+    Returns ``(out, lse)`` in float64: out shaped like q, lse ``[H, rows]``, ``[B, H, rows]``
+    or ``[H, total_q]`` (SPEC 8: ``ln(sum_j exp(s_j))``; -inf and zero output where a row
+    sees nothing)."""
+    q = np.asarray(q)
+    batched = q.ndim == 4
+    qs = q if batched else q[None]
+    ks = np.asarray(k) if batched else np.asarray(k)[None]
+    vs = np.asarray(v) if batched else np.asarray(v)[None]
+    if mask is not None:
+        m = np.asarray(mask)
+        if m.ndim == 4:
+            m = m[:, 0]
+        if m.ndim == 2:
+            m = m[None]
+        m = m.astype(np.float16).astype(np.float64)
+    if cu_seqlens_q is not None:
+        cq, ck = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
+        seqs = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+        out = np.zeros(q.shape, np.float64)
+        lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+        for qsl, ksl in seqs:
+            o, l = _one_sequence(q[qsl], k[ksl], v[ksl], None, causal, window, scale)
+            out[qsl] = o
+            lse[:, qsl] = l
+        return out, lse
+    nb = qs.shape[0]
+    out = np.zeros(qs.shape, np.float64)
+    lse = np.full((nb, qs.shape[2], qs.shape[1]), -np.inf)
+    for b in range(nb):
+        mb = None if mask is None else m[b if m.shape[0] > 1 else 0]
+        out[b], lse[b] = _one_sequence(qs[b], ks[b], vs[b], mb, causal, window, scale)
+    return (out, lse) if batched else (out[0], lse[0])
+
+
+def _one_sequence(q, k, v, mask, causal, window, scale):
+    lq, n_heads, head_dim = q.shape
+    lk, n_kv_heads, _ = k.shape
+    group = n_heads // n_kv_heads
+    qh = (np.float32(scale) * q.astype(np.float32)).astype(np.float16).astype(np.float64)
+    seen = visible_mask(lq, lk, causal, window)
+    add = np.where(seen, 0.0, -np.inf) if mask is None else np.where(seen, mask, -np.inf)
+    out = np.zeros((lq, n_heads, v.shape[2]), np.float64)
+    lse = np.full((n_heads, lq), -np.inf)
+    if lq == 0 or lk == 0:
+        return out, lse
+    for h in range(n_heads):
+        g = h // group
+        s = qh[:, h, :] @ k[:, g, :].astype(np.float64).T + add
+        mx = s.max(axis=1, keepdims=True)
+        ok = np.isfinite(mx[:, 0])
+        p = np.zeros_like(s)
+        p[ok] = np.exp(s[ok] - mx[ok])
+        denom = p.sum(axis=1)
+        out[ok, h, :] = (p[ok] @ v[:, g, :].astype(np.float64)) / denom[ok, None]
+        lse[h, ok] = mx[ok, 0] + np.log(denom[ok])
+    return out, lse
+
+
+def merge_reference(o1, lse1, o2, lse2):
+    """SPEC 8's merge of two partial results over disjoint cache ranges, in float64 (lse
+    ``[..., H, rows]`` against out ``[..., rows, H, D]``)."""
+    l1 = np.moveaxis(np.asarray(lse1, np.float64), -1, -2)[..., None]
+    l2 = np.moveaxis(np.asarray(lse2, np.float64), -1, -2)[..., None]
+    top = np.maximum(l1, l2)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    w1, w2 = np.exp(l1 - safe), np.exp(l2 - safe)
+    total = w1 + w2
+    out = np.where(total > 0, (w1 * o1 + w2 * o2) / np.where(total > 0, total, 1), 0.0)
+    lse = np.where(total[..., 0] > 0, safe[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1)), -np.inf)
+    return out, np.moveaxis(lse, -1, -2)
