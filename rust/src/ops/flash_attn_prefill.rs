@@ -176,34 +176,29 @@ fn span(counts: [u64; 3], s: [u64; 3], width: u64) -> u64 {
         .saturating_add(width)
 }
 
-fn need(name: &str, buf: &MlxBuffer, dtypes: &[DType], elems: u64) -> Result<()> {
-    if !dtypes.contains(&buf.dtype()) {
-        let names: Vec<String> = dtypes.iter().map(|d| d.to_string()).collect();
-        return Err(MlxError::UnsupportedDtype(format!(
-            "flash_attn_prefill: {name} must be {}, got {}",
-            names.join(" or "),
-            buf.dtype()
-        )));
+fn dtype_in(name: &str, got: DType, allowed: &[DType]) -> Result<()> {
+    if allowed.contains(&got) {
+        return Ok(());
     }
-    let bytes = elems.saturating_mul(buf.dtype().size_of() as u64);
+    let names: Vec<String> = allowed.iter().map(|d| d.to_string()).collect();
+    Err(MlxError::UnsupportedDtype(format!("flash_attn_prefill: {name} must be {}, got {got}", names.join(" or "))))
+}
+
+fn need(name: &str, buf: &MlxBuffer, dtype: DType, elems: u64) -> Result<()> {
+    dtype_in(name, buf.dtype(), &[dtype])?;
+    let bytes = elems.saturating_mul(dtype.size_of() as u64);
     if (buf.data_byte_len() as u64) < bytes {
         return Err(invalid(format!("{name} holds {} bytes, its shape and strides need {bytes}", buf.data_byte_len())));
     }
     Ok(())
 }
 
-/// Sequence lengths of a variable-length batch, read from its `cu_seqlens` and checked
-/// (SPEC 7): `(rows of each sequence, cache rows of each sequence)`.
-fn sequence_lengths(p: &FlashAttnPrefillParams, cu_q: &MlxBuffer, cu_k: &MlxBuffer) -> Result<Vec<(u32, u32)>> {
+/// Read the `cu_seqlens` of a variable-length batch (`batch + 1` int32 each, a copy to the
+/// host for device memory) and check them (SPEC 7).
+pub fn read_sequence_lengths(p: &FlashAttnPrefillParams, cu_q: &MlxBuffer, cu_k: &MlxBuffer) -> Result<Vec<(u32, u32)>> {
     let n = p.batch as usize + 1;
-    let read = |name: &str, b: &MlxBuffer, total: u32| -> Result<Vec<i32>> {
-        if b.dtype() != DType::I32 {
-            return Err(MlxError::UnsupportedDtype(format!(
-                "flash_attn_prefill: {name} must be {}, got {}",
-                DType::I32,
-                b.dtype()
-            )));
-        }
+    let read = |name: &str, b: &MlxBuffer| -> Result<Vec<i32>> {
+        dtype_in(name, b.dtype(), &[DType::I32])?;
         if b.element_count() < n {
             return Err(invalid(format!(
                 "{name} has {} entries, a batch of {} needs {n} (batch + 1)",
@@ -213,7 +208,20 @@ fn sequence_lengths(p: &FlashAttnPrefillParams, cu_q: &MlxBuffer, cu_k: &MlxBuff
         }
         let mut bytes = vec![0u8; n * 4];
         b.read_bytes(0, &mut bytes)?;
-        let cu: Vec<i32> = bytes.chunks_exact(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect();
+        Ok(bytes.chunks_exact(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect())
+    };
+    sequence_lengths(p, &read("cu_seqlens_q", cu_q)?, &read("cu_seqlens_k", cu_k)?)
+}
+
+/// The sequences' (query rows, cache rows) from `cu_seqlens` values, checked (SPEC 7):
+/// `batch + 1` entries each, starting at 0, non-decreasing, ending at the totals; and a
+/// causal sequence's cache no shorter than its prompt.
+pub fn sequence_lengths(p: &FlashAttnPrefillParams, cq: &[i32], ck: &[i32]) -> Result<Vec<(u32, u32)>> {
+    let n = p.batch as usize + 1;
+    let check = |name: &str, cu: &[i32], total: u32| -> Result<()> {
+        if cu.len() != n {
+            return Err(invalid(format!("{name} has {} entries, a batch of {} needs {n} (batch + 1)", cu.len(), p.batch)));
+        }
         if cu[0] != 0 {
             return Err(invalid(format!("{name}[0] is {}, it must be 0", cu[0])));
         }
@@ -221,18 +229,14 @@ fn sequence_lengths(p: &FlashAttnPrefillParams, cu_q: &MlxBuffer, cu_k: &MlxBuff
             return Err(invalid(format!("{name} decreases at entry {}: {} then {}", i + 1, cu[i], cu[i + 1])));
         }
         if cu[n - 1] as i64 != total as i64 {
-            return Err(invalid(format!(
-                "{name} ends at {}, not at the total of {total} rows its tensor has",
-                cu[n - 1]
-            )));
+            return Err(invalid(format!("{name} ends at {}, not at the total of {total} rows its tensor has", cu[n - 1])));
         }
-        Ok(cu)
+        Ok(())
     };
-    let cq = read("cu_seqlens_q", cu_q, p.rows)?;
-    let ck = read("cu_seqlens_k", cu_k, p.kv_len)?;
-    let lens: Vec<(u32, u32)> = (0..p.batch as usize)
-        .map(|b| ((cq[b + 1] - cq[b]) as u32, (ck[b + 1] - ck[b]) as u32))
-        .collect();
+    check("cu_seqlens_q", cq, p.rows)?;
+    check("cu_seqlens_k", ck, p.kv_len)?;
+    let lens: Vec<(u32, u32)> =
+        (0..p.batch as usize).map(|b| ((cq[b + 1] - cq[b]) as u32, (ck[b + 1] - ck[b]) as u32)).collect();
     if p.causal != 0 {
         if let Some(b) = lens.iter().position(|&(lq, lk)| lk < lq) {
             return Err(invalid(format!(
@@ -244,19 +248,49 @@ fn sequence_lengths(p: &FlashAttnPrefillParams, cu_q: &MlxBuffer, cu_k: &MlxBuff
     Ok(lens)
 }
 
-/// A validated prefill: the params block, the kernel and the grid.
-#[derive(Debug, Clone, Copy)]
+/// What a prefill's buffers are, before any exists: their dtypes and which are given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillOperands {
+    pub q_dtype: DType,
+    pub kv_dtype: DType,
+    pub out_dtype: DType,
+    pub mask: bool,
+    pub lse: bool,
+}
+
+/// Elements (bytes for `blk`) each buffer of a prefill must hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefillExtents {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub mask: u64,
+    pub blk: u64,
+    pub lse: u64,
+}
+
+/// A prefill whose shapes, strides, description and dtypes were checked: the params
+/// block, the kernel, the grid and what each buffer must hold.
+#[derive(Debug, Clone)]
 pub struct ValidatedPrefill {
     pub gpu: FlashAttnPrefillParamsGpu,
     pub kernel: &'static str,
     pub grid: GridSize,
     /// Nothing to compute (no query row): no dispatch.
     pub empty: bool,
+    pub operands: PrefillOperands,
+    pub extents: PrefillExtents,
 }
 
-/// Check `p` and the buffers against each other (SPEC 6-9) and build the params block.
-/// Reads the `cu_seqlens` (a copy to the host for device memory).
-pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> Result<ValidatedPrefill> {
+/// Check `p` with its operands' dtypes (SPEC 6-9), and, for a variable-length batch, the
+/// sequence lengths (`lens`, from [`sequence_lengths`]; `None` for fixed length). Every
+/// check that needs no buffer.
+pub fn validate_shapes(
+    p: &FlashAttnPrefillParams,
+    o: &PrefillOperands,
+    lens: Option<&[(u32, u32)]>,
+) -> Result<ValidatedPrefill> {
     let kernel = kernel_name(p.head_dim)?;
     let bq = mask_tile_rows(p.head_dim)?;
     if p.n_heads == 0 || p.n_kv_heads == 0 {
@@ -282,16 +316,11 @@ pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> 
     if strides.iter().flatten().chain(p.mask_strides.iter()).chain(p.lse_strides.iter()).any(|&s| s > i64::MAX as u64) {
         return Err(invalid(format!("a stride exceeds i64: {p:?}")));
     }
-    let varlen = match (b.cu_seqlens_q, b.cu_seqlens_k) {
-        (None, None) => None,
-        (Some(q), Some(k)) => Some((q, k)),
-        _ => return Err(invalid("cu_seqlens_q and cu_seqlens_k go together: give both or neither".into())),
-    };
-    if b.mask.is_some() != b.blk.is_some() {
-        return Err(invalid("an explicit mask needs its tile table (blk), and a table its mask".into()));
-    }
-    if varlen.is_some() {
-        if b.mask.is_some() {
+    dtype_in("q", o.q_dtype, &[DType::F32, DType::F16, DType::BF16])?;
+    dtype_in("k and v", o.kv_dtype, &[DType::F16])?;
+    dtype_in("out", o.out_dtype, &[DType::F32, DType::F16, DType::BF16])?;
+    if let Some(lens) = lens {
+        if o.mask {
             return Err(invalid(
                 "an explicit mask cannot go with cu_seqlens: describe the mask (causal, window) or pad the batch to a fixed length"
                     .into(),
@@ -304,6 +333,9 @@ pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> 
                     .into(),
             ));
         }
+        if lens.len() != p.batch as usize {
+            return Err(invalid(format!("{} sequence lengths for a batch of {}", lens.len(), p.batch)));
+        }
     } else if p.causal != 0 && p.kv_len < p.rows {
         return Err(invalid(format!(
             "causal with {} query rows and a cache of {} rows: the prompt is the end of its cache, which cannot be shorter",
@@ -312,32 +344,117 @@ pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> 
     }
     let (nb, rows, kvl) = (p.batch as u64, p.rows as u64, p.kv_len as u64);
     let (nh, nkv, hd) = (p.n_heads as u64, p.n_kv_heads as u64, p.head_dim as u64);
-    // Varlen: one batch of all the rows (the batch strides are 0).
-    let seqs = if varlen.is_some() { nb.min(1) } else { nb };
-    let (q_dtypes, o_dtypes) = ([DType::F32, DType::F16, DType::BF16], [DType::F32, DType::F16, DType::BF16]);
-    need("q", b.q, &q_dtypes, span([seqs, rows, nh], p.q_strides, hd))?;
-    need("k", b.k, &[DType::F16], span([seqs, kvl, nkv], p.k_strides, hd))?;
-    need("v", b.v, &[DType::F16], span([seqs, kvl, nkv], p.v_strides, hd))?;
-    need("out", b.out, &o_dtypes, span([seqs, rows, nh], p.out_strides, hd))?;
-    if let Some(lse) = b.lse {
-        need("lse", lse, &[DType::F32], span([seqs, nh, 1], [p.lse_strides[0], p.lse_strides[1], 0], rows))?;
+    // Variable length: one batch of all the rows (the batch strides are 0).
+    let seqs = if lens.is_some() { nb.min(1) } else { nb };
+    let masks = if p.mask_strides[0] == 0 { nb.min(1) } else { nb };
+    let extents = PrefillExtents {
+        q: span([seqs, rows, nh], p.q_strides, hd),
+        k: span([seqs, kvl, nkv], p.k_strides, hd),
+        v: span([seqs, kvl, nkv], p.v_strides, hd),
+        out: span([seqs, rows, nh], p.out_strides, hd),
+        mask: if o.mask { span([masks, rows, 1], [p.mask_strides[0], p.mask_strides[1], 0], kvl) } else { 0 },
+        blk: if o.mask { mask_table_bytes(p)? } else { 0 },
+        lse: if o.lse { span([seqs, nh, 1], [p.lse_strides[0], p.lse_strides[1], 0], rows) } else { 0 },
+    };
+    let max_rows = match lens {
+        Some(l) => l.iter().map(|&(lq, _)| lq).max().unwrap_or(0),
+        None => p.rows,
+    };
+    let mut flags = 0;
+    if p.causal != 0 {
+        flags |= PREFILL_CAUSAL;
     }
-    if let (Some(mask), Some(blk)) = (b.mask, b.blk) {
-        let masks = if p.mask_strides[0] == 0 { nb.min(1) } else { nb };
-        need("mask", mask, &[DType::F16], span([masks, rows, 1], [p.mask_strides[0], p.mask_strides[1], 0], kvl))?;
-        let table = mask_table_bytes(p)?;
-        if blk.dtype() != DType::U8 || (blk.data_byte_len() as u64) < table {
-            return Err(invalid(format!(
-                "blk must be U8 with at least {table} bytes (tiles of {bq} x {CACHE_ROWS_PER_STEP}), got {} {} bytes",
-                blk.dtype(),
-                blk.data_byte_len()
-            )));
+    if o.mask {
+        flags |= PREFILL_MASK;
+    }
+    if lens.is_some() {
+        flags |= PREFILL_VARLEN;
+    }
+    if o.lse {
+        flags |= PREFILL_LSE;
+    }
+    let blk_rows = rows.div_ceil(bq as u64);
+    let blk_steps = kvl.div_ceil(CACHE_ROWS_PER_STEP as u64);
+    let i = |x: u64| x as i64;
+    let gpu = FlashAttnPrefillParamsGpu {
+        q_batch_stride: i(p.q_strides[0]),
+        q_row_stride: i(p.q_strides[1]),
+        q_head_stride: i(p.q_strides[2]),
+        k_batch_stride: i(p.k_strides[0]),
+        k_row_stride: i(p.k_strides[1]),
+        k_head_stride: i(p.k_strides[2]),
+        v_batch_stride: i(p.v_strides[0]),
+        v_row_stride: i(p.v_strides[1]),
+        v_head_stride: i(p.v_strides[2]),
+        o_batch_stride: i(p.out_strides[0]),
+        o_row_stride: i(p.out_strides[1]),
+        o_head_stride: i(p.out_strides[2]),
+        mask_batch_stride: if o.mask { i(p.mask_strides[0]) } else { 0 },
+        mask_row_stride: if o.mask { i(p.mask_strides[1]) } else { 0 },
+        lse_batch_stride: if o.lse { i(p.lse_strides[0]) } else { 0 },
+        lse_head_stride: if o.lse { i(p.lse_strides[1]) } else { 0 },
+        blk_batch_stride: if o.mask && p.mask_strides[0] != 0 { i(blk_rows * blk_steps) } else { 0 },
+        batch: p.batch as i32,
+        rows: p.rows as i32,
+        kv_len: p.kv_len as i32,
+        n_heads: p.n_heads as i32,
+        n_kv_heads: p.n_kv_heads as i32,
+        head_dim: p.head_dim as i32,
+        max_rows: max_rows as i32,
+        window: p.window as i32,
+        flags,
+        q_dtype: o.q_dtype as i32,
+        o_dtype: o.out_dtype as i32,
+        blk_rows: blk_rows as i32,
+        blk_steps: blk_steps as i32,
+        blk_bq: bq as i32,
+        scale: p.scale,
+        reserved: 0,
+    };
+    let grid = GridSize::new((max_rows as u64).div_ceil(bq as u64), nh, nb);
+    Ok(ValidatedPrefill { gpu, kernel, grid, empty: nb == 0 || max_rows == 0, operands: *o, extents })
+}
+
+/// Check the buffers of a prefill [`validate_shapes`] accepted: which are given, their
+/// dtypes and sizes, and that no output overlaps an input or the other output.
+pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -> Result<()> {
+    let (o, e) = (&v.operands, &v.extents);
+    if b.mask.is_some() != o.mask || b.blk.is_some() != o.mask {
+        return Err(invalid(if o.mask {
+            "this prefill has an explicit mask: give the mask and its tile table (blk)".into()
+        } else {
+            "this prefill has no explicit mask: give neither a mask nor a table".into()
+        }));
+    }
+    if b.lse.is_some() != o.lse {
+        return Err(invalid(if o.lse { "this prefill returns lse: give its buffer".into() } else { "this prefill returns no lse".into() }));
+    }
+    let varlen = v.gpu.flags & PREFILL_VARLEN != 0;
+    if b.cu_seqlens_q.is_some() != varlen || b.cu_seqlens_k.is_some() != varlen {
+        return Err(invalid(if varlen {
+            "this prefill is variable length: give cu_seqlens_q and cu_seqlens_k".into()
+        } else {
+            "cu_seqlens_q and cu_seqlens_k go together with a variable-length prefill; this one is fixed length".into()
+        }));
+    }
+    need("q", b.q, o.q_dtype, e.q)?;
+    need("k", b.k, o.kv_dtype, e.k)?;
+    need("v", b.v, o.kv_dtype, e.v)?;
+    need("out", b.out, o.out_dtype, e.out)?;
+    if let Some(lse) = b.lse {
+        need("lse", lse, DType::F32, e.lse)?;
+    }
+    if let Some(mask) = b.mask {
+        need("mask", mask, DType::F16, e.mask)?;
+    }
+    if let Some(blk) = b.blk {
+        need("blk", blk, DType::U8, e.blk)?;
+    }
+    for (name, cu) in [("cu_seqlens_q", b.cu_seqlens_q), ("cu_seqlens_k", b.cu_seqlens_k)] {
+        if let Some(cu) = cu {
+            need(name, cu, DType::I32, v.gpu.batch as u64 + 1)?;
         }
     }
-    let lens = match varlen {
-        Some((cq, ck)) => Some(sequence_lengths(p, cq, ck)?),
-        None => None,
-    };
     let inputs = [
         ("q", Some(b.q)),
         ("k", Some(b.k)),
@@ -360,64 +477,37 @@ pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> 
     if b.lse.is_some_and(|l| l.overlaps(b.out)) {
         return Err(invalid("lse overlaps out".into()));
     }
+    Ok(())
+}
 
-    let max_rows = match &lens {
-        Some(l) => l.iter().map(|&(lq, _)| lq).max().unwrap_or(0),
-        None => p.rows,
+/// Check `p` and the buffers against each other (SPEC 6-9) and build the params block.
+/// Reads the `cu_seqlens` of a variable-length batch (a copy to the host for device memory).
+pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> Result<ValidatedPrefill> {
+    let lens = match (b.cu_seqlens_q, b.cu_seqlens_k) {
+        (None, None) => None,
+        (Some(q), Some(k)) => Some(read_sequence_lengths(p, q, k)?),
+        _ => return Err(invalid("cu_seqlens_q and cu_seqlens_k go together: give both or neither".into())),
     };
-    let mut flags = 0;
-    if p.causal != 0 {
-        flags |= PREFILL_CAUSAL;
+    if b.mask.is_some() != b.blk.is_some() {
+        return Err(invalid("an explicit mask needs its tile table (blk), and a table its mask".into()));
     }
-    if b.mask.is_some() {
-        flags |= PREFILL_MASK;
-    }
-    if lens.is_some() {
-        flags |= PREFILL_VARLEN;
-    }
-    if b.lse.is_some() {
-        flags |= PREFILL_LSE;
-    }
-    let blk_rows = (p.rows as u64).div_ceil(bq as u64);
-    let blk_steps = (p.kv_len as u64).div_ceil(CACHE_ROWS_PER_STEP as u64);
-    let i = |x: u64| x as i64;
-    let gpu = FlashAttnPrefillParamsGpu {
-        q_batch_stride: i(p.q_strides[0]),
-        q_row_stride: i(p.q_strides[1]),
-        q_head_stride: i(p.q_strides[2]),
-        k_batch_stride: i(p.k_strides[0]),
-        k_row_stride: i(p.k_strides[1]),
-        k_head_stride: i(p.k_strides[2]),
-        v_batch_stride: i(p.v_strides[0]),
-        v_row_stride: i(p.v_strides[1]),
-        v_head_stride: i(p.v_strides[2]),
-        o_batch_stride: i(p.out_strides[0]),
-        o_row_stride: i(p.out_strides[1]),
-        o_head_stride: i(p.out_strides[2]),
-        mask_batch_stride: if b.mask.is_some() { i(p.mask_strides[0]) } else { 0 },
-        mask_row_stride: if b.mask.is_some() { i(p.mask_strides[1]) } else { 0 },
-        lse_batch_stride: if b.lse.is_some() { i(p.lse_strides[0]) } else { 0 },
-        lse_head_stride: if b.lse.is_some() { i(p.lse_strides[1]) } else { 0 },
-        blk_batch_stride: if b.mask.is_some() && p.mask_strides[0] != 0 { i(blk_rows * blk_steps) } else { 0 },
-        batch: p.batch as i32,
-        rows: p.rows as i32,
-        kv_len: p.kv_len as i32,
-        n_heads: p.n_heads as i32,
-        n_kv_heads: p.n_kv_heads as i32,
-        head_dim: p.head_dim as i32,
-        max_rows: max_rows as i32,
-        window: p.window as i32,
-        flags,
-        q_dtype: b.q.dtype() as i32,
-        o_dtype: b.out.dtype() as i32,
-        blk_rows: blk_rows as i32,
-        blk_steps: blk_steps as i32,
-        blk_bq: bq as i32,
-        scale: p.scale,
-        reserved: 0,
+    let operands = PrefillOperands {
+        q_dtype: b.q.dtype(),
+        kv_dtype: b.k.dtype(),
+        out_dtype: b.out.dtype(),
+        mask: b.mask.is_some(),
+        lse: b.lse.is_some(),
     };
-    let grid = GridSize::new((max_rows as u64).div_ceil(bq as u64), nh, nb);
-    Ok(ValidatedPrefill { gpu, kernel, grid, empty: nb == 0 || max_rows == 0 })
+    if b.v.dtype() != b.k.dtype() {
+        return Err(MlxError::UnsupportedDtype(format!(
+            "flash_attn_prefill: k is {} and v is {}: they must have one dtype",
+            b.k.dtype(),
+            b.v.dtype()
+        )));
+    }
+    let v = validate_shapes(p, &operands, lens.as_deref())?;
+    validate_buffers(b, &v)?;
+    Ok(v)
 }
 
 /// Encode one prefill (SPEC 6-9): validates, then records the dispatch (none when there is
@@ -515,7 +605,7 @@ pub fn dispatch_flash_attn_prefill_mask_blk(
         return Err(invalid(format!("a mask stride exceeds i64: {:?}", p.mask_strides)));
     }
     let (masks, rows, kvl) = (g.batch as u64, p.rows as u64, p.kv_len as u64);
-    need("mask", mask, &[DType::F16], span([masks, rows, 1], [p.mask_strides[0], p.mask_strides[1], 0], kvl))?;
+    need("mask", mask, DType::F16, span([masks, rows, 1], [p.mask_strides[0], p.mask_strides[1], 0], kvl))?;
     let table = g.table_bytes();
     if blk.dtype() != DType::U8 || (blk.data_byte_len() as u64) < table {
         return Err(invalid(format!(
