@@ -10,7 +10,8 @@ import sys
 import pytest
 
 import mlx_native as mx
-from mlx_native import bench, peers
+from mlx_native import bench
+from mlx_native.bench import peers, progress
 
 
 def test_fma_peak_is_positive_for_every_instruction_set():
@@ -102,7 +103,7 @@ def test_bench_plot(tmp_path):
 
 def test_progress_bar_without_tqdm(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now fails
-    bar = bench._Progress(4, enabled=True)
+    bar = progress.Progress(4, enabled=True)
     bar.step("first")
     bar.advance()
     bar.step("second")

@@ -1,107 +1,15 @@
-"""The other implementations ``bench`` compares with, as a registry of peer runners keyed by
-device kind (``cpu``, ``cuda``, ``metal``: the ``Device.backend`` of the run).
-
-A peer is optional: :func:`Peer.missing` says why it cannot run here (not installed, no
-such device), and the benchmark prints that instead of failing. Each peer turns one problem
-into one or more timed variants (for PyTorch: the same additive mask, and ``is_causal``
-where it applies), each built on prebuilt tensors so that only the attention is timed.
-
-Peers of another device kind live in a module of their own, ``mlx_native.peers_<kind>``
-(e.g. ``peers_cuda`` for PyTorch's CUDA attention backends), which calls
-:func:`register_peer` when :func:`peers_for` imports it; nothing here needs to change.
-"""
+"""The CPU peers of the benchmark: PyTorch's ``scaled_dot_product_attention`` and MLX's
+``mx.fast.scaled_dot_product_attention`` on the CPU, and the float64 reference; each is
+imported only when it runs."""
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import List, Optional
 
 import numpy as np
 
-from .reference import reference_attention
-
-
-@dataclass
-class Problem:
-    """One benchmark problem, as the user's arrays: ``q`` float32 ``[rows, n_heads, dim]``,
-    ``k``/``v`` float16 ``[kv_len, n_kv_heads, dim]``, ``mask`` the additive float16 mask
-    ``[rows, kv_len]`` every implementation gets. ``causal``: the mask is exactly the causal
-    one (no window), so a peer's built-in causal mode computes the same thing; ``dense``:
-    the mask is all zeros, so a peer's no-mask mode does."""
-
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    mask: np.ndarray
-    scale: float = 1.0
-    causal: bool = False
-    dense: bool = False
-    #: CPU threads the peer should use (as many as the library's backend uses).
-    threads: Optional[int] = None
-
-
-@dataclass
-class Variant:
-    """A timed way of running a peer: ``run()`` computes and waits; ``output()`` returns the
-    last result as float32 ``[rows, n_heads, dim]`` numpy."""
-
-    label: str
-    run: Callable[[], None]
-    output: Callable[[], np.ndarray]
-    #: Only worth running at the smallest size of a benchmark (slow references).
-    smallest_only: bool = False
-    #: Attention calls one ``run()`` makes (device peers batch short calls before they
-    #: wait); the time of a run is divided by it.
-    calls: int = 1
-
-
-class Refused(Exception):
-    """Raised by a variant's ``run`` when the peer refuses the case (the message says why)."""
-
-
-class Peer:
-    """Base of a peer runner."""
-
-    #: Short name, as in the table.
-    name = "peer"
-    #: How to install it, for the "missing" line.
-    install_hint = ""
-
-    def missing(self) -> Optional[str]:
-        """``None`` if the peer can run here, else why not."""
-        return None
-
-    def variants(self, problem: Problem) -> List[Variant]:
-        raise NotImplementedError
-
-
-_REGISTRY: Dict[str, List[Peer]] = {}
-
-
-def register_peer(kind: str, peer: Peer) -> None:
-    """Add ``peer`` to those compared on devices of kind ``kind``."""
-    _REGISTRY.setdefault(kind, []).append(peer)
-
-
-def peers_for(kind: str) -> List[Peer]:
-    """The peers registered for device kind ``kind`` (importing ``mlx_native.peers_<kind>``
-    first when such a module exists)."""
-    if kind not in _LOADED:
-        _LOADED.add(kind)
-        try:
-            importlib.import_module(f"{__package__}.peers_{kind}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.peers_{kind}":
-                raise
-    return list(_REGISTRY.get(kind, []))
-
-
-_LOADED = {"cpu"}
-
-
-def _group(problem: Problem) -> int:
-    return problem.q.shape[1] // problem.k.shape[1]
+from ..reference import reference_attention
+from .peers import Peer, Problem, Variant, group, register_peer
 
 
 # ---------------------------------------------------------------- PyTorch on the CPU
@@ -132,7 +40,7 @@ class TorchCpuSdpa(Peer):
 
         if problem.threads:
             torch.set_num_threads(problem.threads)
-        g = _group(problem)
+        g = group(problem)
         q = torch.from_numpy(np.ascontiguousarray(problem.q.transpose(1, 0, 2)))[None]
         k = torch.from_numpy(problem.k.astype(np.float32).transpose(1, 0, 2))
         v = torch.from_numpy(problem.v.astype(np.float32).transpose(1, 0, 2))
