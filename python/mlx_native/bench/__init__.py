@@ -9,15 +9,28 @@ Importable::
     report = run_bench(rows=[1024], cases=["dense"], repeats=2)
 
 Modules: :mod:`.cases` (shapes, defaults, inputs), :mod:`.core` (the run and its report),
-:mod:`.ours` (our runner), :mod:`.peers` (the peer registry), :mod:`.cpu_peers` and
-:mod:`.cuda_peers` (the peers), :mod:`.report` (table, plot), :mod:`.cli` (the command).
+:mod:`.ours` (our runners), :mod:`.timing`, :mod:`.peers` (the peer registry),
+:mod:`.cpu_peers` and :mod:`.cuda_peers` (the peers), :mod:`.report` (tables, summary,
+plot), :mod:`.machine`, :mod:`.progress`, :mod:`.cli` (the command).
 """
 
-from .cases import CASES, DEFAULT_CASES, DEFAULT_CASES_GPU, DEFAULT_ROWS, DEFAULT_ROWS_GPU, Case, case_inputs, case_mask
+from .cases import (
+    CASES,
+    DEFAULT_CASES,
+    DEFAULT_CASES_GPU,
+    DEFAULT_ROWS,
+    DEFAULT_ROWS_GPU,
+    GPU_BENCH_CASES,
+    Case,
+    case_inputs,
+    case_mask,
+    select,
+    sized_case,
+)
 from .cli import NMSE_BAR, add_arguments, main, main_from_args
 from .core import REFERENCE_FULL_PAIRS, REFERENCE_SAMPLE_ROWS, run_bench
-from .ours import DEVICE_TARGET_S, OURS
-from .report import plot_report, print_table
+from .ours import DEVICE_TARGET_S, OURS, OURS_ATTENTION, ours_variants
+from .report import plot_report, print_summary, print_table, summarize
 
 __all__ = [
     "CASES",
@@ -27,8 +40,10 @@ __all__ = [
     "DEFAULT_ROWS",
     "DEFAULT_ROWS_GPU",
     "DEVICE_TARGET_S",
+    "GPU_BENCH_CASES",
     "NMSE_BAR",
     "OURS",
+    "OURS_ATTENTION",
     "REFERENCE_FULL_PAIRS",
     "REFERENCE_SAMPLE_ROWS",
     "add_arguments",
@@ -36,7 +51,12 @@ __all__ = [
     "case_mask",
     "main",
     "main_from_args",
+    "ours_variants",
     "plot_report",
+    "print_summary",
     "print_table",
     "run_bench",
+    "select",
+    "sized_case",
+    "summarize",
 ]

@@ -77,3 +77,27 @@ def case_inputs(case: Case, rows: int, rng: np.random.Generator):
     the cache as long as the prompt: ``(q, k, v, mask)``."""
     q, k, v = random_qkv(rows, case.n_heads, case.n_kv_heads, case.head_dim, rows, rng)
     return q, k, v, case_mask(case, rows, rows)
+
+
+#: The cases of the former ``scripts/gpu_bench.py``, by its names: bench cases at one size
+#: (its causal and dense cases are the 8/8-head ones); the default GPU run covers them all.
+GPU_BENCH_CASES: Dict[str, Tuple[str, int]] = {
+    "global-2048": ("global", 2048),
+    "global-8192": ("global", 8192),
+    "sliding-2048": ("sliding", 2048),
+    "sliding-8192": ("sliding", 8192),
+    "causal-16384": ("causal-8h", 16384),
+    "dense-16384": ("dense-8h", 16384),
+}
+
+
+def sized_case(name: str) -> Tuple[Case, int]:
+    """A case at one size by name: ``<case>-<rows>`` (``global-8192``, ``dense-8h-16384``),
+    or a name of ``GPU_BENCH_CASES`` (which wins: ``dense-16384`` is the 8/8-head case)."""
+    if name in GPU_BENCH_CASES:
+        case, rows = GPU_BENCH_CASES[name]
+        return CASES[case], rows
+    case, _, rows = name.rpartition("-")
+    if case not in CASES or not rows.isdigit() or int(rows) < 1:
+        raise ValueError(f"unknown sized case {name!r}: <case>-<rows> with a case of {', '.join(CASES)}, or one of {', '.join(GPU_BENCH_CASES)}")
+    return CASES[case], int(rows)

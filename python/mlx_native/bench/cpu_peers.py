@@ -34,6 +34,11 @@ class TorchCpuSdpa(Peer):
             return f"not importable ({type(e).__name__}: {e}); {self.install_hint}"
         return None
 
+    def version(self) -> Optional[str]:
+        import torch
+
+        return torch.__version__
+
     def variants(self, problem: Problem) -> List[Variant]:
         import torch
         import torch.nn.functional as F
@@ -49,7 +54,7 @@ class TorchCpuSdpa(Peer):
         mask = torch.from_numpy(problem.mask.astype(np.float32))
         state = {}
 
-        def make(label, **kw):
+        def make(label, mode, **kw):
             def run():
                 with torch.inference_mode():
                     state[label] = F.scaled_dot_product_attention(q, k, v, scale=problem.scale, **kw)
@@ -57,13 +62,13 @@ class TorchCpuSdpa(Peer):
             def output():
                 return state[label][0].permute(1, 0, 2).numpy()
 
-            return Variant(label, run, output)
+            return Variant(label, run, output, mode=mode)
 
-        out = [make("torch sdpa, same mask", attn_mask=mask)]
+        out = [make("torch sdpa, same mask", "mask", attn_mask=mask)]
         if problem.causal:
-            out.append(make("torch sdpa, is_causal", is_causal=True))
+            out.append(make("torch sdpa, is_causal", "causal", is_causal=True))
         if problem.dense:
-            out.append(make("torch sdpa, no mask"))
+            out.append(make("torch sdpa, no mask", "none"))
         return out
 
 
@@ -90,6 +95,11 @@ class MlxFastSdpa(Peer):
             return f"cannot run ({type(e).__name__}: {e}); {self.install_hint}"
         return None
 
+    def version(self) -> Optional[str]:
+        import mlx.core as mc
+
+        return getattr(mc, "__version__", None)
+
     def variants(self, problem: Problem) -> List[Variant]:
         import mlx.core as mc
 
@@ -101,7 +111,7 @@ class MlxFastSdpa(Peer):
         mc.eval(q, k, v, mask)
         state = {}
 
-        def make(label, m):
+        def make(label, mode, m):
             def run():
                 o = mc.fast.scaled_dot_product_attention(q, k, v, scale=problem.scale, mask=m, stream=dev)
                 mc.eval(o)
@@ -110,11 +120,11 @@ class MlxFastSdpa(Peer):
             def output():
                 return np.array(state[label])[0].transpose(1, 0, 2)
 
-            return Variant(label, run, output)
+            return Variant(label, run, output, mode=mode, kv_repeated=False)
 
-        out = [make("mlx fast sdpa, same mask", mask)]
+        out = [make("mlx fast sdpa, same mask", "mask", mask)]
         if problem.causal:
-            out.append(make("mlx fast sdpa, causal", "causal"))
+            out.append(make("mlx fast sdpa, causal", "causal", "causal"))
         return out
 
 
@@ -123,7 +133,7 @@ class MlxFastSdpa(Peer):
 
 class NumpyReference(Peer):
     """``mlx_native.reference.reference_attention``: exact float64 numpy, every head (run
-    at the smallest size only)."""
+    at the smallest size only; a reference, so no competitor in the summary)."""
 
     name = "reference"
 

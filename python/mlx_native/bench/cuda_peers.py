@@ -94,6 +94,12 @@ class TorchCudaSdpa(Peer):
             return f"not importable ({type(e).__name__}: {e}); {self.install_hint}"
         return None
 
+    def version(self) -> Optional[str]:
+        import torch
+
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        return f"{torch.__version__}, cuDNN {cudnn}" if cudnn else torch.__version__
+
     def variants(self, problem: Problem) -> List[Variant]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -106,14 +112,15 @@ class TorchCudaSdpa(Peer):
         for suffix, expand in forms:
             q, k, v, m = to_torch_inputs(problem.q, problem.k, problem.v, problem.mask, expand_kv=expand)
             extra = {} if expand else {"enable_gqa": True}
-            modes = [("same mask", dict(attn_mask=m))]
+            modes = [("same mask", "mask", dict(attn_mask=m))]
             if problem.causal:
-                modes.append(("is_causal", dict(is_causal=True)))
+                modes.append(("is_causal", "causal", dict(is_causal=True)))
             for backend, member_name in BACKENDS.items():
                 member = getattr(SDPBackend, member_name)
-                for mode, kw in modes:
-                    label = f"torch {backend}, {mode}{suffix}"
-                    out.append(_variant(label, torch, sdpa_kernel, member, sdpa, q, k, v, dict(kw, scale=problem.scale, **extra)))
+                for words, mode, kw in modes:
+                    vt = _variant(f"torch {backend}, {words}{suffix}", torch, sdpa_kernel, member, sdpa, q, k, v, dict(kw, scale=problem.scale, **extra))
+                    vt.mode, vt.kv_repeated = mode, expand
+                    out.append(vt)
         return out
 
 

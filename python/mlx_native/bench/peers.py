@@ -38,19 +38,33 @@ class Problem:
     threads: Optional[int] = None
 
 
+#: What a variant computes with, as far as the summary of a run compares peers: the same
+#: additive mask as ours, a built-in causal mode with no mask, or no mask (a zero-mask case).
+MODES = ("mask", "causal", "none")
+
+
 @dataclass
 class Variant:
-    """A timed way of running a peer: ``run()`` computes and waits; ``output()`` returns the
-    last result as float32 ``[rows, n_heads, dim]`` numpy."""
+    """A timed way of running an implementation: ``run()`` computes and waits; ``output()``
+    returns the last result as float32 ``[rows, n_heads, dim]`` numpy (None: not checked,
+    the output is another variant's)."""
 
     label: str
     run: Callable[[], None]
-    output: Callable[[], np.ndarray]
+    output: Optional[Callable[[], np.ndarray]]
     #: Only worth running at the smallest size of a benchmark (slow references).
     smallest_only: bool = False
     #: Attention calls one ``run()`` makes (device peers batch short calls before they
     #: wait); the time of a run is divided by it.
     calls: int = 1
+    #: Untimed work before each run (ours on a device records its prefills here, so that
+    #: only the commit that runs them is timed).
+    prepare: Optional[Callable[[], None]] = None
+    #: One of ``MODES``, for a peer that competes (None: ours, or a reference).
+    mode: Optional[str] = None
+    #: K/V repeated to the query heads before the call (outside the timing); False: the
+    #: peer takes grouped-query K/V as they are (PyTorch's ``enable_gqa``, MLX).
+    kv_repeated: bool = True
 
 
 class Refused(Exception):
@@ -67,6 +81,11 @@ class Peer:
 
     def missing(self) -> Optional[str]:
         """``None`` if the peer can run here, else why not."""
+        return None
+
+    def version(self) -> Optional[str]:
+        """The peer's version, for the report (None: not known); called only when
+        :meth:`missing` says it can run."""
         return None
 
     def variants(self, problem: Problem) -> List[Variant]:

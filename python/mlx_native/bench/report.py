@@ -1,10 +1,71 @@
-"""The benchmark report as a text table, and as a bar chart of the ratios to the peers."""
+"""The benchmark report as text (the table of every implementation, and on a GPU the
+summary of ours against the best peer of each kind), the summary itself, and a bar chart
+of the ratios to the peers."""
 
 from __future__ import annotations
 
 import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .ours import OURS
+from .ours import OURS, OURS_ATTENTION
+
+#: The summary's comparisons: key (``best_<key>`` in each summary entry), heading, and
+#: which timed peer rows compete in it.
+COMPARISONS: Tuple[Tuple[str, str, Callable[[dict], bool]], ...] = (
+    ("mask", "best peer, same mask", lambda d: d.get("mode") == "mask"),
+    ("causal", "best peer, built-in causal", lambda d: d.get("mode") == "causal"),
+    ("none", "best peer, no mask", lambda d: d.get("mode") == "none"),
+    (
+        "mask_gqa",
+        "best, same mask, own GQA form",
+        lambda d: d.get("mode") == "mask" and d.get("kv_repeated") is False and d["n_heads"] != d["n_kv_heads"],
+    ),
+)
+#: Words of a label that name its mode, left out of the summary's short names.
+_MODE_WORDS = {"same mask", "is_causal", "causal", "no mask"}
+
+
+def summarize(results: Sequence[dict]) -> List[dict]:
+    """One entry per (case, rows) of ``results`` (the report's rows): our time with the mask
+    classification and without it (attention only), useful TFLOP/s, our NMSEs, and for each
+    of ``COMPARISONS`` the fastest peer (``impl``, ``ms``, ``tflops``, ``speedup_vs``: its
+    time over ours) or None when none ran."""
+    groups: Dict[tuple, List[dict]] = {}
+    for d in results:
+        groups.setdefault((d["case"], d["rows"]), []).append(d)
+    out = []
+    for rows in groups.values():
+        first = rows[0]
+        by_impl = {d["impl"]: d for d in rows}
+        ours = by_impl.get(OURS, {})
+        attn = by_impl.get(OURS_ATTENTION, {})
+        s = {k: first.get(k) for k in ("case", "title", "rows", "n_heads", "n_kv_heads", "head_dim", "mask", "window", "visible_pairs", "useful_gflop")}
+        s.update(
+            ours_ms=ours.get("ms"),
+            ours_tflops=_tflops(ours),
+            ours_attention_only_ms=attn.get("ms"),
+            ours_attention_only_tflops=_tflops(attn),
+            nmse=ours.get("nmse"),
+            nmse_worst_row=ours.get("nmse_worst_row"),
+            nmse_rows_checked=first.get("nmse_rows_checked"),
+            nmse_heads_checked=first.get("nmse_heads_checked"),
+        )
+        for key, _, competes in COMPARISONS:
+            timed = [d for d in rows if d.get("peer") is not None and d["ms"] is not None and competes(d)]
+            b = min(timed, key=lambda d: d["ms"]) if timed else None
+            s[f"best_{key}"] = None if b is None else dict(impl=b["impl"], ms=b["ms"], tflops=_tflops(b), speedup_vs=b["speedup_vs"])
+        out.append(s)
+    return out
+
+
+def _tflops(d: dict) -> Optional[float]:
+    return None if d.get("gflops") is None else d["gflops"] / 1e3
+
+
+def short_name(impl: str) -> str:
+    """A label without the words that name its mode: ``torch cudnn, same mask, enable_gqa``
+    is ``torch cudnn, enable_gqa``."""
+    return ", ".join(w for w in impl.split(", ") if w not in _MODE_WORDS)
 
 
 def _fmt(x, f):
@@ -12,22 +73,49 @@ def _fmt(x, f):
     return format(x, f) if x is not None else "-".rjust(int(f.split(".")[0]))
 
 
+def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[bool]) -> List[str]:
+    """Lines of a table of text cells, each column as wide as its widest cell."""
+    widths = [max(len(c) for c in col) for col in zip(header, *rows)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if lj else c.rjust(w) for c, w, lj in zip(cells, widths, left)).rstrip()
+
+    head = line(header)
+    return [head, "-" * len(head)] + [line(r) for r in rows]
+
+
 def print_table(report: dict, out=None) -> None:
     """The report as a text table: one line per implementation, grouped by case and rows;
-    "ours x" is the peer's time over ours (above 1: we are faster)."""
+    "ours x" is the peer's time over ours (above 1: we are faster). On a GPU (no CPU FMA
+    peak in the report) times have three decimals, rates are TFLOP/s, and the summary
+    (:func:`print_summary`) follows."""
     out = out or sys.stdout
     m = report["machine"]
     p = report.get("fma_peak_gflops")
+    gpu = report.get("device_kind", "cpu") != "cpu"
     print(f"mlx-native {report['version']} bench on {m['device']}; CPU {m['cpu_model']}, {m['cores']} cores", file=out)
     if p:
         n = m.get("threads_used", m["threads"])
         print(f"measured FMA peak ({m['isa']}): {p['one_core']:.1f} GFLOP/s one core, {p['all_cores']:.1f} GFLOP/s on the {n} threads in use (%peak)", file=out)
-    print(f"timing: best of {report['repeats']} rounds after a warm-up, implementations in turn; GFLOP/s = useful FLOP (SPEC section 5) / time", file=out)
+    unit = "TFLOP/s" if gpu else "GFLOP/s"
+    print(f"timing: best of {report['repeats']} rounds after a warm-up, implementations in turn; {unit} = useful FLOP (SPEC section 5) / time", file=out)
+    if gpu:
+        print(
+            f"{OURS}: several prefills recorded in one encoder, the commit that runs them timed, per prefill; "
+            f"'{OURS_ATTENTION}': without the mask classification, on the skip table of an earlier run",
+            file=out,
+        )
+    versions = {k: v for k, v in report.get("peer_versions", {}).items() if v}
+    if versions:
+        print("peer versions: " + "; ".join(f"{k} {v}" for k, v in versions.items()), file=out)
     for name, why in report["missing_peers"].items():
         print(f"peer {name} missing: {why}", file=out)
     if not report["peers"] and not report["missing_peers"]:
         print(f"no peer run (none asked for, or none registered for {report['device_kind']} devices)", file=out)
-    hdr = f"{'case':12} {'rows':>5} {'implementation':28} {'ms':>10} {'GFLOP/s':>8} {'%peak':>6} {'NMSE':>9} {'ours x':>7}"
+    iw = max([28] + [len(d["impl"]) for d in report["results"]])
+    ms_f, rate_f, rate_scale = ("10.3f", "8.1f", 1e-3) if gpu else ("10.1f", "8.1f", 1.0)
+    peak = "" if gpu else f" {'%peak':>6}"
+    hdr = f"{'case':12} {'rows':>5} {'implementation':{iw}} {'ms':>10} {unit:>8}{peak} {'NMSE':>9} {'ours x':>7}"
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     last = None
@@ -36,12 +124,54 @@ def print_table(report: dict, out=None) -> None:
         lead = f"{d['title']:12} {d['rows']:>5}" if key != last else " " * 18
         last = key
         ratio = "" if d["speedup_vs"] is None else f"{d['speedup_vs']:.2f}x"
-        line = (
-            f"{lead} {d['impl'][:28]:28} {_fmt(d['ms'], '10.1f')} {_fmt(d['gflops'], '8.1f')} "
-            f"{_fmt(d['pct_peak'], '5.0f')}{'%' if d['pct_peak'] is not None else ' '} {_fmt(d['nmse'], '9.1e')} {ratio:>7}"
-        )
+        rate = None if d["gflops"] is None else d["gflops"] * rate_scale
+        pct = "" if gpu else f" {_fmt(d['pct_peak'], '5.0f')}{'%' if d['pct_peak'] is not None else ' '}"
+        line = f"{lead} {d['impl']:{iw}} {_fmt(d['ms'], ms_f)} {_fmt(rate, rate_f)}{pct} {_fmt(d['nmse'], '9.1e')} {ratio:>7}"
         if d.get("note"):
             line += f"  ({d['note']})"
+        print(line, file=out)
+    if gpu:
+        print(file=out)
+        print_summary(report.get("summary") or summarize(report["results"]), out)
+
+
+def summary_lines(summary: Sequence[dict]) -> List[str]:
+    """The summary as text lines: per (case, rows) our time with the mask classification
+    and with the attention alone, useful TFLOP/s, our worst (row, head) NMSE, and the
+    fastest peer of each comparison that any problem has, with its time over ours."""
+    shown = [(k, h) for k, h, _ in COMPARISONS if any(s.get(f"best_{k}") for s in summary)]
+    header = ["case", "rows", "ours ms", "TFLOP/s", "attn ms", "TFLOP/s", "worst-row NMSE"]
+    left = [True, False, False, False, False, False, False]
+    for _, heading in shown:
+        header += [heading, "ours x"]
+        left += [True, False]
+    rows = []
+    for s in summary:
+        cells = [
+            s["title"] or s["case"],
+            str(s["rows"]),
+            _fmt(s["ours_ms"], "1.3f"),
+            _fmt(s["ours_tflops"], "1.1f"),
+            _fmt(s["ours_attention_only_ms"], "1.3f"),
+            _fmt(s["ours_attention_only_tflops"], "1.1f"),
+            _fmt(s["nmse_worst_row"], "1.2e"),
+        ]
+        for key, _ in shown:
+            b = s.get(f"best_{key}")
+            if b is None:
+                cells += ["-", "-"]
+            else:
+                cells += [f"{short_name(b['impl'])} {b['ms']:.3f} ms", "-" if b["speedup_vs"] is None else f"{b['speedup_vs']:.2f}x"]
+        rows.append(cells)
+    return _columns(header, rows, left)
+
+
+def print_summary(summary: Sequence[dict], out=None) -> None:
+    """Print :func:`summary_lines` under a title."""
+    out = out or sys.stdout
+    print(f"summary: {OURS} with the mask classification ('ours'), and the attention alone ('attn'); "
+          "'ours x': the peer's time over ours", file=out)
+    for line in summary_lines(summary):
         print(line, file=out)
 
 
