@@ -4,11 +4,14 @@
 # --device cuda` (the shapes of docs/spec.md section 4 against PyTorch SDPA's CUDA
 # backends). Logs and the bench JSON go to $OUT.
 #
-#   bash scripts/gpu_run.sh WHEEL_DIR
+#   bash scripts/gpu_run.sh WHEEL_DIR [--quick]
+#
+# --quick: the benchmark at 2048 rows, global and sliding layers only.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/gpu-run}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # the bench runs in another folder
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$1"/*.whl || exit 2
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -21,8 +24,13 @@ timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rfE \
   --ignore="$HERE/tests/test_metal_emulator.py" "$HERE/tests" > "$OUT/pytest.log" 2>&1 || status=4
 tail -n 15 "$OUT/pytest.log"
 echo "==== bench ($(date +%T))"
+if [ "${2:-}" = "--quick" ]; then
+  BENCH_ARGS="--rows 2048 --cases global sliding"
+else
+  BENCH_ARGS=""
+fi
 (cd /tmp && timeout "${BENCH_TIMEOUT:-270}" python3 -m mlx_native bench --device cuda --no-progress \
-  --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1) || status=$((status + 10))
+  $BENCH_ARGS --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1) || status=$((status + 10))
 cat "$OUT/bench.log"
 echo "gpu_run status $status ($(date +%T))"
 exit $status

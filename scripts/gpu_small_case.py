@@ -1,18 +1,15 @@
 #!/usr/bin/env python3
 """Small CUDA cases for compute-sanitizer (memcheck, racecheck, synccheck): both head dims,
 aligned and odd strides, partial tiles, GQA, all three tile classes, and (on Hopper) the
-head-dim-512 CTA pairs. Exits non-zero when an
-output misses the float64 reference."""
+head-dim-512 CTA pairs. Exits non-zero when an output misses the float64 reference."""
 
 import sys
 
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
-
-import mlx_native as mx  # noqa: E402
-from helpers import make_case, run_low_level  # noqa: E402
-from mlx_native.reference import nmse, reference_attention  # noqa: E402
+import mlx_native as mx
+from mlx_native.reference import nmse, reference_attention
+from mlx_native.testing import make_case, run_low_level
 
 dev = mx.Device("cuda")
 rng = np.random.default_rng(1)

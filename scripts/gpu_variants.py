@@ -4,6 +4,12 @@ its own process, on a few bench cases; ours only, attention alone, median of tri
 
     python3 scripts/gpu_variants.py --cases global-8192,dense-16384 base NOKV NOQK+NOPV ...
 
+A case is `<bench case>-<rows>` (`global-8192`, `dense-8h-16384`) or a name of the former
+gpu_bench.py (`causal-16384` and `dense-16384` are the 8/8-head cases): see
+`mlx_native.bench.sized_case`. Inputs and timing are the benchmark's (`python -m mlx_native
+bench`): `--repeat` attention runs recorded in one encoder, the commit timed, per run; the
+median of `--trials` commits, measured twice (the spread is the difference).
+
 A variant `A+B` compiles with -DMLXN_EXP_A -DMLXN_EXP_B; `base` with neither; `NOPAIR`
 sets MLX_NATIVE_CUDA_PAIR=0 (the one-CTA forms), `QPAIR` MLX_NATIVE_CUDA_PAIR=queries
 (query pairs only), `PAIR=x` MLX_NATIVE_CUDA_PAIR=x.
@@ -14,36 +20,39 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 # Shorthands for MLX_NATIVE_CUDA_PAIR settings.
 ALIASES = {"NOPAIR": "PAIR=0", "QPAIR": "PAIR=queries"}
 
 
 def child(cases, repeat, trials):
-    sys.path.insert(0, HERE)
     import numpy as np
+
     import mlx_native as mx
-    from gpu_bench import case_inputs, time_ours
+    from mlx_native.bench import OURS_ATTENTION, case_inputs, ours_variants, sized_case
+    from mlx_native.bench.timing import per_call_seconds
     from mlx_native.reference import useful_flops
 
     dev = mx.Device("cuda")
     rng = np.random.default_rng(0)
     res = {}
     for name in cases:
-        q, k, v, mask = case_inputs(name, rng)
+        case, rows = sized_case(name)
+        q, k, v, mask = case_inputs(case, rows, rng)
         plan = mx.PrefillPlan(q, k, v, mask, device=dev)
-        flops = useful_flops(q.shape[2], q.shape[1], plan.visible_pairs)
-        ms = time_ours(plan, dev, repeat, trials, classify=False)
-        ms2 = time_ours(plan, dev, repeat, trials, classify=False)
-        res[name] = (min(ms, ms2), flops / min(ms, ms2) / 1e9, abs(ms - ms2) / min(ms, ms2))
+        flops = useful_flops(case.head_dim, case.n_heads, plan.visible_pairs)
+        (attn,) = [vt for vt in ours_variants(plan, dev, calls=repeat, batched=True) if vt.label == OURS_ATTENTION]
+        ms = [1e3 * float(np.median(per_call_seconds(attn, trials))) for _ in range(2)]
+        best = min(ms)
+        res[name] = (best, flops / best / 1e9, abs(ms[0] - ms[1]) / best)
+        del plan, attn
     print(json.dumps(res))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="global-8192,dense-16384")
-    ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=10, help="attention runs per commit")
+    ap.add_argument("--trials", type=int, default=5, help="commits; the median is kept")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("variants", nargs="*", default=["base"])
     a = ap.parse_args()

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import mlx_native as mx
-from mlx_native import bench, peers
+import mlx_native.reference  # noqa: F401  (mx.reference below)
+from mlx_native import bench
+from mlx_native.bench import peers, progress
 
 
 def test_fma_peak_is_positive_for_every_instruction_set():
@@ -102,7 +106,7 @@ def test_bench_plot(tmp_path):
 
 def test_progress_bar_without_tqdm(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now fails
-    bar = bench._Progress(4, enabled=True)
+    bar = progress.Progress(4, enabled=True)
     bar.step("first")
     bar.advance()
     bar.step("second")
@@ -137,3 +141,218 @@ def test_bench_threads_cannot_change_a_running_pool():
     with pytest.raises(ValueError, match="already runs"):
         bench.run_bench(rows=[16], threads=n + 1, quiet=True, progress=False)
     assert os.environ.get("RAYON_NUM_THREADS") == before
+
+
+# ---------------------------------------------------------------- the GPU report, without a GPU
+
+
+def test_default_gpu_run_covers_the_former_gpu_bench_cases():
+    rows, cases = bench.select("cuda")
+    assert rows == [2048, 8192, 16384] and cases == ["sliding", "global", "causal-8h", "dense-8h"]
+    assert bench.select("cpu") == ([1024, 2048, 4096], ["sliding", "global", "dense"])
+    for name in bench.GPU_BENCH_CASES:
+        case, r = bench.sized_case(name)
+        assert case.name in cases and r in rows, name
+    assert bench.sized_case("dense-16384")[0].n_heads == 8  # gpu_bench's dense case: 8/8 heads
+    assert bench.sized_case("dense-8h-2048") == (bench.CASES["dense-8h"], 2048)
+    assert bench.sized_case("global-4096") == (bench.CASES["global"], 4096)
+    for bad in ("global", "global-0", "nope-2048", "global-x"):
+        with pytest.raises(ValueError, match="unknown sized case"):
+            bench.sized_case(bad)
+    with pytest.raises(ValueError, match="unknown case"):
+        bench.select("cuda", cases=["nope"])
+
+
+def test_batched_runners_time_the_commit_with_and_without_classification():
+    from mlx_native.bench import ours, timing
+
+    dev = mx.Device("cpu")
+    q, k, v, mask = bench.case_inputs(bench.CASES["global"], 64, np.random.default_rng(0))
+    plan = mx.PrefillPlan(q, k, v, mask, device=dev)
+    full, attn = ours.ours_variants(plan, dev, calls=3, batched=True)
+    assert (full.label, attn.label) == (bench.OURS, bench.OURS_ATTENTION)
+    assert full.calls == attn.calls == 3 and full.prepare and attn.prepare and attn.output is None
+    for vt in (full, attn):
+        t = timing.per_call_seconds(vt, 2)
+        assert len(t) == 2 and all(x > 0 for x in t)
+    attn.prepare()
+    attn.prepare()  # a second recording drops the first, unrun
+    attn.run()
+    ref = mx.reference.reference_attention(q, k, v, mask)
+    assert mx.reference.nmse(full.output(), ref) < 1e-5
+    (alone,) = ours.ours_variants(plan, dev)  # the CPU default: one prefill a run
+    assert alone.label == bench.OURS and alone.calls == 1 and alone.prepare is None
+
+
+def test_round_robin_notes_refusals_failures_and_keeps_the_best():
+    from mlx_native.bench import core, peers, progress
+
+    def refuse():
+        raise peers.Refused("no such backend here")
+
+    def fail():
+        raise RuntimeError("out of memory")
+
+    ran = []
+    vts = [
+        peers.Variant(bench.OURS, lambda: ran.append("ours"), None, calls=2, prepare=lambda: ran.append("prep")),
+        peers.Variant("refuses", refuse, None, mode="mask"),
+        peers.Variant("fails", fail, None, mode="mask"),
+    ]
+    notes = {}
+    best, runs, live = core.round_robin(vts, 2, 10.0, notes, progress.Progress(1, False), "t")
+    assert notes == {"refuses": "refused: no such backend here", "fails": "failed: RuntimeError: out of memory"}
+    assert [vt.label for vt in live] == [bench.OURS] and runs == {bench.OURS: 2}
+    assert ran == ["prep", "ours"] * 3  # warm-up and two rounds, each recorded first
+    assert 0 < best[bench.OURS] < 1
+
+
+def _fake_cuda_rows():
+    """Report rows of one GPU-sized problem from made-up times (seconds per call)."""
+    from mlx_native.bench import core
+
+    base = dict(case="global", title="26B global", rows=8192, kv_len=8192, n_heads=16, n_kv_heads=2, head_dim=512,
+                mask="causal", window=None, visible_pairs=8192 * 8193 // 2, useful_gflop=1.0,
+                nmse_rows_checked=192, nmse_heads_checked=[0, 15])
+    flops = 4.0 * 512 * 16 * base["visible_pairs"]
+
+    def m(mode, repeated):
+        return dict(peer="torch", mode=mode, kv_repeated=repeated, calls=5)
+
+    meta = {
+        bench.OURS: dict(peer=None, mode=None, kv_repeated=None, calls=5),
+        bench.OURS_ATTENTION: dict(peer=None, mode=None, kv_repeated=None, calls=5),
+        "torch math, same mask": m("mask", True),
+        "torch efficient, same mask": m("mask", True),
+        "torch efficient, is_causal": m("causal", True),
+        "torch flash, same mask": m("mask", True),
+        "torch math, same mask, enable_gqa": m("mask", False),
+        "torch efficient, same mask, enable_gqa": m("mask", False),
+    }
+    best = {bench.OURS: 4e-3, bench.OURS_ATTENTION: 3.9e-3, "torch math, same mask": 60e-3,
+            "torch efficient, same mask": 16e-3, "torch efficient, is_causal": 8e-3,
+            "torch math, same mask, enable_gqa": 61e-3}
+    notes = {"torch flash, same mask": "refused: Flash Attention does not support non-null attn_mask.",
+             "torch efficient, same mask, enable_gqa": "refused: both fused kernels require the same num_heads"}
+    runs = {k: 3 for k in best}
+    errors = {bench.OURS: (5.7e-9, 1.1e-7), "torch efficient, same mask": (4e-8, 2e-7)}
+    rate = {}
+    rows = core.result_rows(base, list(meta), flops, best, runs, notes, errors, rate, meta)
+    return rows, flops, rate
+
+
+def test_result_rows_and_the_summary_from_fake_gpu_times():
+    rows, flops, rate = _fake_cuda_rows()
+    by = {d["impl"]: d for d in rows}
+    ours, attn = by[bench.OURS], by[bench.OURS_ATTENTION]
+    assert ours["ms"] == pytest.approx(4.0) and ours["gflops"] == pytest.approx(flops / 4e-3 / 1e9)
+    assert ours["speedup_vs"] is None and attn["speedup_vs"] is None and attn["nmse"] is None
+    assert ours["nmse"] == 5.7e-9 and ours["nmse_worst_row"] == 1.1e-7
+    assert by["torch efficient, same mask"]["speedup_vs"] == pytest.approx(4.0)
+    assert by["torch efficient, is_causal"]["speedup_vs"] == pytest.approx(2.0)
+    flash = by["torch flash, same mask"]
+    assert flash["ms"] is None and flash["speedup_vs"] is None and flash["note"].startswith("refused:")
+    assert ("global", "torch flash, same mask") not in rate and rate[("global", bench.OURS)] == ours["gflops"]
+
+    (s,) = bench.summarize(rows)
+    assert s["ours_ms"] == pytest.approx(4.0) and s["ours_attention_only_ms"] == pytest.approx(3.9)
+    assert s["ours_tflops"] == pytest.approx(flops / 4e-3 / 1e12)
+    assert s["nmse_worst_row"] == 1.1e-7 and s["nmse_rows_checked"] == 192
+    assert s["best_mask"]["impl"] == "torch efficient, same mask" and s["best_mask"]["speedup_vs"] == pytest.approx(4.0)
+    assert s["best_causal"]["impl"] == "torch efficient, is_causal"
+    assert s["best_mask_gqa"]["impl"] == "torch math, same mask, enable_gqa"
+    assert s["best_mask_gqa"]["speedup_vs"] == pytest.approx(15.25)
+    assert s["best_none"] is None
+
+
+def test_gpu_table_shows_tflops_both_times_of_ours_and_the_summary():
+    rows, _, _ = _fake_cuda_rows()
+    report = dict(version="0", machine=dict(device="cuda:0 Fake GPU", cpu_model="cpu", cores=16, isa="avx2+fma+f16c", threads=16),
+                  device_kind="cuda", repeats=3, peers=["torch"], peer_versions={"torch": "2.11.0, cuDNN 91900"},
+                  missing_peers={}, results=rows)
+    buf = io.StringIO()
+    bench.print_table(report, buf)
+    text = buf.getvalue()
+    assert "TFLOP/s" in text and "%peak" not in text and "peer versions: torch 2.11.0, cuDNN 91900" in text
+    assert "mlx-native, attention only" in text and "3.900" in text  # ms with three decimals
+    assert "torch efficient, same mask, enable_gqa" in text  # labels are not cut
+    assert "refused: Flash Attention does not support non-null attn_mask." in text
+    summary = text[text.index("summary:"):].splitlines()
+    assert "attn ms" in summary[1] and "best peer, same mask" in summary[1] and "best, same mask, own GQA form" in summary[1]
+    assert "best peer, no mask" not in summary[1]  # no problem has such a peer
+    line = summary[3]
+    assert line.startswith("26B global") and "4.000" in line and "3.900" in line and "1.10e-07" in line
+    assert "torch efficient 16.000 ms" in line and "4.00x" in line and "torch efficient 8.000 ms" in line and "2.00x" in line
+    assert "torch math, enable_gqa 61.000 ms" in line and "15.25x" in line
+
+
+def test_a_gpu_style_run_end_to_end_on_the_cpu(monkeypatch, capsys):
+    """The device path of the run (ours batched, with and without classification; peers with
+    modes and K/V forms; the summary in the report and the JSON checkpoints) on the CPU."""
+    import functools
+    import time
+
+    from mlx_native.bench import core, ours
+
+    class FakeSdpa(peers.Peer):
+        name = "fake"
+
+        def version(self):
+            return "1.0"
+
+        def variants(self, problem):
+            ref = mx.reference.reference_attention(problem.q, problem.k, problem.v, problem.mask).astype(np.float32)
+
+            def make(label, mode, repeated, seconds):
+                return peers.Variant(label, lambda: time.sleep(seconds), lambda: ref, mode=mode, kv_repeated=repeated)
+
+            def refused():
+                raise peers.Refused("head_dim should be no more than 256")
+
+            return [make("fake a, same mask", "mask", True, 0.004), make("fake b, is_causal", "causal", True, 0.002),
+                    make("fake a, same mask, enable_gqa", "mask", False, 0.003),
+                    peers.Variant("fake c, same mask", refused, lambda: None, mode="mask")]
+
+    monkeypatch.setitem(peers._REGISTRY, "cpu", [FakeSdpa()])
+    monkeypatch.setattr(core, "ours_variants", functools.partial(ours.ours_variants, batched=True))
+    seen = []
+    report = bench.run_bench(rows=[64], cases=["global"], repeats=2, device="cpu", progress=False, quiet=True,
+                             on_size=lambda r: seen.append(len(r["results"])))
+    assert seen == [6] and report["peer_versions"] == {"fake": "1.0"}
+    by = {d["impl"]: d for d in report["results"]}
+    assert by[bench.OURS]["nmse_worst_row"] < 1e-5 and by[bench.OURS]["calls"] >= 1
+    assert by[bench.OURS_ATTENTION]["ms"] > 0 and by[bench.OURS_ATTENTION]["nmse"] is None
+    assert by["fake c, same mask"]["note"] == "refused: head_dim should be no more than 256"
+    assert by["fake a, same mask"]["nmse"] < 1e-12 and by["fake a, same mask"]["speedup_vs"] > 0
+    (s,) = report["summary"]
+    assert s["best_mask"]["impl"] == "fake a, same mask, enable_gqa" and s["best_causal"]["impl"] == "fake b, is_causal"
+    assert s["ours_attention_only_ms"] == by[bench.OURS_ATTENTION]["ms"]
+    report["device_kind"] = "cuda"
+    bench.print_table(report)
+    assert "summary:" in capsys.readouterr().out
+
+
+def test_cuda_peers_without_torch(monkeypatch):
+    from mlx_native.bench import cuda_peers
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now fails
+    assert "not importable" in cuda_peers.TorchCudaSdpa().missing()
+    assert [p.name for p in peers.peers_for("cuda")] == ["torch"]
+    reason = cuda_peers.refusal_reason(
+        ["Memory efficient kernel not used because:", "Flash Attention does not support non-null attn_mask. (Triggered internally at x.cpp)"],
+        "No available kernel.  Aborting execution.\nmore",
+    )
+    assert reason == "Flash Attention does not support non-null attn_mask."
+    assert cuda_peers.refusal_reason([], "No available kernel.\nmore") == "No available kernel."
+
+
+def test_worst_row_nmse():
+    from mlx_native.bench.core import worst_row_nmse
+
+    ref = np.ones((3, 2, 4))
+    out = ref.copy()
+    out[1, 1, 0] = 1.5  # one (row, head): 0.25 / 4
+    assert worst_row_nmse(out, ref) == pytest.approx(0.0625)
+    ref[2, 0] = 0
+    out[2, 0] = 0.5  # a zero reference row counts its plain squared error
+    assert worst_row_nmse(out, ref) == pytest.approx(1.0)

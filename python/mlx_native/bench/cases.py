@@ -1,0 +1,103 @@
+"""The benchmark's shapes (SPEC section 4 and dense cases), the rows and cases run by
+default on each kind of device, and each case's inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import causal_mask
+from ..reference import random_qkv
+
+
+@dataclass(frozen=True)
+class Case:
+    """A benchmark shape: heads, head dim and mask (``causal``, ``window`` or ``zero``)."""
+
+    name: str
+    title: str
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mask: str
+    window: Optional[int] = None
+
+    def describe(self) -> str:
+        m = {"causal": "causal", "zero": "zero mask"}.get(self.mask, f"causal, window {self.window}")
+        return f"{self.title}: {self.n_heads}/{self.n_kv_heads} heads, dim {self.head_dim}, {m}"
+
+
+#: SPEC section 4 (Gemma 4 26B-A4B) and dense cases.
+CASES: Dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case("sliding", "26B sliding", 16, 8, 256, "window", 1024),
+        Case("global", "26B global", 16, 2, 512, "causal"),
+        Case("dense", "dense", 16, 8, 256, "zero"),
+        Case("causal-8h", "causal 8h", 8, 8, 256, "causal"),
+        Case("dense-8h", "dense 8h", 8, 8, 256, "zero"),
+    )
+}
+#: Rows and cases run when none are named, by device kind: the CPU at the sizes a CPU user
+#: prefills, a GPU at long prompts too.
+DEFAULT_ROWS = {"cpu": (1024, 2048, 4096)}
+DEFAULT_ROWS_GPU = (2048, 8192, 16384)
+DEFAULT_CASES = {"cpu": ("sliding", "global", "dense")}
+DEFAULT_CASES_GPU = ("sliding", "global", "causal-8h", "dense-8h")
+
+
+def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequence[str]] = None) -> Tuple[List[int], List[str]]:
+    """The sorted rows and the cases of a run on a device of kind ``kind``, the defaults of
+    that kind where ``rows`` or ``cases`` is None; raises ValueError for an unknown case or
+    a row count below 1."""
+    if rows is None:
+        rows = DEFAULT_ROWS.get(kind, DEFAULT_ROWS_GPU)
+    if cases is None:
+        cases = DEFAULT_CASES.get(kind, DEFAULT_CASES_GPU)
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise ValueError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    rows = sorted({int(r) for r in rows})
+    if not rows or rows[0] < 1:
+        raise ValueError(f"rows must be positive integers, got {rows}")
+    return rows, list(cases)
+
+
+def case_mask(case: Case, rows: int, kv_len: int) -> np.ndarray:
+    """The additive float16 mask ``[rows, kv_len]`` of a case."""
+    if case.mask == "zero":
+        return np.zeros((rows, kv_len), dtype=np.float16)
+    return causal_mask(rows, kv_len, case.window if case.mask == "window" else None)
+
+
+def case_inputs(case: Case, rows: int, rng: np.random.Generator):
+    """Uniform random Q (float32), K, V (float16) and the mask of ``case`` at ``rows`` rows,
+    the cache as long as the prompt: ``(q, k, v, mask)``."""
+    q, k, v = random_qkv(rows, case.n_heads, case.n_kv_heads, case.head_dim, rows, rng)
+    return q, k, v, case_mask(case, rows, rows)
+
+
+#: The cases of the former ``scripts/gpu_bench.py``, by its names: bench cases at one size
+#: (its causal and dense cases are the 8/8-head ones); the default GPU run covers them all.
+GPU_BENCH_CASES: Dict[str, Tuple[str, int]] = {
+    "global-2048": ("global", 2048),
+    "global-8192": ("global", 8192),
+    "sliding-2048": ("sliding", 2048),
+    "sliding-8192": ("sliding", 8192),
+    "causal-16384": ("causal-8h", 16384),
+    "dense-16384": ("dense-8h", 16384),
+}
+
+
+def sized_case(name: str) -> Tuple[Case, int]:
+    """A case at one size by name: ``<case>-<rows>`` (``global-8192``, ``dense-8h-16384``),
+    or a name of ``GPU_BENCH_CASES`` (which wins: ``dense-16384`` is the 8/8-head case)."""
+    if name in GPU_BENCH_CASES:
+        case, rows = GPU_BENCH_CASES[name]
+        return CASES[case], rows
+    case, _, rows = name.rpartition("-")
+    if case not in CASES or not rows.isdigit() or int(rows) < 1:
+        raise ValueError(f"unknown sized case {name!r}: <case>-<rows> with a case of {', '.join(CASES)}, or one of {', '.join(GPU_BENCH_CASES)}")
+    return CASES[case], int(rows)

@@ -1,0 +1,99 @@
+"""``python -m mlx_native bench``: the command line (see :func:`add_arguments`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from math import inf
+
+from .. import MlxError
+from .cases import CASES
+from .core import run_bench
+from .ours import OURS
+from .report import plot_report
+
+#: SPEC section 3's accuracy bar.
+NMSE_BAR = 5e-4
+
+
+DESCRIPTION = (
+    "The SPEC section 4 shapes on one device, against every installed peer in the same run, with useful "
+    "FLOP/s (SPEC section 5), the ratio of each peer's time to ours, NMSE against the float64 reference on "
+    "a sample of heads and rows, and the share of the machine's measured FMA peak; on a GPU also our time "
+    "without the mask classification and a summary against the best peer of each kind."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options, added to ``p``."""
+    p.add_argument("--device", default=None, help="device name for mlx_native.Device: auto (default), cpu, cuda, cuda:N, metal")
+    p.add_argument("--rows", type=int, nargs="+", default=None, help="prompt lengths (kv_len = rows; default 1024 2048 4096 on the CPU, 2048 8192 16384 on a GPU)")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="shapes to run (default: sliding global dense on the CPU; sliding global causal-8h dense-8h on a GPU)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up, one run of each implementation per round (the best is kept)")
+    p.add_argument("--peers", nargs="*", default=None, help="peers to run (on a CPU device: torch, mlx, reference; on a CUDA device: torch; default: every one installed; --peers alone: none)")
+    p.add_argument("--peer-budget", type=float, default=20.0, help="seconds one peer may spend at one size (slow peers are skipped at larger sizes)")
+    p.add_argument("--sample-heads", type=int, default=3, help="query heads checked against the float64 reference")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="threads of the CPU backend and the CPU peers (default: every core)")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON (rewritten after every size, so a run cut short leaves what it measured)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the ratios to the peers (matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main_from_args(args) -> int:
+    """Run the benchmark as ``args`` (from a parser :func:`add_arguments` filled) say;
+    returns the exit status: 0 when our worst NMSE is within SPEC's bar, 1 when not (or a
+    plot lacks matplotlib), 2 for a bad option or a missing device."""
+    def checkpoint(report):
+        if args.json:
+            _write_json(report, args.json)
+
+    try:
+        report = run_bench(
+            rows=args.rows,
+            cases=args.cases,
+            repeats=args.repeats,
+            device=args.device,
+            peers=args.peers,
+            sample_heads=args.sample_heads,
+            peer_budget_s=args.peer_budget,
+            seed=args.seed,
+            progress=not args.no_progress,
+            threads=args.threads,
+            on_size=checkpoint,
+        )
+    except (ValueError, MlxError) as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        _write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            plot_report(report, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 1
+    ours = [d for d in report["results"] if d["impl"] == OURS]
+    # No NMSE: ours failed there, which fails the check.
+    worst = max((inf if d["nmse"] is None else d["nmse"] for d in ours), default=0.0)
+    worst_row = max((inf if d.get("nmse_worst_row") is None else d["nmse_worst_row"] for d in ours), default=0.0)
+    ok = worst <= NMSE_BAR
+    print(f"worst NMSE of {OURS}: {worst:.2e}, of one (row, head) {worst_row:.2e} (SPEC bar {NMSE_BAR:g}): {'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+def _write_json(report: dict, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mlx_native bench", description=DESCRIPTION)
+    add_arguments(p)
+    return main_from_args(p.parse_args(argv))

@@ -1,0 +1,110 @@
+"""The other implementations the benchmark compares with: the problem a peer gets, the
+timed variants it returns, and a registry of peers keyed by device kind (``cpu``, ``cuda``,
+``metal``: the ``Device.backend`` of the run).
+
+A peer is optional: :func:`Peer.missing` says why it cannot run here (not installed, no
+such device), and the benchmark prints that instead of failing. Each peer turns one problem
+into one or more timed variants (for PyTorch: the same additive mask, and ``is_causal``
+where it applies), each built on prebuilt tensors so that only the attention is timed.
+
+The peers themselves live in one module per device kind (:mod:`.cpu_peers`,
+:mod:`.cuda_peers`), each of which calls :func:`register_peer` for its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+
+@dataclass
+class Problem:
+    """One benchmark problem, as the user's arrays: ``q`` float32 ``[rows, n_heads, dim]``,
+    ``k``/``v`` float16 ``[kv_len, n_kv_heads, dim]``, ``mask`` the additive float16 mask
+    ``[rows, kv_len]`` every implementation gets. ``causal``: the mask is exactly the causal
+    one (no window), so a peer's built-in causal mode computes the same thing; ``dense``:
+    the mask is all zeros, so a peer's no-mask mode does."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: np.ndarray
+    scale: float = 1.0
+    causal: bool = False
+    dense: bool = False
+    #: CPU threads the peer should use (as many as the library's backend uses).
+    threads: Optional[int] = None
+
+
+#: What a variant computes with, as far as the summary of a run compares peers: the same
+#: additive mask as ours, a built-in causal mode with no mask, or no mask (a zero-mask case).
+MODES = ("mask", "causal", "none")
+
+
+@dataclass
+class Variant:
+    """A timed way of running an implementation: ``run()`` computes and waits; ``output()``
+    returns the last result as float32 ``[rows, n_heads, dim]`` numpy (None: not checked,
+    the output is another variant's)."""
+
+    label: str
+    run: Callable[[], None]
+    output: Optional[Callable[[], np.ndarray]]
+    #: Only worth running at the smallest size of a benchmark (slow references).
+    smallest_only: bool = False
+    #: Attention calls one ``run()`` makes (device peers batch short calls before they
+    #: wait); the time of a run is divided by it.
+    calls: int = 1
+    #: Untimed work before each run (ours on a device records its prefills here, so that
+    #: only the commit that runs them is timed).
+    prepare: Optional[Callable[[], None]] = None
+    #: One of ``MODES``, for a peer that competes (None: ours, or a reference).
+    mode: Optional[str] = None
+    #: K/V repeated to the query heads before the call (outside the timing); False: the
+    #: peer takes grouped-query K/V as they are (PyTorch's ``enable_gqa``, MLX).
+    kv_repeated: bool = True
+
+
+class Refused(Exception):
+    """Raised by a variant's ``run`` when the peer refuses the case (the message says why)."""
+
+
+class Peer:
+    """Base of a peer runner."""
+
+    #: Short name, as in the table.
+    name = "peer"
+    #: How to install it, for the "missing" line.
+    install_hint = ""
+
+    def missing(self) -> Optional[str]:
+        """``None`` if the peer can run here, else why not."""
+        return None
+
+    def version(self) -> Optional[str]:
+        """The peer's version, for the report (None: not known); called only when
+        :meth:`missing` says it can run."""
+        return None
+
+    def variants(self, problem: Problem) -> List[Variant]:
+        raise NotImplementedError
+
+
+_REGISTRY: Dict[str, List[Peer]] = {}
+
+
+def register_peer(kind: str, peer: Peer) -> None:
+    """Add ``peer`` to those compared on devices of kind ``kind``."""
+    _REGISTRY.setdefault(kind, []).append(peer)
+
+
+def peers_for(kind: str) -> List[Peer]:
+    """The peers registered for device kind ``kind``."""
+    return list(_REGISTRY.get(kind, []))
+
+
+def group(problem: Problem) -> int:
+    """Query heads per KV head."""
+    return problem.q.shape[1] // problem.k.shape[1]
