@@ -1,4 +1,6 @@
-// CUDA form of flash_attn_prefill_tensor_f16_d256 / _d512 (SPEC section 2).
+// CUDA form of flash_attn_prefill_d256 / _d512 (SPEC sections 2 and 6-9), which the origin
+// op's flash_attn_prefill_tensor_f16_d256 / _d512 also run, with a fixed layout (the host
+// turns their params into these: one sequence, an explicit mask, F32 in and out).
 //
 // Compiled at run time with NVRTC for the device's own architecture (sm_80 and later:
 // ldmatrix, cp.async, mma.sync m16n8k16 f16 -> f32). No CUDA header is included: every
@@ -19,11 +21,16 @@
 //   O += P V for its 32 rows and its 128 output columns (O stays in registers).
 // Each warp keeps the partial row sums of its own P columns; they are added at the end.
 //
-// The tile-skip table is the standard one (bq = 32 at 256, 16 at 512). A warp reads the
-// byte of each of its two 16-row m-tiles: 0 skips (the whole row group skips the step
-// when both are 0; an m-tile alone gets -inf scores, which changes no bit), 2 computes
-// without the mask, 1 adds the mask. The CTA loads a step's K/V only if some byte of its
-// query rows is non-zero, and its mask tile only if some byte is 1.
+// A CTA works on one sequence of the batch (blockIdx.z): fixed length, at its batch
+// strides, or variable length, at its rows of cu_seqlens (SPEC 7). The steps it walks are
+// those its rows can see by the description (causal, window: a range of steps, computed,
+// never classified) and, with an explicit mask, those its tile table does not skip. Each
+// 16-row m-tile of a step has a class: the description's (0 nothing visible, 2 all
+// visible and the step whole, 1 otherwise) combined with the table's byte (bq = 32 at 256,
+// 16 at 512; 2 without a mask): 0 if either is 0 (-inf scores, which changes no bit), 2 if
+// both are 2 (no per-element work), else 1 (-inf where a pair is not visible, the mask
+// added where the byte is 1). The CTA loads a step's mask tile only if some byte is 1. K
+// and V rows past the sequence's cache are never read (zero-filled in shared memory).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -35,29 +42,45 @@ typedef unsigned long long u64;
 #define NTHREADS 256
 #define STEP 64
 
-// Mirror of the op's params block (twelve 32-bit words).
+// Mirror of the op's params block (FlashAttnPrefillParamsGpu, rust/src/params.rs): 64-bit
+// strides in elements (the table's batch stride in bytes), then 32-bit fields.
 struct Params {
-    int rows, n_heads, n_kv_heads, kv_pad;
-    int q_row_stride, q_head_stride;
-    int k_row_stride, k_head_stride;
-    int v_row_stride, v_head_stride;
-    int mask_row_stride;
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long mask_batch_stride, mask_row_stride;
+    long long lse_batch_stride, lse_head_stride;
+    long long blk_batch_stride;
+    int batch, rows, kv_len, n_heads, n_kv_heads, head_dim, max_rows, window, flags;
+    int q_dtype, o_dtype;
+    int blk_rows, blk_steps, blk_bq;
     float scale;
+    int reserved;
 };
+
+#define PREFILL_CAUSAL 1
+#define PREFILL_MASK 2
+#define PREFILL_VARLEN 4
+#define PREFILL_LSE 8
+// DType codes of Q and O.
+#define DT_F32 0
+#define DT_F16 1
+#define DT_BF16 2
 
 // What the CUDA backend adds: the CTA geometry it chose and the alignment of the buffers.
 struct Launch {
     int heads_per_cta;
     int queries_per_cta;
-    int q_tiles;
+    int q_tiles;  // CTAs along the query rows: of the longest sequence
     int flags;
 };
 
-#define FLAG_Q_ALIGNED 1     // Q base 16-byte aligned (strides are multiples of 4 floats)
+#define FLAG_Q_ALIGNED 1     // Q base and strides 16-byte aligned (8 elements of 16 bits, or 4 floats)
 #define FLAG_K_ALIGNED 2     // K base and strides 16-byte aligned
 #define FLAG_V_ALIGNED 4     // V base and strides 16-byte aligned
-#define FLAG_MASK_ALIGNED 8  // mask base 16-byte aligned (rows are 128-byte multiples)
-#define FLAG_OUT_ALIGNED 16  // out base 8-byte aligned
+#define FLAG_MASK_ALIGNED 8  // mask base and strides 16-byte aligned
+#define FLAG_OUT_ALIGNED 16  // out base and strides aligned to two elements
 
 #define LOG2E 1.4426950408889634f
 #define NEG_FLT_MAX_HALF (-1.7014117e38f)  // -FLT_MAX / 2
@@ -115,6 +138,14 @@ __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
+__device__ __forceinline__ void st_shared_i64(u32 addr, long long v) {
+    asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(addr), "l"(v) : "memory");
+}
+__device__ __forceinline__ long long ld_shared_i64(u32 addr) {
+    long long v;
+    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(addr) : "memory");
+    return v;
+}
 __device__ __forceinline__ void st_shared_f32(u32 addr, float v) {
     asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
 }
@@ -167,101 +198,269 @@ struct Swz4 {
     __device__ __forceinline__ u32 at(int kc) const { return base[kc & 3] + (u32)((kc >> 2) << 7); }
 };
 
+// ------------------------------------------------------------------ sequences and visibility
+
+// Where sequence b's rows are (element offsets; the table's in bytes) and how many.
+struct Seq {
+    i64 q, k, v, o, lse, mask, blk;
+    int lq, lk;
+};
+
+__device__ __forceinline__ Seq sequence(const Params& p, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                                        int b) {
+    Seq s;
+    if (p.flags & PREFILL_VARLEN) {
+        const int q0 = cu_q[b], k0 = cu_k[b];
+        s.lq = cu_q[b + 1] - q0;
+        s.lk = cu_k[b + 1] - k0;
+        s.q = (i64)q0 * p.q_row_stride;
+        s.k = (i64)k0 * p.k_row_stride;
+        s.v = (i64)k0 * p.v_row_stride;
+        s.o = (i64)q0 * p.o_row_stride;
+        s.lse = q0;
+        s.mask = 0;
+        s.blk = 0;
+    } else {
+        s.lq = p.rows;
+        s.lk = p.kv_len;
+        s.q = (i64)b * p.q_batch_stride;
+        s.k = (i64)b * p.k_batch_stride;
+        s.v = (i64)b * p.v_batch_stride;
+        s.o = (i64)b * p.o_batch_stride;
+        s.lse = (i64)b * p.lse_batch_stride;
+        s.mask = (i64)b * p.mask_batch_stride;
+        s.blk = (i64)b * p.blk_batch_stride;
+    }
+    return s;
+}
+
+// Whether query row r may see cache row j (SPEC 6), offset = lk - lq.
+__device__ __forceinline__ bool visible(const Params& p, int lk, int off, int r, int j) {
+    if (j >= lk) return false;
+    if ((p.flags & PREFILL_CAUSAL) && j > r + off) return false;
+    if (p.window && j <= r + off - p.window) return false;
+    return true;
+}
+
+// The cache rows query row r may see: [lo, hi] (SPEC 6; empty when lo > hi).
+__device__ __forceinline__ void visible_range(const Params& p, int lk, int off, int r, int& lo, int& hi) {
+    hi = (p.flags & PREFILL_CAUSAL) ? min(lk - 1, r + off) : lk - 1;
+    lo = p.window ? r + off - p.window + 1 : 0;
+}
+
+// The description's class of query rows [ra, rb) (non-empty, below lq) and step t (below
+// the cache's steps): 0 no pair visible, 2 every pair visible and the step whole, 1 else.
+__device__ __forceinline__ int described_class(const Params& p, int lk, int off, int ra, int rb, int t) {
+    const int c0 = t * STEP, c1 = min(c0 + STEP, lk);
+    const bool causal = (p.flags & PREFILL_CAUSAL) != 0;
+    if (causal && c0 > rb - 1 + off) return 0;
+    if (p.window && c1 - 1 <= ra + off - p.window) return 0;
+    bool full = c0 + STEP <= lk;
+    if (causal && c1 - 1 > ra + off) full = false;
+    if (p.window && c0 <= rb - 1 + off - p.window) full = false;
+    return full ? 2 : 1;
+}
+
+// The steps query rows [ra, rb) (non-empty, below lq) can see: [lo, hi], empty if lo > hi.
+__device__ __forceinline__ void visible_steps(const Params& p, int lk, int off, int ra, int rb, int& lo, int& hi) {
+    lo = 0;
+    hi = (lk + STEP - 1) / STEP - 1;
+    if (p.flags & PREFILL_CAUSAL) {
+        const int last = rb - 1 + off;
+        hi = last < 0 ? -1 : min(hi, last / STEP);
+    }
+    if (p.window) {
+        const int first = ra + off - p.window + 1;
+        if (first > 0) lo = first / STEP;
+    }
+}
+
+// The class of an m-tile from the description's and the table's (2 without a mask).
+__device__ __forceinline__ int combine_class(int described, int table) {
+    return (described == 0 || table == 0) ? 0 : (described == 2 && table == 2 ? 2 : 1);
+}
+
 // ------------------------------------------------------------------ tile loads
 
 // 16 bytes (8 halves) from `src` into shared memory at `dst`: asynchronous when `src` is
-// 16-byte aligned, else read as halves and stored in one go.
-__device__ __forceinline__ void copy8_f16(u32 dst, const u16* __restrict__ src, bool aligned) {
+// 16-byte aligned, else read as halves and stored in one go; zeros (nothing read) when
+// `in` is false.
+__device__ __forceinline__ void copy8_f16(u32 dst, const u16* __restrict__ src, bool aligned, bool in = true) {
     if (aligned) {
-        cp_async16(dst, src, 16);
+        cp_async16(dst, src, in ? 16u : 0u);  // src-size 0: nothing is read
     } else {
-        u32 w[4];
+        u32 w[4] = {0u, 0u, 0u, 0u};
+        if (in) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) w[e] = (u32)src[2 * e] | ((u32)src[2 * e + 1] << 16);
+            for (int e = 0; e < 4; ++e) w[e] = (u32)src[2 * e] | ((u32)src[2 * e + 1] << 16);
+        }
         st_shared_v4(dst, w[0], w[1], w[2], w[3]);
     }
 }
 
-// 8 floats of Q at `src`, scaled and rounded to half: qh = half(scale * q), as 4 half2.
-__device__ __forceinline__ void load_q8_half(u32 (&w)[4], const float* __restrict__ src, float scale, bool aligned) {
+__device__ __forceinline__ float bf16_bits_to_float(u32 h) { return __uint_as_float(h << 16); }
+
+// 8 elements of Q at `src` (dtype `dt`: F32, F16 or BF16), read as float, scaled and
+// rounded to half: qh = half(scale * q), as 4 half2. `aligned`: 16-byte loads.
+__device__ __forceinline__ void load_q8_half(u32 (&w)[4], const void* __restrict__ src, int dt, float scale, bool aligned) {
     float f[8];
-    if (aligned) {
-        const float4 a = *reinterpret_cast<const float4*>(src);
-        const float4 b = *reinterpret_cast<const float4*>(src + 4);
-        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-        f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-    } else {
+    if (dt == DT_F32) {
+        const float* q = reinterpret_cast<const float*>(src);
+        if (aligned) {
+            const float4 a = *reinterpret_cast<const float4*>(q);
+            const float4 b = *reinterpret_cast<const float4*>(q + 4);
+            f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+            f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+        } else {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = src[e];
+            for (int e = 0; e < 8; ++e) f[e] = q[e];
+        }
+    } else {
+        const u16* q = reinterpret_cast<const u16*>(src);
+        u32 h[4];
+        if (aligned) {
+            const uint4 a = *reinterpret_cast<const uint4*>(q);
+            h[0] = a.x; h[1] = a.y; h[2] = a.z; h[3] = a.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) h[e] = (u32)q[2 * e] | ((u32)q[2 * e + 1] << 16);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (dt == DT_F16) {
+                unpack_half2(h[e], f[2 * e], f[2 * e + 1]);
+            } else {
+                f[2 * e] = bf16_bits_to_float(h[e] & 0xffffu);
+                f[2 * e + 1] = bf16_bits_to_float(h[e] >> 16);
+            }
+        }
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) w[e] = pack_half2(scale * f[2 * e], scale * f[2 * e + 1]);
 }
 
-// The first cache step after `t` that some row of table rows [tr_first, tr_last] computes
-// (`steps` if none), and in `need_mask` whether some row of it needs its mask (byte 1).
-// Called by a whole warp: each lane looks at one step of a 32-step window.
-__device__ __forceinline__ int next_active_step(const u8* __restrict__ blk, int steps, int tr_first, int tr_last,
-                                                int lane, int t, bool& need_mask) {
-    for (int base = t + 1; base < steps; base += 32) {
-        const int s = base + lane;
-        bool act = false, nm = false;
-        if (s < steps) {
-            for (int tr = tr_first; tr <= tr_last; ++tr) {
-                const u8 b = blk[(i64)tr * steps + s];
-                act |= b != 0;
-                nm |= b == 1;
-            }
-        }
-        const u32 ba = __ballot_sync(0xffffffffu, act);
-        const u32 bm = __ballot_sync(0xffffffffu, nm);
-        if (ba) {
-            const int f = __ffs(ba) - 1;
-            need_mask = (bm >> f) & 1u;
-            return base + f;
-        }
+// Q row `qr` of sequence `sq` (rows past lq zero), head h, chunk c (8 elements), as half.
+__device__ __forceinline__ void load_q_chunk(u32 (&w)[4], const Params& p, const Launch& L, const Seq& sq,
+                                             const unsigned char* __restrict__ q, int qr, int h, int c) {
+    w[0] = w[1] = w[2] = w[3] = 0u;
+    if (qr < sq.lq) {
+        const int esz = p.q_dtype == DT_F32 ? 4 : 2;
+        const i64 e = sq.q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8;
+        load_q8_half(w, q + e * esz, p.q_dtype, p.scale, (L.flags & FLAG_Q_ALIGNED) != 0);
     }
-    need_mask = false;
-    return steps;
 }
 
-// `nrows` rows of `D` halves at `src + row * row_stride` into shared memory (swizzled,
-// D * 2 bytes per row). Asynchronous when the rows are 16-byte aligned, else synchronous.
+// The walk over the steps a CTA's query rows compute: by the description, the steps
+// [lo, hi] (visible_steps); with an explicit mask, those of them some byte of table rows
+// [tr_first, tr_last] does not skip (each lane looks at one step of a 32-step window).
+struct Walk {
+    const u8* blk;  // the sequence's table, or null without a mask
+    int steps;      // the table's row stride (its columns)
+    int lo, hi, tr_first, tr_last;
+
+    // The first step after `t` that is walked (past hi: none), and in `need_mask` whether
+    // some byte of it is 1 (its mask tile is read).
+    __device__ __forceinline__ int next(int t, int lane, bool& need_mask) const {
+        const int start = max(t + 1, lo);
+        need_mask = false;
+        if (blk == nullptr) return start <= hi ? start : hi + 1;
+        for (int base = start; base <= hi; base += 32) {
+            const int s = base + lane;
+            bool act = false, nm = false;
+            if (s <= hi) {
+                for (int tr = tr_first; tr <= tr_last; ++tr) {
+                    const u8 b = blk[(i64)tr * steps + s];
+                    act |= b != 0;
+                    nm |= b == 1;
+                }
+            }
+            const u32 ba = __ballot_sync(0xffffffffu, act);
+            const u32 bm = __ballot_sync(0xffffffffu, nm);
+            if (ba) {
+                const int f = __ffs(ba) - 1;
+                need_mask = (bm >> f) & 1u;
+                return base + f;
+            }
+        }
+        return hi + 1;
+    }
+};
+
+// `STEP` rows of `D` halves at `src + row * row_stride` into shared memory (swizzled,
+// D * 2 bytes per row); rows at or past `nvalid` are zeros and are not read.
+// Asynchronous when the rows are 16-byte aligned, else synchronous.
 template <int D>
-__device__ __forceinline__ void load_rows_f16(u32 dst, const u16* __restrict__ src, i64 row_stride, int nrows,
+__device__ __forceinline__ void load_rows_f16(u32 dst, const u16* __restrict__ src, i64 row_stride, int nvalid,
                                               bool aligned) {
     constexpr int CH = D / 8;
-    const int total = nrows * CH;
+    constexpr int total = STEP * CH;
     for (int i = threadIdx.x; i < total; i += NTHREADS) {
         const int r = i / CH, c = i % CH;
         const u16* s = src + (i64)r * row_stride + c * 8;
-        copy8_f16(dst + (u32)(r * D * 2) + swz(c, r & 7), s, aligned);
+        copy8_f16(dst + (u32)(r * D * 2) + swz(c, r & 7), s, aligned, r < nvalid);
     }
 }
 
-// The mask tile of cache step `t` for the CTA's `qpc` query rows: [qpc][64] halves,
-// 128 bytes per row, swizzled. Rows at or past `rows` are zeros and are never read.
-__device__ __forceinline__ void load_mask_tile(u32 dst, const u16* __restrict__ mask, const Params& p, int q_cta,
-                                               int qpc, int t, bool aligned) {
+// The mask tile of cache step `t` for the CTA's `qpc` query rows (`mask`: the
+// sequence's): [qpc][64] halves,
+// 128 bytes per row, swizzled. Rows at or past lq and columns at or past lk are zeros
+// and are never read (the kernel makes those scores -inf by visibility).
+__device__ __forceinline__ void load_mask_tile(u32 dst, const u16* __restrict__ mask, const Params& p, int lq, int lk,
+                                               int q_cta, int qpc, int t, bool aligned) {
     const int total = qpc * 8;
     for (int i = threadIdx.x; i < total; i += NTHREADS) {
         const int r = i >> 3, c = i & 7;
         const int qr = q_cta + r;
+        const int j0 = t * STEP + c * 8;
         const u32 d = dst + (u32)(r * 128) + swz(c, r & 7);
-        const bool in = qr < p.rows;
-        const u16* s = mask + (in ? (i64)qr * p.mask_row_stride + (i64)t * STEP + c * 8 : 0);
-        if (aligned) {
-            cp_async16(d, s, in ? 16u : 0u);
+        const bool row_in = qr < lq;
+        const int n = row_in ? min(8, lk - j0) : 0;  // columns of the chunk in the cache
+        const u16* s = mask + (row_in ? (i64)qr * p.mask_row_stride + j0 : 0);
+        if (aligned && (n >= 8 || n <= 0)) {
+            cp_async16(d, s, n > 0 ? 16u : 0u);
         } else {
             u32 w[4] = {0u, 0u, 0u, 0u};
-            if (in) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) w[e] = (u32)s[2 * e] | ((u32)s[2 * e + 1] << 16);
+            for (int e = 0; e < 4; ++e) {
+                const u32 lo = 2 * e < n ? (u32)s[2 * e] : 0u;
+                const u32 hi = 2 * e + 1 < n ? (u32)s[2 * e + 1] : 0u;
+                w[e] = lo | (hi << 16);
             }
             st_shared_v4(d, w[0], w[1], w[2], w[3]);
         }
     }
 }
+
+// Two output elements (columns c, c + 1) of row r of O in its dtype, and, where the
+// element pair is aligned, in one store.
+__device__ __forceinline__ void store_out2(void* __restrict__ out, int dt, i64 e, float x0, float x1, bool aligned) {
+    if (dt == DT_F32) {
+        float* o = reinterpret_cast<float*>(out) + e;
+        if (aligned) {
+            *reinterpret_cast<float2*>(o) = make_float2(x0, x1);
+        } else {
+            o[0] = x0;
+            o[1] = x1;
+        }
+        return;
+    }
+    u32 h;
+    if (dt == DT_F16) {
+        h = pack_half2(x0, x1);
+    } else {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(h) : "f"(x1), "f"(x0));
+    }
+    u16* o = reinterpret_cast<u16*>(out) + e;
+    if (aligned) {
+        *reinterpret_cast<u32*>(o) = h;
+    } else {
+        o[0] = (u16)(h & 0xffffu);
+        o[1] = (u16)(h >> 16);
+    }
+}
+
+// lse = M + ln(S) of one (row, head), -inf where the row saw nothing (SPEC 8).
+__device__ __forceinline__ float lse_of(float m, float l) { return l > 0.f ? m + logf(l) : -__int_as_float(0x7f800000); }
 
 // ------------------------------------------------------------------ the kernel
 
@@ -281,14 +480,18 @@ struct Cfg {
     static constexpr int MASK_BYTES = ROWS * STEP * 2;
     static constexpr int P_BYTES = NWARPS * 2 * KL * 32 * 16;
     static constexpr int RED_BYTES = NWARPS * 32 * 4;
-    static constexpr int SMEM = Q_BYTES + 2 * KV_BYTES + MASK_BYTES + P_BYTES + RED_BYTES;
+    // The sequence's mask, output and lse offsets, kept here rather than in registers
+    // through the walk (the d256 form has none to spare).
+    static constexpr int SEQ_BYTES = 32;
+    static constexpr int SMEM = Q_BYTES + 2 * KV_BYTES + MASK_BYTES + P_BYTES + RED_BYTES + SEQ_BYTES;
 };
 
 template <int D>
-__device__ __forceinline__ void attention(const Params& p, const Launch& L, const float* __restrict__ q,
+__device__ __forceinline__ void attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
                                           const u16* __restrict__ k, const u16* __restrict__ v,
                                           const u16* __restrict__ mask, const u8* __restrict__ blk,
-                                          float* __restrict__ out) {
+                                          void* __restrict__ out, float* __restrict__ lse,
+                                          const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
     typedef Cfg<D> C;
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 s_q = smem_addr(smem);
@@ -297,23 +500,31 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const u32 s_mask = s_v + C::KV_BYTES;
     const u32 s_p = s_mask + C::MASK_BYTES;
     const u32 s_red = s_p + C::P_BYTES;
+    const u32 s_seq = s_red + C::RED_BYTES;  // the sequence's mask, out and lse offsets (i64)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g8 = lane >> 2, tig = lane & 3;  // mma fragment row and column pair
     const int l7 = lane & 7;
     const int rg = warp / C::G, wg = warp % C::G;
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
-    const int qt = L.q_tiles - 1 - (int)blockIdx.x;  // longest causal rows first
+    const Seq sq = sequence(p, cu_q, cu_k, (int)blockIdx.z);
+    const int lq = sq.lq, lk = sq.lk, off = lk - lq;
+    const int qt = (lq + qpc - 1) / qpc - 1 - (int)blockIdx.x;  // longest causal rows first
+    if (qt < 0) return;  // a shorter sequence than the longest: no rows here (the whole CTA)
+    if (tid == 0) {
+        st_shared_i64(s_seq, sq.mask);
+        st_shared_i64(s_seq + 8, sq.o);
+        st_shared_i64(s_seq + 16, sq.lse);
+    }
+    __syncthreads();  // the offsets are visible to every thread, whether or not a step runs
     const int q_cta = qt * qpc;
     const int head = (int)blockIdx.y * hpc + rg % hpc;
     const int q_loc = (rg / hpc) * 32;  // first query of the row group, inside the CTA
     const int q0 = q_cta + q_loc;
     const int group = p.n_heads / p.n_kv_heads;
     const int kvh = ((int)blockIdx.y * hpc) / group;
-    const int steps = p.kv_pad / STEP;
-    const int rows = p.rows;
 
-    // ---- Q: qh = half(scale * q), rows past `rows` zero.
+    // ---- Q: qh = half(scale * q), rows past lq zero.
     {
         constexpr int CH = D / 8;
         for (int i = tid; i < C::ROWS * CH; i += NTHREADS) {
@@ -321,29 +532,35 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             const int rgi = r >> 5;
             const int qr = q_cta + (rgi / hpc) * 32 + (r & 31);
             const int h = (int)blockIdx.y * hpc + rgi % hpc;
-            u32 w[4] = {0u, 0u, 0u, 0u};
-            if (qr < rows) {
-                load_q8_half(w, q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8, p.scale,
-                             (L.flags & FLAG_Q_ALIGNED) != 0);
-            }
+            u32 w[4];
+            load_q_chunk(w, p, L, sq, q, qr, h, c);
             st_shared_v4(s_q + (u32)(r * D * 2) + swz(c, r & 7), w[0], w[1], w[2], w[3]);
         }
     }
 
-    // ---- The blk table rows of the CTA's queries, and of this warp's two m-tiles.
-    const int q_end = min(q_cta + qpc, rows);  // q_cta < rows: the grid has no empty tile
-    const int tr_first = q_cta / C::BQ, tr_last = (q_end - 1) / C::BQ;
-    const i64 tr_m0 = (q0 < rows) ? (i64)(q0 / C::BQ) * steps : -1;
-    const i64 tr_m1 = (q0 + 16 < rows) ? (i64)((q0 + 16) / C::BQ) * steps : -1;
-
-    // The next step after `t` that some row of the CTA computes (steps if none), and
-    // whether some row needs its mask. Each lane looks at one step of a 32-step window.
-    auto next_active = [&](int t, bool& need_mask) -> int {
-        return next_active_step(blk, steps, tr_first, tr_last, lane, t, need_mask);
+    // ---- The steps walked (the description's, and the table's), and the class of each of
+    // this warp's two 16-row m-tiles in a step.
+    const int q_end = min(q_cta + qpc, lq);
+    Walk walk;
+    walk.blk = (p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr;
+    walk.steps = p.blk_steps;
+    walk.tr_first = q_cta / C::BQ;
+    walk.tr_last = (q_end - 1) / C::BQ;
+    visible_steps(p, lk, off, q_cta, q_end, walk.lo, walk.hi);
+    const int t_end = walk.hi + 1;
+    auto mtile_class = [&](int mt, int t, int& table) -> int {
+        const int ra = q0 + mt * 16;
+        if (ra >= lq) {
+            table = 0;
+            return 0;
+        }
+        table = walk.blk ? (int)walk.blk[(i64)(ra / C::BQ) * walk.steps + t] : 2;
+        return combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
     };
+    auto next_active = [&](int t, bool& need_mask) -> int { return walk.next(t, lane, need_mask); };
 
-    const u16* k_base = k + (i64)kvh * p.k_head_stride;
-    const u16* v_base = v + (i64)kvh * p.v_head_stride;
+    const u16* k_base = k + sq.k + (i64)kvh * p.k_head_stride;
+    const u16* v_base = v + sq.v + (i64)kvh * p.v_head_stride;
     const bool k_al = (L.flags & FLAG_K_ALIGNED) != 0;
     const bool v_al = (L.flags & FLAG_V_ALIGNED) != 0;
     const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
@@ -387,20 +604,21 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 
     bool need_mask = false;
     int t = next_active(-1, need_mask);
-    if (t < steps) {
-        load_rows_f16<D>(s_k, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, STEP, k_al);
-        if (need_mask) load_mask_tile(s_mask, mask, p, q_cta, qpc, t, m_al);
+    if (t < t_end) {
+        load_rows_f16<D>(s_k, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, lk - t * STEP, k_al);
+        if (need_mask) load_mask_tile(s_mask, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);
         cp_async_commit();
     }
 
-    while (t < steps) {
+    while (t < t_end) {
         cp_async_wait_all();
         __syncthreads();  // K_t and the mask tile are in; V is free (every P V of t-1 done)
-        load_rows_f16<D>(s_v, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, STEP, v_al);
+        load_rows_f16<D>(s_v, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, lk - t * STEP, v_al);
         cp_async_commit();
 
-        const int b0 = tr_m0 >= 0 ? (int)blk[tr_m0 + t] : 0;
-        const int b1 = tr_m1 >= 0 ? (int)blk[tr_m1 + t] : 0;
+        int tb0, tb1;
+        const int b0 = mtile_class(0, t, tb0);
+        const int b1 = mtile_class(1, t, tb1);
         const bool active = (b0 | b1) != 0;  // the same for every warp of the row group
 
         if (active) {
@@ -429,22 +647,30 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                 }
             }
 
-            // ---- Mask (byte 1), or -inf for an m-tile whose byte is 0.
+            // ---- Class 1: -inf where a pair is not visible, the mask where the byte is 1;
+            // class 0: -inf for the m-tile.
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 const int bm = mt == 0 ? b0 : b1;
+                const bool add_mask = (mt == 0 ? tb0 : tb1) == 1;
                 if (bm == 1) {
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
                         const int rr = q_loc + mt * 16 + hh * 8 + g8;  // row of the mask tile
                         const u32 row_addr = s_mask + (u32)(rr * 128) + (u32)(tig * 4);
+                        // The row's visible columns, relative to this thread's first one.
+                        int vlo, vhi;
+                        visible_range(p, lk, off, q_cta + rr, vlo, vhi);
+                        vlo -= t * STEP + wj0 + tig * 2;
+                        vhi -= t * STEP + wj0 + tig * 2;
 #pragma unroll
                         for (int nb = 0; nb < C::NB; ++nb) {
-                            const u32 w = ld_shared_u32(row_addr + swz(wj0 / 8 + nb, g8));
-                            float lo, hi;
-                            unpack_half2(w, lo, hi);
-                            s[mt][nb][hh * 2] += lo;
-                            s[mt][nb][hh * 2 + 1] += hi;
+                            float lo = 0.f, hi = 0.f;
+                            if (add_mask) unpack_half2(ld_shared_u32(row_addr + swz(wj0 / 8 + nb, g8)), lo, hi);
+                            const int j = nb * 8;
+                            const float ninf = -__int_as_float(0x7f800000);
+                            s[mt][nb][hh * 2] = (j >= vlo && j <= vhi) ? s[mt][nb][hh * 2] + lo : ninf;
+                            s[mt][nb][hh * 2 + 1] = (j + 1 >= vlo && j + 1 <= vhi) ? s[mt][nb][hh * 2 + 1] + hi : ninf;
                         }
                     }
                 } else if (bm == 0) {
@@ -548,9 +774,9 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         const int tn = next_active(t, need_mask_next);
         cp_async_wait_all();
         __syncthreads();  // V_t is in, P of the step is visible, K and the mask tile are free
-        if (tn < steps) {
-            load_rows_f16<D>(s_k, k_base + (i64)tn * STEP * p.k_row_stride, p.k_row_stride, STEP, k_al);
-            if (need_mask_next) load_mask_tile(s_mask, mask, p, q_cta, qpc, tn, m_al);
+        if (tn < t_end) {
+            load_rows_f16<D>(s_k, k_base + (i64)tn * STEP * p.k_row_stride, p.k_row_stride, lk - tn * STEP, k_al);
+            if (need_mask_next) load_mask_tile(s_mask, mask + ld_shared_i64(s_seq), p, lq, lk, q_cta, qpc, tn, m_al);
             cp_async_commit();
         }
 
@@ -610,24 +836,20 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             }
     }
     const bool out_al = (L.flags & FLAG_OUT_ALIGNED) != 0;
+    const i64 o_seq = ld_shared_i64(s_seq + 8), lse_seq = ld_shared_i64(s_seq + 16);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = q0 + mt * 16 + hh * 8 + g8;
-            if (r >= rows) continue;
+            if (r >= lq) continue;
             const float inv = lt[mt][hh] > 0.f ? 1.f / lt[mt][hh] : 0.f;
-            float* dst = out + ((i64)r * p.n_heads + head) * D + wd0 + tig * 2;
+            const i64 dst = o_seq + (i64)r * p.o_row_stride + (i64)head * p.o_head_stride + wd0 + tig * 2;
 #pragma unroll
-            for (int nb = 0; nb < C::DW / 8; ++nb) {
-                const float x0 = o[mt][nb][hh * 2] * inv, x1 = o[mt][nb][hh * 2 + 1] * inv;
-                if (out_al) {
-                    *reinterpret_cast<float2*>(dst + nb * 8) = make_float2(x0, x1);
-                } else {
-                    dst[nb * 8] = x0;
-                    dst[nb * 8 + 1] = x1;
-                }
-            }
+            for (int nb = 0; nb < C::DW / 8; ++nb)
+                store_out2(out, p.o_dtype, dst + nb * 8, o[mt][nb][hh * 2] * inv, o[mt][nb][hh * 2 + 1] * inv, out_al);
+            if ((p.flags & PREFILL_LSE) && wg == 0 && tig == 0)
+                lse[lse_seq + (i64)head * p.lse_head_stride + r] = lse_of(m_run[mt][hh], lt[mt][hh]);
         }
 }
 
@@ -695,14 +917,15 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
             : "memory");
     } while (!done);
 }
-// One box of a 3-d tensor map into shared memory at `dst` of every CTA in `cta_mask`
-// (the same offset in each), completing bytes on the mbarrier at `bar` in each.
-__device__ __forceinline__ void tma_load_3d_mc(u32 dst, const TMap* map, int c0, int c1, int c2, u32 bar,
+// One box of a 4-d tensor map into shared memory at `dst` of every CTA in `cta_mask`
+// (the same offset in each), completing bytes on the mbarrier at `bar` in each. Rows past
+// the map's extent (the sequence's cache) land as zeros.
+__device__ __forceinline__ void tma_load_4d_mc(u32 dst, const TMap* map, int c0, int c1, int c2, int c3, u32 bar,
                                                unsigned short cta_mask) {
     asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
-        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(cta_mask)
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(cta_mask)
         : "memory");
 }
 
@@ -766,11 +989,13 @@ struct HCfg {
     static constexpr int SMEM = 1024 + Q_BYTES + NSTAGE * (2 * KV_BYTES + MASK_BYTES) + P_BYTES + RED_BYTES + BAR_BYTES;
 };
 
-// 64 rows of D halves at src + row * row_stride into an atom-layout tile of 64 rows.
+// 64 rows of D halves at src + row * row_stride into an atom-layout tile of 64 rows; rows
+// at or past `nvalid` are zeros and are not read.
 // Thread `tid` always copies chunk tid % (D / 8) of rows tid / (D / 8) + n * (256 / (D / 8)):
 // its column, swizzle and addresses are per-thread constants plus immediates.
 template <int D>
-__device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ src, i64 row_stride, bool aligned) {
+__device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ src, i64 row_stride, int nvalid,
+                                             bool aligned) {
     constexpr int CH = D / 8, RPI = NTHREADS / CH;  // chunks per row, rows per pass (8 or 4)
     const int c = threadIdx.x % CH, r0 = threadIdx.x / CH;
     const u16* s = src + (i64)r0 * row_stride + c * 8;
@@ -779,7 +1004,7 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ sr
     const u32 sw[2] = {(u32)(((c & 7) ^ (r0 & 7)) << 4), (u32)(((c & 7) ^ ((r0 + 4) & 7)) << 4)};
 #pragma unroll 4  // fully unrolled, the addresses of 16 passes stay live and spill at 512
     for (int n = 0; n < STEP / RPI; ++n) {
-        copy8_f16(d0 + (u32)(n * RPI * 128) + sw[RPI % 8 == 0 ? 0 : (n & 1)], s, aligned);
+        copy8_f16(d0 + (u32)(n * RPI * 128) + sw[RPI % 8 == 0 ? 0 : (n & 1)], s, aligned, r0 + n * RPI < nvalid);
         s += pass;
     }
 }
@@ -795,11 +1020,12 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ sr
 #define PAIR_HEADS 1
 #define PAIR_QUERIES 2
 template <int D, int PAIR = PAIR_NONE>
-__device__ __forceinline__ void attention(const Params& p, const Launch& L, const float* __restrict__ q,
+__device__ __forceinline__ void attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
                                           const u16* __restrict__ k, const u16* __restrict__ v,
                                           const u16* __restrict__ mask, const u8* __restrict__ blk,
-                                          float* __restrict__ out, const TMap* kmap = nullptr,
-                                          const TMap* vmap = nullptr) {
+                                          void* __restrict__ out, float* __restrict__ lse,
+                                          const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                                          const TMap* kmap = nullptr, const TMap* vmap = nullptr) {
     typedef HCfg<D> C;
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_base = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
@@ -817,77 +1043,83 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int wgi = __shfl_sync(0xffffffffu, tid >> 7, 0), wq = warp & 3;
     const int rg = wgi / C::G, ch = wgi % C::G;    // row group, column half (head dim 512)
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
-    const int qt = L.q_tiles - 1 - (int)blockIdx.x;  // longest causal rows first
-    const int q_cta = qt >= 0 ? qt * qpc : p.rows;    // qt < 0: a pair's empty CTA
+    const Seq sq = sequence(p, cu_q, cu_k, (int)blockIdx.z);
+    const int lq = sq.lq, lk = sq.lk, off = lk - lq;
+    const int q_tiles = (lq + qpc - 1) / qpc;       // this sequence's CTAs along the rows
+    const int qt = q_tiles - 1 - (int)blockIdx.x;  // longest causal rows first
+    if constexpr (PAIR == PAIR_QUERIES) {
+        if (q_tiles - 1 - (int)(blockIdx.x & ~1u) < 0) return;  // both CTAs of the pair are empty
+    } else {
+        if (qt < 0) return;  // no rows here (for the head pairs: in both CTAs alike)
+    }
+    const int q_cta = qt >= 0 ? qt * qpc : lq;     // qt < 0: a query pair's empty CTA
     const int r0 = rg * 64 + wq * 16;              // first CTA row of this warp
     const int head = (int)blockIdx.y * hpc + r0 / qpc;
     const int q_loc = r0 % qpc;                    // first query of the warp, inside the CTA
     const int q0 = q_cta + q_loc;
     const int group = p.n_heads / p.n_kv_heads;
     const int kvh = ((int)blockIdx.y * hpc) / group;
-    const int steps = p.kv_pad / STEP;
-    const int rows = p.rows;
 
-    // ---- Q: qh = half(scale * q) in the atom layout; rows past `rows` zero.
+    // ---- Q: qh = half(scale * q) in the atom layout; rows past lq zero.
     {
         constexpr int CH = D / 8;
         for (int i = tid; i < C::ROWS * CH; i += NTHREADS) {
             const int r = i / CH, c = i % CH;
             const int qr = q_cta + r % qpc;
             const int h = (int)blockIdx.y * hpc + r / qpc;
-            u32 w[4] = {0u, 0u, 0u, 0u};
-            if (qr < rows) {
-                load_q8_half(w, q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8, p.scale,
-                             (L.flags & FLAG_Q_ALIGNED) != 0);
-            }
+            u32 w[4];
+            load_q_chunk(w, p, L, sq, q, qr, h, c);
             st_shared_v4(s_q + atom_off(C::ROWS, r, c), w[0], w[1], w[2], w[3]);
         }
     }
 
-    // ---- The blk table: the CTA's rows, this warp's row, and the rows of its warpgroup.
-    const int q_end = min(q_cta + qpc, rows);
-    const int tr_first = q_cta / C::BQ, tr_last = (q_end - 1) / C::BQ;
-    // Table rows (-1: no query row there). The bytes of step t are blk_row(tr)[t].
-    const int tr_me = q0 < rows ? q0 / C::BQ : -1;
-    int tr_wg[4];
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-        const int qw = q_cta + (rg * 64 + w * 16) % qpc;
-        tr_wg[w] = qw < rows ? qw / C::BQ : -1;
-    }
-
-    // The steps walked: those of this CTA's table rows, or of both CTAs' of a query pair.
-    int walk_first = tr_first, walk_last = tr_last;
+    // ---- The steps walked: those of this CTA's rows, or of both CTAs' of a query pair
+    // (the description's steps, and the table's); the classes of this warp's rows.
+    int wa = q_cta, we = min(q_cta + qpc, lq);  // the rows walked, [wa, we)
     if constexpr (PAIR == PAIR_QUERIES) {
-        walk_first = 0x7fffffff;
-        walk_last = -1;
+        wa = 0x7fffffff;
+        we = -1;
         for (int m = 0; m < 2; ++m) {
-            const int qm = L.q_tiles - 1 - (int)((blockIdx.x & ~1u) + m);
+            const int qm = q_tiles - 1 - (int)((blockIdx.x & ~1u) + m);
             if (qm >= 0) {
-                const int a = qm * qpc, e = min(a + qpc, rows);
-                walk_first = min(walk_first, a / C::BQ);
-                walk_last = max(walk_last, (e - 1) / C::BQ);
+                wa = min(wa, qm * qpc);
+                we = max(we, min(qm * qpc + qpc, lq));
             }
         }
     }
-    auto next_active = [&](int t, bool& need_mask) -> int {
-        return next_active_step(blk, steps, walk_first, walk_last, lane, t, need_mask);
+    Walk walk;
+    walk.blk = (p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr;
+    walk.steps = p.blk_steps;
+    walk.tr_first = wa / C::BQ;
+    walk.tr_last = (we - 1) / C::BQ;
+    visible_steps(p, lk, off, wa, we, walk.lo, walk.hi);
+    const int steps = walk.hi + 1;  // the loops below walk t < steps
+    // The class of 16 rows from `ra` in step t (and its table byte): 0 where no row is.
+    auto rows_class = [&](int ra, int t, int& table) -> int {
+        if (ra >= lq) {
+            table = 0;
+            return 0;
+        }
+        table = walk.blk ? (int)walk.blk[(i64)(ra / C::BQ) * walk.steps + t] : 2;
+        return combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
     };
+    auto next_active = [&](int t, bool& need_mask) -> int { return walk.next(t, lane, need_mask); };
 
-    const u16* k_base = k + (i64)kvh * p.k_head_stride;
-    const u16* v_base = v + (i64)kvh * p.v_head_stride;
+    const u16* k_base = k + sq.k + (i64)kvh * p.k_head_stride;
+    const u16* v_base = v + sq.v + (i64)kvh * p.v_head_stride;
     const bool k_al = (L.flags & FLAG_K_ALIGNED) != 0;
     const bool v_al = (L.flags & FLAG_V_ALIGNED) != 0;
     const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
     auto load_k = [&](int stage, int t) {
-        load_kv_tile<D>(s_kv + stage * 2 * C::KV_BYTES, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, k_al);
+        load_kv_tile<D>(s_kv + stage * 2 * C::KV_BYTES, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride,
+                        lk - t * STEP, k_al);
     };
     auto load_v = [&](int stage, int t) {
         load_kv_tile<D>(s_kv + stage * 2 * C::KV_BYTES + C::KV_BYTES, v_base + (i64)t * STEP * p.v_row_stride,
-                        p.v_row_stride, v_al);
+                        p.v_row_stride, lk - t * STEP, v_al);
     };
     auto load_mask = [&](int stage, int t) {
-        load_mask_tile(s_mask + stage * C::MASK_BYTES, mask, p, q_cta, qpc, t, m_al);
+        load_mask_tile(s_mask + stage * C::MASK_BYTES, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);
     };
 
     // ---- State: this warp's 16 rows x 256 columns of O, running max and partial sums.
@@ -901,10 +1133,14 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     // Scores of step t from stage `stage`; P left in pk. Returns whether the warpgroup
     // computed (it skips when every one of its 64 rows skips the step).
     auto scores_and_softmax = [&](int t, int stage) -> bool {
-        const int b = tr_me >= 0 ? (int)blk[(i64)tr_me * steps + t] : 0;
+        int tb;
+        const int b = rows_class(q0, t, tb);
         bool wg_active = false;
 #pragma unroll
-        for (int w = 0; w < 4; ++w) wg_active |= tr_wg[w] >= 0 && blk[(i64)tr_wg[w] * steps + t] != 0;
+        for (int w = 0; w < 4; ++w) {
+            int tw;
+            wg_active |= rows_class(q_cta + (rg * 64 + w * 16) % qpc, t, tw) != 0;
+        }
         float mx[2] = {0.f, 0.f};
         float s[C::NS];
         if (wg_active) {
@@ -924,18 +1160,25 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             wgmma_wait0();
             fence_regs(s);
             if (b == 1) {
+                // -inf where a pair is not visible, the mask where the table's byte is 1.
                 const u32 m_tile = s_mask + stage * C::MASK_BYTES;
+                const float ninf = -__int_as_float(0x7f800000);
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int rr = q_loc + hh * 8 + g8;
                     const u32 row_addr = m_tile + (u32)(rr * 128) + (u32)(tig * 4);
+                    // The row's visible columns, relative to this thread's first one.
+                    int vlo, vhi;
+                    visible_range(p, lk, off, q_cta + rr, vlo, vhi);
+                    vlo -= t * STEP + ch * C::JW + tig * 2;
+                    vhi -= t * STEP + ch * C::JW + tig * 2;
 #pragma unroll
                     for (int nb = 0; nb < C::NB; ++nb) {
-                        const u32 w = ld_shared_u32(row_addr + swz(ch * C::NB + nb, g8));
-                        float lo, hi;
-                        unpack_half2(w, lo, hi);
-                        s[nb * 4 + hh * 2] += lo;
-                        s[nb * 4 + hh * 2 + 1] += hi;
+                        float lo = 0.f, hi = 0.f;
+                        if (tb == 1) unpack_half2(ld_shared_u32(row_addr + swz(ch * C::NB + nb, g8)), lo, hi);
+                        const int j = nb * 8;
+                        s[nb * 4 + hh * 2] = (j >= vlo && j <= vhi) ? s[nb * 4 + hh * 2] + lo : ninf;
+                        s[nb * 4 + hh * 2 + 1] = (j + 1 >= vlo && j + 1 <= vhi) ? s[nb * 4 + hh * 2 + 1] + hi : ninf;
                     }
                 }
             } else if (b == 0) {
@@ -1042,7 +1285,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #pragma unroll
         for (int i = 0; i < D / 128; ++i) {
             const int cb = rank * (D / 128) + i;
-            tma_load_3d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, bar, 3);
+            tma_load_4d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, (int)blockIdx.z, bar, 3);
         }
     };
     if constexpr (PAIR != PAIR_NONE) {
@@ -1213,19 +1456,14 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int r = q0 + hh * 8 + g8;
-        if (r >= rows) continue;
+        if (r >= lq) continue;
         const float inv = lt[hh] > 0.f ? 1.f / lt[hh] : 0.f;
-        float* dst = out + ((i64)r * p.n_heads + head) * D + wd0 + tig * 2;
+        const i64 dst = sq.o + (i64)r * p.o_row_stride + (i64)head * p.o_head_stride + wd0 + tig * 2;
 #pragma unroll
-        for (int nb = 0; nb < C::DW / 8; ++nb) {
-            const float x0 = o[nb * 4 + hh * 2] * inv, x1 = o[nb * 4 + hh * 2 + 1] * inv;
-            if (out_al) {
-                *reinterpret_cast<float2*>(dst + nb * 8) = make_float2(x0, x1);
-            } else {
-                dst[nb * 8] = x0;
-                dst[nb * 8 + 1] = x1;
-            }
-        }
+        for (int nb = 0; nb < C::DW / 8; ++nb)
+            store_out2(out, p.o_dtype, dst + nb * 8, o[nb * 4 + hh * 2] * inv, o[nb * 4 + hh * 2 + 1] * inv, out_al);
+        if ((p.flags & PREFILL_LSE) && ch == 0 && tig == 0)
+            lse[sq.lse + (i64)head * p.lse_head_stride + r] = lse_of(m_run[hh], lt[hh]);
     }
 }
 
@@ -1235,42 +1473,41 @@ static_assert(HCfg<512>::SMEM == 214592, "Hopper d512 shared memory changed: upd
 }  // namespace hopper
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
-flash_attn_prefill_tensor_f16_d256(const Params p, const Launch L, const float* __restrict__ q,
-                                   const u16* __restrict__ k, const u16* __restrict__ v,
-                                   const u16* __restrict__ mask, const u8* __restrict__ blk,
-                                   float* __restrict__ out) {
+// The entry points (the origin op's names; the new op launches them too). Parameters: the
+// params block, the launch block, Q, K, V, the explicit mask, its table, O, lse,
+// cu_seqlens_q, cu_seqlens_k (pointers the flags say are absent are never read).
+#define MLXN_ARGS                                                                                          \
+    const Params p, const Launch L, const unsigned char* __restrict__ q, const u16* __restrict__ k,         \
+        const u16* __restrict__ v, const u16* __restrict__ mask, const u8* __restrict__ blk,               \
+        void* __restrict__ out, float* __restrict__ lse, const int* __restrict__ cu_q,                     \
+        const int* __restrict__ cu_k
+#define MLXN_PASS p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attn_prefill_tensor_f16_d256(MLXN_ARGS) {
 #ifdef MLXN_HOPPER
-    hopper::attention<256>(p, L, q, k, v, mask, blk, out);
+    hopper::attention<256>(MLXN_PASS);
 #else
-    attention<256>(p, L, q, k, v, mask, blk, out);
+    attention<256>(MLXN_PASS);
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
-flash_attn_prefill_tensor_f16_d512(const Params p, const Launch L, const float* __restrict__ q,
-                                   const u16* __restrict__ k, const u16* __restrict__ v,
-                                   const u16* __restrict__ mask, const u8* __restrict__ blk,
-                                   float* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attn_prefill_tensor_f16_d512(MLXN_ARGS) {
 #ifdef MLXN_HOPPER
-    hopper::attention<512>(p, L, q, k, v, mask, blk, out);
+    hopper::attention<512>(MLXN_PASS);
 #else
-    attention<512>(p, L, q, k, v, mask, blk, out);
+    attention<512>(MLXN_PASS);
 #endif
 }
 
 #ifdef MLXN_HOPPER
 // The CTA-pair forms (`hopper::attention<D, PAIR_HEADS | PAIR_QUERIES>`), launched in
 // clusters of two along y (heads) or x (query tiles). K and V come through tensor maps
-// (3-d: head dim, KV heads, cache rows; boxes of 64 x 1 x 64 with the 128-byte swizzle),
-// made by the host when the strides allow it.
+// (4-d: head dim, KV heads, cache rows, sequences; boxes of 64 x 1 x 64 x 1 with the
+// 128-byte swizzle), made by the host when the strides allow it.
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY)                                                            \
     extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(NTHREADS, 1)                 \
-    NAME(const Params p, const Launch L, const float* __restrict__ q, const u16* __restrict__ k,            \
-         const u16* __restrict__ v, const u16* __restrict__ mask, const u8* __restrict__ blk,               \
-         float* __restrict__ out, const __grid_constant__ hopper::TMap kmap,                                \
-         const __grid_constant__ hopper::TMap vmap) {                                                       \
-        hopper::attention<DIM, MODE>(p, L, q, k, v, mask, blk, out, &kmap, &vmap);                          \
+    NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) { \
+        hopper::attention<DIM, MODE>(MLXN_PASS, &kmap, &vmap);                                              \
     }
 MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_heads, 256, PAIR_HEADS, 1, 2)
 MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_queries, 256, PAIR_QUERIES, 2, 1)
@@ -1279,5 +1516,5 @@ MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_queries, 512, PAIR_QUERI
 #endif
 
 // Shared memory of one CTA, for the host (kept in step with Cfg by a compile-time check).
-static_assert(Cfg<256>::SMEM == 164864, "d256 shared memory changed: update the CUDA backend");
-static_assert(Cfg<512>::SMEM == 214016, "d512 shared memory changed: update the CUDA backend");
+static_assert(Cfg<256>::SMEM == 164896, "d256 shared memory changed: update the CUDA backend");
+static_assert(Cfg<512>::SMEM == 214048, "d512 shared memory changed: update the CUDA backend");

@@ -20,7 +20,7 @@ from helpers import make_case, run_low_level
 HAS_CUDA = "cuda" in mx.backends()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")
 
-ENTRY_POINTS = ("flash_attn_prefill_tensor_f16_d256", "flash_attn_prefill_tensor_f16_d512", "flash_attn_prefill_blk")
+ENTRY_POINTS = ("flash_attn_prefill_tensor_f16_d256", "flash_attn_prefill_tensor_f16_d512", "flash_attn_prefill_blk", "flash_attn_prefill_mask_blk")
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

@@ -110,6 +110,17 @@ impl CommandEncoder {
         self.device.backend().execute(&work)
     }
 
+    /// Run every recorded dispatch in order on the caller's stream (a CUDA stream handle)
+    /// without waiting for them (the CUDA backend); backends without streams run them now.
+    /// The encoder is empty afterwards, whether or not they succeeded.
+    pub fn commit_on_stream(&mut self, stream: u64) -> Result<()> {
+        let work = std::mem::take(&mut self.pending);
+        if work.is_empty() {
+            return Ok(());
+        }
+        self.device.backend().execute_on(&work, stream)
+    }
+
     /// Drop every recorded dispatch without running it.
     pub fn discard(&mut self) {
         self.pending.clear();

@@ -23,7 +23,9 @@ use crate::dtypes::DType;
 use crate::encoder::CommandEncoder;
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::KernelRegistry;
+use crate::ops::flash_attn_prefill::{self as prefill, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillOperands};
 use crate::ops::flash_attn_prefill_blk::{self, FlashAttnPrefillBlkParams};
+use crate::ops::flash_attn_prefill_plan::{FlashAttnPrefillPlan, PrefillRunBuffers};
 use crate::ops::flash_attn_prefill_tensor::{self as fa, FlashAttnPrefillTensorParams};
 
 /// Most dimensions a buffer's shape may have through the C ABI.
@@ -61,10 +63,16 @@ struct EncoderCtx {
     encoder: Mutex<CommandEncoder>,
 }
 
+struct PlanCtx {
+    ctx: Arc<DeviceCtx>,
+    plan: FlashAttnPrefillPlan,
+}
+
 enum Object {
     Device(Arc<DeviceCtx>),
     Buffer(MlxBuffer),
     Encoder(Arc<EncoderCtx>),
+    Plan(Arc<PlanCtx>),
 }
 
 impl Object {
@@ -73,6 +81,7 @@ impl Object {
             Object::Device(_) => "device",
             Object::Buffer(_) => "buffer",
             Object::Encoder(_) => "encoder",
+            Object::Plan(_) => "prefill plan",
         }
     }
 }
@@ -127,6 +136,22 @@ fn encoder(h: u64) -> Result<Arc<EncoderCtx>> {
         Object::Encoder(e) => Some(e.clone()),
         _ => None,
     })
+}
+
+fn plan(h: u64) -> Result<Arc<PlanCtx>> {
+    lookup(h, "prefill plan", |o| match o {
+        Object::Plan(p) => Some(p.clone()),
+        _ => None,
+    })
+}
+
+/// The buffer of an optional handle (0: none).
+fn optional_buffer(h: u64) -> Result<Option<MlxBuffer>> {
+    if h == 0 {
+        Ok(None)
+    } else {
+        buffer(h).map(Some)
+    }
 }
 
 fn release(h: u64, want: &str, is_kind: fn(&Object) -> bool) -> Result<()> {
@@ -639,6 +664,17 @@ pub extern "C" fn mlxn_encoder_commit_and_wait(enc: u64) -> i32 {
     })
 }
 
+/// Run every recorded dispatch on the caller's CUDA stream (a `cudaStream_t`) and return
+/// without waiting (CUDA devices); devices without streams run them now and wait.
+#[no_mangle]
+pub extern "C" fn mlxn_encoder_commit_on_stream(enc: u64, stream: u64) -> i32 {
+    guard(|| {
+        let e = encoder(enc)?;
+        let mut guard = lock(&e.encoder);
+        guard.commit_on_stream(stream)
+    })
+}
+
 /// Free an encoder; dispatches it recorded and never committed are dropped unrun.
 #[no_mangle]
 pub extern "C" fn mlxn_encoder_free(enc: u64) -> i32 {
@@ -753,4 +789,228 @@ pub unsafe extern "C" fn mlxn_kv_pad(kv_len: u32, out: *mut u32) -> i32 {
 #[no_mangle]
 pub extern "C" fn mlxn_cache_rows_per_step() -> u32 {
     fa::CACHE_ROWS_PER_STEP
+}
+
+// ---------------------------------------------------------------- the front door's op
+
+/// `dispatch_flash_attn_prefill`: record one prefill over a batch (SPEC 6-9). `mask`,
+/// `blk`, `cu_seqlens_q`, `cu_seqlens_k` and `lse` are optional: 0 for none.
+///
+/// # Safety
+/// `params` must be valid.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
+    enc: u64,
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    mask: u64,
+    blk: u64,
+    cu_seqlens_q: u64,
+    cu_seqlens_k: u64,
+    lse: u64,
+    params: *const FlashAttnPrefillParams,
+) -> i32 {
+    guard(|| {
+        if params.is_null() {
+            return Err(MlxError::InvalidArgument("params is a null pointer".into()));
+        }
+        let p = *params;
+        let e = encoder(enc)?;
+        let (q, k, v, out) = (buffer(q)?, buffer(k)?, buffer(v)?, buffer(out)?);
+        let (mask, blk, lse) = (optional_buffer(mask)?, optional_buffer(blk)?, optional_buffer(lse)?);
+        let (cu_q, cu_k) = (optional_buffer(cu_seqlens_q)?, optional_buffer(cu_seqlens_k)?);
+        let b = FlashAttnPrefillBuffers {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            mask: mask.as_ref(),
+            blk: blk.as_ref(),
+            cu_seqlens_q: cu_q.as_ref(),
+            cu_seqlens_k: cu_k.as_ref(),
+            lse: lse.as_ref(),
+        };
+        let mut encoder = lock(&e.encoder);
+        let mut registry = lock(&e.ctx.registry);
+        prefill::dispatch_flash_attn_prefill(&mut encoder, &mut registry, &e.ctx.device, &b, &p)
+    })
+}
+
+/// `dispatch_flash_attn_prefill_mask_blk`: record the classification of an explicit mask
+/// (`params`' shapes and mask strides) into its tile table.
+///
+/// # Safety
+/// `params` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill_mask_blk(
+    enc: u64,
+    mask: u64,
+    blk: u64,
+    params: *const FlashAttnPrefillParams,
+) -> i32 {
+    guard(|| {
+        if params.is_null() {
+            return Err(MlxError::InvalidArgument("params is a null pointer".into()));
+        }
+        let p = *params;
+        let e = encoder(enc)?;
+        let (mask, blk) = (buffer(mask)?, buffer(blk)?);
+        let mut encoder = lock(&e.encoder);
+        let mut registry = lock(&e.ctx.registry);
+        prefill::dispatch_flash_attn_prefill_mask_blk(&mut encoder, &mut registry, &e.ctx.device, &mask, &blk, &p)
+    })
+}
+
+/// Bytes of the explicit mask's tile table of a prefill.
+///
+/// # Safety
+/// `params` and `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_flash_attn_prefill_mask_table_bytes(params: *const FlashAttnPrefillParams, out: *mut u64) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        if params.is_null() {
+            return Err(MlxError::InvalidArgument("params is a null pointer".into()));
+        }
+        *out = prefill::mask_table_bytes(&*params)?;
+        Ok(())
+    })
+}
+
+/// Elements each operand of a prefill plan must hold (bytes for `blk`, which the plan owns).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MlxnPrefillExtents {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub mask: u64,
+    pub blk: u64,
+    pub lse: u64,
+}
+
+/// Plan a prefill on its shapes (FlashInfer's `plan`): checks `params` with the operands'
+/// dtypes (`DType` codes of q, of k and v, of out) and which optional operands there are
+/// (`has_mask`, `has_lse`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
+/// `cu_seqlens_k` point to `batch + 1` int32 in host memory each (checked here and copied
+/// to the device); null for fixed length.
+///
+/// # Safety
+/// `params` and `out` must be valid; the cu_seqlens pointers null or `batch + 1` values.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn mlxn_prefill_plan_new(
+    dev: u64,
+    params: *const FlashAttnPrefillParams,
+    q_dtype: u32,
+    kv_dtype: u32,
+    out_dtype: u32,
+    has_mask: i32,
+    has_lse: i32,
+    cu_seqlens_q: *const i32,
+    cu_seqlens_k: *const i32,
+    out: *mut u64,
+) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        if params.is_null() {
+            return Err(MlxError::InvalidArgument("params is a null pointer".into()));
+        }
+        let p = *params;
+        let ctx = device(dev)?;
+        let flag = |x: i32, name: &str| match x {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(MlxError::InvalidArgument(format!("{name} must be 0 or 1, got {x}"))),
+        };
+        let operands = PrefillOperands {
+            q_dtype: dtype_arg(q_dtype)?,
+            kv_dtype: dtype_arg(kv_dtype)?,
+            out_dtype: dtype_arg(out_dtype)?,
+            mask: flag(has_mask, "has_mask")?,
+            lse: flag(has_lse, "has_lse")?,
+        };
+        let n = p.batch as usize + 1;
+        let cu = match (cu_seqlens_q.is_null(), cu_seqlens_k.is_null()) {
+            (true, true) => None,
+            (false, false) => Some((std::slice::from_raw_parts(cu_seqlens_q, n), std::slice::from_raw_parts(cu_seqlens_k, n))),
+            _ => {
+                return Err(MlxError::InvalidArgument(
+                    "flash_attn_prefill: cu_seqlens_q and cu_seqlens_k go together: give both or neither".into(),
+                ))
+            }
+        };
+        let plan = FlashAttnPrefillPlan::new(&ctx.device, &p, &operands, cu)?;
+        *out = insert(Object::Plan(Arc::new(PlanCtx { ctx, plan })));
+        Ok(())
+    })
+}
+
+/// What each operand of a plan must hold.
+///
+/// # Safety
+/// `out` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_prefill_plan_extents(plan_handle: u64, out: *mut MlxnPrefillExtents) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let pc = plan(plan_handle)?;
+        let e = pc.plan.extents();
+        *out = MlxnPrefillExtents { q: e.q, k: e.k, v: e.v, out: e.out, mask: e.mask, blk: e.blk, lse: e.lse };
+        Ok(())
+    })
+}
+
+/// Run a plan on data (FlashInfer's `run`): each operand by address (a host pointer on the
+/// CPU and Metal, a device address on CUDA), holding what [`mlxn_prefill_plan_extents`]
+/// says; `mask` and `lse` 0 when the plan has none. `stream`: 0 runs on the library's
+/// stream and waits; a CUDA stream (`cudaStream_t`) enqueues the run on it and returns at
+/// once (CUDA devices; elsewhere the run happens now).
+///
+/// # Safety
+/// Every address must point to memory of the plan's device holding its operand's extent,
+/// valid until the run is complete; outputs must not be read or written meanwhile.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn mlxn_prefill_plan_run(
+    plan_handle: u64,
+    q: u64,
+    k: u64,
+    v: u64,
+    mask: u64,
+    out: u64,
+    lse: u64,
+    stream: u64,
+) -> i32 {
+    guard(|| {
+        let pc = plan(plan_handle)?;
+        let (p, e, o) = (&pc.plan, *pc.plan.extents(), *pc.plan.operands());
+        let qb = p.wrap("q", q, e.q, o.q_dtype)?;
+        let kb = p.wrap("k", k, e.k, o.kv_dtype)?;
+        let vb = p.wrap("v", v, e.v, o.kv_dtype)?;
+        let ob = p.wrap("out", out, e.out, o.out_dtype)?;
+        let optional = |name: &str, addr: u64, present: bool, elems: u64, dtype: DType| -> Result<Option<MlxBuffer>> {
+            match (addr, present) {
+                (0, false) => Ok(None),
+                (0, true) => Err(MlxError::InvalidArgument(format!("flash_attn_prefill: this plan needs {name}"))),
+                (_, false) => Err(MlxError::InvalidArgument(format!("flash_attn_prefill: this plan has no {name}: pass 0"))),
+                (a, true) => p.wrap(name, a, elems, dtype).map(Some),
+            }
+        };
+        let mb = optional("mask", mask, o.mask, e.mask, DType::F16)?;
+        let lb = optional("lse", lse, o.lse, e.lse, DType::F32)?;
+        let b = PrefillRunBuffers { q: &qb, k: &kb, v: &vb, out: &ob, mask: mb.as_ref(), lse: lb.as_ref() };
+        let mut registry = lock(&pc.ctx.registry);
+        p.run(&mut registry, &b, if stream == 0 { None } else { Some(stream) })
+    })
+}
+
+/// Free a prefill plan.
+#[no_mangle]
+pub extern "C" fn mlxn_prefill_plan_free(plan_handle: u64) -> i32 {
+    guard(|| release(plan_handle, "prefill plan", |o| matches!(o, Object::Plan(_))))
 }

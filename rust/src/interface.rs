@@ -222,6 +222,13 @@ pub trait Backend: Send + Sync {
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline>;
     /// Run the dispatches in order; returns once they are complete.
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()>;
+    /// Run the dispatches in order on the caller's stream (a CUDA stream handle) and return
+    /// without waiting for them: the stream orders what the caller queues after. Backends
+    /// without streams run them now and return once they are complete.
+    fn execute_on(&self, dispatches: &[Dispatch], stream: u64) -> Result<()> {
+        let _ = stream;
+        self.execute(dispatches)
+    }
     /// Use `bytes` bytes of device memory at address `addr` (a PyTorch or CuPy tensor)
     /// without copying. Backends without device memory refuse.
     ///

@@ -158,6 +158,122 @@ pub struct FlashAttnPrefillParamsGpu {
     pub reserved: i32,
 }
 
+/// Elements (bytes for `blk`) each buffer of a prefill must hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefillExtents {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub mask: u64,
+    pub blk: u64,
+    pub lse: u64,
+}
+
+impl FlashAttnPrefillParamsGpu {
+    /// What each buffer of a dispatch with this block must hold (0 for an absent one): the
+    /// op checks its buffers against it, and a backend that writes memory relies on it.
+    /// `None` for a block no op makes (a negative field).
+    pub fn extents(&self) -> Option<PrefillExtents> {
+        let fields = [self.batch, self.rows, self.kv_len, self.n_heads, self.n_kv_heads, self.head_dim];
+        let strides = [
+            self.q_batch_stride,
+            self.q_row_stride,
+            self.q_head_stride,
+            self.k_batch_stride,
+            self.k_row_stride,
+            self.k_head_stride,
+            self.v_batch_stride,
+            self.v_row_stride,
+            self.v_head_stride,
+            self.o_batch_stride,
+            self.o_row_stride,
+            self.o_head_stride,
+            self.mask_batch_stride,
+            self.mask_row_stride,
+            self.lse_batch_stride,
+            self.lse_head_stride,
+            self.blk_batch_stride,
+        ];
+        if fields.iter().any(|&x| x < 0) || strides.iter().any(|&x| x < 0) || self.blk_rows < 0 || self.blk_steps < 0 {
+            return None;
+        }
+        let u = |x: i32| x as u64;
+        let w = |x: i64| x as u64;
+        // Variable length: one batch of all the rows (the batch strides are 0).
+        let seqs = if self.flags & PREFILL_VARLEN != 0 { u(self.batch).min(1) } else { u(self.batch) };
+        let (rows, kvl, nh, nkv, hd) = (u(self.rows), u(self.kv_len), u(self.n_heads), u(self.n_kv_heads), u(self.head_dim));
+        let span = |n: [u64; 3], s: [u64; 3], width: u64| -> u64 {
+            if n.contains(&0) || width == 0 {
+                return 0;
+            }
+            (n[0] - 1)
+                .saturating_mul(s[0])
+                .saturating_add((n[1] - 1).saturating_mul(s[1]))
+                .saturating_add((n[2] - 1).saturating_mul(s[2]))
+                .saturating_add(width)
+        };
+        let mask = self.flags & PREFILL_MASK != 0;
+        let lse = self.flags & PREFILL_LSE != 0;
+        let masks = if self.mask_batch_stride == 0 { u(self.batch).min(1) } else { u(self.batch) };
+        let tables = if self.blk_batch_stride == 0 { u(self.batch).min(1) } else { u(self.batch) };
+        Some(PrefillExtents {
+            q: span([seqs, rows, nh], [w(self.q_batch_stride), w(self.q_row_stride), w(self.q_head_stride)], hd),
+            k: span([seqs, kvl, nkv], [w(self.k_batch_stride), w(self.k_row_stride), w(self.k_head_stride)], hd),
+            v: span([seqs, kvl, nkv], [w(self.v_batch_stride), w(self.v_row_stride), w(self.v_head_stride)], hd),
+            out: span([seqs, rows, nh], [w(self.o_batch_stride), w(self.o_row_stride), w(self.o_head_stride)], hd),
+            mask: if mask { span([masks, rows, 1], [w(self.mask_batch_stride), w(self.mask_row_stride), 0], kvl) } else { 0 },
+            blk: if mask { tables.saturating_mul(u(self.blk_rows)).saturating_mul(u(self.blk_steps)) } else { 0 },
+            lse: if lse { span([seqs, nh, 1], [w(self.lse_batch_stride), w(self.lse_head_stride), 0], rows) } else { 0 },
+        })
+    }
+}
+
+impl FlashAttnPrefillTensorParamsGpu {
+    /// The origin op's dispatch as the front door's params block: one sequence of `rows`
+    /// query rows and `kv_pad` cache rows, the explicit mask (row stride `mask_row_stride`)
+    /// with its table of `bq`-row tiles, F32 Q and O, O contiguous `[rows, n_heads,
+    /// head_dim]`, no lse. The kernels of both ops are one.
+    pub fn as_prefill(&self, head_dim: i32, bq: i32) -> FlashAttnPrefillParamsGpu {
+        let i = |x: i32| x as i64;
+        FlashAttnPrefillParamsGpu {
+            q_batch_stride: 0,
+            q_row_stride: i(self.q_row_stride),
+            q_head_stride: i(self.q_head_stride),
+            k_batch_stride: 0,
+            k_row_stride: i(self.k_row_stride),
+            k_head_stride: i(self.k_head_stride),
+            v_batch_stride: 0,
+            v_row_stride: i(self.v_row_stride),
+            v_head_stride: i(self.v_head_stride),
+            o_batch_stride: 0,
+            o_row_stride: i(self.n_heads) * i(head_dim),
+            o_head_stride: i(head_dim),
+            mask_batch_stride: 0,
+            mask_row_stride: i(self.mask_row_stride),
+            lse_batch_stride: 0,
+            lse_head_stride: 0,
+            blk_batch_stride: 0,
+            batch: 1,
+            rows: self.rows,
+            kv_len: self.kv_pad,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim,
+            max_rows: self.rows,
+            window: 0,
+            flags: PREFILL_MASK,
+            q_dtype: 0,
+            o_dtype: 0,
+            blk_rows: (self.rows + bq - 1) / bq.max(1),
+            blk_steps: self.kv_pad / 64,
+            blk_bq: bq,
+            scale: self.scale,
+            reserved: 0,
+        }
+    }
+}
+
 /// Causal visibility (SPEC 6): query row r sees cache row j iff `j <= r + Lk - Lq`.
 pub const PREFILL_CAUSAL: i32 = 1;
 /// An explicit additive F16 mask (and its tile table) is bound.
@@ -231,24 +347,36 @@ mod tests {
     use super::*;
 
     /// The fields of `struct <name> { ... }` in a C-like source, with the offsets a C
-    /// compiler gives them: every field here is a 4-byte `int` or `float`, so offsets are
-    /// 4 apart (anything else fails the parse, and the test with it).
+    /// compiler gives them: 4-byte `int` / `float` and 8-byte `long long` / `long` (Metal's
+    /// 64-bit integer) fields, each at its natural alignment (anything else fails the
+    /// parse, and the test with it).
     fn device_fields(source: &str, name: &str) -> Vec<(String, usize)> {
         let start = source.find(&format!("struct {name} {{")).unwrap_or_else(|| panic!("no struct {name}"));
         let body = &source[start..];
         let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
         let mut out = Vec::new();
+        let mut offset = 0usize;
         for decl in body.split(';') {
             let decl: String = decl.lines().map(|l| l.split("//").next().unwrap()).collect::<Vec<_>>().join(" ");
             let decl = decl.trim();
             if decl.is_empty() {
                 continue;
             }
-            let (ty, names) = decl.split_once(char::is_whitespace).unwrap();
-            assert!(ty == "int" || ty == "float", "{name}: field type {ty} is not a 4-byte int or float");
+            let (size, names) = if let Some(rest) = decl.strip_prefix("long long ") {
+                (8, rest)
+            } else if let Some(rest) = decl.strip_prefix("long ") {
+                (8, rest)
+            } else if let Some(rest) = decl.strip_prefix("int ") {
+                (4, rest)
+            } else if let Some(rest) = decl.strip_prefix("float ") {
+                (4, rest)
+            } else {
+                panic!("{name}: field {decl:?} is not an int, float, long or long long");
+            };
             for n in names.split(',') {
-                let offset = out.len() * 4;
+                offset = offset.div_ceil(size) * size;
                 out.push((n.trim().to_string(), offset));
+                offset += size;
             }
         }
         out
@@ -267,21 +395,29 @@ mod tests {
     }
 
     #[test]
-    fn device_sources_declare_the_same_attention_block() {
-        let rust = rust_fields(ATTENTION_FIELDS);
+    fn device_sources_declare_the_same_attention_blocks() {
         let cu = include_str!("../../shaders/flash_attn_prefill_tensor.cu");
         let metal = include_str!("../../shaders/flash_attn_prefill_tensor.metal");
-        assert_eq!(device_fields(cu, "Params"), rust, "shaders/flash_attn_prefill_tensor.cu drifted");
-        assert_eq!(device_fields(metal, "FlashAttnPrefillTensorParams"), rust, "the .metal struct drifted");
+        // The CUDA kernels take the front door's block (the origin's is turned into it on
+        // the host); the origin's Metal kernels bind the origin's block, as its op encodes.
+        assert_eq!(device_fields(cu, "Params"), rust_fields(PREFILL_FIELDS), "shaders/flash_attn_prefill_tensor.cu drifted");
+        assert_eq!(device_fields(metal, "FlashAttnPrefillTensorParams"), rust_fields(ATTENTION_FIELDS), "the .metal struct drifted");
+        assert_eq!(*PREFILL_FIELDS.last().map(|f| &f.offset).unwrap() + 4, std::mem::size_of::<FlashAttnPrefillParamsGpu>());
     }
 
     #[test]
-    fn device_sources_declare_the_same_blk_block() {
-        let rust = rust_fields(BLK_FIELDS);
+    fn device_sources_declare_the_same_blk_blocks() {
         let cu = include_str!("../../shaders/flash_attn_prefill_blk.cu");
         let metal = include_str!("../../shaders/flash_attn_prefill_blk.metal");
-        assert_eq!(device_fields(cu, "BlkParams"), rust, "shaders/flash_attn_prefill_blk.cu drifted");
-        assert_eq!(device_fields(metal, "FlashAttnPrefillBlkParams"), rust, "the .metal struct drifted");
+        assert_eq!(device_fields(cu, "BlkParams"), rust_fields(BLK_FIELDS), "shaders/flash_attn_prefill_blk.cu drifted");
+        assert_eq!(device_fields(metal, "FlashAttnPrefillBlkParams"), rust_fields(BLK_FIELDS), "the .metal struct drifted");
+        assert_eq!(device_fields(cu, "MaskBlkParams"), rust_fields(MASK_BLK_FIELDS), "the .cu mask table struct drifted");
+    }
+
+    #[test]
+    fn sixty_four_bit_fields_are_aligned() {
+        let f = device_fields("struct P {\n int a;\n long long b;\n float c;\n};", "P");
+        assert_eq!(f, vec![("a".to_string(), 0), ("b".to_string(), 8), ("c".to_string(), 16)]);
     }
 
     #[test]

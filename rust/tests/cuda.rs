@@ -17,13 +17,13 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
     for arch in ["sm_90a", "sm_80"] {
         match cuda::compile_check(arch, &mlx_native::default_registry().cuda_sources()) {
             Ok(report) => {
-                let mut entries: Vec<String> = ["flash_attn_prefill_tensor_f16_d256", "flash_attn_prefill_tensor_f16_d512", "flash_attn_prefill_blk"]
+                let mut entries: Vec<String> = ["flash_attn_prefill_tensor_f16_d256", "flash_attn_prefill_tensor_f16_d512", "flash_attn_prefill_blk", "flash_attn_prefill_mask_blk"]
                     .map(String::from)
                     .to_vec();
                 if arch == "sm_90a" {
                     // The CTA-pair forms exist on Hopper only.
                     for hd in [256, 512] {
-                        entries.extend(cuda::flash_attn_prefill_tensor::PairMode::ALL.map(|m| m.entry(hd)));
+                        entries.extend(cuda::flash_attn_prefill::PairMode::ALL.map(|m| m.entry(hd)));
                     }
                 }
                 for entry in &entries {

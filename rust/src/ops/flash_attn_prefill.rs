@@ -23,6 +23,7 @@ use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
+pub use crate::params::PrefillExtents;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK,
     PREFILL_VARLEN,
@@ -258,18 +259,6 @@ pub struct PrefillOperands {
     pub lse: bool,
 }
 
-/// Elements (bytes for `blk`) each buffer of a prefill must hold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PrefillExtents {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub out: u64,
-    pub mask: u64,
-    pub blk: u64,
-    pub lse: u64,
-}
-
 /// A prefill whose shapes, strides, description and dtypes were checked: the params
 /// block, the kernel, the grid and what each buffer must hold.
 #[derive(Debug, Clone)]
@@ -343,19 +332,6 @@ pub fn validate_shapes(
         )));
     }
     let (nb, rows, kvl) = (p.batch as u64, p.rows as u64, p.kv_len as u64);
-    let (nh, nkv, hd) = (p.n_heads as u64, p.n_kv_heads as u64, p.head_dim as u64);
-    // Variable length: one batch of all the rows (the batch strides are 0).
-    let seqs = if lens.is_some() { nb.min(1) } else { nb };
-    let masks = if p.mask_strides[0] == 0 { nb.min(1) } else { nb };
-    let extents = PrefillExtents {
-        q: span([seqs, rows, nh], p.q_strides, hd),
-        k: span([seqs, kvl, nkv], p.k_strides, hd),
-        v: span([seqs, kvl, nkv], p.v_strides, hd),
-        out: span([seqs, rows, nh], p.out_strides, hd),
-        mask: if o.mask { span([masks, rows, 1], [p.mask_strides[0], p.mask_strides[1], 0], kvl) } else { 0 },
-        blk: if o.mask { mask_table_bytes(p)? } else { 0 },
-        lse: if o.lse { span([seqs, nh, 1], [p.lse_strides[0], p.lse_strides[1], 0], rows) } else { 0 },
-    };
     let max_rows = match lens {
         Some(l) => l.iter().map(|&(lq, _)| lq).max().unwrap_or(0),
         None => p.rows,
@@ -411,7 +387,8 @@ pub fn validate_shapes(
         scale: p.scale,
         reserved: 0,
     };
-    let grid = GridSize::new((max_rows as u64).div_ceil(bq as u64), nh, nb);
+    let extents = gpu.extents().ok_or_else(|| invalid(format!("a field does not fit the params block: {p:?}")))?;
+    let grid = GridSize::new((max_rows as u64).div_ceil(bq as u64), p.n_heads as u64, nb);
     Ok(ValidatedPrefill { gpu, kernel, grid, empty: nb == 0 || max_rows == 0, operands: *o, extents })
 }
 

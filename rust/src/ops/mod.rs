@@ -5,6 +5,7 @@
 
 pub mod dense_mm_capability;
 pub mod flash_attn_prefill;
+pub mod flash_attn_prefill_plan;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
 

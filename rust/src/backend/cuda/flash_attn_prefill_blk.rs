@@ -10,6 +10,7 @@ use crate::params::FlashAttnPrefillBlkParamsGpu as BlkParams;
 /// This op's kernel, by name.
 pub const KERNELS: &[CudaKernel] = &[CudaKernel {
     name: "flash_attn_prefill_blk",
+    entry: "flash_attn_prefill_blk",
     hopper_variants: &[],
     shared_bytes: |_| None,
     prepare: |pc, d, _| prepare(pc, d),

@@ -1,18 +1,11 @@
-//! CUDA host side of `flash_attn_prefill_tensor_f16_d256` / `_d512`
-//! (`shaders/flash_attn_prefill_tensor.cu`): the CTA geometry, the kernel's `Launch` block,
-//! the alignment flags, and on Hopper the CTA-pair forms with their TMA tensor maps.
-//!
-//! The op encodes the Metal geometry (`ceil(rows / bq) x n_heads` threadgroups of 32 x 8
-//! threads). The CUDA kernels choose their own from the op's params block: CTAs of 8 warps
-//! over `heads_per_cta` heads that share one KV head times `queries_per_cta` queries,
-//! reading the standard tile-skip table (SPEC section 1 allows taller query tiles).
+//! CUDA host side of `flash_attn_prefill_tensor_f16_d256` / `_d512`, the origin op: its
+//! params block turned into the front door's ([`crate::params::FlashAttnPrefillTensorParamsGpu::as_prefill`])
+//! and launched as [`super::flash_attn_prefill`] launches that op's kernels (the same entry
+//! points, geometry and CTA-pair forms).
 
-use std::ffi::c_void;
-use std::sync::OnceLock;
-
-use super::driver::{self, TensorMap};
+use super::flash_attn_prefill::{attention_launch, attention_shared_bytes, AttentionPointers};
 use super::launch::{contract, device_buffer, CudaKernel, Launch, PrepareContext};
-use crate::error::{MlxError, Result};
+use crate::error::Result;
 use crate::interface::Dispatch;
 use crate::params::FlashAttnPrefillTensorParamsGpu as Params;
 
@@ -20,343 +13,36 @@ use crate::params::FlashAttnPrefillTensorParamsGpu as Params;
 pub const KERNELS: &[CudaKernel] = &[
     CudaKernel {
         name: "flash_attn_prefill_tensor_f16_d256",
+        entry: "flash_attn_prefill_tensor_f16_d256",
         hopper_variants: &["flash_attn_prefill_tensor_f16_d256_pair_heads", "flash_attn_prefill_tensor_f16_d256_pair_queries"],
         shared_bytes: |hopper| attention_shared_bytes(256, hopper),
         prepare: |pc, d, variants| prepare(pc, 256, d, variants),
     },
     CudaKernel {
         name: "flash_attn_prefill_tensor_f16_d512",
+        entry: "flash_attn_prefill_tensor_f16_d512",
         hopper_variants: &["flash_attn_prefill_tensor_f16_d512_pair_heads", "flash_attn_prefill_tensor_f16_d512_pair_queries"],
         shared_bytes: |hopper| attention_shared_bytes(512, hopper),
         prepare: |pc, d, variants| prepare(pc, 512, d, variants),
     },
 ];
 
-/// Threads of an attention CTA (8 warps).
-pub const ATTENTION_THREADS: u32 = 256;
-/// Query rows of one warp's row group (the mma.sync form).
-const ROWS_PER_GROUP: u32 = 32;
-
-/// Dynamic shared memory of one attention CTA: the kernel's `Cfg<D>::SMEM`, or
-/// `hopper::HCfg<D>::SMEM` for the wgmma form (the kernel checks both against these
-/// numbers at compile time).
-pub fn attention_shared_bytes(head_dim: u32, hopper: bool) -> Option<u32> {
-    match (head_dim, hopper) {
-        (256, false) => Some(164_864),
-        (512, false) => Some(214_016),
-        (256, true) => Some(230_464),
-        (512, true) => Some(214_592),
-        _ => None,
-    }
-}
-
-/// Geometry of one attention launch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttentionGeometry {
-    /// Query heads of one CTA (they share one KV head).
-    pub heads_per_cta: u32,
-    /// Query rows of one CTA.
-    pub queries_per_cta: u32,
-    /// CTAs along the query rows.
-    pub q_tiles: u32,
-    /// CTAs along the heads.
-    pub head_groups: u32,
-}
-
-/// The CTA shape for a problem. A CTA holds 128 (query, head) rows at head dim 256 and 64
-/// at 512, in blocks of 32 consecutive queries of one head (the mma.sync form: a warp
-/// pair's rows) or of 16 (the wgmma form, `hopper`: a warp's rows). It takes as many
-/// heads of one KV group as divide both the group and the number of blocks (a power of
-/// two), so those heads share each K/V tile and the query tiles stay short.
-pub fn attention_geometry(
-    head_dim: u32,
-    rows: u32,
-    n_heads: u32,
-    n_kv_heads: u32,
-    hopper: bool,
-) -> Result<AttentionGeometry> {
-    let cta_rows = match head_dim {
-        256 => 128,
-        512 => 64,
-        _ => return Err(MlxError::InvalidArgument(format!("no CUDA attention kernel for head_dim {head_dim}"))),
-    };
-    let row_groups = cta_rows / if hopper { 16 } else { ROWS_PER_GROUP };
-    if rows == 0 || n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
-        return Err(MlxError::Internal(format!("attention shape {rows} x {n_heads}/{n_kv_heads} breaks the op's contract")));
-    }
-    let group = n_heads / n_kv_heads;
-    let mut hpc = row_groups;
-    while group % hpc != 0 {
-        hpc /= 2;
-    }
-    let qpc = cta_rows / hpc;
-    Ok(AttentionGeometry {
-        heads_per_cta: hpc,
-        queries_per_cta: qpc,
-        q_tiles: rows.div_ceil(qpc),
-        head_groups: n_heads / hpc,
-    })
-}
-
-/// The CTA shape of the head-pair form (Hopper): the wgmma form's shape for groups of half
-/// the query heads per KV head, so that the two CTAs of a cluster (y = 2j, 2j + 1) split
-/// one KV head's heads. `None` when that group is odd.
-pub fn pair_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<AttentionGeometry> {
-    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 || (n_heads / n_kv_heads) % 2 != 0 {
-        return None;
-    }
-    attention_geometry(head_dim, rows, n_heads, n_kv_heads * 2, true).ok()
-}
-
-/// The kernel's `Launch` block.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct AttentionLaunch {
-    heads_per_cta: i32,
-    queries_per_cta: i32,
-    q_tiles: i32,
-    flags: i32,
-}
-
-const FLAG_Q_ALIGNED: i32 = 1;
-const FLAG_K_ALIGNED: i32 = 2;
-const FLAG_V_ALIGNED: i32 = 4;
-const FLAG_MASK_ALIGNED: i32 = 8;
-const FLAG_OUT_ALIGNED: i32 = 16;
-
-/// How the two CTAs of a cluster that share each K/V tile (Hopper) split the work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PairMode {
-    /// The two halves of one KV head's query heads, same queries (clusters along y).
-    Heads,
-    /// Neighbouring query tiles, same heads (clusters along x).
-    Queries,
-}
-
-impl PairMode {
-    pub const ALL: [PairMode; 2] = [PairMode::Heads, PairMode::Queries];
-
-    /// Its index among the kernel's [`CudaKernel::hopper_variants`].
-    fn variant(self) -> usize {
-        self as usize
-    }
-
-    /// The entry point of this form for `head_dim`.
-    pub fn entry(self, head_dim: u32) -> String {
-        let mode = match self {
-            PairMode::Heads => "heads",
-            PairMode::Queries => "queries",
-        };
-        format!("flash_attn_prefill_tensor_f16_d{head_dim}_pair_{mode}")
-    }
-}
-
-/// `MLX_NATIVE_CUDA_PAIR`: `0` keeps the one-CTA forms (to compare or test them), `queries`
-/// uses query pairs only; unset (or anything else), head pairs where the group of query
-/// heads splits in two, else query pairs.
-pub const PAIR_ENV: &str = "MLX_NATIVE_CUDA_PAIR";
-
-/// `None`: no pairs; `Some(heads)`: pairs, head pairs allowed or not. Read once.
-fn pair_setting() -> Option<bool> {
-    static SETTING: OnceLock<Option<bool>> = OnceLock::new();
-    *SETTING.get_or_init(|| match std::env::var(PAIR_ENV).as_deref() {
-        Ok("0") => None,
-        Ok("queries") => Some(false),
-        _ => Some(true),
-    })
-}
-
-/// The tensor map of K or V for the CTA-pair form: dims (head dim, KV heads, cache rows),
-/// boxes of 64 x 1 x 64 halves, 128-byte swizzle; `None` where TMA cannot address the view.
-fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_pad: u32, row_stride: i32, head_stride: i32) -> Option<TensorMap> {
-    let encode = driver::driver().ok()?.cuTensorMapEncodeTiled?;
-    let row = row_stride as u64 * 2;
-    // A KV-head dimension of 1 never steps: any valid stride does.
-    let head = if n_kv == 1 { head_dim as u64 * 2 } else { head_stride as u64 * 2 };
-    let ok = |s: u64| s > 0 && s % 16 == 0 && s < (1 << 40);
-    if base % 16 != 0 || !ok(row) || !ok(head) {
-        return None;
-    }
-    let dims = [head_dim as u64, n_kv as u64, kv_pad as u64];
-    let strides = [head, row];
-    let boxes = [64u32, 1, 64];
-    let elem = [1u32, 1, 1];
-    let mut map = TensorMap([0; 16]);
-    // SAFETY: every array has the documented length for rank 3; the map is written in place.
-    let r = unsafe {
-        encode(
-            &mut map,
-            driver::TENSOR_MAP_FLOAT16,
-            3,
-            base as usize as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem.as_ptr(),
-            0,
-            driver::TENSOR_MAP_SWIZZLE_128B,
-            driver::TENSOR_MAP_L2_256B,
-            0,
-        )
-    };
-    (r == driver::CUDA_SUCCESS).then_some(map)
-}
-
 fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool) -> Result<Launch> {
-    let (ctx, hopper) = (pc.ctx, pc.hopper);
     let name = d.pipeline.name();
     let p: Params = d.constant(0)?;
     let bq: u64 = if head_dim == 256 { 32 } else { 16 };
     // The op validated the dispatch; a kernel that writes device memory checks what it
     // relies on, from the same extents.
     let e = p.extents(head_dim as u64, bq).ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
-    if p.mask_row_stride != p.kv_pad {
-        return Err(contract(name, "the mask's row stride is not kv_pad"));
-    }
-    let mut geo = attention_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
-    let (q, q_len) = device_buffer(ctx, d, 1)?;
-    let (k, k_len) = device_buffer(ctx, d, 2)?;
-    let (v, v_len) = device_buffer(ctx, d, 3)?;
-    let (mask, mask_len) = device_buffer(ctx, d, 4)?;
-    let (blk, blk_len) = device_buffer(ctx, d, 5)?;
-    let (out, out_len) = device_buffer(ctx, d, 6)?;
-    let fits = [(q_len, e.q), (k_len, e.k), (v_len, e.v), (mask_len, e.mask), (blk_len, e.blk), (out_len, e.out)];
-    if fits.iter().any(|&(have, need)| (have as u64) < need) {
-        return Err(contract(name, "a buffer is smaller than its strides need"));
-    }
-    let mut flags = 0;
-    if q % 16 == 0 && p.q_row_stride % 4 == 0 && p.q_head_stride % 4 == 0 {
-        flags |= FLAG_Q_ALIGNED;
-    }
-    if k % 16 == 0 && p.k_row_stride % 8 == 0 && p.k_head_stride % 8 == 0 {
-        flags |= FLAG_K_ALIGNED;
-    }
-    if v % 16 == 0 && p.v_row_stride % 8 == 0 && p.v_head_stride % 8 == 0 {
-        flags |= FLAG_V_ALIGNED;
-    }
-    if mask % 16 == 0 {
-        flags |= FLAG_MASK_ALIGNED;
-    }
-    if out % 8 == 0 {
-        flags |= FLAG_OUT_ALIGNED;
-    }
-    // CTA pairs sharing each K/V tile (Hopper): where TMA can address K and V; head pairs
-    // where the group of query heads splits in two, else pairs of query tiles.
-    let mut maps = None;
-    let mut mode = None;
-    if let Some(heads_allowed) = if variants && hopper { pair_setting() } else { None } {
-        let (nkv, kvp) = (p.n_kv_heads as u32, p.kv_pad as u32);
-        let km = kv_tensor_map(k, head_dim, nkv, kvp, p.k_row_stride, p.k_head_stride);
-        let vm = kv_tensor_map(v, head_dim, nkv, kvp, p.v_row_stride, p.v_head_stride);
-        if let (Some(km), Some(vm)) = (km, vm) {
-            let heads = pair_geometry(head_dim, p.rows as u32, p.n_heads as u32, p.n_kv_heads as u32);
-            mode = Some(match heads.filter(|_| heads_allowed) {
-                Some(g) => {
-                    geo = g;
-                    PairMode::Heads
-                }
-                None => PairMode::Queries,
-            });
-            maps = Some((km, vm));
+    let mut b = [0u64; 6];
+    for (i, need) in [e.q, e.k, e.v, e.mask, e.blk, e.out].into_iter().enumerate() {
+        let (addr, len) = device_buffer(pc.ctx, d, i as u64 + 1)?;
+        if (len as u64) < need {
+            return Err(contract(name, "a buffer is smaller than its strides need"));
         }
+        b[i] = addr;
     }
-    let launch = AttentionLaunch {
-        heads_per_cta: geo.heads_per_cta as i32,
-        queries_per_cta: geo.queries_per_cta as i32,
-        q_tiles: geo.q_tiles as i32,
-        flags,
-    };
-    let shared = attention_shared_bytes(head_dim, hopper).ok_or_else(|| contract(name, "no shared memory size"))?;
-    // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
-    let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
-    let mut l = Launch::new([grid_x, geo.head_groups, 1], [ATTENTION_THREADS, 1, 1], shared);
-    l.push_bytes(bytemuck::bytes_of(&p));
-    l.push_bytes(bytemuck::bytes_of(&launch));
-    for ptr in [q, k, v, mask, blk, out] {
-        l.push_ptr(ptr);
-    }
-    if let Some((km, vm)) = maps {
-        l.push_bytes(bytemuck::cast_slice(&km.0));
-        l.push_bytes(bytemuck::cast_slice(&vm.0));
-        l.variant = mode.map(PairMode::variant);
-    }
-    Ok(l)
-}
-
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ctas_take_the_heads_of_one_kv_group() {
-        // Gemma 4 26B global: 16 heads over 2 KV heads, head dim 512 -> 2 heads x 32 queries
-        // (mma.sync), 4 heads x 16 queries (wgmma).
-        let g = attention_geometry(512, 8192, 16, 2, false).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 256, 8));
-        let g = attention_geometry(512, 8192, 16, 2, true).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
-        // Sliding: 16 over 8 at 256 -> 2 heads x 64 queries.
-        let g = attention_geometry(256, 8192, 16, 8, false).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 64, 128, 8));
-        assert_eq!(attention_geometry(256, 8192, 16, 8, true).unwrap(), g);
-        // Group of 8 at 256 -> 4 heads x 32 queries (8 x 16 with wgmma); none -> 1 x 128.
-        assert_eq!(attention_geometry(256, 100, 8, 1, false).unwrap().heads_per_cta, 4);
-        assert_eq!(attention_geometry(256, 100, 8, 1, true).unwrap().heads_per_cta, 8);
-        let g = attention_geometry(256, 129, 8, 8, true).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles), (1, 128, 2));
-        // A group of 3 shares nothing; of 6, two heads.
-        assert_eq!(attention_geometry(256, 10, 6, 2, true).unwrap().heads_per_cta, 1);
-        assert_eq!(attention_geometry(512, 10, 6, 1, false).unwrap().heads_per_cta, 2);
-        assert!(attention_geometry(128, 10, 6, 1, false).is_err());
-    }
-
-    #[test]
-    fn cta_pairs_split_each_kv_group_in_two() {
-        // Global layer: 16 / 2 -> 4 heads x 16 queries; the pair (y = 2j, 2j + 1) is the 8.
-        let g = pair_geometry(512, 8192, 16, 2).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
-        // Groups of 4 and 2: 2 heads x 32 queries, 1 head x 64; groups of 16: 4 x 16.
-        let g = pair_geometry(512, 100, 8, 2).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 4, 4));
-        let g = pair_geometry(512, 100, 4, 2).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 64, 2, 4));
-        assert_eq!(pair_geometry(512, 100, 32, 2).unwrap().heads_per_cta, 4);
-        // Head dim 256 (128 rows): sliding 16 / 8 -> 1 head x 128 queries; 16 / 1 -> 8 x 16.
-        let g = pair_geometry(256, 8192, 16, 8).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 128, 64, 16));
-        assert_eq!(pair_geometry(256, 100, 16, 1).unwrap().heads_per_cta, 8);
-        // Every pair stays inside one KV group.
-        for (hd, nh, nkv) in [(512, 16, 2), (512, 8, 2), (512, 4, 2), (512, 32, 2), (512, 24, 2), (512, 12, 1), (256, 2, 1), (256, 24, 1), (256, 16, 8)] {
-            let g = pair_geometry(hd, 10, nh, nkv).unwrap();
-            let group = nh / nkv;
-            assert_eq!(g.head_groups % 2, 0);
-            for j in 0..g.head_groups / 2 {
-                assert_eq!((2 * j * g.heads_per_cta) / group, ((2 * j + 1) * g.heads_per_cta) / group);
-            }
-        }
-        // Odd groups (and no sharing) have no pairs.
-        assert!(pair_geometry(512, 10, 3, 1).is_none());
-        assert!(pair_geometry(256, 10, 4, 4).is_none());
-    }
-
-    #[test]
-    fn the_kernel_blocks_have_their_sizes() {
-        assert_eq!(std::mem::size_of::<Params>(), 48);
-        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 16);
-    }
-
-    #[test]
-    fn each_kernel_states_its_shared_memory_and_pair_forms() {
-        assert_eq!((KERNELS[0].shared_bytes)(false), Some(164_864));
-        assert_eq!((KERNELS[0].shared_bytes)(true), Some(230_464));
-        assert_eq!((KERNELS[1].shared_bytes)(true), Some(214_592));
-        for (k, hd) in KERNELS.iter().zip([256, 512]) {
-            let names: Vec<String> = PairMode::ALL.iter().map(|m| m.entry(hd)).collect();
-            assert_eq!(k.hopper_variants, names.as_slice());
-            for m in PairMode::ALL {
-                assert_eq!(k.hopper_variants[m.variant()], m.entry(hd));
-            }
-        }
-    }
+    let [q, k, v, mask, blk, out] = b;
+    let ptrs = AttentionPointers { q, k, v, mask, blk, out, lse: 0, cu_q: 0, cu_k: 0 };
+    attention_launch(pc, name, head_dim, &p.as_prefill(head_dim as i32, bq as i32), &ptrs, variants)
 }

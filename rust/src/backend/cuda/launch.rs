@@ -17,6 +17,8 @@ use crate::interface::{BoundArg, BufferBinding, Dispatch};
 /// How the CUDA backend runs one named kernel.
 pub struct CudaKernel {
     pub name: &'static str,
+    /// The entry point of the source it launches (two ops' kernels may share one).
+    pub entry: &'static str,
     /// Other entry points of the same source this kernel may launch instead, on Hopper
     /// builds (the CTA-pair forms), in the order [`Launch::variant`] counts them.
     pub hopper_variants: &'static [&'static str],

@@ -24,6 +24,7 @@ use crate::error::{MlxError, Result};
 use crate::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline, SourceFile};
 
 pub mod driver;
+pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
 pub mod launch;
@@ -37,7 +38,11 @@ pub use memory::CudaMemory;
 /// The launcher of the kernel `name`, from the op host files' tables; `None` for a kernel
 /// launched as its op encoded it.
 pub fn kernel(name: &str) -> Option<&'static CudaKernel> {
-    flash_attn_prefill_tensor::KERNELS.iter().chain(flash_attn_prefill_blk::KERNELS).find(|k| k.name == name)
+    flash_attn_prefill_tensor::KERNELS
+        .iter()
+        .chain(flash_attn_prefill_blk::KERNELS)
+        .chain(flash_attn_prefill::KERNELS)
+        .find(|k| k.name == name)
 }
 
 /// One device: its primary context, stream and loaded modules. Lives for the process.
@@ -51,9 +56,9 @@ pub struct CudaContext {
     pub multiprocessors: i32,
     /// Most shared memory one block may opt in to, bytes.
     pub max_shared_per_block: i32,
-    /// Loaded modules by source address and architecture (one module holds all entry
+    /// Loaded modules by source (file name and text) and architecture (one module holds all entry
     /// points of a file).
-    modules: Mutex<HashMap<(usize, String), Module>>,
+    modules: Mutex<HashMap<(u64, String), Module>>,
 }
 
 #[derive(Clone, Copy)]
@@ -188,7 +193,13 @@ impl CudaContext {
     fn function(&self, src: SourceFile, entry: &str, arch: &str) -> Result<CuFunction> {
         let (file, source) = (src.name, src.text);
         let d = self.bind()?;
-        let key = (source.as_ptr() as usize, arch.to_string());
+        // By content: two ops may name the same file (their kernels share its entry points).
+        let key = ({
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (file, source).hash(&mut h);
+            h.finish()
+        }, arch.to_string());
         let module = {
             let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
             match mods.get(&key) {
@@ -332,7 +343,7 @@ impl Backend for CudaBackend {
         let kernel = kernel(name);
         let arch = self.ctx.arch();
         let hopper = arch == "sm_90a";
-        let function = self.ctx.function(src, name, &arch)?;
+        let function = self.ctx.function(src, kernel.map_or(name, |k| k.entry), &arch)?;
         let d = self.ctx.bind()?;
         let variants = match kernel {
             Some(k) if hopper => k.hopper_variants.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<_>>()?,
@@ -365,6 +376,20 @@ impl Backend for CudaBackend {
     }
 
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {
+        self.launch_all(dispatches, self.ctx.stream)?;
+        self.ctx.synchronize()
+    }
+
+    fn execute_on(&self, dispatches: &[Dispatch], stream: u64) -> Result<()> {
+        // A stream of another library in this process: launching on it neither waits nor
+        // allocates, so it can be captured in a CUDA graph.
+        self.launch_all(dispatches, stream as usize as CuStream)
+    }
+}
+
+impl CudaBackend {
+    /// Launch the dispatches in order on `stream`, without waiting.
+    fn launch_all(&self, dispatches: &[Dispatch], stream: CuStream) -> Result<()> {
         let d = self.ctx.bind()?;
         for dispatch in dispatches {
             let p = dispatch.pipeline.inner::<CudaPipeline>().ok_or_else(|| {
@@ -391,7 +416,7 @@ impl Backend for CudaBackend {
                         launch.block[1],
                         launch.block[2],
                         launch.shared_bytes,
-                        self.ctx.stream,
+                        stream,
                         params.as_mut_ptr(),
                         std::ptr::null_mut(),
                     )
@@ -411,7 +436,7 @@ impl Backend for CudaBackend {
             }
             d.check(r, &format!("launching {}", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
         }
-        self.ctx.synchronize()
+        Ok(())
     }
 }
 

@@ -1,0 +1,146 @@
+//! A prefill planned once on its shapes and run on any data of those shapes, as
+//! FlashInfer's `plan` / `run`: [`FlashAttnPrefillPlan::new`] checks everything that needs
+//! no buffer ([`super::flash_attn_prefill::validate_shapes`]), copies a variable-length
+//! batch's `cu_seqlens` to the device (checked once, on the host), and allocates the
+//! explicit mask's tile table; each run checks only its buffers, classifies the mask (when
+//! there is one) and encodes the attention. On CUDA a run on the caller's stream neither
+//! waits nor allocates device memory, so it can be captured in a CUDA graph.
+
+use crate::buffer::MlxBuffer;
+use crate::device::MlxDevice;
+use crate::dtypes::DType;
+use crate::encoder::CommandEncoder;
+use crate::error::{MlxError, Result};
+use crate::interface::BackendKind;
+use crate::kernel_registry::KernelRegistry;
+
+use super::flash_attn_prefill::{
+    dispatch_flash_attn_prefill_mask_blk, encode_validated, sequence_lengths, validate_buffers, validate_shapes,
+    FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents, PrefillOperands, ValidatedPrefill,
+};
+
+/// One planned prefill on one device.
+pub struct FlashAttnPrefillPlan {
+    device: MlxDevice,
+    params: FlashAttnPrefillParams,
+    validated: ValidatedPrefill,
+    /// The explicit mask's tile table, made by every run.
+    blk: Option<MlxBuffer>,
+    /// A variable-length batch's `cu_seqlens_q` and `cu_seqlens_k`, on the device.
+    cu_seqlens: Option<(MlxBuffer, MlxBuffer)>,
+}
+
+/// The data of one run: the plan's operands (the mask only if the plan has one, lse only
+/// if it returns it).
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillRunBuffers<'a> {
+    pub q: &'a MlxBuffer,
+    pub k: &'a MlxBuffer,
+    pub v: &'a MlxBuffer,
+    pub out: &'a MlxBuffer,
+    pub mask: Option<&'a MlxBuffer>,
+    pub lse: Option<&'a MlxBuffer>,
+}
+
+impl FlashAttnPrefillPlan {
+    /// Plan a prefill of `params` with these operands. `cu_seqlens`: the `(q, k)` offsets of
+    /// a variable-length batch (`batch + 1` entries each), checked here and copied to the
+    /// device; `None` for fixed length.
+    pub fn new(
+        device: &MlxDevice,
+        params: &FlashAttnPrefillParams,
+        operands: &PrefillOperands,
+        cu_seqlens: Option<(&[i32], &[i32])>,
+    ) -> Result<Self> {
+        let lens = match cu_seqlens {
+            Some((cq, ck)) => Some(sequence_lengths(params, cq, ck)?),
+            None => None,
+        };
+        let validated = validate_shapes(params, operands, lens.as_deref())?;
+        let blk = if operands.mask { Some(device.alloc_buffer(DType::U8, &[validated.extents.blk as usize])?) } else { None };
+        let cu_seqlens = match cu_seqlens {
+            Some((cq, ck)) => {
+                let upload = |v: &[i32]| -> Result<MlxBuffer> {
+                    let b = device.alloc_buffer(DType::I32, &[v.len()])?;
+                    b.write_bytes(0, bytemuck::cast_slice(v))?;
+                    Ok(b)
+                };
+                Some((upload(cq)?, upload(ck)?))
+            }
+            None => None,
+        };
+        Ok(FlashAttnPrefillPlan { device: device.clone(), params: *params, validated, blk, cu_seqlens })
+    }
+
+    /// The device the plan runs on.
+    pub fn device(&self) -> &MlxDevice {
+        &self.device
+    }
+
+    /// What each operand must hold: elements of q, k, v, out, mask, lse (bytes of the
+    /// table, which the plan owns).
+    pub fn extents(&self) -> &PrefillExtents {
+        &self.validated.extents
+    }
+
+    /// The operands' dtypes and which are given.
+    pub fn operands(&self) -> &PrefillOperands {
+        &self.validated.operands
+    }
+
+    /// The (query row, cache row, head) shape the plan was made for.
+    pub fn params(&self) -> &FlashAttnPrefillParams {
+        &self.params
+    }
+
+    /// Record one run on `encoder` (of the plan's device): the mask's classification when
+    /// the plan has a mask, then the attention. Nothing is recorded if a buffer is wrong.
+    pub fn encode(&self, encoder: &mut CommandEncoder, registry: &mut KernelRegistry, b: &PrefillRunBuffers<'_>) -> Result<()> {
+        let bufs = FlashAttnPrefillBuffers {
+            q: b.q,
+            k: b.k,
+            v: b.v,
+            out: b.out,
+            mask: b.mask,
+            blk: self.blk.as_ref(),
+            cu_seqlens_q: self.cu_seqlens.as_ref().map(|c| &c.0),
+            cu_seqlens_k: self.cu_seqlens.as_ref().map(|c| &c.1),
+            lse: b.lse,
+        };
+        validate_buffers(&bufs, &self.validated)?;
+        if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {
+            dispatch_flash_attn_prefill_mask_blk(encoder, registry, &self.device, mask, blk, &self.params)?;
+        }
+        encode_validated(encoder, registry, &self.device, &bufs, &self.validated)
+    }
+
+    /// Run once and wait (`stream` `None`), or enqueue on the caller's CUDA stream and
+    /// return at once (`Some(stream)`; other backends run now).
+    pub fn run(&self, registry: &mut KernelRegistry, b: &PrefillRunBuffers<'_>, stream: Option<u64>) -> Result<()> {
+        let mut encoder = self.device.command_encoder();
+        self.encode(&mut encoder, registry, b)?;
+        match stream {
+            Some(s) => encoder.commit_on_stream(s),
+            None => encoder.commit_and_wait(),
+        }
+    }
+
+    /// A buffer over `elems` elements of `dtype` at `addr` of the plan's device's memory: a
+    /// host pointer on the CPU and Metal, a device address on CUDA (checked against the
+    /// driver's allocation there).
+    ///
+    /// # Safety
+    /// The memory must stay valid, and hold that many elements, until the run that uses
+    /// the buffer is complete.
+    pub unsafe fn wrap(&self, name: &str, addr: u64, elems: u64, dtype: DType) -> Result<MlxBuffer> {
+        let bytes = usize::try_from(elems.saturating_mul(dtype.size_of() as u64))
+            .map_err(|_| MlxError::InvalidArgument(format!("flash_attn_prefill: {name} is larger than memory")))?;
+        if addr == 0 && bytes > 0 {
+            return Err(MlxError::InvalidArgument(format!("flash_attn_prefill: {name} is a null address")));
+        }
+        match self.device.backend_kind() {
+            BackendKind::Cuda => self.device.wrap_device(addr, bytes, dtype, &[]),
+            _ => self.device.wrap_host(addr as usize as *mut u8, bytes, dtype, &[]),
+        }
+    }
+}
