@@ -428,6 +428,16 @@ impl CudaBackend {
                 None => launch::launch_as_encoded(&self.ctx, dispatch),
             };
             let mut launch = prepare(true)?;
+            if launch::tracing() {
+                eprintln!(
+                    "mlx_native cuda: {} variant {:?} grid {:?} block {:?} shared {}",
+                    dispatch.pipeline.name(),
+                    launch.variant,
+                    launch.grid,
+                    launch.block,
+                    launch.shared_bytes
+                );
+            }
             let mut r = launch_one(&mut launch);
             if r != driver::CUDA_SUCCESS && launch.variant.is_some() {
                 // A GPU that cannot place the cluster (a launch-configuration error, which
