@@ -538,3 +538,32 @@ fn column_skipping_changes_no_bit_on_the_planted_masks() {
         });
     }
 }
+
+#[test]
+fn state_left_by_nan_inputs_does_not_reach_the_next_dispatch() {
+    // The kernel keeps its working memory per thread between dispatches: the running max,
+    // the row sums and O must start afresh for every work item. A dispatch whose every row
+    // ends in NaN (a NaN in every K) leaves NaN behind; the clean dispatch after it, of the
+    // same shape so the same memory is reused, must match its reference.
+    let dev = MlxDevice::cpu();
+    let mut reg = default_registry();
+    let clean = Case::new(60, 256, 4, 2, 256, 200, 0, MaskKind::Peer);
+    let mut poisoned = Case::new(61, 256, 4, 2, 256, 200, 0, MaskKind::Zero);
+    for j in 0..poisoned.kv_len {
+        for g in 0..2 {
+            poisoned.k[j * poisoned.k_row_stride + g * poisoned.k_head_stride] = 0x7e00;
+        }
+    }
+    let reference = clean.reference();
+    for_each_isa(|isa| {
+        for _ in 0..3 {
+            let bp = bind(&dev, &poisoned, 0);
+            let out = run(&dev, &mut reg, &poisoned, &bp, false);
+            assert!(out.iter().all(|x| x.is_nan()), "[{isa}]: the poisoned dispatch is all NaN");
+            let bc = bind(&dev, &clean, 0);
+            let out = run(&dev, &mut reg, &clean, &bc, false);
+            let e = nmse(&out, &reference);
+            assert!(out.iter().all(|x| x.is_finite()) && e < EXACT_BAR, "[{isa}]: after NaN inputs, nmse {e:e}");
+        }
+    });
+}
