@@ -333,7 +333,7 @@ def _pytest_killer(out: str) -> str:
 
 
 def _cargo_killer(out: str) -> str:
-    m = re.search(r"^test (\S+) \.\.\. FAILED", out, re.M)
+    m = re.search(r"^test (\S+) \.\.\. FAILED", out, re.M) or re.search(r"^---- (\S+) stdout ----", out, re.M)
     if m:
         return m.group(1)
     m = re.search(r"error(?:\[E\d+\])?: .*", out)
@@ -344,13 +344,22 @@ METAL_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovid
                "-k", "not caught and not test_emulator_"]  # fmt: skip
 
 
+def _select(cmd: List[str], args) -> List[str]:
+    """The pytest command with `--select EXPR` added to its -k expression."""
+    if not args.select:
+        return cmd
+    i = cmd.index("-k") + 1
+    return cmd[:i] + [f"({cmd[i]}) and ({args.select})"] + cmd[i + 1 :]
+
+
 def run_metal(muts: List[Mutation], args) -> List[Result]:
+    METAL = _select(METAL_TESTS, args)
     sys.path.insert(0, str(REPO / "tests"))
     import metal_emu  # noqa: E402
 
     scratch = Path(tempfile.mkdtemp(prefix="mlxn-metal-mutants-"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    rc, out, dt = _run(METAL_TESTS, env, timeout=args.timeout)
+    rc, out, dt = _run(METAL, env, timeout=args.timeout)
     if rc != 0:
         sys.exit(f"the Metal emulator tests fail on the unmutated sources:\n{out[-3000:]}")
     print(f"baseline: emulator tests pass ({dt:.0f} s)", flush=True)
@@ -366,7 +375,7 @@ def run_metal(muts: List[Mutation], args) -> List[Result]:
             results.append(Result(m.name, m.family, "no-compile", detail=str(e)[-500:]))
             report(results[-1])
             continue
-        rc, out, dt = _run(METAL_TESTS, {**env, "MLXN_METAL_SHADER_DIR": str(d)}, timeout=args.timeout)
+        rc, out, dt = _run(METAL, {**env, "MLXN_METAL_SHADER_DIR": str(d)}, timeout=args.timeout)
         status = "timeout" if rc is None else ("survived" if rc == 0 else "killed")
         results.append(Result(m.name, m.family, status, dt, _pytest_killer(out) if rc else ""))
         report(results[-1])
@@ -459,6 +468,7 @@ def _arch(m: Mutation) -> str:
 
 
 def run_cuda(muts: List[Mutation], args) -> List[Result]:
+    CUDA = _select(CUDA_TESTS, args)
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="mlxn-cuda-mutants-"))
     scratch.mkdir(parents=True, exist_ok=True)
     cache = scratch / "cubins"
@@ -492,7 +502,7 @@ def run_cuda(muts: List[Mutation], args) -> List[Result]:
     rc, out, _ = _run([sys.executable, "-c", WARM], _cuda_env(None, broken, cache), timeout=args.timeout)
     if rc == 0 or "planted" not in out:
         sys.exit(f"MLX_NATIVE_CUDA_SOURCE_DIR is not honoured by the installed library:\n{out[-2000:]}")
-    rc, out, dt = _run(CUDA_TESTS, _cuda_env(None, None, cache), timeout=args.timeout)
+    rc, out, dt = _run(CUDA, _cuda_env(None, None, cache), timeout=args.timeout)
     if rc != 0:
         sys.exit(f"the CUDA tests fail on the unmutated sources:\n{out[-3000:]}")
     print(f"baseline: CUDA tests pass ({dt:.0f} s)", flush=True)
@@ -515,7 +525,7 @@ def run_cuda(muts: List[Mutation], args) -> List[Result]:
             # A mutant that cannot run the warm-up dispatch: a compile error, or killed by it.
             status = "no-compile" if "ShaderCompilationError" in out else "killed"
             return Result(m.name, m.family, status, 0.0, "warm-up dispatch", out[-500:])
-        rc, out, dt = _run(CUDA_TESTS, _cuda_env(m, dirs[m.name], cache), timeout=args.timeout)
+        rc, out, dt = _run(CUDA, _cuda_env(m, dirs[m.name], cache), timeout=args.timeout)
         status = "timeout" if rc is None else ("survived" if rc == 0 else "killed")
         return Result(m.name, m.family, status, dt, _pytest_killer(out) if rc else "")
 
@@ -575,6 +585,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=0, help="parallel compiles (cuda; default: every core)")
     ap.add_argument("--gpu-jobs", type=int, default=4, help="cuda: mutants tested at a time on the GPU")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per test command")
+    ap.add_argument("--select", help="metal, cuda: only the tests this pytest -k expression also selects "
+                    "(e.g. 'planted or sharper': the tests that judge against float64, not another backend)")
     ap.add_argument("--scratch", help="scratch folder (cpu: keeps its target folder between runs)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
