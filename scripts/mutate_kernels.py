@@ -396,10 +396,12 @@ def _scratch_crate(where: Path) -> Path:
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
+    # Fresh modification times (shutil.copy, not copy2): the kept target folder may hold the
+    # last mutant's build, newer than the sources' own times.
     for f in ("Cargo.toml", "Cargo.lock", "README.md"):
-        shutil.copy2(REPO / f, tree / f)
+        shutil.copy(REPO / f, tree / f)
     for d in ("rust", "shaders"):
-        shutil.copytree(REPO / d, tree / d)
+        shutil.copytree(REPO / d, tree / d, copy_function=shutil.copy)
     return tree
 
 

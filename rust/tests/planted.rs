@@ -567,3 +567,48 @@ fn state_left_by_nan_inputs_does_not_reach_the_next_dispatch() {
         }
     });
 }
+
+#[test]
+fn crafted_tiles_classify_as_the_spec_says() {
+    // One value planted in a tile of -inf and in a tile of zeros, at the tile's last row and
+    // last column (the partial tile's last row too): each special half must give the SPEC's
+    // class, on every ISA.
+    use mlx_native::ops::flash_attn_prefill_blk::{dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams};
+    let specials: [u16; 10] = [0x7c00, 0x7e00, 0xfe00, 0xfc01, 0xffff, 0x8000, 0xfbff, 0xfbfe, 0x0001, 0x3c00];
+    let (bq, bk) = (16usize, 64usize);
+    let rows = 2 * bq + 5;
+    let kvp = 2 * specials.len() * bk;
+    let dev = MlxDevice::cpu();
+    let mut reg = default_registry();
+    for last_tile in [false, true] {
+        let mut mask = vec![0u16; rows * kvp];
+        let (r0, r1) = if last_tile { (2 * bq, rows) } else { (bq, 2 * bq) };
+        for (i, &s) in specials.iter().enumerate() {
+            for r in 0..rows {
+                for j in 0..bk {
+                    mask[r * kvp + 2 * i * bk + j] = NEG_INF;
+                }
+            }
+            mask[(r1 - 1) * kvp + 2 * i * bk + bk - 1] = s;
+            mask[(r1 - 1) * kvp + (2 * i + 1) * bk + bk - 1] = s;
+        }
+        let want = spec_blk(&mask, rows, kvp, kvp, bq, bk);
+        let m = upload(&dev, DType::F16, &mask);
+        let blk = dev.alloc_buffer(DType::U8, &[want.len()]).unwrap();
+        for_each_isa(|isa| {
+            let mut enc = dev.command_encoder();
+            let p = FlashAttnPrefillBlkParams { rows: rows as u32, kv_pad: kvp as u32, bq: bq as u32, bk: bk as u32 };
+            dispatch_flash_attn_prefill_blk(&mut enc, &mut reg, &dev, &m, &blk, &p).unwrap();
+            enc.commit_and_wait().unwrap();
+            let got = read_u8(&blk);
+            assert_eq!(got, want, "[{isa}] last tile {last_tile}");
+            let k_tiles = kvp / bk;
+            let qt = r0 / bq;
+            for (i, &s) in specials.iter().enumerate() {
+                let in_masked = got[qt * k_tiles + 2 * i];
+                let expect = if s == 0xfbff || s == 0xfc00 { 0 } else { 1 };
+                assert_eq!(in_masked, expect, "[{isa}] {s:#06x} in a tile of -inf");
+            }
+        });
+    }
+}
