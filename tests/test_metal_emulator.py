@@ -40,16 +40,7 @@ CPU_AGREEMENT = 1e-10  # against the CPU backend, which computes the same rounde
 THREADS = (32, 8, 1)  # 8 simdgroups, as the op dispatches
 
 
-@pytest.fixture(scope="session")
-def build_dir(tmp_path_factory):
-    if metal_emu.compiler() is None:
-        pytest.fail("the Metal emulator needs a C++20 compiler (g++ or $CXX); none was found")
-    return tmp_path_factory.mktemp("metal_emu")
-
-
-@pytest.fixture(scope="session")
-def emu(build_dir):
-    return metal_emu.Emulator(metal_emu.build(build_dir))
+# The fixtures build_dir and emu (one emulator build per session) are in conftest.py.
 
 
 def mutated(build_dir, original: str, replacement: str, count: int = 1) -> metal_emu.Emulator:
