@@ -411,11 +411,11 @@ mod tests {
 
     #[test]
     fn device_sources_declare_the_same_attention_blocks() {
-        let cu = include_str!("../../shaders/flash_attn_prefill_tensor.cu");
+        let cu = include_str!("../../shaders/flash_attn_prefill/params.cuh");
         let metal = include_str!("../../shaders/flash_attn_prefill_tensor.metal");
         // The CUDA kernels take the front door's block (the origin's is turned into it on
         // the host); the origin's Metal kernels bind the origin's block, as its op encodes.
-        assert_eq!(device_fields(cu, "Params"), rust_fields(PREFILL_FIELDS), "shaders/flash_attn_prefill_tensor.cu drifted");
+        assert_eq!(device_fields(cu, "Params"), rust_fields(PREFILL_FIELDS), "shaders/flash_attn_prefill/params.cuh drifted");
         assert_eq!(device_fields(metal, "FlashAttnPrefillTensorParams"), rust_fields(ATTENTION_FIELDS), "the .metal struct drifted");
         assert_eq!(*PREFILL_FIELDS.last().map(|f| &f.offset).unwrap() + 4, std::mem::size_of::<FlashAttnPrefillParamsGpu>());
     }

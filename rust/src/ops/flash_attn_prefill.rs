@@ -22,7 +22,9 @@ use crate::device::MlxDevice;
 use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
 use crate::error::{MlxError, Result};
-use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
+use crate::kernel_registry::{KernelRegistry, KernelSource};
+use super::flash_attn_prefill_blk::{FLASH_ATTN_PREFILL_BLK_CUDA, FLASH_ATTN_PREFILL_BLK_METAL};
+use super::flash_attn_prefill_tensor::{FLASH_ATTN_PREFILL_TENSOR_CUDA, FLASH_ATTN_PREFILL_TENSOR_METAL};
 pub use crate::params::PrefillExtents;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK,
@@ -31,25 +33,12 @@ use crate::params::{
 
 /// The attention's device sources (MSL, CUDA): the same files as the origin op's, whose
 /// kernels are this one's with a fixed layout.
-pub static FLASH_ATTN_PREFILL_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(SourceFile {
-        name: "flash_attn_prefill_tensor.metal",
-        text: include_str!("../../../shaders/flash_attn_prefill_tensor.metal"),
-    }),
-    cuda: Some(SourceFile {
-        name: "flash_attn_prefill_tensor.cu",
-        text: include_str!("../../../shaders/flash_attn_prefill_tensor.cu"),
-    }),
-};
+pub static FLASH_ATTN_PREFILL_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL), cuda: Some(FLASH_ATTN_PREFILL_TENSOR_CUDA) };
 
-/// The explicit mask's classifier (MSL, CUDA).
-pub static FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(SourceFile {
-        name: "flash_attn_prefill_blk.metal",
-        text: include_str!("../../../shaders/flash_attn_prefill_blk.metal"),
-    }),
-    cuda: Some(SourceFile { name: "flash_attn_prefill_blk.cu", text: include_str!("../../../shaders/flash_attn_prefill_blk.cu") }),
-};
+/// The explicit mask's classifier (MSL, CUDA): the origin's classifier's files.
+pub static FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_BLK_METAL), cuda: Some(FLASH_ATTN_PREFILL_BLK_CUDA) };
 
 /// Kernel entry point at head dim 256.
 pub const K_PREFILL_D256: &str = "flash_attn_prefill_d256";
