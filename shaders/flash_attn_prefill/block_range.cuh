@@ -40,7 +40,13 @@ __device__ __forceinline__ Seq sequence(const Params& p, const int* __restrict__
     return s;
 }
 
-// Whether query row r may see cache row j (SPEC 6), offset = lk - lq.
+// Where the sequence's query rows sit in its cache: row r at r + offset (SPEC 6: the prompt
+// is the cache's end, offset = lk - lq, unless the block gives one).
+__device__ __forceinline__ int query_offset(const Params& p, int lq, int lk) {
+    return (p.flags & PREFILL_OFFSET) ? p.offset : lk - lq;
+}
+
+// Whether query row r may see cache row j (SPEC 6), with the sequence's offset.
 __device__ __forceinline__ bool visible(const Params& p, int lk, int off, int r, int j) {
     if (j >= lk) return false;
     if ((p.flags & PREFILL_CAUSAL) && j > r + off) return false;

@@ -51,7 +51,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int rg = warp / C::G, wg = warp % C::G;
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
     const Seq sq = sequence(p, cu_q, cu_k, (int)blockIdx.z);
-    const int lq = sq.lq, lk = sq.lk, off = lk - lq;
+    const int lq = sq.lq, lk = sq.lk, off = query_offset(p, lq, lk);
     const int qt = (lq + qpc - 1) / qpc - 1 - (int)blockIdx.x;  // longest causal rows first
     if (qt < 0) return;  // a shorter sequence than the longest: no rows here (the whole CTA)
     if (tid == 0) {

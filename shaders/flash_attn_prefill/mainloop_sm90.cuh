@@ -99,7 +99,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int rg = wgi / C::G, ch = wgi % C::G;    // row group, column half (head dim 512)
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
     const Seq sq = sequence(p, cu_q, cu_k, (int)blockIdx.z);
-    const int lq = sq.lq, lk = sq.lk, off = lk - lq;
+    const int lq = sq.lq, lk = sq.lk, off = query_offset(p, lq, lk);
     const int q_tiles = (lq + qpc - 1) / qpc;       // this sequence's CTAs along the rows
     const int qt = q_tiles - 1 - (int)blockIdx.x;  // longest causal rows first
     if constexpr (PAIR == PAIR_QUERIES) {

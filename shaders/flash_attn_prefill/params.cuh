@@ -18,13 +18,14 @@ struct Params {
     int q_dtype, o_dtype;
     int blk_rows, blk_steps, blk_bq;
     float scale;
-    int reserved;
+    int offset;  // with PREFILL_OFFSET: query row r is at r + offset of its cache
 };
 
 #define PREFILL_CAUSAL 1
 #define PREFILL_MASK 2
 #define PREFILL_VARLEN 4
 #define PREFILL_LSE 8
+#define PREFILL_OFFSET 16
 // DType codes of Q and O.
 #define DT_F32 0
 #define DT_F16 1
