@@ -754,41 +754,70 @@ mod tests {
         }
     }
 
-    /// The description's class and range against visibility pair by pair.
+    /// The description's class and range against visibility pair by pair, for every
+    /// offset of the prompt in its cache up to 70 (so the diagonal and the window's edge
+    /// meet every alignment with the tiles) and windows on either side of tile sizes.
     #[test]
     fn the_description_classifies_as_its_pairs_say() {
-        for (causal, window) in [(false, 0), (true, 0), (true, 1), (true, 40), (true, 100)] {
-            let pb = problem(causal, window);
-            for (lq, lk) in [(70, 70), (33, 200), (5, 64), (64, 130), (40, 20)] {
-                if causal && lk < lq {
-                    continue;
-                }
-                let seq = Seq { lq, lk, ..Seq::default() };
-                let off = lk as i64 - lq as i64;
-                let visible = |r: usize, j: usize| {
-                    let (r, j) = (r as i64, j as i64);
-                    j < lk as i64 && (!causal || j <= r + off) && (window == 0 || j > r + off - window as i64)
-                };
-                for r0 in (0..lq).step_by(32) {
-                    let nr = 32.min(lq - r0);
-                    for c0 in (0..lk).step_by(C) {
-                        let n = C.min(lk - c0);
-                        let (class, lo, hi) = describe(&pb, &seq, r0, nr, c0, n);
-                        let pairs: Vec<(usize, usize)> =
-                            (r0..r0 + nr).flat_map(|r| (c0..c0 + C).map(move |j| (r, j))).collect();
-                        let seen: Vec<usize> = pairs.iter().filter(|&&(r, j)| visible(r, j)).map(|&(_, j)| j - c0).collect();
-                        let want = if seen.is_empty() {
-                            SKIP
-                        } else if seen.len() == pairs.len() {
-                            FULL
-                        } else {
-                            PARTIAL
-                        };
-                        let at = format!("causal {causal} window {window} lq {lq} lk {lk} r0 {r0} c0 {c0}");
-                        assert_eq!(class, want, "{at}");
-                        if class != SKIP {
-                            assert_eq!(lo, *seen.iter().min().unwrap(), "{at}");
-                            assert_eq!(hi, *seen.iter().max().unwrap() + 1, "{at}");
+        let mut shapes = vec![(40usize, 20usize), (70, 3), (33, 64)]; // lk < lq: not causal only
+        for lq in [1, 5, 33, 70] {
+            shapes.extend((0..=70).map(|off| (lq, lq + off)));
+        }
+        let descriptions = [
+            (false, 0),
+            (true, 0),
+            (true, 1),
+            (true, 2),
+            (true, 15),
+            (true, 31),
+            (true, 32),
+            (true, 47),
+            (true, 63),
+            (true, 64),
+            (true, 79),
+            (true, 95),
+            (true, 100),
+        ];
+        for bq in [32, 16] {
+            for (causal, window) in descriptions {
+                let pb = Problem { bq, ..problem(causal, window) };
+                for &(lq, lk) in &shapes {
+                    if causal && lk < lq {
+                        continue;
+                    }
+                    let seq = Seq { lq, lk, ..Seq::default() };
+                    let off = lk as i64 - lq as i64;
+                    let visible = |r: usize, j: usize| {
+                        let (r, j) = (r as i64, j as i64);
+                        j < lk as i64 && (!causal || j <= r + off) && (window == 0 || j > r + off - window as i64)
+                    };
+                    for r0 in (0..lq).step_by(bq) {
+                        let nr = bq.min(lq - r0);
+                        for c0 in (0..lk).step_by(C) {
+                            let n = C.min(lk - c0);
+                            let (class, lo, hi) = describe(&pb, &seq, r0, nr, c0, n);
+                            let (mut seen, mut lo_want, mut hi_want) = (0, C, 0);
+                            for r in r0..r0 + nr {
+                                for j in c0..c0 + C {
+                                    if visible(r, j) {
+                                        seen += 1;
+                                        lo_want = lo_want.min(j - c0);
+                                        hi_want = hi_want.max(j - c0 + 1);
+                                    }
+                                }
+                            }
+                            let want = if seen == 0 {
+                                SKIP
+                            } else if seen == nr * C {
+                                FULL
+                            } else {
+                                PARTIAL
+                            };
+                            let at = format!("bq {bq} causal {causal} window {window} lq {lq} lk {lk} r0 {r0} c0 {c0}");
+                            assert_eq!(class, want, "{at}");
+                            if class != SKIP {
+                                assert_eq!((lo, hi), (lo_want, hi_want), "{at}");
+                            }
                         }
                     }
                 }
