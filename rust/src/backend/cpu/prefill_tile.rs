@@ -363,11 +363,10 @@ unsafe fn load_q<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, g: usize, sub
                     }
                 }
                 let i0 = sub.ib + hh * pb.bq + rb;
+                // A transpose: `dd` indexes the inner arrays of `tmp`, column by column.
+                #[allow(clippy::needless_range_loop)]
                 for dd in 0..D {
-                    let mut col = [0f32; W];
-                    for (x, c) in col.iter_mut().enumerate() {
-                        *c = tmp[x][dd];
-                    }
+                    let col: [f32; W] = std::array::from_fn(|x| tmp[x][dd]);
                     S::store(qt_b.add(dd * r + i0), S::load(col.as_ptr()));
                 }
             }
