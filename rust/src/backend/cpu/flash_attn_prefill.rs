@@ -18,7 +18,7 @@ use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu as MaskBlkParams, FlashAttnPrefillParamsGpu as Params, PREFILL_CAUSAL,
-    PREFILL_LSE, PREFILL_MASK, PREFILL_VARLEN,
+    PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
 };
 
 /// This op's kernels, by name.
@@ -156,14 +156,18 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
         out: SendPtr(out),
         lse: SendPtr(lse as *mut f32),
     };
+    // Where query row r of a sequence sits in its cache: r + off.
+    let place = |lq: usize, lk: usize| if has(PREFILL_OFFSET) { p.offset as i64 } else { lk as i64 - lq as i64 };
     // Sequence b: its lengths and offsets (SPEC 7).
     let seq = |b: usize| -> Seq {
         match &cu {
             Some((cq, ck)) => {
                 let (q0, k0) = (cq[b], ck[b]);
+                let (lq, lk) = (cq[b + 1] - q0, ck[b + 1] - k0);
                 Seq {
-                    lq: cq[b + 1] - q0,
-                    lk: ck[b + 1] - k0,
+                    lq,
+                    lk,
+                    off: place(lq, lk),
                     q: q0 * pb.q_rs,
                     k: k0 * pb.k_rs,
                     v: k0 * pb.v_rs,
@@ -176,6 +180,7 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
             None => Seq {
                 lq: rows,
                 lk: kv_len,
+                off: place(rows, kv_len),
                 q: b * z(p.q_batch_stride),
                 k: b * z(p.k_batch_stride),
                 v: b * z(p.v_batch_stride),

@@ -94,12 +94,15 @@ pub(super) struct Problem {
 unsafe impl Send for Problem {}
 unsafe impl Sync for Problem {}
 
-/// One sequence: its lengths and where its data starts (element offsets; bytes for the
-/// table).
+/// One sequence: its lengths, where its query rows sit in its cache, and where its data
+/// starts (element offsets; bytes for the table).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct Seq {
     pub lq: usize,
     pub lk: usize,
+    /// Query row r is at position `r + off` of the cache (SPEC 6: `Lk - Lq`, the prompt at the
+    /// cache's end, unless the block gives an offset).
+    pub off: i64,
     pub q: usize,
     pub k: usize,
     pub v: usize,
@@ -200,7 +203,7 @@ struct Sub {
 /// (relative to `c0`, unrounded).
 #[inline(always)]
 fn describe(pb: &Problem, seq: &Seq, r0: usize, nr: usize, c0: usize, n: usize) -> (u8, usize, usize) {
-    let off = seq.lk as i64 - seq.lq as i64;
+    let off = seq.off;
     let (first, last, w) = (r0 as i64 + off, (r0 + nr - 1) as i64 + off, pb.window as i64);
     let (c0i, end) = (c0 as i64, (c0 + n) as i64);
     // Row r sees [r + off - w + 1, r + off] (causal, window) within [0, Lk): the union over
@@ -550,7 +553,7 @@ unsafe fn add_mask<S: Simd>(pb: &Problem, mt: *const f32, st: *mut f32, r: usize
 #[inline(always)]
 unsafe fn hide<S: Simd>(pb: &Problem, seq: &Seq, st: *mut f32, r: usize, sub: &Sub, c0: usize) {
     let bq = pb.bq as i64;
-    let off = seq.lk as i64 - seq.lq as i64;
+    let off = seq.off;
     let ninf = S::splat(f32::NEG_INFINITY);
     let mut lane = [0f32; W];
     for (x, l) in lane.iter_mut().enumerate() {
@@ -755,7 +758,8 @@ mod tests {
 
     /// The description's class and range against visibility pair by pair, for every
     /// offset of the prompt in its cache up to 70 (so the diagonal and the window's edge
-    /// meet every alignment with the tiles) and windows on either side of tile sizes.
+    /// meet every alignment with the tiles), offsets a block gives (negative, past the
+    /// cache, with a cache shorter than the prompt) and windows on either side of tile sizes.
     #[test]
     fn the_description_classifies_as_its_pairs_say() {
         let mut shapes = vec![(40usize, 20usize), (70, 3), (33, 64)]; // lk < lq: not causal only
@@ -780,12 +784,12 @@ mod tests {
         for bq in [32, 16] {
             for (causal, window) in descriptions {
                 let pb = Problem { bq, ..problem(causal, window) };
-                for &(lq, lk) in &shapes {
-                    if causal && lk < lq {
-                        continue;
-                    }
-                    let seq = Seq { lq, lk, ..Seq::default() };
-                    let off = lk as i64 - lq as i64;
+                // The prompt at the cache's end, and offsets a block gives (context
+                // parallelism: a chunk of queries before, inside or past a chunk of the cache).
+                let placed = shapes.iter().filter(|&&(lq, lk)| !causal || lk >= lq).map(|&(lq, lk)| (lq, lk, lk as i64 - lq as i64));
+                let given = [(33usize, 100usize, -40i64), (33, 100, -1), (70, 20, 5), (5, 64, 200), (40, 130, 17)];
+                for (lq, lk, off) in placed.chain(given.into_iter().filter(|_| causal)) {
+                    let seq = Seq { lq, lk, off, ..Seq::default() };
                     let visible = |r: usize, j: usize| {
                         let (r, j) = (r as i64, j as i64);
                         j < lk as i64 && (!causal || j <= r + off) && (window == 0 || j > r + off - window as i64)
@@ -812,7 +816,7 @@ mod tests {
                             } else {
                                 PARTIAL
                             };
-                            let at = format!("bq {bq} causal {causal} window {window} lq {lq} lk {lk} r0 {r0} c0 {c0}");
+                            let at = format!("bq {bq} causal {causal} window {window} lq {lq} lk {lk} off {off} r0 {r0} c0 {c0}");
                             assert_eq!(class, want, "{at}");
                             if class != SKIP {
                                 assert_eq!((lo, hi), (lo_want, hi_want), "{at}");
