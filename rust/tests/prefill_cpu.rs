@@ -206,24 +206,26 @@ fn every_q_and_out_dtype() {
     }
 }
 
-/// SPEC 8: `o = e^(lse1 - L) o1 + e^(lse2 - L) o2`, `L = ln(e^lse1 + e^lse2)`.
-fn merge(a: &Output, b: &Output, nh: usize, hd: usize) -> (Vec<f32>, Vec<f64>) {
-    let rows = a.lse.len() / nh;
+/// SPEC 8 over any number of parts: `o = sum_k e^(lse_k - L) o_k`, `L = ln(sum_k e^lse_k)`.
+fn merge_all(parts: &[&Output], nh: usize, hd: usize) -> (Vec<f32>, Vec<f64>) {
+    let rows = parts[0].lse.len() / nh;
     let (mut out, mut lse) = (vec![0f32; rows * nh * hd], vec![f64::NEG_INFINITY; rows * nh]);
     for i in 0..rows * nh {
-        let (l1, l2) = (a.lse[i], b.lse[i]);
-        let mx = l1.max(l2);
+        let mx = parts.iter().map(|p| p.lse[i]).fold(f64::NEG_INFINITY, f64::max);
         if mx == f64::NEG_INFINITY {
             continue;
         }
-        let l = mx + ((l1 - mx).exp() + (l2 - mx).exp()).ln();
-        let (w1, w2) = ((l1 - l).exp(), (l2 - l).exp());
+        let l = mx + parts.iter().map(|p| (p.lse[i] - mx).exp()).sum::<f64>().ln();
         for d in 0..hd {
-            out[i * hd + d] = (w1 * a.out[i * hd + d] + w2 * b.out[i * hd + d]) as f32;
+            out[i * hd + d] = parts.iter().map(|p| (p.lse[i] - l).exp() * p.out[i * hd + d]).sum::<f64>() as f32;
         }
         lse[i] = l;
     }
     (out, lse)
+}
+
+fn merge(a: &Output, b: &Output, nh: usize, hd: usize) -> (Vec<f32>, Vec<f64>) {
+    merge_all(&[a, b], nh, hd)
 }
 
 #[test]
@@ -250,6 +252,69 @@ fn two_parts_of_a_cache_merge_to_the_whole() {
         for (i, (&got, &want)) in lse.iter().zip(&ref_lse).enumerate() {
             assert!(got == want || (got - want).abs() < 2e-3, "{name}: merged lse {i} is {got}, the reference {want}");
             assert!(got == whole.lse[i] || (got - whole.lse[i]).abs() < 2e-3, "{name}: merged lse {i} vs the whole's");
+        }
+    }
+}
+
+#[test]
+fn an_explicit_offset_places_the_queries_in_the_cache() {
+    let (_l, dev, mut reg) = setup();
+    let with_offset = |mut c: Prefill, off: i64| {
+        c.offset = Some(off);
+        c
+    };
+    let cases = [
+        // Rows below 20 see nothing; a chunk inside the cache; one past it (every row sees all).
+        ("causal offset -20 d256", with_offset(described(Prefill::fixed(131, 2, 40, 150, 4, 2, 256, 1), true, 0), -20)),
+        ("causal offset 37 d512", with_offset(described(Prefill::fixed(132, 2, 40, 150, 4, 2, 512, 1), true, 0), 37)),
+        ("causal offset 200 d256", with_offset(described(Prefill::fixed(133, 1, 40, 150, 2, 1, 256, 0), true, 0), 200)),
+        ("window 30 offset 60 d256", with_offset(described(Prefill::fixed(134, 2, 70, 150, 4, 2, 256, 1), true, 30), 60)),
+        // A cache shorter than the prompt, and an empty prompt.
+        ("varlen causal offset 10 d256", with_offset(described(Prefill::varlen(135, &[(30, 80), (0, 10), (50, 20)], 4, 2, 256, 1), true, 0), 10)),
+        ("varlen window 16 offset -5 d512", with_offset(described(Prefill::varlen(136, &[(40, 70), (33, 33)], 2, 2, 512, 0), true, 16), -5)),
+    ];
+    for (name, c) in cases {
+        let c = c.with_lse();
+        let o = run(&dev, &mut reg, &c, Table::Computed);
+        check(name, &c, &o);
+        let (nh, hd) = (c.n_heads, c.head_dim);
+        for (b, &(lq, lk)) in c.lens.iter().enumerate() {
+            for r in 0..lq {
+                if (0..lk).any(|j| c.visible(b, r, j)) {
+                    continue;
+                }
+                let row = c.logical_row(b, r);
+                assert!(o.out_bits[row * nh * hd..(row + 1) * nh * hd].iter().all(|&x| x == 0), "{name}: row {row} not +0");
+                assert!(o.lse[row * nh..(row + 1) * nh].iter().all(|&x| x == f64::NEG_INFINITY), "{name}: row {row} lse");
+            }
+        }
+        if !c.varlen {
+            // The same placement given as an explicit mask: the same bits.
+            let mut explicit = Prefill { causal: false, window: 0, offset: None, ..c.clone() };
+            explicit.set_mask(true, 0, |b, r, j| if c.visible(b, r, j) { 0.0 } else { f32::NEG_INFINITY });
+            let e = run(&dev, &mut reg, &explicit, Table::Computed);
+            assert!(same_bits(&o, &e), "{name}: described and explicit differ");
+        }
+    }
+}
+
+#[test]
+fn parts_of_a_cache_with_their_offsets_merge_to_the_whole_causal_prefill() {
+    let (_l, dev, mut reg) = setup();
+    for (name, hd, window, cuts) in [
+        ("d256 causal, cut at 128 and 200", 256, 0, vec![0, 128, 200, 300]),
+        ("d512 window 100, cut at 150", 512, 100, vec![0, 150, 300]),
+        ("d256 window 40, cut at 70, 230 and 250", 256, 40, vec![0, 70, 230, 250, 300]),
+    ] {
+        let c = described(Prefill::fixed(141, 2, 64, 300, 4, 2, hd, 1), true, window).with_lse();
+        let parts: Vec<Output> = cuts.windows(2).map(|w| run(&dev, &mut reg, &c.cache_part(w[0], w[1]), Table::Computed)).collect();
+        let (out, lse) = merge_all(&parts.iter().collect::<Vec<_>>(), 4, hd);
+        let (reference, ref_lse) = c.reference();
+        let e = nmse(&out, &reference);
+        eprintln!("{name:60} merged nmse {e:.2e}");
+        assert!(e < 1e-5, "{name}: merged nmse {e:e}");
+        for (i, (&got, &want)) in lse.iter().zip(&ref_lse).enumerate() {
+            assert!(got == want || (got - want).abs() < 2e-3, "{name}: merged lse {i} is {got}, the reference {want}");
         }
     }
 }

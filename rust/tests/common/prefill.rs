@@ -36,6 +36,9 @@ pub struct Prefill {
     pub head_dim: usize,
     pub causal: bool,
     pub window: usize,
+    /// Where query row r of every sequence sits in its cache (`r + offset`); `None`: the
+    /// prompt is the cache's end (`Lk - Lq`).
+    pub offset: Option<i64>,
     pub scale: f32,
     pub q_dtype: DType,
     pub out_dtype: DType,
@@ -127,6 +130,7 @@ impl Prefill {
             head_dim: hd,
             causal: false,
             window: 0,
+            offset: None,
             scale: 1.0,
             q_dtype: DType::F32,
             out_dtype: DType::F32,
@@ -248,10 +252,16 @@ impl Prefill {
         self.lens.iter().map(|l| l.0).sum()
     }
 
+    /// Where query row r of sequence b sits in its cache: `r + offset`.
+    pub fn query_offset(&self, b: usize) -> i64 {
+        let (lq, lk) = self.lens[b];
+        self.offset.unwrap_or(lk as i64 - lq as i64)
+    }
+
     /// SPEC 6: whether query row r of sequence b sees cache row j (the description only).
     pub fn visible(&self, b: usize, r: usize, j: usize) -> bool {
-        let (lq, lk) = self.lens[b];
-        let (r, j, off, w) = (r as i64, j as i64, lk as i64 - lq as i64, self.window as i64);
+        let lk = self.lens[b].1;
+        let (r, j, off, w) = (r as i64, j as i64, self.query_offset(b), self.window as i64);
         j < lk as i64 && (!self.causal || j <= r + off) && (w == 0 || j > r + off - w)
     }
 
@@ -318,8 +328,8 @@ impl Prefill {
             causal: self.causal as u32,
             window: self.window as u32,
             scale: self.scale,
-            offset: 0,
-            has_offset: 0,
+            offset: self.offset.unwrap_or(0) as i32,
+            has_offset: self.offset.is_some() as u32,
         }
     }
 
@@ -380,13 +390,18 @@ impl Prefill {
         (out, lse)
     }
 
-    /// The same prefill over cache rows `j0..j1` of every sequence only (fixed length, no
-    /// description: a part of the cache of an unmasked or explicitly masked prefill).
+    /// The same prefill over cache rows `j0..j1` of every sequence only (fixed length): a
+    /// part of the cache, as context parallelism splits it; a description keeps each query
+    /// row where it was (the part's offset is the whole's less `j0`).
     pub fn cache_part(&self, j0: usize, j1: usize) -> Prefill {
-        assert!(!self.varlen && !self.causal && self.window == 0);
+        assert!(!self.varlen);
         let (seqs, rows, _) = self.shape();
         let mut c = Prefill::layout(vec![(rows, j1 - j0); seqs], false, self.n_heads, self.n_kv_heads, self.head_dim, 1);
         (c.q_dtype, c.out_dtype, c.scale, c.q_strides, c.q) = (self.q_dtype, self.out_dtype, self.scale, self.q_strides, self.q.clone());
+        (c.causal, c.window) = (self.causal, self.window);
+        if self.causal {
+            c.offset = Some(self.query_offset(0) - j0 as i64);
+        }
         c.lse_strides = self.lse_strides;
         let (nkv, hd) = (self.n_kv_heads, self.head_dim);
         let kn = span([seqs, j1 - j0, nkv], c.k_strides, hd);
