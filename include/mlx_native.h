@@ -83,6 +83,12 @@ typedef struct MlxnFlashAttnPrefillParams {
   uint32_t window;
   // Folded into Q before Q is rounded to half (SPEC 2, step 1).
   float scale;
+  // Columns of V and O; 0: `head_dim` (they differ only at (576, 512), SPEC 10).
+  uint32_t head_dim_v;
+  // SPEC 10: above 0, `s = softcap * tanh(s / softcap)` before the mask is added.
+  float softcap;
+  // SPEC 10: above 0, the explicit mask is scaled by each head's ALiBi slope.
+  float max_bias;
   // With `has_offset` 1: query row r of every sequence sits at position `r + offset` of its
   // cache, for `causal` and `window` (a chunk of queries against a chunk of the cache, as
   // context parallelism computes them); with 0, the prompt is the end of its cache
@@ -100,6 +106,7 @@ typedef struct MlxnPrefillExtents {
   uint64_t mask;
   uint64_t blk;
   uint64_t lse;
+  uint64_t sinks;
 } MlxnPrefillExtents;
 
 #ifdef __cplusplus
@@ -323,8 +330,8 @@ int32_t mlxn_kv_pad(uint32_t kv_len, uint32_t *out);
 // Cache rows per step (the blk `bk`).
 uint32_t mlxn_cache_rows_per_step(void);
 
-// `dispatch_flash_attn_prefill`: record one prefill over a batch (SPEC 6-9). `mask`,
-// `blk`, `cu_seqlens_q`, `cu_seqlens_k` and `lse` are optional: 0 for none.
+// `dispatch_flash_attn_prefill`: record one prefill over a batch (SPEC 6-10). `mask`,
+// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse` and `sinks` are optional: 0 for none.
 //
 // # Safety
 // `params` must be valid.
@@ -338,6 +345,7 @@ int32_t mlxn_dispatch_flash_attn_prefill(uint64_t enc,
                                          uint64_t cu_seqlens_q,
                                          uint64_t cu_seqlens_k,
                                          uint64_t lse,
+                                         uint64_t sinks,
                                          const struct MlxnFlashAttnPrefillParams *params);
 
 // `dispatch_flash_attn_prefill_mask_blk`: record the classification of an explicit mask
@@ -359,7 +367,7 @@ int32_t mlxn_flash_attn_prefill_mask_table_bytes(const struct MlxnFlashAttnPrefi
 
 // Plan a prefill on its shapes (FlashInfer's `plan`): checks `params` with the operands'
 // dtypes (`DType` codes of q, of k and v, of out) and which optional operands there are
-// (`has_mask`, `has_lse`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
+// (`has_mask`, `has_lse`, `has_sinks`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
 // `cu_seqlens_k` point to `batch + 1` int32 in host memory each (checked here and copied
 // to the device); null for fixed length.
 //
@@ -372,6 +380,7 @@ int32_t mlxn_prefill_plan_new(uint64_t dev,
                               uint32_t out_dtype,
                               int32_t has_mask,
                               int32_t has_lse,
+                              int32_t has_sinks,
                               const int32_t *cu_seqlens_q,
                               const int32_t *cu_seqlens_k,
                               uint64_t *out);
@@ -384,7 +393,7 @@ int32_t mlxn_prefill_plan_extents(uint64_t plan_handle, struct MlxnPrefillExtent
 
 // Run a plan on data (FlashInfer's `run`): each operand by address (a host pointer on the
 // CPU and Metal, a device address on CUDA), holding what [`mlxn_prefill_plan_extents`]
-// says; `mask` and `lse` 0 when the plan has none. `stream`: 0 runs on the library's
+// says; `mask`, `lse` and `sinks` 0 when the plan has none. `stream`: 0 runs on the library's
 // stream and waits; a CUDA stream (`cudaStream_t`) enqueues the run on it and returns at
 // once (CUDA devices; elsewhere the run happens now).
 //
@@ -398,6 +407,7 @@ int32_t mlxn_prefill_plan_run(uint64_t plan_handle,
                               uint64_t mask,
                               uint64_t out,
                               uint64_t lse,
+                              uint64_t sinks,
                               uint64_t stream);
 
 // Free a prefill plan.

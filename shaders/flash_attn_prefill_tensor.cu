@@ -47,13 +47,13 @@
 
 // The entry points (the origin op's names; the new op launches them too). Parameters: the
 // params block, the launch block, Q, K, V, the explicit mask, its table, O, lse,
-// cu_seqlens_q, cu_seqlens_k (pointers the flags say are absent are never read).
+// cu_seqlens_q, cu_seqlens_k, the sinks (pointers the flags say are absent are never read).
 #define MLXN_ARGS                                                                                          \
     const Params p, const Launch L, const unsigned char* __restrict__ q, const u16* __restrict__ k,         \
         const u16* __restrict__ v, const u16* __restrict__ mask, const u8* __restrict__ blk,               \
         void* __restrict__ out, float* __restrict__ lse, const int* __restrict__ cu_q,                     \
-        const int* __restrict__ cu_k
-#define MLXN_PASS p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k
+        const int* __restrict__ cu_k, const float* __restrict__ sinks
+#define MLXN_PASS p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attn_prefill_tensor_f16_d256(MLXN_ARGS) {
 #ifdef MLXN_HOPPER

@@ -94,6 +94,10 @@ struct FlashAttnPrefillParams {
     int blk_bq;
     float scale;
     int offset;  // with PREFILL_OFFSET: query row r is at r + offset of its cache
+    int head_dim_v;  // columns of V and O
+    int kv_dtype;    // DType code of K and V
+    float softcap;   // SPEC 10: s = softcap * tanh(s / softcap) when above 0
+    float max_bias;  // SPEC 10: ALiBi slopes on the explicit mask when above 0
 };
 
 // FlashAttnPrefillParams::flags (PREFILL_* in rust/src/params.rs).
@@ -102,6 +106,7 @@ constant constexpr int PREFILL_MASK = 2;
 constant constexpr int PREFILL_VARLEN = 4;
 constant constexpr int PREFILL_LSE = 8;
 constant constexpr int PREFILL_OFFSET = 16;
+constant constexpr int PREFILL_SINKS = 32;
 
 // DType codes of Q and O (rust/src/dtypes.rs).
 constant constexpr int DTYPE_F32 = 0;
@@ -472,6 +477,8 @@ FlashAttnPrefillParams origin_params(constant FlashAttnPrefillTensorParams & o)
     p.blk_steps = o.kv_pad / C;
     p.blk_bq = Q;
     p.scale = o.scale;
+    p.head_dim_v = D;
+    p.kv_dtype = 1;  // F16
     return p;
 }
 

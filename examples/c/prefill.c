@@ -93,7 +93,8 @@ int main(void) {
     p.scale = scale;
 
     uint64_t plan;
-    CHECK(mlxn_prefill_plan_new(dev, &p, 0 /* q F32 */, 1 /* k, v F16 */, 0 /* out F32 */, 0, 1, NULL, NULL, &plan));
+    CHECK(mlxn_prefill_plan_new(dev, &p, 0 /* q F32 */, 1 /* k, v F16 */, 0 /* out F32 */, 0 /* mask */, 1 /* lse */,
+                                0 /* sinks */, NULL, NULL, &plan));
     struct MlxnPrefillExtents e;
     CHECK(mlxn_prefill_plan_extents(plan, &e));
     if (e.q != (uint64_t)ROWS * HEADS * DIM || e.lse != (uint64_t)HEADS * ROWS) {
@@ -101,10 +102,10 @@ int main(void) {
         return 1;
     }
     CHECK(mlxn_prefill_plan_run(plan, (uint64_t)(uintptr_t)q, (uint64_t)(uintptr_t)k, (uint64_t)(uintptr_t)v, 0,
-                                (uint64_t)(uintptr_t)out, (uint64_t)(uintptr_t)lse, 0));
+                                (uint64_t)(uintptr_t)out, (uint64_t)(uintptr_t)lse, 0, 0));
     /* A bad run: the plan has no mask, so a mask address is refused, and nothing is written. */
     if (mlxn_prefill_plan_run(plan, (uint64_t)(uintptr_t)q, (uint64_t)(uintptr_t)k, (uint64_t)(uintptr_t)v,
-                              (uint64_t)(uintptr_t)k, (uint64_t)(uintptr_t)out, (uint64_t)(uintptr_t)lse, 0) != 6) {
+                              (uint64_t)(uintptr_t)k, (uint64_t)(uintptr_t)out, (uint64_t)(uintptr_t)lse, 0, 0) != 6) {
         fprintf(stderr, "a mask given to a plan without one was not refused\n");
         return 1;
     }

@@ -42,7 +42,9 @@ fn main() {
     let mut reg = default_registry();
     let fill = |dtype: DType, n: usize, val: u8| {
         let b = dev.alloc_buffer(dtype, &[n]).unwrap();
-        let bytes: Vec<u8> = (0..n * dtype.size_of()).map(|i| if dtype == DType::F16 && i % 2 == 1 { 0x38 } else { val.wrapping_add(i as u8) }).collect();
+        let bytes: Vec<u8> = (0..n * dtype.size_of())
+            .map(|i| if dtype == DType::F16 && i % 2 == 1 { 0x38 } else { val.wrapping_add(i as u8) })
+            .collect();
         b.write_bytes(0, &bytes).unwrap();
         b
     };
@@ -59,7 +61,11 @@ fn main() {
             let (r, j) = (i / kvp, i % kvp);
             let ok = j < rows && (window == 0 || (j <= r && (window < 0 || j as i64 > r as i64 - window)));
             pairs += ok as usize;
-            if ok { 0 } else { 0xfc00 }
+            if ok {
+                0
+            } else {
+                0xfc00
+            }
         })
         .collect();
     mask.write_bytes(0, bytemuck::cast_slice(&mvals)).unwrap();
@@ -92,13 +98,18 @@ fn main() {
         let mut best_cpu = f64::MAX;
         for _ in 0..repeats {
             let mut enc = dev.command_encoder();
-            dispatch_flash_attn_prefill_tensor_f16(&mut enc, &mut reg, &dev, &q, &k, &v, &mask, &blk, &out, &p).unwrap();
+            dispatch_flash_attn_prefill_tensor_f16(&mut enc, &mut reg, &dev, &q, &k, &v, &mask, &blk, &out, &p)
+                .unwrap();
             let (t, c) = (Instant::now(), cpu_seconds());
             enc.commit_and_wait().unwrap();
             best = best.min(t.elapsed().as_secs_f64());
             best_cpu = best_cpu.min(cpu_seconds() - c);
         }
-        let kind = match window { 0 => "dense".to_string(), w if w < 0 => "causal".to_string(), w => format!("window {w}") };
+        let kind = match window {
+            0 => "dense".to_string(),
+            w if w < 0 => "causal".to_string(),
+            w => format!("window {w}"),
+        };
         println!("{isa:14} rows {rows} hd {hd} heads {nh}/{nkv} {kind}: {:.1} ms, {:.1} useful GFLOP/s; per CPU second {:.1} GFLOP/s per thread",
             best * 1e3, flops / best / 1e9, flops / best_cpu / 1e9);
     }

@@ -58,7 +58,13 @@ fn main() {
     for r in 0..rows {
         pairs += (0..kv).filter(|&j| visible(r, j)).count();
     }
-    let mask = buffer(DType::F16, rows * kv, &|i| if visible(i / kv, i % kv) { 0 } else { 0xfc00 });
+    let mask = buffer(DType::F16, rows * kv, &|i| {
+        if visible(i / kv, i % kv) {
+            0
+        } else {
+            0xfc00
+        }
+    });
     let out = dev.alloc_buffer(DType::F32, &[rows * nh * hd]).unwrap();
     let described = FlashAttnPrefillParams {
         q_strides: [0, (nh * hd) as u64, hd as u64],
@@ -78,6 +84,7 @@ fn main() {
         scale: 1.0,
         offset: 0,
         has_offset: 0,
+        ..Default::default()
     };
     let explicit = FlashAttnPrefillParams { mask_strides: [0, kv as u64], causal: 0, window: 0, ..described };
     let blk = dev.alloc_buffer(DType::U8, &[mask_table_bytes(&explicit).unwrap() as usize]).unwrap();
@@ -94,6 +101,7 @@ fn main() {
         cu_seqlens_q: None,
         cu_seqlens_k: None,
         lse: None,
+        sinks: None,
     };
     let with_mask = FlashAttnPrefillBuffers { mask: Some(&mask), blk: Some(&blk), ..plain };
     let flops = 4.0 * hd as f64 * nh as f64 * pairs as f64;

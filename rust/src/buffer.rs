@@ -33,12 +33,7 @@ impl std::fmt::Debug for MlxBuffer {
 impl MlxBuffer {
     /// A view of all of `memory`. `shape` may be empty (a flat buffer); if it is not, its
     /// product times the dtype size must not exceed the memory.
-    pub(crate) fn new(
-        memory: Arc<dyn Memory>,
-        device_id: u64,
-        dtype: DType,
-        shape: Vec<usize>,
-    ) -> Result<Self> {
+    pub(crate) fn new(memory: Arc<dyn Memory>, device_id: u64, dtype: DType, shape: Vec<usize>) -> Result<Self> {
         let byte_len = memory.len();
         check_shape(&shape, dtype, byte_len)?;
         Ok(MlxBuffer { memory, device_id, dtype, shape, byte_offset: 0, byte_len })
@@ -88,7 +83,7 @@ impl MlxBuffer {
                 self.byte_len
             )));
         }
-        if (self.byte_offset + byte_offset) % dtype.size_of() != 0 {
+        if !(self.byte_offset + byte_offset).is_multiple_of(dtype.size_of()) {
             return Err(MlxError::InvalidArgument(format!(
                 "view offset {byte_offset} is not aligned to {dtype} elements"
             )));
@@ -129,10 +124,7 @@ impl MlxBuffer {
             // same bytes to the kernel: compare addresses.
             (Some(a), Some(b)) => {
                 let (a0, b0) = (a as usize + self.byte_offset, b as usize + other.byte_offset);
-                return self.byte_len > 0
-                    && other.byte_len > 0
-                    && a0 < b0 + other.byte_len
-                    && b0 < a0 + self.byte_len;
+                return self.byte_len > 0 && other.byte_len > 0 && a0 < b0 + other.byte_len && b0 < a0 + self.byte_len;
             }
             _ => match (self.memory.device_addr(), other.memory.device_addr()) {
                 // The same for two wrappers of one CUDA tensor.

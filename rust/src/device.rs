@@ -66,7 +66,7 @@ impl MlxDevice {
             .iter()
             .try_fold(dtype.size_of(), |a, &d| a.checked_mul(d))
             .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| MlxError::BufferAllocationError { bytes: u64::MAX })?;
+            .ok_or(MlxError::BufferAllocationError { bytes: u64::MAX })?;
         let mem = self.inner.backend.alloc(bytes)?;
         MlxBuffer::new(mem, self.inner.id, dtype, shape.to_vec())
     }
@@ -80,10 +80,8 @@ impl MlxDevice {
         if ptr.is_null() && bytes > 0 {
             return Err(MlxError::InvalidArgument("null pointer for a non-empty buffer".into()));
         }
-        if (ptr as usize) % dtype.size_of() != 0 {
-            return Err(MlxError::InvalidArgument(format!(
-                "host pointer {ptr:p} is not aligned to {dtype} elements"
-            )));
+        if !(ptr as usize).is_multiple_of(dtype.size_of()) {
+            return Err(MlxError::InvalidArgument(format!("host pointer {ptr:p} is not aligned to {dtype} elements")));
         }
         let mem = self.inner.backend.wrap_host(ptr, bytes)?;
         MlxBuffer::new(mem, self.inner.id, dtype, shape.to_vec())
@@ -95,7 +93,7 @@ impl MlxDevice {
     /// # Safety
     /// The memory must stay allocated while the buffer (or any clone or view) exists.
     pub unsafe fn wrap_device(&self, addr: u64, bytes: usize, dtype: DType, shape: &[usize]) -> Result<MlxBuffer> {
-        if addr % dtype.size_of() as u64 != 0 {
+        if !addr.is_multiple_of(dtype.size_of() as u64) {
             return Err(MlxError::InvalidArgument(format!(
                 "device address {addr:#x} is not aligned to {dtype} elements"
             )));

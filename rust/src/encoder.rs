@@ -3,8 +3,8 @@
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::error::{MlxError, Result};
-pub use crate::interface::{BoundArg, Dispatch, GridSize};
 use crate::interface::Pipeline;
+pub use crate::interface::{BoundArg, Dispatch, GridSize};
 
 /// One argument of a dispatch, by reference, as the op passes it.
 #[derive(Debug, Clone, Copy)]

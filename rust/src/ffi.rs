@@ -23,7 +23,9 @@ use crate::dtypes::DType;
 use crate::encoder::CommandEncoder;
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::KernelRegistry;
-use crate::ops::flash_attn_prefill::{self as prefill, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillOperands};
+use crate::ops::flash_attn_prefill::{
+    self as prefill, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillOperands,
+};
 use crate::ops::flash_attn_prefill_blk::{self, FlashAttnPrefillBlkParams};
 use crate::ops::flash_attn_prefill_plan::{FlashAttnPrefillPlan, PrefillRunBuffers};
 use crate::ops::flash_attn_prefill_tensor::{self as fa, FlashAttnPrefillTensorParams};
@@ -111,9 +113,9 @@ fn lookup<T>(h: u64, want: &str, pick: impl FnOnce(&Object) -> Option<T>) -> Res
     let table = lock(&HANDLES);
     match table.get(&h) {
         None => Err(MlxError::InvalidHandle(format!("{want} handle {h} is closed or was never issued"))),
-        Some(obj) => pick(obj).ok_or_else(|| {
-            MlxError::InvalidHandle(format!("handle {h} is a {}, not a {want}", obj.kind()))
-        }),
+        Some(obj) => {
+            pick(obj).ok_or_else(|| MlxError::InvalidHandle(format!("handle {h} is a {}, not a {want}", obj.kind())))
+        }
     }
 }
 
@@ -159,9 +161,7 @@ fn release(h: u64, want: &str, is_kind: fn(&Object) -> bool) -> Result<()> {
     match table.get(&h) {
         None if h == 0 => Err(MlxError::InvalidHandle(format!("null {want} handle"))),
         None => Err(MlxError::InvalidHandle(format!("{want} handle {h} is closed or was never issued"))),
-        Some(o) if !is_kind(o) => {
-            Err(MlxError::InvalidHandle(format!("handle {h} is a {}, not a {want}", o.kind())))
-        }
+        Some(o) if !is_kind(o) => Err(MlxError::InvalidHandle(format!("handle {h} is a {}, not a {want}", o.kind()))),
         Some(_) => {
             // Drop outside the lock: dropping an encoder or buffer may free memory.
             let obj = table.remove(&h);
@@ -215,16 +215,12 @@ unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
     if p.is_null() {
         return Err(MlxError::InvalidArgument(format!("{what} is a null pointer")));
     }
-    CStr::from_ptr(p)
-        .to_str()
-        .map_err(|_| MlxError::InvalidArgument(format!("{what} is not UTF-8")))
+    CStr::from_ptr(p).to_str().map_err(|_| MlxError::InvalidArgument(format!("{what} is not UTF-8")))
 }
 
 unsafe fn shape_arg(shape: *const u64, ndim: usize) -> Result<Vec<usize>> {
     if ndim > MLXN_MAX_DIMS {
-        return Err(MlxError::InvalidArgument(format!(
-            "{ndim} dimensions, at most {MLXN_MAX_DIMS}"
-        )));
+        return Err(MlxError::InvalidArgument(format!("{ndim} dimensions, at most {MLXN_MAX_DIMS}")));
     }
     if ndim > 0 && shape.is_null() {
         return Err(MlxError::InvalidArgument("shape is a null pointer".into()));
@@ -548,9 +544,7 @@ fn lookup_backend_of(b: &MlxBuffer) -> u32 {
     table
         .values()
         .find_map(|o| match o {
-            Object::Device(d) if d.device.registry_id() == b.device_id() => {
-                Some(backend_code(d.device.backend_kind()))
-            }
+            Object::Device(d) if d.device.registry_id() == b.device_id() => Some(backend_code(d.device.backend_kind())),
             _ => None,
         })
         .unwrap_or_else(|| if b.host_ptr().is_some() { 0 } else { 1 })
@@ -739,7 +733,14 @@ pub extern "C" fn mlxn_dispatch_flash_attn_prefill_blk(
         let p = FlashAttnPrefillBlkParams { rows, kv_pad, bq, bk };
         let mut encoder = lock(&e.encoder);
         let mut registry = lock(&e.ctx.registry);
-        flash_attn_prefill_blk::dispatch_flash_attn_prefill_blk(&mut encoder, &mut registry, &e.ctx.device, &mask, &blk, &p)
+        flash_attn_prefill_blk::dispatch_flash_attn_prefill_blk(
+            &mut encoder,
+            &mut registry,
+            &e.ctx.device,
+            &mask,
+            &blk,
+            &p,
+        )
     })
 }
 
@@ -793,8 +794,8 @@ pub extern "C" fn mlxn_cache_rows_per_step() -> u32 {
 
 // ---------------------------------------------------------------- the front door's op
 
-/// `dispatch_flash_attn_prefill`: record one prefill over a batch (SPEC 6-9). `mask`,
-/// `blk`, `cu_seqlens_q`, `cu_seqlens_k` and `lse` are optional: 0 for none.
+/// `dispatch_flash_attn_prefill`: record one prefill over a batch (SPEC 6-10). `mask`,
+/// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse` and `sinks` are optional: 0 for none.
 ///
 /// # Safety
 /// `params` must be valid.
@@ -811,6 +812,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
     cu_seqlens_q: u64,
     cu_seqlens_k: u64,
     lse: u64,
+    sinks: u64,
     params: *const FlashAttnPrefillParams,
 ) -> i32 {
     guard(|| {
@@ -821,6 +823,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
         let e = encoder(enc)?;
         let (q, k, v, out) = (buffer(q)?, buffer(k)?, buffer(v)?, buffer(out)?);
         let (mask, blk, lse) = (optional_buffer(mask)?, optional_buffer(blk)?, optional_buffer(lse)?);
+        let sinks = optional_buffer(sinks)?;
         let (cu_q, cu_k) = (optional_buffer(cu_seqlens_q)?, optional_buffer(cu_seqlens_k)?);
         let b = FlashAttnPrefillBuffers {
             q: &q,
@@ -832,6 +835,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
             cu_seqlens_q: cu_q.as_ref(),
             cu_seqlens_k: cu_k.as_ref(),
             lse: lse.as_ref(),
+            sinks: sinks.as_ref(),
         };
         let mut encoder = lock(&e.encoder);
         let mut registry = lock(&e.ctx.registry);
@@ -869,7 +873,10 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill_mask_blk(
 /// # Safety
 /// `params` and `out` must be valid.
 #[no_mangle]
-pub unsafe extern "C" fn mlxn_flash_attn_prefill_mask_table_bytes(params: *const FlashAttnPrefillParams, out: *mut u64) -> i32 {
+pub unsafe extern "C" fn mlxn_flash_attn_prefill_mask_table_bytes(
+    params: *const FlashAttnPrefillParams,
+    out: *mut u64,
+) -> i32 {
     guard(|| {
         let out = out_ptr(out, "out")?;
         if params.is_null() {
@@ -891,11 +898,12 @@ pub struct MlxnPrefillExtents {
     pub mask: u64,
     pub blk: u64,
     pub lse: u64,
+    pub sinks: u64,
 }
 
 /// Plan a prefill on its shapes (FlashInfer's `plan`): checks `params` with the operands'
 /// dtypes (`DType` codes of q, of k and v, of out) and which optional operands there are
-/// (`has_mask`, `has_lse`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
+/// (`has_mask`, `has_lse`, `has_sinks`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
 /// `cu_seqlens_k` point to `batch + 1` int32 in host memory each (checked here and copied
 /// to the device); null for fixed length.
 ///
@@ -911,6 +919,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
     out_dtype: u32,
     has_mask: i32,
     has_lse: i32,
+    has_sinks: i32,
     cu_seqlens_q: *const i32,
     cu_seqlens_k: *const i32,
     out: *mut u64,
@@ -933,11 +942,14 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
             out_dtype: dtype_arg(out_dtype)?,
             mask: flag(has_mask, "has_mask")?,
             lse: flag(has_lse, "has_lse")?,
+            sinks: flag(has_sinks, "has_sinks")?,
         };
         let n = p.batch as usize + 1;
         let cu = match (cu_seqlens_q.is_null(), cu_seqlens_k.is_null()) {
             (true, true) => None,
-            (false, false) => Some((std::slice::from_raw_parts(cu_seqlens_q, n), std::slice::from_raw_parts(cu_seqlens_k, n))),
+            (false, false) => {
+                Some((std::slice::from_raw_parts(cu_seqlens_q, n), std::slice::from_raw_parts(cu_seqlens_k, n)))
+            }
             _ => {
                 return Err(MlxError::InvalidArgument(
                     "flash_attn_prefill: cu_seqlens_q and cu_seqlens_k go together: give both or neither".into(),
@@ -960,14 +972,23 @@ pub unsafe extern "C" fn mlxn_prefill_plan_extents(plan_handle: u64, out: *mut M
         let out = out_ptr(out, "out")?;
         let pc = plan(plan_handle)?;
         let e = pc.plan.extents();
-        *out = MlxnPrefillExtents { q: e.q, k: e.k, v: e.v, out: e.out, mask: e.mask, blk: e.blk, lse: e.lse };
+        *out = MlxnPrefillExtents {
+            q: e.q,
+            k: e.k,
+            v: e.v,
+            out: e.out,
+            mask: e.mask,
+            blk: e.blk,
+            lse: e.lse,
+            sinks: e.sinks,
+        };
         Ok(())
     })
 }
 
 /// Run a plan on data (FlashInfer's `run`): each operand by address (a host pointer on the
 /// CPU and Metal, a device address on CUDA), holding what [`mlxn_prefill_plan_extents`]
-/// says; `mask` and `lse` 0 when the plan has none. `stream`: 0 runs on the library's
+/// says; `mask`, `lse` and `sinks` 0 when the plan has none. `stream`: 0 runs on the library's
 /// stream and waits; a CUDA stream (`cudaStream_t`) enqueues the run on it and returns at
 /// once (CUDA devices; elsewhere the run happens now).
 ///
@@ -984,6 +1005,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
     mask: u64,
     out: u64,
     lse: u64,
+    sinks: u64,
     stream: u64,
 ) -> i32 {
     guard(|| {
@@ -997,13 +1019,24 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
             match (addr, present) {
                 (0, false) => Ok(None),
                 (0, true) => Err(MlxError::InvalidArgument(format!("flash_attn_prefill: this plan needs {name}"))),
-                (_, false) => Err(MlxError::InvalidArgument(format!("flash_attn_prefill: this plan has no {name}: pass 0"))),
+                (_, false) => {
+                    Err(MlxError::InvalidArgument(format!("flash_attn_prefill: this plan has no {name}: pass 0")))
+                }
                 (a, true) => p.wrap(name, a, elems, dtype).map(Some),
             }
         };
         let mb = optional("mask", mask, o.mask, e.mask, DType::F16)?;
         let lb = optional("lse", lse, o.lse, e.lse, DType::F32)?;
-        let b = PrefillRunBuffers { q: &qb, k: &kb, v: &vb, out: &ob, mask: mb.as_ref(), lse: lb.as_ref() };
+        let sb = optional("sinks", sinks, o.sinks, e.sinks, DType::F32)?;
+        let b = PrefillRunBuffers {
+            q: &qb,
+            k: &kb,
+            v: &vb,
+            out: &ob,
+            mask: mb.as_ref(),
+            lse: lb.as_ref(),
+            sinks: sb.as_ref(),
+        };
         let mut registry = lock(&pc.ctx.registry);
         p.run(&mut registry, &b, if stream == 0 { None } else { Some(stream) })
     })

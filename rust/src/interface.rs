@@ -188,19 +188,14 @@ impl Dispatch {
     pub fn buffer(&self, index: u64) -> Result<&BufferBinding> {
         match self.args.iter().find(|(i, _)| *i == index) {
             Some((_, BoundArg::Buffer(b))) => Ok(b),
-            _ => Err(MlxError::Internal(format!(
-                "{}: no buffer bound at index {index}",
-                self.pipeline.name()
-            ))),
+            _ => Err(MlxError::Internal(format!("{}: no buffer bound at index {index}", self.pipeline.name()))),
         }
     }
 
     /// The constant block bound at `index`, read as `T` (the op's params mirror).
     pub fn constant<T: bytemuck::Pod>(&self, index: u64) -> Result<T> {
         match self.args.iter().find(|(i, _)| *i == index) {
-            Some((_, BoundArg::Bytes(b))) if b.len() == std::mem::size_of::<T>() => {
-                Ok(bytemuck::pod_read_unaligned(b))
-            }
+            Some((_, BoundArg::Bytes(b))) if b.len() == std::mem::size_of::<T>() => Ok(bytemuck::pod_read_unaligned(b)),
             _ => Err(MlxError::Internal(format!(
                 "{}: no {}-byte constant bound at index {index}",
                 self.pipeline.name(),
@@ -246,19 +241,13 @@ pub trait Backend: Send + Sync {
     /// The region must stay allocated while any buffer that wraps it exists.
     unsafe fn wrap_device(&self, addr: u64, bytes: usize) -> Result<Arc<dyn Memory>> {
         let _ = (addr, bytes);
-        Err(MlxError::InvalidArgument(format!(
-            "the {} backend has no device memory to wrap",
-            self.kind().name()
-        )))
+        Err(MlxError::InvalidArgument(format!("the {} backend has no device memory to wrap", self.kind().name())))
     }
     /// Wait until the work queued on another library's stream (a CUDA stream handle) is
     /// done, before this device uses memory that work writes. Backends without streams
     /// refuse.
     fn wait_stream(&self, stream: u64) -> Result<()> {
         let _ = stream;
-        Err(MlxError::InvalidArgument(format!(
-            "the {} backend has no streams",
-            self.kind().name()
-        )))
+        Err(MlxError::InvalidArgument(format!("the {} backend has no streams", self.kind().name())))
     }
 }

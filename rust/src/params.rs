@@ -158,6 +158,14 @@ pub struct FlashAttnPrefillParamsGpu {
     /// With `PREFILL_OFFSET`: query row r of each sequence is at position `r + offset` of its
     /// cache (without it the prompt is the cache's end: `offset = Lk - Lq`).
     pub offset: i32,
+    /// Columns of V and O (`head_dim` is Q's and K's; they differ only at (576, 512)).
+    pub head_dim_v: i32,
+    /// `DType` code of K and V (F16 or BF16).
+    pub kv_dtype: i32,
+    /// SPEC 10: `s = softcap * tanh(s / softcap)` when above 0.
+    pub softcap: f32,
+    /// SPEC 10: ALiBi slopes on the explicit mask when above 0.
+    pub max_bias: f32,
 }
 
 /// Elements (bytes for `blk`) each buffer of a prefill must hold.
@@ -170,6 +178,8 @@ pub struct PrefillExtents {
     pub mask: u64,
     pub blk: u64,
     pub lse: u64,
+    /// F32 sink logits, one per query head.
+    pub sinks: u64,
 }
 
 impl FlashAttnPrefillParamsGpu {
@@ -204,7 +214,12 @@ impl FlashAttnPrefillParamsGpu {
         let w = |x: i64| x as u64;
         // Variable length: one batch of all the rows (the batch strides are 0).
         let seqs = if self.flags & PREFILL_VARLEN != 0 { u(self.batch).min(1) } else { u(self.batch) };
-        let (rows, kvl, nh, nkv, hd) = (u(self.rows), u(self.kv_len), u(self.n_heads), u(self.n_kv_heads), u(self.head_dim));
+        let (rows, kvl, nh, nkv, hd) =
+            (u(self.rows), u(self.kv_len), u(self.n_heads), u(self.n_kv_heads), u(self.head_dim));
+        if self.head_dim_v < 0 {
+            return None;
+        }
+        let hdv = u(self.head_dim_v);
         let span = |n: [u64; 3], s: [u64; 3], width: u64| -> u64 {
             if n.contains(&0) || width == 0 {
                 return 0;
@@ -222,11 +237,20 @@ impl FlashAttnPrefillParamsGpu {
         Some(PrefillExtents {
             q: span([seqs, rows, nh], [w(self.q_batch_stride), w(self.q_row_stride), w(self.q_head_stride)], hd),
             k: span([seqs, kvl, nkv], [w(self.k_batch_stride), w(self.k_row_stride), w(self.k_head_stride)], hd),
-            v: span([seqs, kvl, nkv], [w(self.v_batch_stride), w(self.v_row_stride), w(self.v_head_stride)], hd),
-            out: span([seqs, rows, nh], [w(self.o_batch_stride), w(self.o_row_stride), w(self.o_head_stride)], hd),
-            mask: if mask { span([masks, rows, 1], [w(self.mask_batch_stride), w(self.mask_row_stride), 0], kvl) } else { 0 },
+            v: span([seqs, kvl, nkv], [w(self.v_batch_stride), w(self.v_row_stride), w(self.v_head_stride)], hdv),
+            out: span([seqs, rows, nh], [w(self.o_batch_stride), w(self.o_row_stride), w(self.o_head_stride)], hdv),
+            mask: if mask {
+                span([masks, rows, 1], [w(self.mask_batch_stride), w(self.mask_row_stride), 0], kvl)
+            } else {
+                0
+            },
             blk: if mask { tables.saturating_mul(u(self.blk_rows)).saturating_mul(u(self.blk_steps)) } else { 0 },
-            lse: if lse { span([seqs, nh, 1], [w(self.lse_batch_stride), w(self.lse_head_stride), 0], rows) } else { 0 },
+            lse: if lse {
+                span([seqs, nh, 1], [w(self.lse_batch_stride), w(self.lse_head_stride), 0], rows)
+            } else {
+                0
+            },
+            sinks: if self.flags & PREFILL_SINKS != 0 { nh } else { 0 },
         })
     }
 }
@@ -272,6 +296,10 @@ impl FlashAttnPrefillTensorParamsGpu {
             blk_bq: bq,
             scale: self.scale,
             offset: 0,
+            head_dim_v: head_dim,
+            kv_dtype: 1,
+            softcap: 0.0,
+            max_bias: 0.0,
         }
     }
 }
@@ -287,6 +315,8 @@ pub const PREFILL_LSE: i32 = 8;
 /// The block's `offset` places the query rows in the cache (context parallelism: a chunk of
 /// the queries against a chunk of the cache that does not end where the queries do).
 pub const PREFILL_OFFSET: i32 = 16;
+/// Attention sinks (SPEC 10): one logit per query head, bound at index 10.
+pub const PREFILL_SINKS: i32 = 32;
 
 /// `flash_attn_prefill_mask_blk`: the tile table of an explicit mask over a batch
 /// (`[batch][ceil(rows / bq)][ceil(kv_len / bk)]` bytes; columns at or past `kv_len` count as
@@ -341,7 +371,7 @@ pub const PREFILL_FIELDS: &[Field] = fields!(FlashAttnPrefillParamsGpu: q_batch_
     q_head_stride, k_batch_stride, k_row_stride, k_head_stride, v_batch_stride, v_row_stride, v_head_stride,
     o_batch_stride, o_row_stride, o_head_stride, mask_batch_stride, mask_row_stride, lse_batch_stride,
     lse_head_stride, blk_batch_stride, batch, rows, kv_len, n_heads, n_kv_heads, head_dim, max_rows, window,
-    flags, q_dtype, o_dtype, blk_rows, blk_steps, blk_bq, scale, offset);
+    flags, q_dtype, o_dtype, blk_rows, blk_steps, blk_bq, scale, offset, head_dim_v, kv_dtype, softcap, max_bias);
 
 /// The fields of [`FlashAttnPrefillMaskBlkParamsGpu`], in order.
 pub const MASK_BLK_FIELDS: &[Field] =
@@ -420,18 +450,41 @@ mod tests {
         let metal = include_str!("../../shaders/flash_attn_prefill_tensor.metal");
         // The CUDA kernels take the front door's block (the origin's is turned into it on
         // the host); the origin's Metal kernels bind the origin's block, as its op encodes.
-        assert_eq!(device_fields(cu, "Params"), rust_fields(PREFILL_FIELDS), "shaders/flash_attn_prefill/params.cuh drifted");
-        assert_eq!(device_fields(metal, "FlashAttnPrefillTensorParams"), rust_fields(ATTENTION_FIELDS), "the .metal struct drifted");
-        assert_eq!(*PREFILL_FIELDS.last().map(|f| &f.offset).unwrap() + 4, std::mem::size_of::<FlashAttnPrefillParamsGpu>());
+        assert_eq!(
+            device_fields(cu, "Params"),
+            rust_fields(PREFILL_FIELDS),
+            "shaders/flash_attn_prefill/params.cuh drifted"
+        );
+        assert_eq!(
+            device_fields(metal, "FlashAttnPrefillTensorParams"),
+            rust_fields(ATTENTION_FIELDS),
+            "the .metal struct drifted"
+        );
+        assert_eq!(
+            *PREFILL_FIELDS.last().map(|f| &f.offset).unwrap() + 4,
+            std::mem::size_of::<FlashAttnPrefillParamsGpu>()
+        );
     }
 
     #[test]
     fn device_sources_declare_the_same_blk_blocks() {
         let cu = include_str!("../../shaders/flash_attn_prefill_blk.cu");
         let metal = include_str!("../../shaders/flash_attn_prefill_blk.metal");
-        assert_eq!(device_fields(cu, "BlkParams"), rust_fields(BLK_FIELDS), "shaders/flash_attn_prefill_blk.cu drifted");
-        assert_eq!(device_fields(metal, "FlashAttnPrefillBlkParams"), rust_fields(BLK_FIELDS), "the .metal struct drifted");
-        assert_eq!(device_fields(cu, "MaskBlkParams"), rust_fields(MASK_BLK_FIELDS), "the .cu mask table struct drifted");
+        assert_eq!(
+            device_fields(cu, "BlkParams"),
+            rust_fields(BLK_FIELDS),
+            "shaders/flash_attn_prefill_blk.cu drifted"
+        );
+        assert_eq!(
+            device_fields(metal, "FlashAttnPrefillBlkParams"),
+            rust_fields(BLK_FIELDS),
+            "the .metal struct drifted"
+        );
+        assert_eq!(
+            device_fields(cu, "MaskBlkParams"),
+            rust_fields(MASK_BLK_FIELDS),
+            "the .cu mask table struct drifted"
+        );
     }
 
     #[test]

@@ -196,7 +196,9 @@ fn a_world_writable_folder_is_not_used() {
     }
     let s = Scratch::new("world-folder");
     let planted = compile(PLANTED);
-    for (m, reason) in [(0o707, "is writable by others (mode 0707)"), (0o1777, "writable by group and others (mode 1777)")] {
+    for (m, reason) in
+        [(0o707, "is writable by others (mode 0707)"), (0o1777, "writable by group and others (mode 1777)")]
+    {
         let cache = s.cache(&format!("cache{m:o}"), Some(m));
         plant(&cache, &planted, 0o644);
         let before = listing(&cache);
@@ -219,7 +221,11 @@ fn a_folder_above_the_cache_must_be_ours_or_roots_and_not_writable_by_others_unl
     std::fs::create_dir(&cache).unwrap();
     chmod(&cache, 0o700);
     plant(&cache, &planted, 0o600);
-    assert_fresh(&fetch(&cache), "open above it is writable by group and others and not sticky (mode 0777)", Some(&planted[..]));
+    assert_fresh(
+        &fetch(&cache),
+        "open above it is writable by group and others and not sticky (mode 0777)",
+        Some(&planted[..]),
+    );
 
     // The same folder, sticky (as /tmp is): our folder inside it is ours to keep.
     chmod(&open, 0o1777);
@@ -235,7 +241,11 @@ fn a_folder_above_the_cache_must_be_ours_or_roots_and_not_writable_by_others_unl
     // An ancestor owned by another user (needs root to make; CI runs as root).
     if am_root() {
         std::os::unix::fs::chown(&open, Some(OTHER_UID), None).unwrap();
-        assert_fresh(&fetch(&cache), &format!("open above it is owned by uid {OTHER_UID}, neither uid 0 nor root"), None);
+        assert_fresh(
+            &fetch(&cache),
+            &format!("open above it is owned by uid {OTHER_UID}, neither uid 0 nor root"),
+            None,
+        );
     } else {
         eprintln!("not root: the foreign-owned ancestor case needs root to chown");
     }

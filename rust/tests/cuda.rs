@@ -17,9 +17,14 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
     for arch in ["sm_90a", "sm_80"] {
         match cuda::compile_check(arch, &mlx_native::default_registry().cuda_sources()) {
             Ok(report) => {
-                let mut entries: Vec<String> = ["flash_attn_prefill_tensor_f16_d256", "flash_attn_prefill_tensor_f16_d512", "flash_attn_prefill_blk", "flash_attn_prefill_mask_blk"]
-                    .map(String::from)
-                    .to_vec();
+                let mut entries: Vec<String> = [
+                    "flash_attn_prefill_tensor_f16_d256",
+                    "flash_attn_prefill_tensor_f16_d512",
+                    "flash_attn_prefill_blk",
+                    "flash_attn_prefill_mask_blk",
+                ]
+                .map(String::from)
+                .to_vec();
                 if arch == "sm_90a" {
                     // The CTA-pair forms exist on Hopper only.
                     for hd in [256, 512] {
@@ -27,7 +32,10 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                     }
                 }
                 for entry in &entries {
-                    assert!(report.contains(&format!("entry point {entry}")), "{arch}: no entry point {entry} in\n{report}");
+                    assert!(
+                        report.contains(&format!("entry point {entry}")),
+                        "{arch}: no entry point {entry} in\n{report}"
+                    );
                 }
                 if !report.contains("ptxas info") && !nvrtc_required() {
                     return; // this NVRTC build returns no resource report
@@ -55,7 +63,11 @@ fn a_compile_error_carries_the_compiler_log() {
         return;
     };
     let err = nv
-        .compile("broken.cu", "extern \"C\" __global__ void k() { undeclared_name = 1; }", &cuda::nvrtc::options("sm_90a"))
+        .compile(
+            "broken.cu",
+            "extern \"C\" __global__ void k() { undeclared_name = 1; }",
+            &cuda::nvrtc::options("sm_90a"),
+        )
         .unwrap_err();
     match err {
         MlxError::ShaderCompilationError { name, message } => {

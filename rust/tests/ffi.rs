@@ -101,14 +101,14 @@ fn bad_dtypes_shapes_and_ranges() {
     // A wrapped region whose shape needs more bytes than it has.
     let mut host = [0f32; 4];
     assert_eq!(
-        unsafe { mlxn_buffer_wrap_host(dev, host.as_mut_ptr().cast(), 16, 0, shape.as_ptr(), 2, &mut buf) },
+        unsafe { mlxn_buffer_wrap_host(dev, host.as_mut_ptr().cast(), 16, 0, shape.as_ptr(), 2, &mut buf,) },
         INVALID_ARGUMENT
     );
     // A misaligned host pointer.
     let bytes = [0u8; 20];
     let one = [4u64];
     assert_eq!(
-        unsafe { mlxn_buffer_wrap_host(dev, bytes.as_ptr().add(1) as *mut _, 16, 0, one.as_ptr(), 1, &mut buf) },
+        unsafe { mlxn_buffer_wrap_host(dev, bytes.as_ptr().add(1) as *mut _, 16, 0, one.as_ptr(), 1, &mut buf,) },
         INVALID_ARGUMENT
     );
     assert!(last_error().contains("not aligned"));
@@ -141,7 +141,7 @@ fn op_entry_points_validate_and_report() {
     assert_eq!(unsafe { mlxn_buffer_read(blk, 0, b.as_mut_ptr().cast(), 1) }, 0);
     assert_eq!(b[0], 2, "an all-zero mask tile is class 2");
     assert_eq!(
-        unsafe { mlxn_dispatch_flash_attn_prefill_tensor_f16(enc, mask, mask, mask, mask, blk, blk, ptr::null()) },
+        unsafe { mlxn_dispatch_flash_attn_prefill_tensor_f16(enc, mask, mask, mask, mask, blk, blk, ptr::null(),) },
         INVALID_ARGUMENT
     );
     let mut q = 0u32;
@@ -244,7 +244,10 @@ fn every_entry_point_refuses_every_bad_handle() {
             assert_eq!(mlxn_flash_attn_prefill_tensor_available(h, 256, &mut flag), INVALID_HANDLE);
             assert_eq!(flag, 77);
             assert_eq!(mlxn_buffer_new(h, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
-            assert_eq!(mlxn_buffer_wrap_host(h, host.as_mut_ptr().cast(), 16, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
+            assert_eq!(
+                mlxn_buffer_wrap_host(h, host.as_mut_ptr().cast(), 16, 0, shape.as_ptr(), 1, &mut out),
+                INVALID_HANDLE
+            );
             assert_eq!(mlxn_buffer_wrap_device(h, 1 << 20, 16, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
             assert_eq!(mlxn_encoder_new(h, &mut out), INVALID_HANDLE);
             assert_eq!(out, 77);
@@ -271,7 +274,9 @@ fn every_entry_point_refuses_every_bad_handle() {
         for pos in 0..6 {
             let mut hs = [buf; 6];
             hs[pos] = h;
-            let s = unsafe { mlxn_dispatch_flash_attn_prefill_tensor_f16(enc, hs[0], hs[1], hs[2], hs[3], hs[4], hs[5], &p) };
+            let s = unsafe {
+                mlxn_dispatch_flash_attn_prefill_tensor_f16(enc, hs[0], hs[1], hs[2], hs[3], hs[4], hs[5], &p)
+            };
             assert_eq!(s, INVALID_HANDLE, "buffer position {pos}, handle {h}");
         }
     }
@@ -280,7 +285,10 @@ fn every_entry_point_refuses_every_bad_handle() {
         unsafe {
             assert_eq!(mlxn_encoder_pending(h, &mut out), INVALID_HANDLE, "{h}");
             assert_eq!(out, 77);
-            assert_eq!(mlxn_dispatch_flash_attn_prefill_tensor_f16(h, buf, buf, buf, buf, blk, buf, &p), INVALID_HANDLE);
+            assert_eq!(
+                mlxn_dispatch_flash_attn_prefill_tensor_f16(h, buf, buf, buf, buf, blk, buf, &p),
+                INVALID_HANDLE
+            );
         }
         assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(h, buf, blk, 32, 64, 32, 64), INVALID_HANDLE);
         assert_eq!(mlxn_encoder_commit_and_wait(h), INVALID_HANDLE);

@@ -124,10 +124,7 @@ fn fully_masked_rows_are_zero_and_past_rows_untouched() {
             assert!(out[r * row..(r + 1) * row].iter().all(|&x| x == 0.0), "row {r} not zero");
         }
         assert!(out[..c.rows * row].iter().all(|x| x.is_finite()), "NaN or inf written");
-        assert!(
-            out[c.rows * row..].iter().all(|x| x.to_bits() == sentinel.to_bits()),
-            "a row >= rows was written"
-        );
+        assert!(out[c.rows * row..].iter().all(|x| x.to_bits() == sentinel.to_bits()), "a row >= rows was written");
         let reference = c.reference();
         let e = nmse(&out[..c.rows * row], &reference);
         assert!(e < 1e-5, "hd {hd}: nmse {e:e}");

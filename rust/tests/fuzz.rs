@@ -16,7 +16,9 @@ use common::Rng;
 use half::f16;
 use mlx_native::backend::available_backends;
 use mlx_native::ops::flash_attn_prefill_blk::{dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams};
-use mlx_native::ops::flash_attn_prefill_tensor::{dispatch_flash_attn_prefill_tensor_f16, FlashAttnPrefillTensorParams};
+use mlx_native::ops::flash_attn_prefill_tensor::{
+    dispatch_flash_attn_prefill_tensor_f16, FlashAttnPrefillTensorParams,
+};
 use mlx_native::{default_registry, DType, KernelRegistry, MlxBuffer, MlxDevice, MlxError};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
@@ -139,7 +141,14 @@ fn draw() -> impl Strategy<Value = Draw> {
             let kr = stride_draw(nkv.saturating_mul(khs), 3);
             let vr = stride_draw(nkv.saturating_mul(vhs), 1);
             let rest = (
-                [dtype_draw(WANT[0]), dtype_draw(WANT[1]), dtype_draw(WANT[2]), dtype_draw(WANT[3]), dtype_draw(WANT[4]), dtype_draw(WANT[5])],
+                [
+                    dtype_draw(WANT[0]),
+                    dtype_draw(WANT[1]),
+                    dtype_draw(WANT[2]),
+                    dtype_draw(WANT[3]),
+                    dtype_draw(WANT[4]),
+                    dtype_draw(WANT[5]),
+                ],
                 [size_draw(), size_draw(), size_draw(), size_draw(), size_draw(), size_draw()],
                 any::<bool>(),
                 prop_oneof![12 => Just(None), 1 => (0usize..5).prop_map(Some)],
@@ -147,29 +156,31 @@ fn draw() -> impl Strategy<Value = Draw> {
                 any::<u64>(),
                 any::<u64>(),
             );
-            (qr, kr, vr, rest).prop_map(move |(qrs, krs, vrs, (dtypes, sizes, arena, overlap, guard, mask_seed, data_seed))| Draw {
-                p: FlashAttnPrefillTensorParams {
-                    rows,
-                    n_heads: nh,
-                    n_kv_heads: nkv,
-                    head_dim: hd,
-                    kv_pad,
-                    q_row_stride: qrs,
-                    q_head_stride: qhs,
-                    k_row_stride: krs,
-                    k_head_stride: khs,
-                    v_row_stride: vrs,
-                    v_head_stride: vhs,
-                    scale,
+            (qr, kr, vr, rest).prop_map(
+                move |(qrs, krs, vrs, (dtypes, sizes, arena, overlap, guard, mask_seed, data_seed))| Draw {
+                    p: FlashAttnPrefillTensorParams {
+                        rows,
+                        n_heads: nh,
+                        n_kv_heads: nkv,
+                        head_dim: hd,
+                        kv_pad,
+                        q_row_stride: qrs,
+                        q_head_stride: qhs,
+                        k_row_stride: krs,
+                        k_head_stride: khs,
+                        v_row_stride: vrs,
+                        v_head_stride: vhs,
+                        scale,
+                    },
+                    dtypes,
+                    sizes,
+                    arena: arena || overlap.is_some(),
+                    overlap,
+                    guard,
+                    mask_seed,
+                    data_seed,
                 },
-                dtypes,
-                sizes,
-                arena: arena || overlap.is_some(),
-                overlap,
-                guard,
-                mask_seed,
-                data_seed,
-            })
+            )
         })
     })
 }
@@ -213,20 +224,28 @@ fn expected_error(d: &Draw, elems: &[u128; 6], place: &Placement) -> Option<Stri
     if p.rows == 0 || p.n_heads == 0 || p.n_kv_heads == 0 || p.kv_pad == 0 {
         return Some("empty shape".into());
     }
-    if p.n_heads % p.n_kv_heads != 0 {
+    if !p.n_heads.is_multiple_of(p.n_kv_heads) {
         return Some(format!("n_heads {} is not a multiple of n_kv_heads {}", p.n_heads, p.n_kv_heads));
     }
-    if p.kv_pad % 64 != 0 {
+    if !p.kv_pad.is_multiple_of(64) {
         return Some(format!("kv_pad {} is not a multiple of 64", p.kv_pad));
     }
     let dims = [
-        p.rows, p.n_heads, p.n_kv_heads, p.kv_pad, p.q_row_stride, p.q_head_stride, p.k_row_stride,
-        p.k_head_stride, p.v_row_stride, p.v_head_stride,
+        p.rows,
+        p.n_heads,
+        p.n_kv_heads,
+        p.kv_pad,
+        p.q_row_stride,
+        p.q_head_stride,
+        p.k_row_stride,
+        p.k_head_stride,
+        p.v_row_stride,
+        p.v_head_stride,
     ];
     if dims.iter().any(|&x| x as u64 > I32_MAX) {
         return Some("exceeds i32".into());
     }
-    if p.q_row_stride % 4 != 0 || p.q_head_stride % 4 != 0 {
+    if !p.q_row_stride.is_multiple_of(4) || !p.q_head_stride.is_multiple_of(4) {
         return Some("multiples of 4".into());
     }
     let need = needs(p).unwrap();
@@ -360,7 +379,13 @@ fn classify(mask: &[u16], rows: usize, kvp: usize, bq: usize, bk: usize) -> Vec<
                 masked &= x.to_f32() <= -65504.0;
                 zero &= x.to_f32() == 0.0;
             }
-            out.push(if masked { 0 } else if zero { 2 } else { 1 });
+            out.push(if masked {
+                0
+            } else if zero {
+                2
+            } else {
+                1
+            });
         }
     }
     out
@@ -381,8 +406,7 @@ fn reference(p: &FlashAttnPrefillTensorParams, q: &[f32], k: &[u16], v: &[u16], 
     for r in 0..rows {
         for h in 0..nh {
             let g = h / group;
-            let qh: Vec<f64> =
-                (0..hd).map(|d| f16::from_f32(p.scale * q[r * qrs + h * qhs + d]).to_f64()).collect();
+            let qh: Vec<f64> = (0..hd).map(|d| f16::from_f32(p.scale * q[r * qrs + h * qhs + d]).to_f64()).collect();
             let mut mx = f64::NEG_INFINITY;
             for (j, sj) in s.iter_mut().enumerate() {
                 let kr = &kf[j * krs + g * khs..][..hd];
@@ -430,7 +454,9 @@ fn check_dispatch(dev: &MlxDevice, reg: &mut KernelRegistry, d: &Draw) -> Result
         let buf = &b.bufs[i];
         let n = b.elems[i] as usize;
         let bytes: Vec<u8> = match (i, d.dtypes[i]) {
-            (0, DType::F32) => bytemuck::cast_slice(&(0..n).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<f32>>()).to_vec(),
+            (0, DType::F32) => {
+                bytemuck::cast_slice(&(0..n).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<f32>>()).to_vec()
+            }
             (1 | 2, DType::F16) => {
                 bytemuck::cast_slice(&(0..n).map(|_| f16_bits(rng.uniform(-1.0, 1.0))).collect::<Vec<u16>>()).to_vec()
             }
@@ -440,7 +466,7 @@ fn check_dispatch(dev: &MlxDevice, reg: &mut KernelRegistry, d: &Draw) -> Result
     }
     // Mask and blk: meaningful when the shape is valid and they are big enough.
     let (rows, kvp) = (p.rows as usize, p.kv_pad as usize);
-    let shaped = needs(p).is_some() && p.kv_pad % 64 == 0;
+    let shaped = needs(p).is_some() && p.kv_pad.is_multiple_of(64);
     let mut mask_bits = Vec::new();
     if shaped && d.dtypes[3] == DType::F16 && b.elems[3] >= (rows * kvp) as u128 {
         mask_bits = fill_mask(rows, kvp, d.mask_seed);
@@ -491,7 +517,10 @@ fn check_dispatch(dev: &MlxDevice, reg: &mut KernelRegistry, d: &Draw) -> Result
                 }
             }
             let written = needs(p).unwrap()[5] as usize * 4;
-            prop_assert!(after[oa][oo + written..oo + ol] == before[oa][oo + written..oo + ol], "output rows >= rows were written");
+            prop_assert!(
+                after[oa][oo + written..oo + ol] == before[oa][oo + written..oo + ol],
+                "output rows >= rows were written"
+            );
             let got: Vec<f32> = cast_vec(&after[oa][oo..oo + written]);
             let read = |i: usize| after[b.place[i].0][b.place[i].1..][..b.place[i].2].to_vec();
             let qv: Vec<f32> = cast_vec(&read(0));
@@ -532,7 +561,10 @@ fn attention_dispatch_matches_reference_or_names_its_error() {
             let counts = RefCell::new(std::collections::BTreeMap::<String, u32>::new());
             let result = runner(n, 1).run(&draw(), |d| {
                 let rule = check_dispatch(&dev, &mut reg.borrow_mut(), &d)?;
-                *counts.borrow_mut().entry(rule.unwrap_or_else(|| "valid: matched the reference".into())).or_default() += 1;
+                *counts
+                    .borrow_mut()
+                    .entry(rule.unwrap_or_else(|| "valid: matched the reference".into()))
+                    .or_default() += 1;
                 Ok(())
             });
             mlx_native::backend::cpu::simd::force_isa(None).unwrap();
@@ -545,10 +577,26 @@ fn attention_dispatch_matches_reference_or_names_its_error() {
             let valid = counts.get("valid: matched the reference").copied().unwrap_or(0);
             assert!(valid * 5 >= n, "only {valid} of {n} dispatches were valid");
             if n >= 600 {
-                for rule in ["unsupported head_dim", "empty shape", "is not a multiple of n_kv_heads", "kv_pad is not a multiple of",
-                    "exceeds", "multiples of", "q holds", "k holds", "v holds", "mask holds", "out holds", "q must be",
-                    "k must be", "v must be", "mask must be", "out must be", "blk must be", "out overlaps"]
-                {
+                for rule in [
+                    "unsupported head_dim",
+                    "empty shape",
+                    "is not a multiple of n_kv_heads",
+                    "kv_pad is not a multiple of",
+                    "exceeds",
+                    "multiples of",
+                    "q holds",
+                    "k holds",
+                    "v holds",
+                    "mask holds",
+                    "out holds",
+                    "q must be",
+                    "k must be",
+                    "v must be",
+                    "mask must be",
+                    "out must be",
+                    "blk must be",
+                    "out overlaps",
+                ] {
                     assert!(counts.keys().any(|k| k.contains(rule)), "no draw hit {rule:?}: {counts:?}");
                 }
             }
@@ -640,7 +688,7 @@ fn check_blk(dev: &MlxDevice, reg: &mut KernelRegistry, d: &BlkDraw) -> Result<b
     let overlap = mb > 0 && bb > 0 && blk_off < mask_off + mb && mask_off < blk_off + bb;
     let expect: Option<&str> = if p.rows == 0 || p.kv_pad == 0 || p.bq == 0 || p.bk == 0 {
         Some("empty shape")
-    } else if p.kv_pad % p.bk != 0 {
+    } else if !p.kv_pad.is_multiple_of(p.bk) {
         Some("is not a multiple of bk")
     } else if [p.rows, p.kv_pad, p.bq, p.bk].iter().any(|&x| x as u64 > I32_MAX) {
         Some("exceeds i32")
@@ -901,7 +949,10 @@ mod handles {
             Call::Read(i) => {
                 let h = m.pick(i);
                 let mut byte = [0u8; 1];
-                prop_assert_eq!(unsafe { mlxn_buffer_read(h, 0, byte.as_mut_ptr().cast(), 1) }, status(m.is(h, is_buf)));
+                prop_assert_eq!(
+                    unsafe { mlxn_buffer_read(h, 0, byte.as_mut_ptr().cast(), 1) },
+                    status(m.is(h, is_buf))
+                );
             }
             Call::Write(i) => {
                 let h = m.pick(i);

@@ -49,7 +49,13 @@ fn spec_blk(mask: &[u16], rows: usize, kvp: usize, mask_rs: usize, bq: usize, bk
                     zero &= mag == 0;
                 }
             }
-            out.push(if masked { 0 } else if zero { 2 } else { 1 });
+            out.push(if masked {
+                0
+            } else if zero {
+                2
+            } else {
+                1
+            });
         }
     }
     out
@@ -254,7 +260,11 @@ fn padding(seed: u64, hd: usize) -> Case {
     let kvp = c.kv_pad();
     for r in 0..rows {
         let len = if r < bq {
-            if r == bq - 1 { 150 } else { 1 + rng.below(63) }
+            if r == bq - 1 {
+                150
+            } else {
+                1 + rng.below(63)
+            }
         } else if (2 * bq..3 * bq).contains(&r) || r == bq + 3 || r == 2 {
             0
         } else if r == rows - 1 {
@@ -309,7 +319,11 @@ fn last_row(seed: u64, hd: usize) -> Case {
             } else if r == rows - 1 && j / 64 == 2 {
                 h(rng.uniform(-1.0, 1.0))
             } else if r >= 2 * bq && j / 64 == 3 {
-                if r == rows - 1 { h(rng.uniform(0.5, 2.0)) } else { 0 }
+                if r == rows - 1 {
+                    h(rng.uniform(0.5, 2.0))
+                } else {
+                    0
+                }
             } else {
                 NEG_INF
             };
@@ -343,7 +357,9 @@ fn masks_that_vary_row_by_row_inside_a_tile() {
 
 #[test]
 fn inexact_scales() {
-    for (i, (hd, scale)) in [(256, 0.1f32), (512, 0.3), (256, 0.70710678), (512, 1.7)].into_iter().enumerate() {
+    for (i, (hd, scale)) in
+        [(256, 0.1f32), (512, 0.3), (256, std::f32::consts::FRAC_1_SQRT_2), (512, 1.7)].into_iter().enumerate()
+    {
         let mut c = Case::new(20 + i as u64, 40, 2, 1, hd, 150, 1, MaskKind::Peer);
         c.scale = scale;
         check(&format!("scale {scale} d{hd}"), &c);
@@ -352,9 +368,8 @@ fn inexact_scales() {
 
 #[test]
 fn gqa_ratios_1_to_16() {
-    for (i, (nh, nkv, hd)) in [(3, 3, 512), (6, 3, 256), (6, 2, 512), (8, 2, 256), (16, 2, 512), (32, 2, 256)]
-        .into_iter()
-        .enumerate()
+    for (i, (nh, nkv, hd)) in
+        [(3, 3, 512), (6, 3, 256), (6, 2, 512), (8, 2, 256), (16, 2, 512), (32, 2, 256)].into_iter().enumerate()
     {
         check(&format!("gqa {nh}/{nkv} d{hd}"), &Case::new(30 + i as u64, 19, nh, nkv, hd, 90, 1, MaskKind::Peer));
     }
@@ -378,8 +393,18 @@ fn spec_reference_tells_the_spec_from_its_near_misses() {
 // -- every field of the params block, through a dispatch built by hand --------------------------
 
 const FIELDS: [&str; 12] = [
-    "rows", "n_heads", "n_kv_heads", "kv_pad", "q_row_stride", "q_head_stride", "k_row_stride", "k_head_stride",
-    "v_row_stride", "v_head_stride", "mask_row_stride", "scale",
+    "rows",
+    "n_heads",
+    "n_kv_heads",
+    "kv_pad",
+    "q_row_stride",
+    "q_head_stride",
+    "k_row_stride",
+    "k_head_stride",
+    "v_row_stride",
+    "v_head_stride",
+    "mask_row_stride",
+    "scale",
 ];
 
 fn base_params() -> FlashAttnPrefillTensorParamsGpu {

@@ -159,8 +159,14 @@ fn an_empty_cache_gives_zeros_and_lse_minus_inf() {
         }
         for r in 0..lq {
             let row = c.logical_row(b, r);
-            assert!(o.out_bits[row * nh * hd..(row + 1) * nh * hd].iter().all(|&x| x == 0), "sequence {b} row {r}: not +0");
-            assert!(o.lse[row * nh..(row + 1) * nh].iter().all(|&x| x == f64::NEG_INFINITY), "sequence {b} row {r}: lse");
+            assert!(
+                o.out_bits[row * nh * hd..(row + 1) * nh * hd].iter().all(|&x| x == 0),
+                "sequence {b} row {r}: not +0"
+            );
+            assert!(
+                o.lse[row * nh..(row + 1) * nh].iter().all(|&x| x == f64::NEG_INFINITY),
+                "sequence {b} row {r}: lse"
+            );
         }
     }
 }
@@ -197,8 +203,15 @@ fn every_q_and_out_dtype() {
                 // Rounded by the kernel from its F32 result, to nearest even.
                 for (i, (&got, &f)) in o.out_bits.iter().zip(&o32.out_bits).enumerate() {
                     let x = f32::from_bits(f);
-                    let want = if out_dtype == DType::F16 { f16::from_f32(x).to_bits() } else { half::bf16::from_f32(x).to_bits() };
-                    assert_eq!(got, want as u32, "d{hd} q {q_dtype} out {out_dtype}: element {i} not the F32 result rounded");
+                    let want = if out_dtype == DType::F16 {
+                        f16::from_f32(x).to_bits()
+                    } else {
+                        half::bf16::from_f32(x).to_bits()
+                    };
+                    assert_eq!(
+                        got, want as u32,
+                        "d{hd} q {q_dtype} out {out_dtype}: element {i} not the F32 result rounded"
+                    );
                 }
                 assert_eq!(o.lse_bits, o32.lse_bits, "lse depends on the output dtype");
             }
@@ -268,10 +281,19 @@ fn an_explicit_offset_places_the_queries_in_the_cache() {
         ("causal offset -20 d256", with_offset(described(Prefill::fixed(131, 2, 40, 150, 4, 2, 256, 1), true, 0), -20)),
         ("causal offset 37 d512", with_offset(described(Prefill::fixed(132, 2, 40, 150, 4, 2, 512, 1), true, 0), 37)),
         ("causal offset 200 d256", with_offset(described(Prefill::fixed(133, 1, 40, 150, 2, 1, 256, 0), true, 0), 200)),
-        ("window 30 offset 60 d256", with_offset(described(Prefill::fixed(134, 2, 70, 150, 4, 2, 256, 1), true, 30), 60)),
+        (
+            "window 30 offset 60 d256",
+            with_offset(described(Prefill::fixed(134, 2, 70, 150, 4, 2, 256, 1), true, 30), 60),
+        ),
         // A cache shorter than the prompt, and an empty prompt.
-        ("varlen causal offset 10 d256", with_offset(described(Prefill::varlen(135, &[(30, 80), (0, 10), (50, 20)], 4, 2, 256, 1), true, 0), 10)),
-        ("varlen window 16 offset -5 d512", with_offset(described(Prefill::varlen(136, &[(40, 70), (33, 33)], 2, 2, 512, 0), true, 16), -5)),
+        (
+            "varlen causal offset 10 d256",
+            with_offset(described(Prefill::varlen(135, &[(30, 80), (0, 10), (50, 20)], 4, 2, 256, 1), true, 0), 10),
+        ),
+        (
+            "varlen window 16 offset -5 d512",
+            with_offset(described(Prefill::varlen(136, &[(40, 70), (33, 33)], 2, 2, 512, 0), true, 16), -5),
+        ),
     ];
     for (name, c) in cases {
         let c = c.with_lse();
@@ -284,8 +306,14 @@ fn an_explicit_offset_places_the_queries_in_the_cache() {
                     continue;
                 }
                 let row = c.logical_row(b, r);
-                assert!(o.out_bits[row * nh * hd..(row + 1) * nh * hd].iter().all(|&x| x == 0), "{name}: row {row} not +0");
-                assert!(o.lse[row * nh..(row + 1) * nh].iter().all(|&x| x == f64::NEG_INFINITY), "{name}: row {row} lse");
+                assert!(
+                    o.out_bits[row * nh * hd..(row + 1) * nh * hd].iter().all(|&x| x == 0),
+                    "{name}: row {row} not +0"
+                );
+                assert!(
+                    o.lse[row * nh..(row + 1) * nh].iter().all(|&x| x == f64::NEG_INFINITY),
+                    "{name}: row {row} lse"
+                );
             }
         }
         if !c.varlen {
@@ -307,7 +335,8 @@ fn parts_of_a_cache_with_their_offsets_merge_to_the_whole_causal_prefill() {
         ("d256 window 40, cut at 70, 230 and 250", 256, 40, vec![0, 70, 230, 250, 300]),
     ] {
         let c = described(Prefill::fixed(141, 2, 64, 300, 4, 2, hd, 1), true, window).with_lse();
-        let parts: Vec<Output> = cuts.windows(2).map(|w| run(&dev, &mut reg, &c.cache_part(w[0], w[1]), Table::Computed)).collect();
+        let parts: Vec<Output> =
+            cuts.windows(2).map(|w| run(&dev, &mut reg, &c.cache_part(w[0], w[1]), Table::Computed)).collect();
         let (out, lse) = merge_all(&parts.iter().collect::<Vec<_>>(), 4, hd);
         let (reference, ref_lse) = c.reference();
         let e = nmse(&out, &reference);
@@ -413,7 +442,10 @@ fn leaving_out_unseen_cache_rows_changes_no_bit() {
     peer.set_peer_mask(17, false);
     let cases = [
         ("window 40", described(Prefill::fixed(102, 2, 70, 200, 4, 2, 256, 0), true, 40).with_lse()),
-        ("varlen causal d512", described(Prefill::varlen(103, &[(37, 37), (50, 130), (0, 20), (20, 25)], 2, 1, 512, 1), true, 0)),
+        (
+            "varlen causal d512",
+            described(Prefill::varlen(103, &[(37, 37), (50, 130), (0, 20), (20, 25)], 2, 1, 512, 1), true, 0),
+        ),
         ("causal + peer", peer),
     ];
     for (name, c) in cases {
@@ -432,9 +464,15 @@ fn every_instruction_set_matches_the_reference() {
     peer.set_peer_mask(19, true);
     let cases = [
         ("window 40 d256", described(Prefill::fixed(112, 2, 70, 200, 4, 2, 256, 1), true, 40).with_lse()),
-        ("varlen causal d256", described(Prefill::varlen(113, &[(37, 37), (0, 9), (50, 130)], 4, 1, 256, 0), true, 0).with_lse()),
+        (
+            "varlen causal d256",
+            described(Prefill::varlen(113, &[(37, 37), (0, 9), (50, 130)], 4, 1, 256, 0), true, 0).with_lse(),
+        ),
         ("causal + peer d512", peer),
-        ("q bf16 out f16 d256", Prefill { out_dtype: DType::F16, ..Prefill::fixed(114, 1, 40, 90, 2, 2, 256, 1).with_q_dtype(DType::BF16) }),
+        (
+            "q bf16 out f16 d256",
+            Prefill { out_dtype: DType::F16, ..Prefill::fixed(114, 1, 40, 90, 2, 2, 256, 1).with_q_dtype(DType::BF16) },
+        ),
     ];
     for (name, c) in cases {
         let mut outs = Vec::new();
@@ -447,7 +485,11 @@ fn every_instruction_set_matches_the_reference() {
         for (isa, o) in &outs[1..] {
             let out: Vec<f32> = o.out.iter().map(|&x| x as f32).collect();
             let e = nmse(&out, &first);
-            assert!(e < 1e-9 || (c.out_dtype != DType::F32 && e < 1e-6), "{name}: {isa} differs from {}: {e:e}", outs[0].0);
+            assert!(
+                e < 1e-9 || (c.out_dtype != DType::F32 && e < 1e-6),
+                "{name}: {isa} differs from {}: {e:e}",
+                outs[0].0
+            );
         }
     }
 }
@@ -489,8 +531,20 @@ fn the_mask_classifier_follows_spec_1_over_a_batch_and_past_the_cache() {
                 2 => -65504.0,
                 3 => 0.0,
                 4 => -0.0,
-                5 => if r % 5 == 1 && j % 9 == 2 { -f32::NAN } else { ninf },
-                _ => if j % 64 == 63 { 0.5 } else { 0.0 },
+                5 => {
+                    if r % 5 == 1 && j % 9 == 2 {
+                        -f32::NAN
+                    } else {
+                        ninf
+                    }
+                }
+                _ => {
+                    if j % 64 == 63 {
+                        0.5
+                    } else {
+                        0.0
+                    }
+                }
             }
         });
         let p = c.params();

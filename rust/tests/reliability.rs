@@ -63,7 +63,7 @@ fn strides_at_the_i32_limit_run_and_one_past_it_is_refused() {
             upload(&dev, DType::F32, &q),
             upload(&dev, DType::F16, &k),
             upload(&dev, DType::F16, &v),
-            upload(&dev, DType::F16, &vec![0u16; 64]),
+            upload(&dev, DType::F16, &[0u16; 64]),
             upload(&dev, DType::U8, &[1u8]),
             dev.alloc_buffer(DType::F32, &[256]).unwrap(),
         ];
@@ -86,9 +86,8 @@ fn strides_at_the_i32_limit_run_and_one_past_it_is_refused() {
         let case_ref = {
             // Exact softmax over 64 rows, in f64.
             let qh: Vec<f64> = q.iter().map(|&x| f16::from_f32(x).to_f64()).collect();
-            let s: Vec<f64> = (0..64)
-                .map(|j| (0..256).map(|d| qh[d] * f16::from_bits(k[j * 256 + d]).to_f64()).sum())
-                .collect();
+            let s: Vec<f64> =
+                (0..64).map(|j| (0..256).map(|d| qh[d] * f16::from_bits(k[j * 256 + d]).to_f64()).sum()).collect();
             let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
             let den: f64 = p.iter().sum();
@@ -127,7 +126,14 @@ fn rows_heads_and_kv_pad_at_the_i32_limit_are_size_errors_past_it_i32_errors() {
             (FlashAttnPrefillTensorParams { rows: I32_MAX, q_row_stride: 0, ..tiny() }, "mask holds"),
             (FlashAttnPrefillTensorParams { rows: I32_MAX, ..tiny() }, "q holds"),
             (
-                FlashAttnPrefillTensorParams { n_heads: I32_MAX, n_kv_heads: I32_MAX, q_head_stride: 0, k_head_stride: 0, v_head_stride: 0, ..tiny() },
+                FlashAttnPrefillTensorParams {
+                    n_heads: I32_MAX,
+                    n_kv_heads: I32_MAX,
+                    q_head_stride: 0,
+                    k_head_stride: 0,
+                    v_head_stride: 0,
+                    ..tiny()
+                },
                 "out holds",
             ),
             (FlashAttnPrefillTensorParams { kv_pad: I32_MAX - 63, ..tiny() }, "k holds"),
@@ -206,8 +212,19 @@ fn pending_dispatches_keep_their_buffers_and_dropped_encoders_free_them() {
             let b = bind(&dev, &c, 0);
             let bp = FlashAttnPrefillBlkParams { rows: 40, kv_pad: 128, bq: 32, bk: 64 };
             dispatch_flash_attn_prefill_blk(&mut enc, &mut reg, &dev, &b.mask, &b.blk, &bp).unwrap();
-            dispatch_flash_attn_prefill_tensor_f16(&mut enc, &mut reg, &dev, &b.q, &b.k, &b.v, &b.mask, &b.blk, &out, &c.params())
-                .unwrap();
+            dispatch_flash_attn_prefill_tensor_f16(
+                &mut enc,
+                &mut reg,
+                &dev,
+                &b.q,
+                &b.k,
+                &b.v,
+                &b.mask,
+                &b.blk,
+                &out,
+                &c.params(),
+            )
+            .unwrap();
         }
         enc.commit_and_wait().unwrap();
         assert!(nmse(&read_f32(&out), &reference) < 5e-4);
@@ -219,8 +236,19 @@ fn pending_dispatches_keep_their_buffers_and_dropped_encoders_free_them() {
         let before = read_u8(&out);
         for _ in 0..1000 {
             let mut enc = dev.command_encoder();
-            dispatch_flash_attn_prefill_tensor_f16(&mut enc, &mut reg, &dev, &b.q, &b.k, &b.v, &b.mask, &b.blk, &out, &c.params())
-                .unwrap();
+            dispatch_flash_attn_prefill_tensor_f16(
+                &mut enc,
+                &mut reg,
+                &dev,
+                &b.q,
+                &b.k,
+                &b.v,
+                &b.mask,
+                &b.blk,
+                &out,
+                &c.params(),
+            )
+            .unwrap();
             assert_eq!(enc.pending().len(), 1);
             assert_eq!(Arc::strong_count(out.memory()), 2, "the encoder holds one reference");
         }
@@ -238,7 +266,18 @@ fn threads_dispatching_on_one_device_and_on_several_get_correct_results() {
     const THREADS: usize = 8;
     const PER_THREAD: usize = 6;
     let cases: Vec<Case> = (0..4)
-        .map(|i| Case::new(100 + i, 20 + 9 * i as usize, 4, [1, 2, 4, 2][i as usize], [256, 512, 256, 512][i as usize], 70 + 30 * i as usize, i as usize % 2, MaskKind::Peer))
+        .map(|i| {
+            Case::new(
+                100 + i,
+                20 + 9 * i as usize,
+                4,
+                [1, 2, 4, 2][i as usize],
+                [256, 512, 256, 512][i as usize],
+                70 + 30 * i as usize,
+                i as usize % 2,
+                MaskKind::Peer,
+            )
+        })
         .collect();
     let refs: Vec<Vec<f64>> = cases.iter().map(|c| c.reference()).collect();
     let cases = Arc::new(cases);
@@ -264,10 +303,26 @@ fn threads_dispatching_on_one_device_and_on_several_get_correct_results() {
                                 let reg = reg.as_deref_mut().unwrap_or(&mut own);
                                 let bq = if c.head_dim == 256 { 32 } else { 16 };
                                 let mut enc = dev.command_encoder();
-                                let bp = FlashAttnPrefillBlkParams { rows: c.rows as u32, kv_pad: c.kv_pad() as u32, bq, bk: 64 };
+                                let bp = FlashAttnPrefillBlkParams {
+                                    rows: c.rows as u32,
+                                    kv_pad: c.kv_pad() as u32,
+                                    bq,
+                                    bk: 64,
+                                };
                                 dispatch_flash_attn_prefill_blk(&mut enc, reg, &dev, &b.mask, &b.blk, &bp).unwrap();
-                                dispatch_flash_attn_prefill_tensor_f16(&mut enc, reg, &dev, &b.q, &b.k, &b.v, &b.mask, &b.blk, &b.out, &c.params())
-                                    .unwrap();
+                                dispatch_flash_attn_prefill_tensor_f16(
+                                    &mut enc,
+                                    reg,
+                                    &dev,
+                                    &b.q,
+                                    &b.k,
+                                    &b.v,
+                                    &b.mask,
+                                    &b.blk,
+                                    &b.out,
+                                    &c.params(),
+                                )
+                                .unwrap();
                                 enc
                             };
                             // Commit outside the registry lock: the kernels of all threads overlap.
@@ -315,7 +370,9 @@ fn missing_backends_are_clean_errors_and_auto_falls_back() {
     for name in ["cuda", "metal"] {
         if !names.contains(&name) {
             match MlxDevice::new(name) {
-                Err(MlxError::BackendUnavailable(m) | MlxError::DeviceNotFound(m)) => assert!(!m.is_empty()),
+                Err(MlxError::BackendUnavailable(m) | MlxError::DeviceNotFound(m)) => {
+                    assert!(!m.is_empty())
+                }
                 other => panic!("{name}: {other:?}"),
             }
         }

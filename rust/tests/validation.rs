@@ -10,18 +10,13 @@ use mlx_native::ops::flash_attn_prefill_tensor::{
 };
 use mlx_native::{default_registry, DType, MlxDevice, MlxError};
 
-fn expect_invalid(
-    what: &str,
-    dev: &MlxDevice,
-    b: &Bound,
-    p: &FlashAttnPrefillTensorParams,
-    needle: &str,
-) {
+fn expect_invalid(what: &str, dev: &MlxDevice, b: &Bound, p: &FlashAttnPrefillTensorParams, needle: &str) {
     let mut reg = default_registry();
     let mut enc = dev.command_encoder();
     let before = read_u8(&b.out);
-    let err = dispatch_flash_attn_prefill_tensor_f16(&mut enc, &mut reg, dev, &b.q, &b.k, &b.v, &b.mask, &b.blk, &b.out, p)
-        .expect_err(what);
+    let err =
+        dispatch_flash_attn_prefill_tensor_f16(&mut enc, &mut reg, dev, &b.q, &b.k, &b.v, &b.mask, &b.blk, &b.out, p)
+            .expect_err(what);
     match &err {
         MlxError::InvalidArgument(m) => {
             assert!(m.starts_with("flash_attn_prefill_tensor: "), "{what}: {m}");
@@ -116,7 +111,16 @@ fn a_buffer_of_another_device_is_refused() {
     let mut reg = default_registry();
     let mut enc = dev.command_encoder();
     let err = dispatch_flash_attn_prefill_tensor_f16(
-        &mut enc, &mut reg, &dev, &b.q, &b.k, &b.v, &b.mask, &b.blk, &b_other.out, &c.params(),
+        &mut enc,
+        &mut reg,
+        &dev,
+        &b.q,
+        &b.k,
+        &b.v,
+        &b.mask,
+        &b.blk,
+        &b_other.out,
+        &c.params(),
     )
     .unwrap_err();
     assert!(matches!(&err, MlxError::InvalidArgument(m) if m.contains("buffer of device")), "{err:?}");

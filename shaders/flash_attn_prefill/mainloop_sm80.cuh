@@ -34,7 +34,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                                           const u16* __restrict__ k, const u16* __restrict__ v,
                                           const u16* __restrict__ mask, const u8* __restrict__ blk,
                                           void* __restrict__ out, float* __restrict__ lse,
-                                          const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
+                                          const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                                          const float* __restrict__ sinks) {
     typedef Cfg<D> C;
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 s_q = smem_addr(smem);

@@ -80,6 +80,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                                           const u16* __restrict__ mask, const u8* __restrict__ blk,
                                           void* __restrict__ out, float* __restrict__ lse,
                                           const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                                          const float* __restrict__ sinks,
                                           const TMap* kmap = nullptr, const TMap* vmap = nullptr) {
     typedef HCfg<D> C;
     extern __shared__ __align__(1024) unsigned char smem[];

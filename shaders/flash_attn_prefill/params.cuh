@@ -19,6 +19,10 @@ struct Params {
     int blk_rows, blk_steps, blk_bq;
     float scale;
     int offset;  // with PREFILL_OFFSET: query row r is at r + offset of its cache
+    int head_dim_v;  // columns of V and O
+    int kv_dtype;    // DType code of K and V
+    float softcap;   // SPEC 10: s = softcap * tanh(s / softcap) when above 0
+    float max_bias;  // SPEC 10: ALiBi slopes on the explicit mask when above 0
 };
 
 #define PREFILL_CAUSAL 1
@@ -26,6 +30,7 @@ struct Params {
 #define PREFILL_VARLEN 4
 #define PREFILL_LSE 8
 #define PREFILL_OFFSET 16
+#define PREFILL_SINKS 32
 // DType codes of Q and O.
 #define DT_F32 0
 #define DT_F16 1

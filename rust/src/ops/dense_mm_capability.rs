@@ -42,8 +42,6 @@ mod tests {
             "program_source:40:5: error: use of undeclared identifier 'qh'"
         )));
         assert!(!is_unavailable_tensor_header(&compile_error("'other.h' file not found")));
-        assert!(!is_unavailable_tensor_header(&MlxError::InvalidArgument(
-            "'metal_tensor' file not found".into()
-        )));
+        assert!(!is_unavailable_tensor_header(&MlxError::InvalidArgument("'metal_tensor' file not found".into())));
     }
 }

@@ -17,18 +17,18 @@
 //! the origin's care: every failure is `InvalidArgument` (or `UnsupportedDtype`) naming the
 //! problem, and nothing is dispatched.
 
+use super::flash_attn_prefill_blk::{FLASH_ATTN_PREFILL_BLK_CUDA, FLASH_ATTN_PREFILL_BLK_METAL};
+use super::flash_attn_prefill_tensor::{FLASH_ATTN_PREFILL_TENSOR_CUDA, FLASH_ATTN_PREFILL_TENSOR_METAL};
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource};
-use super::flash_attn_prefill_blk::{FLASH_ATTN_PREFILL_BLK_CUDA, FLASH_ATTN_PREFILL_BLK_METAL};
-use super::flash_attn_prefill_tensor::{FLASH_ATTN_PREFILL_TENSOR_CUDA, FLASH_ATTN_PREFILL_TENSOR_METAL};
 pub use crate::params::PrefillExtents;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK,
-    PREFILL_OFFSET, PREFILL_VARLEN,
+    PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN,
 };
 
 /// The attention's device sources (MSL, CUDA): the same files as the origin op's, whose
@@ -44,6 +44,28 @@ pub static FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE: KernelSource =
 pub const K_PREFILL_D256: &str = "flash_attn_prefill_d256";
 /// Kernel entry point at head dim 512.
 pub const K_PREFILL_D512: &str = "flash_attn_prefill_d512";
+
+/// The head dims of SPEC 10, as (Q and K columns, V and O columns), and the kernel of each
+/// for F16 and for BF16 K/V.
+pub const HEAD_DIMS: [((u32, u32), &str, &str); 9] = [
+    ((64, 64), "flash_attn_prefill_d64", "flash_attn_prefill_d64_bf16"),
+    ((80, 80), "flash_attn_prefill_d80", "flash_attn_prefill_d80_bf16"),
+    ((96, 96), "flash_attn_prefill_d96", "flash_attn_prefill_d96_bf16"),
+    ((112, 112), "flash_attn_prefill_d112", "flash_attn_prefill_d112_bf16"),
+    ((128, 128), "flash_attn_prefill_d128", "flash_attn_prefill_d128_bf16"),
+    ((192, 192), "flash_attn_prefill_d192", "flash_attn_prefill_d192_bf16"),
+    ((256, 256), K_PREFILL_D256, "flash_attn_prefill_d256_bf16"),
+    ((512, 512), K_PREFILL_D512, "flash_attn_prefill_d512_bf16"),
+    ((576, 512), "flash_attn_prefill_d576_512", "flash_attn_prefill_d576_512_bf16"),
+];
+
+/// Whether every backend's kernels apply SPEC 10's score transforms (softcap, ALiBi, sinks);
+/// until they do, the op refuses them rather than compute without them.
+const SCORE_TRANSFORMS: bool = false;
+
+/// The kernels of the head dims and K/V dtypes every backend runs today. A head dim the op
+/// accepts and no backend has yet is `KernelNotFound` at dispatch.
+pub const REGISTERED_KERNELS: &[&str] = &[K_PREFILL_D256, K_PREFILL_D512];
 /// The explicit mask's classifier.
 pub const K_PREFILL_MASK_BLK: &str = "flash_attn_prefill_mask_blk";
 
@@ -53,8 +75,9 @@ const SIMDGROUPS: u64 = 8;
 
 /// Register the entry points against their sources.
 pub fn register(registry: &mut KernelRegistry) {
-    registry.register_source(K_PREFILL_D256, FLASH_ATTN_PREFILL_SHADER_SOURCE);
-    registry.register_source(K_PREFILL_D512, FLASH_ATTN_PREFILL_SHADER_SOURCE);
+    for name in REGISTERED_KERNELS {
+        registry.register_source(name, FLASH_ATTN_PREFILL_SHADER_SOURCE);
+    }
     registry.register_source(K_PREFILL_MASK_BLK, FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE);
 }
 
@@ -94,6 +117,12 @@ pub struct FlashAttnPrefillParams {
     pub window: u32,
     /// Folded into Q before Q is rounded to half (SPEC 2, step 1).
     pub scale: f32,
+    /// Columns of V and O; 0: `head_dim` (they differ only at (576, 512), SPEC 10).
+    pub head_dim_v: u32,
+    /// SPEC 10: above 0, `s = softcap * tanh(s / softcap)` before the mask is added.
+    pub softcap: f32,
+    /// SPEC 10: above 0, the explicit mask is scaled by each head's ALiBi slope.
+    pub max_bias: f32,
     /// With `has_offset` 1: query row r of every sequence sits at position `r + offset` of its
     /// cache, for `causal` and `window` (a chunk of queries against a chunk of the cache, as
     /// context parallelism computes them); with 0, the prompt is the end of its cache
@@ -115,35 +144,53 @@ pub struct FlashAttnPrefillBuffers<'a> {
     pub cu_seqlens_q: Option<&'a MlxBuffer>,
     pub cu_seqlens_k: Option<&'a MlxBuffer>,
     pub lse: Option<&'a MlxBuffer>,
+    /// SPEC 10: F32 `[n_heads]`, each head's sink logit.
+    pub sinks: Option<&'a MlxBuffer>,
 }
 
-/// Query rows of one row of the explicit mask's tile table (its `bq`), per head dim: the
-/// origin's `queries_per_threadgroup`, so one classifier serves both ops.
+/// Query rows of one row of the explicit mask's tile table (its `bq`), per head dim (of Q
+/// and K): 32 up to 256 and 16 at 512 and 576, the origin's `queries_per_threadgroup`, so one
+/// classifier serves both ops. Each backend's query tiles read this table (SPEC 1).
 pub fn mask_tile_rows(head_dim: u32) -> Result<u32> {
     match head_dim {
-        256 => Ok(32),
-        512 => Ok(16),
-        _ => Err(unsupported_head_dim(head_dim)),
+        64 | 80 | 96 | 112 | 128 | 192 | 256 => Ok(32),
+        512 | 576 => Ok(16),
+        _ => Err(unsupported_head_dim(head_dim, head_dim)),
     }
 }
 
-fn unsupported_head_dim(head_dim: u32) -> MlxError {
-    MlxError::InvalidArgument(format!("flash_attn_prefill: unsupported head_dim {head_dim} (256 or 512)"))
+fn unsupported_head_dim(head_dim: u32, head_dim_v: u32) -> MlxError {
+    let dims: Vec<String> =
+        HEAD_DIMS.iter().map(|((k, v), _, _)| if k == v { k.to_string() } else { format!("({k}, {v})") }).collect();
+    MlxError::InvalidArgument(format!(
+        "flash_attn_prefill: unsupported head dims (q/k {head_dim}, v {head_dim_v}); the kernels take {}",
+        dims.join(", ")
+    ))
 }
 
-fn kernel_name(head_dim: u32) -> Result<&'static str> {
-    match head_dim {
-        256 => Ok(K_PREFILL_D256),
-        512 => Ok(K_PREFILL_D512),
-        _ => Err(unsupported_head_dim(head_dim)),
+/// The kernel of a (Q/K, V) head dim pair and K/V dtype.
+pub fn kernel_name(head_dim: u32, head_dim_v: u32, kv_dtype: DType) -> Result<&'static str> {
+    let (_, f16, bf16) = HEAD_DIMS
+        .iter()
+        .find(|(d, _, _)| *d == (head_dim, head_dim_v))
+        .ok_or_else(|| unsupported_head_dim(head_dim, head_dim_v))?;
+    match kv_dtype {
+        DType::F16 => Ok(f16),
+        DType::BF16 => Ok(bf16),
+        other => {
+            Err(MlxError::UnsupportedDtype(format!("flash_attn_prefill: k and v must be F16 or BF16, got {other}")))
+        }
     }
 }
 
-/// Threadgroup memory of one dispatch of the Metal kernel: the origin's formula (queries,
-/// scores, probabilities, row scale, rescale flag), padded to 16.
+/// Threadgroup memory of one dispatch of the Metal kernel: the origin's formula at the
+/// head dim's tile rows (queries at Q/K's width, scores, probabilities, row scale, rescale
+/// flag), padded to 16.
 pub fn threadgroup_memory_bytes(head_dim: u32) -> Result<u64> {
-    super::flash_attn_prefill_tensor::threadgroup_memory_bytes(head_dim)
-        .map_err(|_| unsupported_head_dim(head_dim))
+    let q = mask_tile_rows(head_dim)? as u64;
+    let c = CACHE_ROWS_PER_STEP as u64;
+    let raw = q * head_dim as u64 * 2 + q * c * (4 + 2) + q * 4 + 4;
+    Ok(raw.div_ceil(16) * 16)
 }
 
 /// Bytes of the explicit mask's tile table for `p`: `[batch or 1][ceil(rows / bq)][ceil(kv_len / 64)]`
@@ -191,7 +238,11 @@ fn need(name: &str, buf: &MlxBuffer, dtype: DType, elems: u64) -> Result<()> {
 
 /// Read the `cu_seqlens` of a variable-length batch (`batch + 1` int32 each, a copy to the
 /// host for device memory) and check them (SPEC 7).
-pub fn read_sequence_lengths(p: &FlashAttnPrefillParams, cu_q: &MlxBuffer, cu_k: &MlxBuffer) -> Result<Vec<(u32, u32)>> {
+pub fn read_sequence_lengths(
+    p: &FlashAttnPrefillParams,
+    cu_q: &MlxBuffer,
+    cu_k: &MlxBuffer,
+) -> Result<Vec<(u32, u32)>> {
     let n = p.batch as usize + 1;
     let read = |name: &str, b: &MlxBuffer| -> Result<Vec<i32>> {
         dtype_in(name, b.dtype(), &[DType::I32])?;
@@ -216,7 +267,11 @@ pub fn sequence_lengths(p: &FlashAttnPrefillParams, cq: &[i32], ck: &[i32]) -> R
     let n = p.batch as usize + 1;
     let check = |name: &str, cu: &[i32], total: u32| -> Result<()> {
         if cu.len() != n {
-            return Err(invalid(format!("{name} has {} entries, a batch of {} needs {n} (batch + 1)", cu.len(), p.batch)));
+            return Err(invalid(format!(
+                "{name} has {} entries, a batch of {} needs {n} (batch + 1)",
+                cu.len(),
+                p.batch
+            )));
         }
         if cu[0] != 0 {
             return Err(invalid(format!("{name}[0] is {}, it must be 0", cu[0])));
@@ -225,7 +280,10 @@ pub fn sequence_lengths(p: &FlashAttnPrefillParams, cq: &[i32], ck: &[i32]) -> R
             return Err(invalid(format!("{name} decreases at entry {}: {} then {}", i + 1, cu[i], cu[i + 1])));
         }
         if cu[n - 1] as i64 != total as i64 {
-            return Err(invalid(format!("{name} ends at {}, not at the total of {total} rows its tensor has", cu[n - 1])));
+            return Err(invalid(format!(
+                "{name} ends at {}, not at the total of {total} rows its tensor has",
+                cu[n - 1]
+            )));
         }
         Ok(())
     };
@@ -252,6 +310,7 @@ pub struct PrefillOperands {
     pub out_dtype: DType,
     pub mask: bool,
     pub lse: bool,
+    pub sinks: bool,
 }
 
 /// A prefill whose shapes, strides, description and dtypes were checked: the params
@@ -275,12 +334,13 @@ pub fn validate_shapes(
     o: &PrefillOperands,
     lens: Option<&[(u32, u32)]>,
 ) -> Result<ValidatedPrefill> {
-    let kernel = kernel_name(p.head_dim)?;
+    let head_dim_v = if p.head_dim_v == 0 { p.head_dim } else { p.head_dim_v };
+    let kernel = kernel_name(p.head_dim, head_dim_v, o.kv_dtype)?;
     let bq = mask_tile_rows(p.head_dim)?;
     if p.n_heads == 0 || p.n_kv_heads == 0 {
         return Err(invalid(format!("n_heads {} and n_kv_heads {} must be at least 1", p.n_heads, p.n_kv_heads)));
     }
-    if p.n_heads % p.n_kv_heads != 0 {
+    if !p.n_heads.is_multiple_of(p.n_kv_heads) {
         return Err(invalid(format!("n_heads {} is not a multiple of n_kv_heads {}", p.n_heads, p.n_kv_heads)));
     }
     if p.causal > 1 {
@@ -301,6 +361,17 @@ pub fn validate_shapes(
     if !p.scale.is_finite() {
         return Err(invalid(format!("scale {} is not a finite number", p.scale)));
     }
+    if !p.softcap.is_finite() || p.softcap < 0.0 {
+        return Err(invalid(format!("softcap {} must be a finite number >= 0 (0: none)", p.softcap)));
+    }
+    if !p.max_bias.is_finite() || p.max_bias < 0.0 {
+        return Err(invalid(format!("max_bias {} must be a finite number >= 0 (0: no ALiBi)", p.max_bias)));
+    }
+    if !SCORE_TRANSFORMS && (p.softcap != 0.0 || p.max_bias != 0.0 || o.sinks) {
+        return Err(invalid(
+            "softcap, ALiBi (max_bias) and attention sinks are not implemented by the kernels of this build yet".into(),
+        ));
+    }
     let dims = [p.batch, p.rows, p.kv_len, p.n_heads, p.n_kv_heads, p.window];
     if dims.iter().any(|&x| x > i32::MAX as u32) {
         return Err(invalid(format!("a dimension exceeds i32: {p:?}")));
@@ -310,7 +381,7 @@ pub fn validate_shapes(
         return Err(invalid(format!("a stride exceeds i64: {p:?}")));
     }
     dtype_in("q", o.q_dtype, &[DType::F32, DType::F16, DType::BF16])?;
-    dtype_in("k and v", o.kv_dtype, &[DType::F16])?;
+    dtype_in("k and v", o.kv_dtype, &[DType::F16, DType::BF16])?;
     dtype_in("out", o.out_dtype, &[DType::F32, DType::F16, DType::BF16])?;
     if let Some(lens) = lens {
         if o.mask {
@@ -353,6 +424,9 @@ pub fn validate_shapes(
     if o.lse {
         flags |= PREFILL_LSE;
     }
+    if o.sinks {
+        flags |= PREFILL_SINKS;
+    }
     if p.has_offset == 1 {
         flags |= PREFILL_OFFSET;
     }
@@ -393,6 +467,10 @@ pub fn validate_shapes(
         blk_bq: bq as i32,
         scale: p.scale,
         offset: if p.has_offset == 1 { p.offset } else { 0 },
+        head_dim_v: head_dim_v as i32,
+        kv_dtype: o.kv_dtype as i32,
+        softcap: p.softcap,
+        max_bias: p.max_bias,
     };
     let extents = gpu.extents().ok_or_else(|| invalid(format!("a field does not fit the params block: {p:?}")))?;
     let grid = GridSize::new((max_rows as u64).div_ceil(bq as u64), p.n_heads as u64, nb);
@@ -410,8 +488,19 @@ pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -
             "this prefill has no explicit mask: give neither a mask nor a table".into()
         }));
     }
+    if b.sinks.is_some() != o.sinks {
+        return Err(invalid(if o.sinks {
+            "this prefill has attention sinks: give their buffer".into()
+        } else {
+            "this prefill has no attention sinks".into()
+        }));
+    }
     if b.lse.is_some() != o.lse {
-        return Err(invalid(if o.lse { "this prefill returns lse: give its buffer".into() } else { "this prefill returns no lse".into() }));
+        return Err(invalid(if o.lse {
+            "this prefill returns lse: give its buffer".into()
+        } else {
+            "this prefill returns no lse".into()
+        }));
     }
     let varlen = v.gpu.flags & PREFILL_VARLEN != 0;
     if b.cu_seqlens_q.is_some() != varlen || b.cu_seqlens_k.is_some() != varlen {
@@ -427,6 +516,9 @@ pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -
     need("out", b.out, o.out_dtype, e.out)?;
     if let Some(lse) = b.lse {
         need("lse", lse, DType::F32, e.lse)?;
+    }
+    if let Some(sinks) = b.sinks {
+        need("sinks", sinks, DType::F32, e.sinks)?;
     }
     if let Some(mask) = b.mask {
         need("mask", mask, DType::F16, e.mask)?;
@@ -447,6 +539,7 @@ pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -
         ("blk", b.blk),
         ("cu_seqlens_q", b.cu_seqlens_q),
         ("cu_seqlens_k", b.cu_seqlens_k),
+        ("sinks", b.sinks),
     ];
     for (name, buf) in inputs {
         if let Some(buf) = buf {
@@ -481,6 +574,7 @@ pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> 
         out_dtype: b.out.dtype(),
         mask: b.mask.is_some(),
         lse: b.lse.is_some(),
+        sinks: b.sinks.is_some(),
     };
     if b.v.dtype() != b.k.dtype() {
         return Err(MlxError::UnsupportedDtype(format!(
@@ -496,8 +590,8 @@ pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> 
 
 /// Encode one prefill (SPEC 6-9): validates, then records the dispatch (none when there is
 /// no query row). Binds the params block at 0, Q at 1, K 2, V 3, the mask 4, its table 5,
-/// O 6, lse 7, `cu_seqlens_q` 8, `cu_seqlens_k` 9; a buffer that is not given is bound as
-/// Q, which the kernel then never reads.
+/// O 6, lse 7, `cu_seqlens_q` 8, `cu_seqlens_k` 9, the sinks 10; a buffer that is not given
+/// is bound as Q, which the kernel then never reads.
 pub fn dispatch_flash_attn_prefill(
     encoder: &mut CommandEncoder,
     registry: &mut KernelRegistry,
@@ -545,6 +639,7 @@ pub fn encode_validated<'a>(
             (7, or_q(b.lse)),
             (8, or_q(b.cu_seqlens_q)),
             (9, or_q(b.cu_seqlens_k)),
+            (10, or_q(b.sinks)),
         ],
         &[(0, smem)],
         v.grid,
@@ -620,7 +715,7 @@ mod tests {
 
     #[test]
     fn the_params_block_has_no_padding() {
-        assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 17 * 8 + 16 * 4);
+        assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 17 * 8 + 20 * 4);
         assert_eq!(std::mem::size_of::<FlashAttnPrefillMaskBlkParamsGpu>(), 2 * 8 + 6 * 4);
     }
 
@@ -652,10 +747,15 @@ mod tests {
             scale: 1.0,
             offset: 0,
             has_offset: 0,
+            ..Default::default()
         };
         assert_eq!(mask_table_bytes(&p).unwrap(), 2 * 3);
-        assert_eq!(mask_table_bytes(&FlashAttnPrefillParams { mask_strides: [33 * 130, 130], ..p }).unwrap(), 3 * 2 * 3);
+        assert_eq!(
+            mask_table_bytes(&FlashAttnPrefillParams { mask_strides: [33 * 130, 130], ..p }).unwrap(),
+            3 * 2 * 3
+        );
         assert_eq!(mask_table_bytes(&FlashAttnPrefillParams { head_dim: 512, ..p }).unwrap(), 3 * 3);
-        assert!(mask_table_bytes(&FlashAttnPrefillParams { head_dim: 128, ..p }).is_err());
+        assert_eq!(mask_table_bytes(&FlashAttnPrefillParams { head_dim: 128, ..p }).unwrap(), 2 * 3);
+        assert!(mask_table_bytes(&FlashAttnPrefillParams { head_dim: 100, ..p }).is_err());
     }
 }

@@ -11,10 +11,10 @@
 
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
+use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
-use crate::dtypes::DType;
 
 pub use crate::params::FlashAttnPrefillBlkParamsGpu;
 
@@ -78,7 +78,7 @@ pub fn dispatch_flash_attn_prefill_blk(
     if p.rows == 0 || p.kv_pad == 0 || p.bq == 0 || p.bk == 0 {
         return Err(invalid(format!("empty shape {p:?}")));
     }
-    if p.kv_pad % p.bk != 0 {
+    if !p.kv_pad.is_multiple_of(p.bk) {
         return Err(invalid(format!("kv_pad {} is not a multiple of bk {}", p.kv_pad, p.bk)));
     }
     if [p.rows, p.kv_pad, p.bq, p.bk].iter().any(|&x| x > i32::MAX as u32) {
@@ -109,20 +109,12 @@ pub fn dispatch_flash_attn_prefill_blk(
     if blk.overlaps(mask) {
         return Err(invalid("blk overlaps the mask".into()));
     }
-    let gpu = FlashAttnPrefillBlkParamsGpu {
-        rows: p.rows as i32,
-        kv_pad: p.kv_pad as i32,
-        bq: p.bq as i32,
-        bk: p.bk as i32,
-    };
+    let gpu =
+        FlashAttnPrefillBlkParamsGpu { rows: p.rows as i32, kv_pad: p.kv_pad as i32, bq: p.bq as i32, bk: p.bk as i32 };
     let pipeline = registry.get_pipeline(K_BLK_F16, device)?;
     encoder.encode_threadgroups_with_args_and_shared(
         pipeline,
-        &[
-            (0, KernelArg::Bytes(as_bytes(&gpu))),
-            (1, KernelArg::Buffer(mask)),
-            (2, KernelArg::Buffer(blk)),
-        ],
+        &[(0, KernelArg::Bytes(as_bytes(&gpu))), (1, KernelArg::Buffer(mask)), (2, KernelArg::Buffer(blk))],
         &[],
         GridSize::new((p.kv_pad / p.bk) as u64, (p.rows as u64).div_ceil(p.bq as u64), 1),
         GridSize::new(THREADS, 1, 1),

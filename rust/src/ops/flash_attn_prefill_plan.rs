@@ -31,7 +31,7 @@ pub struct FlashAttnPrefillPlan {
 }
 
 /// The data of one run: the plan's operands (the mask only if the plan has one, lse only
-/// if it returns it).
+/// if it returns it, the sinks only if it has them).
 #[derive(Debug, Clone, Copy)]
 pub struct PrefillRunBuffers<'a> {
     pub q: &'a MlxBuffer,
@@ -40,6 +40,7 @@ pub struct PrefillRunBuffers<'a> {
     pub out: &'a MlxBuffer,
     pub mask: Option<&'a MlxBuffer>,
     pub lse: Option<&'a MlxBuffer>,
+    pub sinks: Option<&'a MlxBuffer>,
 }
 
 impl FlashAttnPrefillPlan {
@@ -57,7 +58,8 @@ impl FlashAttnPrefillPlan {
             None => None,
         };
         let validated = validate_shapes(params, operands, lens.as_deref())?;
-        let blk = if operands.mask { Some(device.alloc_buffer(DType::U8, &[validated.extents.blk as usize])?) } else { None };
+        let blk =
+            if operands.mask { Some(device.alloc_buffer(DType::U8, &[validated.extents.blk as usize])?) } else { None };
         let cu_seqlens = match cu_seqlens {
             Some((cq, ck)) => {
                 let upload = |v: &[i32]| -> Result<MlxBuffer> {
@@ -95,7 +97,12 @@ impl FlashAttnPrefillPlan {
 
     /// Record one run on `encoder` (of the plan's device): the mask's classification when
     /// the plan has a mask, then the attention. Nothing is recorded if a buffer is wrong.
-    pub fn encode(&self, encoder: &mut CommandEncoder, registry: &mut KernelRegistry, b: &PrefillRunBuffers<'_>) -> Result<()> {
+    pub fn encode(
+        &self,
+        encoder: &mut CommandEncoder,
+        registry: &mut KernelRegistry,
+        b: &PrefillRunBuffers<'_>,
+    ) -> Result<()> {
         let bufs = FlashAttnPrefillBuffers {
             q: b.q,
             k: b.k,
@@ -106,6 +113,7 @@ impl FlashAttnPrefillPlan {
             cu_seqlens_q: self.cu_seqlens.as_ref().map(|c| &c.0),
             cu_seqlens_k: self.cu_seqlens.as_ref().map(|c| &c.1),
             lse: b.lse,
+            sinks: b.sinks,
         };
         validate_buffers(&bufs, &self.validated)?;
         if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {

@@ -35,10 +35,10 @@ use crate::encoder::GridSize;
 
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
+use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, KernelArg};
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
-use crate::dtypes::DType;
 
 pub use crate::params::FlashAttnPrefillTensorParamsGpu;
 
@@ -61,8 +61,10 @@ pub const FLASH_ATTN_PREFILL_TENSOR_CUDA: SourceFile = SourceFile {
 };
 
 /// The Metal kernel (the origin's file, whose entry points the front door's op shares).
-pub const FLASH_ATTN_PREFILL_TENSOR_METAL: SourceFile =
-    SourceFile::single("flash_attn_prefill_tensor.metal", include_str!("../../../shaders/flash_attn_prefill_tensor.metal"));
+pub const FLASH_ATTN_PREFILL_TENSOR_METAL: SourceFile = SourceFile::single(
+    "flash_attn_prefill_tensor.metal",
+    include_str!("../../../shaders/flash_attn_prefill_tensor.metal"),
+);
 
 /// The device sources (MSL, CUDA); all entry points of each.
 pub static FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE: KernelSource =
@@ -175,21 +177,12 @@ fn need_elems(
     width: u64,
 ) -> Result<()> {
     if buf.dtype() != dtype {
-        return Err(invalid(format!(
-            "{name} must be {dtype}, got {}",
-            buf.dtype()
-        )));
+        return Err(invalid(format!("{name} must be {dtype}, got {}", buf.dtype())));
     }
-    let elems = last_row
-        .saturating_mul(row)
-        .saturating_add(last_head.saturating_mul(head))
-        .saturating_add(width);
+    let elems = last_row.saturating_mul(row).saturating_add(last_head.saturating_mul(head)).saturating_add(width);
     let bytes = elems.saturating_mul(dtype.size_of() as u64);
     if (buf.data_byte_len() as u64) < bytes {
-        return Err(invalid(format!(
-            "{name} holds {} bytes, the strides need {bytes}",
-            buf.data_byte_len()
-        )));
+        return Err(invalid(format!("{name} holds {} bytes, the strides need {bytes}", buf.data_byte_len())));
     }
     Ok(())
 }
@@ -213,17 +206,11 @@ pub fn dispatch_flash_attn_prefill_tensor_f16(
     if p.rows == 0 || p.n_heads == 0 || p.n_kv_heads == 0 || p.kv_pad == 0 {
         return Err(invalid(format!("empty shape {p:?}")));
     }
-    if p.n_heads % p.n_kv_heads != 0 {
-        return Err(invalid(format!(
-            "n_heads {} is not a multiple of n_kv_heads {}",
-            p.n_heads, p.n_kv_heads
-        )));
+    if !p.n_heads.is_multiple_of(p.n_kv_heads) {
+        return Err(invalid(format!("n_heads {} is not a multiple of n_kv_heads {}", p.n_heads, p.n_kv_heads)));
     }
-    if p.kv_pad % CACHE_ROWS_PER_STEP != 0 {
-        return Err(invalid(format!(
-            "kv_pad {} is not a multiple of {CACHE_ROWS_PER_STEP}",
-            p.kv_pad
-        )));
+    if !p.kv_pad.is_multiple_of(CACHE_ROWS_PER_STEP) {
+        return Err(invalid(format!("kv_pad {} is not a multiple of {CACHE_ROWS_PER_STEP}", p.kv_pad)));
     }
     let i32_ok = [
         p.rows,
@@ -244,41 +231,12 @@ pub fn dispatch_flash_attn_prefill_tensor_f16(
     }
     let (rows, hd, kvp) = (p.rows as u64, p.head_dim as u64, p.kv_pad as u64);
     let (nh, nkv) = (p.n_heads as u64, p.n_kv_heads as u64);
-    if p.q_row_stride % 4 != 0 || p.q_head_stride % 4 != 0 {
-        return Err(invalid(
-            "Q strides must be multiples of 4 (float4 loads)".into(),
-        ));
+    if !p.q_row_stride.is_multiple_of(4) || !p.q_head_stride.is_multiple_of(4) {
+        return Err(invalid("Q strides must be multiples of 4 (float4 loads)".into()));
     }
-    need_elems(
-        "q",
-        q,
-        DType::F32,
-        rows - 1,
-        p.q_row_stride as u64,
-        nh - 1,
-        p.q_head_stride as u64,
-        hd,
-    )?;
-    need_elems(
-        "k",
-        k,
-        DType::F16,
-        kvp - 1,
-        p.k_row_stride as u64,
-        nkv - 1,
-        p.k_head_stride as u64,
-        hd,
-    )?;
-    need_elems(
-        "v",
-        v,
-        DType::F16,
-        kvp - 1,
-        p.v_row_stride as u64,
-        nkv - 1,
-        p.v_head_stride as u64,
-        hd,
-    )?;
+    need_elems("q", q, DType::F32, rows - 1, p.q_row_stride as u64, nh - 1, p.q_head_stride as u64, hd)?;
+    need_elems("k", k, DType::F16, kvp - 1, p.k_row_stride as u64, nkv - 1, p.k_head_stride as u64, hd)?;
+    need_elems("v", v, DType::F16, kvp - 1, p.v_row_stride as u64, nkv - 1, p.v_head_stride as u64, hd)?;
     need_elems("mask", mask, DType::F16, rows - 1, kvp, 0, 0, kvp)?;
     need_elems("out", out, DType::F32, rows - 1, nh * hd, nh - 1, hd, hd)?;
     let blk_bytes = (rows.div_ceil(bq as u64)) * (kvp / CACHE_ROWS_PER_STEP as u64);

@@ -116,8 +116,20 @@ impl Case {
                     match mask_kind {
                         MaskKind::Peer => f16::from_f32(rng.uniform(-1.0, 1.0)).to_bits(),
                         MaskKind::Zero => 0,
-                        MaskKind::Causal => if jj <= rr { 0 } else { ninf },
-                        MaskKind::Window(w) => if jj <= rr && jj > rr - w as isize { 0 } else { ninf },
+                        MaskKind::Causal => {
+                            if jj <= rr {
+                                0
+                            } else {
+                                ninf
+                            }
+                        }
+                        MaskKind::Window(w) => {
+                            if jj <= rr && jj > rr - w as isize {
+                                0
+                            } else {
+                                ninf
+                            }
+                        }
                     }
                 };
             }

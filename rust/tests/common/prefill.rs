@@ -103,7 +103,16 @@ impl Prefill {
     /// A fixed-length batch of `batch` sequences of `rows` query rows and `kv_len` cache rows,
     /// strided views padded by `pad` (random data; no mask, no lse, F32 in and out).
     #[allow(clippy::too_many_arguments)]
-    pub fn fixed(seed: u64, batch: usize, rows: usize, kv_len: usize, nh: usize, nkv: usize, hd: usize, pad: usize) -> Prefill {
+    pub fn fixed(
+        seed: u64,
+        batch: usize,
+        rows: usize,
+        kv_len: usize,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        pad: usize,
+    ) -> Prefill {
         let mut c = Prefill::layout(vec![(rows, kv_len); batch], false, nh, nkv, hd, pad);
         c.fill(seed);
         c
@@ -117,11 +126,8 @@ impl Prefill {
     }
 
     fn layout(lens: Vec<(usize, usize)>, varlen: bool, nh: usize, nkv: usize, hd: usize, pad: usize) -> Prefill {
-        let (rows, kv) = if varlen {
-            (lens.iter().map(|l| l.0).sum(), lens.iter().map(|l| l.1).sum())
-        } else {
-            lens[0]
-        };
+        let (rows, kv) =
+            if varlen { (lens.iter().map(|l| l.0).sum(), lens.iter().map(|l| l.1).sum()) } else { lens[0] };
         Prefill {
             lens,
             varlen,
@@ -330,6 +336,7 @@ impl Prefill {
             scale: self.scale,
             offset: self.offset.unwrap_or(0) as i32,
             has_offset: self.offset.is_some() as u32,
+            ..Default::default()
         }
     }
 
@@ -396,8 +403,10 @@ impl Prefill {
     pub fn cache_part(&self, j0: usize, j1: usize) -> Prefill {
         assert!(!self.varlen);
         let (seqs, rows, _) = self.shape();
-        let mut c = Prefill::layout(vec![(rows, j1 - j0); seqs], false, self.n_heads, self.n_kv_heads, self.head_dim, 1);
-        (c.q_dtype, c.out_dtype, c.scale, c.q_strides, c.q) = (self.q_dtype, self.out_dtype, self.scale, self.q_strides, self.q.clone());
+        let mut c =
+            Prefill::layout(vec![(rows, j1 - j0); seqs], false, self.n_heads, self.n_kv_heads, self.head_dim, 1);
+        (c.q_dtype, c.out_dtype, c.scale, c.q_strides, c.q) =
+            (self.q_dtype, self.out_dtype, self.scale, self.q_strides, self.q.clone());
         (c.causal, c.window) = (self.causal, self.window);
         if self.causal {
             c.offset = Some(self.query_offset(0) - j0 as i64);
@@ -464,7 +473,8 @@ pub fn run(dev: &MlxDevice, reg: &mut KernelRegistry, c: &Prefill, table: Table)
     let lse_elems = c.lse_strides.map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows) + 2 * s[1] + 9);
     let lse = c.lse_strides.map(|_| sentinel_buffer(dev, DType::F32, lse_elems));
     let mask = c.mask.as_ref().map(|m| upload(dev, DType::F16, &m.data));
-    let blk = mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[mask_table_bytes(&p).unwrap().max(1) as usize]).unwrap());
+    let blk =
+        mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[mask_table_bytes(&p).unwrap().max(1) as usize]).unwrap());
     let cu = c.varlen.then(|| {
         let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
         for &(lq, lk) in &c.lens {
@@ -490,6 +500,7 @@ pub fn run(dev: &MlxDevice, reg: &mut KernelRegistry, c: &Prefill, table: Table)
         cu_seqlens_q: cu.as_ref().map(|x| &x.0),
         cu_seqlens_k: cu.as_ref().map(|x| &x.1),
         lse: lse.as_ref(),
+        sinks: None,
     };
     dispatch_flash_attn_prefill(&mut enc, reg, dev, &bufs, &p).unwrap();
     enc.commit_and_wait().unwrap();
@@ -510,8 +521,11 @@ pub fn run(dev: &MlxDevice, reg: &mut KernelRegistry, c: &Prefill, table: Table)
                 for d in 0..hd {
                     let e = &out_bytes[(at + d) * esize..(at + d + 1) * esize];
                     o[(row * nh + h) * hd + d] = decode(c.out_dtype, e);
-                    o_bits[(row * nh + h) * hd + d] =
-                        if esize == 4 { u32::from_ne_bytes(e.try_into().unwrap()) } else { u16::from_ne_bytes([e[0], e[1]]) as u32 };
+                    o_bits[(row * nh + h) * hd + d] = if esize == 4 {
+                        u32::from_ne_bytes(e.try_into().unwrap())
+                    } else {
+                        u16::from_ne_bytes([e[0], e[1]]) as u32
+                    };
                     written[at + d] = true;
                 }
                 if let Some(lb) = &lse_bytes {

@@ -81,7 +81,8 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
     let (Some(q_dtype), Some(o_dtype)) = (q_dtype, o_dtype) else {
         return Err(bad("a Q or O dtype code that is not F32, F16 or BF16"));
     };
-    if p.head_dim as usize != D || p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 || p.window < 0 {
+    if p.head_dim as usize != D || p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 || p.window < 0
+    {
         return Err(bad("head_dim is not the kernel's, the heads do not group, or a negative window"));
     }
     let u = |x: i32| x as usize;
@@ -157,7 +158,13 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
         lse: SendPtr(lse as *mut f32),
     };
     // Where query row r of a sequence sits in its cache: r + off.
-    let place = |lq: usize, lk: usize| if has(PREFILL_OFFSET) { p.offset as i64 } else { lk as i64 - lq as i64 };
+    let place = |lq: usize, lk: usize| {
+        if has(PREFILL_OFFSET) {
+            p.offset as i64
+        } else {
+            lk as i64 - lq as i64
+        }
+    };
     // Sequence b: its lengths and offsets (SPEC 7).
     let seq = |b: usize| -> Seq {
         match &cu {

@@ -128,7 +128,19 @@ mod tests {
 
     #[test]
     fn row_classification_agrees_with_the_element_one() {
-        let specials = [h(f32::NEG_INFINITY), h(-65504.0), h(-65472.0), h(0.0), h(-0.0), h(1e-7), 0xfe00, 0x7e00, h(f32::INFINITY), h(-1.5), 0xfc01];
+        let specials = [
+            h(f32::NEG_INFINITY),
+            h(-65504.0),
+            h(-65472.0),
+            h(0.0),
+            h(-0.0),
+            h(1e-7),
+            0xfe00,
+            0x7e00,
+            h(f32::INFINITY),
+            h(-1.5),
+            0xfc01,
+        ];
         let mut state = 12345u64;
         let mut next = || {
             state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

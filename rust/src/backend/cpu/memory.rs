@@ -26,7 +26,11 @@ unsafe impl Sync for HostMemory {}
 impl HostMemory {
     pub fn zeroed(len: usize) -> Result<Self> {
         if len == 0 {
-            return Ok(HostMemory { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(), len, base: std::ptr::null_mut() });
+            return Ok(HostMemory {
+                ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                len,
+                base: std::ptr::null_mut(),
+            });
         }
         // A small alignment keeps `alloc_zeroed` on calloc, whose large blocks are fresh
         // zero pages, untouched until used (an over-aligned layout is allocated, then
@@ -118,4 +122,3 @@ macro_rules! host_memory_impl {
 }
 host_memory_impl!(HostMemory);
 host_memory_impl!(WrappedHostMemory);
-

@@ -81,19 +81,15 @@ impl Backend for CpuBackend {
     }
 
     fn compile(&self, name: &str, _source: &KernelSource) -> Result<Pipeline> {
-        let kernel = kernel(name).ok_or_else(|| {
-            MlxError::KernelNotFound(format!("kernel {name} has no CPU implementation"))
-        })?;
+        let kernel =
+            kernel(name).ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CPU implementation")))?;
         Ok(Pipeline::new(name, 1024, Arc::new(CpuPipeline { kernel })))
     }
 
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {
         for d in dispatches {
             let state = d.pipeline.inner::<CpuPipeline>().ok_or_else(|| {
-                MlxError::InvalidArgument(format!(
-                    "pipeline {} was not built by the CPU backend",
-                    d.pipeline.name()
-                ))
+                MlxError::InvalidArgument(format!("pipeline {} was not built by the CPU backend", d.pipeline.name()))
             })?;
             (state.kernel)(d)?;
         }
@@ -134,10 +130,7 @@ fn read_memory_limit() -> Option<u64> {
 pub(crate) fn host_slice(d: &Dispatch, index: u64) -> Result<(*mut u8, usize)> {
     let b = d.buffer(index)?;
     let p = b.host_ptr().ok_or_else(|| {
-        MlxError::InvalidArgument(format!(
-            "{}: buffer {index} is not in host memory",
-            d.pipeline.name()
-        ))
+        MlxError::InvalidArgument(format!("{}: buffer {index} is not in host memory", d.pipeline.name()))
     })?;
     Ok((p, b.byte_len))
 }

@@ -102,9 +102,7 @@ pub const MAX_THREADS: usize = 1024;
 pub fn fma_peak_gflops(threads: usize) -> Result<f64> {
     let threads = if threads == 0 { super::threads() } else { threads };
     if threads > MAX_THREADS {
-        return Err(MlxError::InvalidArgument(format!(
-            "threads must be at most {MAX_THREADS}, got {threads}"
-        )));
+        return Err(MlxError::InvalidArgument(format!("threads must be at most {MAX_THREADS}, got {threads}")));
     }
     let (f, flop_per_iter) = pick();
     // Calibrate: grow the count until one run takes at least 20 ms (clock ramp-up included).

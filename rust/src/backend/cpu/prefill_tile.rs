@@ -380,7 +380,15 @@ unsafe fn load_q<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, g: usize, sub
 /// O / S, or zeros where S == 0 (a row that saw no visible cache row), in O's dtype (rounded
 /// to nearest even from f32); lse = M + ln(S), or -inf where S == 0.
 #[inline(always)]
-unsafe fn store_out<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, g: usize, subs: &[Sub], o_b: *const f32, m_b: *const f32, l_b: *const f32) {
+unsafe fn store_out<S: Simd, const D: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    g: usize,
+    subs: &[Sub],
+    o_b: *const f32,
+    m_b: *const f32,
+    l_b: *const f32,
+) {
     for sub in subs.iter() {
         for hh in 0..pb.group {
             let h = g * pb.group + hh;
@@ -420,7 +428,14 @@ unsafe fn store_out<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, g: usize, 
 /// Rows `lo..hi` of `C` rows of `D` halves (row stride `rs` elements) widened to f32 `[C][D]`;
 /// rows at or past `n` (past the cache's end) are zeros, never read.
 #[inline(always)]
-unsafe fn load_tile<S: Simd, const D: usize>(dst: *mut f32, src: *const u16, rs: usize, lo: usize, hi: usize, n: usize) {
+unsafe fn load_tile<S: Simd, const D: usize>(
+    dst: *mut f32,
+    src: *const u16,
+    rs: usize,
+    lo: usize,
+    hi: usize,
+    n: usize,
+) {
     for j in lo..hi {
         let s = src.add(j * rs);
         for dv in (0..D).step_by(W) {
@@ -434,7 +449,16 @@ unsafe fn load_tile<S: Simd, const D: usize>(dst: *mut f32, src: *const u16, rs:
 /// of `qt` and `st`: `r`).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn scores<S: Simd, const D: usize>(kf: *const f32, qt: *const f32, st: *mut f32, r: usize, ib: usize, ie: usize, lo: usize, hi: usize) {
+unsafe fn scores<S: Simd, const D: usize>(
+    kf: *const f32,
+    qt: *const f32,
+    st: *mut f32,
+    r: usize,
+    ib: usize,
+    ie: usize,
+    lo: usize,
+    hi: usize,
+) {
     // AVX-512: 4 cache rows x 4 vectors (16 zmm accumulators). AVX2 (and the remainder):
     // 6 cache rows x 1 vector, 12 ymm accumulators; 4 x 2 would need 16 and spill.
     let mut i0 = ib;
@@ -493,7 +517,16 @@ unsafe fn scores_block<S: Simd, const D: usize, const JB: usize, const IV: usize
 /// and count as -inf; mask rows past the prompt are not read and count as zero.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn load_mask<S: Simd>(pb: &Problem, mask: *const u16, mrow: *mut f32, mt: *mut f32, r0: usize, nr: usize, c0: usize, n: usize) -> (usize, usize) {
+unsafe fn load_mask<S: Simd>(
+    pb: &Problem,
+    mask: *const u16,
+    mrow: *mut f32,
+    mt: *mut f32,
+    r0: usize,
+    nr: usize,
+    c0: usize,
+    n: usize,
+) -> (usize, usize) {
     let bq = pb.bq;
     for rr in 0..bq {
         let dst = mrow.add(rr * C);
@@ -595,7 +628,17 @@ unsafe fn hide<S: Simd>(pb: &Problem, seq: &Seq, st: *mut f32, r: usize, sub: &S
 /// `p = half(exp(s - M))` in place of the scores, `S = S * ms + sum p`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn softmax_step<S: Simd>(st: *mut f32, m: *mut f32, l: *mut f32, ms: *mut f32, r: usize, ib: usize, ie: usize, lo: usize, hi: usize) {
+unsafe fn softmax_step<S: Simd>(
+    st: *mut f32,
+    m: *mut f32,
+    l: *mut f32,
+    ms: *mut f32,
+    r: usize,
+    ib: usize,
+    ie: usize,
+    lo: usize,
+    hi: usize,
+) {
     let one = S::splat(1.0);
     for i0 in (ib..ie).step_by(W) {
         // As if the max had started at column 0: the -inf columns before `lo` leave -inf.
@@ -786,7 +829,10 @@ mod tests {
                 let pb = Problem { bq, ..problem(causal, window) };
                 // The prompt at the cache's end, and offsets a block gives (context
                 // parallelism: a chunk of queries before, inside or past a chunk of the cache).
-                let placed = shapes.iter().filter(|&&(lq, lk)| !causal || lk >= lq).map(|&(lq, lk)| (lq, lk, lk as i64 - lq as i64));
+                let placed = shapes
+                    .iter()
+                    .filter(|&&(lq, lk)| !causal || lk >= lq)
+                    .map(|&(lq, lk)| (lq, lk, lk as i64 - lq as i64));
                 let given = [(33usize, 100usize, -40i64), (33, 100, -1), (70, 20, 5), (5, 64, 200), (40, 130, 17)];
                 for (lq, lk, off) in placed.chain(given.into_iter().filter(|_| causal)) {
                     let seq = Seq { lq, lk, off, ..Seq::default() };
@@ -816,7 +862,9 @@ mod tests {
                             } else {
                                 PARTIAL
                             };
-                            let at = format!("bq {bq} causal {causal} window {window} lq {lq} lk {lk} off {off} r0 {r0} c0 {c0}");
+                            let at = format!(
+                                "bq {bq} causal {causal} window {window} lq {lq} lk {lk} off {off} r0 {r0} c0 {c0}"
+                            );
                             assert_eq!(class, want, "{at}");
                             if class != SKIP {
                                 assert_eq!((lo, hi), (lo_want, hi_want), "{at}");

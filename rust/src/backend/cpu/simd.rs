@@ -334,20 +334,14 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn round(v: Pair) -> Pair {
-            Pair(
-                _mm256_round_ps::<NEAREST>(v.0),
-                _mm256_round_ps::<NEAREST>(v.1),
-            )
+            Pair(_mm256_round_ps::<NEAREST>(v.0), _mm256_round_ps::<NEAREST>(v.1))
         }
         #[inline(always)]
         unsafe fn ldexp(p: Pair, n: Pair) -> Pair {
             let bias = _mm256_set1_epi32(127);
             let e0 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n.0), bias));
             let e1 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n.1), bias));
-            Pair(
-                _mm256_mul_ps(p.0, _mm256_castsi256_ps(e0)),
-                _mm256_mul_ps(p.1, _mm256_castsi256_ps(e1)),
-            )
+            Pair(_mm256_mul_ps(p.0, _mm256_castsi256_ps(e0)), _mm256_mul_ps(p.1, _mm256_castsi256_ps(e1)))
         }
     }
 }
@@ -446,7 +440,10 @@ mod tests {
 
     fn check_round_half<S: Simd>() {
         let vals: Vec<f32> = (0..W)
-            .map(|i| [1.0009766f32, 0.33333, -7.12345, 65519.0, 65520.0, 1e-6, -3e-8, 2.5e-5][i % 8] * (1.0 + i as f32 * 1e-4))
+            .map(|i| {
+                [1.0009766f32, 0.33333, -7.12345, 65519.0, 65520.0, 1e-6, -3e-8, 2.5e-5][i % 8]
+                    * (1.0 + i as f32 * 1e-4)
+            })
             .collect();
         unsafe {
             let mut out = [0f32; W];
@@ -473,7 +470,16 @@ mod tests {
     }
 
     fn check_max_min<S: Simd>() {
-        let pairs = [(1.0f32, 2.0f32), (2.0, 1.0), (0.0, -0.0), (-0.0, 0.0), (f32::NAN, 1.0), (1.0, f32::NAN), (f32::NEG_INFINITY, -3.0), (5.0, 5.0)];
+        let pairs = [
+            (1.0f32, 2.0f32),
+            (2.0, 1.0),
+            (0.0, -0.0),
+            (-0.0, 0.0),
+            (f32::NAN, 1.0),
+            (1.0, f32::NAN),
+            (f32::NEG_INFINITY, -3.0),
+            (5.0, 5.0),
+        ];
         let a: Vec<f32> = (0..W).map(|i| pairs[i % 8].0).collect();
         let b: Vec<f32> = (0..W).map(|i| pairs[i % 8].1).collect();
         unsafe {

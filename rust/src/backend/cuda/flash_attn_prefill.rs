@@ -16,7 +16,10 @@ use super::driver::{self, TensorMap};
 use super::launch::{contract, device_buffer, CudaKernel, Launch, PrepareContext};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
-use crate::params::{FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_LSE, PREFILL_MASK, PREFILL_VARLEN};
+use crate::params::{
+    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_LSE, PREFILL_MASK,
+    PREFILL_SINKS, PREFILL_VARLEN,
+};
 
 /// This op's kernels, by name: the attention runs the entry points it shares with the
 /// origin op.
@@ -24,14 +27,20 @@ pub const KERNELS: &[CudaKernel] = &[
     CudaKernel {
         name: "flash_attn_prefill_d256",
         entry: "flash_attn_prefill_tensor_f16_d256",
-        hopper_variants: &["flash_attn_prefill_tensor_f16_d256_pair_heads", "flash_attn_prefill_tensor_f16_d256_pair_queries"],
+        hopper_variants: &[
+            "flash_attn_prefill_tensor_f16_d256_pair_heads",
+            "flash_attn_prefill_tensor_f16_d256_pair_queries",
+        ],
         shared_bytes: |hopper| attention_shared_bytes(256, hopper),
         prepare: |pc, d, variants| prepare(pc, 256, d, variants),
     },
     CudaKernel {
         name: "flash_attn_prefill_d512",
         entry: "flash_attn_prefill_tensor_f16_d512",
-        hopper_variants: &["flash_attn_prefill_tensor_f16_d512_pair_heads", "flash_attn_prefill_tensor_f16_d512_pair_queries"],
+        hopper_variants: &[
+            "flash_attn_prefill_tensor_f16_d512_pair_heads",
+            "flash_attn_prefill_tensor_f16_d512_pair_queries",
+        ],
         shared_bytes: |hopper| attention_shared_bytes(512, hopper),
         prepare: |pc, d, variants| prepare(pc, 512, d, variants),
     },
@@ -93,12 +102,14 @@ pub fn attention_geometry(
         _ => return Err(MlxError::InvalidArgument(format!("no CUDA attention kernel for head_dim {head_dim}"))),
     };
     let row_groups = cta_rows / if hopper { 16 } else { ROWS_PER_GROUP };
-    if rows == 0 || n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
-        return Err(MlxError::Internal(format!("attention shape {rows} x {n_heads}/{n_kv_heads} breaks the op's contract")));
+    if rows == 0 || n_heads == 0 || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+        return Err(MlxError::Internal(format!(
+            "attention shape {rows} x {n_heads}/{n_kv_heads} breaks the op's contract"
+        )));
     }
     let group = n_heads / n_kv_heads;
     let mut hpc = row_groups;
-    while group % hpc != 0 {
+    while !group.is_multiple_of(hpc) {
         hpc /= 2;
     }
     let qpc = cta_rows / hpc;
@@ -114,7 +125,7 @@ pub fn attention_geometry(
 /// the query heads per KV head, so that the two CTAs of a cluster (y = 2j, 2j + 1) split
 /// one KV head's heads. `None` when that group is odd.
 pub fn pair_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<AttentionGeometry> {
-    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 || (n_heads / n_kv_heads) % 2 != 0 {
+    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || !(n_heads / n_kv_heads).is_multiple_of(2) {
         return None;
     }
     attention_geometry(head_dim, rows, n_heads, n_kv_heads * 2, true).ok()
@@ -189,8 +200,8 @@ fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_len: u32, batch: u32, s
     // One sequence: the stride past its whole cache (the driver refuses a 4-d map whose
     // outer stride does not cover the dimension inside it).
     let seq = if batch == 1 { row_stride.saturating_mul(kv_len as u64) } else { batch_stride };
-    let ok = |s: u64| s > 0 && s % 16 == 0 && s < (1 << 40);
-    if base % 16 != 0 || !ok(row_stride) || !ok(head) || !ok(seq) || kv_len == 0 {
+    let ok = |s: u64| s > 0 && s.is_multiple_of(16) && s < (1 << 40);
+    if !base.is_multiple_of(16) || !ok(row_stride) || !ok(head) || !ok(seq) || kv_len == 0 {
         return None;
     }
     let dims = [head_dim as u64, n_kv as u64, kv_len as u64, batch as u64];
@@ -232,6 +243,7 @@ pub struct AttentionPointers {
     pub lse: u64,
     pub cu_q: u64,
     pub cu_k: u64,
+    pub sinks: u64,
 }
 
 /// The launch of one attention with the params block `p` (the front door's, or the
@@ -245,12 +257,13 @@ pub fn attention_launch(
     variants: bool,
 ) -> Result<Launch> {
     let hopper = pc.hopper;
-    let mut geo = attention_geometry(head_dim, p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
+    let mut geo =
+        attention_geometry(head_dim, p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
     let aligned = |base: u64, strides: &[i64], elems: i64, bytes: u64| {
-        base % bytes == 0 && strides.iter().all(|&s| s % elems == 0)
+        base.is_multiple_of(bytes) && strides.iter().all(|&s| s % elems == 0)
     };
-    let q_elems = if p.q_dtype == 0 { 4 } else { 8 };  // 16 bytes of Q
-    let o_bytes = if p.o_dtype == 0 { 8 } else { 4 };  // two elements of O
+    let q_elems = if p.q_dtype == 0 { 4 } else { 8 }; // 16 bytes of Q
+    let o_bytes = if p.o_dtype == 0 { 8 } else { 4 }; // two elements of O
     let mut flags = 0;
     if aligned(b.q, &[p.q_batch_stride, p.q_row_stride, p.q_head_stride], q_elems, 16) {
         flags |= FLAG_Q_ALIGNED;
@@ -299,12 +312,15 @@ pub fn attention_launch(
     // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
     let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
     if p.batch as u64 > 65_535 {
-        return Err(MlxError::InvalidArgument(format!("{name}: a batch of {} is more than one CUDA launch takes (65535)", p.batch)));
+        return Err(MlxError::InvalidArgument(format!(
+            "{name}: a batch of {} is more than one CUDA launch takes (65535)",
+            p.batch
+        )));
     }
     let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32], [ATTENTION_THREADS, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(p));
     l.push_bytes(bytemuck::bytes_of(&launch));
-    for ptr in [b.q, b.k, b.v, b.mask, b.blk, b.out, b.lse, b.cu_q, b.cu_k] {
+    for ptr in [b.q, b.k, b.v, b.mask, b.blk, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
         l.push_ptr(ptr);
     }
     if let Some((km, vm)) = maps {
@@ -350,6 +366,7 @@ fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool)
         lse: sized_buffer(pc, d, 7, e.lse * 4, lse)?,
         cu_q: sized_buffer(pc, d, 8, cu, varlen)?,
         cu_k: sized_buffer(pc, d, 9, cu, varlen)?,
+        sinks: sized_buffer(pc, d, 10, e.sinks * 4, p.flags & PREFILL_SINKS != 0)?,
     };
     attention_launch(pc, name, head_dim, &p, &b, variants)
 }
@@ -367,7 +384,8 @@ fn prepare_mask_blk(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
     let mask_need = if p.batch == 0 || p.rows == 0 || p.kv_len == 0 {
         0
     } else {
-        ((p.batch as u64 - 1) * p.mask_batch_stride as u64 + (rows - 1) * p.mask_row_stride as u64 + p.kv_len as u64) * 2
+        ((p.batch as u64 - 1) * p.mask_batch_stride as u64 + (rows - 1) * p.mask_row_stride as u64 + p.kv_len as u64)
+            * 2
     };
     let tiles = p.table_bytes();
     if (mask_len as u64) < mask_need || (blk_len as u64) < tiles {
@@ -377,7 +395,8 @@ fn prepare_mask_blk(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
     if ctas > i32::MAX as u64 {
         return Err(MlxError::InvalidArgument(format!("{name}: {tiles} tiles is more than one launch takes")));
     }
-    let aligned = (mask % 16 == 0 && p.bk % 8 == 0 && p.mask_row_stride % 8 == 0 && p.mask_batch_stride % 8 == 0) as i32;
+    let aligned =
+        (mask % 16 == 0 && p.bk % 8 == 0 && p.mask_row_stride % 8 == 0 && p.mask_batch_stride % 8 == 0) as i32;
     let mut l = Launch::new([ctas.max(1) as u32, 1, 1], [256, 1, 1], 0);
     l.push_bytes(bytemuck::bytes_of(&p));
     l.push_ptr(mask);
@@ -429,7 +448,17 @@ mod tests {
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 128, 64, 16));
         assert_eq!(pair_geometry(256, 100, 16, 1).unwrap().heads_per_cta, 8);
         // Every pair stays inside one KV group.
-        for (hd, nh, nkv) in [(512, 16, 2), (512, 8, 2), (512, 4, 2), (512, 32, 2), (512, 24, 2), (512, 12, 1), (256, 2, 1), (256, 24, 1), (256, 16, 8)] {
+        for (hd, nh, nkv) in [
+            (512, 16, 2),
+            (512, 8, 2),
+            (512, 4, 2),
+            (512, 32, 2),
+            (512, 24, 2),
+            (512, 12, 1),
+            (256, 2, 1),
+            (256, 24, 1),
+            (256, 16, 8),
+        ] {
             let g = pair_geometry(hd, 10, nh, nkv).unwrap();
             let group = nh / nkv;
             assert_eq!(g.head_groups % 2, 0);
@@ -444,7 +473,7 @@ mod tests {
 
     #[test]
     fn the_kernel_blocks_have_their_sizes() {
-        assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 200);
+        assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 216);
         assert_eq!(std::mem::size_of::<AttentionLaunch>(), 16);
     }
 

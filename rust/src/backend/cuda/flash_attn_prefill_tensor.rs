@@ -14,14 +14,20 @@ pub const KERNELS: &[CudaKernel] = &[
     CudaKernel {
         name: "flash_attn_prefill_tensor_f16_d256",
         entry: "flash_attn_prefill_tensor_f16_d256",
-        hopper_variants: &["flash_attn_prefill_tensor_f16_d256_pair_heads", "flash_attn_prefill_tensor_f16_d256_pair_queries"],
+        hopper_variants: &[
+            "flash_attn_prefill_tensor_f16_d256_pair_heads",
+            "flash_attn_prefill_tensor_f16_d256_pair_queries",
+        ],
         shared_bytes: |hopper| attention_shared_bytes(256, hopper),
         prepare: |pc, d, variants| prepare(pc, 256, d, variants),
     },
     CudaKernel {
         name: "flash_attn_prefill_tensor_f16_d512",
         entry: "flash_attn_prefill_tensor_f16_d512",
-        hopper_variants: &["flash_attn_prefill_tensor_f16_d512_pair_heads", "flash_attn_prefill_tensor_f16_d512_pair_queries"],
+        hopper_variants: &[
+            "flash_attn_prefill_tensor_f16_d512_pair_heads",
+            "flash_attn_prefill_tensor_f16_d512_pair_queries",
+        ],
         shared_bytes: |hopper| attention_shared_bytes(512, hopper),
         prepare: |pc, d, variants| prepare(pc, 512, d, variants),
     },
@@ -43,6 +49,6 @@ fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool)
         b[i] = addr;
     }
     let [q, k, v, mask, blk, out] = b;
-    let ptrs = AttentionPointers { q, k, v, mask, blk, out, lse: 0, cu_q: 0, cu_k: 0 };
+    let ptrs = AttentionPointers { q, k, v, mask, blk, out, lse: 0, cu_q: 0, cu_k: 0, sinks: 0 };
     attention_launch(pc, name, head_dim, &p.as_prefill(head_dim as i32, bq as i32), &ptrs, variants)
 }

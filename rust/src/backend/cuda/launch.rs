@@ -76,9 +76,11 @@ pub fn device_buffer(ctx: &Arc<CudaContext>, d: &Dispatch, index: u64) -> Result
 }
 
 fn device_address(ctx: &Arc<CudaContext>, b: &BufferBinding, name: &str, index: u64) -> Result<(u64, usize)> {
-    let mem = b.memory.as_any().downcast_ref::<CudaMemory>().ok_or_else(|| {
-        MlxError::InvalidArgument(format!("{name}: buffer {index} is not CUDA device memory"))
-    })?;
+    let mem = b
+        .memory
+        .as_any()
+        .downcast_ref::<CudaMemory>()
+        .ok_or_else(|| MlxError::InvalidArgument(format!("{name}: buffer {index} is not CUDA device memory")))?;
     if !Arc::ptr_eq(mem.context(), ctx) {
         return Err(MlxError::InvalidArgument(format!("{name}: buffer {index} belongs to another CUDA device")));
     }

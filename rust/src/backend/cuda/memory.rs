@@ -59,7 +59,12 @@ impl Memory for CudaMemory {
         // SAFETY: the range is inside the allocation; the host buffer holds dst.len() bytes
         // and outlives the synchronisation below.
         let r = unsafe {
-            (d.cuMemcpyDtoHAsync_v2)(dst.as_mut_ptr() as *mut c_void, self.ptr + offset as u64, dst.len(), self.ctx.stream)
+            (d.cuMemcpyDtoHAsync_v2)(
+                dst.as_mut_ptr() as *mut c_void,
+                self.ptr + offset as u64,
+                dst.len(),
+                self.ctx.stream,
+            )
         };
         d.check(r, "copy to the host", MlxError::CommandBufferError)?;
         self.ctx.synchronize()
@@ -74,7 +79,12 @@ impl Memory for CudaMemory {
         let d = self.ctx.bind()?;
         // SAFETY: as for read; the source stays valid until the stream is synchronised.
         let r = unsafe {
-            (d.cuMemcpyHtoDAsync_v2)(self.ptr + offset as u64, src.as_ptr() as *const c_void, src.len(), self.ctx.stream)
+            (d.cuMemcpyHtoDAsync_v2)(
+                self.ptr + offset as u64,
+                src.as_ptr() as *const c_void,
+                src.len(),
+                self.ctx.stream,
+            )
         };
         d.check(r, "copy to the device", MlxError::CommandBufferError)?;
         self.ctx.synchronize()
@@ -121,10 +131,7 @@ pub(super) fn check_device_range(ctx: &CudaContext, addr: u64, bytes: usize) -> 
     let size = attr_u64(driver::POINTER_RANGE_SIZE)?;
     let end = addr.checked_add(bytes as u64);
     if end.is_none_or(|e| e > start.saturating_add(size)) {
-        return Err(bad(format!(
-            "{bytes} bytes run past the end of its allocation ({size} bytes at {start:#x})"
-        )));
+        return Err(bad(format!("{bytes} bytes run past the end of its allocation ({size} bytes at {start:#x})")));
     }
     Ok(())
 }
-

@@ -138,11 +138,7 @@ impl CudaContext {
             d.check((d.cuDevicePrimaryCtxRetain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain", unavailable)?;
             d.check((d.cuCtxSetCurrent)(ctx), "cuCtxSetCurrent", unavailable)?;
             let mut stream: CuStream = std::ptr::null_mut();
-            d.check(
-                (d.cuStreamCreate)(&mut stream, driver::STREAM_NON_BLOCKING),
-                "cuStreamCreate",
-                unavailable,
-            )?;
+            d.check((d.cuStreamCreate)(&mut stream, driver::STREAM_NON_BLOCKING), "cuStreamCreate", unavailable)?;
             Ok(CudaContext {
                 ordinal,
                 ctx,
@@ -181,12 +177,15 @@ impl CudaContext {
         }
     }
 
-
     /// Wait for everything queued on this device's stream.
     pub fn synchronize(&self) -> Result<()> {
         let d = self.bind()?;
         // SAFETY: a live stream of the current context.
-        d.check(unsafe { (d.cuStreamSynchronize)(self.stream) }, "the device's work failed", MlxError::CommandBufferError)
+        d.check(
+            unsafe { (d.cuStreamSynchronize)(self.stream) },
+            "the device's work failed",
+            MlxError::CommandBufferError,
+        )
     }
 
     /// The module of `source` for `arch` (compiled or loaded once), and its function
@@ -196,12 +195,15 @@ impl CudaContext {
         let (file, source) = (src.name, text.as_str());
         let d = self.bind()?;
         // By content: two ops may name the same file (their kernels share its entry points).
-        let key = ({
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            (file, source).hash(&mut h);
-            h.finish()
-        }, arch.to_string());
+        let key = (
+            {
+                use std::hash::{Hash, Hasher};
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                (file, source).hash(&mut h);
+                h.finish()
+            },
+            arch.to_string(),
+        );
         let module = {
             let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
             match mods.get(&key) {
@@ -339,16 +341,17 @@ impl Backend for CudaBackend {
     }
 
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
-        let src = source
-            .cuda
-            .ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
+        let src =
+            source.cuda.ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
         let kernel = kernel(name);
         let arch = self.ctx.arch();
         let hopper = arch == "sm_90a";
         let function = self.ctx.function(src, kernel.map_or(name, |k| k.entry), &arch)?;
         let d = self.ctx.bind()?;
         let variants = match kernel {
-            Some(k) if hopper => k.hopper_variants.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<_>>()?,
+            Some(k) if hopper => {
+                k.hopper_variants.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<_>>()?
+            }
             _ => Vec::new(),
         };
         if let Some(smem) = kernel.and_then(|k| (k.shared_bytes)(hopper)) {
@@ -360,9 +363,7 @@ impl Backend for CudaBackend {
             }
             for &f in std::iter::once(&function).chain(&variants) {
                 // SAFETY: a valid function handle.
-                let r = unsafe {
-                    (d.cuFuncSetAttribute)(f, driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as c_int)
-                };
+                let r = unsafe { (d.cuFuncSetAttribute)(f, driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as c_int) };
                 d.check(r, &format!("{name}: raising its shared memory limit"), MlxError::CommandBufferError)?;
             }
         }
@@ -395,7 +396,10 @@ impl CudaBackend {
         let d = self.ctx.bind()?;
         for dispatch in dispatches {
             let p = dispatch.pipeline.inner::<CudaPipeline>().ok_or_else(|| {
-                MlxError::InvalidArgument(format!("pipeline {} was not built by the CUDA backend", dispatch.pipeline.name()))
+                MlxError::InvalidArgument(format!(
+                    "pipeline {} was not built by the CUDA backend",
+                    dispatch.pipeline.name()
+                ))
             })?;
             if !Arc::ptr_eq(&p.ctx, &self.ctx) {
                 return Err(MlxError::InvalidArgument(format!(

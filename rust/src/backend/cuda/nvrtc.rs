@@ -111,14 +111,18 @@ fn candidates() -> Vec<PathBuf> {
 
 /// `libnvrtc-builtins*` beside `lib` (not the `.alt` variant), to be loaded first.
 fn builtins_beside(lib: &Path) -> Vec<Library> {
-    let Some(dir) = lib.parent() else { return Vec::new() };
-    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let Some(dir) = lib.parent() else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
     let mut names: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
-            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-                n.starts_with("libnvrtc-builtins") && n.contains(".so") && !n.contains(".alt.")
-            })
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libnvrtc-builtins") && n.contains(".so") && !n.contains(".alt."))
         })
         .collect();
     names.sort();
@@ -512,7 +516,11 @@ impl DiskCache {
                 return Err(format!("{} above it was changed into a symbolic link", a.display()));
             }
             if m.uid() != uid && m.uid() != 0 {
-                return Err(format!("{} above it is owned by uid {}, neither uid {uid} nor root", a.display(), m.uid()));
+                return Err(format!(
+                    "{} above it is owned by uid {}, neither uid {uid} nor root",
+                    a.display(),
+                    m.uid()
+                ));
             }
             if let Some(who) = writable_by(m.mode()).filter(|_| m.mode() & 0o1000 == 0) {
                 return Err(format!(
@@ -592,7 +600,8 @@ impl DiskCache {
         use std::os::unix::fs::OpenOptionsExt;
         use std::sync::atomic::{AtomicU64, Ordering};
         static SERIAL: AtomicU64 = AtomicU64::new(0);
-        let tmp = self.dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), SERIAL.fetch_add(1, Ordering::Relaxed)));
+        let tmp =
+            self.dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), SERIAL.fetch_add(1, Ordering::Relaxed)));
         let Ok(mut f) = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)

@@ -91,7 +91,11 @@ fn join<'a>(
             out.push('\n');
             continue;
         }
-        let included = trimmed.strip_prefix("#include").map(str::trim).and_then(|r| r.strip_prefix('"')).and_then(|r| r.split('"').next());
+        let included = trimmed
+            .strip_prefix("#include")
+            .map(str::trim)
+            .and_then(|r| r.strip_prefix('"'))
+            .and_then(|r| r.split('"').next());
         match included.and_then(|h| headers.get_key_value(h)) {
             Some((&h, &t)) => {
                 if done.insert(h) {
@@ -138,7 +142,10 @@ mod tests {
         let src = SourceFile {
             name: "main.cu",
             text: "#include \"p/a.cuh\"\n#include \"p/b.cuh\"\nint main_line;\n",
-            headers: &[("p/a.cuh", "#pragma once\nint a;\n"), ("p/b.cuh", "#pragma once\n#include \"p/a.cuh\"\nint b;\n")],
+            headers: &[
+                ("p/a.cuh", "#pragma once\nint a;\n"),
+                ("p/b.cuh", "#pragma once\n#include \"p/a.cuh\"\nint b;\n"),
+            ],
         };
         let j = compiled_source(src).unwrap();
         assert_eq!(j.matches("int a;").count(), 1, "{j}");

@@ -71,7 +71,11 @@ pub trait MetalApi: Send + Sync + 'static {
     /// the error is the compiler's log.
     fn compile_library(&self, source: &str) -> Result<Self::Library, String>;
     /// The compute pipeline of `function` in `library`.
-    fn new_pipeline(&self, library: &Self::Library, function: &str) -> Result<PipelineInfo<Self::Pipeline>, PipelineError>;
+    fn new_pipeline(
+        &self,
+        library: &Self::Library,
+        function: &str,
+    ) -> Result<PipelineInfo<Self::Pipeline>, PipelineError>;
     /// Encode `commands` on one compute command encoder of one new command buffer, commit it
     /// and wait until it completes; the error is the command buffer's when it failed.
     fn run(&self, commands: &[Command<'_, Self>]) -> Result<(), String>;

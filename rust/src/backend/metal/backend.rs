@@ -57,9 +57,7 @@ impl<A: MetalApi> MetalMemory<A> {
 fn check_range(len: usize, offset: usize, n: usize) -> Result<()> {
     match offset.checked_add(n) {
         Some(end) if end <= len => Ok(()),
-        _ => Err(MlxError::InvalidArgument(format!(
-            "{n} bytes at offset {offset} exceed the buffer's {len} bytes"
-        ))),
+        _ => Err(MlxError::InvalidArgument(format!("{n} bytes at offset {offset} exceed the buffer's {len} bytes"))),
     }
 }
 
@@ -120,19 +118,19 @@ impl<A: MetalApi> MetalBackend<A> {
         }
         // Compile outside the lock: a compilation takes long and another source may be asked
         // for meanwhile. Two threads compiling the same source both succeed; one result stays.
-        let lib = Arc::new(self.api.compile_library(source).map_err(|message| {
-            MlxError::ShaderCompilationError { name: name.to_string(), message }
-        })?);
+        let lib = Arc::new(
+            self.api
+                .compile_library(source)
+                .map_err(|message| MlxError::ShaderCompilationError { name: name.to_string(), message })?,
+        );
         let mut libs = self.libraries.lock().unwrap_or_else(|e| e.into_inner());
         Ok(libs.entry(key).or_insert(lib).clone())
     }
 
     fn owned(&self, bytes: usize) -> Result<MetalMemory<A>> {
         // Metal has no empty buffers: an empty allocation is one byte nobody sees.
-        let buffer = self
-            .api
-            .new_buffer(bytes.max(1))
-            .map_err(|_| MlxError::BufferAllocationError { bytes: bytes as u64 })?;
+        let buffer =
+            self.api.new_buffer(bytes.max(1)).map_err(|_| MlxError::BufferAllocationError { bytes: bytes as u64 })?;
         let contents = self.api.contents(&buffer);
         // Metal does not promise zeroed contents; the Backend contract does.
         // SAFETY: the buffer holds at least `bytes.max(1)` bytes at `contents`.
@@ -166,14 +164,20 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
 
     unsafe fn wrap_host(&self, ptr: *mut u8, bytes: usize) -> Result<Arc<dyn Memory>> {
         let page = self.api.page_size().max(1);
-        if bytes > 0 && (ptr as usize) % page == 0 {
+        if bytes > 0 && (ptr as usize).is_multiple_of(page) {
             // Metal wants whole pages; the last page is mapped since the region ends in it,
             // and no kernel reads past the region (the ops check every size).
             let whole = bytes.div_ceil(page) * page;
             // SAFETY: page-aligned address and length; the caller keeps the memory alive.
             if let Ok(buffer) = unsafe { self.api.new_buffer_no_copy(ptr, whole) } {
                 let contents = self.api.contents(&buffer);
-                return Ok(Arc::new(MetalMemory::<A> { buffer, storage: Storage::NoCopy, host: ptr, contents, len: bytes }));
+                return Ok(Arc::new(MetalMemory::<A> {
+                    buffer,
+                    storage: Storage::NoCopy,
+                    host: ptr,
+                    contents,
+                    len: bytes,
+                }));
             }
         }
         let mut m = self.owned(bytes)?;
@@ -183,9 +187,7 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
     }
 
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
-        let file = source
-            .metal
-            .ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no Metal form")))?;
+        let file = source.metal.ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no Metal form")))?;
         let library = self.library(name, file.text)?;
         let function = super::function_of(name);
         let info = self.api.new_pipeline(&library, function).map_err(|e| match e {

@@ -123,7 +123,10 @@ impl MetalApi for FakeMetal {
     }
 
     unsafe fn new_buffer_no_copy(&self, ptr: *mut u8, bytes: usize) -> Result<FakeBuffer, String> {
-        assert!(bytes > 0 && (ptr as usize) % self.page == 0 && bytes % self.page == 0, "no-copy needs whole pages");
+        assert!(
+            bytes > 0 && (ptr as usize).is_multiple_of(self.page) && bytes.is_multiple_of(self.page),
+            "no-copy needs whole pages"
+        );
         let id = self.register(ptr, bytes);
         Ok(FakeBuffer { id, owned: None, contents: ptr, len: bytes, no_copy: true })
     }
@@ -188,7 +191,11 @@ impl MetalApi for FakeMetal {
                     if *index == fill.index {
                         // SAFETY: the buffer holds `len` bytes at `contents`.
                         unsafe {
-                            std::ptr::write_bytes(buffer.contents.add(*offset as usize), fill.byte, buffer.len - *offset as usize)
+                            std::ptr::write_bytes(
+                                buffer.contents.add(*offset as usize),
+                                fill.byte,
+                                buffer.len - *offset as usize,
+                            )
                         };
                     }
                 }

@@ -16,15 +16,15 @@ use crate::interface::Backend;
 
 pub mod api;
 pub mod backend;
+#[cfg(test)]
+mod fake;
 pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
-#[cfg(test)]
-mod fake;
-#[cfg(test)]
-mod tests;
 #[cfg(target_os = "macos")]
 mod objc;
+#[cfg(test)]
+mod tests;
 
 pub use api::MetalApi;
 pub use backend::MetalBackend;
@@ -71,8 +71,6 @@ pub fn open() -> Result<Arc<dyn Backend>> {
     }
     #[cfg(not(target_os = "macos"))]
     {
-        Err(MlxError::BackendUnavailable(
-            "the metal backend needs macOS (this build is for another system)".into(),
-        ))
+        Err(MlxError::BackendUnavailable("the metal backend needs macOS (this build is for another system)".into()))
     }
 }

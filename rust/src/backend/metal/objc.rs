@@ -7,9 +7,8 @@ use objc2::rc::{autoreleasepool, Retained};
 use objc2::runtime::ProtocolObject;
 use objc2_foundation::{NSPageSize, NSString};
 use objc2_metal::{
-    MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder, MTLCommandQueue,
-    MTLComputeCommandEncoder, MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice, MTLLibrary,
-    MTLResourceOptions, MTLSize,
+    MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder, MTLCommandQueue, MTLComputeCommandEncoder,
+    MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice, MTLLibrary, MTLResourceOptions, MTLSize,
 };
 
 use super::api::{Command, MetalApi, PipelineError, PipelineInfo};
@@ -95,7 +94,11 @@ impl MetalApi for ObjcMetal {
         })
     }
 
-    fn new_pipeline(&self, library: &Self::Library, function: &str) -> Result<PipelineInfo<Self::Pipeline>, PipelineError> {
+    fn new_pipeline(
+        &self,
+        library: &Self::Library,
+        function: &str,
+    ) -> Result<PipelineInfo<Self::Pipeline>, PipelineError> {
         autoreleasepool(|_| {
             let f = library.newFunctionWithName(&NSString::from_str(function)).ok_or(PipelineError::NoFunction)?;
             let pipeline = self

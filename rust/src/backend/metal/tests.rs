@@ -102,7 +102,10 @@ fn attention_binds_what_the_kernel_declares_at_256_and_512() {
                 buf(5, &a.blk),
                 buf(6, &a.out),
                 Recorded::SetThreadgroupMemoryLength { index: 0, bytes: threadgroup_memory_bytes(head_dim).unwrap() },
-                Recorded::DispatchThreadgroups { grid: GridSize::new(q_tiles, 4, 1), threadgroup: GridSize::new(32, 8, 1) },
+                Recorded::DispatchThreadgroups {
+                    grid: GridSize::new(q_tiles, 4, 1),
+                    threadgroup: GridSize::new(32, 8, 1)
+                },
             ],
             "head dim {head_dim}"
         );
@@ -212,7 +215,9 @@ fn a_pipeline_too_narrow_for_eight_simdgroups_is_refused_before_anything_runs() 
     let mut reg = default_registry();
     let a = attention(&dev, 256);
     match dispatch(&dev, &mut reg, &a) {
-        Err(MlxError::InvalidArgument(m)) => assert!(m.contains("allows 128 threads per threadgroup, needs 256"), "{m}"),
+        Err(MlxError::InvalidArgument(m)) => {
+            assert!(m.contains("allows 128 threads per threadgroup, needs 256"), "{m}")
+        }
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
     assert!(be.api().runs.lock().unwrap().is_empty());
@@ -243,7 +248,13 @@ fn dispatches_metal_cannot_run_are_refused_before_anything_runs() {
     let cases: Vec<Case<'_>> = vec![
         ("too many threads", ok_args.to_vec(), vec![], GridSize::new(1025, 1, 1), "the pipeline allows 1 to 1024"),
         ("no threads", ok_args.to_vec(), vec![], GridSize::new(0, 1, 1), "the pipeline allows"),
-        ("threadgroup memory", ok_args.to_vec(), vec![(0, 32768), (1, 16)], GridSize::new(32, 1, 1), "exceed the device's 32768"),
+        (
+            "threadgroup memory",
+            ok_args.to_vec(),
+            vec![(0, 32768), (1, 16)],
+            GridSize::new(32, 1, 1),
+            "exceed the device's 32768",
+        ),
         ("odd threadgroup memory", ok_args.to_vec(), vec![(0, 20)], GridSize::new(32, 1, 1), "multiple of 16"),
         ("bytes too big", vec![(0, KernelArg::Bytes(&big))], vec![], GridSize::new(32, 1, 1), "4096"),
         ("index 31", vec![(31, KernelArg::Buffer(&out))], vec![], GridSize::new(32, 1, 1), "index 31"),
@@ -274,7 +285,8 @@ fn memory_of_another_backend_is_refused() {
 #[test]
 fn a_failed_command_buffer_is_a_command_error_with_metal_s_message() {
     let api = FakeMetal::new();
-    *api.fail_run.lock().unwrap() = Some("Caused GPU Timeout Error (00000002:kIOGPUCommandBufferCallbackErrorTimeout)".into());
+    *api.fail_run.lock().unwrap() =
+        Some("Caused GPU Timeout Error (00000002:kIOGPUCommandBufferCallbackErrorTimeout)".into());
     let (dev, _) = fake_device(api);
     let mut reg = default_registry();
     let a = attention(&dev, 512);
@@ -382,10 +394,7 @@ fn a_kernel_without_a_metal_form_or_function_is_not_found() {
     let mut reg = KernelRegistry::new();
     reg.register_source("cpu_only", KernelSource { metal: None, cuda: None });
     assert!(matches!(reg.get_pipeline("cpu_only", &dev), Err(MlxError::KernelNotFound(_))));
-    reg.register_source(
-        "no_such_kernel",
-        crate::ops::flash_attn_prefill_blk::FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE,
-    );
+    reg.register_source("no_such_kernel", crate::ops::flash_attn_prefill_blk::FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE);
     match reg.get_pipeline("no_such_kernel", &dev) {
         Err(MlxError::KernelNotFound(m)) => assert!(m.contains("no function"), "{m}"),
         other => panic!("expected KernelNotFound, got {other:?}"),
@@ -443,6 +452,7 @@ fn prefill_params(head_dim: u32) -> FlashAttnPrefillParams {
         scale: 0.5,
         offset: 0,
         has_offset: 0,
+        ..Default::default()
     }
 }
 
@@ -472,6 +482,7 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
             cu_seqlens_q: None,
             cu_seqlens_k: None,
             lse: Some(&lse),
+            sinks: None,
         };
         let gpu = validate(&bufs, &p).unwrap().gpu;
         let mut enc = dev.command_encoder();
@@ -492,13 +503,17 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
                 buf(7, &lse),
                 buf(8, &q),
                 buf(9, &q),
+                buf(10, &q),
                 Recorded::SetThreadgroupMemoryLength { index: 0, bytes: threadgroup_memory_bytes(head_dim).unwrap() },
-                Recorded::DispatchThreadgroups { grid: GridSize::new(q_tiles, 4, 3), threadgroup: GridSize::new(32, 8, 1) },
+                Recorded::DispatchThreadgroups {
+                    grid: GridSize::new(q_tiles, 4, 3),
+                    threadgroup: GridSize::new(32, 8, 1)
+                },
             ],
             "head dim {head_dim}"
         );
         // The block as the kernel's struct reads it (shaders/flash_attn_prefill_tensor.metal).
-        assert_eq!(std::mem::size_of_val(&gpu), 200);
+        assert_eq!(std::mem::size_of_val(&gpu), 216);
         assert_eq!((gpu.flags, gpu.q_dtype, gpu.o_dtype), (1 | 2 | 8, 2, 1));
     }
 }
@@ -535,6 +550,7 @@ fn prefill_of_variable_length_binds_the_cu_seqlens_and_covers_the_longest_sequen
         scale: 1.0,
         offset: 0,
         has_offset: 0,
+        ..Default::default()
     };
     let bufs = FlashAttnPrefillBuffers {
         q: &q,
@@ -546,13 +562,14 @@ fn prefill_of_variable_length_binds_the_cu_seqlens_and_covers_the_longest_sequen
         cu_seqlens_q: Some(&cu_q),
         cu_seqlens_k: Some(&cu_k),
         lse: None,
+        sinks: None,
     };
     let mut enc = dev.command_encoder();
     dispatch_flash_attn_prefill(&mut enc, &mut reg, &dev, &bufs, &p).unwrap();
     enc.commit_and_wait().unwrap();
     let run = be.api().last_run();
     let buf = |index, b: &MlxBuffer| Recorded::SetBuffer { index, buffer: buffer_id(b), offset: 0 };
-    for (index, b) in [(4, &q), (5, &q), (7, &q), (8, &cu_q), (9, &cu_k)] {
+    for (index, b) in [(4, &q), (5, &q), (7, &q), (8, &cu_q), (9, &cu_k), (10, &q)] {
         assert!(run.contains(&buf(index, b)), "index {index}");
     }
     // The longest sequence has 33 rows: 3 tiles of 16 at head dim 512.
