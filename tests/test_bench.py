@@ -168,7 +168,7 @@ def test_batched_runners_time_the_commit_with_and_without_classification():
 
     dev = mx.Device("cpu")
     q, k, v, mask = bench.case_inputs(bench.CASES["global"], 64, np.random.default_rng(0))
-    plan = mx.PrefillPlan(q, k, v, mask, device=dev)
+    plan = mx.PrefillPlan(q, k, v, mask, scale=1.0, device=dev)
     full, attn = ours.ours_variants(plan, dev, calls=3, batched=True)
     assert (full.label, attn.label) == (bench.OURS, bench.OURS_ATTENTION)
     assert full.calls == attn.calls == 3 and full.prepare and attn.prepare and attn.output is None
