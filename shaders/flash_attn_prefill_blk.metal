@@ -1,10 +1,18 @@
-// Classify an additive F16 mask into (bq x bk) tiles for the attention kernel
+// Classify an additive F16 mask into (bq x bk) tiles for the attention kernels
 // (docs/spec.md section 1): 0 = every value -inf or <= -65504 (the tile is skipped),
 // 2 = every value +0 or -0 (the mask is not read), 1 = anything else.
 //
-// Bindings (rust/src/ops/flash_attn_prefill_blk.rs): params bytes at buffer 0, the mask
-// [rows, kv_pad] at 1, the table [ceil(rows / bq), kv_pad / bk] at 2; a grid of
-// (kv_pad / bk, ceil(rows / bq), 1) threadgroups of 32 threads, one tile per threadgroup.
+// flash_attn_prefill_mask_blk (rust/src/ops/flash_attn_prefill.rs): params bytes
+// (FlashAttnPrefillMaskBlkParams) at buffer 0, the masks [batch][rows][kv_len] (batch and row
+// strides in elements) at 1, the tables [batch][ceil(rows / bq)][steps] at 2; a grid of
+// (steps, ceil(rows / bq), batch) threadgroups of 32 threads, one tile per threadgroup.
+// Columns at or past kv_len are not read and count as masked.
+//
+// flash_attn_prefill_blk (rust/src/ops/flash_attn_prefill_blk.rs): params bytes at buffer 0,
+// the mask [rows, kv_pad] at 1, the table [ceil(rows / bq), kv_pad / bk] at 2; a grid of
+// (kv_pad / bk, ceil(rows / bq), 1) threadgroups of 32 threads: the same classifier over one
+// mask of kv_pad columns.
+//
 // Only mask rows < rows are read: the last query tile is clamped.
 
 #include <metal_stdlib>
@@ -19,24 +27,43 @@ struct FlashAttnPrefillBlkParams {
     int bk;
 };
 
-kernel void flash_attn_prefill_blk(
-    constant FlashAttnPrefillBlkParams & p [[buffer(0)]],
-    device const ushort * mask [[buffer(1)]],  // F16 values, read as their bit patterns
-    device uchar * blk [[buffer(2)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]])
+// Mirror of FlashAttnPrefillMaskBlkParamsGpu (rust/src/params.rs): 2 longs, then 6 words.
+struct FlashAttnPrefillMaskBlkParams {
+    long mask_batch_stride;
+    long mask_row_stride;
+    int batch;
+    int rows;
+    int kv_len;
+    int bq;
+    int bk;
+    int steps;
+};
+
+// The tile (qt, kt) of mask b, by the threadgroup (kt, qt, b); positions in 64 bits.
+inline void classify_tile(
+    FlashAttnPrefillMaskBlkParams p,
+    device const ushort * mask,  // F16 values, read as their bit patterns
+    device uchar * blk,
+    uint3 tgpig,
+    ushort lane)
 {
-    const int kt = int(tgpig.x);
-    const int qt = int(tgpig.y);
-    const int r0 = qt * p.bq;
-    const int r1 = min(r0 + p.bq, p.rows);
-    const int c0 = kt * p.bk;
+    const long kt = long(tgpig.x);
+    const long qt = long(tgpig.y);
+    const long b = long(tgpig.z);
+    const long r0 = qt * long(p.bq);
+    const long r1 = r0 + long(p.bq) < long(p.rows) ? r0 + long(p.bq) : long(p.rows);
+    const long c0 = kt * long(p.bk);
+    device const ushort * tile_mask = mask + ulong(b) * ulong(p.mask_batch_stride);
 
     bool all_masked = true;
     bool all_zero = true;
-    for (int r = r0; r < r1 && (all_masked || all_zero); ++r) {
-        device const ushort * row = mask + ulong(r) * ulong(p.kv_pad) + ulong(c0);
+    for (long r = r0; r < r1 && (all_masked || all_zero); ++r) {
+        device const ushort * row = tile_mask + ulong(r) * ulong(p.mask_row_stride) + ulong(c0);
         for (int j = int(lane); j < p.bk; j += 32) {
+            if (c0 + j >= long(p.kv_len)) {
+                all_zero = false;  // past the cache: masked, not read
+                continue;
+            }
             const ushort bits = row[j];
             const ushort mag = bits & 0x7fff;
             // Negative and at least 65504 in magnitude; NaN magnitudes (above 0x7c00) are not.
@@ -48,6 +75,36 @@ kernel void flash_attn_prefill_blk(
     all_masked = simd_all(all_masked);
     all_zero = simd_all(all_zero);
     if (lane == 0) {
-        blk[ulong(qt) * ulong(p.kv_pad / p.bk) + ulong(kt)] = all_masked ? 0 : (all_zero ? 2 : 1);
+        const long table_rows = long(p.rows) / long(p.bq) + (long(p.rows) % long(p.bq) != 0 ? 1 : 0);
+        blk[(ulong(b) * ulong(table_rows) + ulong(qt)) * ulong(p.steps) + ulong(kt)] =
+            all_masked ? 0 : (all_zero ? 2 : 1);
     }
+}
+
+kernel void flash_attn_prefill_mask_blk(
+    constant FlashAttnPrefillMaskBlkParams & p [[buffer(0)]],
+    device const ushort * mask [[buffer(1)]],
+    device uchar * blk [[buffer(2)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]])
+{
+    classify_tile(p, mask, blk, tgpig, lane);
+}
+
+kernel void flash_attn_prefill_blk(
+    constant FlashAttnPrefillBlkParams & p [[buffer(0)]],
+    device const ushort * mask [[buffer(1)]],
+    device uchar * blk [[buffer(2)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]])
+{
+    FlashAttnPrefillMaskBlkParams g = {};
+    g.mask_row_stride = p.kv_pad;
+    g.batch = 1;
+    g.rows = p.rows;
+    g.kv_len = p.kv_pad;
+    g.bq = p.bq;
+    g.bk = p.bk;
+    g.steps = p.kv_pad / p.bk;
+    classify_tile(g, mask, blk, tgpig, lane);
 }

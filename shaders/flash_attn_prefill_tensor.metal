@@ -1,22 +1,39 @@
-// Flash attention for prefill with the Metal 4 tensor API (docs/spec.md section 2), F16 K/V.
+// Flash attention for prefill with the Metal 4 tensor API, F16 K/V: the kernels of
+// flash_attn_prefill (docs/spec.md sections 6-9) and, as thin entry points over the same
+// body, the origin op's flash_attn_prefill_tensor_f16_* (section 2).
 //
-// One threadgroup = Q query rows (32 at head dim 256, 16 at 512) of one head, 8 simdgroups
-// (256 threads). It walks the cache 64 rows (C) at a time:
+// One threadgroup = Q query rows (32 at head dim 256, 16 at 512) of one head of one
+// sequence, 8 simdgroups (256 threads). It walks the sequence's cache 64 rows (C) at a time:
 //   S = Q.K^T      mpp::tensor_ops::matmul2d into a cooperative tensor, stored to threadgroup
 //   softmax        one simdgroup per Q/8 rows, two columns per lane; online, lazily rescaled
 //   O = O*ms + P.V mpp::tensor_ops::matmul2d accumulating into a cooperative tensor (O lives
 //                  in the threads' registers for the whole walk)
-// and skips a step when the tile-skip table says every mask value of it is -inf.
+// Each step has a class: that of the described mask (causal, window, the cache's end) for the
+// tile's rows, combined with the explicit mask's tile-skip byte. 0 skips the step, 2 computes
+// it with no per-element work, 1 sets the scores of invisible pairs to -inf and adds the
+// explicit mask where its byte is 1.
 //
-// Bindings (rust/src/ops/flash_attn_prefill_tensor.rs): params bytes at buffer 0, Q (F32)
-// at 1, K (F16) at 2, V (F16) at 3, mask (F16) at 4, blk (U8) at 5, O (F32) at 6; one block of
-// threadgroup memory at index 0 of threadgroup_memory_bytes(head_dim) bytes; a grid of
-// (ceil(rows / Q), n_heads, 1) threadgroups of (32, 8, 1) threads.
+// flash_attn_prefill_d256 / _d512 (rust/src/ops/flash_attn_prefill.rs): params bytes
+// (FlashAttnPrefillParams) at buffer 0, Q (F32, F16 or BF16) at 1, K (F16) at 2, V (F16) at 3,
+// the explicit mask (F16) at 4, its table (U8) at 5, O (F32, F16 or BF16) at 6, lse (F32) at 7,
+// cu_seqlens_q (I32) at 8, cu_seqlens_k at 9 (a buffer the flags leave out is bound, never
+// read); a grid of (ceil(max_rows / Q), n_heads, batch) threadgroups.
+//
+// flash_attn_prefill_tensor_f16_d256 / _d512 (rust/src/ops/flash_attn_prefill_tensor.rs):
+// params bytes (FlashAttnPrefillTensorParams) at buffer 0, Q (F32) at 1, K at 2, V at 3, mask
+// at 4, blk at 5, O (F32) at 6; a grid of (ceil(rows / Q), n_heads, 1) threadgroups. They run
+// the same body as one sequence over a cache of kv_pad rows with an explicit mask.
+//
+// Both: threadgroups of (32, 8, 1) threads, one block of threadgroup memory at index 0 of
+// threadgroup_memory_bytes(head_dim) bytes.
 //
 // Only what Apple documents is relied on: the layout of a cooperative tensor among the
 // threads is implementation defined, so its elements are reached only through get_capacity,
 // is_valid_element, get_multidimensional_index and store; matmul2d run() is not a barrier,
-// so every hand-over of threadgroup memory between threads has a threadgroup_barrier.
+// so every hand-over of threadgroup memory between threads has a threadgroup_barrier; run()
+// checks its operands' edges against their extents (MPPTensorOpsMatMul2d.h), so a partial
+// last step gives K and V tensors of only the rows that exist and no row past the cache is
+// read.
 
 #include <metal_stdlib>
 #include <metal_tensor>
@@ -41,6 +58,55 @@ struct FlashAttnPrefillTensorParams {
     float scale;
 };
 
+// Mirror of FlashAttnPrefillParamsGpu (rust/src/params.rs): 17 longs, then 16 words.
+// Strides in elements (the table's batch stride in bytes).
+struct FlashAttnPrefillParams {
+    long q_batch_stride;
+    long q_row_stride;
+    long q_head_stride;
+    long k_batch_stride;
+    long k_row_stride;
+    long k_head_stride;
+    long v_batch_stride;
+    long v_row_stride;
+    long v_head_stride;
+    long o_batch_stride;
+    long o_row_stride;
+    long o_head_stride;
+    long mask_batch_stride;
+    long mask_row_stride;
+    long lse_batch_stride;
+    long lse_head_stride;
+    long blk_batch_stride;
+    int batch;
+    int rows;
+    int kv_len;
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;
+    int max_rows;
+    int window;
+    int flags;
+    int q_dtype;
+    int o_dtype;
+    int blk_rows;
+    int blk_steps;
+    int blk_bq;
+    float scale;
+    int reserved;
+};
+
+// FlashAttnPrefillParams::flags (PREFILL_* in rust/src/params.rs).
+constant constexpr int PREFILL_CAUSAL = 1;
+constant constexpr int PREFILL_MASK = 2;
+constant constexpr int PREFILL_VARLEN = 4;
+constant constexpr int PREFILL_LSE = 8;
+
+// DType codes of Q and O (rust/src/dtypes.rs).
+constant constexpr int DTYPE_F32 = 0;
+constant constexpr int DTYPE_F16 = 1;
+constant constexpr int DTYPE_BF16 = 2;
+
 // Cache rows per step (the blk table's bk), simdgroups and their width.
 constant constexpr int C = 64;
 constant constexpr int SG = 8;
@@ -53,15 +119,83 @@ using tg_half_tensor = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inl
 using tg_float_tensor = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>;
 using dev_half_tensor = tensor<device half, dextents<int32_t, 2>, tensor_inline>;
 
+// The described mask of one sequence (SPEC 6): query row r (of the sequence) sees cache row
+// j iff lo(r) <= j <= hi(r), that is j < lk, j <= r + offset when causal, and
+// j > r + offset - window when a window is given.
+struct Visibility {
+    int lk;      // cache rows of the sequence
+    int offset;  // lk - lq: the prompt is the end of its cache
+    bool causal;
+    int window;  // 0: none
+
+    int hi(int r) const { return causal ? min(r + offset, lk - 1) : lk - 1; }
+    int lo(int r) const { return window > 0 ? max(r + offset - window + 1, 0) : 0; }
+    bool sees(int r, int j) const { return j >= lo(r) && j <= hi(r); }
+
+    // The class of the step of cache rows [c, c + C) for the query rows [r_first, r_last]:
+    // 0 no pair visible, 2 every pair visible and the step whole, 1 otherwise. Both bounds
+    // grow with r and each row's range is non-empty and at most one row past the previous
+    // one's, so the rows' ranges cover [lo(r_first), hi(r_last)] without a gap: some pair is
+    // visible iff the step meets that span, every pair iff the step lies in every row's range.
+    int step_class(int c, int r_first, int r_last) const {
+        const bool whole = lk - c >= C;
+        const int last = whole ? c + C - 1 : lk - 1;
+        if (c > hi(r_last) || lo(r_first) > last) {
+            return 0;
+        }
+        return whole && lo(r_last) <= c && hi(r_first) >= last ? 2 : 1;
+    }
+};
+
+// Four consecutive elements of Q, as float.
+inline float4 load_q4(device const uchar * q, int dtype, ulong at)
+{
+    if (dtype == DTYPE_F16) {
+        const half4 x = *((device const packed_half4 *) ((device const half *) q + at));
+        return float4(x);
+    }
+    if (dtype == DTYPE_BF16) {
+        device const bfloat * x = (device const bfloat *) q + at;
+        return float4(float(x[0]), float(x[1]), float(x[2]), float(x[3]));
+    }
+    return float4(*((device const packed_float4 *) ((device const float *) q + at)));
+}
+
+// float -> bfloat, rounded to nearest even (NaN stays NaN), in bits: the rounding is spelled
+// out rather than left to a conversion whose rounding mode the documentation does not state.
+inline ushort bfloat_bits(float x)
+{
+    const uint u = as_type<uint>(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return ushort((u >> 16) | 0x0040u);
+    }
+    return ushort((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// One element of O in its dtype.
+inline void store_o(device uchar * out, int dtype, ulong at, float x)
+{
+    if (dtype == DTYPE_F16) {
+        ((device half *) out)[at] = half(x);
+    } else if (dtype == DTYPE_BF16) {
+        ((device ushort *) out)[at] = bfloat_bits(x);
+    } else {
+        ((device float *) out)[at] = x;
+    }
+}
+
 template <int D, int Q>
-void flash_attn_prefill_tensor_tile(
-    constant FlashAttnPrefillTensorParams & p,
-    device const float * q,
+void flash_attn_prefill_tile(
+    FlashAttnPrefillParams p,
+    device const uchar * q,
     device const half * k,
     device const half * v,
     device const half * mask,
     device const uchar * blk,
-    device float * out,
+    device uchar * out,
+    device float * lse,
+    device const int * cu_q,
+    device const int * cu_k,
     threadgroup uchar * smem,
     uint3 tgpig,
     ushort lane,
@@ -69,6 +203,22 @@ void flash_attn_prefill_tensor_tile(
 {
     constexpr int R = Q / SG;  // rows of the softmax per simdgroup
     static_assert(R * SG == Q && C == 2 * NW, "two columns per lane, whole rows per simdgroup");
+
+    // The sequence: its query rows [q_start, q_start + lq) and cache rows [k_start, +lk).
+    const int b = int(tgpig.z);
+    const bool varlen = (p.flags & PREFILL_VARLEN) != 0;
+    int q_start = 0, lq = p.rows, k_start = 0, lk = p.kv_len;
+    if (varlen) {
+        q_start = cu_q[b];
+        lq = cu_q[b + 1] - q_start;
+        k_start = cu_k[b];
+        lk = cu_k[b + 1] - k_start;
+    }
+    const int tile = int(tgpig.x);
+    const int r0 = tile * Q;
+    if (r0 >= lq) {
+        return;  // past this sequence's rows (uniform: the whole threadgroup leaves)
+    }
 
     // Threadgroup memory, exactly threadgroup_memory_bytes(D): queries half [Q][D], scores
     // float [Q][C], probabilities half [Q][C], row scale float [Q], the rescale flag.
@@ -78,13 +228,20 @@ void flash_attn_prefill_tensor_tile(
     threadgroup float * srow  = (threadgroup float *) (sp + Q * C);
     threadgroup int   * sflag = (threadgroup int *) (srow + Q);
 
-    const int tile = int(tgpig.x);
     const int h = int(tgpig.y);
-    const int r0 = tile * Q;
-    const int valid = min(Q, p.rows - r0);  // rows of this tile that exist
+    const int valid = min(Q, lq - r0);  // rows of this tile that exist
     const int g = h / (p.n_heads / p.n_kv_heads);
     const int tid = int(sg) * NW + int(lane);
-    const int n_steps = p.kv_pad / C;
+    const int n_steps = lk / C + (lk % C != 0 ? 1 : 0);
+    const bool has_mask = (p.flags & PREFILL_MASK) != 0;
+    const Visibility vis = {lk, lk - lq, (p.flags & PREFILL_CAUSAL) != 0, p.window};
+
+    // Where this sequence starts in each buffer (elements; the table in bytes).
+    const ulong q_at = varlen ? ulong(q_start) * ulong(p.q_row_stride) : ulong(b) * ulong(p.q_batch_stride);
+    const ulong k_at = varlen ? ulong(k_start) * ulong(p.k_row_stride) : ulong(b) * ulong(p.k_batch_stride);
+    const ulong v_at = varlen ? ulong(k_start) * ulong(p.v_row_stride) : ulong(b) * ulong(p.v_batch_stride);
+    const ulong o_at = varlen ? ulong(q_start) * ulong(p.o_row_stride) : ulong(b) * ulong(p.o_batch_stride);
+    const ulong lse_at = varlen ? ulong(q_start) : ulong(b) * ulong(p.lse_batch_stride);
 
     // 1. qh = half(scale * q) for the tile's rows, zeros for rows past the end.
     for (int e = tid; e < Q * D / 4; e += SG * NW) {
@@ -92,9 +249,8 @@ void flash_attn_prefill_tensor_tile(
         const int d4 = e % (D / 4);
         float4 x = 0.0f;
         if (r < valid) {
-            device const packed_float4 * qrow = (device const packed_float4 *)
-                (q + ulong(r0 + r) * ulong(p.q_row_stride) + ulong(h) * ulong(p.q_head_stride));
-            x = float4(qrow[d4]) * p.scale;
+            const ulong at = q_at + ulong(r0 + r) * ulong(p.q_row_stride) + ulong(h) * ulong(p.q_head_stride);
+            x = load_q4(q, p.q_dtype, at + ulong(4 * d4)) * p.scale;
         }
         ((threadgroup half4 *) sq)[e] = half4(x);
     }
@@ -105,7 +261,6 @@ void flash_attn_prefill_tensor_tile(
 
     tg_half_tensor tq(sq, dextents<int32_t, 2>(D, Q), array<int32_t, 2>({1, D}));
     tg_float_tensor ts(ss, dextents<int32_t, 2>(C, Q), array<int32_t, 2>({1, C}));
-    tg_half_tensor tp(sp, dextents<int32_t, 2>(C, Q), array<int32_t, 2>({1, C}));
 
     // S[Q][C] = Q[Q][D] . K[C][D]^T, and O[Q][D] += P[Q][C] . V[C][D].
     constexpr auto qk_desc = matmul2d_descriptor(Q, C, D, false, true, false,
@@ -131,34 +286,54 @@ void flash_attn_prefill_tensor_tile(
         s_run[i] = 0.0f;
     }
 
-    device const half * k_head = k + ulong(g) * ulong(p.k_head_stride);
-    device const half * v_head = v + ulong(g) * ulong(p.v_head_stride);
-    device const uchar * blk_row = blk + ulong(tile) * ulong(n_steps);
+    device const half * k_head = k + k_at + ulong(g) * ulong(p.k_head_stride);
+    device const half * v_head = v + v_at + ulong(g) * ulong(p.v_head_stride);
+    device const half * mask_seq = mask + ulong(b) * ulong(p.mask_batch_stride);
+    device const uchar * blk_row =
+        blk + ulong(b) * ulong(p.blk_batch_stride) + ulong(r0 / p.blk_bq) * ulong(p.blk_steps);
 
     for (int step = 0; step < n_steps; ++step) {
-        const uchar t = blk_row[step];
-        if (t == 0) {
-            continue;  // every mask value of the tile is -inf: nothing to add (uniform)
-        }
+        // The step's class: the description's for the tile's rows and the table's byte (2
+        // without an explicit mask); 0 if either is 0, 2 if both are 2, 1 otherwise (uniform).
         const int c = step * C;
+        const int kn = min(C, lk - c);  // cache rows of this step (the last one may be partial)
+        const int dt = vis.step_class(c, r0, r0 + valid - 1);
+        const uchar tb = has_mask && dt != 0 ? blk_row[step] : uchar(2);
+        const uchar t = dt == 0 || tb == 0 ? 0 : (dt == 2 && tb == 2 ? 2 : 1);
+        if (t == 0) {
+            continue;  // no visible pair, or every mask value -inf: nothing to add
+        }
 
-        // 2. Scores of this step into ss.
+        // 2. Scores of this step into ss. The K tensor holds the step's kn rows only; columns
+        // past them are set to -inf below, whatever they hold.
         dev_half_tensor tk(const_cast<device half *>(k_head + ulong(c) * ulong(p.k_row_stride)),
-                           dextents<int32_t, 2>(D, C), array<int32_t, 2>({1, p.k_row_stride}));
+                           dextents<int32_t, 2>(D, kn), array<int32_t, 2>({1, int32_t(p.k_row_stride)}));
         qk.run(tq, tk, cs);
         cs.store(ts);
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
-        // 3. Softmax of this simdgroup's rows: mask, lazy max, half P, row sums.
+        // 3. Softmax of this simdgroup's rows: visibility and mask, lazy max, half P, row sums.
+        const bool add_mask = has_mask && tb == 1;
         bool rescaled = false;
         for (int i = 0; i < R; ++i) {
             const int row = int(sg) * R + i;
             float s0 = ss[row * C + lane];
             float s1 = ss[row * C + lane + NW];
-            if (t == 1 && row < valid) {
-                device const half * mrow = mask + ulong(r0 + row) * ulong(p.mask_row_stride) + ulong(c);
-                s0 += float(mrow[lane]);
-                s1 += float(mrow[lane + NW]);
+            if (t == 1) {
+                const int r = r0 + row;
+                const bool v0 = vis.sees(r, c + int(lane));
+                const bool v1 = vis.sees(r, c + int(lane) + NW);
+                if (add_mask && row < valid) {
+                    device const half * mrow = mask_seq + ulong(r) * ulong(p.mask_row_stride) + ulong(c);
+                    if (v0) {
+                        s0 += float(mrow[lane]);
+                    }
+                    if (v1) {
+                        s1 += float(mrow[lane + NW]);
+                    }
+                }
+                s0 = v0 ? s0 : -INFINITY;
+                s1 = v1 ? s1 : -INFINITY;
             }
             const float m = simd_max(max(s0, s1));
             float ms = 1.0f;
@@ -181,7 +356,8 @@ void flash_attn_prefill_tensor_tile(
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
-        // 4. O = O * ms (only when some row moved its max), then O += P . V.
+        // 4. O = O * ms (only when some row moved its max), then O += P . V over the step's kn
+        // rows (P is 0 past them, and V past them is outside the tensor).
         if (*sflag == step) {
             for (ushort i = 0; i < co.get_capacity(); ++i) {
                 if (co.is_valid_element(i)) {
@@ -190,17 +366,24 @@ void flash_attn_prefill_tensor_tile(
                 }
             }
         }
+        tg_half_tensor tp(sp, dextents<int32_t, 2>(kn, Q), array<int32_t, 2>({1, C}));
         dev_half_tensor tv(const_cast<device half *>(v_head + ulong(c) * ulong(p.v_row_stride)),
-                           dextents<int32_t, 2>(D, C), array<int32_t, 2>({1, p.v_row_stride}));
+                           dextents<int32_t, 2>(D, kn), array<int32_t, 2>({1, int32_t(p.v_row_stride)}));
         pv.run(tp, tv, co);
     }
 
-    // 5. O / S per row; a row that saw nothing (S == 0) is zeros. Rows past the end are not
-    // written. srow is reused for S once every thread is done with the last step's scales.
+    // 5. O / S per row; a row that saw nothing (S == 0) is zeros, and its lse -inf. Rows past
+    // the end are not written. srow is reused for S once every thread is done with the last
+    // step's scales.
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (lane == 0) {
         for (int i = 0; i < R; ++i) {
             srow[int(sg) * R + i] = s_run[i];
+            const int row = int(sg) * R + i;
+            if ((p.flags & PREFILL_LSE) != 0 && row < valid) {
+                lse[lse_at + ulong(h) * ulong(p.lse_head_stride) + ulong(r0 + row)] =
+                    s_run[i] == 0.0f ? -INFINITY : m_run[i] + log(s_run[i]);
+            }
         }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -213,10 +396,81 @@ void flash_attn_prefill_tensor_tile(
         const int col = idx[0];
         if (row < valid) {
             const float s = srow[row];
-            out[(ulong(r0 + row) * ulong(p.n_heads) + ulong(h)) * ulong(D) + ulong(col)] =
-                s == 0.0f ? 0.0f : co[i] / s;
+            const ulong at = o_at + ulong(r0 + row) * ulong(p.o_row_stride) + ulong(h) * ulong(p.o_head_stride);
+            store_o(out, p.o_dtype, at + ulong(col), s == 0.0f ? 0.0f : co[i] / s);
         }
     }
+}
+
+kernel void flash_attn_prefill_d256(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const half * k [[buffer(2)]],
+    device const half * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<256, 32>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d512(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const half * k [[buffer(2)]],
+    device const half * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<512, 16>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, smem, tgpig, lane, sg);
+}
+
+// The origin op as a prefill: one sequence of `rows` query rows over a cache of kv_pad rows,
+// the explicit mask [rows][mask_row_stride] with its table (tiles of Q x C), F32 Q, F32 O
+// contiguous [rows][n_heads][D], no description, no lse.
+template <int D, int Q>
+FlashAttnPrefillParams origin_params(constant FlashAttnPrefillTensorParams & o)
+{
+    FlashAttnPrefillParams p = {};
+    p.q_row_stride = o.q_row_stride;
+    p.q_head_stride = o.q_head_stride;
+    p.k_row_stride = o.k_row_stride;
+    p.k_head_stride = o.k_head_stride;
+    p.v_row_stride = o.v_row_stride;
+    p.v_head_stride = o.v_head_stride;
+    p.o_row_stride = long(o.n_heads) * D;
+    p.o_head_stride = D;
+    p.mask_row_stride = o.mask_row_stride;
+    p.batch = 1;
+    p.rows = o.rows;
+    p.kv_len = o.kv_pad;
+    p.n_heads = o.n_heads;
+    p.n_kv_heads = o.n_kv_heads;
+    p.head_dim = D;
+    p.max_rows = o.rows;
+    p.flags = PREFILL_MASK;
+    p.q_dtype = DTYPE_F32;
+    p.o_dtype = DTYPE_F32;
+    p.blk_rows = o.rows / Q + (o.rows % Q != 0 ? 1 : 0);
+    p.blk_steps = o.kv_pad / C;
+    p.blk_bq = Q;
+    p.scale = o.scale;
+    return p;
 }
 
 kernel void flash_attn_prefill_tensor_f16_d256(
@@ -232,7 +486,8 @@ kernel void flash_attn_prefill_tensor_f16_d256(
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tensor_tile<256, 32>(p, q, k, v, mask, blk, out, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<256, 32>(origin_params<256, 32>(p), (device const uchar *) q, k, v, mask, blk,
+                                     (device uchar *) out, nullptr, nullptr, nullptr, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_tensor_f16_d512(
@@ -248,5 +503,6 @@ kernel void flash_attn_prefill_tensor_f16_d512(
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tensor_tile<512, 16>(p, q, k, v, mask, blk, out, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<512, 16>(origin_params<512, 16>(p), (device const uchar *) q, k, v, mask, blk,
+                                     (device uchar *) out, nullptr, nullptr, nullptr, smem, tgpig, lane, sg);
 }

@@ -48,3 +48,22 @@ def rng(request):
 
     seed = zlib.crc32(request.node.nodeid.encode())
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory):
+    """Where the Metal emulator (tests/metal_emu) is built, once per session for every module
+    that runs it (deliberately changed kernels are built there too)."""
+    import metal_emu
+
+    if metal_emu.compiler() is None:
+        pytest.fail("the Metal emulator needs a C++20 compiler (g++ or $CXX); none was found")
+    return tmp_path_factory.mktemp("metal_emu")
+
+
+@pytest.fixture(scope="session")
+def emu(build_dir):
+    """The Metal emulator built from the kernels in shaders/."""
+    import metal_emu
+
+    return metal_emu.Emulator(metal_emu.build(build_dir))

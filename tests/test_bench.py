@@ -337,7 +337,9 @@ def test_cuda_peers_without_torch(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now fails
     assert "not importable" in cuda_peers.TorchCudaSdpa().missing()
-    assert [p.name for p in peers.peers_for("cuda")] == ["torch"]
+    assert [p.name for p in peers.peers_for("cuda")] == ["torch", "fa4", "flex"]
+    assert "not importable" in cuda_peers.FlashAttention4().missing()
+    assert "not importable" in cuda_peers.FlexAttention().missing()
     reason = cuda_peers.refusal_reason(
         ["Memory efficient kernel not used because:", "Flash Attention does not support non-null attn_mask. (Triggered internally at x.cpp)"],
         "No available kernel.  Aborting execution.\nmore",

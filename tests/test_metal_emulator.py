@@ -17,6 +17,22 @@ import mlx_native as mx
 from mlx_native.reference import nmse, reference_attention
 
 from helpers import CASES, _span, case_id, make_case, run_low_level
+from planted_cases import (
+    EXACT_BAR,
+    FIELD_BASE,
+    FIELD_PERTURBED,
+    GPU_FIELDS,
+    PLANTED,
+    SPEC_BAR,
+    check_planted,
+    crafted_blk_mask,
+    field_buffers,
+    field_views,
+    nan_rows,
+    nmse_bulk,
+    spec_blk,
+    spec_reference,
+)
 
 EXPECTED = 1e-5  # against the float64 reference (SPEC bar: 5e-4)
 CPU_AGREEMENT = 1e-10  # against the CPU backend, which computes the same rounded steps (seen: <2e-13)
@@ -24,16 +40,7 @@ CPU_AGREEMENT = 1e-10  # against the CPU backend, which computes the same rounde
 THREADS = (32, 8, 1)  # 8 simdgroups, as the op dispatches
 
 
-@pytest.fixture(scope="session")
-def build_dir(tmp_path_factory):
-    if metal_emu.compiler() is None:
-        pytest.fail("the Metal emulator needs a C++20 compiler (g++ or $CXX); none was found")
-    return tmp_path_factory.mktemp("metal_emu")
-
-
-@pytest.fixture(scope="session")
-def emu(build_dir):
-    return metal_emu.Emulator(metal_emu.build(build_dir))
+# The fixtures build_dir and emu (one emulator build per session) are in conftest.py.
 
 
 def mutated(build_dir, original: str, replacement: str, count: int = 1) -> metal_emu.Emulator:
@@ -238,6 +245,84 @@ def test_threadgroup_memory_is_exactly_what_the_op_binds(emu, rng):
                      threadgroup_memory={0: need - 16})  # fmt: skip
 
 
+# -- the planted-bug cases (tests/planted_cases.py), as every backend runs them ------------------
+
+
+@pytest.mark.parametrize("planted", PLANTED, ids=[p.name for p in PLANTED])
+def test_planted_case(emu, rng, planted):
+    c = planted.build(rng)
+    out, blk = emu_attention(emu, c, extra_out_rows=2, sentinel=-7.5)
+    assert (out[c.rows :] == np.float32(-7.5)).all(), "rows past `rows` were written"
+    check_planted(out, blk, c, label=f"{planted.name} (emulator)")
+    cpu_out, _ = run_low_level(mx.Device("cpu"), c)
+    good = np.setdiff1d(np.arange(c.rows), nan_rows(c))
+    assert nmse(out[good], cpu_out[good]) < CPU_AGREEMENT
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_shared_cases_meet_the_sharper_bars(emu, rng, case):
+    rows, nh, nkv, hd, kv_len, scale, mask, window = case
+    c = make_case(rng, rows, nh, nkv, hd, kv_len, scale=scale, mask=mask, window=window)
+    out, blk = emu_attention(emu, c)
+    assert nmse(out, reference(c)) <= EXACT_BAR
+    assert nmse_bulk(out, spec_reference(c.q, c.k, c.v, c.mask, blk, scale)) <= SPEC_BAR
+
+
+@pytest.mark.parametrize("bq,bk", [(32, 64), (16, 64), (7, 48)])
+def test_blk_negative_nan_minus_zero_and_single_rows(emu, rng, bq, bk):
+    mask, want, rows = crafted_blk_mask(rng, bq, bk)
+    assert np.array_equal(emu_blk(emu, mask, rows, bq, bk), want)
+
+
+def emu_attention_params(emu, bufs, prm, hd=256, schedule="forward"):
+    """The attention kernel over flat buffers with a params block built by hand (any
+    mask_row_stride), an all-ones table; returns (the whole output buffer, the output)."""
+    q, k, v, mask = bufs
+    rows, nh, kvp = prm["rows"], prm["n_heads"], prm["kv_pad"]
+    bq = mx.queries_per_threadgroup(hd)
+    blk = np.ones((-(-rows // bq), kvp // 64), np.uint8)
+    words = [prm[f] for f in GPU_FIELDS]
+    params = struct.pack("<11if", *words)
+    out = np.full((40, 4, hd), -3.25, np.float32)
+    kernel = {256: mx.K_TENSOR_F16_D256, 512: mx.K_TENSOR_F16_D512}[hd]
+    mrs = prm["mask_row_stride"]
+    res = emu.dispatch(
+        kernel, (-(-rows // bq), nh, 1), THREADS,
+        buffers={1: q, 2: k, 3: v, 4: mask[: (rows - 1) * mrs + kvp], 5: blk, 6: out},
+        constants={0: params}, threadgroup_memory={0: mx.threadgroup_memory_bytes(hd)}, schedule=schedule,
+    )  # fmt: skip
+    full = res[6]
+    return full, full.reshape(-1)[: rows * nh * hd].reshape(rows, nh, hd)
+
+
+@pytest.mark.parametrize("field", GPU_FIELDS)
+def test_every_params_field_is_honoured_at_the_kernel_level(emu, rng, field):
+    """Each field of the params block, mask_row_stride too (the op always sets it to kv_pad),
+    changes the output to the reference of what the changed block describes."""
+    assert GPU_FIELDS == [f.name for f in mx_fields()], "the params block changed: update FIELD_BASE"
+    bufs = field_buffers(rng)
+    full0, base = emu_attention_params(emu, bufs, FIELD_BASE)
+    qv, kv, vv, mv = field_views(bufs, FIELD_BASE)
+    assert nmse(base, reference_attention(qv, kv, vv, mv, scale=FIELD_BASE["scale"])) < EXACT_BAR
+    prm = {**FIELD_BASE, field: FIELD_PERTURBED[field]}
+    full1, got = emu_attention_params(emu, bufs, prm)
+    qv, kv, vv, mv = field_views(bufs, prm)
+    err = nmse(got, reference_attention(qv, kv, vv, mv, scale=prm["scale"]))
+    assert err < EXACT_BAR, f"{field}: nmse {err:.2e}"
+    assert not np.array_equal(full0, full1), f"{field}: the output did not change"
+
+
+def mx_fields():
+    """The params block's fields as the Metal source declares them, in order."""
+    import re
+    from collections import namedtuple
+
+    src = metal_emu.SHADER_FILES["flash_attn_prefill_tensor.metal"].read_text()
+    body = re.search(r"struct FlashAttnPrefillTensorParams \{(.*?)\};", src, re.S).group(1)
+    F = namedtuple("F", "name")
+    return [F(m) for m in re.findall(r"(?:int|float)\s+(\w+);", body)]
+
+
 # -- deliberately wrong kernels must fail these checks -------------------------------------------
 
 
@@ -314,6 +399,21 @@ def test_a_layout_assumption_is_caught(build_dir, rng):
     assert nmse(good_layout, reference(c)) < EXPECTED
     other_layout, _ = emu_attention(bad, c, blk=blk, layout_seed=3)
     assert clearly_wrong(other_layout, c)
+
+
+def test_row_sums_left_unzeroed_are_caught(build_dir, rng):
+    # The emulator starts thread-private variables as 0xfe bytes (a float of -1.69e38):
+    # row sums never zeroed survive the first step (it multiplies them by exp(-FLT_MAX/2 -
+    # m) = 0), but a fully masked row's sum stays -1.69e38 and its output 0 / -1.69e38 is
+    # -0.0, which the planted checks refuse (+0.0 bit for bit).
+    bad = mutated(build_dir, "s_run[i] = 0.0f;", "/* s_run left unzeroed */")
+    p = next(p for p in PLANTED if p.name == "padding-d256")
+    c = p.build(rng)
+    out, blk = emu_attention(bad, c)
+    with pytest.raises(AssertionError, match=r"not \+0\.0 bit for bit"):
+        check_planted(out, blk, c)
+    good, _ = emu_attention(metal_emu.Emulator(metal_emu.build(build_dir)), c)
+    check_planted(good, blk, c)
 
 
 # -- the emulator's own execution model ----------------------------------------------------------

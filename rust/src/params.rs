@@ -349,8 +349,8 @@ mod tests {
     /// The fields of `struct <name> { ... }` in a C-like source, with the offsets a C
     /// compiler gives them: 4-byte `int` / `float` and 8-byte `long long` / `long` (Metal's
     /// 64-bit integer) fields, each at its natural alignment (anything else fails the
-    /// parse, and the test with it).
-    fn device_fields(source: &str, name: &str) -> Vec<(String, usize)> {
+    /// parse, and the test with it), and their sizes ([`device_fields`]: names and offsets).
+    fn device_layout(source: &str, name: &str) -> Vec<(String, usize, usize)> {
         let start = source.find(&format!("struct {name} {{")).unwrap_or_else(|| panic!("no struct {name}"));
         let body = &source[start..];
         let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
@@ -375,11 +375,26 @@ mod tests {
             };
             for n in names.split(',') {
                 offset = offset.div_ceil(size) * size;
-                out.push((n.trim().to_string(), offset));
+                out.push((n.trim().to_string(), offset, size));
                 offset += size;
             }
         }
         out
+    }
+
+    fn device_fields(source: &str, name: &str) -> Vec<(String, usize)> {
+        device_layout(source, name).into_iter().map(|(n, offset, _)| (n, offset)).collect()
+    }
+
+    /// The sizes of [`device_layout`]'s fields.
+    fn device_sizes(source: &str, name: &str) -> Vec<usize> {
+        device_layout(source, name).into_iter().map(|(_, _, size)| size).collect()
+    }
+
+    /// Each field's size in a block without padding (`total` its size): the gap to the next.
+    fn rust_sizes(fields: &[Field], total: usize) -> Vec<usize> {
+        let ends = fields.iter().skip(1).map(|f| f.offset).chain([total]);
+        fields.iter().zip(ends).map(|(f, end)| end - f.offset).collect()
     }
 
     fn rust_fields(fields: &[Field]) -> Vec<(String, usize)> {
@@ -412,6 +427,33 @@ mod tests {
         assert_eq!(device_fields(cu, "BlkParams"), rust_fields(BLK_FIELDS), "shaders/flash_attn_prefill_blk.cu drifted");
         assert_eq!(device_fields(metal, "FlashAttnPrefillBlkParams"), rust_fields(BLK_FIELDS), "the .metal struct drifted");
         assert_eq!(device_fields(cu, "MaskBlkParams"), rust_fields(MASK_BLK_FIELDS), "the .cu mask table struct drifted");
+    }
+
+    #[test]
+    fn metal_declares_the_same_prefill_block() {
+        let metal = include_str!("../../shaders/flash_attn_prefill_tensor.metal");
+        let name = "FlashAttnPrefillParams";
+        assert_eq!(device_fields(metal, name), rust_fields(PREFILL_FIELDS), "the .metal struct drifted");
+        let size = std::mem::size_of::<FlashAttnPrefillParamsGpu>();
+        assert_eq!(device_sizes(metal, name), rust_sizes(PREFILL_FIELDS, size), "a .metal field has another size");
+    }
+
+    #[test]
+    fn metal_declares_the_same_mask_blk_block() {
+        let metal = include_str!("../../shaders/flash_attn_prefill_blk.metal");
+        let name = "FlashAttnPrefillMaskBlkParams";
+        assert_eq!(device_fields(metal, name), rust_fields(MASK_BLK_FIELDS), "the .metal struct drifted");
+        let size = std::mem::size_of::<FlashAttnPrefillMaskBlkParamsGpu>();
+        assert_eq!(device_sizes(metal, name), rust_sizes(MASK_BLK_FIELDS, size), "a .metal field has another size");
+    }
+
+    #[test]
+    fn an_int_where_the_block_has_a_long_is_seen_by_its_size() {
+        // The offsets may still agree (the next long is aligned to 8); the sizes do not.
+        let narrowed = "struct Q {\n long q_batch_stride;\n int q_row_stride;\n long q_head_stride;\n};";
+        assert_eq!(device_fields(narrowed, "Q"), rust_fields(&PREFILL_FIELDS[..3]));
+        assert_eq!(device_sizes(narrowed, "Q"), vec![8, 4, 8]);
+        assert_ne!(device_sizes(narrowed, "Q"), rust_sizes(&PREFILL_FIELDS[..3], 24));
     }
 
     #[test]

@@ -23,12 +23,16 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+#: Where the kernel sources are read from: ``shaders/``, or the folder ``MLXN_METAL_SHADER_DIR``
+#: names (scripts/mutate_kernels.py points it at a mutated copy; a file it lacks is read from
+#: ``shaders/``).
 SHADERS = REPO / "shaders"
+_OVERRIDE = os.environ.get("MLXN_METAL_SHADER_DIR")
 
 #: The kernel sources the emulator is built from (file name -> path).
 SHADER_FILES = {
-    "flash_attn_prefill_tensor.metal": SHADERS / "flash_attn_prefill_tensor.metal",
-    "flash_attn_prefill_blk.metal": SHADERS / "flash_attn_prefill_blk.metal",
+    name: (Path(_OVERRIDE) / name if _OVERRIDE and (Path(_OVERRIDE) / name).is_file() else SHADERS / name)
+    for name in ("flash_attn_prefill_tensor.metal", "flash_attn_prefill_blk.metal")
 }
 
 #: Parameter attributes the emulator binds (anything else in ``[[...]]`` is an error).
@@ -47,7 +51,18 @@ BINDING_ATTRIBUTES = {
     "simdgroups_per_threadgroup",
 }
 
-CXX_FLAGS = ["-std=c++20", "-O2", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-variable"]
+# -ftrivial-auto-var-init=pattern: every thread-private variable a kernel does not
+# initialise starts as 0xfe bytes (a float of -1.69e38, an int of -16843010), not as
+# whatever an earlier fiber left on the stack, so a kernel that relies on uninitialised
+# state computes something wrong (docs/metal.md).
+CXX_FLAGS = [
+    "-std=c++20",
+    "-O2",
+    "-Wall",
+    "-Wno-unknown-pragmas",
+    "-Wno-unused-variable",
+    "-ftrivial-auto-var-init=pattern",
+]
 
 _ATTRIBUTE = re.compile(r"\[\[\s*(\w+)\s*(?:\(([^()]*)\))?\s*\]\]")
 _ENTRY = re.compile(r"\bkernel\s+void\s+(\w+)\s*\(")

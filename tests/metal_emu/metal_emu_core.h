@@ -117,6 +117,27 @@ inline bool operator>=(half a, half b) { return float(a) >= float(b); }
 inline bool operator==(half a, half b) { return float(a) == float(b); }
 inline bool operator!=(half a, half b) { return float(a) != float(b); }
 
+// Metal's bfloat (MSL 3.1): the upper 16 bits of a binary32. Widening to float is exact;
+// narrowing rounds to nearest even (NaN stays NaN). Only storage and conversions are
+// modelled (arithmetic on bfloat values is done in float).
+struct bfloat {
+    uint16_t bits;
+    bfloat() = default;
+    bfloat(float f) {
+        uint32_t x;
+        std::memcpy(&x, &f, 4);
+        bits = (x & 0x7fffffffu) > 0x7f800000u ? uint16_t((x >> 16) | 0x40u)
+                                               : uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+    }
+    operator float() const {
+        const uint32_t x = uint32_t(bits) << 16;
+        float f;
+        std::memcpy(&f, &x, 4);
+        return f;
+    }
+};
+static_assert(sizeof(bfloat) == 2, "bfloat is two bytes");
+
 // ---- vector types ------------------------------------------------------------------------
 // Components as named members (x, y, z, w); the aligned types are aligned to their size
 // (rounded up to a power of two) as in Metal, the packed ones to their scalar.
@@ -265,6 +286,7 @@ const int32_t* cooperative_layout(int rows, int cols, int threads, int capacity)
 namespace metal {
 
 using ::half;
+using ::bfloat;
 
 template <class T, std::size_t N>
 struct array {

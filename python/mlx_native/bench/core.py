@@ -145,7 +145,13 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
     labels = [vt.label for vt in runners]
     meta = {vt.label: dict(peer=None, mode=None, kv_repeated=None, calls=vt.calls) for vt in runners}
     bar.advance()
-    problem = Problem(q, k, v, mask, causal=case.mask == "causal", dense=case.mask == "zero", threads=cpu_info()["threads"])
+    problem = Problem(
+        q, k, v, mask,
+        causal=case.mask == "causal",
+        dense=case.mask == "zero",
+        window=case.window if case.mask == "window" else None,
+        threads=cpu_info()["threads"],
+    )
     for p in available:
         bar.step(f"{case.name} {r}: preparing {p.name}")
         try:

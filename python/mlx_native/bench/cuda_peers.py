@@ -162,4 +162,149 @@ def _variant(label, torch, sdpa_kernel, member, sdpa, q, k, v, kw) -> Variant:
     return Variant(label, run, output, calls=calls)
 
 
+def _timed_variant(label: str, call, output, torch) -> Variant:
+    """A variant around `call()` (which returns the output tensor): refused with the
+    exception's first line if the first call fails, else repeated to about TARGET_S."""
+    state = {}
+    try:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        state["out"] = call()  # compile / warm up
+        a.record()
+        state["out"] = call()
+        b.record()
+        b.synchronize()
+        calls = int(np.clip(round(TARGET_S / max(a.elapsed_time(b) / 1e3, 1e-6)), 1, 50))
+    except Exception as e:  # refused (a head dim, shared memory), or out of memory
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        torch.cuda.empty_cache()
+
+        def refused():
+            raise Refused(reason)
+
+        return Variant(label, refused, lambda: None)
+
+    def run():
+        for _ in range(calls):
+            state["out"] = call()
+        torch.cuda.synchronize()
+
+    return Variant(label, run, lambda: output(state["out"]), calls=calls)
+
+
+def _bshd(x: Any, torch):
+    """fp16 CUDA ``[1, rows, heads, dim]`` from the kernel's ``[rows, heads, dim]``."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cuda", torch.float16)[None].contiguous()
+    return torch.from_numpy(np.ascontiguousarray(x)).to("cuda").to(torch.float16)[None].contiguous()
+
+
+class FlashAttention4(Peer):
+    """FlashAttention-4 (``flash_attn.cute.flash_attn_func``, the CuTe-DSL kernels) on fp16
+    ``[1, rows, heads, dim]`` Q/K/V with grouped-query K/V as they are, with its built-in
+    causal mask and sliding window (``window_size=(w - 1, 0)``: both align the prompt to the
+    end of its cache, as ours do) or no mask. It takes no additive mask, so it runs only on
+    cases one of those describes. Head dims up to 256 on Hopper."""
+
+    name = "fa4"
+    install_hint = "the flash-attn-4 wheels (../shared/tools/fa4-wheels.sh prepares them for a GPU machine)"
+
+    def missing(self) -> Optional[str]:
+        try:
+            import torch
+            from flash_attn.cute import flash_attn_func  # noqa: F401
+
+            if not torch.cuda.is_available():
+                return "PyTorch sees no CUDA device"
+        except Exception as e:
+            return f"not importable ({type(e).__name__}: {e}); {self.install_hint}"
+        return None
+
+    def version(self) -> Optional[str]:
+        try:
+            from importlib.metadata import version
+
+            return version("flash-attn-4")
+        except Exception:
+            return None
+
+    def variants(self, problem: Problem) -> List[Variant]:
+        from flash_attn.cute import flash_attn_func
+
+        torch = _torch()
+        if problem.window is not None:
+            label, mode, kw = "fa4, sliding window", "window", dict(causal=True, window_size=(problem.window - 1, 0))
+        elif problem.causal:
+            label, mode, kw = "fa4, causal", "causal", dict(causal=True)
+        elif problem.dense:
+            label, mode, kw = "fa4, no mask", "none", {}
+        else:
+            return []
+        q, k, v = (_bshd(x, torch) for x in (problem.q, problem.k, problem.v))
+
+        def call():
+            o = flash_attn_func(q, k, v, softmax_scale=problem.scale, **kw)
+            return o[0] if isinstance(o, tuple) else o
+
+        vt = _timed_variant(label, call, lambda o: o[0].float().cpu().numpy(), torch)
+        vt.mode, vt.kv_repeated = mode, False
+        return [vt]
+
+
+class FlexAttention(Peer):
+    """PyTorch's FlexAttention (``torch.nn.attention.flex_attention``, compiled) with a block
+    mask made from the case's description (causal, window, none; the prompt at the end of
+    its cache) and ``enable_gqa`` on the unrepeated K/V. At head dim 512 its default tiles do
+    not fit in shared memory: it runs with 32 x 32 tiles there."""
+
+    name = "flex"
+    install_hint = "pip install torch (2.5 or later, a CUDA build)"
+
+    def missing(self) -> Optional[str]:
+        try:
+            import torch
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+
+            if not torch.cuda.is_available():
+                return "PyTorch sees no CUDA device"
+        except Exception as e:
+            return f"not importable ({type(e).__name__}: {e}); {self.install_hint}"
+        return None
+
+    def variants(self, problem: Problem) -> List[Variant]:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        torch = _torch()
+        rows, kv_len = problem.q.shape[0], problem.k.shape[0]
+        off, w = kv_len - rows, problem.window
+        if w is not None:
+            label, mode = "flex, sliding window", "window"
+
+            def mask_mod(b, h, qi, kj):
+                return (kj <= qi + off) & (kj > qi + off - w)
+        elif problem.causal:
+            label, mode = "flex, causal", "causal"
+
+            def mask_mod(b, h, qi, kj):
+                return kj <= qi + off
+        elif problem.dense:
+            label, mode, mask_mod = "flex, no mask", "none", None
+        else:
+            return []
+        q, k, v = (_bshd(x, torch).transpose(1, 2) for x in (problem.q, problem.k, problem.v))
+        block = None if mask_mod is None else create_block_mask(mask_mod, None, None, rows, kv_len, device="cuda")
+        opts = {"BLOCK_M": 32, "BLOCK_N": 32} if problem.q.shape[2] > 256 else None
+        compiled = torch.compile(flex_attention, dynamic=False)
+        gqa = problem.q.shape[1] != problem.k.shape[1]
+
+        def call():
+            return compiled(q, k, v, block_mask=block, scale=problem.scale, enable_gqa=gqa, kernel_options=opts)
+
+        vt = _timed_variant(label, call, lambda o: o[0].transpose(0, 1).float().cpu().numpy(), torch)
+        vt.mode, vt.kv_repeated = mode, False
+        return [vt]
+
+
 register_peer("cuda", TorchCudaSdpa())
+register_peer("cuda", FlashAttention4())
+register_peer("cuda", FlexAttention())

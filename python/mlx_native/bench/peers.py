@@ -34,13 +34,17 @@ class Problem:
     scale: float = 1.0
     causal: bool = False
     dense: bool = False
+    #: ``w`` when the mask is exactly a window-``w`` causal one (the prompt at the end of its
+    #: cache), so a peer's built-in sliding window computes the same thing.
+    window: Optional[int] = None
     #: CPU threads the peer should use (as many as the library's backend uses).
     threads: Optional[int] = None
 
 
 #: What a variant computes with, as far as the summary of a run compares peers: the same
-#: additive mask as ours, a built-in causal mode with no mask, or no mask (a zero-mask case).
-MODES = ("mask", "causal", "none")
+#: additive mask as ours, a built-in causal mode with no mask, a built-in sliding window,
+#: or no mask (a zero-mask case).
+MODES = ("mask", "causal", "window", "none")
 
 
 @dataclass

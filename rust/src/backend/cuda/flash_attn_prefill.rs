@@ -186,7 +186,9 @@ fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_len: u32, batch: u32, s
     let [batch_stride, row_stride, head_stride] = strides.map(|s| s as u64 * 2);
     // A dimension of extent 1 never steps: any valid stride does.
     let head = if n_kv == 1 { head_dim as u64 * 2 } else { head_stride };
-    let seq = if batch == 1 { row_stride.max(16) } else { batch_stride };
+    // One sequence: the stride past its whole cache (the driver refuses a 4-d map whose
+    // outer stride does not cover the dimension inside it).
+    let seq = if batch == 1 { row_stride.saturating_mul(kv_len as u64) } else { batch_stride };
     let ok = |s: u64| s > 0 && s % 16 == 0 && s < (1 << 40);
     if base % 16 != 0 || !ok(row_stride) || !ok(head) || !ok(seq) || kv_len == 0 {
         return None;
@@ -213,6 +215,9 @@ fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_len: u32, batch: u32, s
             0,
         )
     };
+    if r != driver::CUDA_SUCCESS && super::launch::tracing() {
+        eprintln!("mlx_native cuda: no tensor map for dims {dims:?} strides {strides:?} (driver status {r})");
+    }
     (r == driver::CUDA_SUCCESS).then_some(map)
 }
 

@@ -16,6 +16,7 @@ use crate::interface::Backend;
 
 pub mod api;
 pub mod backend;
+pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
 #[cfg(test)]
@@ -42,6 +43,7 @@ pub fn function_of(name: &str) -> &str {
     flash_attn_prefill_tensor::KERNELS
         .iter()
         .chain(flash_attn_prefill_blk::KERNELS)
+        .chain(flash_attn_prefill::KERNELS)
         .find(|k| k.name == name)
         .map_or(name, |k| k.function)
 }

@@ -408,3 +408,192 @@ fn off_macos_metal_is_unavailable_and_auto_is_the_cpu() {
     assert!(!crate::backend::available_backends().contains(&"metal"));
     assert_eq!(crate::backend::open("auto").unwrap().kind(), BackendKind::Cpu);
 }
+
+// -- flash_attn_prefill (SPEC 6-9) ------------------------------------------------------------
+
+use crate::ops::flash_attn_prefill::{
+    dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_blk_params, validate,
+    FlashAttnPrefillBuffers, FlashAttnPrefillParams, K_PREFILL_D256, K_PREFILL_D512, K_PREFILL_MASK_BLK,
+};
+
+fn prefill_registry() -> KernelRegistry {
+    let mut reg = default_registry();
+    crate::ops::flash_attn_prefill::register(&mut reg);
+    reg
+}
+
+/// A fixed-length batch of 3 sequences of 45 rows over caches of 130 rows, contiguous.
+fn prefill_params(head_dim: u32) -> FlashAttnPrefillParams {
+    let (rows, kv, nh, nkv, hd) = (45u64, 130u64, 4u64, 2u64, head_dim as u64);
+    FlashAttnPrefillParams {
+        q_strides: [rows * nh * hd, nh * hd, hd],
+        k_strides: [kv * nkv * hd, nkv * hd, hd],
+        v_strides: [kv * nkv * hd, nkv * hd, hd],
+        out_strides: [rows * nh * hd, nh * hd, hd],
+        mask_strides: [0, kv],
+        lse_strides: [nh * rows, rows],
+        batch: 3,
+        rows: 45,
+        kv_len: 130,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim,
+        causal: 1,
+        window: 0,
+        scale: 0.5,
+    }
+}
+
+#[test]
+fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
+    for (head_dim, name, q_tiles) in [(256u32, K_PREFILL_D256, 2u64), (512, K_PREFILL_D512, 3)] {
+        let (dev, be) = fake_device(FakeMetal::new());
+        let mut reg = prefill_registry();
+        let p = prefill_params(head_dim);
+        let n = |x: u64| x as usize;
+        let (hd, b) = (head_dim as u64, 3u64);
+        let q = dev.alloc_buffer(DType::BF16, &[n(b * 45 * 4 * hd)]).unwrap();
+        let k = dev.alloc_buffer(DType::F16, &[n(b * 130 * 2 * hd)]).unwrap();
+        let v = dev.alloc_buffer(DType::F16, &[n(b * 130 * 2 * hd)]).unwrap();
+        let out = dev.alloc_buffer(DType::F16, &[n(b * 45 * 4 * hd)]).unwrap();
+        let mask = dev.alloc_buffer(DType::F16, &[45 * 130]).unwrap();
+        // One table for every sequence (mask batch stride 0): q_tiles x ceil(130 / 64) bytes.
+        let blk = dev.alloc_buffer(DType::U8, &[n(q_tiles * 3)]).unwrap();
+        let lse = dev.alloc_buffer(DType::F32, &[n(b * 4 * 45)]).unwrap();
+        let bufs = FlashAttnPrefillBuffers {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            mask: Some(&mask),
+            blk: Some(&blk),
+            cu_seqlens_q: None,
+            cu_seqlens_k: None,
+            lse: Some(&lse),
+        };
+        let gpu = validate(&bufs, &p).unwrap().gpu;
+        let mut enc = dev.command_encoder();
+        dispatch_flash_attn_prefill(&mut enc, &mut reg, &dev, &bufs, &p).unwrap();
+        enc.commit_and_wait().unwrap();
+        let buf = |index, b: &MlxBuffer| Recorded::SetBuffer { index, buffer: buffer_id(b), offset: 0 };
+        assert_eq!(
+            be.api().last_run(),
+            vec![
+                Recorded::SetPipeline(name.into()),
+                Recorded::SetBytes { index: 0, bytes: crate::as_bytes(&gpu).to_vec() },
+                buf(1, &q),
+                buf(2, &k),
+                buf(3, &v),
+                buf(4, &mask),
+                buf(5, &blk),
+                buf(6, &out),
+                buf(7, &lse),
+                buf(8, &q),
+                buf(9, &q),
+                Recorded::SetThreadgroupMemoryLength { index: 0, bytes: threadgroup_memory_bytes(head_dim).unwrap() },
+                Recorded::DispatchThreadgroups { grid: GridSize::new(q_tiles, 4, 3), threadgroup: GridSize::new(32, 8, 1) },
+            ],
+            "head dim {head_dim}"
+        );
+        // The block as the kernel's struct reads it (shaders/flash_attn_prefill_tensor.metal).
+        assert_eq!(std::mem::size_of_val(&gpu), 200);
+        assert_eq!((gpu.flags, gpu.q_dtype, gpu.o_dtype), (1 | 2 | 8, 2, 1));
+    }
+}
+
+#[test]
+fn prefill_of_variable_length_binds_the_cu_seqlens_and_covers_the_longest_sequence() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    let mut reg = prefill_registry();
+    let (total_q, total_k, hd) = (50usize, 90usize, 512usize);
+    let q = dev.alloc_buffer(DType::F32, &[total_q * 2 * hd]).unwrap();
+    let k = dev.alloc_buffer(DType::F16, &[total_k * hd]).unwrap();
+    let v = dev.alloc_buffer(DType::F16, &[total_k * hd]).unwrap();
+    let out = dev.alloc_buffer(DType::F32, &[total_q * 2 * hd]).unwrap();
+    let cu_q = dev.alloc_buffer(DType::I32, &[4]).unwrap();
+    let cu_k = dev.alloc_buffer(DType::I32, &[4]).unwrap();
+    let words = |x: [i32; 4]| x.iter().flat_map(|w| w.to_ne_bytes()).collect::<Vec<u8>>();
+    cu_q.write_bytes(0, &words([0, 17, 17, 50])).unwrap();
+    cu_k.write_bytes(0, &words([0, 40, 41, 90])).unwrap();
+    let p = FlashAttnPrefillParams {
+        q_strides: [0, 2 * hd as u64, hd as u64],
+        k_strides: [0, hd as u64, hd as u64],
+        v_strides: [0, hd as u64, hd as u64],
+        out_strides: [0, 2 * hd as u64, hd as u64],
+        mask_strides: [0, 0],
+        lse_strides: [0, 0],
+        batch: 3,
+        rows: total_q as u32,
+        kv_len: total_k as u32,
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: hd as u32,
+        causal: 1,
+        window: 8,
+        scale: 1.0,
+    };
+    let bufs = FlashAttnPrefillBuffers {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        mask: None,
+        blk: None,
+        cu_seqlens_q: Some(&cu_q),
+        cu_seqlens_k: Some(&cu_k),
+        lse: None,
+    };
+    let mut enc = dev.command_encoder();
+    dispatch_flash_attn_prefill(&mut enc, &mut reg, &dev, &bufs, &p).unwrap();
+    enc.commit_and_wait().unwrap();
+    let run = be.api().last_run();
+    let buf = |index, b: &MlxBuffer| Recorded::SetBuffer { index, buffer: buffer_id(b), offset: 0 };
+    for (index, b) in [(4, &q), (5, &q), (7, &q), (8, &cu_q), (9, &cu_k)] {
+        assert!(run.contains(&buf(index, b)), "index {index}");
+    }
+    // The longest sequence has 33 rows: 3 tiles of 16 at head dim 512.
+    assert_eq!(
+        run.last(),
+        Some(&Recorded::DispatchThreadgroups { grid: GridSize::new(3, 2, 3), threadgroup: GridSize::new(32, 8, 1) })
+    );
+}
+
+#[test]
+fn prefill_mask_blk_covers_every_table() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    let mut reg = prefill_registry();
+    let mut p = prefill_params(256);
+    p.mask_strides = [45 * 130, 130];
+    let mask = dev.alloc_buffer(DType::F16, &[3 * 45 * 130]).unwrap();
+    let blk = dev.alloc_buffer(DType::U8, &[3 * 2 * 3]).unwrap();
+    let mut enc = dev.command_encoder();
+    dispatch_flash_attn_prefill_mask_blk(&mut enc, &mut reg, &dev, &mask, &blk, &p).unwrap();
+    enc.commit_and_wait().unwrap();
+    let g = mask_blk_params(&p).unwrap();
+    assert_eq!(std::mem::size_of_val(&g), 40);
+    assert_eq!(
+        be.api().last_run(),
+        vec![
+            Recorded::SetPipeline(K_PREFILL_MASK_BLK.into()),
+            Recorded::SetBytes { index: 0, bytes: crate::as_bytes(&g).to_vec() },
+            Recorded::SetBuffer { index: 1, buffer: buffer_id(&mask), offset: 0 },
+            Recorded::SetBuffer { index: 2, buffer: buffer_id(&blk), offset: 0 },
+            Recorded::DispatchThreadgroups { grid: GridSize::new(3, 2, 3), threadgroup: GridSize::new(32, 1, 1) },
+        ]
+    );
+}
+
+#[test]
+fn the_prefill_op_names_metal_entry_points_of_its_sources() {
+    let (dev, be) = fake_device(FakeMetal::new());
+    let mut reg = prefill_registry();
+    for name in [K_PREFILL_D256, K_PREFILL_D512, K_PREFILL_MASK_BLK] {
+        assert_eq!(super::function_of(name), name);
+        reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    // The origin's kernels are entry points of the same two files.
+    for name in [K_TENSOR_F16_D256, K_TENSOR_F16_D512, K_BLK_F16] {
+        reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    assert_eq!(be.api().pipelines.load(Ordering::Relaxed), 6);
+}

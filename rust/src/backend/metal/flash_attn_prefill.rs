@@ -1,0 +1,15 @@
+//! Metal host side of `flash_attn_prefill_d256` / `_d512`
+//! (`shaders/flash_attn_prefill_tensor.metal`) and of the explicit mask's classifier
+//! `flash_attn_prefill_mask_blk` (`shaders/flash_attn_prefill_blk.metal`): the MSL functions,
+//! launched as the op encodes them (`ceil(max_rows / bq) x n_heads x batch` threadgroups of
+//! 32 x 8 threads with `threadgroup_memory_bytes(head_dim)` of threadgroup memory at index 0;
+//! the classifier `steps x table_rows x batch` threadgroups of 32 threads).
+
+use super::MetalKernel;
+
+/// This op's kernels, by name.
+pub const KERNELS: &[MetalKernel] = &[
+    MetalKernel { name: "flash_attn_prefill_d256", function: "flash_attn_prefill_d256" },
+    MetalKernel { name: "flash_attn_prefill_d512", function: "flash_attn_prefill_d512" },
+    MetalKernel { name: "flash_attn_prefill_mask_blk", function: "flash_attn_prefill_mask_blk" },
+];

@@ -1,0 +1,653 @@
+#!/usr/bin/env python3
+"""Mutation testing of the kernels: plant one bug at a time, run the tests that matter, and
+report which bugs the tests kill (docs/reliability.md, "Mutation testing").
+
+    python scripts/mutate_kernels.py --check                  # every mutation still applies
+    python scripts/mutate_kernels.py --family metal           # the .metal kernels, in the emulator
+    python scripts/mutate_kernels.py --family cpu             # the Rust CPU kernels, Rust tests
+    python scripts/mutate_kernels.py --family cuda --compile-only   # here: each mutant compiles
+    python3 scripts/mutate_kernels.py --family cuda           # on a GPU machine, installed wheel
+    python scripts/mutate_kernels.py --family cpu --only cpu-threshold-ge cpu-kv-head
+
+Each mutation is data (MUTATIONS below): family, file, the exact original text (and how
+many times it occurs), its replacement, what bug it plants, and, for an equivalent
+mutation, why no test can see it (those are listed and left out of the kill rate). When a
+kernel is rewritten, run `--check`: it names every mutation whose original text no longer
+appears exactly as often as recorded, and refuses to run until the list is updated.
+
+How each family runs a mutant (the repository's sources are never touched):
+- metal: the mutated .metal file goes into a scratch folder named by MLXN_METAL_SHADER_DIR;
+  the emulator is built from it (a mutant that does not compile is reported, not counted),
+  then `pytest tests/test_metal_emulator.py -x` (the tests that plant bugs of their own and
+  the emulator's self-tests left out).
+- cpu: a scratch copy of the crate (Cargo.toml, rust/, shaders/) with the mutated file, its
+  own target folder kept between runs; `cargo test --test planted --test flash_attn_cpu`,
+  then, for a survivor, `--test fuzz --test reliability`.
+- cuda: the mutated .cu goes into a scratch folder named by MLX_NATIVE_CUDA_SOURCE_DIR (read
+  by the installed library; no Rust needed). On a GPU: every mutant is compiled in parallel
+  processes into a private cubin cache, then the CUDA tests run against each, a few at a
+  time (`pytest -x -k cuda` over test_planted.py, test_correctness.py, test_cuda.py).
+  Mutations of the portable (mma.sync) form run with MLX_NATIVE_CUDA_ARCH=sm_90.
+  `--compile-only` (no GPU): each mutant applies and compiles with NVRTC for its
+  architecture (`cuda_compile_check`, which honours the knob).
+
+Before the mutants, the same tests run on the unmutated sources; a failing baseline stops
+the run. A short table comes last: per mutation killed / survived / equivalent, the test
+that killed it, and the kill rate per family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Mutation:
+    name: str
+    family: str  # metal | cuda | cpu
+    file: str  # path from the repository root
+    original: str
+    replacement: str
+    description: str
+    count: int = 1  # occurrences of `original`; all of them are replaced
+    equivalent: Optional[str] = None  # why no test can tell it from the original
+    env: Dict[str, str] = field(default_factory=dict)  # extra environment for its tests
+
+
+T_METAL = "shaders/flash_attn_prefill_tensor.metal"
+B_METAL = "shaders/flash_attn_prefill_blk.metal"
+T_CU = "shaders/flash_attn_prefill_tensor.cu"
+B_CU = "shaders/flash_attn_prefill_blk.cu"
+T_RS = "rust/src/backend/cpu/flash_attn_prefill_tensor.rs"
+B_RS = "rust/src/backend/cpu/flash_attn_prefill_blk.rs"
+PORTABLE = {"MLX_NATIVE_CUDA_ARCH": "sm_90"}  # the mma.sync form on a Hopper GPU
+
+M = Mutation
+MUTATIONS: List[Mutation] = [
+    # ---------------------------------------------------------------- Metal: attention
+    M("metal-threshold-ge", "metal", T_METAL, "if (m > m_run[i] + RESCALE_THRESHOLD) {",
+      "if (m >= m_run[i] + RESCALE_THRESHOLD) {", "rescale at a step max of exactly M + 8"),
+    M("metal-threshold-sign", "metal", T_METAL, "if (m > m_run[i] + RESCALE_THRESHOLD) {",
+      "if (m > m_run[i] - RESCALE_THRESHOLD) {", "rescale threshold of the wrong sign"),
+    M("metal-sums-unzeroed", "metal", T_METAL, "s_run[i] = 0.0f;", "", "row sums never zeroed"),
+    M("metal-max-unset", "metal", T_METAL, "m_run[i] = -FLT_MAX / 2;", "", "running max never initialised",
+      equivalent="the emulator poisons it to -1.69e38 (0xfe bytes), within 0.4% of -FLT_MAX/2: the first "
+      "computed step still rescales with exp(-1.69e38 - m) = 0, exactly as from -FLT_MAX/2"),
+    M("metal-max-zero", "metal", T_METAL, "m_run[i] = -FLT_MAX / 2;", "m_run[i] = 0.0f;",
+      "running max starts at 0 (no rescale on a first step whose max is at most 8)"),
+    M("metal-o-unzeroed", "metal", T_METAL, "            co[i] = 0.0f;\n", "", "O accumulators never zeroed"),
+    M("metal-kv-head-mod", "metal", T_METAL, "const int g = h / (p.n_heads / p.n_kv_heads);",
+      "const int g = h % p.n_kv_heads;", "wrong KV head: h % n_kv_heads"),
+    M("metal-kv-head-div", "metal", T_METAL, "const int g = h / (p.n_heads / p.n_kv_heads);",
+      "const int g = h / p.n_kv_heads;", "wrong KV head: h / n_kv_heads"),
+    M("metal-q-rounded-first", "metal", T_METAL, "x = float4(qrow[d4]) * p.scale;",
+      "x = float4(half4(float4(qrow[d4]))) * p.scale;", "Q rounded to half before the scale"),
+    M("metal-scale-dropped", "metal", T_METAL, "x = float4(qrow[d4]) * p.scale;", "x = float4(qrow[d4]);",
+      "scale ignored"),
+    M("metal-last-step", "metal", T_METAL, "const int n_steps = p.kv_pad / C;",
+      "const int n_steps = (p.kv_pad - 1) / C;", "the last step of the cache dropped"),
+    M("metal-row-bound", "metal", T_METAL, "const int valid = min(Q, p.rows - r0);",
+      "const int valid = min(Q, p.rows - r0 + 1);", "one row past the prompt read and written"),
+    M("metal-mask-rows-past", "metal", T_METAL, "if (t == 1 && row < valid) {", "if (t == 1) {",
+      "mask rows past the prompt read"),
+    M("metal-mask-column", "metal", T_METAL, "s1 += float(mrow[lane + NW]);", "s1 += float(mrow[lane]);",
+      "mask value read from the wrong column"),
+    M("metal-mask-stride", "metal", T_METAL, "ulong(r0 + row) * ulong(p.mask_row_stride)",
+      "ulong(r0 + row) * ulong(p.kv_pad)", "mask rows at kv_pad instead of mask_row_stride"),
+    M("metal-k-stride", "metal", T_METAL, "dextents<int32_t, 2>(D, C), array<int32_t, 2>({1, p.k_row_stride}));",
+      "dextents<int32_t, 2>(D, C), array<int32_t, 2>({1, p.v_row_stride}));", "K rows at V's row stride"),
+    M("metal-v-head-stride", "metal", T_METAL, "v + ulong(g) * ulong(p.v_head_stride)",
+      "v + ulong(g) * ulong(p.k_head_stride)", "V heads at K's head stride"),
+    M("metal-q-head-stride", "metal", T_METAL, "ulong(h) * ulong(p.q_head_stride)", "ulong(h) * ulong(D)",
+      "Q heads assumed contiguous"),
+    M("metal-out-row", "metal", T_METAL, "        if (row < valid) {\n            const float s = srow[row];",
+      "        if (row <= valid) {\n            const float s = srow[row];", "one output row past the prompt written"),
+    M("metal-zero-guard", "metal", T_METAL, "s == 0.0f ? 0.0f : co[i] / s", "co[i] / s",
+      "a fully masked row divides 0 by 0"),
+    M("metal-barrier-final", "metal", T_METAL,
+      "done with the last step's scales.\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+      "done with the last step's scales.\n",
+      "missing barrier before srow is reused for the row sums"),
+    M("metal-barrier-q", "metal", T_METAL, "        *sflag = -1;  // the step whose scores moved a running max (none yet)\n"
+      "    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+      "        *sflag = -1;  // the step whose scores moved a running max (none yet)\n    }\n",
+      "missing barrier after the Q tile is stored"),
+    M("metal-blk-row", "metal", T_METAL, "blk + ulong(tile) * ulong(n_steps)", "blk + ulong(tile)",
+      "skip table read at the wrong row"),
+    M("metal-rescale-local", "metal", T_METAL, "if (*sflag == step) {", "if (rescaled) {",
+      "O rescaled on this simdgroup's decision, not the threadgroup's"),
+    M("metal-sums-unrounded", "metal", T_METAL, "simd_sum(float(p0) + float(p1))",
+      "simd_sum(exp(s0 - m_run[i]) + exp(s1 - m_run[i]))", "row sums of the unrounded P"),
+    M("metal-sums-no-rescale", "metal", T_METAL, "s_run[i] = s_run[i] * ms +", "s_run[i] = s_run[i] +",
+      "row sums not rescaled"),
+    # ---------------------------------------------------------------- Metal: tile classifier
+    M("metal-blk-nan-bound", "metal", B_METAL, "&& mag >= 0x7bff && mag <= 0x7c00;", "&& mag >= 0x7bff;",
+      "NaN bound dropped: a negative NaN counts as masked"),
+    M("metal-blk-last-row", "metal", B_METAL, "for (int r = r0; r < r1 && (all_masked || all_zero); ++r) {",
+      "for (int r = r0; r < r1 - 1 && (all_masked || all_zero); ++r) {", "a tile's last row ignored"),
+    M("metal-blk-row-past", "metal", B_METAL, "const int r1 = min(r0 + p.bq, p.rows);",
+      "const int r1 = min(r0 + p.bq, p.rows + 1);", "a mask row past the prompt read"),
+    M("metal-blk-sign", "metal", B_METAL, "all_masked && (bits & 0x8000) != 0 && mag", "all_masked && mag",
+      "+inf counts as masked"),
+    M("metal-blk-minus-zero", "metal", B_METAL, "all_zero = all_zero && mag == 0;",
+      "all_zero = all_zero && bits == 0;", "-0 not counted as zero"),
+    M("metal-blk-65504", "metal", B_METAL, "mag >= 0x7bff && mag <= 0x7c00", "mag >= 0x7c00 && mag <= 0x7c00",
+      "-65504 not counted as masked"),
+    M("metal-blk-last-column", "metal", B_METAL, "for (int j = int(lane); j < p.bk; j += 32) {",
+      "for (int j = int(lane); j < p.bk - 1; j += 32) {", "a tile's last column ignored"),
+    M("metal-blk-order", "metal", B_METAL, "all_masked ? 0 : (all_zero ? 2 : 1)", "all_zero ? 2 : (all_masked ? 0 : 1)",
+      "the class tests in the other order",
+      equivalent="no half is both masked (-inf, <= -65504) and zero, so a tile is never both"),
+    # ---------------------------------------------------------------- CUDA: Hopper (wgmma) form
+    M("cuda-threshold-ge", "cuda", T_CU, "if (mx[hh] > m_run[hh] + 8.f) {", "if (mx[hh] >= m_run[hh] + 8.f) {",
+      "Hopper: rescale at a step max of exactly M + 8"),
+    M("cuda-threshold-sign", "cuda", T_CU, "if (mx[hh] > m_run[hh] + 8.f) {", "if (mx[hh] > m_run[hh] - 8.f) {",
+      "Hopper: rescale threshold of the wrong sign"),
+    M("cuda-o-unzeroed", "cuda", T_CU, "    for (int i = 0; i < 128; ++i) o[i] = 0.f;\n", "",
+      "Hopper: O accumulators never zeroed"),
+    M("cuda-sums-unzeroed", "cuda", T_CU, "float l_run[2] = {0.f, 0.f};", "float l_run[2];",
+      "Hopper: row sums never zeroed"),
+    M("cuda-kv-head", "cuda", T_CU, "const int kvh = ((int)blockIdx.y * hpc) / group;",
+      "const int kvh = ((int)blockIdx.y * hpc) % p.n_kv_heads;", "both forms: wrong KV head", count=2),
+    M("cuda-q-rounded-first", "cuda", T_CU,
+      "for (int e = 0; e < 4; ++e) w[e] = pack_half2(scale * f[2 * e], scale * f[2 * e + 1]);",
+      "for (int e = 0; e < 4; ++e) { float a, b; unpack_half2(pack_half2(f[2 * e], f[2 * e + 1]), a, b);"
+      " w[e] = pack_half2(scale * a, scale * b); }", "both forms: Q rounded to half before the scale"),
+    M("cuda-last-step", "cuda", T_CU, "hi = (lk + STEP - 1) / STEP - 1;",
+      "hi = (lk + STEP - 1) / STEP - 2;", "both forms: the last step dropped"),
+    M("cuda-partial-step", "cuda", T_CU, "hi = (lk + STEP - 1) / STEP - 1;",
+      "hi = lk / STEP - 1;", "both forms: a partial last step dropped"),
+    M("cuda-causal-offset", "cuda", T_CU, "hi = (p.flags & PREFILL_CAUSAL) ? min(lk - 1, r + off) : lk - 1;",
+      "hi = (p.flags & PREFILL_CAUSAL) ? min(lk - 1, r) : lk - 1;", "both forms: the causal offset dropped in partly visible tiles"),
+    M("cuda-kv-tail", "cuda", T_CU, "copy8_f16(dst + (u32)(r * D * 2) + swz(c, r & 7), s, aligned, r < nvalid);",
+      "copy8_f16(dst + (u32)(r * D * 2) + swz(c, r & 7), s, aligned, true);", "portable: K/V rows past the cache read",
+      env=PORTABLE),
+    M("cuda-skip-class2", "cuda", T_CU, "act |= b != 0;", "act |= b == 1;",
+      "steps whose table byte is 2 skipped"),
+    M("cuda-need-mask", "cuda", T_CU, "nm |= b == 1;", "nm |= b == 2;",
+      "the mask tile loaded for the wrong table bytes"),
+    M("cuda-mask-add", "cuda", T_CU, "            if (b == 1) {\n                // -inf where a pair",
+      "            if (b == 2) {\n                // -inf where a pair", "Hopper: class-1 work done for class 2"),
+    M("cuda-mask-byte", "cuda", T_CU, "if (tb == 1) unpack_half2", "if (tb == 2) unpack_half2",
+      "Hopper: the mask added where the table byte is 2, not 1"),
+    M("cuda-minf-dropped", "cuda", T_CU, "for (int i = 0; i < C::NS; ++i) s[i] = -__int_as_float(0x7f800000);",
+      "", "Hopper: rows whose byte is 0 in an active warpgroup keep their scores"),
+    M("cuda-mask-stride", "cuda", T_CU, "(i64)qr * p.mask_row_stride", "(i64)qr * p.kv_pad",
+      "mask rows at kv_pad instead of mask_row_stride",
+      equivalent="the op always sets mask_row_stride = kv_pad, and the GPU machine has no Rust to build a "
+      "dispatch by hand (the CPU and Metal kernels are held to the field that way)"),
+    M("cuda-out-row", "cuda", T_CU, "\n        if (r >= lq) continue;", "\n        if (r > lq) continue;",
+      "Hopper: one output row past the prompt written"),
+    M("cuda-zero-guard", "cuda", T_CU, "const float inv = lt[hh] > 0.f ? 1.f / lt[hh] : 0.f;",
+      "const float inv = 1.f / lt[hh];", "Hopper: a fully masked row divides by 0"),
+    M("cuda-sums-unrounded", "cuda", T_CU, "\n                    sum += r0 + r1;", "\n                    sum += e0 + e1;",
+      "Hopper: row sums of the unrounded P"),
+    M("cuda-o-rescale-row", "cuda", T_CU, "o[i] *= ms[(i >> 1) & 1];", "o[i] *= ms[(i >> 2) & 1];",
+      "Hopper: O rescaled with the other row's factor"),
+    M("cuda-barrier-stage", "cuda", T_CU, "            __syncthreads();  // step t's tiles are in; the other stage is free\n",
+      "", "Hopper, one CTA, d256: missing barrier before the next stage loads"),
+    M("cuda-mask-column-512", "cuda", T_CU, "ld_shared_u32(row_addr + swz(ch * C::NB + nb, g8))",
+      "ld_shared_u32(row_addr + swz(nb, g8))", "Hopper d512: mask columns of the wrong half"),
+    # ---------------------------------------------------------------- CUDA: portable (mma.sync) form
+    M("cuda-portable-threshold-ge", "cuda", T_CU, "if (mx[mt][hh] > m_run[mt][hh] + 8.f) {",
+      "if (mx[mt][hh] >= m_run[mt][hh] + 8.f) {", "portable: rescale at exactly M + 8", env=PORTABLE),
+    M("cuda-portable-o-rescale", "cuda", T_CU, "o[mt][nb][e] *= ms[mt][e >> 1];", "o[mt][nb][e] *= ms[mt][e & 1];",
+      "portable: O rescaled with the other row's factor", env=PORTABLE),
+    M("cuda-portable-barrier", "cuda", T_CU,
+      "        __syncthreads();  // K_t and the mask tile are in; V is free (every P V of t-1 done)\n", "",
+      "portable: missing barrier after K and the mask tile load", env=PORTABLE),
+    M("cuda-portable-p-fragment", "cuda", T_CU, "pk[mt][2 * kl][0],\n                                 pk[mt][2 * kl][1],",
+      "pk[mt][2 * kl][1],\n                                 pk[mt][2 * kl][0],", "portable: P fragments swapped",
+      env=PORTABLE),
+    M("cuda-portable-mtile-byte", "cuda", T_CU, "const int b1 = mtile_class(1, t, tb1);",
+      "const int b1 = mtile_class(0, t, tb1);", "portable: the second m-tile takes the first's class",
+      env=PORTABLE),
+    M("cuda-portable-out-row", "cuda", T_CU, "\n            if (r >= lq) continue;", "\n            if (r > lq) continue;",
+      "portable: one output row past the prompt written", env=PORTABLE),
+    # ---------------------------------------------------------------- CUDA: tile classifier
+    M("cuda-blk-nan-bound", "cuda", B_CU, "mag >= 0x7bffu && mag <= 0x7c00u;", "mag >= 0x7bffu;",
+      "NaN bound dropped: a negative NaN counts as masked"),
+    M("cuda-blk-last-row", "cuda", B_CU, "const i64 r1 = min((i64)p.rows, r0 + p.bq);",
+      "const i64 r1 = min((i64)p.rows, r0 + p.bq - 1);", "a tile's last row ignored (both classifiers)", count=2),
+    M("cuda-blk-last-chunk", "cuda", B_CU, "i < total && (masked || zero)", "i < total - 1 && (masked || zero)",
+      "a tile's last element (or 16-byte chunk) ignored (both classifiers)", count=4),
+    M("cuda-mask-blk-cut-tile", "cuda", B_CU, "bool masked = true, zero = c1 == c0 + p.bk;",
+      "bool masked = true, zero = true;", "a tile cut by the cache's end counted as all zero"),
+    M("cuda-blk-minus-zero", "cuda", B_CU, "zero = zero && mag == 0u;", "zero = zero && h == 0u;",
+      "-0 not counted as zero"),
+    # ---------------------------------------------------------------- CPU (Rust): attention
+    M("cpu-threshold-ge", "cpu", T_RS, "let thresh = S::add(m_old, S::splat(8.0));",
+      "let thresh = S::add(m_old, S::splat(8.0 - 1e-5));", "rescale at a step max of exactly M + 8"),
+    M("cpu-threshold-sign", "cpu", T_RS, "let thresh = S::add(m_old, S::splat(8.0));",
+      "let thresh = S::sub(m_old, S::splat(8.0));", "rescale threshold of the wrong sign"),
+    M("cpu-sums-unzeroed", "cpu", T_RS, "        *l_b.add(i) = 0.0;\n", "", "row sums never zeroed"),
+    M("cpu-max-unset", "cpu", T_RS, "        *m_b.add(i) = -f32::MAX / 2.0;\n", "", "running max never reset"),
+    M("cpu-o-unzeroed", "cpu", T_RS, "    std::ptr::write_bytes(o_b, 0, r * D);\n", "", "O accumulators never zeroed"),
+    M("cpu-kv-head", "cpu", T_RS, "let h = g * pb.group + hh;", "let h = hh * (pb.n_heads / pb.group) + g;",
+      "wrong KV head: heads g, g + n_kv_heads, ... (h % n_kv_heads)", count=2),
+    M("cpu-q-rounded-first", "cpu", T_RS, "S::round_half(S::mul(S::load(src.add(dv)), scale))",
+      "S::mul(S::round_half(S::load(src.add(dv))), scale)", "Q rounded to half before the scale"),
+    M("cpu-last-step", "cpu", T_RS, "let steps = pb.kv_pad / C;", "let steps = (pb.kv_pad - 1) / C;",
+      "the last step dropped"),
+    M("cpu-row-bound", "cpu", T_RS, "bq.min(pb.rows - r0) } else { 0 };", "bq.min(pb.rows - r0 + 1) } else { 0 };",
+      "one row past the prompt read and written"),
+    M("cpu-mask-stride", "cpu", T_RS, "(r0 + rr) * pb.mask_rs + c0 + jv", "(r0 + rr) * pb.kv_pad + c0 + jv",
+      "mask rows at kv_pad instead of mask_row_stride"),
+    M("cpu-k-stride", "cpu", T_RS, "g * pb.k_hs), pb.k_rs, lo_all, hi_all);", "g * pb.k_hs), pb.v_rs, lo_all, hi_all);",
+      "K rows at V's row stride"),
+    M("cpu-v-head-stride", "cpu", T_RS, "pb.v.add(c0 * pb.v_rs + g * pb.v_hs)", "pb.v.add(c0 * pb.v_rs + g * pb.k_hs)",
+      "V heads at K's head stride"),
+    M("cpu-q-head-stride", "cpu", T_RS, "(sub.r0 + rr) * pb.q_rs + h * pb.q_hs", "(sub.r0 + rr) * pb.q_rs + h * D",
+      "Q heads assumed contiguous"),
+    M("cpu-column-range", "cpu", T_RS, "(lo & !3, (hi + 3) & !3)", "(lo & !3, hi & !3)",
+      "the last visible cache rows of a partly masked step left out"),
+    M("cpu-max-column", "cpu", T_RS, "for j in lo + 1..hi {", "for j in lo + 2..hi {",
+      "one column left out of the step max"),
+    M("cpu-rescale-any", "cpu", T_RS, "rescale[k] = (sub.ib..sub.ie).any(|i| *ms.add(i) != 1.0);",
+      "rescale[k] = (sub.ib..sub.ie).all(|i| *ms.add(i) != 1.0);", "O rescaled only when every row moves its max"),
+    M("cpu-p-float", "cpu", T_RS, "let p = S::round_half(S::exp(S::sub(S::load(ptr), m_new)));",
+      "let p = S::exp(S::sub(S::load(ptr), m_new));", "P kept in float"),
+    M("cpu-sums-no-rescale", "cpu", T_RS, "S::fma(S::load(l.add(i0)), scale, sum)", "S::add(S::load(l.add(i0)), sum)",
+      "row sums not rescaled"),
+    M("cpu-mask-first-head", "cpu", T_RS, "        for hh in 0..pb.group {\n            for rv in (0..bq).step_by(W) {",
+      "        for hh in 0..pb.group.min(1) {\n            for rv in (0..bq).step_by(W) {",
+      "the mask added to the first head of a group only"),
+    M("cpu-zero-guard", "cpu", T_RS, "let o = if l == 0.0 {", "let o = if l < 0.0 {",
+      "a fully masked row divides 0 by 0"),
+    M("cpu-out-row", "cpu", T_RS, "let dst = pb.out.0.add(((sub.r0 + rr) * pb.n_heads + h) * D);",
+      "let dst = pb.out.0.add(((sub.r0 + rr + 1) * pb.n_heads + h) * D);", "output rows written one row down"),
+    M("cpu-live-rows", "cpu", T_RS, "live |= rr < nr && x != f32::NEG_INFINITY;", "live |= x != f32::NEG_INFINITY;",
+      "rows past the prompt count as seeing every cache row",
+      equivalent="those rows' mask is filled with 0, so they widen a step's computed cache rows only; the "
+      "rows left out are -inf for every real row (p = 0 exactly), and leaving them out changes no bit"),
+    M("cpu-skip-tile", "cpu", T_RS, "sub.t = if sub.nr == 0 { 0 } else {", "sub.t = if sub.nr == 0 { 1 } else {",
+      "query tiles past the prompt computed",
+      equivalent="a tile past the prompt has no rows (nr = 0): its scores are computed and never written"),
+    # ---------------------------------------------------------------- CPU (Rust): tile classifier
+    M("cpu-blk-nan-bound", "cpu", B_RS, "u16::from(mag.wrapping_sub(0x7bff) > 1)", "u16::from(mag < 0x7bff)",
+      "NaN bound dropped: a negative NaN counts as masked"),
+    M("cpu-blk-last-row", "cpu", B_RS, "let r1 = (r0 + bq).min(rows);", "let r1 = (r0 + bq - 1).min(rows);",
+      "a full tile's last row ignored"),
+    M("cpu-blk-early-exit", "cpu", B_RS, "        if !all_masked && !all_zero {\n            return MIXED;\n        }\n    }\n    if all_masked {\n        SKIP\n    } else if all_zero {\n        ZERO\n    } else {\n        MIXED\n    }\n}\n\n/// The class of one tile",
+      "        if !all_masked || !all_zero {\n            return MIXED;\n        }\n    }\n    if all_masked {\n        SKIP\n    } else if all_zero {\n        ZERO\n    } else {\n        MIXED\n    }\n}\n\n/// The class of one tile",
+      "a tile mixed as soon as one class fails"),
+    M("cpu-blk-sign", "cpu", B_RS, "not_masked |= u16::from(h & 0x8000 == 0) | u16::from(", "not_masked |= u16::from(",
+      "+inf counts as masked"),
+    M("cpu-blk-minus-zero", "cpu", B_RS, "not_zero |= mag;", "not_zero |= h;", "-0 not counted as zero"),
+    M("cpu-blk-65504", "cpu", B_RS, "mag.wrapping_sub(0x7bff) > 1", "mag.wrapping_sub(0x7c00) > 0",
+      "-65504 not counted as masked"),
+]
+
+
+# ---------------------------------------------------------------------------- applying
+
+
+def source_text(m: Mutation, root: Path = REPO) -> str:
+    return (root / m.file).read_text()
+
+
+def applies(m: Mutation, root: Path = REPO) -> Optional[str]:
+    """None if the mutation applies as recorded, else why not."""
+    n = source_text(m, root).count(m.original)
+    if n != m.count:
+        return f"{m.file}: the original text occurs {n} times, {m.count} recorded: {m.original[:70]!r}"
+    return None
+
+
+def mutated_text(m: Mutation, root: Path = REPO) -> str:
+    src = source_text(m, root)
+    out = src.replace(m.original, m.replacement)
+    assert out != src
+    return out
+
+
+# ---------------------------------------------------------------------------- running
+
+
+@dataclass
+class Result:
+    name: str
+    family: str
+    status: str  # killed | survived | equivalent | stale | no-compile | compiled | timeout | error
+    seconds: float = 0.0
+    killer: str = ""
+    detail: str = ""
+
+
+def _run(cmd, env, cwd=REPO, timeout=None):
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout + p.stderr, time.time() - t0
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return None, out, time.time() - t0
+
+
+def _pytest_killer(out: str) -> str:
+    m = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    return m.group(1) if m else "(pytest failed)"
+
+
+def _cargo_killer(out: str) -> str:
+    m = re.search(r"^test (\S+) \.\.\. FAILED", out, re.M) or re.search(r"^---- (\S+) stdout ----", out, re.M)
+    if m:
+        return m.group(1)
+    m = re.search(r"error(?:\[E\d+\])?: .*", out)
+    return m.group(0)[:80] if m else "(cargo test failed)"
+
+
+METAL_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_metal_emulator.py",
+               "-k", "not caught and not test_emulator_"]  # fmt: skip
+
+
+def _select(cmd: List[str], args) -> List[str]:
+    """The pytest command with `--select EXPR` added to its -k expression."""
+    if not args.select:
+        return cmd
+    i = cmd.index("-k") + 1
+    return cmd[:i] + [f"({cmd[i]}) and ({args.select})"] + cmd[i + 1 :]
+
+
+def run_metal(muts: List[Mutation], args) -> List[Result]:
+    METAL = _select(METAL_TESTS, args)
+    sys.path.insert(0, str(REPO / "tests"))
+    import metal_emu  # noqa: E402
+
+    scratch = Path(tempfile.mkdtemp(prefix="mlxn-metal-mutants-"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    rc, out, dt = _run(METAL, env, timeout=args.timeout)
+    if rc != 0:
+        sys.exit(f"the Metal emulator tests fail on the unmutated sources:\n{out[-3000:]}")
+    print(f"baseline: emulator tests pass ({dt:.0f} s)", flush=True)
+    results = []
+    for m in muts:
+        d = scratch / m.name
+        d.mkdir()
+        (d / Path(m.file).name).write_text(mutated_text(m))
+        sources = {name: (d / name if (d / name).exists() else path).read_text() for name, path in metal_emu.SHADER_FILES.items()}
+        try:
+            metal_emu.build(scratch / "build", sources)
+        except metal_emu.EmulatorError as e:
+            results.append(Result(m.name, m.family, "no-compile", detail=str(e)[-500:]))
+            report(results[-1])
+            continue
+        rc, out, dt = _run(METAL, {**env, "MLXN_METAL_SHADER_DIR": str(d)}, timeout=args.timeout)
+        status = "timeout" if rc is None else ("survived" if rc == 0 else "killed")
+        results.append(Result(m.name, m.family, status, dt, _pytest_killer(out) if rc else ""))
+        report(results[-1])
+    shutil.rmtree(scratch, ignore_errors=True)
+    return results
+
+
+CPU_TIERS = [
+    ["cargo", "test", "-q", "--test", "planted", "--test", "flash_attn_cpu"],
+    ["cargo", "test", "-q", "--test", "fuzz", "--test", "reliability"],
+]
+
+
+def _scratch_crate(where: Path) -> Path:
+    """A copy of the crate (Cargo.toml, Cargo.lock, README.md, rust/, shaders/) at `where`,
+    refreshed from the working tree; its target folder is kept."""
+    tree = where / "tree"
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    # Fresh modification times (shutil.copy, not copy2): the kept target folder may hold the
+    # last mutant's build, newer than the sources' own times.
+    for f in ("Cargo.toml", "Cargo.lock", "README.md"):
+        shutil.copy(REPO / f, tree / f)
+    for d in ("rust", "shaders"):
+        shutil.copytree(REPO / d, tree / d, copy_function=shutil.copy)
+    return tree
+
+
+def run_cpu(muts: List[Mutation], args) -> List[Result]:
+    where = Path(args.scratch or Path(tempfile.gettempdir()) / "mlxn-cpu-mutants")
+    tree = _scratch_crate(where)
+    env = {**os.environ, "CARGO_TARGET_DIR": str(where / "target"), "CARGO_TERM_COLOR": "never"}
+    for tier in CPU_TIERS:
+        rc, out, dt = _run(tier, env, cwd=tree, timeout=args.timeout)
+        if rc != 0:
+            sys.exit(f"{' '.join(tier)} fails on the unmutated sources:\n{out[-3000:]}")
+        print(f"baseline: {' '.join(tier[3:])} pass ({dt:.0f} s)", flush=True)
+    results = []
+    for m in muts:
+        path = tree / m.file
+        original = path.read_text()
+        path.write_text(mutated_text(m))
+        try:
+            t0, status, killer = time.time(), "survived", ""
+            for tier in CPU_TIERS:
+                rc, out, _ = _run(tier, env, cwd=tree, timeout=args.timeout)
+                if rc is None:
+                    status, killer = "timeout", " ".join(tier[3:])
+                    break
+                if rc != 0:
+                    if "could not compile" in out and "error" in out and "test result" not in out:
+                        status, killer = "no-compile", _cargo_killer(out)
+                    else:
+                        status, killer = "killed", _cargo_killer(out)
+                    break
+            results.append(Result(m.name, m.family, status, time.time() - t0, killer))
+        finally:
+            path.write_text(original)
+        report(results[-1])
+    return results
+
+
+WARM = r"""
+import numpy as np, mlx_native as mx
+dev = mx.Device("cuda")
+rng = np.random.default_rng(0)
+for hd in (256, 512):
+    q = rng.uniform(-1, 1, (20, 2, hd)).astype(np.float32)
+    k = rng.uniform(-1, 1, (70, 1, hd)).astype(np.float16)
+    mx.flash_attn_prefill(q, k, k, causal=True, device=dev)
+print("WARM OK")
+"""
+
+CUDA_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_planted.py",
+              "tests/test_correctness.py", "tests/test_cuda.py",
+              "-k", "cuda and not source_dir and not compile and not torch and not cupy and not wrap"]  # fmt: skip
+
+
+def _cuda_env(m: Optional[Mutation], d: Optional[Path], cache: Path) -> dict:
+    env = {**os.environ, "MLX_NATIVE_CUDA_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    env.pop("MLX_NATIVE_CUDA_SOURCE_DIR", None)
+    if d is not None:
+        env["MLX_NATIVE_CUDA_SOURCE_DIR"] = str(d)
+    if m is not None:
+        env.update(m.env)
+    return env
+
+
+def _arch(m: Mutation) -> str:
+    return m.env.get("MLX_NATIVE_CUDA_ARCH", "sm_90a")
+
+
+def run_cuda(muts: List[Mutation], args) -> List[Result]:
+    CUDA = _select(CUDA_TESTS, args)
+    scratch = Path(args.scratch or tempfile.mkdtemp(prefix="mlxn-cuda-mutants-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    cache = scratch / "cubins"
+    dirs = {}
+    for m in muts:
+        d = scratch / m.name
+        d.mkdir(exist_ok=True)
+        (d / Path(m.file).name).write_text(mutated_text(m))
+        dirs[m.name] = d
+    jobs = args.jobs or os.cpu_count() or 1
+
+    if args.compile_only:
+        check = "import mlx_native as mx, sys; mx.cuda_compile_check(sys.argv[1]); print('COMPILED')"
+
+        def one(m):
+            rc, out, dt = _run([sys.executable, "-c", check, _arch(m)], _cuda_env(m, dirs[m.name], cache), timeout=args.timeout)
+            ok = rc == 0 and "COMPILED" in out and f"in place of the built-in {Path(m.file).name}" in out
+            return Result(m.name, m.family, "compiled" if ok else "no-compile", dt, detail="" if ok else out[-800:])
+
+        results = []
+        with cf.ThreadPoolExecutor(jobs) as pool:
+            for r in pool.map(one, muts):
+                results.append(r)
+                report(r)
+        return results
+
+    # On a GPU: the knob must be honoured (a broken source fails), and the baseline pass.
+    broken = scratch / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "flash_attn_prefill_tensor.cu").write_text('#error "planted"\n')
+    rc, out, _ = _run([sys.executable, "-c", WARM], _cuda_env(None, broken, cache), timeout=args.timeout)
+    if rc == 0 or "planted" not in out:
+        sys.exit(f"MLX_NATIVE_CUDA_SOURCE_DIR is not honoured by the installed library:\n{out[-2000:]}")
+    rc, out, dt = _run(CUDA, _cuda_env(None, None, cache), timeout=args.timeout)
+    if rc != 0:
+        sys.exit(f"the CUDA tests fail on the unmutated sources:\n{out[-3000:]}")
+    print(f"baseline: CUDA tests pass ({dt:.0f} s)", flush=True)
+    # Compile every mutant, in parallel, into the private cache (one module per file and arch).
+    compiled = {}
+
+    def warm(m):
+        rc, out, dt = _run([sys.executable, "-c", WARM], _cuda_env(m, dirs[m.name], cache), timeout=args.timeout)
+        return m.name, rc == 0 and "WARM OK" in out, out
+
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(jobs) as pool:
+        for name, ok, out in pool.map(warm, muts):
+            compiled[name] = (ok, out)
+    print(f"compiled {len(muts)} mutants in {time.time() - t0:.0f} s", flush=True)
+
+    def test(m):
+        ok, out = compiled[m.name]
+        if not ok:
+            # A mutant that cannot run the warm-up dispatch: a compile error, or killed by it.
+            status = "no-compile" if "ShaderCompilationError" in out else "killed"
+            return Result(m.name, m.family, status, 0.0, "warm-up dispatch", out[-500:])
+        rc, out, dt = _run(CUDA, _cuda_env(m, dirs[m.name], cache), timeout=args.timeout)
+        status = "timeout" if rc is None else ("survived" if rc == 0 else "killed")
+        return Result(m.name, m.family, status, dt, _pytest_killer(out) if rc else "")
+
+    results = []
+    with cf.ThreadPoolExecutor(args.gpu_jobs) as pool:
+        for r in pool.map(test, muts):
+            results.append(r)
+            report(r)
+    return results
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+def report(r: Result) -> None:
+    print(f"  {r.name:28} {r.status:10} {r.seconds:6.1f} s  {r.killer}", flush=True)
+    if r.detail and r.status in ("no-compile", "error"):
+        print(textwrap_indent(r.detail), flush=True)
+
+
+def textwrap_indent(s: str) -> str:
+    return "\n".join("      " + line for line in s.strip().splitlines()[-12:])
+
+
+def summary(results: List[Result], equivalent: List[Mutation]) -> int:
+    print("\n== mutation testing")
+    print(f"{'mutation':30} {'family':6} {'result':11} {'time':>7}  killed by")
+    for r in results:
+        print(f"{r.name:30} {r.family:6} {r.status:11} {r.seconds:6.1f}s  {r.killer}")
+    for m in equivalent:
+        print(f"{m.name:30} {m.family:6} {'equivalent':11} {'':7}  {m.equivalent}")
+    bad = 0
+    for fam in sorted({r.family for r in results} | {m.family for m in equivalent}):
+        rs = [r for r in results if r.family == fam]
+        killed = sum(r.status in ("killed", "timeout") for r in rs)
+        survived = sum(r.status == "survived" for r in rs)
+        compiled = sum(r.status == "compiled" for r in rs)
+        broken = sum(r.status in ("no-compile", "stale", "error") for r in rs)
+        eq = sum(m.family == fam for m in equivalent)
+        if compiled:
+            print(f"{fam}: {compiled} of {compiled + broken} mutants apply and compile ({eq} equivalent not run)")
+        else:
+            rate = f"{100.0 * killed / (killed + survived):.0f}%" if killed + survived else "n/a"
+            print(f"{fam}: killed {killed} of {killed + survived} non-equivalent mutants ({rate}); "
+                  f"{eq} equivalent; {broken} did not apply or compile")  # fmt: skip
+        bad += survived + broken
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=["metal", "cpu", "cuda", "all"], default="all")
+    ap.add_argument("--only", nargs="*", help="run only these mutations (names)")
+    ap.add_argument("--check", action="store_true", help="only check that every mutation applies")
+    ap.add_argument("--compile-only", action="store_true", help="cuda: only apply and compile (no GPU)")
+    ap.add_argument("--list", action="store_true", help="list the mutations")
+    ap.add_argument("--jobs", type=int, default=0, help="parallel compiles (cuda; default: every core)")
+    ap.add_argument("--gpu-jobs", type=int, default=4, help="cuda: mutants tested at a time on the GPU")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per test command")
+    ap.add_argument("--select", help="metal, cuda: only the tests this pytest -k expression also selects "
+                    "(e.g. 'planted or sharper': the tests that judge against float64, not another backend)")
+    ap.add_argument("--scratch", help="scratch folder (cpu: keeps its target folder between runs)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+
+    names = [m.name for m in MUTATIONS]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        sys.exit(f"duplicate mutation names: {sorted(dup)}")
+    muts = [m for m in MUTATIONS if args.family in ("all", m.family)]
+    if args.only:
+        unknown = set(args.only) - set(names)
+        if unknown:
+            sys.exit(f"no such mutation: {sorted(unknown)}")
+        muts = [m for m in muts if m.name in args.only]
+    if args.list:
+        for m in muts:
+            print(f"{m.name:30} {m.family:6} {m.file}: {m.description}" + (" [equivalent]" if m.equivalent else ""))
+        return 0
+    stale = [(m, why) for m in muts if (why := applies(m))]
+    for m, why in stale:
+        print(f"STALE {m.name}: {why}")
+    if stale:
+        print(f"{len(stale)} mutation(s) no longer apply: update MUTATIONS in {Path(__file__).name} "
+              "(the kernel changed; plant the same bug in the new text, or drop it with a reason)")  # fmt: skip
+        return 2
+    if args.check:
+        for fam in ("metal", "cuda", "cpu"):
+            fm = [m for m in muts if m.family == fam]
+            if fm:
+                print(f"{fam}: {len(fm)} mutations apply ({sum(bool(m.equivalent) for m in fm)} equivalent)")
+        return 0
+    equivalent = [m for m in muts if m.equivalent]
+    live = [m for m in muts if not m.equivalent]
+    results: List[Result] = []
+    for fam, runner in (("metal", run_metal), ("cpu", run_cpu), ("cuda", run_cuda)):
+        fm = [m for m in live if m.family == fam]
+        if fm:
+            if fam == "cuda" and args.family == "all" and not args.compile_only:
+                print("cuda: skipped (run --family cuda on a GPU machine, or --compile-only)")
+                continue
+            print(f"== {fam}: {len(fm)} mutants", flush=True)
+            results += runner(fm, args)
+    rc = summary(results, equivalent)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": [asdict(r) for r in results],
+                                               "equivalent": [asdict(m) for m in equivalent]}, indent=1))  # fmt: skip
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

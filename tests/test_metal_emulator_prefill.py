@@ -1,0 +1,609 @@
+"""flash_attn_prefill's Metal kernels (SPEC 6-9: batches of fixed and variable length,
+described causal and window masks, an explicit mask and its tile tables, lse, Q and O
+dtypes) run by the CPU emulator (tests/metal_emu, docs/metal.md), dispatched exactly as
+rust/src/ops/flash_attn_prefill.rs encodes them (bindings, params block packed like the Rust
+struct, threadgroup memory, grid), against the float64 reference and the CPU backend.
+
+Every input lives in a larger buffer whose bytes outside the view are NaN, and the K/V
+buffers end at the last cache row they hold: a kernel that read a row past a sequence's cache
+(or any element outside a view) would fault or turn the output non-finite. Every output
+lives in a larger buffer of sentinel values: only the view may change, and all of it must.
+
+The CPU backend's form of this op is not in this tree yet; until it is, the CPU check runs the
+origin op (flash_attn_prefill_tensor_f16) on each sequence with the explicit mask that
+expresses it (the description as 0 / -inf, plus the explicit mask, padded to a multiple of 64
+with zero K/V rows and -inf columns)."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pytest
+
+import metal_emu
+import mlx_native as mx
+from mlx_native.dtypes import bfloat16_dtype
+from mlx_native.reference import merge_reference, nmse, peer_mask, reference_prefill, visible_mask
+
+from helpers import LowLevelCase, _span, run_low_level
+
+BF16 = bfloat16_dtype()
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+DTYPE_CODE = {F32: 0, F16: 1, BF16: 2}
+
+# PREFILL_* (rust/src/params.rs)
+CAUSAL, MASK, VARLEN, LSE = 1, 2, 4, 8
+
+THREADS = (32, 8, 1)
+STEP = 64
+BQ = {256: 32, 512: 16}
+KERNEL = {256: "flash_attn_prefill_d256", 512: "flash_attn_prefill_d512"}
+MASK_BLK = "flash_attn_prefill_mask_blk"
+PREFILL_FORMAT = "<17q14ifi"  # FlashAttnPrefillParamsGpu: 17 i64, 14 i32, scale, reserved
+MASK_BLK_FORMAT = "<2q6i"  # FlashAttnPrefillMaskBlkParamsGpu
+
+# Against the float64 reference (SPEC bar 5e-4), by output dtype; the F16 and BF16 bars are
+# those of rounding the F32 result once.
+EXPECTED = {F32: 1e-5, F16: 1e-5, BF16: 5e-5}
+LSE_TOLERANCE = 2e-3  # SPEC 8, absolute
+CPU_AGREEMENT = 1e-10  # against the CPU backend, which computes the same rounded steps
+SENTINEL = -1024.0  # exact in F32, F16 and BF16; no output comes near it
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- cases -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prefill:
+    """One prefill: views of Q, K, V (and the explicit mask) into larger NaN-filled buffers.
+    Fixed length: q [B, rows, H, D], k/v [B, kv, Hkv, D], mask [1 or B, rows, kv]. Variable
+    length: q [total_q, H, D], k/v [total_k, Hkv, D], cu_q / cu_k int32 [B + 1]."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: Optional[np.ndarray] = None
+    cu_q: Optional[np.ndarray] = None
+    cu_k: Optional[np.ndarray] = None
+    causal: bool = False
+    window: int = 0
+    scale: float = 1.0
+    lse: bool = True
+    o_dtype: np.dtype = F32
+    # The K and V buffers as bound (default: the views' spans, ending at the last cache row).
+    k_buf: Optional[np.ndarray] = None
+    v_buf: Optional[np.ndarray] = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_q is not None
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def n_heads(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def batch(self) -> int:
+        return len(self.cu_q) - 1 if self.varlen else self.q.shape[0]
+
+    @property
+    def rows(self) -> int:
+        """Query rows of each sequence (fixed), or of all (variable length)."""
+        return self.q.shape[0] if self.varlen else self.q.shape[1]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k.shape[0] if self.varlen else self.k.shape[1]
+
+    def sequences(self):
+        """(q rows, k rows) slices of each sequence, and its (q, k, v, mask) views."""
+        for b in range(self.batch):
+            if self.varlen:
+                qs, ks = slice(self.cu_q[b], self.cu_q[b + 1]), slice(self.cu_k[b], self.cu_k[b + 1])
+                yield (qs, ks), (self.q[qs], self.k[ks], self.v[ks], None)
+            else:
+                m = None if self.mask is None else self.mask[b if self.mask.shape[0] > 1 else 0]
+                yield (b, b), (self.q[b], self.k[b], self.v[b], m)
+
+    def with_(self, **kw) -> "Prefill":
+        return Prefill(**{**self.__dict__, **kw})
+
+
+def _values(rng, shape, dtype) -> np.ndarray:
+    return rng.uniform(-1, 1, size=shape).astype(np.float32).astype(dtype)
+
+
+def _nan_base(shape, dtype) -> np.ndarray:
+    return np.full(shape, np.nan, np.float32).astype(dtype)
+
+
+def _qkv(rng, lead, rows, kv, nh, nkv, hd, q_dtype):
+    """Q, K, V views with padded row, head and element axes around them (NaN outside)."""
+    qb = _nan_base((*lead, rows + 1, nh + 1, hd + 8), q_dtype)
+    q = qb[..., 1:, :nh, 4 : 4 + hd]
+    q[...] = _values(rng, q.shape, q_dtype)
+    kb = _nan_base((*lead, kv + 3, nkv, hd + 2), F16) if lead else _nan_base((kv, nkv, hd + 2), F16)
+    k = kb[..., :kv, :, 1 : 1 + hd]
+    k[...] = _values(rng, k.shape, F16)
+    vb = _nan_base((*lead, kv + 3, nkv + 1, hd), F16) if lead else _nan_base((kv, nkv + 1, hd), F16)
+    v = vb[..., :kv, 1:, :]
+    v[...] = _values(rng, v.shape, F16)
+    return q, k, v
+
+
+def fixed_case(rng, *, batch, rows, kv, nh, nkv, hd, q_dtype=F32, mask=None, **kw) -> Prefill:
+    """``mask``: None, "shared" (one mask for every sequence) or "per-batch"; peer masks
+    (all three tile classes)."""
+    q, k, v = _qkv(rng, (batch,), rows, kv, nh, nkv, hd, q_dtype)
+    m = None
+    if mask is not None:
+        n = 1 if mask == "shared" else batch
+        mb = _nan_base((n, rows + 1, kv + 5), F16)
+        m = mb[:, :rows, 2 : 2 + kv]
+        for i in range(n):
+            m[i] = peer_mask(rows, kv, rng)
+            if rows >= BQ[hd] and kv >= 2 * STEP:
+                m[i, :, :STEP] = -np.inf  # a skipped tile and a mask-free one, whatever the draw
+                m[i, : BQ[hd], STEP : 2 * STEP] = 0
+    return Prefill(q, k, v, m, **kw)
+
+
+def varlen_case(rng, *, lq, lk, nh, nkv, hd, q_dtype=F32, **kw) -> Prefill:
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q, k, v = _qkv(rng, (), int(cu_q[-1]), int(cu_k[-1]), nh, nkv, hd, q_dtype)
+    return Prefill(q, k, v, cu_q=cu_q, cu_k=cu_k, **kw)
+
+
+# -- dispatching like the op -------------------------------------------------------------------
+
+
+def _el(x: np.ndarray, axis: int) -> int:
+    return x.strides[axis] // x.itemsize
+
+
+def _start(view: np.ndarray, base: np.ndarray) -> int:
+    """The element of ``base`` (flat) where the view starts."""
+    return (view.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // base.itemsize
+
+
+def _from(view: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """The flat memory of ``base`` from the view's first element to the base's end."""
+    return base.reshape(-1)[_start(view, base) :]
+
+
+def emu_mask_blk(emu, mask: np.ndarray, bq: int, **kw) -> np.ndarray:
+    """flash_attn_prefill_mask_blk as the op dispatches it over masks [n, rows, kv] (a view);
+    returns the tables [n, ceil(rows / bq), ceil(kv / 64)]."""
+    n, rows, kv = mask.shape
+    steps = cdiv(kv, STEP)
+    table = np.full((n, cdiv(rows, bq), steps), 0xEE, np.uint8)  # every byte must be written
+    params = struct.pack(MASK_BLK_FORMAT, _el(mask, 0) if n > 1 else 0, _el(mask, 1), n, rows, kv, bq, STEP, steps)
+    res = emu.dispatch(MASK_BLK, (steps, cdiv(rows, bq), n), (32, 1, 1), buffers={1: _span(mask), 2: table},
+                       constants={0: params}, **kw)  # fmt: skip
+    return res[2]
+
+
+def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
+    """flash_attn_prefill as the op encodes it (threadgroup memory: the op's unless given);
+    the explicit mask's tables from the emulated classifier unless given. Checks that only
+    the output views changed, and all of them. Returns (out, lse or None, blk or None)."""
+    hd, nh, bq = c.head_dim, c.n_heads, BQ[c.head_dim]
+    nkv = c.k.shape[-2]
+    batch, rows, kv = c.batch, c.rows, c.kv_len
+    if c.varlen:
+        ob = np.full((rows + 2, nh, hd + 4), SENTINEL, np.float32).astype(c.o_dtype)
+        o_sl = (slice(0, rows), slice(None), slice(2, 2 + hd))
+        lb = np.full((nh + 1, rows + 3), SENTINEL, np.float32)
+        l_sl = (slice(0, nh), slice(1, rows + 1))
+        max_rows = int(np.diff(c.cu_q).max(initial=0))
+    else:
+        ob = np.full((batch, rows + 2, nh, hd + 4), SENTINEL, np.float32).astype(c.o_dtype)
+        o_sl = (slice(None), slice(0, rows), slice(None), slice(2, 2 + hd))
+        lb = np.full((batch, nh + 1, rows + 3), SENTINEL, np.float32)
+        l_sl = (slice(None), slice(0, nh), slice(1, rows + 1))
+        max_rows = rows
+    o, lse = ob[o_sl], lb[l_sl]
+
+    def strides3(x):  # batch, row, head strides in elements (batch 0 with variable length)
+        return (0, _el(x, 0), _el(x, 1)) if c.varlen else (_el(x, 0), _el(x, 1), _el(x, 2))
+
+    flags = (CAUSAL if c.causal else 0) | (MASK if c.mask is not None else 0)
+    flags |= (VARLEN if c.varlen else 0) | (LSE if c.lse else 0)
+    blk_rows, blk_steps = cdiv(rows, bq), cdiv(kv, STEP)
+    mask_strides = (0, 0)
+    if c.mask is not None:
+        mask_strides = (_el(c.mask, 0) if c.mask.shape[0] > 1 else 0, _el(c.mask, 1))
+        if blk is None:
+            blk = emu_mask_blk(emu, c.mask, bq)
+    lse_strides = ((0, _el(lse, 0)) if c.varlen else (_el(lse, 0), _el(lse, 1))) if c.lse else (0, 0)
+    params = struct.pack(
+        PREFILL_FORMAT,
+        *strides3(c.q), *strides3(c.k), *strides3(c.v), *strides3(o),
+        *mask_strides, *lse_strides,
+        blk_rows * blk_steps if c.mask is not None and mask_strides[0] != 0 else 0,
+        batch, rows, kv, nh, nkv, hd, max_rows, c.window, flags,
+        DTYPE_CODE[c.q.dtype], DTYPE_CODE[c.o_dtype], blk_rows, blk_steps, bq, c.scale, 0,
+    )  # fmt: skip
+    assert len(params) == 200
+    qbuf = _span(c.q)
+    buffers = {
+        1: qbuf,
+        2: _span(c.k) if c.k_buf is None else c.k_buf,
+        3: _span(c.v) if c.v_buf is None else c.v_buf,
+        4: _span(c.mask) if c.mask is not None else qbuf,
+        5: blk if c.mask is not None else qbuf,
+        6: _from(o, ob),
+        7: _from(lse, lb) if c.lse else qbuf,
+        8: c.cu_q if c.varlen else qbuf,
+        9: c.cu_k if c.varlen else qbuf,
+    }  # fmt: skip
+    if batch > 0 and max_rows > 0:
+        res = emu.dispatch(
+            KERNEL[hd], (cdiv(max_rows, bq), nh, batch), THREADS, buffers=buffers, constants={0: params},
+            threadgroup_memory={0: tg_memory or mx.threadgroup_memory_bytes(hd)}, **kw,
+        )  # fmt: skip
+        ob = _put_back(ob, o, res[6])
+        lb = _put_back(lb, lse, res[7]) if c.lse else lb
+    sentinel = np.array(SENTINEL, np.float32).astype(c.o_dtype).view(np.uint16 if c.o_dtype.itemsize == 2 else np.uint32)
+    _only_the_view_changed(ob, o_sl, sentinel, "out")
+    if c.lse:
+        _only_the_view_changed(lb, l_sl, np.array(SENTINEL, np.float32).view(np.uint32), "lse")
+    return ob[o_sl], (lb[l_sl] if c.lse else None), blk
+
+
+def _put_back(base, view, flat):
+    """The base array with its memory from the view's first element replaced by ``flat``."""
+    out = base.copy()
+    out.reshape(-1)[_start(view, base) :] = flat
+    return out
+
+
+def _only_the_view_changed(base, sl, sentinel_bits, what):
+    bits = base.view(sentinel_bits.dtype)
+    inside = np.zeros(base.shape, bool)
+    inside[sl] = True
+    assert (bits[~inside] == sentinel_bits).all(), f"{what}: an element outside the view was written"
+    assert not (bits[inside] == sentinel_bits).any(), f"{what}: an element of the view was not written"
+
+
+def reference(c: Prefill):
+    return reference_prefill(
+        c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale,
+        cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k,
+    )  # fmt: skip
+
+
+def cpu_origin(c: Prefill) -> np.ndarray:
+    """The CPU backend's origin op on each sequence, with the explicit mask that expresses it;
+    float32, shaped like q."""
+    out = np.zeros(c.q.shape, np.float32)
+    dev = mx.Device("cpu")
+    for (qs, _), (q, k, v, m) in c.sequences():
+        lq, lk = q.shape[0], k.shape[0]
+        if lq == 0 or lk == 0:
+            continue
+        kvp = mx.kv_pad(lk)
+        kp = np.zeros((kvp, *k.shape[1:]), np.float16)
+        vp = np.zeros((kvp, *v.shape[1:]), np.float16)
+        kp[:lk], vp[:lk] = k, v
+        seen = visible_mask(lq, lk, c.causal, c.window or None)
+        full = np.full((lq, kvp), -np.inf, np.float16)
+        full[:, :lk] = np.where(seen, 0 if m is None else m, -np.inf)
+        qf = np.ascontiguousarray(q, dtype=np.float32)
+        case = LowLevelCase(qf, kp, vp, full, lk, c.scale, qf, kp, vp)
+        out[qs] = run_low_level(dev, case)[0]
+    return out
+
+
+def check(c: Prefill, out, lse, *, cpu=True):
+    """out against the reference (and the CPU backend), lse within SPEC 8's tolerance, rows
+    that see nothing +0 with lse -inf."""
+    ref, ref_lse = reference(c)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    err = nmse(out, ref)
+    assert err < EXPECTED[c.o_dtype], f"nmse {err:.3e} against the reference"
+    unseen = ~np.isfinite(ref_lse)  # [.., H, rows]
+    unseen_out = np.moveaxis(unseen, -1, -2)  # [.., rows, H]
+    assert (np.asarray(out, np.float32)[unseen_out].view(np.uint32) == 0).all(), "a row that sees nothing is not +0"
+    if lse is not None:
+        assert (lse[unseen] == -np.inf).all(), "the lse of a row that sees nothing is not -inf"
+        assert np.isfinite(lse[~unseen]).all()
+        off = np.abs(lse[~unseen] - ref_lse[~unseen]).max(initial=0)
+        assert off < LSE_TOLERANCE, f"lse off by {off:.3e}"
+    if cpu and c.o_dtype == F32:
+        err = nmse(out, cpu_origin(c))
+        assert err < CPU_AGREEMENT, f"nmse {err:.3e} against the CPU backend"
+
+
+def same_bits(a, b) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+# -- batches, variable length, the described mask ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hd,batch,rows,kv,nh,nkv,scale",
+    [(256, 2, 37, 100, 4, 2, 0.6), (512, 3, 20, 77, 2, 1, 1.0)],
+)
+def test_fixed_batches_with_strides(emu, rng, hd, batch, rows, kv, nh, nkv, scale):
+    # Causal with an offset (kv > rows), partial query tiles and a partial last step; each
+    # sequence's cache is followed by NaN rows and the last one by the buffer's end.
+    c = fixed_case(rng, batch=batch, rows=rows, kv=kv, nh=nh, nkv=nkv, hd=hd, causal=True, scale=scale)
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+
+
+@pytest.mark.parametrize(
+    "hd,lq,lk,causal,window",
+    [
+        (256, [17, 0, 33, 5], [40, 7, 33, 70], True, 20),  # an empty prompt, offsets 23, 0, 65
+        (512, [9, 20, 0, 4], [0, 70, 5, 64], False, 0),  # a sequence with no cache: zeros, lse -inf
+    ],
+)
+def test_variable_length(emu, rng, hd, lq, lk, causal, window):
+    c = varlen_case(rng, lq=lq, lk=lk, nh=2, nkv=1 if causal else 2, hd=hd, causal=causal, window=window)
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+    for b, (l, n) in enumerate(zip(lq, lk)):
+        if n == 0:
+            rows = slice(c.cu_q[b], c.cu_q[b + 1])
+            assert (out[rows].view(np.uint32) == 0).all() and (lse[:, rows] == -np.inf).all()
+
+
+@pytest.mark.parametrize("hd,rows,kv,window", [(256, 40, 150, 30), (512, 33, 100, 50), (256, 70, 70, 1)])
+def test_causal_window_with_an_offset(emu, rng, hd, rows, kv, window):
+    # Windows shorter than a step, spanning steps, and of one row (each row sees itself only).
+    c = fixed_case(rng, batch=1, rows=rows, kv=kv, nh=2, nkv=1, hd=hd, causal=True, window=window)
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+
+
+@pytest.mark.parametrize(
+    "hd,batch,mask,causal,window",
+    [(256, 2, "shared", False, 0), (512, 2, "per-batch", True, 0), (256, 3, "per-batch", True, 40)],
+)
+def test_explicit_mask_alone_and_with_the_description(emu, rng, hd, batch, mask, causal, window):
+    rows, kv = (45, 130) if hd == 256 else (20, 150)
+    c = fixed_case(rng, batch=batch, rows=rows, kv=kv, nh=2, nkv=1, hd=hd, mask=mask, causal=causal, window=window)
+    out, lse, blk = emu_prefill(emu, c)
+    assert {0, 1, 2} <= set(np.unique(blk).tolist())
+    check(c, out, lse)
+
+
+def test_fully_masked_rows_are_plus_zero_with_lse_minus_inf(emu, rng):
+    c = fixed_case(rng, batch=2, rows=20, kv=90, nh=2, nkv=1, hd=512, mask="per-batch", causal=True)
+    c.mask[0, [0, 7, 19]] = -np.inf
+    c.mask[1, 5] = -np.inf
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+    for b, r in [(0, 0), (0, 7), (0, 19), (1, 5)]:
+        assert (out[b, r].view(np.uint32) == 0).all()
+        assert (lse[b, :, r] == -np.inf).all()
+
+
+# -- dtypes --------------------------------------------------------------------------------------
+
+
+def test_every_q_dtype_and_o_dtype(emu, rng):
+    # Q values that F16 and BF16 both hold exactly: the kernel reads Q as float, so the three
+    # Q dtypes give the same bits; O in F16 / BF16 is the F32 result rounded to nearest even.
+    c = fixed_case(rng, batch=2, rows=20, kv=70, nh=2, nkv=1, hd=256, causal=True, scale=0.8)
+    qv = c.q.astype(np.float32).astype(BF16).astype(np.float32)
+    qv[qv.astype(np.float16).astype(np.float32) != qv] = 0
+    c.q[...] = qv
+    base, base_lse, _ = emu_prefill(emu, c)
+    check(c, base, base_lse)
+    for dt in (F16, BF16):
+        q, _, _ = _qkv(rng, (2,), 20, 70, 2, 1, 256, dt)
+        q[...] = qv.astype(dt)
+        out, lse, _ = emu_prefill(emu, c.with_(q=q))
+        assert same_bits(out, base), dt
+        assert same_bits(lse, base_lse), dt
+    for dt in (F16, BF16):
+        out, _, _ = emu_prefill(emu, c.with_(o_dtype=dt))
+        assert out.dtype == dt
+        assert same_bits(out, base.astype(dt)), dt
+        check(c.with_(o_dtype=dt), out, None)
+
+
+# -- lse -----------------------------------------------------------------------------------------
+
+
+def test_lse_merges_two_halves_of_the_cache(emu, rng):
+    # SPEC 8: the cache split in two (at a row that is not a step boundary), each half run on
+    # its own with its part of the mask, merged by lse: the whole attention.
+    rows, kv, split = 40, 150, 75
+    c = fixed_case(rng, batch=1, rows=rows, kv=kv, nh=4, nkv=2, hd=256, mask="per-batch")
+    c.mask[0] = np.where(visible_mask(rows, kv, True, None), c.mask[0], -np.inf)
+    c.mask[0, 3, split:] = -np.inf  # row 3 sees nothing in the second half
+    c.mask[0, 4] = -np.inf  # row 4 sees nothing at all
+    whole, whole_lse, _ = emu_prefill(emu, c)
+    check(c, whole, whole_lse)
+    halves = []
+    for cols in (slice(0, split), slice(split, kv)):
+        h = c.with_(k=c.k[:, cols], v=c.v[:, cols], mask=c.mask[:, :, cols])
+        out, lse, _ = emu_prefill(emu, h)
+        check(h, out, lse)
+        halves += [out.astype(np.float64), lse.astype(np.float64)]
+    assert (halves[3][0, :, 3] == -np.inf).all()
+    merged, merged_lse = merge_reference(*halves)
+    ref, ref_lse = reference(c)
+    assert nmse(merged, ref) < EXPECTED[F32]
+    seen = np.isfinite(ref_lse)
+    assert np.abs(merged_lse[seen] - ref_lse[seen]).max() < LSE_TOLERANCE
+    assert (merged_lse[~seen] == -np.inf).all() and (merged[0, 4] == 0).all()
+
+
+# -- SPEC 3: what must not change a bit -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("hd", [256, 512])
+def test_computed_tables_and_described_masks_change_no_bit(emu, rng, hd):
+    rows, kv, w = (45, 200, 140) if hd == 256 else (20, 250, 140)  # every class occurs
+    # The computed tables against all-ones tables (an explicit mask whose masked entries are
+    # -inf, with the description).
+    c = fixed_case(rng, batch=2, rows=rows, kv=kv, nh=2, nkv=1, hd=hd, mask="per-batch", causal=True, window=w)
+    out, lse, blk = emu_prefill(emu, c)
+    assert 0 in blk and 2 in blk
+    ones, ones_lse, _ = emu_prefill(emu, c, blk=np.ones_like(blk))
+    assert same_bits(out, ones) and same_bits(lse, ones_lse)
+    # The description against the same visibility as an explicit 0 / -inf mask.
+    d = c.with_(mask=None)
+    described, described_lse, _ = emu_prefill(emu, d)
+    explicit = np.where(visible_mask(rows, kv, True, w), 0, -np.inf).astype(np.float16)
+    mb = _nan_base((1, rows, kv + 3), F16)
+    mb[:, :, :kv] = explicit
+    e = d.with_(mask=mb[:, :, :kv], causal=False, window=0)
+    out_e, lse_e, blk_e = emu_prefill(emu, e)
+    assert {0, 1, 2} <= set(np.unique(blk_e).tolist())
+    assert same_bits(described, out_e) and same_bits(described_lse, lse_e)
+    # The description with an all-zero explicit mask against the description alone.
+    mb[:, :, :kv] = 0
+    z, z_lse, _ = emu_prefill(emu, d.with_(mask=mb[:, :, :kv]))
+    assert same_bits(described, z) and same_bits(described_lse, z_lse)
+    check(d, described, described_lse)
+
+
+def test_schedules_and_cooperative_layouts_change_no_bit(emu, rng):
+    """Any order of the threads between synchronisation points, and any layout of the
+    cooperative tensors, gives the same bits (out and lse)."""
+    cases = [
+        fixed_case(rng, batch=2, rows=20, kv=100, nh=2, nkv=1, hd=256, mask="per-batch", causal=True, scale=2.0),
+        varlen_case(rng, lq=[5, 18], lk=[70, 18], nh=2, nkv=1, hd=512, causal=True, window=9),
+    ]
+    for c in cases:
+        base, base_lse, blk = emu_prefill(emu, c)
+        for kw in (dict(schedule="reverse"), dict(schedule="random:1", layout_seed=7), dict(layout_seed=2)):
+            out, lse, _ = emu_prefill(emu, c, blk=blk, **kw)
+            assert same_bits(out, base) and same_bits(lse, base_lse), kw
+
+
+def test_threadgroup_memory_is_exactly_what_the_op_binds(emu, rng):
+    c = fixed_case(rng, batch=1, rows=8, kv=64, nh=1, nkv=1, hd=256)
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse, cpu=False)
+    with pytest.raises(metal_emu.EmulatorError):
+        emu_prefill(emu, c, tg_memory=mx.threadgroup_memory_bytes(256) - 16)
+
+
+# -- the explicit mask's classifier -----------------------------------------------------------------
+
+
+def spec_tables(mask: np.ndarray, bq: int) -> np.ndarray:
+    """SPEC 1 per mask of [n, rows, kv], columns past kv counted as masked."""
+    n, rows, kv = mask.shape
+    steps = cdiv(kv, STEP)
+    bits = mask.view(np.uint16)
+    out = np.zeros((n, cdiv(rows, bq), steps), np.uint8)
+    for b in range(n):
+        for qt in range(cdiv(rows, bq)):
+            for kt in range(steps):
+                t = bits[b, qt * bq : (qt + 1) * bq, kt * STEP : (kt + 1) * STEP]
+                mag = t & 0x7FFF
+                masked = ((t & 0x8000) != 0) & (mag >= 0x7BFF) & (mag <= 0x7C00)
+                partial = (kt + 1) * STEP > kv
+                out[b, qt, kt] = 0 if masked.all() else (2 if (mag == 0).all() and not partial else 1)
+    return out
+
+
+@pytest.mark.parametrize("n,rows,kv,bq", [(3, 45, 130, 32), (1, 33, 200, 16), (2, 16, 64, 16)])
+def test_mask_blk_follows_spec_1(emu, rng, n, rows, kv, bq):
+    mb = _nan_base((n, rows + 1, kv + 7), F16)  # NaN columns past kv: never read
+    m = mb[:, :rows, 3 : 3 + kv]
+    for i in range(n):
+        m[i] = peer_mask(rows, kv, rng)
+    m[:, :bq, :STEP] = -65504.0  # the most negative half counts as masked
+    if kv > STEP:
+        zeros = m[:, :bq, STEP : 2 * STEP]
+        zeros[...] = np.where(rng.random(zeros.shape) < 0.5, 0.0, -0.0)  # either zero is zero
+    got = emu_mask_blk(emu, m, bq)
+    assert np.array_equal(got, spec_tables(m, bq))
+    assert {0, 1, 2} <= set(np.unique(got).tolist()) or kv == STEP
+    if kv % STEP:
+        # A tile of zeros that runs past kv is 1 (its columns past kv count as masked); one of
+        # -inf is 0.
+        tail = slice((kv // STEP) * STEP, kv)
+        m[0, :bq, tail] = 0
+        m[-1, (cdiv(rows, bq) - 1) * bq :, tail] = -np.inf
+        got = emu_mask_blk(emu, m, bq)
+        assert got[0, 0, -1] == 1 and got[-1, -1, -1] == 0
+        assert np.array_equal(got, spec_tables(m, bq))
+
+
+def test_mask_blk_matches_the_origin_classifier_on_padded_masks(emu, rng):
+    # The origin classifier is an entry point over the same body: on a mask padded to a
+    # multiple of 64 with -inf columns, each table is the origin's.
+    n, rows, kv, bq = 2, 40, 100, 32
+    m = np.stack([peer_mask(rows, kv, rng) for _ in range(n)])
+    got = emu_mask_blk(emu, m, bq)
+    for b in range(n):
+        padded = np.full((rows, mx.kv_pad(kv)), -np.inf, np.float16)
+        padded[:, :kv] = m[b]
+        table = np.full((cdiv(rows, bq), mx.kv_pad(kv) // STEP), 0xEE, np.uint8)
+        res = emu.dispatch(
+            "flash_attn_prefill_blk", (mx.kv_pad(kv) // STEP, cdiv(rows, bq), 1), (32, 1, 1),
+            buffers={1: padded, 2: table}, constants={0: struct.pack("<4i", rows, mx.kv_pad(kv), bq, STEP)},
+        )  # fmt: skip
+        want = res[2]
+        # Past kv the padded mask is -inf, and a partial last step is never 2 either way.
+        assert np.array_equal(got[b], want), b
+        assert np.array_equal(want, mx.flash_attn_prefill_blk(padded, bq, STEP, device=mx.Device("cpu")))
+
+
+# -- deliberately wrong kernels must fail these checks ----------------------------------------------
+
+
+def mutated(build_dir, original: str, replacement: str, count: int = 1) -> metal_emu.Emulator:
+    """The emulator built with one deliberate change to the attention kernels' source."""
+    src = metal_emu.SHADER_FILES["flash_attn_prefill_tensor.metal"].read_text()
+    assert src.count(original) == count, f"the mutation no longer applies: {original!r}"
+    sources = {name: path.read_text() for name, path in metal_emu.SHADER_FILES.items()}
+    sources["flash_attn_prefill_tensor.metal"] = src.replace(original, replacement)
+    return metal_emu.Emulator(metal_emu.build(build_dir, sources))
+
+
+def test_a_dropped_causal_offset_is_caught(build_dir, rng):
+    # Each prompt is the end of its cache (offset = Lk - Lq): without the offset, every row
+    # sees too little of a cache longer than its prompt.
+    bad = mutated(build_dir, "const Visibility vis = {lk, lk - lq,", "const Visibility vis = {lk, 0,")
+    c = fixed_case(rng, batch=2, rows=37, kv=100, nh=2, nkv=1, hd=256, causal=True)
+    out, _, _ = emu_prefill(bad, c)
+    assert nmse(out, reference(c)[0]) > 1e-3
+
+
+def test_lse_without_the_running_max_is_caught(build_dir, rng):
+    bad = mutated(build_dir, "m_run[i] + log(s_run[i])", "log(s_run[i])")
+    c = fixed_case(rng, batch=1, rows=20, kv=100, nh=2, nkv=1, hd=256, causal=True, scale=3.0)
+    out, lse, _ = emu_prefill(bad, c)
+    with pytest.raises(AssertionError, match="lse off by"):
+        check(c, out, lse, cpu=False)
+    check(c.with_(lse=False), out, None, cpu=False)  # the output itself is right
+
+
+def test_a_partial_step_read_past_the_cache_is_caught(emu, build_dir, rng):
+    # K and V tensors of a whole step at the cache's end (125 rows: the last step has 61)
+    # read the 3 rows after it: past the last sequence's buffer, a fault; where the buffers go
+    # on (the NaN rows after each cache), NaN in the output.
+    bad = mutated(build_dir, "dextents<int32_t, 2>(D, kn)", "dextents<int32_t, 2>(D, C)", count=2)
+    c = fixed_case(rng, batch=2, rows=20, kv=125, nh=2, nkv=1, hd=256, causal=True)
+    with pytest.raises(metal_emu.EmulatorError):
+        emu_prefill(bad, c)
+    wide = c.with_(k_buf=_from(c.k, c.k.base), v_buf=_from(c.v, c.v.base))
+    out, _, _ = emu_prefill(bad, wide)
+    assert not np.isfinite(out).all()
+    good, lse, _ = emu_prefill(emu, wide)
+    check(wide, good, lse)
