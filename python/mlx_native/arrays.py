@@ -356,15 +356,19 @@ def _as_numpy(x: Any, name: str) -> np.ndarray:
     return a
 
 
-def _torch_dtype(dt: np.dtype):
-    import torch
+_TORCH_OF_NAME: dict = {}
 
-    name = "bfloat16" if dt == bfloat16_dtype() else dt.name
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8,
-             "int32": torch.int32, "int64": torch.int64, "bool": torch.bool, "int16": torch.int16}
-    if name not in table:
+
+def _torch_dtype(dt: np.dtype):
+    if not _TORCH_OF_NAME:
+        import torch
+
+        _TORCH_OF_NAME.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, uint8=torch.uint8,
+                              int32=torch.int32, int64=torch.int64, bool=torch.bool, int16=torch.int16)  # fmt: skip
+    name = np.dtype(dt).name
+    if name not in _TORCH_OF_NAME:
         raise UnsupportedDtypeError(f"no torch dtype for {name}")
-    return table[name]
+    return _TORCH_OF_NAME[name]
 
 
 def as_host_array(x: Any, name: str = "array") -> np.ndarray:

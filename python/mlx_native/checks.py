@@ -13,8 +13,9 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 
 from .arrays import Operand
+from .device import Device
 from .dtypes import dtype_name
-from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedDtypeError
+from .errors import ArgumentTypeError, InvalidArgumentError, InvalidHandleError, UnsupportedDtypeError
 
 #: Output dtypes the kernels write.
 OUT_DTYPES = ("float32", "float16", "bfloat16")
@@ -66,7 +67,9 @@ def check_scale(scale: Any) -> Optional[float]:
     if not isinstance(scale, numbers.Real) or isinstance(scale, (bool, np.bool_)):
         raise ArgumentTypeError(f"scale must be a real number or None (1/sqrt(head_dim)), got {scale!r} ({type(scale).__name__})")
     s = float(scale)
-    if not math.isfinite(s) or not math.isfinite(float(np.float32(s))):
+    with np.errstate(over="ignore"):
+        in_f32 = float(np.float32(s)) if math.isfinite(s) else s
+    if not math.isfinite(in_f32):
         raise InvalidArgumentError(f"scale must be a finite number (in float32), got {scale!r}")
     return s
 
@@ -82,14 +85,10 @@ def check_out_dtype(out_dtype: Any, q_dtype: Any) -> str:
 def check_device(device: Any) -> Union[None, str, Any]:
     """``None``, a device name (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"metal"``,
     ``"auto"``) or a :class:`~mlx_native.Device` (which must be open)."""
-    from .device import Device
-
     if device is None:
         return None
     if isinstance(device, Device):
         if device.closed:
-            from .errors import InvalidHandleError
-
             raise InvalidHandleError(f"device handle {device.handle} is closed")
         return device
     if isinstance(device, str):

@@ -108,7 +108,7 @@ def mask_to_half(op: Operand) -> Operand:
     elif a.dtype == np.float16:
         h = a
     else:
-        h = xp.where(a <= NEG_HALF_MAX, -np.inf, a.astype(np.float32)).astype(np.float16)
+        h = xp.where(a <= NEG_HALF_MAX, -np.inf, a).astype(np.float16)
     return Operand.of(xp.ascontiguousarray(h))
 
 
@@ -116,10 +116,10 @@ def prepare_mask(mask: Any, *, batch: int, rows: int, kv_len: int, like: Operand
     """The kernel's form of an explicit mask and its (batch, row) strides in elements (0:
     shared by every sequence / by every row).
 
-    Shapes (right-aligned, as broadcasting): ``[rows, kv]``, ``[B or 1, rows, kv]``,
-    ``[B or 1, 1, rows, kv]``; an axis of size 1 or stride 0 is shared, so ``[B, H, rows,
-    kv]`` made by ``expand`` is taken (one mask for every head). Float16 with a contiguous
-    last axis is used in place; other dtypes (bool, float32, float64, bfloat16) are
+    Shapes: ``[rows, kv]``, ``[B or 1, rows, kv]``, ``[B or 1, 1, rows, kv]``; an axis of
+    size 1 or stride 0 is shared, so a ``[B, H, rows, kv]`` made by ``expand`` is taken (one
+    mask for every head), and so is a row broadcast (``[B, 1, 1, kv]`` expanded). Float16
+    with a contiguous last axis is used in place; other dtypes (bool, float32, float64, bfloat16) are
     converted with the array's own library on its device (:func:`mask_to_half`). A host
     mask for CUDA ``q`` (``like``) is copied to q's device; a CUDA mask is never copied to
     the host."""
@@ -130,8 +130,13 @@ def prepare_mask(mask: Any, *, batch: int, rows: int, kv_len: int, like: Operand
         )
     if m.ndim not in (2, 3, 4):
         raise InvalidArgumentError(_shape_message(m.shape, batch, rows, kv_len))
-    pad = 4 - m.ndim
-    (bm, hm, rm, km), (sb, sh, sr, _) = (1,) * pad + m.shape, (0,) * pad + m.strides
+    # As [B, H, rows, kv]: a 3-D mask is [B, rows, kv], a 2-D one [rows, kv].
+    shape4, strides4 = m.shape, m.strides
+    if m.ndim == 3:
+        shape4, strides4 = (m.shape[0], 1) + m.shape[1:], (m.strides[0], 0) + m.strides[1:]
+    elif m.ndim == 2:
+        shape4, strides4 = (1, 1) + m.shape, (0, 0) + m.strides
+    (bm, hm, rm, km), (sb, sh, sr, _) = shape4, strides4
     shared_b, shared_r = bm == 1 or sb == 0, rm == 1 or sr == 0
     if km != kv_len or rm not in (rows, 1) or bm not in (batch, 1):
         raise InvalidArgumentError(_shape_message(m.shape, batch, rows, kv_len))
@@ -149,7 +154,7 @@ def prepare_mask(mask: Any, *, batch: int, rows: int, kv_len: int, like: Operand
             raise InvalidArgumentError(f"the mask is on {m.device} and q on {like.device}: put them on one device")
         m = like.from_host(m.to_host())
     if m.library != "spec":
-        obj = m.obj[(None,) * pad] if pad else m.obj
+        obj = {2: lambda x: x[None, None], 3: lambda x: x[:, None], 4: lambda x: x}[m.ndim](m.obj)
         core = Operand.of(obj[slice(0, 1) if shared_b else slice(None), 0, slice(0, 1) if shared_r else slice(None)], "mask")
         if core.dtype != np.float16 or not core.in_place:
             core = mask_to_half(core)

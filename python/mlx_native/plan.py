@@ -27,7 +27,7 @@ from .checks import (
     default_scale,
 )
 from .device import Buffer, Device, Encoder, shared_device
-from .dtypes import DTYPE_CODES, numpy_dtype_of_name
+from .dtypes import DTYPE_CODES, dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 from .masks import described_pairs, masked_pairs, prepare_mask
 
@@ -42,8 +42,6 @@ class ArraySpec:
     (``"cpu"``, ``"cuda"``, ``"cuda:N"``). ``ArraySpec.like(x)`` takes an array's."""
 
     def __init__(self, shape: Sequence[int], dtype: Any, strides: Optional[Sequence[int]] = None, device: str = "cpu"):
-        from .dtypes import dtype_name
-
         self.shape = tuple(int(d) for d in shape)
         self.dtype = numpy_dtype_of_name(dtype_name(dtype))
         self.strides = _contiguous_strides(self.shape) if strides is None else tuple(int(s) for s in strides)
