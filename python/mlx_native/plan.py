@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from ._lib import check, ffi, lib
-from .arrays import Operand, _contiguous_strides
+from .arrays import Operand
 from .checks import (
     check_bool,
     check_cu_seqlens,
@@ -26,69 +26,13 @@ from .checks import (
     check_window,
     default_scale,
 )
-from .device import Buffer, Device, Encoder, shared_device
-from .dtypes import DTYPE_CODES, dtype_name, numpy_dtype_of_name
-from .errors import InvalidArgumentError, UnsupportedDtypeError
+from .device import Device, Encoder
+from .dtypes import DTYPE_CODES, numpy_dtype_of_name
+from .errors import InvalidArgumentError
+from .layouts import ArraySpec, check_qkv, layout, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
 
 __all__ = ["ArraySpec", "PrefillPlan"]
-
-_Q_DTYPES = ("float32", "float16", "bfloat16")
-
-
-class ArraySpec:
-    """An array's layout without its data, to plan on: ``shape``, ``dtype`` (a name, a
-    numpy or torch dtype), ``strides`` in elements (None: C-contiguous) and ``device``
-    (``"cpu"``, ``"cuda"``, ``"cuda:N"``). ``ArraySpec.like(x)`` takes an array's."""
-
-    def __init__(self, shape: Sequence[int], dtype: Any, strides: Optional[Sequence[int]] = None, device: str = "cpu"):
-        self.shape = tuple(int(d) for d in shape)
-        self.dtype = numpy_dtype_of_name(dtype_name(dtype))
-        self.strides = _contiguous_strides(self.shape) if strides is None else tuple(int(s) for s in strides)
-        if len(self.strides) != len(self.shape):
-            raise InvalidArgumentError(f"ArraySpec: {len(self.strides)} strides for a shape of {len(self.shape)} axes")
-        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
-            raise InvalidArgumentError(f"ArraySpec: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        self.device = "cuda:0" if device == "cuda" else device
-
-    @classmethod
-    def like(cls, x: Any) -> "ArraySpec":
-        op = Operand.of(x)
-        return cls(op.shape, op.dtype, op.strides, op.device)
-
-    def operand(self) -> Operand:
-        return Operand(None, "spec", self.device, self.shape, self.strides, self.dtype, 0, True)
-
-    def __repr__(self) -> str:
-        return f"ArraySpec({self.shape}, {self.dtype.name}, strides={self.strides}, device={self.device!r})"
-
-
-def _operand(x: Any, name: str) -> Operand:
-    if isinstance(x, ArraySpec):
-        return x.operand()
-    if isinstance(x, Operand):
-        return x
-    return Operand.of(x, name)
-
-
-def _norm(shape: tuple, strides: tuple) -> tuple:
-    """Strides with those of axes of one element (or none) set to 0: they are never used,
-    and libraries disagree on them."""
-    return tuple(0 if d <= 1 else int(s) for d, s in zip(shape, strides))
-
-
-def _layout(op: Operand) -> tuple:
-    """(shape, strides, dtype) as the kernels read the operand: its own strides when its
-    last axis is contiguous (used in place), else those of its contiguous copy."""
-    strides = op.strides if op.in_place else _contiguous_strides(op.shape)
-    return op.shape, _norm(op.shape, strides), op.dtype
-
-
-def _span(op: Operand) -> np.ndarray:
-    """A host operand's elements from its first to its last, as a flat numpy view."""
-    a = op.host_array()
-    n = op.span_elements()
-    return np.lib.stride_tricks.as_strided(a, shape=(n,), strides=(a.itemsize,), writeable=False)
 
 
 def _free(handle: int) -> None:
@@ -152,8 +96,8 @@ class PrefillPlan:
         self._lse = check_bool(return_lse, "return_lse")
         self._check_finite = check_bool(check_finite, "check_finite")
         dev_arg = check_device(device)
-        qo, ko, vo = _operand(q, "q"), _operand(k, "k"), _operand(v, "v")
-        _check_qkv(qo, ko, vo)
+        qo, ko, vo = operand(q, "q"), operand(k, "k"), operand(v, "v")
+        check_qkv(qo, ko, vo)
         batched = qo.ndim == 4
         rows, n_heads, head_dim = qo.shape[-3:]
         kv_len, n_kv_heads = ko.shape[-3], ko.shape[-2]
@@ -178,7 +122,7 @@ class PrefillPlan:
                     f"causal with {rows} query rows and a cache of {kv_len} rows: the prompt is the end of its cache, "
                     f"which cannot be shorter (pass the whole cache as k/v, or causal=False with an explicit mask)"
                 )
-        self.device, self._upload = _pick_device(dev_arg, qo)
+        self.device, self._upload = pick_device(dev_arg, qo)
         self._cuda = self.device.backend == "cuda" and not self._upload
         self._array_device = qo.device
         out_name = check_out_dtype(out_dtype, qo.dtype)
@@ -186,19 +130,17 @@ class PrefillPlan:
         self.scale = default_scale(head_dim) if scale is None else scale
         self.causal, self.window, self.batch = causal, window, batch
         self._dims = (rows, kv_len, n_heads, n_kv_heads, head_dim)
-        self._layouts = tuple(_layout(o) for o in (qo, ko, vo))
+        self._layouts = tuple(layout(o) for o in (qo, ko, vo))
 
         self._mask_form = None
         mask_strides = (0, 0)
         mask_in_place = mask is None
         if mask is not None:
-            mo = _operand(mask, "mask")
+            mo = operand(mask, "mask")
             core, bs, rs = prepare_mask(mo, batch=batch, rows=rows, kv_len=kv_len, like=qo)
             mask_in_place = core.obj is not None and core.ptr == mo.ptr and core.library == mo.library
             self._mask_form = (core.shape, bs, rs)
             mask_strides = (bs, rs)
-            if self._check_finite and mo.library != "spec":
-                check_array_finite("mask", mo.obj, allow_neg_inf=True)
 
         # Outputs: like q, contiguous; lse [H, rows], [B, H, rows] or [H, total_q].
         self.shape = qo.shape
@@ -216,8 +158,6 @@ class PrefillPlan:
         p.causal, p.window, p.scale = int(causal), window or 0, self.scale
         self._params = p
 
-        if self._check_finite and qo.library != "spec":
-            _check_inputs(qo, ko, vo, self.scale)
         out = ffi.new("uint64_t *")
         cq = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[0])
         ck = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[1])
@@ -290,18 +230,23 @@ class PrefillPlan:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, q: Any = None, k: Any = None, v: Any = None, mask: Any = None, *, out: Any = None, lse: Any = None):
+    def run(self, q: Any = None, k: Any = None, v: Any = None, mask: Any = None, *, out: Any = None, lse: Any = None) -> Any:
         """Run on ``q``, ``k``, ``v`` (and ``mask`` when the plan has one) of the planned
         layouts, or with no arrays on the planned ones. Returns ``out``, or ``(out, lse)``
-        when the plan returns lse."""
+        when the plan returns lse. With ``check_finite`` the inputs are checked first."""
         if q is None and k is None and v is None:
             if self._planned is None:
                 raise InvalidArgumentError("this plan was made from layouts (ArraySpec): pass the arrays, run(q, k, v, ...)")
             q, k, v, planned_mask = self._planned
             mask = planned_mask if mask is None else mask
-            if self._upload:
+            if self._upload:  # uploaded once, by the first such run
+                qo = Operand.of(q, "q")
+                if self._check_finite:
+                    _check_inputs(qo, Operand.of(k, "k"), Operand.of(v, "v"), self.scale)
+                    if mask is not None:
+                        check_array_finite("mask", mask, allow_neg_inf=True)
                 with self._lock:
-                    return self._run_buffers(self._buffers, out, lse, Operand.of(q, "q"))
+                    return self._run_buffers(self._buffers, out, lse, qo)
         elif q is None or k is None or v is None:
             raise InvalidArgumentError("pass q, k and v (or none of them: the arrays the plan was made with)")
         qo, ko, vo = self._bind(q, "q", 0), self._bind(k, "k", 1), self._bind(v, "v", 2)
@@ -343,7 +288,7 @@ class PrefillPlan:
         if not op.in_place:
             op = op.made_contiguous()
         shape, strides, dtype = self._layouts[i]
-        if op.shape != shape or op.dtype != dtype or _norm(op.shape, op.strides) != strides:
+        if op.shape != shape or op.dtype != dtype or norm_strides(op.shape, op.strides) != strides:
             raise InvalidArgumentError(
                 f"{name} is {op.dtype.name} {op.shape} with strides {op.strides}; this plan was made for {dtype.name} "
                 f"{shape} with strides {strides}: make a plan for it (flash_attn_prefill keeps one per layout)"
@@ -389,7 +334,7 @@ class PrefillPlan:
         dev = self.device
 
         def buf(op):
-            return dev.buffer(_span(op)) if self._upload else dev.wrap(op, span=True)
+            return dev.buffer(span(op)) if self._upload else dev.wrap(op, span=True)
 
         b = dict(q=buf(qo), k=buf(ko), v=buf(vo), mask=None if mo is None else buf(mo), lse=None, cu_q=None, cu_k=None)
         if self._upload:
@@ -413,7 +358,7 @@ class PrefillPlan:
         :meth:`encoded_result`'s, overwritten by every recorded run."""
         self._record(encoder, self._buffers, classify)
 
-    def encoded_result(self):
+    def encoded_result(self) -> Any:
         """The output of the runs recorded by :meth:`encode` (after their commit): ``out``
         or ``(out, lse)``, arrays of q's library (the same arrays every time, except for
         host arrays on a CUDA device, which are downloaded anew)."""
@@ -452,8 +397,8 @@ class PrefillPlan:
                 # The outputs, table and offsets of upload runs (the arrays' buffers are new).
                 self._scratch = {k: v for k, v in self._output_buffers().items()}
             b = dict(self._scratch)
-            b.update(q=dev.buffer(_span(qo)), k=dev.buffer(_span(ko)), v=dev.buffer(_span(vo)))
-            b["mask"] = None if mo is None else dev.buffer(_span(mo))
+            b.update(q=dev.buffer(span(qo)), k=dev.buffer(span(ko)), v=dev.buffer(span(vo)))
+            b["mask"] = None if mo is None else dev.buffer(span(mo))
             return self._run_buffers(b, out, lse, qo)
 
     def _output_buffers(self) -> dict:
@@ -532,64 +477,6 @@ def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
 
         ptr = _numpy_ptr
     return new_out, new_lse, ptr
-
-
-def _check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
-    """Dtypes, ranks and shapes of q, k, v against each other."""
-    if qo.dtype.name not in _Q_DTYPES:
-        raise UnsupportedDtypeError(f"q must be float32, float16 or bfloat16, got {qo.dtype.name}")
-    for name, op in (("k", ko), ("v", vo)):
-        if op.dtype != np.float16:
-            raise UnsupportedDtypeError(f"{name} must be float16, got {op.dtype.name}")
-    if qo.ndim not in (3, 4):
-        raise InvalidArgumentError(
-            f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim], got shape {qo.shape} "
-            f"(a [batch, heads, rows, head_dim] tensor passes as q.transpose(1, 2), without a copy)"
-        )
-    for name, op in (("k", ko), ("v", vo)):
-        if op.ndim != qo.ndim:
-            kind = "[kv_len, kv_heads, head_dim]" if qo.ndim == 3 else "[batch, kv_len, kv_heads, head_dim]"
-            raise InvalidArgumentError(f"q is {qo.ndim}-D, so {name} must be {kind}; got shape {op.shape}")
-    if vo.shape != ko.shape:
-        raise InvalidArgumentError(f"v has shape {vo.shape}, k has {ko.shape}: they must match")
-    if ko.shape[-1] != qo.shape[-1]:
-        raise InvalidArgumentError(
-            f"q has head_dim {qo.shape[-1]} and k/v {ko.shape[-1]} (the last axis): they must be equal. The layout is "
-            f"q [rows, heads, head_dim], k/v [kv_len, kv_heads, head_dim] (4-D: a batch axis first)"
-        )
-    if qo.ndim == 4 and ko.shape[0] != qo.shape[0]:
-        raise InvalidArgumentError(f"q has a batch of {qo.shape[0]} and k/v of {ko.shape[0]}: they must be equal")
-    n_heads, n_kv = qo.shape[-2], ko.shape[-2]
-    if n_kv == 0 or n_heads % n_kv:
-        raise InvalidArgumentError(
-            f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv} (axis -2 of q and of k/v). The layout is "
-            f"q [rows, heads, head_dim], k/v [kv_len, kv_heads, head_dim]: a [heads, rows, head_dim] tensor passes "
-            f"as x.transpose(0, 1) (4-D: x.transpose(1, 2)), without a copy"
-        )
-    # The head dims the op has kernels for, as the op itself says (its tile table's rows).
-    p = ffi.new("FlashAttnPrefillParams *")
-    p.head_dim = min(int(qo.shape[-1]), 2**32 - 1)
-    check(lib.mlxn_flash_attn_prefill_mask_table_bytes(p, ffi.new("uint64_t *")))
-
-
-def _pick_device(dev_arg, qo: Operand) -> Tuple[Device, bool]:
-    """The plan's device and whether the arrays are uploaded to it: by default the data
-    decides (host arrays on the CPU, CUDA arrays on their device)."""
-    if dev_arg is None:
-        dev = shared_device(qo.device if qo.on_cuda else "cpu")
-    elif isinstance(dev_arg, str):
-        dev = shared_device(dev_arg)
-    else:
-        dev = dev_arg
-    if qo.on_cuda:
-        if dev.backend != "cuda" or dev.index != qo.device_index:
-            raise InvalidArgumentError(
-                f"the arrays are on {qo.device} and the device is {dev.backend}"
-                f"{':' + str(dev.index) if dev.backend == 'cuda' else ''}: pass device=None (the arrays' own device), "
-                f"or move the arrays"
-            )
-        return dev, False
-    return dev, dev.backend == "cuda"
 
 
 def _check_inputs(qo: Operand, ko: Operand, vo: Operand, scale: float) -> None:

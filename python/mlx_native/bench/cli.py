@@ -99,6 +99,9 @@ def _overhead(args) -> int:
         use_threads(args.threads)
     try:
         results = run_overhead(rows=args.rows or [2048], device=args.device, repeats=args.repeats, seed=args.seed)
+    except ImportError as e:
+        print(f"bench: --overhead on a CUDA device needs PyTorch with CUDA ({e})", file=sys.stderr)
+        return 2
     except (ValueError, MlxError, RuntimeError) as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2

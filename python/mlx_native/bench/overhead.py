@@ -121,7 +121,6 @@ def run_overhead(
             mm = "-" if mem is None else f"{mem['host_growth_over_mask']:.3f}"
             print(f"{case:9} {r:>6} {best['kernels'] * 1e3:11.3f} {best['run'] * 1e3:9.3f} {best['call'] * 1e3:9.3f} "
                   f"{d['run_over_kernels']:9.3f} {d['call_over_run']:9.3f} {mm:>9}", file=out)  # fmt: skip
-            del plan
     worst_run = max(d["run_over_kernels"] for d in results)
     worst_call = max(d["call_over_run"] for d in results)
     ok = worst_run <= RUN_OVER_KERNELS and worst_call <= CALL_OVER_RUN
