@@ -83,6 +83,12 @@ typedef struct MlxnFlashAttnPrefillParams {
   uint32_t window;
   // Folded into Q before Q is rounded to half (SPEC 2, step 1).
   float scale;
+  // With `has_offset` 1: query row r of every sequence sits at position `r + offset` of its
+  // cache, for `causal` and `window` (a chunk of queries against a chunk of the cache, as
+  // context parallelism computes them); with 0, the prompt is the end of its cache
+  // (`offset = kv_len - rows` per sequence, SPEC 6).
+  int32_t offset;
+  uint32_t has_offset;
 } MlxnFlashAttnPrefillParams;
 
 // Elements each operand of a prefill plan must hold (bytes for `blk`, which the plan owns).

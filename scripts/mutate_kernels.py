@@ -70,6 +70,15 @@ class Mutation:
 
 T_METAL = "shaders/flash_attn_prefill_tensor.metal"
 B_METAL = "shaders/flash_attn_prefill_blk.metal"
+CU_COMMON = "shaders/flash_attn_prefill/common.cuh"
+CU_PARAMS = "shaders/flash_attn_prefill/params.cuh"
+CU_RANGE = "shaders/flash_attn_prefill/block_range.cuh"
+CU_LOADERS = "shaders/flash_attn_prefill/loaders.cuh"
+CU_SOFTMAX = "shaders/flash_attn_prefill/softmax.cuh"
+CU_EPILOGUE = "shaders/flash_attn_prefill/epilogue.cuh"
+CU_SM80 = "shaders/flash_attn_prefill/mainloop_sm80.cuh"
+CU_SM90 = "shaders/flash_attn_prefill/mainloop_sm90.cuh"
+CU_SM90_PTX = "shaders/flash_attn_prefill/sm90_ptx.cuh"
 T_CU = "shaders/flash_attn_prefill_tensor.cu"
 B_CU = "shaders/flash_attn_prefill_blk.cu"
 T_RS = "rust/src/backend/cpu/flash_attn_prefill_tensor.rs"
@@ -153,70 +162,70 @@ MUTATIONS: List[Mutation] = [
       "the class tests in the other order",
       equivalent="no half is both masked (-inf, <= -65504) and zero, so a tile is never both"),
     # ---------------------------------------------------------------- CUDA: Hopper (wgmma) form
-    M("cuda-threshold-ge", "cuda", T_CU, "if (mx[hh] > m_run[hh] + 8.f) {", "if (mx[hh] >= m_run[hh] + 8.f) {",
+    M("cuda-threshold-ge", "cuda", CU_SOFTMAX, "if (mx > m + RESCALE_THRESHOLD) {", "if (mx >= m + RESCALE_THRESHOLD) {",
       "Hopper: rescale at a step max of exactly M + 8"),
-    M("cuda-threshold-sign", "cuda", T_CU, "if (mx[hh] > m_run[hh] + 8.f) {", "if (mx[hh] > m_run[hh] - 8.f) {",
+    M("cuda-threshold-sign", "cuda", CU_SOFTMAX, "if (mx > m + RESCALE_THRESHOLD) {", "if (mx > m - RESCALE_THRESHOLD) {",
       "Hopper: rescale threshold of the wrong sign"),
-    M("cuda-o-unzeroed", "cuda", T_CU, "    for (int i = 0; i < 128; ++i) o[i] = 0.f;\n", "",
+    M("cuda-o-unzeroed", "cuda", CU_SM90, "    for (int i = 0; i < 128; ++i) o[i] = 0.f;\n", "",
       "Hopper: O accumulators never zeroed"),
-    M("cuda-sums-unzeroed", "cuda", T_CU, "float l_run[2] = {0.f, 0.f};", "float l_run[2];",
+    M("cuda-sums-unzeroed", "cuda", CU_SM90, "float l_run[2] = {0.f, 0.f};", "float l_run[2];",
       "Hopper: row sums never zeroed"),
-    M("cuda-kv-head", "cuda", T_CU, "const int kvh = ((int)blockIdx.y * hpc) / group;",
-      "const int kvh = ((int)blockIdx.y * hpc) % p.n_kv_heads;", "both forms: wrong KV head", count=2),
-    M("cuda-q-rounded-first", "cuda", T_CU,
+    M("cuda-kv-head", "cuda", CU_SM90, "const int kvh = ((int)blockIdx.y * hpc) / group;",
+      "const int kvh = ((int)blockIdx.y * hpc) % p.n_kv_heads;", "Hopper: wrong KV head"),
+    M("cuda-portable-kv-head", "cuda", CU_SM80, "const int kvh = ((int)blockIdx.y * hpc) / group;",
+      "const int kvh = ((int)blockIdx.y * hpc) % p.n_kv_heads;", "portable: wrong KV head", env=PORTABLE),
+    M("cuda-q-rounded-first", "cuda", CU_LOADERS,
       "for (int e = 0; e < 4; ++e) w[e] = pack_half2(scale * f[2 * e], scale * f[2 * e + 1]);",
       "for (int e = 0; e < 4; ++e) { float a, b; unpack_half2(pack_half2(f[2 * e], f[2 * e + 1]), a, b);"
       " w[e] = pack_half2(scale * a, scale * b); }", "both forms: Q rounded to half before the scale"),
-    M("cuda-last-step", "cuda", T_CU, "hi = (lk + STEP - 1) / STEP - 1;",
+    M("cuda-last-step", "cuda", CU_RANGE, "hi = (lk + STEP - 1) / STEP - 1;",
       "hi = (lk + STEP - 1) / STEP - 2;", "both forms: the last step dropped"),
-    M("cuda-partial-step", "cuda", T_CU, "hi = (lk + STEP - 1) / STEP - 1;",
+    M("cuda-partial-step", "cuda", CU_RANGE, "hi = (lk + STEP - 1) / STEP - 1;",
       "hi = lk / STEP - 1;", "both forms: a partial last step dropped"),
-    M("cuda-causal-offset", "cuda", T_CU, "hi = (p.flags & PREFILL_CAUSAL) ? min(lk - 1, r + off) : lk - 1;",
+    M("cuda-causal-offset", "cuda", CU_RANGE, "hi = (p.flags & PREFILL_CAUSAL) ? min(lk - 1, r + off) : lk - 1;",
       "hi = (p.flags & PREFILL_CAUSAL) ? min(lk - 1, r) : lk - 1;", "both forms: the causal offset dropped in partly visible tiles"),
-    M("cuda-kv-tail", "cuda", T_CU, "copy8_f16(dst + (u32)(r * D * 2) + swz(c, r & 7), s, aligned, r < nvalid);",
+    M("cuda-kv-tail", "cuda", CU_LOADERS, "copy8_f16(dst + (u32)(r * D * 2) + swz(c, r & 7), s, aligned, r < nvalid);",
       "copy8_f16(dst + (u32)(r * D * 2) + swz(c, r & 7), s, aligned, true);", "portable: K/V rows past the cache read",
       env=PORTABLE),
-    M("cuda-skip-class2", "cuda", T_CU, "act |= b != 0;", "act |= b == 1;",
+    M("cuda-skip-class2", "cuda", CU_RANGE, "act |= b != 0;", "act |= b == 1;",
       "steps whose table byte is 2 skipped"),
-    M("cuda-need-mask", "cuda", T_CU, "nm |= b == 1;", "nm |= b == 2;",
+    M("cuda-need-mask", "cuda", CU_RANGE, "nm |= b == 1;", "nm |= b == 2;",
       "the mask tile loaded for the wrong table bytes"),
-    M("cuda-mask-add", "cuda", T_CU, "            if (b == 1) {\n                // -inf where a pair",
+    M("cuda-mask-add", "cuda", CU_SM90, "            if (b == 1) {\n                // -inf where a pair",
       "            if (b == 2) {\n                // -inf where a pair", "Hopper: class-1 work done for class 2"),
-    M("cuda-mask-byte", "cuda", T_CU, "if (tb == 1) unpack_half2", "if (tb == 2) unpack_half2",
+    M("cuda-mask-byte", "cuda", CU_SM90, "if (tb == 1) unpack_half2", "if (tb == 2) unpack_half2",
       "Hopper: the mask added where the table byte is 2, not 1"),
-    M("cuda-minf-dropped", "cuda", T_CU, "for (int i = 0; i < C::NS; ++i) s[i] = -__int_as_float(0x7f800000);",
+    M("cuda-minf-dropped", "cuda", CU_SM90, "for (int i = 0; i < C::NS; ++i) s[i] = -__int_as_float(0x7f800000);",
       "", "Hopper: rows whose byte is 0 in an active warpgroup keep their scores"),
-    M("cuda-mask-stride", "cuda", T_CU, "(i64)qr * p.mask_row_stride", "(i64)qr * p.kv_pad",
+    M("cuda-mask-stride", "cuda", CU_LOADERS, "(i64)qr * p.mask_row_stride", "(i64)qr * p.kv_pad",
       "mask rows at kv_pad instead of mask_row_stride",
       equivalent="the op always sets mask_row_stride = kv_pad, and the GPU machine has no Rust to build a "
       "dispatch by hand (the CPU and Metal kernels are held to the field that way)"),
-    M("cuda-out-row", "cuda", T_CU, "\n        if (r >= lq) continue;", "\n        if (r > lq) continue;",
+    M("cuda-out-row", "cuda", CU_SM90, "\n        if (r >= lq) continue;", "\n        if (r > lq) continue;",
       "Hopper: one output row past the prompt written"),
-    M("cuda-zero-guard", "cuda", T_CU, "const float inv = lt[hh] > 0.f ? 1.f / lt[hh] : 0.f;",
+    M("cuda-zero-guard", "cuda", CU_SM90, "const float inv = lt[hh] > 0.f ? 1.f / lt[hh] : 0.f;",
       "const float inv = 1.f / lt[hh];", "Hopper: a fully masked row divides by 0"),
-    M("cuda-sums-unrounded", "cuda", T_CU, "\n                    sum += r0 + r1;", "\n                    sum += e0 + e1;",
+    M("cuda-sums-unrounded", "cuda", CU_SOFTMAX, "    sum += r0 + r1;", "    sum += e0 + e1;",
       "Hopper: row sums of the unrounded P"),
-    M("cuda-o-rescale-row", "cuda", T_CU, "o[i] *= ms[(i >> 1) & 1];", "o[i] *= ms[(i >> 2) & 1];",
+    M("cuda-o-rescale-row", "cuda", CU_SM90, "o[i] *= ms[(i >> 1) & 1];", "o[i] *= ms[(i >> 2) & 1];",
       "Hopper: O rescaled with the other row's factor"),
-    M("cuda-barrier-stage", "cuda", T_CU, "            __syncthreads();  // step t's tiles are in; the other stage is free\n",
+    M("cuda-barrier-stage", "cuda", CU_SM90, "            __syncthreads();  // step t's tiles are in; the other stage is free\n",
       "", "Hopper, one CTA, d256: missing barrier before the next stage loads"),
-    M("cuda-mask-column-512", "cuda", T_CU, "ld_shared_u32(row_addr + swz(ch * C::NB + nb, g8))",
+    M("cuda-mask-column-512", "cuda", CU_SM90, "ld_shared_u32(row_addr + swz(ch * C::NB + nb, g8))",
       "ld_shared_u32(row_addr + swz(nb, g8))", "Hopper d512: mask columns of the wrong half"),
     # ---------------------------------------------------------------- CUDA: portable (mma.sync) form
-    M("cuda-portable-threshold-ge", "cuda", T_CU, "if (mx[mt][hh] > m_run[mt][hh] + 8.f) {",
-      "if (mx[mt][hh] >= m_run[mt][hh] + 8.f) {", "portable: rescale at exactly M + 8", env=PORTABLE),
-    M("cuda-portable-o-rescale", "cuda", T_CU, "o[mt][nb][e] *= ms[mt][e >> 1];", "o[mt][nb][e] *= ms[mt][e & 1];",
+    M("cuda-portable-o-rescale", "cuda", CU_SM80, "o[mt][nb][e] *= ms[mt][e >> 1];", "o[mt][nb][e] *= ms[mt][e & 1];",
       "portable: O rescaled with the other row's factor", env=PORTABLE),
-    M("cuda-portable-barrier", "cuda", T_CU,
+    M("cuda-portable-barrier", "cuda", CU_SM80,
       "        __syncthreads();  // K_t and the mask tile are in; V is free (every P V of t-1 done)\n", "",
       "portable: missing barrier after K and the mask tile load", env=PORTABLE),
-    M("cuda-portable-p-fragment", "cuda", T_CU, "pk[mt][2 * kl][0],\n                                 pk[mt][2 * kl][1],",
+    M("cuda-portable-p-fragment", "cuda", CU_SM80, "pk[mt][2 * kl][0],\n                                 pk[mt][2 * kl][1],",
       "pk[mt][2 * kl][1],\n                                 pk[mt][2 * kl][0],", "portable: P fragments swapped",
       env=PORTABLE),
-    M("cuda-portable-mtile-byte", "cuda", T_CU, "const int b1 = mtile_class(1, t, tb1);",
+    M("cuda-portable-mtile-byte", "cuda", CU_SM80, "const int b1 = mtile_class(1, t, tb1);",
       "const int b1 = mtile_class(0, t, tb1);", "portable: the second m-tile takes the first's class",
       env=PORTABLE),
-    M("cuda-portable-out-row", "cuda", T_CU, "\n            if (r >= lq) continue;", "\n            if (r > lq) continue;",
+    M("cuda-portable-out-row", "cuda", CU_SM80, "\n            if (r >= lq) continue;", "\n            if (r > lq) continue;",
       "portable: one output row past the prompt written", env=PORTABLE),
     # ---------------------------------------------------------------- CUDA: tile classifier
     M("cuda-blk-nan-bound", "cuda", B_CU, "mag >= 0x7bffu && mag <= 0x7c00u;", "mag >= 0x7bffu;",
@@ -378,7 +387,11 @@ def run_metal(muts: List[Mutation], args) -> List[Result]:
     for m in muts:
         d = scratch / m.name
         d.mkdir()
-        (d / Path(m.file).name).write_text(mutated_text(m))
+        # The backend looks a replaced file up by its name relative to shaders/ (a part of
+        # the CUDA kernel is flash_attn_prefill/<part>.cuh).
+        target = d / Path(m.file).relative_to("shaders")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(mutated_text(m))
         sources = {name: (d / name if (d / name).exists() else path).read_text() for name, path in metal_emu.SHADER_FILES.items()}
         try:
             metal_emu.build(scratch / "build", sources)
@@ -489,7 +502,11 @@ def run_cuda(muts: List[Mutation], args) -> List[Result]:
     for m in muts:
         d = scratch / m.name
         d.mkdir(exist_ok=True)
-        (d / Path(m.file).name).write_text(mutated_text(m))
+        # The backend looks a replaced file up by its name relative to shaders/ (a part of
+        # the CUDA kernel is flash_attn_prefill/<part>.cuh).
+        target = d / Path(m.file).relative_to("shaders")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(mutated_text(m))
         dirs[m.name] = d
     jobs = args.jobs or os.cpu_count() or 1
 
@@ -498,7 +515,7 @@ def run_cuda(muts: List[Mutation], args) -> List[Result]:
 
         def one(m):
             rc, out, dt = _run([sys.executable, "-c", check, _arch(m)], _cuda_env(m, dirs[m.name], cache), timeout=args.timeout)
-            ok = rc == 0 and "COMPILED" in out and f"in place of the built-in {Path(m.file).name}" in out
+            ok = rc == 0 and "COMPILED" in out and f"in place of the built-in {Path(m.file).relative_to('shaders')}" in out
             return Result(m.name, m.family, "compiled" if ok else "no-compile", dt, detail="" if ok else out[-800:])
 
         results = []

@@ -93,7 +93,7 @@ struct FlashAttnPrefillParams {
     int blk_steps;
     int blk_bq;
     float scale;
-    int reserved;
+    int offset;  // with PREFILL_OFFSET: query row r is at r + offset of its cache
 };
 
 // FlashAttnPrefillParams::flags (PREFILL_* in rust/src/params.rs).
@@ -101,6 +101,7 @@ constant constexpr int PREFILL_CAUSAL = 1;
 constant constexpr int PREFILL_MASK = 2;
 constant constexpr int PREFILL_VARLEN = 4;
 constant constexpr int PREFILL_LSE = 8;
+constant constexpr int PREFILL_OFFSET = 16;
 
 // DType codes of Q and O (rust/src/dtypes.rs).
 constant constexpr int DTYPE_F32 = 0;
@@ -124,7 +125,7 @@ using dev_half_tensor = tensor<device half, dextents<int32_t, 2>, tensor_inline>
 // j > r + offset - window when a window is given.
 struct Visibility {
     int lk;      // cache rows of the sequence
-    int offset;  // lk - lq: the prompt is the end of its cache
+    int offset;  // query row r sits at r + offset of the cache (SPEC 6: lk - lq, the prompt at its end)
     bool causal;
     int window;  // 0: none
 
@@ -234,7 +235,8 @@ void flash_attn_prefill_tile(
     const int tid = int(sg) * NW + int(lane);
     const int n_steps = lk / C + (lk % C != 0 ? 1 : 0);
     const bool has_mask = (p.flags & PREFILL_MASK) != 0;
-    const Visibility vis = {lk, lk - lq, (p.flags & PREFILL_CAUSAL) != 0, p.window};
+    const int offset = (p.flags & PREFILL_OFFSET) != 0 ? p.offset : lk - lq;
+    const Visibility vis = {lk, offset, (p.flags & PREFILL_CAUSAL) != 0, p.window};
 
     // Where this sequence starts in each buffer (elements; the table in bytes).
     const ulong q_at = varlen ? ulong(q_start) * ulong(p.q_row_stride) : ulong(b) * ulong(p.q_batch_stride);

@@ -579,7 +579,7 @@ def mutated(build_dir, original: str, replacement: str, count: int = 1) -> metal
 def test_a_dropped_causal_offset_is_caught(build_dir, rng):
     # Each prompt is the end of its cache (offset = Lk - Lq): without the offset, every row
     # sees too little of a cache longer than its prompt.
-    bad = mutated(build_dir, "const Visibility vis = {lk, lk - lq,", "const Visibility vis = {lk, 0,")
+    bad = mutated(build_dir, "(p.flags & PREFILL_OFFSET) != 0 ? p.offset : lk - lq;", "(p.flags & PREFILL_OFFSET) != 0 ? p.offset : 0;")
     c = fixed_case(rng, batch=2, rows=37, kv=100, nh=2, nkv=1, hd=256, causal=True)
     out, _, _ = emu_prefill(bad, c)
     assert nmse(out, reference(c)[0]) > 1e-3

@@ -105,11 +105,21 @@ impl BufferBinding {
     }
 }
 
-/// A device source file of a kernel: its name (for messages and caches) and its text.
+/// A device source file of a kernel: its name (for messages and caches), its text, and the
+/// headers it includes, by the name its `#include "..."` gives them (the backend hands them
+/// to the compiler: the kernel is in parts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SourceFile {
     pub name: &'static str,
     pub text: &'static str,
+    pub headers: &'static [(&'static str, &'static str)],
+}
+
+impl SourceFile {
+    /// A file that includes nothing of the library's.
+    pub const fn single(name: &'static str, text: &'static str) -> Self {
+        SourceFile { name, text, headers: &[] }
+    }
 }
 
 /// The device sources of a kernel, as its op names them. A backend that compiles sources

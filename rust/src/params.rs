@@ -155,7 +155,9 @@ pub struct FlashAttnPrefillParamsGpu {
     /// Query rows of one table row (`bq`).
     pub blk_bq: i32,
     pub scale: f32,
-    pub reserved: i32,
+    /// With `PREFILL_OFFSET`: query row r of each sequence is at position `r + offset` of its
+    /// cache (without it the prompt is the cache's end: `offset = Lk - Lq`).
+    pub offset: i32,
 }
 
 /// Elements (bytes for `blk`) each buffer of a prefill must hold.
@@ -269,7 +271,7 @@ impl FlashAttnPrefillTensorParamsGpu {
             blk_steps: self.kv_pad / 64,
             blk_bq: bq,
             scale: self.scale,
-            reserved: 0,
+            offset: 0,
         }
     }
 }
@@ -282,6 +284,9 @@ pub const PREFILL_MASK: i32 = 2;
 pub const PREFILL_VARLEN: i32 = 4;
 /// lse is written (SPEC 8).
 pub const PREFILL_LSE: i32 = 8;
+/// The block's `offset` places the query rows in the cache (context parallelism: a chunk of
+/// the queries against a chunk of the cache that does not end where the queries do).
+pub const PREFILL_OFFSET: i32 = 16;
 
 /// `flash_attn_prefill_mask_blk`: the tile table of an explicit mask over a batch
 /// (`[batch][ceil(rows / bq)][ceil(kv_len / bk)]` bytes; columns at or past `kv_len` count as
@@ -336,7 +341,7 @@ pub const PREFILL_FIELDS: &[Field] = fields!(FlashAttnPrefillParamsGpu: q_batch_
     q_head_stride, k_batch_stride, k_row_stride, k_head_stride, v_batch_stride, v_row_stride, v_head_stride,
     o_batch_stride, o_row_stride, o_head_stride, mask_batch_stride, mask_row_stride, lse_batch_stride,
     lse_head_stride, blk_batch_stride, batch, rows, kv_len, n_heads, n_kv_heads, head_dim, max_rows, window,
-    flags, q_dtype, o_dtype, blk_rows, blk_steps, blk_bq, scale, reserved);
+    flags, q_dtype, o_dtype, blk_rows, blk_steps, blk_bq, scale, offset);
 
 /// The fields of [`FlashAttnPrefillMaskBlkParamsGpu`], in order.
 pub const MASK_BLK_FIELDS: &[Field] =
@@ -411,11 +416,11 @@ mod tests {
 
     #[test]
     fn device_sources_declare_the_same_attention_blocks() {
-        let cu = include_str!("../../shaders/flash_attn_prefill_tensor.cu");
+        let cu = include_str!("../../shaders/flash_attn_prefill/params.cuh");
         let metal = include_str!("../../shaders/flash_attn_prefill_tensor.metal");
         // The CUDA kernels take the front door's block (the origin's is turned into it on
         // the host); the origin's Metal kernels bind the origin's block, as its op encodes.
-        assert_eq!(device_fields(cu, "Params"), rust_fields(PREFILL_FIELDS), "shaders/flash_attn_prefill_tensor.cu drifted");
+        assert_eq!(device_fields(cu, "Params"), rust_fields(PREFILL_FIELDS), "shaders/flash_attn_prefill/params.cuh drifted");
         assert_eq!(device_fields(metal, "FlashAttnPrefillTensorParams"), rust_fields(ATTENTION_FIELDS), "the .metal struct drifted");
         assert_eq!(*PREFILL_FIELDS.last().map(|f| &f.offset).unwrap() + 4, std::mem::size_of::<FlashAttnPrefillParamsGpu>());
     }

@@ -22,34 +22,23 @@ use crate::device::MlxDevice;
 use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
 use crate::error::{MlxError, Result};
-use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
+use crate::kernel_registry::{KernelRegistry, KernelSource};
+use super::flash_attn_prefill_blk::{FLASH_ATTN_PREFILL_BLK_CUDA, FLASH_ATTN_PREFILL_BLK_METAL};
+use super::flash_attn_prefill_tensor::{FLASH_ATTN_PREFILL_TENSOR_CUDA, FLASH_ATTN_PREFILL_TENSOR_METAL};
 pub use crate::params::PrefillExtents;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK,
-    PREFILL_VARLEN,
+    PREFILL_OFFSET, PREFILL_VARLEN,
 };
 
 /// The attention's device sources (MSL, CUDA): the same files as the origin op's, whose
 /// kernels are this one's with a fixed layout.
-pub static FLASH_ATTN_PREFILL_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(SourceFile {
-        name: "flash_attn_prefill_tensor.metal",
-        text: include_str!("../../../shaders/flash_attn_prefill_tensor.metal"),
-    }),
-    cuda: Some(SourceFile {
-        name: "flash_attn_prefill_tensor.cu",
-        text: include_str!("../../../shaders/flash_attn_prefill_tensor.cu"),
-    }),
-};
+pub static FLASH_ATTN_PREFILL_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL), cuda: Some(FLASH_ATTN_PREFILL_TENSOR_CUDA) };
 
-/// The explicit mask's classifier (MSL, CUDA).
-pub static FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(SourceFile {
-        name: "flash_attn_prefill_blk.metal",
-        text: include_str!("../../../shaders/flash_attn_prefill_blk.metal"),
-    }),
-    cuda: Some(SourceFile { name: "flash_attn_prefill_blk.cu", text: include_str!("../../../shaders/flash_attn_prefill_blk.cu") }),
-};
+/// The explicit mask's classifier (MSL, CUDA): the origin's classifier's files.
+pub static FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_BLK_METAL), cuda: Some(FLASH_ATTN_PREFILL_BLK_CUDA) };
 
 /// Kernel entry point at head dim 256.
 pub const K_PREFILL_D256: &str = "flash_attn_prefill_d256";
@@ -77,7 +66,7 @@ pub fn register(registry: &mut KernelRegistry) {
 /// are the totals, the batch strides must be 0, and sequence `b` owns rows
 /// `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` of Q and O and `cu_seqlens_k[b]..` of K and V.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct FlashAttnPrefillParams {
     /// Q `[batch, rows, n_heads, head_dim]`: batch, row and head strides.
     pub q_strides: [u64; 3],
@@ -105,6 +94,12 @@ pub struct FlashAttnPrefillParams {
     pub window: u32,
     /// Folded into Q before Q is rounded to half (SPEC 2, step 1).
     pub scale: f32,
+    /// With `has_offset` 1: query row r of every sequence sits at position `r + offset` of its
+    /// cache, for `causal` and `window` (a chunk of queries against a chunk of the cache, as
+    /// context parallelism computes them); with 0, the prompt is the end of its cache
+    /// (`offset = kv_len - rows` per sequence, SPEC 6).
+    pub offset: i32,
+    pub has_offset: u32,
 }
 
 /// The buffers of one prefill. `mask` and `blk` go together (the table of `mask`, made by
@@ -238,7 +233,7 @@ pub fn sequence_lengths(p: &FlashAttnPrefillParams, cq: &[i32], ck: &[i32]) -> R
     check("cu_seqlens_k", ck, p.kv_len)?;
     let lens: Vec<(u32, u32)> =
         (0..p.batch as usize).map(|b| ((cq[b + 1] - cq[b]) as u32, (ck[b + 1] - ck[b]) as u32)).collect();
-    if p.causal != 0 {
+    if p.causal != 0 && p.has_offset == 0 {
         if let Some(b) = lens.iter().position(|&(lq, lk)| lk < lq) {
             return Err(invalid(format!(
                 "sequence {b} has {} query rows but {} cache rows: a causal prompt is the end of its cache, which cannot be shorter",
@@ -291,6 +286,15 @@ pub fn validate_shapes(
     if p.causal > 1 {
         return Err(invalid(format!("causal must be 0 or 1, got {}", p.causal)));
     }
+    if p.has_offset > 1 {
+        return Err(invalid(format!("has_offset must be 0 or 1, got {}", p.has_offset)));
+    }
+    if p.has_offset == 1 && p.causal == 0 {
+        return Err(invalid(format!(
+            "an offset ({}) places the queries for a causal mask; without causal it means nothing",
+            p.offset
+        )));
+    }
     if p.window != 0 && p.causal == 0 {
         return Err(invalid(format!("window {} needs causal = 1 (a window is a causal mask's last rows)", p.window)));
     }
@@ -325,7 +329,7 @@ pub fn validate_shapes(
         if lens.len() != p.batch as usize {
             return Err(invalid(format!("{} sequence lengths for a batch of {}", lens.len(), p.batch)));
         }
-    } else if p.causal != 0 && p.kv_len < p.rows {
+    } else if p.causal != 0 && p.has_offset == 0 && p.kv_len < p.rows {
         return Err(invalid(format!(
             "causal with {} query rows and a cache of {} rows: the prompt is the end of its cache, which cannot be shorter",
             p.rows, p.kv_len
@@ -348,6 +352,9 @@ pub fn validate_shapes(
     }
     if o.lse {
         flags |= PREFILL_LSE;
+    }
+    if p.has_offset == 1 {
+        flags |= PREFILL_OFFSET;
     }
     let blk_rows = rows.div_ceil(bq as u64);
     let blk_steps = kvl.div_ceil(CACHE_ROWS_PER_STEP as u64);
@@ -385,7 +392,7 @@ pub fn validate_shapes(
         blk_steps: blk_steps as i32,
         blk_bq: bq as i32,
         scale: p.scale,
-        reserved: 0,
+        offset: if p.has_offset == 1 { p.offset } else { 0 },
     };
     let extents = gpu.extents().ok_or_else(|| invalid(format!("a field does not fit the params block: {p:?}")))?;
     let grid = GridSize::new((max_rows as u64).div_ceil(bq as u64), p.n_heads as u64, nb);
@@ -643,6 +650,8 @@ mod tests {
             causal: 0,
             window: 0,
             scale: 1.0,
+            offset: 0,
+            has_offset: 0,
         };
         assert_eq!(mask_table_bytes(&p).unwrap(), 2 * 3);
         assert_eq!(mask_table_bytes(&FlashAttnPrefillParams { mask_strides: [33 * 130, 130], ..p }).unwrap(), 3 * 2 * 3);

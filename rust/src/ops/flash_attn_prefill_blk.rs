@@ -21,14 +21,17 @@ pub use crate::params::FlashAttnPrefillBlkParamsGpu;
 /// Kernel entry point.
 pub const K_BLK_F16: &str = "flash_attn_prefill_blk";
 
+/// The classifiers' CUDA source (the origin's and the front door's table share one file).
+pub const FLASH_ATTN_PREFILL_BLK_CUDA: SourceFile =
+    SourceFile::single("flash_attn_prefill_blk.cu", include_str!("../../../shaders/flash_attn_prefill_blk.cu"));
+
+/// The classifiers' MSL source.
+pub const FLASH_ATTN_PREFILL_BLK_METAL: SourceFile =
+    SourceFile::single("flash_attn_prefill_blk.metal", include_str!("../../../shaders/flash_attn_prefill_blk.metal"));
+
 /// The device sources (MSL, CUDA).
-pub static FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(SourceFile {
-        name: "flash_attn_prefill_blk.metal",
-        text: include_str!("../../../shaders/flash_attn_prefill_blk.metal"),
-    }),
-    cuda: Some(SourceFile { name: "flash_attn_prefill_blk.cu", text: include_str!("../../../shaders/flash_attn_prefill_blk.cu") }),
-};
+pub static FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_BLK_METAL), cuda: Some(FLASH_ATTN_PREFILL_BLK_CUDA) };
 
 /// Threads of one threadgroup (one tile each).
 const THREADS: u64 = 32;

@@ -42,17 +42,31 @@ use crate::dtypes::DType;
 
 pub use crate::params::FlashAttnPrefillTensorParamsGpu;
 
-/// The device sources (MSL, CUDA); all entry points of each.
-pub static FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(SourceFile {
-        name: "flash_attn_prefill_tensor.metal",
-        text: include_str!("../../../shaders/flash_attn_prefill_tensor.metal"),
-    }),
-    cuda: Some(SourceFile {
-        name: "flash_attn_prefill_tensor.cu",
-        text: include_str!("../../../shaders/flash_attn_prefill_tensor.cu"),
-    }),
+/// The CUDA kernel, in parts: the entry points and the headers they include
+/// (`shaders/flash_attn_prefill/`). The front door's op runs the same file.
+pub const FLASH_ATTN_PREFILL_TENSOR_CUDA: SourceFile = SourceFile {
+    name: "flash_attn_prefill_tensor.cu",
+    text: include_str!("../../../shaders/flash_attn_prefill_tensor.cu"),
+    headers: &[
+        ("flash_attn_prefill/common.cuh", include_str!("../../../shaders/flash_attn_prefill/common.cuh")),
+        ("flash_attn_prefill/params.cuh", include_str!("../../../shaders/flash_attn_prefill/params.cuh")),
+        ("flash_attn_prefill/block_range.cuh", include_str!("../../../shaders/flash_attn_prefill/block_range.cuh")),
+        ("flash_attn_prefill/loaders.cuh", include_str!("../../../shaders/flash_attn_prefill/loaders.cuh")),
+        ("flash_attn_prefill/softmax.cuh", include_str!("../../../shaders/flash_attn_prefill/softmax.cuh")),
+        ("flash_attn_prefill/epilogue.cuh", include_str!("../../../shaders/flash_attn_prefill/epilogue.cuh")),
+        ("flash_attn_prefill/mainloop_sm80.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm80.cuh")),
+        ("flash_attn_prefill/sm90_ptx.cuh", include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh")),
+        ("flash_attn_prefill/mainloop_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90.cuh")),
+    ],
 };
+
+/// The Metal kernel (the origin's file, whose entry points the front door's op shares).
+pub const FLASH_ATTN_PREFILL_TENSOR_METAL: SourceFile =
+    SourceFile::single("flash_attn_prefill_tensor.metal", include_str!("../../../shaders/flash_attn_prefill_tensor.metal"));
+
+/// The device sources (MSL, CUDA); all entry points of each.
+pub static FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL), cuda: Some(FLASH_ATTN_PREFILL_TENSOR_CUDA) };
 
 /// Kernel entry point at head dim 256.
 pub const K_TENSOR_F16_D256: &str = "flash_attn_prefill_tensor_f16_d256";

@@ -30,6 +30,7 @@ pub mod flash_attn_prefill_tensor;
 pub mod launch;
 pub mod memory;
 pub mod nvrtc;
+pub mod sources;
 
 use driver::{driver, CuContext, CuDevicePtr, CuFunction, CuModule, CuStream, Driver};
 use launch::{CudaKernel, Launch, PrepareContext};
@@ -74,59 +75,6 @@ static CONTEXTS: OnceLock<Mutex<HashMap<i32, Arc<CudaContext>>>> = OnceLock::new
 
 /// Environment variable that overrides the architecture kernels are compiled for.
 pub const ARCH_ENV: &str = "MLX_NATIVE_CUDA_ARCH";
-
-/// Environment variable naming a folder whose `<file>.cu` replaces the built-in source of
-/// that file name (a development knob: mutation testing, trying a kernel change on a
-/// machine without Rust). Read once per process, as is each file it supplies.
-pub const SOURCE_DIR_ENV: &str = "MLX_NATIVE_CUDA_SOURCE_DIR";
-
-/// The source the backend compiles for `src`: the file of the same name in the folder
-/// [`SOURCE_DIR_ENV`] names where it has one, else the built-in text. The variable is read
-/// once, and each file once (its text then stays for the process), so a process compiles
-/// one version of each file. A variable that names no folder is an error, not a silent
-/// fall-back to the built-in source.
-pub fn effective_source(src: SourceFile) -> Result<SourceFile> {
-    static DIR: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
-    static FILES: OnceLock<Mutex<HashMap<&'static str, Option<&'static str>>>> = OnceLock::new();
-    let Some(dir) = DIR.get_or_init(|| std::env::var_os(SOURCE_DIR_ENV).filter(|v| !v.is_empty()).map(Into::into))
-    else {
-        return Ok(src);
-    };
-    let mut files = FILES.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner());
-    let text = match files.get(src.name) {
-        Some(t) => *t,
-        None => {
-            let t = read_override(dir, src.name)?.map(|t| &*Box::leak(t.into_boxed_str()));
-            if t.is_some() {
-                eprintln!(
-                    "mlx_native: warning: compiling {} in place of the built-in {} ({SOURCE_DIR_ENV})",
-                    dir.join(src.name).display(),
-                    src.name
-                );
-            }
-            files.insert(src.name, t);
-            t
-        }
-    };
-    Ok(text.map_or(src, |text| SourceFile { name: src.name, text }))
-}
-
-/// The text of `dir/name`, `None` where the folder has no such file; an error where `dir`
-/// is not a folder or the file cannot be read as UTF-8 text.
-fn read_override(dir: &std::path::Path, name: &str) -> Result<Option<String>> {
-    if !dir.is_dir() {
-        return Err(MlxError::InvalidArgument(format!(
-            "{SOURCE_DIR_ENV}={} is not a folder",
-            dir.display()
-        )));
-    }
-    let path = dir.join(name);
-    match std::fs::read_to_string(&path) {
-        Ok(t) => Ok(Some(t)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(MlxError::InvalidArgument(format!("{SOURCE_DIR_ENV}: cannot read {}: {e}", path.display()))),
-    }
-}
 
 /// Number of CUDA devices, or why there are none to use.
 pub fn device_count() -> Result<i32> {
@@ -244,8 +192,8 @@ impl CudaContext {
     /// The module of `source` for `arch` (compiled or loaded once), and its function
     /// `entry`.
     fn function(&self, src: SourceFile, entry: &str, arch: &str) -> Result<CuFunction> {
-        let src = effective_source(src)?;
-        let (file, source) = (src.name, src.text);
+        let text = sources::compiled_source(src)?;
+        let (file, source) = (src.name, text.as_str());
         let d = self.bind()?;
         // By content: two ops may name the same file (their kernels share its entry points).
         let key = ({
@@ -506,12 +454,12 @@ impl CudaBackend {
 
 /// Compile the CUDA sources `files` for `arch` (no device needed): the compiler's report
 /// (ptxas resource usage per entry point), or the first compile error. A file that
-/// [`SOURCE_DIR_ENV`] replaces is compiled in its replaced form, as a device would run it.
+/// [`sources::SOURCE_DIR_ENV`] replaces is compiled in its replaced form, as a device would run it.
 pub fn compile_check(arch: &str, files: &[SourceFile]) -> Result<String> {
     let mut report = String::new();
     for &f in files {
-        let f = effective_source(f)?;
-        let log = nvrtc::compile_report(f.name, f.text, arch)?;
+        let text = sources::compiled_source(f)?;
+        let log = nvrtc::compile_report(f.name, &text, arch)?;
         report.push_str(&format!("== {} ({arch})\n{log}\n", f.name));
     }
     Ok(report)
@@ -520,19 +468,6 @@ pub fn compile_check(arch: &str, files: &[SourceFile]) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_source_folder_replaces_only_the_files_it_has() {
-        let dir = std::env::temp_dir().join(format!("mlxn-source-dir-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("a.cu"), "// replaced").unwrap();
-        assert_eq!(read_override(&dir, "a.cu").unwrap().as_deref(), Some("// replaced"));
-        assert_eq!(read_override(&dir, "b.cu").unwrap(), None, "a file the folder lacks stays built in");
-        let missing = dir.join("no-such-folder");
-        let err = read_override(&missing, "a.cu").unwrap_err();
-        assert!(err.to_string().contains("is not a folder"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
 
     #[test]
     fn device_names_parse() {

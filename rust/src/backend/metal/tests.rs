@@ -441,6 +441,8 @@ fn prefill_params(head_dim: u32) -> FlashAttnPrefillParams {
         causal: 1,
         window: 0,
         scale: 0.5,
+        offset: 0,
+        has_offset: 0,
     }
 }
 
@@ -531,6 +533,8 @@ fn prefill_of_variable_length_binds_the_cu_seqlens_and_covers_the_longest_sequen
         causal: 1,
         window: 8,
         scale: 1.0,
+        offset: 0,
+        has_offset: 0,
     };
     let bufs = FlashAttnPrefillBuffers {
         q: &q,

@@ -1,0 +1,129 @@
+// Part of shaders/flash_attn_prefill_tensor.cu: which rows a CTA's sequence has, which pairs
+// are visible (SPEC 6), the class of a tile, and the walk over the steps a CTA computes.
+#pragma once
+
+#include "flash_attn_prefill/params.cuh"
+
+// ------------------------------------------------------------------ sequences and visibility
+
+// Where sequence b's rows are (element offsets; the table's in bytes) and how many.
+struct Seq {
+    i64 q, k, v, o, lse, mask, blk;
+    int lq, lk;
+};
+
+__device__ __forceinline__ Seq sequence(const Params& p, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                                        int b) {
+    Seq s;
+    if (p.flags & PREFILL_VARLEN) {
+        const int q0 = cu_q[b], k0 = cu_k[b];
+        s.lq = cu_q[b + 1] - q0;
+        s.lk = cu_k[b + 1] - k0;
+        s.q = (i64)q0 * p.q_row_stride;
+        s.k = (i64)k0 * p.k_row_stride;
+        s.v = (i64)k0 * p.v_row_stride;
+        s.o = (i64)q0 * p.o_row_stride;
+        s.lse = q0;
+        s.mask = 0;
+        s.blk = 0;
+    } else {
+        s.lq = p.rows;
+        s.lk = p.kv_len;
+        s.q = (i64)b * p.q_batch_stride;
+        s.k = (i64)b * p.k_batch_stride;
+        s.v = (i64)b * p.v_batch_stride;
+        s.o = (i64)b * p.o_batch_stride;
+        s.lse = (i64)b * p.lse_batch_stride;
+        s.mask = (i64)b * p.mask_batch_stride;
+        s.blk = (i64)b * p.blk_batch_stride;
+    }
+    return s;
+}
+
+// Where the sequence's query rows sit in its cache: row r at r + offset (SPEC 6: the prompt
+// is the cache's end, offset = lk - lq, unless the block gives one).
+__device__ __forceinline__ int query_offset(const Params& p, int lq, int lk) {
+    return (p.flags & PREFILL_OFFSET) ? p.offset : lk - lq;
+}
+
+// Whether query row r may see cache row j (SPEC 6), with the sequence's offset.
+__device__ __forceinline__ bool visible(const Params& p, int lk, int off, int r, int j) {
+    if (j >= lk) return false;
+    if ((p.flags & PREFILL_CAUSAL) && j > r + off) return false;
+    if (p.window && j <= r + off - p.window) return false;
+    return true;
+}
+
+// The cache rows query row r may see: [lo, hi] (SPEC 6; empty when lo > hi).
+__device__ __forceinline__ void visible_range(const Params& p, int lk, int off, int r, int& lo, int& hi) {
+    hi = (p.flags & PREFILL_CAUSAL) ? min(lk - 1, r + off) : lk - 1;
+    lo = p.window ? r + off - p.window + 1 : 0;
+}
+
+// The description's class of query rows [ra, rb) (non-empty, below lq) and step t (below
+// the cache's steps): 0 no pair visible, 2 every pair visible and the step whole, 1 else.
+__device__ __forceinline__ int described_class(const Params& p, int lk, int off, int ra, int rb, int t) {
+    const int c0 = t * STEP, c1 = min(c0 + STEP, lk);
+    const bool causal = (p.flags & PREFILL_CAUSAL) != 0;
+    if (causal && c0 > rb - 1 + off) return 0;
+    if (p.window && c1 - 1 <= ra + off - p.window) return 0;
+    bool full = c0 + STEP <= lk;
+    if (causal && c1 - 1 > ra + off) full = false;
+    if (p.window && c0 <= rb - 1 + off - p.window) full = false;
+    return full ? 2 : 1;
+}
+
+// The steps query rows [ra, rb) (non-empty, below lq) can see: [lo, hi], empty if lo > hi.
+__device__ __forceinline__ void visible_steps(const Params& p, int lk, int off, int ra, int rb, int& lo, int& hi) {
+    lo = 0;
+    hi = (lk + STEP - 1) / STEP - 1;
+    if (p.flags & PREFILL_CAUSAL) {
+        const int last = rb - 1 + off;
+        hi = last < 0 ? -1 : min(hi, last / STEP);
+    }
+    if (p.window) {
+        const int first = ra + off - p.window + 1;
+        if (first > 0) lo = first / STEP;
+    }
+}
+
+// The class of an m-tile from the description's and the table's (2 without a mask).
+__device__ __forceinline__ int combine_class(int described, int table) {
+    return (described == 0 || table == 0) ? 0 : (described == 2 && table == 2 ? 2 : 1);
+}
+
+// The walk over the steps a CTA's query rows compute: by the description, the steps
+// [lo, hi] (visible_steps); with an explicit mask, those of them some byte of table rows
+// [tr_first, tr_last] does not skip (each lane looks at one step of a 32-step window).
+struct Walk {
+    const u8* blk;  // the sequence's table, or null without a mask
+    int steps;      // the table's row stride (its columns)
+    int lo, hi, tr_first, tr_last;
+
+    // The first step after `t` that is walked (past hi: none), and in `need_mask` whether
+    // some byte of it is 1 (its mask tile is read).
+    __device__ __forceinline__ int next(int t, int lane, bool& need_mask) const {
+        const int start = max(t + 1, lo);
+        need_mask = false;
+        if (blk == nullptr) return start <= hi ? start : hi + 1;
+        for (int base = start; base <= hi; base += 32) {
+            const int s = base + lane;
+            bool act = false, nm = false;
+            if (s <= hi) {
+                for (int tr = tr_first; tr <= tr_last; ++tr) {
+                    const u8 b = blk[(i64)tr * steps + s];
+                    act |= b != 0;
+                    nm |= b == 1;
+                }
+            }
+            const u32 ba = __ballot_sync(0xffffffffu, act);
+            const u32 bm = __ballot_sync(0xffffffffu, nm);
+            if (ba) {
+                const int f = __ffs(ba) - 1;
+                need_mask = (bm >> f) & 1u;
+                return base + f;
+            }
+        }
+        return hi + 1;
+    }
+};

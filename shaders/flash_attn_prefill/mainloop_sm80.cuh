@@ -1,0 +1,382 @@
+// Part of shaders/flash_attn_prefill_tensor.cu: the portable form (sm_80 and later; mma.sync).
+#pragma once
+
+#include "flash_attn_prefill/epilogue.cuh"
+#include "flash_attn_prefill/loaders.cuh"
+#include "flash_attn_prefill/softmax.cuh"
+
+// ------------------------------------------------------------------ the kernel
+
+template <int D>
+struct Cfg {
+    static constexpr int G = D / 128;          // warps per row group (128 O columns each)
+    static constexpr int RG = NWARPS / G;      // row groups
+    static constexpr int ROWS = RG * 32;       // (query, head) rows of a CTA
+    static constexpr int JW = STEP / G;        // score columns of a warp
+    static constexpr int NB = JW / 8;          // n-blocks of S per m-tile
+    static constexpr int KL = JW / 16;         // 16-column k-chunks of P a warp produces
+    static constexpr int DW = 128;             // O columns of a warp
+    static constexpr int BQ = D == 256 ? 32 : 16;  // query rows per blk table row
+    // Shared memory, bytes.
+    static constexpr int Q_BYTES = ROWS * D * 2;
+    static constexpr int KV_BYTES = STEP * D * 2;
+    static constexpr int MASK_BYTES = ROWS * STEP * 2;
+    static constexpr int P_BYTES = NWARPS * 2 * KL * 32 * 16;
+    static constexpr int RED_BYTES = NWARPS * 32 * 4;
+    // The sequence's mask, output and lse offsets, kept here rather than in registers
+    // through the walk (the d256 form has none to spare).
+    static constexpr int SEQ_BYTES = 32;
+    static constexpr int SMEM = Q_BYTES + 2 * KV_BYTES + MASK_BYTES + P_BYTES + RED_BYTES + SEQ_BYTES;
+};
+
+template <int D>
+__device__ __forceinline__ void attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
+                                          const u16* __restrict__ k, const u16* __restrict__ v,
+                                          const u16* __restrict__ mask, const u8* __restrict__ blk,
+                                          void* __restrict__ out, float* __restrict__ lse,
+                                          const int* __restrict__ cu_q, const int* __restrict__ cu_k) {
+    typedef Cfg<D> C;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 s_q = smem_addr(smem);
+    const u32 s_k = s_q + C::Q_BYTES;
+    const u32 s_v = s_k + C::KV_BYTES;
+    const u32 s_mask = s_v + C::KV_BYTES;
+    const u32 s_p = s_mask + C::MASK_BYTES;
+    const u32 s_red = s_p + C::P_BYTES;
+    const u32 s_seq = s_red + C::RED_BYTES;  // the sequence's mask, out and lse offsets (i64)
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g8 = lane >> 2, tig = lane & 3;  // mma fragment row and column pair
+    const int l7 = lane & 7;
+    const int rg = warp / C::G, wg = warp % C::G;
+    const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
+    const Seq sq = sequence(p, cu_q, cu_k, (int)blockIdx.z);
+    const int lq = sq.lq, lk = sq.lk, off = query_offset(p, lq, lk);
+    const int qt = (lq + qpc - 1) / qpc - 1 - (int)blockIdx.x;  // longest causal rows first
+    if (qt < 0) return;  // a shorter sequence than the longest: no rows here (the whole CTA)
+    if (tid == 0) {
+        st_shared_i64(s_seq, sq.mask);
+        st_shared_i64(s_seq + 8, sq.o);
+        st_shared_i64(s_seq + 16, sq.lse);
+    }
+    __syncthreads();  // the offsets are visible to every thread, whether or not a step runs
+    const int q_cta = qt * qpc;
+    const int head = (int)blockIdx.y * hpc + rg % hpc;
+    const int q_loc = (rg / hpc) * 32;  // first query of the row group, inside the CTA
+    const int q0 = q_cta + q_loc;
+    const int group = p.n_heads / p.n_kv_heads;
+    const int kvh = ((int)blockIdx.y * hpc) / group;
+
+    // ---- Q: qh = half(scale * q), rows past lq zero.
+    {
+        constexpr int CH = D / 8;
+        for (int i = tid; i < C::ROWS * CH; i += NTHREADS) {
+            const int r = i / CH, c = i % CH;
+            const int rgi = r >> 5;
+            const int qr = q_cta + (rgi / hpc) * 32 + (r & 31);
+            const int h = (int)blockIdx.y * hpc + rgi % hpc;
+            u32 w[4];
+            load_q_chunk(w, p, L, sq, q, qr, h, c);
+            st_shared_v4(s_q + (u32)(r * D * 2) + swz(c, r & 7), w[0], w[1], w[2], w[3]);
+        }
+    }
+
+    // ---- The steps walked (the description's, and the table's), and the class of each of
+    // this warp's two 16-row m-tiles in a step.
+    const int q_end = min(q_cta + qpc, lq);
+    Walk walk;
+    walk.blk = (p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr;
+    walk.steps = p.blk_steps;
+    walk.tr_first = q_cta / C::BQ;
+    walk.tr_last = (q_end - 1) / C::BQ;
+    visible_steps(p, lk, off, q_cta, q_end, walk.lo, walk.hi);
+    const int t_end = walk.hi + 1;
+    auto mtile_class = [&](int mt, int t, int& table) -> int {
+        const int ra = q0 + mt * 16;
+        if (ra >= lq) {
+            table = 0;
+            return 0;
+        }
+        table = walk.blk ? (int)walk.blk[(i64)(ra / C::BQ) * walk.steps + t] : 2;
+        return combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
+    };
+    auto next_active = [&](int t, bool& need_mask) -> int { return walk.next(t, lane, need_mask); };
+
+    const u16* k_base = k + sq.k + (i64)kvh * p.k_head_stride;
+    const u16* v_base = v + sq.v + (i64)kvh * p.v_head_stride;
+    const bool k_al = (L.flags & FLAG_K_ALIGNED) != 0;
+    const bool v_al = (L.flags & FLAG_V_ALIGNED) != 0;
+    const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
+
+    // ---- State: O (32 rows x 128 columns), running max and partial sums of 4 rows.
+    float o[2][C::DW / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < C::DW / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][nb][e] = 0.f;
+    float m_run[2][2], l_run[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            m_run[mt][hh] = NEG_FLT_MAX_HALF;
+            l_run[mt][hh] = 0.f;
+        }
+
+    // Per-thread shared addresses (row parts; the chunk part is added per use).
+    const int wj0 = wg * C::JW;   // first score column of the warp in the step
+    const int wd0 = wg * C::DW;   // first O column of the warp
+    u32 q_row[2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) q_row[mt] = s_q + (u32)((rg * 32 + mt * 16 + (lane & 15)) * D * 2);
+    const Swz4 q_sw(lane >> 4, l7);       // A: chunk +1 for lanes 16..31
+    u32 k_row[C::JW / 16];
+#pragma unroll
+    for (int jb = 0; jb < C::JW / 16; ++jb)
+        k_row[jb] = s_k + (u32)((wj0 + jb * 16 + l7 + ((lane >> 4) << 3)) * D * 2);
+    const Swz4 k_sw((lane >> 3) & 1, l7); // B (K): chunk +1 for lanes 8..15, 24..31
+    const int v_r = l7 + (((lane >> 3) & 1) << 3);  // B (V^T): row within a 16-row k-chunk
+    const Swz4& v_sw = q_sw;              // B (V^T): chunk +1 for lanes 16..31, as A
+    const u32 v_col = (u32)(wd0 * 2);     // wd0 / 8 is a multiple of 16: no swizzle bits
+    const u32 red_me = s_red + (u32)(warp * 32 * 4);
+    const u32 red_group = s_red + (u32)(rg * C::G * 32 * 4);
+    const u32 p_group = s_p + (u32)(rg * C::G * 2 * C::KL * 32 * 16);
+    const u32 p_me = s_p + (u32)(warp * 2 * C::KL * 32 * 16);
+
+    bool need_mask = false;
+    int t = next_active(-1, need_mask);
+    if (t < t_end) {
+        load_rows_f16<D>(s_k, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, lk - t * STEP, k_al);
+        if (need_mask) load_mask_tile(s_mask, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);
+        cp_async_commit();
+    }
+
+    while (t < t_end) {
+        cp_async_wait_all();
+        __syncthreads();  // K_t and the mask tile are in; V is free (every P V of t-1 done)
+        load_rows_f16<D>(s_v, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, lk - t * STEP, v_al);
+        cp_async_commit();
+
+        int tb0, tb1;
+        const int b0 = mtile_class(0, t, tb0);
+        const int b1 = mtile_class(1, t, tb1);
+        const bool active = (b0 | b1) != 0;  // the same for every warp of the row group
+
+        if (active) {
+            // ---- S = Q K^T over the full head dim, this warp's JW columns.
+            float s[2][C::NB][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nb = 0; nb < C::NB; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nb][e] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) {
+                u32 a[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], q_row[mt] + q_sw.at(kc));
+#pragma unroll
+                for (int jb = 0; jb < C::JW / 16; ++jb) {
+                    u32 b[4];
+                    ldsm_x4(b, k_row[jb] + k_sw.at(kc));
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        mma16816(s[mt][jb * 2], a[mt], b[0], b[1]);
+                        mma16816(s[mt][jb * 2 + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+
+            // ---- Class 1: -inf where a pair is not visible, the mask where the byte is 1;
+            // class 0: -inf for the m-tile.
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const int bm = mt == 0 ? b0 : b1;
+                const bool add_mask = (mt == 0 ? tb0 : tb1) == 1;
+                if (bm == 1) {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int rr = q_loc + mt * 16 + hh * 8 + g8;  // row of the mask tile
+                        const u32 row_addr = s_mask + (u32)(rr * 128) + (u32)(tig * 4);
+                        // The row's visible columns, relative to this thread's first one.
+                        int vlo, vhi;
+                        visible_range(p, lk, off, q_cta + rr, vlo, vhi);
+                        vlo -= t * STEP + wj0 + tig * 2;
+                        vhi -= t * STEP + wj0 + tig * 2;
+#pragma unroll
+                        for (int nb = 0; nb < C::NB; ++nb) {
+                            float lo = 0.f, hi = 0.f;
+                            if (add_mask) unpack_half2(ld_shared_u32(row_addr + swz(wj0 / 8 + nb, g8)), lo, hi);
+                            const int j = nb * 8;
+                            const float ninf = -__int_as_float(0x7f800000);
+                            s[mt][nb][hh * 2] = (j >= vlo && j <= vhi) ? s[mt][nb][hh * 2] + lo : ninf;
+                            s[mt][nb][hh * 2 + 1] = (j + 1 >= vlo && j + 1 <= vhi) ? s[mt][nb][hh * 2 + 1] + hi : ninf;
+                        }
+                    }
+                } else if (bm == 0) {
+#pragma unroll
+                    for (int nb = 0; nb < C::NB; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[mt][nb][e] = -__int_as_float(0x7f800000);
+                }
+            }
+
+            // ---- Row maxima of the step, shared across the row group.
+            float mx[2][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    float m = s[mt][0][hh * 2];
+#pragma unroll
+                    for (int nb = 0; nb < C::NB; ++nb)
+                        m = fmaxf(m, fmaxf(s[mt][nb][hh * 2], s[mt][nb][hh * 2 + 1]));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                    mx[mt][hh] = m;
+                }
+            if (C::G > 1) {
+                if (tig == 0) {
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh)
+                            st_shared_f32(red_me + (u32)((mt * 16 + hh * 8 + g8) * 4), mx[mt][hh]);
+                }
+                named_barrier(1 + rg, C::G * 32);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const u32 off = (u32)((mt * 16 + hh * 8 + g8) * 4);
+                        float m = ld_shared_f32(red_group + off);
+#pragma unroll
+                        for (int w = 1; w < C::G; ++w) m = fmaxf(m, ld_shared_f32(red_group + (u32)(w * 128) + off));
+                        mx[mt][hh] = m;
+                    }
+            }
+
+            // ---- Lazy rescale (only when the max grows by more than 8), P = half(exp(S - M)).
+            float ms[2][2];
+            bool any_rescale = false;
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) any_rescale |= softmax_rescale(mx[mt][hh], m_run[mt][hh], ms[mt][hh]);
+            u32 pk[2][C::NB][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const float mr = m_run[mt][hh];
+                    float sum = 0.f;
+#pragma unroll
+                    for (int nb = 0; nb < C::NB; ++nb) pk[mt][nb][hh] = softmax_p2(s[mt][nb][hh * 2], s[mt][nb][hh * 2 + 1], mr, sum);
+                    l_run[mt][hh] = l_run[mt][hh] * ms[mt][hh] + sum;
+                }
+            // P as A-fragments: k-chunk kl of m-tile mt = n-blocks 2kl, 2kl+1.
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int kl = 0; kl < C::KL; ++kl)
+                    st_shared_v4(p_me + (u32)(((mt * C::KL + kl) * 32 + lane) * 16), pk[mt][2 * kl][0],
+                                 pk[mt][2 * kl][1], pk[mt][2 * kl + 1][0], pk[mt][2 * kl + 1][1]);
+            if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int nb = 0; nb < C::DW / 8; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) o[mt][nb][e] *= ms[mt][e >> 1];
+            }
+        } else if (C::G > 1) {
+            // An idle row group passes its barrier too: every warp sees the same barrier
+            // sequence each step.
+            named_barrier(1 + rg, C::G * 32);
+        }
+
+        bool need_mask_next = false;
+        const int tn = next_active(t, need_mask_next);
+        cp_async_wait_all();
+        __syncthreads();  // V_t is in, P of the step is visible, K and the mask tile are free
+        if (tn < t_end) {
+            load_rows_f16<D>(s_k, k_base + (i64)tn * STEP * p.k_row_stride, p.k_row_stride, lk - tn * STEP, k_al);
+            if (need_mask_next) load_mask_tile(s_mask, mask + ld_shared_i64(s_seq), p, lq, lk, q_cta, qpc, tn, m_al);
+            cp_async_commit();
+        }
+
+        if (active) {
+            // ---- O += P V over the 64 rows of the step, this warp's 128 columns.
+#pragma unroll
+            for (int kc = 0; kc < STEP / 16; ++kc) {
+                const u32 pw = p_group + (u32)((kc / C::KL) * (2 * C::KL * 32 * 16));
+                u32 a[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) ld_shared_v4(pw + (u32)(((mt * C::KL + kc % C::KL) * 32 + lane) * 16), a[mt]);
+                const u32 vrow = s_v + (u32)(v_r * D * 2) + v_col + (u32)(kc * 16 * D * 2);
+#pragma unroll
+                for (int dp = 0; dp < C::DW / 16; ++dp) {
+                    u32 b[4];
+                    ldsm_x4_trans(b, vrow + v_sw.at(dp));
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        mma16816(o[mt][dp * 2], a[mt], b[0], b[1]);
+                        mma16816(o[mt][dp * 2 + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        t = tn;
+    }
+
+    // ---- Row sums: the quad's, then the row group's (in a fixed order), and O / S.
+    float lt[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float l = l_run[mt][hh];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            lt[mt][hh] = l;
+        }
+    if (C::G > 1) {
+        // Every reader of the last step's maxima passed the loop's last __syncthreads.
+        if (tig == 0) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) st_shared_f32(red_me + (u32)((mt * 16 + hh * 8 + g8) * 4), lt[mt][hh]);
+        }
+        named_barrier(1 + rg, C::G * 32);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const u32 off = (u32)((mt * 16 + hh * 8 + g8) * 4);
+                float l = ld_shared_f32(red_group + off);
+#pragma unroll
+                for (int w = 1; w < C::G; ++w) l += ld_shared_f32(red_group + (u32)(w * 128) + off);
+                lt[mt][hh] = l;
+            }
+    }
+    const bool out_al = (L.flags & FLAG_OUT_ALIGNED) != 0;
+    const i64 o_seq = ld_shared_i64(s_seq + 8), lse_seq = ld_shared_i64(s_seq + 16);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = q0 + mt * 16 + hh * 8 + g8;
+            if (r >= lq) continue;
+            const float inv = lt[mt][hh] > 0.f ? 1.f / lt[mt][hh] : 0.f;
+            const i64 dst = o_seq + (i64)r * p.o_row_stride + (i64)head * p.o_head_stride + wd0 + tig * 2;
+#pragma unroll
+            for (int nb = 0; nb < C::DW / 8; ++nb)
+                store_out2(out, p.o_dtype, dst + nb * 8, o[mt][nb][hh * 2] * inv, o[mt][nb][hh * 2 + 1] * inv, out_al);
+            if ((p.flags & PREFILL_LSE) && wg == 0 && tig == 0)
+                lse[lse_seq + (i64)head * p.lse_head_stride + r] = lse_of(m_run[mt][hh], lt[mt][hh]);
+        }
+}

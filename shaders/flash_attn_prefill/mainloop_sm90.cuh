@@ -1,0 +1,513 @@
+// Part of shaders/flash_attn_prefill_tensor.cu: the Hopper form (sm_90a; wgmma, CTA pairs).
+#pragma once
+
+#include "flash_attn_prefill/epilogue.cuh"
+#include "flash_attn_prefill/loaders.cuh"
+#include "flash_attn_prefill/softmax.cuh"
+#include "flash_attn_prefill/sm90_ptx.cuh"
+
+// ================================================================== Hopper (sm_90a): wgmma
+//
+// The same computation with warpgroup MMA: 2 warpgroups of 4 warps; a warpgroup owns 64
+// (query, head) rows, each warp 16 of them. Q, K and V sit in shared memory in the
+// 128-byte-swizzle layout wgmma reads ([D / 64 atoms][rows][64 halves], 16-byte chunk c
+// of row r at chunk c ^ (r % 8)), so both products read their operands from shared memory
+// once per warpgroup instead of once per warp.
+//
+// Head dim 256: each warpgroup computes the scores of its 64 rows over the whole step
+// (m64n64k16) and keeps its 64 x 256 block of O in registers (m64n256k16); the scores
+// become P in registers and P is the A operand of P V (no shared-memory round trip).
+// K, V and the mask tile are double-buffered: the next step loads during this one.
+// Head dim 512: O (64 x 512) needs both warpgroups: each takes 256 of the output columns
+// and 32 of the 64 score columns of the step (m64n32k16), the row maxima are exchanged
+// through shared memory, and each warpgroup's half of P goes through shared memory to the
+// other. Single-buffered (the tiles take 192 KB).
+namespace hopper {
+
+template <int D>
+struct HCfg {
+    static constexpr int G = D / 256;          // warpgroups per row group
+    static constexpr int RG = 2 / G;           // row groups of 64 rows
+    static constexpr int ROWS = RG * 64;       // (query, head) rows of a CTA
+    static constexpr int JW = STEP / G;        // score columns of a warpgroup
+    static constexpr int NS = JW / 2;          // score registers per thread
+    static constexpr int NB = JW / 8;          // 8-column blocks of the scores
+    static constexpr int DW = 256;             // O columns of a warpgroup
+    static constexpr int NSTAGE = G == 1 ? 2 : 1;
+    static constexpr int BQ = D == 256 ? 32 : 16;
+    static constexpr int Q_BYTES = ROWS * D * 2;
+    static constexpr int KV_BYTES = STEP * D * 2;
+    static constexpr int MASK_BYTES = ROWS * STEP * 2;
+    static constexpr int P_BYTES = G > 1 ? 2 * 4 * 2 * 32 * 16 : 0;  // [warpgroup][warp][k-chunk][lane]
+    static constexpr int RED_BYTES = G > 1 ? 2 * 64 * 4 : 0;          // [warpgroup][row]
+    static constexpr int BAR_BYTES = 64;                              // the CTA-pair forms' mbarriers
+    static constexpr int SMEM = 1024 + Q_BYTES + NSTAGE * (2 * KV_BYTES + MASK_BYTES) + P_BYTES + RED_BYTES + BAR_BYTES;
+};
+
+// 64 rows of D halves at src + row * row_stride into an atom-layout tile of 64 rows; rows
+// at or past `nvalid` are zeros and are not read.
+// Thread `tid` always copies chunk tid % (D / 8) of rows tid / (D / 8) + n * (256 / (D / 8)):
+// its column, swizzle and addresses are per-thread constants plus immediates.
+template <int D>
+__device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ src, i64 row_stride, int nvalid,
+                                             bool aligned) {
+    constexpr int CH = D / 8, RPI = NTHREADS / CH;  // chunks per row, rows per pass (8 or 4)
+    const int c = threadIdx.x % CH, r0 = threadIdx.x / CH;
+    const u16* s = src + (i64)r0 * row_stride + c * 8;
+    const i64 pass = (i64)RPI * row_stride;
+    const u32 d0 = dst + (u32)((c >> 3) * STEP * 128 + r0 * 128);
+    const u32 sw[2] = {(u32)(((c & 7) ^ (r0 & 7)) << 4), (u32)(((c & 7) ^ ((r0 + 4) & 7)) << 4)};
+#pragma unroll 4  // fully unrolled, the addresses of 16 passes stay live and spill at 512
+    for (int n = 0; n < STEP / RPI; ++n) {
+        copy8_f16(d0 + (u32)(n * RPI * 128) + sw[RPI % 8 == 0 ? 0 : (n & 1)], s, aligned, r0 + n * RPI < nvalid);
+        s += pass;
+    }
+}
+
+// PAIR: the CTA is one of a cluster of two that read the same K/V tiles: PAIR_HEADS, the
+// two take the two halves of one KV head's query heads for the same queries (clusters
+// along y); PAIR_QUERIES, neighbouring query tiles of the same heads (clusters along x;
+// the last CTA of an odd number of tiles has no rows). Both walk the union of their active
+// steps. Each tile is read from memory once, by the TMA, and multicast into both CTAs'
+// shared memory (each CTA issues half of its boxes): half the L2 traffic. Full tiles are
+// waited on mbarriers; a split cluster barrier says when both CTAs are done with one.
+#define PAIR_NONE 0
+#define PAIR_HEADS 1
+#define PAIR_QUERIES 2
+template <int D, int PAIR = PAIR_NONE>
+__device__ __forceinline__ void attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
+                                          const u16* __restrict__ k, const u16* __restrict__ v,
+                                          const u16* __restrict__ mask, const u8* __restrict__ blk,
+                                          void* __restrict__ out, float* __restrict__ lse,
+                                          const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                                          const TMap* kmap = nullptr, const TMap* vmap = nullptr) {
+    typedef HCfg<D> C;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 s_base = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
+    const u32 s_q = s_base;
+    const u32 s_kv = s_q + C::Q_BYTES;                       // stage i: K, then V
+    const u32 s_mask = s_kv + C::NSTAGE * 2 * C::KV_BYTES;  // stage i
+    const u32 s_p = s_mask + C::NSTAGE * C::MASK_BYTES;
+    const u32 s_red = s_p + C::P_BYTES;
+    const u32 s_bar = s_red + C::RED_BYTES;  // PAIR: two mbarriers (K, V at 512; stage 0, 1 at 256)
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g8 = lane >> 2, tig = lane & 3;
+    // The warpgroup index, broadcast so the compiler knows it is warp-uniform: what is
+    // derived from it (descriptors) then lives in uniform registers.
+    const int wgi = __shfl_sync(0xffffffffu, tid >> 7, 0), wq = warp & 3;
+    const int rg = wgi / C::G, ch = wgi % C::G;    // row group, column half (head dim 512)
+    const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
+    const Seq sq = sequence(p, cu_q, cu_k, (int)blockIdx.z);
+    const int lq = sq.lq, lk = sq.lk, off = query_offset(p, lq, lk);
+    const int q_tiles = (lq + qpc - 1) / qpc;       // this sequence's CTAs along the rows
+    const int qt = q_tiles - 1 - (int)blockIdx.x;  // longest causal rows first
+    if constexpr (PAIR == PAIR_QUERIES) {
+        if (q_tiles - 1 - (int)(blockIdx.x & ~1u) < 0) return;  // both CTAs of the pair are empty
+    } else {
+        if (qt < 0) return;  // no rows here (for the head pairs: in both CTAs alike)
+    }
+    const int q_cta = qt >= 0 ? qt * qpc : lq;     // qt < 0: a query pair's empty CTA
+    const int r0 = rg * 64 + wq * 16;              // first CTA row of this warp
+    const int head = (int)blockIdx.y * hpc + r0 / qpc;
+    const int q_loc = r0 % qpc;                    // first query of the warp, inside the CTA
+    const int q0 = q_cta + q_loc;
+    const int group = p.n_heads / p.n_kv_heads;
+    const int kvh = ((int)blockIdx.y * hpc) / group;
+
+    // ---- Q: qh = half(scale * q) in the atom layout; rows past lq zero.
+    {
+        constexpr int CH = D / 8;
+        for (int i = tid; i < C::ROWS * CH; i += NTHREADS) {
+            const int r = i / CH, c = i % CH;
+            const int qr = q_cta + r % qpc;
+            const int h = (int)blockIdx.y * hpc + r / qpc;
+            u32 w[4];
+            load_q_chunk(w, p, L, sq, q, qr, h, c);
+            st_shared_v4(s_q + atom_off(C::ROWS, r, c), w[0], w[1], w[2], w[3]);
+        }
+    }
+
+    // ---- The steps walked: those of this CTA's rows, or of both CTAs' of a query pair
+    // (the description's steps, and the table's); the classes of this warp's rows.
+    int wa = q_cta, we = min(q_cta + qpc, lq);  // the rows walked, [wa, we)
+    if constexpr (PAIR == PAIR_QUERIES) {
+        wa = 0x7fffffff;
+        we = -1;
+        for (int m = 0; m < 2; ++m) {
+            const int qm = q_tiles - 1 - (int)((blockIdx.x & ~1u) + m);
+            if (qm >= 0) {
+                wa = min(wa, qm * qpc);
+                we = max(we, min(qm * qpc + qpc, lq));
+            }
+        }
+    }
+    Walk walk;
+    walk.blk = (p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr;
+    walk.steps = p.blk_steps;
+    walk.tr_first = wa / C::BQ;
+    walk.tr_last = (we - 1) / C::BQ;
+    visible_steps(p, lk, off, wa, we, walk.lo, walk.hi);
+    const int steps = walk.hi + 1;  // the loops below walk t < steps
+    // The class of 16 rows from `ra` in step t (and its table byte): 0 where no row is.
+    auto rows_class = [&](int ra, int t, int& table) -> int {
+        if (ra >= lq) {
+            table = 0;
+            return 0;
+        }
+        table = walk.blk ? (int)walk.blk[(i64)(ra / C::BQ) * walk.steps + t] : 2;
+        return combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
+    };
+    auto next_active = [&](int t, bool& need_mask) -> int { return walk.next(t, lane, need_mask); };
+
+    const u16* k_base = k + sq.k + (i64)kvh * p.k_head_stride;
+    const u16* v_base = v + sq.v + (i64)kvh * p.v_head_stride;
+    const bool k_al = (L.flags & FLAG_K_ALIGNED) != 0;
+    const bool v_al = (L.flags & FLAG_V_ALIGNED) != 0;
+    const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
+    auto load_k = [&](int stage, int t) {
+        load_kv_tile<D>(s_kv + stage * 2 * C::KV_BYTES, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride,
+                        lk - t * STEP, k_al);
+    };
+    auto load_v = [&](int stage, int t) {
+        load_kv_tile<D>(s_kv + stage * 2 * C::KV_BYTES + C::KV_BYTES, v_base + (i64)t * STEP * p.v_row_stride,
+                        p.v_row_stride, lk - t * STEP, v_al);
+    };
+    auto load_mask = [&](int stage, int t) {
+        load_mask_tile(s_mask + stage * C::MASK_BYTES, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);
+    };
+
+    // ---- State: this warp's 16 rows x 256 columns of O, running max and partial sums.
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m_run[2] = {NEG_FLT_MAX_HALF, NEG_FLT_MAX_HALF};
+    float l_run[2] = {0.f, 0.f};
+    u32 pk[C::NB][2];  // P of this warpgroup's score columns, half2 pairs (mma A-fragment halves)
+
+    // Scores of step t from stage `stage`; P left in pk. Returns whether the warpgroup
+    // computed (it skips when every one of its 64 rows skips the step).
+    auto scores_and_softmax = [&](int t, int stage) -> bool {
+        int tb;
+        const int b = rows_class(q0, t, tb);
+        bool wg_active = false;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            int tw;
+            wg_active |= rows_class(q_cta + (rg * 64 + w * 16) % qpc, t, tw) != 0;
+        }
+        float mx[2] = {0.f, 0.f};
+        float s[C::NS];
+        if (wg_active) {
+            // Descriptors of k-chunk kc = the tile's descriptor + the chunk's offset / 16
+            // (addresses stay below 2^18, so the 14-bit address field never carries).
+            const u64 db0 = desc_sw128(s_kv + stage * 2 * C::KV_BYTES + (u32)(ch * C::JW * 128), 16, 1024);
+            const u64 da0 = desc_sw128(s_q + (u32)(rg * 64 * 128), 16, 1024);
+            wgmma_fence();
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) {
+                const u64 da = da0 + (u64)(((kc >> 2) * C::ROWS * 128 + (kc & 3) * 32) >> 4);
+                const u64 db = db0 + (u64)(((kc >> 2) * STEP * 128 + (kc & 3) * 32) >> 4);
+                if constexpr (C::JW == 64) wgmma_ss_n64(s, da, db, kc > 0);
+                else wgmma_ss_n32(s, da, db, kc > 0);
+            }
+            wgmma_commit();
+            wgmma_wait0();
+            fence_regs(s);
+            if (b == 1) {
+                // -inf where a pair is not visible, the mask where the table's byte is 1.
+                const u32 m_tile = s_mask + stage * C::MASK_BYTES;
+                const float ninf = -__int_as_float(0x7f800000);
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int rr = q_loc + hh * 8 + g8;
+                    const u32 row_addr = m_tile + (u32)(rr * 128) + (u32)(tig * 4);
+                    // The row's visible columns, relative to this thread's first one.
+                    int vlo, vhi;
+                    visible_range(p, lk, off, q_cta + rr, vlo, vhi);
+                    vlo -= t * STEP + ch * C::JW + tig * 2;
+                    vhi -= t * STEP + ch * C::JW + tig * 2;
+#pragma unroll
+                    for (int nb = 0; nb < C::NB; ++nb) {
+                        float lo = 0.f, hi = 0.f;
+                        if (tb == 1) unpack_half2(ld_shared_u32(row_addr + swz(ch * C::NB + nb, g8)), lo, hi);
+                        const int j = nb * 8;
+                        s[nb * 4 + hh * 2] = (j >= vlo && j <= vhi) ? s[nb * 4 + hh * 2] + lo : ninf;
+                        s[nb * 4 + hh * 2 + 1] = (j + 1 >= vlo && j + 1 <= vhi) ? s[nb * 4 + hh * 2 + 1] + hi : ninf;
+                    }
+                }
+            } else if (b == 0) {
+#pragma unroll
+                for (int i = 0; i < C::NS; ++i) s[i] = -__int_as_float(0x7f800000);
+            }
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float m = s[hh * 2];
+#pragma unroll
+                for (int nb = 0; nb < C::NB; ++nb) m = fmaxf(m, fmaxf(s[nb * 4 + hh * 2], s[nb * 4 + hh * 2 + 1]));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                mx[hh] = m;
+            }
+        }
+        if constexpr (PAIR && C::NSTAGE == 1) cluster_arrive();  // this thread is done with the step's K
+        if constexpr (C::G > 1) {
+            // Both warpgroups hold the same rows: exchange the maxima (every step, so the
+            // barrier sequence is the same everywhere).
+            if (wg_active && tig == 0) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) st_shared_f32(s_red + (u32)((wgi * 64 + wq * 16 + hh * 8 + g8) * 4), mx[hh]);
+            }
+            __syncthreads();
+            if (wg_active) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const u32 off = (u32)((wq * 16 + hh * 8 + g8) * 4);
+                    mx[hh] = fmaxf(ld_shared_f32(s_red + off), ld_shared_f32(s_red + 64 * 4 + off));
+                }
+            }
+        }
+        if (wg_active) {
+            float ms[2];
+            bool any_rescale = false;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) any_rescale |= softmax_rescale(mx[hh], m_run[hh], ms[hh]);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const float mr = m_run[hh];
+                float sum = 0.f;
+#pragma unroll
+                for (int nb = 0; nb < C::NB; ++nb) pk[nb][hh] = softmax_p2(s[nb * 4 + hh * 2], s[nb * 4 + hh * 2 + 1], mr, sum);
+                l_run[hh] = l_run[hh] * ms[hh] + sum;
+            }
+            if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+                for (int i = 0; i < 128; ++i) o[i] *= ms[(i >> 1) & 1];
+            }
+            if constexpr (C::G > 1) {
+                // This warpgroup's P (its 32 columns = 2 k-chunks) for the other one.
+#pragma unroll
+                for (int kl = 0; kl < 2; ++kl)
+                    st_shared_v4(s_p + (u32)((((wgi * 4 + wq) * 2 + kl) * 32 + lane) * 16), pk[2 * kl][0], pk[2 * kl][1],
+                                 pk[2 * kl + 1][0], pk[2 * kl + 1][1]);
+            }
+        }
+        return wg_active;
+    };
+
+    // O += P V for the step, from stage `stage` (P in pk, or in shared memory at 512).
+    auto pv = [&](int stage) {
+        const u32 v_tile = s_kv + stage * 2 * C::KV_BYTES + C::KV_BYTES + (u32)(ch * (C::DW / 64) * STEP * 128);
+        u32 a[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            if constexpr (C::G == 1) {
+                a[kc][0] = pk[2 * kc][0];
+                a[kc][1] = pk[2 * kc][1];
+                a[kc][2] = pk[2 * kc + 1][0];
+                a[kc][3] = pk[2 * kc + 1][1];
+            } else {
+                ld_shared_v4(s_p + (u32)(((((kc >> 1) * 4 + wq) * 2 + (kc & 1)) * 32 + lane) * 16), a[kc]);
+            }
+        }
+        const u64 dv0 = desc_sw128(v_tile, STEP * 128, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wgmma_rs_n256(o, a[kc], dv0 + (u64)((kc * 16 * 128) >> 4));
+        wgmma_commit();
+        wgmma_wait0();
+        fence_regs(o);
+    };
+
+    // PAIR: this CTA's half of a tile's boxes (64 rows x 64 halves, 8 KB each), for both.
+    auto tma_half = [&](const TMap* map, u32 dst, u32 bar, int t) {
+        const int rank = (int)cluster_rank();
+#pragma unroll
+        for (int i = 0; i < D / 128; ++i) {
+            const int cb = rank * (D / 128) + i;
+            tma_load_4d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, (int)blockIdx.z, bar, 3);
+        }
+    };
+    if constexpr (PAIR != PAIR_NONE) {
+        if (tid == 0) {
+            mbar_init(s_bar, 1);
+            mbar_init(s_bar + 8, 1);
+            fence_mbar_init();
+        }
+        fence_proxy_async();  // Q (ordinary stores) before wgmma reads it
+        cluster_arrive();
+        cluster_wait();  // both CTAs' barriers exist before any tile lands in either
+    }
+
+    bool need_mask = false;
+    int t = next_active(-1, need_mask);
+    if constexpr (C::NSTAGE == 2 && PAIR != PAIR_NONE) {
+        // Stage i's K and V complete on the mbarrier at s_bar + 8 i.
+        auto issue = [&](int st, int t) {
+            const u32 bar = s_bar + 8 * st, dst = s_kv + st * 2 * C::KV_BYTES;
+            mbar_expect_tx(bar, 2 * C::KV_BYTES);
+            tma_half(kmap, dst, bar, t);
+            tma_half(vmap, dst + C::KV_BYTES, bar, t);
+        };
+        if (t < steps) {
+            if (tid == 0) issue(0, t);
+            if (need_mask) load_mask(0, t);
+            cp_async_commit();
+        }
+        cluster_arrive();  // stage 1 is free (the first wait below)
+        int stage = 0;
+        u32 phases = 0;
+        while (t < steps) {
+            cp_async_wait_all();
+            mbar_wait(s_bar + 8 * stage, (phases >> stage) & 1u);
+            phases ^= 1u << stage;
+            __syncthreads();  // step t's mask tile is in; this CTA is done with the other stage
+            cluster_wait();   // and so is the partner
+            bool nm = false;
+            const int tn = next_active(t, nm);
+            if (tn < steps) {
+                if (tid == 0) issue(stage ^ 1, tn);
+                if (nm) load_mask(stage ^ 1, tn);
+                cp_async_commit();
+            }
+            if (scores_and_softmax(t, stage)) pv(stage);
+            cluster_arrive();  // done with this stage
+            stage ^= 1;
+            t = tn;
+        }
+        cluster_wait();  // the partner no longer touches this CTA's shared memory
+    } else if constexpr (C::NSTAGE == 2) {
+        if (t < steps) {
+            load_k(0, t);
+            load_v(0, t);
+            if (need_mask) load_mask(0, t);
+            cp_async_commit();
+        }
+        int stage = 0;
+        while (t < steps) {
+            cp_async_wait_all();
+            fence_proxy_async();
+            __syncthreads();  // step t's tiles are in; the other stage is free
+            bool nm = false;
+            const int tn = next_active(t, nm);
+            if (tn < steps) {
+                load_k(stage ^ 1, tn);
+                load_v(stage ^ 1, tn);
+                if (nm) load_mask(stage ^ 1, tn);
+                cp_async_commit();
+            }
+            if (scores_and_softmax(t, stage)) pv(stage);
+            stage ^= 1;
+            t = tn;
+        }
+    } else if constexpr (PAIR != PAIR_NONE) {
+        const u32 bar_k = s_bar, bar_v = s_bar + 8;
+        const u32 s_k = s_kv, s_v = s_kv + C::KV_BYTES;
+        auto issue = [&](const TMap* map, u32 dst, u32 bar, int t) {
+            mbar_expect_tx(bar, C::KV_BYTES);
+            tma_half(map, dst, bar, t);
+        };
+        u32 ph_k = 0, ph_v = 0;
+        if (t < steps) {
+            if (tid == 0) issue(kmap, s_k, bar_k, t);
+            if (need_mask) load_mask(0, t);
+            cp_async_commit();
+        }
+        cluster_arrive();  // V is free (the first wait below)
+        while (t < steps) {
+            cp_async_wait_all();
+            mbar_wait(bar_k, ph_k);
+            ph_k ^= 1;
+            __syncthreads();  // the mask tile is in
+            cluster_wait();   // both CTAs are done with the last V
+            if (tid == 0) issue(vmap, s_v, bar_v, t);
+            bool nm = false;
+            const int tn = next_active(t, nm);
+            const bool act = scores_and_softmax(t, 0);  // arrives once its Q K^T is done
+            cluster_wait();  // both CTAs are done with K
+            if (tn < steps && tid == 0) issue(kmap, s_k, bar_k, tn);
+            mbar_wait(bar_v, ph_v);
+            ph_v ^= 1;
+            __syncthreads();  // P is visible; the mask tile is free
+            if (tn < steps && nm) {
+                load_mask(0, tn);
+                cp_async_commit();
+            }
+            if (act) pv(0);
+            cluster_arrive();  // done with V
+            t = tn;
+        }
+        cluster_wait();  // the partner no longer touches this CTA's shared memory
+    } else {
+        if (t < steps) {
+            load_k(0, t);
+            if (need_mask) load_mask(0, t);
+            cp_async_commit();
+        }
+        while (t < steps) {
+            cp_async_wait_all();
+            fence_proxy_async();
+            __syncthreads();  // K_t and the mask tile are in; V is free
+            load_v(0, t);
+            cp_async_commit();
+            bool nm = false;
+            const int tn = next_active(t, nm);
+            const bool act = scores_and_softmax(t, 0);
+            // Every warpgroup's Q K^T finished before the exchange barrier inside: K is
+            // free. K of the next step loads while P V runs and the next step starts.
+            if (tn < steps) load_k(0, tn);
+            cp_async_commit();
+            cp_async_wait_group1();  // V_t (the next K may still be in flight)
+            fence_proxy_async();
+            __syncthreads();  // V_t is in, P is visible; the mask tile is free
+            if (tn < steps && nm) {
+                load_mask(0, tn);
+                cp_async_commit();
+            }
+            if (act) pv(0);
+            t = tn;
+        }
+    }
+
+    // ---- Row sums (quad, then both warpgroups at 512, in a fixed order) and O / S.
+    float lt[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float l = l_run[hh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        lt[hh] = l;
+    }
+    if constexpr (C::G > 1) {
+        __syncthreads();  // every reader of the last maxima is past them
+        if (tig == 0) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) st_shared_f32(s_red + (u32)((wgi * 64 + wq * 16 + hh * 8 + g8) * 4), lt[hh]);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const u32 off = (u32)((wq * 16 + hh * 8 + g8) * 4);
+            lt[hh] = ld_shared_f32(s_red + off) + ld_shared_f32(s_red + 64 * 4 + off);
+        }
+    }
+    const bool out_al = (L.flags & FLAG_OUT_ALIGNED) != 0;
+    const int wd0 = ch * C::DW;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = q0 + hh * 8 + g8;
+        if (r >= lq) continue;
+        const float inv = lt[hh] > 0.f ? 1.f / lt[hh] : 0.f;
+        const i64 dst = sq.o + (i64)r * p.o_row_stride + (i64)head * p.o_head_stride + wd0 + tig * 2;
+#pragma unroll
+        for (int nb = 0; nb < C::DW / 8; ++nb)
+            store_out2(out, p.o_dtype, dst + nb * 8, o[nb * 4 + hh * 2] * inv, o[nb * 4 + hh * 2 + 1] * inv, out_al);
+        if ((p.flags & PREFILL_LSE) && ch == 0 && tig == 0)
+            lse[sq.lse + (i64)head * p.lse_head_stride + r] = lse_of(m_run[hh], lt[hh]);
+    }
+}
+
+static_assert(HCfg<256>::SMEM == 230464, "Hopper d256 shared memory changed: update the CUDA backend");
+static_assert(HCfg<512>::SMEM == 214592, "Hopper d512 shared memory changed: update the CUDA backend");
+
+}  // namespace hopper

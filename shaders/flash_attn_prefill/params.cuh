@@ -1,0 +1,46 @@
+// Part of shaders/flash_attn_prefill_tensor.cu: the params block (held to rust/src/params.rs
+// by a test) and the launch block the CUDA backend adds.
+#pragma once
+
+#include "flash_attn_prefill/common.cuh"
+
+// Mirror of the op's params block (FlashAttnPrefillParamsGpu, rust/src/params.rs): 64-bit
+// strides in elements (the table's batch stride in bytes), then 32-bit fields.
+struct Params {
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long mask_batch_stride, mask_row_stride;
+    long long lse_batch_stride, lse_head_stride;
+    long long blk_batch_stride;
+    int batch, rows, kv_len, n_heads, n_kv_heads, head_dim, max_rows, window, flags;
+    int q_dtype, o_dtype;
+    int blk_rows, blk_steps, blk_bq;
+    float scale;
+    int offset;  // with PREFILL_OFFSET: query row r is at r + offset of its cache
+};
+
+#define PREFILL_CAUSAL 1
+#define PREFILL_MASK 2
+#define PREFILL_VARLEN 4
+#define PREFILL_LSE 8
+#define PREFILL_OFFSET 16
+// DType codes of Q and O.
+#define DT_F32 0
+#define DT_F16 1
+#define DT_BF16 2
+
+// What the CUDA backend adds: the CTA geometry it chose and the alignment of the buffers.
+struct Launch {
+    int heads_per_cta;
+    int queries_per_cta;
+    int q_tiles;  // CTAs along the query rows: of the longest sequence
+    int flags;
+};
+
+#define FLAG_Q_ALIGNED 1     // Q base and strides 16-byte aligned (8 elements of 16 bits, or 4 floats)
+#define FLAG_K_ALIGNED 2     // K base and strides 16-byte aligned
+#define FLAG_V_ALIGNED 4     // V base and strides 16-byte aligned
+#define FLAG_MASK_ALIGNED 8  // mask base and strides 16-byte aligned
+#define FLAG_OUT_ALIGNED 16  // out base and strides aligned to two elements
