@@ -107,7 +107,7 @@ def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
             f"as x.transpose(0, 1) (4-D: x.transpose(1, 2)), without a copy"
         )
     # The head dims the op has kernels for, as the op itself says (its tile table's rows).
-    p = ffi.new("FlashAttnPrefillParams *")
+    p = ffi.new("MlxnFlashAttnPrefillParams *")
     p.head_dim = min(int(qo.shape[-1]), 2**32 - 1)
     check(lib.mlxn_flash_attn_prefill_mask_table_bytes(p, ffi.new("uint64_t *")))
 

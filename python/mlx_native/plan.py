@@ -145,7 +145,7 @@ class PrefillPlan:
         # Outputs: like q, contiguous; lse [H, rows], [B, H, rows] or [H, total_q].
         self.shape = qo.shape
         self.lse_shape = (batch, n_heads, rows) if batched else (n_heads, rows)
-        p = ffi.new("FlashAttnPrefillParams *")
+        p = ffi.new("MlxnFlashAttnPrefillParams *")
         qs, ks, vs = (lay[1] for lay in self._layouts)
         if not batched:
             qs, ks, vs = (0,) + qs, (0,) + ks, (0,) + vs
