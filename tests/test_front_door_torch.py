@@ -228,3 +228,24 @@ def test_cuda_cu_seqlens_merge_and_a_host_mask(rng):
     host_mask = np.zeros((300, 500), np.float32)
     out = mn.flash_attn_prefill(q, k, v, host_mask)  # copied to q's device
     assert out.is_cuda and nmse(_np(out), _ref(q, k, v)[0]) < BAR
+
+
+@cuda_only
+def test_a_described_mask_call_allocates_only_its_output_on_the_device(rng):
+    q, k, v = _qkv(rng, (4096, 2, 256), (4096, 1, 256), device="cuda")
+    mn.flash_attn_prefill(q, k, v, causal=True, window=64)  # warm: plan cached, kernels built
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = mn.flash_attn_prefill(q, k, v, causal=True, window=64)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base == out.numel() * out.element_size()  # no [rows, kv] mask
+
+
+@cuda_only
+def test_the_overhead_bench_on_cuda(capsys):
+    from mlx_native.bench.overhead import run_overhead
+
+    res = run_overhead(rows=[512], device="cuda", repeats=1)
+    assert all(d["kernels_s"] > 0 and d["run_s"] > 0 and d["call_s"] > 0 for d in res)
+    assert "device" in capsys.readouterr().out
