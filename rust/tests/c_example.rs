@@ -5,10 +5,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The cdylib cargo built beside this test (`target/<profile>/libmlx_native.so`).
+/// The cdylib cargo built for this test run (`target/<profile>/deps/libmlx_native.so`, beside
+/// the test itself; the copy one folder up is refreshed only by `cargo build`).
 fn library_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("the test's path");
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf();
+    let dir = exe.parent().expect("target/<profile>/deps").to_path_buf();
     let lib = dir.join(if cfg!(target_os = "macos") { "libmlx_native.dylib" } else { "libmlx_native.so" });
     assert!(lib.exists(), "{} was not built", lib.display());
     dir

@@ -15,4 +15,5 @@ use crate::kernel_registry::KernelRegistry;
 pub fn register_all(registry: &mut KernelRegistry) {
     flash_attn_prefill_tensor::register(registry);
     flash_attn_prefill_blk::register(registry);
+    flash_attn_prefill::register(registry);
 }

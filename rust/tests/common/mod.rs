@@ -2,6 +2,8 @@
 //! a naive float64 reference, and a dispatch harness.
 #![allow(dead_code)]
 
+pub mod prefill;
+
 use half::f16;
 use mlx_native::ops::flash_attn_prefill_blk::{dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams};
 use mlx_native::ops::flash_attn_prefill_tensor::{

@@ -11,11 +11,11 @@ use crate::params::FlashAttnPrefillBlkParamsGpu as BlkParams;
 pub const KERNELS: &[(&str, CpuKernelFn)] = &[("flash_attn_prefill_blk", run)];
 
 /// Every value of the tile is -inf or at most -65504 (the most negative half).
-const SKIP: u8 = 0;
+pub(super) const SKIP: u8 = 0;
 /// Some values are neither all-masked nor all-zero.
-const MIXED: u8 = 1;
+pub(super) const MIXED: u8 = 1;
 /// Every value is +0 or -0.
-const ZERO: u8 = 2;
+pub(super) const ZERO: u8 = 2;
 
 /// Bits of `h` that say "not masked" (0 when `h` is -inf or a negative half of magnitude
 /// at least 65504; NaN magnitudes exceed 0x7c00) and "not zero" (0 for +0 and -0), as two

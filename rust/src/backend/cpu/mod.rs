@@ -1,17 +1,21 @@
 //! The CPU backend: always present. A kernel is a Rust function that runs a whole dispatch,
 //! spreading its tiles over all cores (rayon) with SIMD inner loops chosen at run time.
-//! Each op's host file (`flash_attn_prefill_tensor.rs`, `flash_attn_prefill_blk.rs`) lists
-//! its kernels by name in a `KERNELS` table; [`kernel`] looks a name up in all of them.
+//! Each op's host file (`flash_attn_prefill.rs`, `flash_attn_prefill_tensor.rs`,
+//! `flash_attn_prefill_blk.rs`) lists its kernels by name in a `KERNELS` table; [`kernel`]
+//! looks a name up in all of them. The attention of both prefill ops is one kernel body,
+//! `prefill_tile.rs` (the origin's kernels are the general one with a fixed layout).
 
 use std::sync::{Arc, OnceLock};
 
 use crate::error::{MlxError, Result};
 use crate::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline};
 
+pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
 pub mod memory;
 pub mod peak;
+mod prefill_tile;
 pub mod simd;
 
 pub use memory::{HostMemory, WrappedHostMemory};
@@ -21,8 +25,9 @@ pub type CpuKernelFn = fn(&Dispatch) -> Result<()>;
 
 /// The CPU form of the kernel `name`, from the op host files' tables.
 pub fn kernel(name: &str) -> Option<CpuKernelFn> {
-    flash_attn_prefill_tensor::KERNELS
+    flash_attn_prefill::KERNELS
         .iter()
+        .chain(flash_attn_prefill_tensor::KERNELS)
         .chain(flash_attn_prefill_blk::KERNELS)
         .find(|(n, _)| *n == name)
         .map(|(_, f)| *f)

@@ -23,6 +23,8 @@ pub trait Simd: Copy + Send + Sync + 'static {
     unsafe fn store(p: *mut f32, v: Self::V);
     /// Load 16 IEEE halves and widen them.
     unsafe fn load_f16(p: *const u16) -> Self::V;
+    /// Load 16 bfloat16 values and widen them (exact: the top half of an f32).
+    unsafe fn load_bf16(p: *const u16) -> Self::V;
     /// Round every lane to the nearest half (ties to even) and widen back.
     unsafe fn round_half(v: Self::V) -> Self::V;
     /// `a * b + c`, fused where the hardware has it.
@@ -101,6 +103,11 @@ impl Simd for Portable {
     unsafe fn load_f16(p: *const u16) -> Self::V {
         let h = std::ptr::read_unaligned(p as *const [u16; W]);
         lanes!(|i| half::f16::from_bits(h[i]).to_f32())
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self::V {
+        let h = std::ptr::read_unaligned(p as *const [u16; W]);
+        lanes!(|i| f32::from_bits((h[i] as u32) << 16))
     }
     #[inline(always)]
     unsafe fn round_half(v: Self::V) -> Self::V {
@@ -182,6 +189,11 @@ mod x86 {
         #[inline(always)]
         unsafe fn load_f16(p: *const u16) -> __m512 {
             _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> __m512 {
+            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
         }
         #[inline(always)]
         unsafe fn round_half(v: __m512) -> __m512 {
@@ -269,6 +281,14 @@ mod x86 {
                 _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
                 _mm256_cvtph_ps(_mm_loadu_si128(p.add(W / 2) as *const __m128i)),
             )
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> Pair {
+            let widen = |q: *const u16| {
+                let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(q as *const __m128i));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+            };
+            Pair(widen(p), widen(p.add(W / 2)))
         }
         #[inline(always)]
         unsafe fn round_half(v: Pair) -> Pair {
@@ -437,6 +457,21 @@ mod tests {
         }
     }
 
+    fn check_bf16<S: Simd>() {
+        // One, minus one, +-inf, a quiet NaN, the smallest subnormal, -0, pi, and others.
+        let vals: [u16; W] = [
+            0x3f80, 0xbf80, 0x7f80, 0xff80, 0x7fc1, 0x0001, 0x8000, 0x4049, 0xc2f7, 0x0080, 0x7f7f, 0xff7f, 0x3c23,
+            0xbe00, 0x4780, 0x0000,
+        ];
+        unsafe {
+            let mut out = [0f32; W];
+            S::store(out.as_mut_ptr(), S::load_bf16(vals.as_ptr()));
+            for i in 0..W {
+                assert_eq!(out[i].to_bits(), half::bf16::from_bits(vals[i]).to_f32().to_bits(), "{} lane {i}", S::NAME);
+            }
+        }
+    }
+
     fn check_max_min<S: Simd>() {
         let pairs = [(1.0f32, 2.0f32), (2.0, 1.0), (0.0, -0.0), (-0.0, 0.0), (f32::NAN, 1.0), (1.0, f32::NAN), (f32::NEG_INFINITY, -3.0), (5.0, 5.0)];
         let a: Vec<f32> = (0..W).map(|i| pairs[i % 8].0).collect();
@@ -459,17 +494,20 @@ mod tests {
         check_exp::<Portable>();
         check_round_half::<Portable>();
         check_max_min::<Portable>();
+        check_bf16::<Portable>();
         #[cfg(target_arch = "x86_64")]
         {
             if has_avx2() {
                 check_exp::<Avx2>();
                 check_round_half::<Avx2>();
                 check_max_min::<Avx2>();
+                check_bf16::<Avx2>();
             }
             if has_avx512() {
                 check_exp::<Avx512>();
                 check_round_half::<Avx512>();
                 check_max_min::<Avx512>();
+                check_bf16::<Avx512>();
             }
         }
     }

@@ -1,0 +1,289 @@
+//! CPU form of `flash_attn_prefill_d256` / `_d512` (SPEC sections 2 and 6-9) and of
+//! `flash_attn_prefill_mask_blk` (SPEC 1 over a batch).
+//!
+//! The attention: one work item is one sequence, one KV head and up to four consecutive
+//! query tiles (`prefill_tile`), with every query head that shares that KV head. Items run
+//! in parallel on all cores (rayon, work stealing) in sequence-major, then KV-head-major
+//! order, so a thread takes consecutive query tiles of one KV head of one sequence. The
+//! origin's kernels (`flash_attn_prefill_tensor`) are this one with a fixed layout.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rayon::prelude::*;
+
+use super::flash_attn_prefill_blk::{classify_rows, MIXED, SKIP, ZERO};
+use super::prefill_tile::{self, Elem, Problem, Seq, C, SCRATCH};
+use super::{host_slice, CpuKernelFn, SendPtr};
+use crate::error::{MlxError, Result};
+use crate::interface::Dispatch;
+use crate::params::{
+    FlashAttnPrefillMaskBlkParamsGpu as MaskBlkParams, FlashAttnPrefillParamsGpu as Params, PREFILL_CAUSAL,
+    PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
+};
+
+/// This op's kernels, by name.
+pub const KERNELS: &[(&str, CpuKernelFn)] = &[
+    ("flash_attn_prefill_d256", run_d256),
+    ("flash_attn_prefill_d512", run_d512),
+    ("flash_attn_prefill_mask_blk", run_mask_blk),
+];
+
+static COLUMN_SKIP: AtomicBool = AtomicBool::new(true);
+
+/// Whether a step of a partly visible tile leaves out the cache rows that no row of the
+/// tile sees (on by default). Off computes them; the output is the same to the bit, which
+/// the tests check with this switch.
+pub fn set_column_skipping(on: bool) {
+    COLUMN_SKIP.store(on, Ordering::Relaxed);
+}
+
+/// Query rows of one tile at head dim `d`: the op's table tiles (`mask_tile_rows`).
+pub(super) const fn bq_of(d: usize) -> usize {
+    if d == 256 {
+        32
+    } else {
+        16
+    }
+}
+
+/// Entry point of `flash_attn_prefill_d256`.
+pub fn run_d256(d: &Dispatch) -> Result<()> {
+    run::<256>(d, &d.constant(0)?)
+}
+
+/// Entry point of `flash_attn_prefill_d512`.
+pub fn run_d512(d: &Dispatch) -> Result<()> {
+    run::<512>(d, &d.constant(0)?)
+}
+
+fn bad(what: &str) -> MlxError {
+    MlxError::Internal(format!("flash_attn_prefill (cpu): {what}"))
+}
+
+/// Read and check `cu_seqlens` (`batch + 1` int32 at `ptr`): non-decreasing, from 0 up to at
+/// most `total`, so every sequence lies inside its tensor.
+unsafe fn read_cu(ptr: *const u8, batch: usize, total: usize) -> Result<Vec<usize>> {
+    let cu: Vec<i32> = (0..=batch).map(|i| std::ptr::read_unaligned((ptr as *const i32).add(i))).collect();
+    if cu[0] != 0 || cu.windows(2).any(|w| w[1] < w[0]) || cu[batch] as i64 > total as i64 {
+        return Err(bad("cu_seqlens not non-decreasing from 0 up to the tensor's rows"));
+    }
+    Ok(cu.into_iter().map(|x| x as usize).collect())
+}
+
+/// Run one prefill dispatch at head dim `D` with the params block `p` (the op's, or the
+/// origin's converted), the buffers bound at the op's indices.
+pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
+    // The op validated the dispatch; a kernel that writes memory checks what it relies on:
+    // the block's own consistency, then every buffer against its extents.
+    let e = p.extents().ok_or_else(|| bad("params break the op's contract"))?;
+    let has = |f: i32| p.flags & f != 0;
+    let (q_dtype, o_dtype) = (Elem::from_code(p.q_dtype), Elem::from_code(p.o_dtype));
+    let (Some(q_dtype), Some(o_dtype)) = (q_dtype, o_dtype) else {
+        return Err(bad("a Q or O dtype code that is not F32, F16 or BF16"));
+    };
+    if p.head_dim as usize != D || p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 || p.window < 0 {
+        return Err(bad("head_dim is not the kernel's, the heads do not group, or a negative window"));
+    }
+    let u = |x: i32| x as usize;
+    let z = |x: i64| x as usize;
+    let (batch, rows, kv_len) = (u(p.batch), u(p.rows), u(p.kv_len));
+    let steps = kv_len.div_ceil(C);
+    // The table bytes the kernel reads: table b at b * blk_batch_stride, row r / blk_bq,
+    // column step (every step of the cache).
+    let mut blk_need = 0u64;
+    if has(PREFILL_MASK) {
+        if has(PREFILL_VARLEN) || p.blk_bq <= 0 || u(p.blk_steps) < steps {
+            return Err(bad("an explicit mask with variable length, or a table narrower than the cache"));
+        }
+        if batch > 0 && rows > 0 && steps > 0 {
+            blk_need = ((batch - 1) as u64)
+                .saturating_mul(p.blk_batch_stride as u64)
+                .saturating_add(((rows - 1) / u(p.blk_bq)) as u64 * p.blk_steps as u64)
+                .saturating_add(steps as u64);
+        }
+    }
+    let esize = |e: Elem| if e == Elem::F32 { 4u64 } else { 2 };
+    let buf = |index: u64, need: u64| -> Result<*mut u8> {
+        let (ptr, len) = host_slice(d, index)?;
+        if (len as u64) < need {
+            return Err(bad("a buffer is smaller than its strides need"));
+        }
+        Ok(ptr)
+    };
+    let bytes = |elems: u64, size: u64| elems.saturating_mul(size);
+    let (q, k) = (buf(1, bytes(e.q, esize(q_dtype)))?, buf(2, bytes(e.k, 2))?);
+    let (v, out) = (buf(3, bytes(e.v, 2))?, buf(6, bytes(e.out, esize(o_dtype)))?);
+    let (mask, blk) = if has(PREFILL_MASK) { (buf(4, bytes(e.mask, 2))?, buf(5, blk_need)?) } else { (q, q) };
+    let lse = if has(PREFILL_LSE) { buf(7, bytes(e.lse, 4))? } else { q };
+    let cu = if has(PREFILL_VARLEN) {
+        let need = (batch as u64 + 1) * 4;
+        // SAFETY: both hold batch + 1 int32 (checked by `buf`).
+        unsafe { Some((read_cu(buf(8, need)?, batch, rows)?, read_cu(buf(9, need)?, batch, kv_len)?)) }
+    } else {
+        None
+    };
+    let (nh, nkv, bq) = (u(p.n_heads), u(p.n_kv_heads), bq_of(D));
+    let group = nh / nkv;
+    let pb = Problem {
+        group,
+        bq,
+        nt: prefill_tile::tiles_per_item(bq * group, D),
+        q_rs: z(p.q_row_stride),
+        q_hs: z(p.q_head_stride),
+        k_rs: z(p.k_row_stride),
+        k_hs: z(p.k_head_stride),
+        v_rs: z(p.v_row_stride),
+        v_hs: z(p.v_head_stride),
+        o_rs: z(p.o_row_stride),
+        o_hs: z(p.o_head_stride),
+        mask_rs: z(p.mask_row_stride),
+        lse_hs: z(p.lse_head_stride),
+        scale: p.scale,
+        column_skip: COLUMN_SKIP.load(Ordering::Relaxed),
+        causal: has(PREFILL_CAUSAL),
+        window: u(p.window),
+        has_mask: has(PREFILL_MASK),
+        has_lse: has(PREFILL_LSE),
+        q_dtype,
+        o_dtype,
+        blk_steps: u(p.blk_steps),
+        blk_bq: u(p.blk_bq.max(1)),
+        q,
+        k: k as *const u16,
+        v: v as *const u16,
+        mask: mask as *const u16,
+        blk,
+        out: SendPtr(out),
+        lse: SendPtr(lse as *mut f32),
+    };
+    // Where query row r of a sequence sits in its cache: r + off.
+    let place = |lq: usize, lk: usize| if has(PREFILL_OFFSET) { p.offset as i64 } else { lk as i64 - lq as i64 };
+    // Sequence b: its lengths and offsets (SPEC 7).
+    let seq = |b: usize| -> Seq {
+        match &cu {
+            Some((cq, ck)) => {
+                let (q0, k0) = (cq[b], ck[b]);
+                let (lq, lk) = (cq[b + 1] - q0, ck[b + 1] - k0);
+                Seq {
+                    lq,
+                    lk,
+                    off: place(lq, lk),
+                    q: q0 * pb.q_rs,
+                    k: k0 * pb.k_rs,
+                    v: k0 * pb.v_rs,
+                    o: q0 * pb.o_rs,
+                    lse: q0,
+                    mask: 0,
+                    blk: 0,
+                }
+            }
+            None => Seq {
+                lq: rows,
+                lk: kv_len,
+                off: place(rows, kv_len),
+                q: b * z(p.q_batch_stride),
+                k: b * z(p.k_batch_stride),
+                v: b * z(p.v_batch_stride),
+                o: b * z(p.o_batch_stride),
+                lse: b * z(p.lse_batch_stride),
+                mask: b * z(p.mask_batch_stride),
+                blk: b * z(p.blk_batch_stride),
+            },
+        }
+    };
+    let groups = |lq: usize| lq.div_ceil(bq).div_ceil(pb.nt);
+    let item: prefill_tile::ItemFn = prefill_tile::pick::<D>();
+    let run_item = |w: usize, s: &Seq| {
+        let gs = groups(s.lq);
+        SCRATCH.with(|sc| {
+            let mut sc = sc.borrow_mut();
+            // SAFETY: `pick` chose an instruction set this CPU has; every sequence lies inside
+            // the buffers, whose sizes were checked above; items write disjoint rows.
+            unsafe { item(&pb, s, w % gs, w / gs, &mut sc) };
+        });
+    };
+    // Items in KV-head-major order within a sequence: rayon hands each thread contiguous
+    // runs of items, so a thread walks consecutive query tiles of one KV head, whose K/V
+    // rows (the same cache rows, or a window sliding by one tile) are still in its L2 from
+    // the item before.
+    match &cu {
+        None => {
+            let per_seq = groups(rows) * nkv;
+            (0..batch * per_seq).into_par_iter().for_each(|w| {
+                let b = w / per_seq;
+                run_item(w % per_seq, &seq(b));
+            });
+        }
+        Some((cq, _)) => {
+            // First item of each sequence; sequences without query rows have none.
+            let mut starts = Vec::with_capacity(batch + 1);
+            let mut total = 0usize;
+            for b in 0..batch {
+                starts.push(total);
+                total += groups(cq[b + 1] - cq[b]) * nkv;
+            }
+            starts.push(total);
+            (0..total).into_par_iter().for_each(|w| {
+                let b = starts.partition_point(|&s| s <= w) - 1;
+                run_item(w - starts[b], &seq(b));
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `flash_attn_prefill_mask_blk`: params at 0, the F16 mask at 1, the U8 tables at 2. Tile
+/// `(qt, kt)` of table b covers mask rows `[qt * bq, min(qt * bq + bq, rows))` and columns
+/// `[kt * bk, kt * bk + bk)`; columns at or past `kv_len` count as masked (-inf).
+pub fn run_mask_blk(d: &Dispatch) -> Result<()> {
+    let p: MaskBlkParams = d.constant(0)?;
+    let bad = |what: &str| MlxError::Internal(format!("flash_attn_prefill_mask_blk (cpu): {what}"));
+    let dims = [p.batch, p.rows, p.kv_len, p.steps];
+    if dims.iter().any(|&x| x < 0) || p.bq <= 0 || p.bk <= 0 || p.mask_batch_stride < 0 || p.mask_row_stride < 0 {
+        return Err(bad("params break the op's contract"));
+    }
+    let (batch, rows, kv_len) = (p.batch as usize, p.rows as usize, p.kv_len as usize);
+    let (bq, bk, steps) = (p.bq as usize, p.bk as usize, p.steps as usize);
+    let (mbs, mrs) = (p.mask_batch_stride as u64, p.mask_row_stride as u64);
+    let mask_need = if batch == 0 || rows == 0 || kv_len == 0 {
+        0
+    } else {
+        ((batch as u64 - 1).saturating_mul(mbs))
+            .saturating_add((rows as u64 - 1).saturating_mul(mrs))
+            .saturating_add(kv_len as u64)
+            .saturating_mul(2)
+    };
+    let table_rows = rows.div_ceil(bq);
+    let (mask, mask_len) = host_slice(d, 1)?;
+    let (blk, blk_len) = host_slice(d, 2)?;
+    if (mask_len as u64) < mask_need || (blk_len as u64) < p.table_bytes() {
+        return Err(bad("buffers smaller than validated"));
+    }
+    let (mask, blk) = (SendPtr(mask as *mut u16), SendPtr(blk));
+    (0..batch * table_rows).into_par_iter().for_each(|row| {
+        let (m, t) = (mask, blk);
+        let (b, qt) = (row / table_rows, row % table_rows);
+        let r0 = qt * bq;
+        let r1 = (r0 + bq).min(rows);
+        for kt in 0..steps {
+            let j0 = (kt * bk).min(kv_len);
+            let j1 = (kt * bk + bk).min(kv_len);
+            let class = if j0 == j1 {
+                SKIP
+            } else {
+                let tile_rows = (r0..r1).map(|r| {
+                    // SAFETY: b < batch, r < rows, j1 <= kv_len: inside the mask checked above.
+                    unsafe { std::slice::from_raw_parts(m.0.add(b * mbs as usize + r * mrs as usize + j0), j1 - j0) }
+                });
+                match classify_rows(tile_rows) {
+                    // Columns past the cache's end are masked: the tile is not all zero.
+                    ZERO if j1 - j0 < bk => MIXED,
+                    c => c,
+                }
+            };
+            // SAFETY: the byte lies in table b, row qt: below table_bytes() <= blk_len; one task per row.
+            unsafe { *t.0.add(row * steps + kt) = class };
+        }
+    });
+    Ok(())
+}
