@@ -38,7 +38,7 @@ def child(cases, repeat, trials):
     for name in cases:
         case, rows = sized_case(name)
         q, k, v, mask = case_inputs(case, rows, rng)
-        plan = mx.PrefillPlan(q, k, v, mask, device=dev)
+        plan = mx.PrefillPlan(q, k, v, mask, scale=1.0, device=dev)
         flops = useful_flops(case.head_dim, case.n_heads, plan.visible_pairs)
         (attn,) = [vt for vt in ours_variants(plan, dev, calls=repeat, batched=True) if vt.label == OURS_ATTENTION]
         ms = [1e3 * float(np.median(per_call_seconds(attn, trials))) for _ in range(2)]

@@ -13,6 +13,6 @@ for rows, nh, nkv, hd, causal in [(8192, 8, 8, 256, False), (4096, 16, 2, 512, T
     q = rng.uniform(-1, 1, (rows, nh, hd)).astype(np.float32)
     k = rng.uniform(-1, 1, (rows, nkv, hd)).astype(np.float16)
     v = rng.uniform(-1, 1, (rows, nkv, hd)).astype(np.float16)
-    plan = mx.PrefillPlan(q, k, v, causal=causal, device=dev)
+    plan = mx.PrefillPlan(q, k, v, causal=causal, scale=1.0, device=dev)
     plan.run()
     print(rows, nh, nkv, hd, "causal" if causal else "dense", "ran")

@@ -168,7 +168,7 @@ def test_batched_runners_time_the_commit_with_and_without_classification():
 
     dev = mx.Device("cpu")
     q, k, v, mask = bench.case_inputs(bench.CASES["global"], 64, np.random.default_rng(0))
-    plan = mx.PrefillPlan(q, k, v, mask, device=dev)
+    plan = mx.PrefillPlan(q, k, v, mask, scale=1.0, device=dev)
     full, attn = ours.ours_variants(plan, dev, calls=3, batched=True)
     assert (full.label, attn.label) == (bench.OURS, bench.OURS_ATTENTION)
     assert full.calls == attn.calls == 3 and full.prepare and attn.prepare and attn.output is None
@@ -358,3 +358,26 @@ def test_worst_row_nmse():
     ref[2, 0] = 0
     out[2, 0] = 0.5  # a zero reference row counts its plain squared error
     assert worst_row_nmse(out, ref) == pytest.approx(1.0)
+
+
+def test_overhead_bench_times_a_call_a_run_and_the_kernels(capsys):
+    from mlx_native.bench.overhead import CASES, run_overhead
+
+    res = run_overhead(rows=[64], device="cpu", repeats=1)
+    assert [d["case"] for d in res] == list(CASES)
+    for d in res:
+        assert d["kernels_s"] > 0 and d["run_s"] > 0 and d["call_s"] > 0
+        assert d["run_over_kernels"] == d["run_s"] / d["kernels_s"] and d["call_over_run"] == d["call_s"] / d["run_s"]
+    described = [d for d in res if d["case"] != "explicit"]
+    assert all(d["mask_bytes"] == 64 * 64 * 2 and "host_growth_bytes" in d for d in described)
+    out = capsys.readouterr().out
+    assert "run/kern" in out and "call/run" in out and "a float16 mask would be" in out
+
+
+def test_cli_bench_overhead(tmp_path):
+    path = tmp_path / "overhead.json"
+    r = subprocess.run([sys.executable, "-m", "mlx_native", "bench", "--overhead", "--device", "cpu", "--rows", "64",
+                        "--repeats", "1", "--json", str(path)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "worst run/kernels" in r.stdout
+    assert {d["case"] for d in json.loads(path.read_text())["overhead"]} == {"causal", "window", "explicit"}

@@ -76,7 +76,7 @@ def test_high_level_matches_reference(device, rng, rows, nh, nkv, hd, kv_len, wi
     mask = np.zeros((rows, kv_len), np.float16) if user is None else user.copy()
     if causal:
         mask = mask + mx.causal_mask(rows, kv_len, window)
-    ref = reference_attention(q, k, v, mask)
+    ref = reference_attention(q, k, v, mask, scale=1 / np.sqrt(hd))  # the default scale
     assert out.shape == (rows, nh, hd) and out.dtype == np.float32
     assert nmse(out, ref) < EXPECTED
 
@@ -97,16 +97,20 @@ def test_high_level_bool_mask_and_rows_that_see_nothing(device, rng):
     q, k, v = random_qkv(rows, 2, 1, 512, kv_len, rng)
     allowed = rng.random((rows, kv_len)) < 0.5
     allowed[3] = False
-    out = mx.flash_attn_prefill(q, k, v, allowed, device=device)
+    out = mx.flash_attn_prefill(q, k, v, allowed, scale=1.0, device=device)
     ref = reference_attention(q, k, v, np.where(allowed, 0, -np.inf).astype(np.float16))
     assert (out[3] == 0).all()
     assert nmse(out, ref) < EXPECTED
 
 
-def test_cache_shorter_than_prompt_gives_zero_rows_first(device, rng):
-    # kv_len < rows: the first rows of a causal prompt see nothing.
+def test_cache_shorter_than_prompt_is_an_error_when_causal(device, rng):
+    # SPEC 6: the prompt is the end of its cache, so kv_len < rows is invalid when causal;
+    # an explicit mask can still say the same (its first rows see nothing).
     q, k, v = random_qkv(40, 2, 2, 256, 10, rng)
-    out = mx.flash_attn_prefill(q, k, v, causal=True, device=device)
+    with pytest.raises(mx.InvalidArgumentError, match="cannot be shorter"):
+        mx.flash_attn_prefill(q, k, v, causal=True, device=device)
+    allowed = np.arange(10)[None, :] <= np.arange(40)[:, None] - 30
+    out = mx.flash_attn_prefill(q, k, v, allowed, device=device)
     assert (out[:30] == 0).all()
     assert np.abs(out[30:]).sum() > 0
 

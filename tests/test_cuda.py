@@ -145,12 +145,12 @@ def test_torch_in_torch_out_in_place_and_strided(rng):
     qw = torch.zeros((rows, 2 * nh, hd), dtype=torch.float32, device="cuda")
     qw[:, ::2] = torch.from_numpy(q).cuda()
     tq, tk, tv = qw[:, ::2], torch.from_numpy(k).cuda(), torch.from_numpy(v).cuda()
-    out = mx.flash_attn_prefill(tq, tk, tv, causal=True)
+    out = mx.flash_attn_prefill(tq, tk, tv, causal=True, scale=1.0)
     assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.float32
     assert tuple(out.shape) == (rows, nh, hd)
     ref = reference_attention(q, k, v, mx.causal_mask(rows, kv_len))
     assert nmse(out.cpu().numpy(), ref) < 1e-5
-    host = mx.flash_attn_prefill(q, k, v, causal=True, device=mx.Device("cuda"))
+    host = mx.flash_attn_prefill(q, k, v, causal=True, scale=1.0, device=mx.Device("cuda"))
     assert isinstance(host, np.ndarray)
     assert np.array_equal(host, out.cpu().numpy()), "the same kernel on the same data"
 
@@ -169,7 +169,7 @@ def test_torch_side_stream_is_waited_for(rng):
         for _ in range(20):  # keep the stream busy before q is written
             big = torch.tanh(big @ big)
         tq = base * 1.0 + big[0, 0] * 0.0  # q is written on the side stream, late
-        out = mx.flash_attn_prefill(tq, tk, tv, causal=True)
+        out = mx.flash_attn_prefill(tq, tk, tv, causal=True, scale=1.0)  # on the side stream, after q
     torch.cuda.synchronize()
     ref = reference_attention(q, k, v, mx.causal_mask(rows, rows))
     assert nmse(out.cpu().numpy(), ref) < 1e-5
@@ -213,7 +213,7 @@ def test_cupy_in_cupy_out(rng):
     cupy = pytest.importorskip("cupy")
     q, k, v = random_qkv(70, 4, 2, 512, 70, rng)
     m = peer_mask(70, 70, rng)
-    out = mx.flash_attn_prefill(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), m)
+    out = mx.flash_attn_prefill(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), m, scale=1.0)
     assert isinstance(out, cupy.ndarray) and out.dtype == np.float32
     assert nmse(out.get(), reference_attention(q, k, v, m)) < 1e-5
 

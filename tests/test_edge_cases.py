@@ -276,9 +276,14 @@ def test_q_that_overflows_half_after_scaling(device, rng):
     ok[6, 2] = False
     assert nmse(out[ok], _reference(q, k, v, m)[ok]) < 5e-4
     # The check finds them before anything runs.
-    mx.check_q_fits_half(np.where(np.isfinite(q), q, 0).clip(-65519, 65519))
+    mx.check_q_fits_half(np.where(np.isfinite(q), q, 0).clip(-65519, 65519), scale=1.0)
     with pytest.raises(mx.InvalidArgumentError, match=r"q\[6, 2, 9\] = 65520.0"):
-        mx.check_q_fits_half(q)
+        mx.check_q_fits_half(q, scale=1.0)
+    big = np.zeros((2, 1, 256), np.float32)
+    big[1, 0, 3] = 65520.0 * 16
+    mx.check_q_fits_half(big / 2)  # the default scale, 1/sqrt(head_dim) = 1/16: fits
+    with pytest.raises(mx.InvalidArgumentError, match=r"q\[1, 0, 3\] = 1048320.0 times scale 0.0625"):
+        mx.check_q_fits_half(big)
     with pytest.raises(mx.InvalidArgumentError, match=r"q\[5, 1, 9\].*scale 256"):
         mx.check_q_fits_half(q, scale=256.0)
     with pytest.raises(mx.InvalidArgumentError, match="scale"):
@@ -288,8 +293,8 @@ def test_q_that_overflows_half_after_scaling(device, rng):
 def test_check_finite_refuses_what_would_poison_the_output(device, rng):
     q, k, v, m = _problem(rng)
     k, v, m = k[:KV_LEN], v[:KV_LEN], m[:, :KV_LEN]
-    good = mx.flash_attn_prefill(q, k, v, m, check_finite=True, device=device)
-    assert np.array_equal(good, mx.flash_attn_prefill(q, k, v, m, device=device))
+    good = mx.flash_attn_prefill(q, k, v, m, scale=1.0, check_finite=True, device=device)
+    assert np.array_equal(good, mx.flash_attn_prefill(q, k, v, m, scale=1.0, device=device))
     cases = []
     for name, arr, idx, val in [("q", q, (1, 2, 3), np.nan), ("q", q, (1, 2, 3), 1e6), ("k", k, (4, 1, 0), np.inf),
                                 ("v", v, (9, 0, 8), -np.inf), ("mask", m, (2, 3), np.nan), ("mask", m, (2, 3), np.inf)]:
@@ -300,7 +305,7 @@ def test_check_finite_refuses_what_would_poison_the_output(device, rng):
         cases.append((name, idx, kw))
     for name, idx, kw in cases:
         with pytest.raises(mx.InvalidArgumentError, match=rf"{name}\[{', '.join(map(str, idx))}\]"):
-            mx.flash_attn_prefill(kw["q"], kw["k"], kw["v"], kw["mask"], check_finite=True, device=device)
+            mx.flash_attn_prefill(kw["q"], kw["k"], kw["v"], kw["mask"], scale=1.0, check_finite=True, device=device)
     # -inf in the mask is what masking is: allowed.
     mm = m.copy()
     mm[:, :7] = -np.inf
@@ -317,7 +322,11 @@ def test_one_row_and_one_cache_row(device, rng, rows, kv_len, nh, nkv, hd):
     k = rng.uniform(-1, 1, (kv_len, nkv, hd)).astype(np.float16)
     v = rng.uniform(-1, 1, (kv_len, nkv, hd)).astype(np.float16)
     for causal in (False, True):
-        out = mx.flash_attn_prefill(q, k, v, causal=causal, device=device)
+        if causal and kv_len < rows:  # SPEC 6: a causal prompt is the end of its cache
+            with pytest.raises(mx.InvalidArgumentError, match="cannot be shorter"):
+                mx.flash_attn_prefill(q, k, v, causal=causal, device=device)
+            continue
+        out = mx.flash_attn_prefill(q, k, v, causal=causal, scale=1.0, device=device)
         ref = reference_attention(q, k, v, None if not causal else mx.causal_mask(rows, kv_len))
         assert nmse(out, ref) < 5e-4
         if kv_len == 1 and rows <= 1:

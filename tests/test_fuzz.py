@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlx_native as mx
+from mlx_native.dtypes import numpy_dtype_of_name
 from mlx_native.reference import nmse, reference_attention
 
 I32_MAX = 2**31 - 1
@@ -552,7 +553,7 @@ def prefill_draws(draw):
     nkv = draw(st.integers(0, 3)) if "heads" in bad else draw(st.integers(1, 3))
     nh = draw(st.integers(1, 5)) if "heads" in bad else nkv * draw(st.integers(1, 3))
     kv_len = draw(st.integers(0, 150))
-    qdt = draw(st.sampled_from(["float64", "float16"])) if "q_dtype" in bad else "float32"
+    qdt = draw(st.sampled_from(["float64", "int8"])) if "q_dtype" in bad else draw(st.sampled_from(["float32", "float16", "bfloat16"]))
     kdt = draw(st.sampled_from(["float32", "int8"])) if "kv_dtype" in bad else "float16"
     layout = draw(st.sampled_from(["contiguous", "sliced", "transposed", "reversed", "padded"]))
     mask = draw(st.sampled_from(["wrong_shape", "int"])) if "mask" in bad else draw(st.sampled_from(["none", "float", "bool"]))
@@ -583,7 +584,7 @@ def _arrange(x: np.ndarray, layout: str, rng) -> np.ndarray:
 def run_prefill(dev, args) -> str:
     rows, nh, nkv, hd, kv_len, qdt, kdt, layout, mask_kind, causal, window, scale, seed = args
     rng = np.random.default_rng(seed)
-    q = _arrange(rng.uniform(-1, 1, (rows, nh, hd)).astype(qdt), layout, rng)
+    q = _arrange(rng.uniform(-1, 1, (rows, nh, hd)).astype(numpy_dtype_of_name(qdt)), layout, rng)
     k = _arrange(rng.uniform(-1, 1, (kv_len, nkv, hd)).astype(kdt), layout, rng)
     v = _arrange(rng.uniform(-1, 1, (kv_len, nkv, hd)).astype(kdt), layout, rng)
     mask = None
@@ -593,24 +594,24 @@ def run_prefill(dev, args) -> str:
     elif mask_kind == "bool":
         mask = rng.random((rows, kv_len)) < 0.7
     elif mask_kind == "wrong_shape":
-        mask = np.zeros((rows + 1, kv_len), np.float16)
+        mask = np.zeros((rows + 2, kv_len), np.float16)
     elif mask_kind == "int":
         mask = np.zeros((rows, kv_len), np.int32)
     # What the API documents, in its order.
-    if qdt != "float32":
-        expect = (mx.UnsupportedDtypeError, "q must be float32")
+    if qdt not in ("float32", "float16", "bfloat16"):
+        expect = (mx.UnsupportedDtypeError, "q must be float32, float16 or bfloat16")
     elif kdt != "float16":
         expect = (mx.UnsupportedDtypeError, "k must be float16")
     elif nkv == 0 or nh % nkv:
         expect = (mx.InvalidArgumentError, "is not a multiple of n_kv_heads")
     elif hd not in (256, 512):
         expect = (mx.InvalidArgumentError, f"unsupported head_dim {hd}")
-    elif rows == 0 or kv_len == 0:
-        expect = None
+    elif (causal or window is not None) and kv_len < rows:
+        expect = (mx.InvalidArgumentError, "cannot be shorter")
     elif mask_kind == "wrong_shape":
         expect = (mx.InvalidArgumentError, "mask must have shape")
     elif mask_kind == "int":
-        expect = (mx.UnsupportedDtypeError, "floating point or bool")
+        expect = (mx.UnsupportedDtypeError, "floating point (additive) or bool")
     else:
         expect = None
     try:
@@ -620,7 +621,7 @@ def run_prefill(dev, args) -> str:
         assert type(e) is expect[0] and expect[1] in str(e), f"{e!r}; expected {expect}"
         return expect[1]
     assert expect is None, f"expected {expect}, got a result"
-    assert out.shape == (rows, nh, hd) and out.dtype == np.float32
+    assert out.shape == (rows, nh, hd) and out.dtype == q.dtype  # out_dtype defaults to q's
     if rows == 0 or kv_len == 0:
         assert not out.any()
         return "valid"

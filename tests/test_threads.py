@@ -55,17 +55,33 @@ def _interpreter_progress_during(call) -> tuple:
     return sum(lo < x < hi for x in ticks), span["t1"] - span["t0"]
 
 
+def _origin_buffers(dev, q, k, v, mask):
+    """The origin op's buffers and params for a [rows, kv] problem (cache padded)."""
+    rows, nh, hd = q.shape
+    kv_len, nkv, _ = k.shape
+    kvp = mx.kv_pad(kv_len)
+    pad = lambda x: np.concatenate([x, np.zeros((kvp - kv_len,) + x.shape[1:], x.dtype)])  # noqa: E731
+    m = np.full((rows, kvp), -np.inf, np.float16)
+    m[:, :kv_len] = mask
+    bq = mx.queries_per_threadgroup(hd)
+    b = dict(q=dev.buffer(q), k=dev.buffer(pad(k)), v=dev.buffer(pad(v)), mask=dev.buffer(m),
+             blk=dev.empty((-(-rows // bq), kvp // 64), np.uint8))
+    params = mx.FlashAttnPrefillTensorParams(
+        rows=rows, n_heads=nh, n_kv_heads=nkv, head_dim=hd, kv_pad=kvp, q_row_stride=nh * hd, q_head_stride=hd,
+        k_row_stride=nkv * hd, k_head_stride=hd, v_row_stride=nkv * hd, v_head_stride=hd, scale=1.0)
+    return b, params, dict(rows=rows, kv_pad=kvp, bq=bq, bk=64)
+
+
 def test_kernels_run_without_the_interpreter_lock(device, rng):
     q, k, v = random_qkv(256, 8, 2, 256, 512, rng)
     plan = mx.PrefillPlan(q, k, v, causal=False, device=device)
     plan.run()  # first use: pipelines built, caches warm
-    b = plan._buffers
     reps = 1
     while True:
         # Enough dispatches in one commit to take at least 0.3 s (doubling until it does).
         enc = device.encoder()
         for _ in range(reps):
-            mx.dispatch_flash_attn_prefill_tensor_f16(enc, b["q"], b["k"], b["v"], b["mask"], b["blk"], b["out"], plan.params)
+            plan.encode(enc)
         inside, took = _interpreter_progress_during(enc.commit)
         enc.close()
         if took > 0.3 or reps >= 1 << 16:
@@ -91,7 +107,7 @@ def _check_thread(dev, cases, per_thread, errors, seed, shared_encoder=None):
     try:
         for i in range(per_thread):
             q, k, v, mask, ref = cases[rng.integers(len(cases))]
-            out = mx.flash_attn_prefill(q, k, v, mask, device=dev)
+            out = mx.flash_attn_prefill(q, k, v, mask, scale=1.0, device=dev)
             err = nmse(out, ref)
             if not err < 5e-4:
                 errors.append(f"nmse {err:.2e}")
@@ -121,8 +137,8 @@ def test_threads_dispatching_get_correct_results(device, rng, devices):
 
 def test_threads_recording_into_one_encoder(device, rng):
     cases = _cases(rng)
-    plans = [mx.PrefillPlan(q, k, v, m, device=device) for q, k, v, m, _ in cases]
-    outs = [[device.empty(p.shape) for _ in range(THREADS)] for p in plans]
+    plans = [_origin_buffers(device, q, k, v, m) for q, k, v, m, _ in cases]
+    outs = [[device.empty(q.shape) for _ in range(THREADS)] for q, _, _, _, _ in cases]
     enc = device.encoder()
     barrier = threading.Barrier(THREADS)
     errors: list = []
@@ -130,10 +146,9 @@ def test_threads_recording_into_one_encoder(device, rng):
     def record(t):
         try:
             barrier.wait()
-            for i, p in enumerate(plans):
-                b = p._buffers
-                mx.dispatch_flash_attn_prefill_blk(enc, b["mask"], b["blk"], **p._blk_args)
-                mx.dispatch_flash_attn_prefill_tensor_f16(enc, b["q"], b["k"], b["v"], b["mask"], b["blk"], outs[i][t], p.params)
+            for i, (b, params, blk_args) in enumerate(plans):
+                mx.dispatch_flash_attn_prefill_blk(enc, b["mask"], b["blk"], **blk_args)
+                mx.dispatch_flash_attn_prefill_tensor_f16(enc, b["q"], b["k"], b["v"], b["mask"], b["blk"], outs[i][t], params)
         except Exception as e:  # pragma: no cover
             errors.append(repr(e))
 
@@ -153,7 +168,7 @@ def test_threads_recording_into_one_encoder(device, rng):
 
 def test_one_plan_run_from_many_threads(device, rng):
     q, k, v, mask, ref = _cases(rng, 1)[0]
-    plan = mx.PrefillPlan(q, k, v, mask, device=device)
+    plan = mx.PrefillPlan(q, k, v, mask, scale=1.0, device=device)
     results, errors = [], []
 
     def run():
@@ -213,7 +228,7 @@ def test_closing_objects_under_another_threads_feet(device, rng):
                     shared["plan"] = mx.PrefillPlan(q, k, v, mask, device=dev)
                 elif what == 4:
                     enc = shared["dev"].encoder()
-                    mx.dispatch_flash_attn_prefill_blk(enc, b["mask"], b["blk"], **plan._blk_args)
+                    plan.encode(enc)
                     if r.integers(2):
                         enc.close()
                     else:

@@ -10,14 +10,14 @@ and the attention API stand on it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from .dtypes import bfloat16_dtype, numpy_dtype_of_name
-from .errors import InvalidArgumentError, UnsupportedDtypeError
-
+from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedDtypeError
 
 
 def _library(x: Any) -> str:
@@ -25,6 +25,11 @@ def _library(x: Any) -> str:
     if mod in ("torch", "cupy", "numpy"):
         return mod
     return "other"
+
+
+#: numpy dtypes of torch dtypes, and device names of torch devices, as met.
+_TORCH_DTYPES: dict = {}
+_TORCH_DEVICES: dict = {}
 
 
 def _torch_dtype_name(t: Any) -> str:
@@ -60,8 +65,9 @@ class Operand:
         if cai is not None:
             return cls._of_cai(x, cai, name)
         if isinstance(x, (list, tuple, int, float, complex, bool, str, bytes)) or x is None:
-            raise UnsupportedDtypeError(
-                f"{name} must be an array (a numpy array, a torch tensor or a CuPy array), got {type(x).__name__}"
+            raise ArgumentTypeError(
+                f"{name} must be an array (a numpy array, a torch tensor or a CuPy array), got {type(x).__name__}: "
+                f"make one first, e.g. numpy.asarray({name}, dtype=...)"
             )
         return cls._of_numpy(_as_numpy(x, name), name, obj=x)
 
@@ -88,25 +94,19 @@ class Operand:
                 f"{name} requires grad, and mlx_native computes no backward pass: pass {name}.detach() "
                 "(or call it under torch.no_grad())"
             )
-        dname = _torch_dtype_name(t)
-        try:
-            dtype = numpy_dtype_of_name(dname)
-        except UnsupportedDtypeError:
-            raise UnsupportedDtypeError(f"{name} has dtype {t.dtype}, which mlx_native does not take") from None
+        dtype = _TORCH_DTYPES.get(t.dtype)
+        if dtype is None:
+            try:
+                dtype = _TORCH_DTYPES[t.dtype] = numpy_dtype_of_name(_torch_dtype_name(t))
+            except UnsupportedDtypeError:
+                raise UnsupportedDtypeError(f"{name} has dtype {t.dtype}, which mlx_native does not take") from None
         dev = t.device
-        device = "cpu" if dev.type == "cpu" else (f"cuda:{dev.index or 0}" if dev.type == "cuda" else dev.type)
-        if device not in ("cpu",) and not device.startswith("cuda:"):
-            raise InvalidArgumentError(f"{name} is on device {dev}; mlx_native takes CPU and CUDA tensors")
-        return cls(
-            obj=t,
-            library="torch",
-            device=device,
-            shape=tuple(int(d) for d in t.shape),
-            strides=tuple(int(s) for s in t.stride()),
-            dtype=dtype,
-            ptr=int(t.data_ptr()),
-            readonly=False,
-        )
+        device = _TORCH_DEVICES.get(dev)
+        if device is None:
+            if dev.type not in ("cpu", "cuda"):
+                raise InvalidArgumentError(f"{name} is on device {dev}; mlx_native takes CPU and CUDA tensors")
+            device = _TORCH_DEVICES[dev] = "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+        return cls(t, "torch", device, tuple(t.shape), t.stride(), dtype, t.data_ptr(), False)
 
     @classmethod
     def _of_cai(cls, x: Any, cai: dict, name: str) -> "Operand":
@@ -146,7 +146,16 @@ class Operand:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the kernels can read it where it is: a contiguous last axis and no
+        negative stride."""
+        shape, strides = self.shape, self.strides
+        if not shape or 0 in shape:
+            return True
+        return (shape[-1] <= 1 or strides[-1] == 1) and min(strides) >= 0
 
     @property
     def contiguous(self) -> bool:
@@ -172,6 +181,24 @@ class Operand:
             return int(torch.cuda.current_stream(self.obj.device).cuda_stream)
         s = (_cuda_array_interface(self.obj, "array") or {}).get("stream")
         return None if s is None else int(s)
+
+    def run_stream(self) -> int:
+        """The CUDA stream to run on for this array (``cudaStream_t`` as an int): PyTorch's
+        current stream for a tensor, CuPy's current stream for a CuPy array, the interface's
+        ``stream`` for others; 1 (the legacy default stream) for the default stream, since 0
+        means "the library's own stream" to the C ABI."""
+        s = None
+        if self.library == "torch":
+            import torch
+
+            s = torch.cuda.current_stream(self.obj.device).cuda_stream
+        elif self.library == "cupy":
+            import cupy
+
+            s = cupy.cuda.get_current_stream().ptr
+        else:
+            s = (_cuda_array_interface(self.obj, "array") or {}).get("stream")
+        return int(s) if s else 1
 
     # ------------------------------------------------------------------ host views
 
@@ -224,6 +251,25 @@ class Operand:
                 return Operand.of(cupy.empty(shape, dtype=dt))
         return Operand.of(np.empty(shape, dtype=dt))
 
+    def from_host(self, a: np.ndarray) -> "Operand":
+        """A new array of this operand's library on its device holding the host array ``a``
+        (numpy itself for numpy and other libraries)."""
+        if self.library == "torch":
+            import torch
+
+            src = np.ascontiguousarray(a)
+            if src.dtype == bfloat16_dtype():
+                t = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16)
+            else:
+                t = torch.from_numpy(src)
+            return Operand.of(t.to(self.obj.device) if self.on_cuda else t)
+        if self.library == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(self.device_index):
+                return Operand.of(cupy.asarray(a))
+        return Operand.of(a)
+
     def new_zeros(self, shape: Sequence[int], dtype: Any) -> "Operand":
         out = self.new_empty(shape, dtype)
         if out.library == "torch":
@@ -258,6 +304,21 @@ class Operand:
             with cupy.cuda.Device(self.device_index):
                 return Operand.of(cupy.array(self.obj, copy=True, order="C"))
         return Operand.of(np.array(self.host_array(), copy=True, order="C"))
+
+
+def layout_key(x: Any) -> Optional[tuple]:
+    """A hashable summary of an array's layout (type, shape, strides, dtype, device, and
+    for a tensor whether it requires grad) read without building an :class:`Operand`, for
+    caches keyed by layout; None for an object of another kind (not cached)."""
+    t = type(x)
+    if t is np.ndarray:
+        return (t, x.shape, x.strides, x.dtype)
+    mod = t.__module__
+    if mod == "torch":
+        return (t, x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+    if mod.startswith("cupy"):
+        return (t, x.shape, x.strides, x.dtype, x.device.id)
+    return None
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -295,15 +356,19 @@ def _as_numpy(x: Any, name: str) -> np.ndarray:
     return a
 
 
-def _torch_dtype(dt: np.dtype):
-    import torch
+_TORCH_OF_NAME: dict = {}
 
-    name = "bfloat16" if dt == bfloat16_dtype() else dt.name
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8,
-             "int32": torch.int32, "int64": torch.int64, "bool": torch.bool, "int16": torch.int16}
-    if name not in table:
+
+def _torch_dtype(dt: np.dtype):
+    if not _TORCH_OF_NAME:
+        import torch
+
+        _TORCH_OF_NAME.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, uint8=torch.uint8,
+                              int32=torch.int32, int64=torch.int64, bool=torch.bool, int16=torch.int16)  # fmt: skip
+    name = np.dtype(dt).name
+    if name not in _TORCH_OF_NAME:
         raise UnsupportedDtypeError(f"no torch dtype for {name}")
-    return table[name]
+    return _TORCH_OF_NAME[name]
 
 
 def as_host_array(x: Any, name: str = "array") -> np.ndarray:

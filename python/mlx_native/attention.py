@@ -1,117 +1,31 @@
-"""High-level prefill attention on numpy arrays: pads the cache, builds the mask and the
-tile-skip table, dispatches, returns the output."""
+"""``flash_attn_prefill``: the one call. It keeps a :class:`~mlx_native.PrefillPlan` per
+(layouts, description, device) and runs it, so that a call costs little more than a plan's
+run: a key built from the arrays' layouts, one dictionary look-up, the run's one C call."""
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from collections import OrderedDict
+from typing import Any, Optional, Union
 
-import numpy as np
+from .arrays import layout_key
+from .checks import check_bool, check_device, check_scale, check_window
+from .device import Device
+from .plan import PrefillPlan
 
-from .arrays import Operand
-from .device import Device, _as_numpy
-from .errors import InvalidArgumentError, UnsupportedDtypeError
-from .ops import (
-    CACHE_ROWS_PER_STEP,
-    FlashAttnPrefillTensorParams,
-    dispatch_flash_attn_prefill_blk,
-    dispatch_flash_attn_prefill_tensor_f16,
-    kv_pad,
-    queries_per_threadgroup,
-)
+__all__ = ["flash_attn_prefill", "clear_plan_cache", "PLAN_CACHE_SIZE"]
 
-_default_lock = threading.Lock()
-_default: Optional[Device] = None
+#: Plans the one call keeps (the least recently used goes first).
+PLAN_CACHE_SIZE = 64
 
-#: Rows of the mask built at a time (bounds the temporary memory of huge masks).
-_MASK_CHUNK_ROWS = 1024
+_cache: "OrderedDict[tuple, PrefillPlan]" = OrderedDict()
+_cache_lock = threading.Lock()
 
 
-def default_device() -> Device:
-    """The device ``flash_attn_prefill`` uses when none is given: ``Device("auto")``,
-    opened once per process."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = Device("auto")
-        return _default
-
-
-def causal_mask(rows: int, kv_len: int, window: Optional[int] = None, dtype: Any = np.float16) -> np.ndarray:
-    """Additive mask ``[rows, kv_len]``: 0 where query row ``r`` may see cache row ``j``,
-    ``-inf`` elsewhere. Causal: ``j <= r + (kv_len - rows)`` (the prompt is the last
-    ``rows`` rows of the cache); with a window ``w`` also ``j > r + (kv_len - rows) - w``."""
-    rows, kv_len = _nonneg(rows, "rows"), _nonneg(kv_len, "kv_len")
-    if window is not None and _nonneg(window, "window") < 1:
-        raise InvalidArgumentError(f"window must be at least 1, got {window}")
-    out = np.empty((rows, kv_len), dtype=dtype)
-    for r0 in range(0, rows, _MASK_CHUNK_ROWS):
-        r1 = min(rows, r0 + _MASK_CHUNK_ROWS)
-        out[r0:r1] = np.where(_visible(r0, r1, rows, kv_len, window), 0, -np.inf).astype(dtype)
-    return out
-
-
-def _visible(r0: int, r1: int, rows: int, kv_len: int, window: Optional[int]) -> np.ndarray:
-    last = np.arange(r0, r1)[:, None] + (kv_len - rows)
-    j = np.arange(kv_len)[None, :]
-    ok = j <= last
-    if window is not None:
-        ok &= j > last - window
-    return ok
-
-
-def check_q_fits_half(q: Any, scale: float = 1.0) -> None:
-    """Raise ``InvalidArgumentError`` if ``half(scale * q)`` is not finite somewhere.
-
-    The kernel folds ``scale`` into Q and rounds Q to float16 (SPEC section 2, step 1): a
-    value with ``|scale * q| >= 65520`` becomes +-inf in half, and a NaN stays NaN; either
-    makes that (row, head) of the output NaN or inf. This finds the first such element."""
-    q = _as_numpy(q)
-    s = np.float32(scale)
-    if not np.isfinite(s):
-        raise InvalidArgumentError(f"scale {scale!r} is not finite")
-    rows = q.shape[0] if q.ndim else 1
-    flat = q.reshape(rows, -1) if q.ndim else q.reshape(1, 1)
-    for r0 in range(0, rows, _MASK_CHUNK_ROWS):
-        chunk = flat[r0 : r0 + _MASK_CHUNK_ROWS]
-        with np.errstate(over="ignore", invalid="ignore"):
-            bad = ~np.isfinite((s * chunk.astype(np.float32)).astype(np.float16))
-        if bad.any():
-            i = np.unravel_index(int(np.argmax(bad.ravel())) + r0 * flat.shape[1], q.shape)
-            raise InvalidArgumentError(
-                f"q[{', '.join(str(int(x)) for x in i)}] = {float(q[i])!r} times scale {scale!r} is not finite in half "
-                f"(|scale * q| must stay below 65520 and q must be finite)"
-            )
-
-
-def _check_finite(name: str, a: np.ndarray, allow_neg_inf: bool = False) -> None:
-    """Raise ``InvalidArgumentError`` naming the first NaN or infinite element of ``a``
-    (``-inf`` allowed where ``allow_neg_inf``)."""
-    bad = np.isnan(a) | (np.isposinf(a)) | (np.isneginf(a) & (not allow_neg_inf))
-    if bad.any():
-        i = np.unravel_index(int(np.argmax(bad.ravel())), a.shape)
-        raise InvalidArgumentError(f"{name}[{', '.join(str(int(x)) for x in i)}] = {float(a[i])!r} is not finite")
-
-
-def flash_attn_prefill_blk(mask: Any, bq: int, bk: int = CACHE_ROWS_PER_STEP, *, device: Optional[Device] = None) -> np.ndarray:
-    """The tile-skip table of an F16 mask ``[rows, kv_pad]`` (``kv_pad`` a multiple of
-    ``bk``): uint8 ``[ceil(rows/bq), kv_pad/bk]``, 0 = every value -inf (or <= -65504),
-    2 = every value zero, 1 = anything else. Computed by the library's kernel."""
-    dev = device or default_device()
-    m = _as_numpy(mask)
-    if m.ndim != 2:
-        raise InvalidArgumentError(f"mask must be 2-D [rows, kv_pad], got shape {m.shape}")
-    if m.dtype != np.float16:
-        raise UnsupportedDtypeError(f"mask must be float16, got {m.dtype.name}")
-    rows, kvp = m.shape
-    if bq <= 0 or bk <= 0:
-        raise InvalidArgumentError(f"bq and bk must be positive, got {bq} and {bk}")
-    blk = np.empty((-(-rows // bq), kvp // bk), dtype=np.uint8)
-    mbuf = dev.buffer(np.ascontiguousarray(m))
-    bbuf = dev.buffer(blk) if dev.backend == "cpu" else dev.empty(blk.shape, np.uint8)
-    with dev.encoder() as enc:
-        dispatch_flash_attn_prefill_blk(enc, mbuf, bbuf, rows=rows, kv_pad=kvp, bq=bq, bk=bk)
-    return blk if dev.backend == "cpu" else bbuf.numpy()
+def clear_plan_cache() -> None:
+    """Drop the plans :func:`flash_attn_prefill` keeps (and the C ABI handles they hold)."""
+    with _cache_lock:
+        _cache.clear()
 
 
 def flash_attn_prefill(
@@ -122,260 +36,119 @@ def flash_attn_prefill(
     *,
     causal: bool = False,
     window: Optional[int] = None,
-    scale: float = 1.0,
-    device: Optional[Device] = None,
+    scale: Optional[float] = None,
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k: Any = None,
+    return_lse: bool = False,
+    out_dtype: Any = None,
+    device: Union[None, str, Device] = None,
     check_finite: bool = False,
 ) -> Any:
-    """Prefill attention, SPEC section 2, on arrays.
+    """Flash attention for a prefill (SPEC 6-9), on numpy arrays and torch tensors (CPU and
+    CUDA) alike; the result is an array of q's library on q's device.
 
-    - ``q``: float32 ``[rows, n_heads, head_dim]``, ``head_dim`` 256 or 512;
-    - ``k``, ``v``: float16 ``[kv_len, n_kv_heads, head_dim]``, ``n_heads`` a multiple of
-      ``n_kv_heads`` (query head ``h`` reads KV head ``h // (n_heads // n_kv_heads)``);
-    - ``mask``: ``None``, an additive float mask ``[rows, kv_len]`` (rounded to float16),
-      or a boolean one (True = may attend);
-    - ``causal``: also hide cache rows after each query row (the prompt is the last
-      ``rows`` rows of the cache); ``window=w`` keeps only the last ``w`` of them and
-      implies ``causal``;
-    - ``scale``: folded into Q before Q is rounded to half;
-    - ``check_finite``: first raise ``InvalidArgumentError`` if ``half(scale * q)``, ``k``
-      or ``v`` holds a NaN or an infinity, or the mask a NaN or +inf (costs a pass over the
-      inputs; without it such a value gives NaN/inf in the output rows it reaches, see
-      ``docs/reliability.md``).
+    Layouts (the head axis is the second to last, **not** the second)::
 
-    Any strides are accepted: views whose last axis is contiguous are used in place, others
-    are copied. Returns float32 ``[rows, n_heads, head_dim]``; a row that may attend to
-    nothing is zeros.
+        q     [rows, heads, head_dim]        or [batch, rows, heads, head_dim]
+        k, v  [kv_len, kv_heads, head_dim]   or [batch, kv_len, kv_heads, head_dim]
 
-    ``q``, ``k``, ``v`` may be CUDA arrays (PyTorch tensors, CuPy arrays): they are used in
-    place on the CUDA device they live on (or ``device``), and the result is a new array
-    of ``q``'s library on that device (torch in, torch out; numpy in, numpy out). The
-    call waits for the arrays' producer stream (PyTorch's current stream) before it
-    starts and for its own work before it returns."""
-    plan = PrefillPlan(
-        q, k, v, mask, causal=causal, window=window, scale=scale, device=device, check_finite=check_finite
-    )
-    return plan.run()
+    Any strides with a contiguous last axis are used in place, so a ``[batch, heads, rows,
+    head_dim]`` tensor passes as ``x.transpose(1, 2)`` (and ``[heads, rows, head_dim]`` as
+    ``x.transpose(0, 1)``) without a copy; an array whose last axis is not contiguous is
+    copied first (by its own library, on its device). ``heads`` must be a multiple of
+    ``kv_heads`` (query head ``h`` reads KV head ``h // (heads // kv_heads)``); head_dim
+    256 or 512.
 
+    - ``q``: float32, float16 or bfloat16; ``k``, ``v``: float16.
+    - ``causal``: query row ``r`` sees cache row ``j`` iff ``j <= r + kv_len - rows`` (the
+      prompt is the end of its cache; a cache shorter than the prompt is an error);
+      ``window=w`` (an integer >= 1, implies causal) also needs ``j > r + kv_len - rows - w``.
+      Both go to the kernel as a description: no ``[rows, kv]`` array exists anywhere.
+    - ``mask``: an explicit mask ``[rows, kv]``, ``[B or 1, rows, kv]`` or ``[B or 1, 1,
+      rows, kv]`` (one for every head), additive float or bool (True = may attend); with
+      ``causal``/``window`` it is added on the visible pairs. Float16 with a contiguous last
+      axis is used in place; other dtypes are converted on the mask's device by its own
+      library, values at or below -65504 (``finfo(dtype).min``) becoming -inf.
+    - ``scale``: folded into Q before Q is rounded to half; None: ``1/sqrt(head_dim)``.
+    - ``cu_seqlens_q``, ``cu_seqlens_k``: variable length (FlashAttention's convention):
+      3-D q/k/v holding the sequences one after the other, int32 (or int64) offsets
+      ``[B + 1]`` from 0 to the totals; a CUDA tensor is read on the host (a
+      synchronisation). No explicit mask with them.
+    - ``return_lse``: also return the log-sum-exp, float32 ``[heads, rows]`` (``[batch,
+      heads, rows]`` batched, ``[heads, total_q]`` variable length): ``(out, lse)``; see
+      :func:`merge_attention_states`.
+    - ``out_dtype``: float32, float16 or bfloat16 (default: q's), written by the kernel.
+    - ``device``: None lets the data decide (host arrays run on the CPU backend, CUDA
+      arrays on their CUDA device); ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"metal"`` or a
+      :class:`Device`. Host arrays on a CUDA device are uploaded, computed and downloaded.
+    - ``check_finite``: first raise if ``half(scale * q)``, ``k`` or ``v`` holds a NaN or
+      an infinity, or the mask a NaN or +inf (a pass over the inputs).
 
-class PrefillPlan:
-    """One prefill's buffers on a device, built once and runnable many times (what
-    ``flash_attn_prefill`` does in one go; benchmarks time ``run`` alone).
-
-    ``visible_pairs`` counts the (query row, cache row) pairs the mask leaves visible, the
-    useful work of SPEC section 5."""
-
-    def __init__(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        mask: Any = None,
-        *,
-        causal: bool = False,
-        window: Optional[int] = None,
-        scale: float = 1.0,
-        device: Optional[Device] = None,
-        check_finite: bool = False,
-    ):
-        ops = [Operand.of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
-        on_gpu = [o.on_cuda for o in ops]
-        if any(on_gpu):
-            first = ops[on_gpu.index(True)]
-            dev = device or _cuda_device(first.device_index)
-            if dev.backend != "cuda":
-                raise InvalidArgumentError(f"CUDA arrays need a CUDA device, got {dev!r}")
-        else:
-            dev = device or default_device()
-        self.device = dev
-        qo, ko, vo = ops
-        _expect(qo, "q", np.float32)
-        _expect(ko, "k", np.float16)
-        _expect(vo, "v", np.float16)
-        rows, n_heads, head_dim = qo.shape
-        kv_len, n_kv_heads, k_dim = ko.shape
-        if vo.shape != ko.shape:
-            raise InvalidArgumentError(f"v has shape {vo.shape}, k has {ko.shape}: they must match")
-        if k_dim != head_dim:
-            raise InvalidArgumentError(f"q has head_dim {head_dim}, k and v have {k_dim}")
-        if n_kv_heads == 0 or n_heads % n_kv_heads:
-            raise InvalidArgumentError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
-        bq = queries_per_threadgroup(head_dim)  # raises for a head dim other than 256/512
-        if window is not None:
-            causal = True
-        if check_finite:
-            check_q_fits_half(qo.to_host(), scale)
-            _check_finite("k", ko.to_host())
-            _check_finite("v", vo.to_host())
-        # One run at a time: runs share the table and (on the CPU) the output array.
-        self._lock = threading.Lock()
-        self.shape = (rows, n_heads, head_dim)
-        self.visible_pairs = 0
-        self._empty = rows == 0 or kv_len == 0 or n_heads == 0
-        # Output in q's library when q is a CUDA array; the CUDA arrays used in place.
-        self._like = qo if on_gpu[0] else None
-        self._cuda_arrays = []
-        if self._empty:
-            return
-        kvp = kv_pad(kv_len)
-        full_mask = _build_mask(mask, rows, kv_len, kvp, causal, window)
-        if check_finite:
-            _check_finite("mask", full_mask, allow_neg_inf=True)
-        self.visible_pairs = int(np.count_nonzero(full_mask > np.float16(-65504)))
-        k_arr, v_arr = _pad_cache(ko, kvp), _pad_cache(vo, kvp)
-        qb, q_rs, q_hs = self._operand(dev, qo, multiple=4)
-        kb, k_rs, k_hs = self._operand(dev, k_arr)
-        vb, v_rs, v_hs = self._operand(dev, v_arr)
-        self._on_host = dev.backend == "cpu"
-        blk_shape = (-(-rows // bq), kvp // CACHE_ROWS_PER_STEP)
-        if self._like is not None:
-            out = self._like.new_empty(self.shape, np.float32)
-            self._out = out.obj
-            ob = dev.wrap(out)
-            self._cuda_arrays.append(out)
-            blkb = dev.empty(blk_shape, np.uint8)
-        elif self._on_host:
-            self._out = np.empty(self.shape, dtype=np.float32)
-            ob = dev.buffer(self._out)
-            blkb = dev.buffer(np.empty(blk_shape, dtype=np.uint8))
-        else:
-            ob = dev.empty(self.shape, np.float32)
-            blkb = dev.empty(blk_shape, np.uint8)
-        self._buffers = dict(q=qb, k=kb, v=vb, mask=dev.buffer(full_mask), blk=blkb, out=ob)
-        self._blk_args = dict(rows=rows, kv_pad=kvp, bq=bq, bk=CACHE_ROWS_PER_STEP)
-        self.params = FlashAttnPrefillTensorParams(
-            rows=rows,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            head_dim=head_dim,
-            kv_pad=kvp,
-            q_row_stride=q_rs,
-            q_head_stride=q_hs,
-            k_row_stride=k_rs,
-            k_head_stride=k_hs,
-            v_row_stride=v_rs,
-            v_head_stride=v_hs,
-            scale=float(scale),
-        )
-
-    def encode(self, encoder, *, classify: bool = True) -> None:
-        """Record this prefill's dispatches on ``encoder`` (an encoder of the plan's
-        device) without running them: the mask classification (unless ``classify`` is
-        False and an earlier run left the table in place) and the attention. Benchmarks
-        record many and commit once."""
-        if self._empty:
-            return
-        b = self._buffers
-        if classify:
-            dispatch_flash_attn_prefill_blk(encoder, b["mask"], b["blk"], **self._blk_args)
-        dispatch_flash_attn_prefill_tensor_f16(
-            encoder, b["q"], b["k"], b["v"], b["mask"], b["blk"], b["out"], self.params
-        )
-
-    def _operand(self, dev: Device, op: Operand, multiple: int = 1):
-        if not op.on_cuda:
-            return _strided_buffer(dev, op.host_array(), multiple)
-        s0, s1, s2 = op.strides
-        if s2 != 1 or s0 % multiple or s1 % multiple:
-            op = op.made_contiguous()
-            s0, s1, s2 = op.strides
-        self._cuda_arrays.append(op)
-        return dev.wrap(op, span=True), s0, s1
-
-    def run(self):
-        """Classify the mask, run the attention, and return the output (a new array on
-        every call for device backends; the same host array, overwritten, on the CPU; the
-        same CUDA array, overwritten, when q is one)."""
-        if self._empty:
-            if self._like is not None:
-                return self._like.new_zeros(self.shape, np.float32).obj
-            return np.zeros(self.shape, dtype=np.float32)
-        b = self._buffers
-        with self._lock:
-            for s in dict.fromkeys(x.producer_stream() for x in self._cuda_arrays):
-                if s is not None:
-                    self.device.wait_stream(s)
-            with self.device.encoder() as enc:
-                self.encode(enc)
-            if self._like is not None or self._on_host:
-                return self._out
-            return b["out"].numpy()
+    Returns ``out`` shaped like q (contiguous, ``out_dtype``), or ``(out, lse)``. A row
+    that sees nothing is zeros (lse -inf). On CUDA the work is enqueued on the caller's
+    current stream (PyTorch's for tensors) and the call returns without waiting. Every
+    argument is checked before anything runs; a mistake is an ``MlxError`` that is also a
+    ``ValueError`` or a ``TypeError``."""
+    causal = check_bool(causal, "causal")
+    window = check_window(window)
+    scale = check_scale(scale)
+    return_lse = check_bool(return_lse, "return_lse")
+    check_finite = check_bool(check_finite, "check_finite")
+    device = check_device(device)
+    key = _key(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, (causal, window, scale, return_lse, out_dtype, device, check_finite))
+    plan = None
+    if key is not None:
+        with _cache_lock:
+            plan = _cache.get(key)
+            if plan is not None:
+                _cache.move_to_end(key)
+    if plan is None:
+        plan = PrefillPlan(
+            q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
+            check_finite=check_finite,
+        )  # fmt: skip
+        plan._planned = None  # the cache keeps no arrays alive
+        if key is not None:
+            with _cache_lock:
+                _cache[key] = plan
+                while len(_cache) > PLAN_CACHE_SIZE:
+                    _cache.popitem(last=False)
+    return plan._run_call(q, k, v, mask)
 
 
-def _expect(op: Operand, name: str, dtype) -> None:
-    if op.dtype != dtype:
-        raise UnsupportedDtypeError(f"{name} must be {np.dtype(dtype).name}, got {op.dtype.name}")
-    if op.ndim != 3:
-        raise InvalidArgumentError(f"{name} must be 3-D [rows, heads, head_dim], got shape {op.shape}")
+def _key(q, k, v, mask, cu_q, cu_k, rest) -> Optional[tuple]:
+    """The plan cache's key: the arrays' layouts, the sequence offsets' values and the
+    checked arguments; None (no caching) for arrays of another kind or an out_dtype that
+    is not hashable."""
+    lq, lk, lv = layout_key(q), layout_key(k), layout_key(v)
+    if lq is None or lk is None or lv is None:
+        return None
+    lm = None
+    if mask is not None:
+        lm = layout_key(mask)
+        if lm is None:
+            return None
+    cu = None
+    if cu_q is not None or cu_k is not None:
+        cu = (_values(cu_q), _values(cu_k))
+        if None in cu:
+            return None
+    try:
+        return _hashable((lq, lk, lv, lm, cu, rest))
+    except TypeError:
+        return None
 
 
-_cuda_devices: dict = {}
+def _values(x) -> Optional[tuple]:
+    # The offsets are part of the plan: the key holds their values (a CUDA tensor's are
+    # read on the host, as the plan must).
+    lay = layout_key(x)
+    if lay is None:
+        return None
+    return lay + (tuple(x.tolist()),)
 
 
-def _cuda_device(index: int) -> Device:
-    """``Device("cuda:index")``, opened once per process."""
-    with _default_lock:
-        if index not in _cuda_devices:
-            _cuda_devices[index] = Device(f"cuda:{index}")
-        return _cuda_devices[index]
-
-
-def _nonneg(x, name: str) -> int:
-    if int(x) != x or x < 0:
-        raise InvalidArgumentError(f"{name} must be a non-negative integer, got {x!r}")
-    return int(x)
-
-
-def _build_mask(mask, rows: int, kv_len: int, kvp: int, causal: bool, window) -> np.ndarray:
-    """F16 ``[rows, kv_pad]``: the user's mask (or zeros), -inf where causality or the
-    window hides a cache row, -inf in the padding columns."""
-    full = np.full((rows, kvp), -np.inf, dtype=np.float16)
-    if mask is None:
-        full[:, :kv_len] = 0
-    else:
-        m = Operand.of(mask, "mask").to_host()
-        if m.shape != (rows, kv_len):
-            raise InvalidArgumentError(f"mask must have shape {(rows, kv_len)}, got {m.shape}")
-        if m.dtype == np.bool_:
-            full[:, :kv_len] = np.where(m, 0, -np.inf).astype(np.float16)
-        elif np.issubdtype(m.dtype, np.floating) or m.dtype.name == "bfloat16":
-            full[:, :kv_len] = m.astype(np.float16)
-        else:
-            raise UnsupportedDtypeError(f"mask must be floating point or bool, got {m.dtype.name}")
-    if causal:
-        for r0 in range(0, rows, _MASK_CHUNK_ROWS):
-            r1 = min(rows, r0 + _MASK_CHUNK_ROWS)
-            hidden = ~_visible(r0, r1, rows, kv_len, window)
-            full[r0:r1, :kv_len][hidden] = -np.inf
-    return full
-
-
-def _pad_cache(op: Operand, kvp: int) -> Operand:
-    """The cache with ``kvp`` rows: the operand itself when it has them, else a zero-padded
-    copy (padding rows must be finite; their mask columns are -inf)."""
-    if op.shape[0] == kvp:
-        return op
-    padded = op.new_zeros((kvp,) + op.shape[1:], op.dtype)
-    padded.obj[: op.shape[0]] = op.obj if op.library != "numpy" else op.host_array()
-    return padded
-
-
-def _strided_buffer(dev: Device, x: np.ndarray, multiple: int = 1):
-    """A buffer over the memory span of the 3-D view ``x`` and its (row, head) strides in
-    elements; a contiguous copy when the view cannot be used in place."""
-    item = x.itemsize
-    s0, s1, s2 = x.strides
-    usable = (
-        dev.backend == "cpu"
-        and s2 == item
-        and s0 >= 0
-        and s1 >= 0
-        and s0 % (item * multiple) == 0
-        and s1 % (item * multiple) == 0
-        and x.flags.aligned
-    )
-    if usable:
-        n = (x.shape[0] - 1) * (s0 // item) + (x.shape[1] - 1) * (s1 // item) + x.shape[2]
-        flat = np.lib.stride_tricks.as_strided(x, shape=(n,), strides=(item,), writeable=False)
-        return dev.buffer(flat), s0 // item, s1 // item
-    c = np.ascontiguousarray(x)
-    return dev.buffer(c), c.shape[1] * c.shape[2], c.shape[2]
+def _hashable(key: tuple) -> tuple:
+    hash(key)
+    return key

@@ -74,6 +74,26 @@ def force_cpu_isa(name: Optional[str]) -> None:
     check(lib.mlxn_cpu_force_isa(ffi.NULL if name is None else name.encode()))
 
 
+_shared_lock = threading.Lock()
+_shared: dict = {}
+
+
+def shared_device(name: str) -> "Device":
+    """``Device(name)``, opened once per process and name (``"cpu"``, ``"cuda:1"``,
+    ``"auto"``): the device the high-level calls use when they pick one."""
+    with _shared_lock:
+        dev = _shared.get(name)
+        if dev is None or dev.closed:
+            dev = _shared[name] = Device(name)
+        return dev
+
+
+def default_device() -> "Device":
+    """``Device("auto")``, opened once per process: the device of the origin op's helpers
+    when none is given. (The high-level attention lets the arrays decide instead.)"""
+    return shared_device("auto")
+
+
 def _free(fn, handle: int) -> None:
     # Called by weakref.finalize, possibly at interpreter exit: never raise.
     try:
@@ -97,6 +117,13 @@ class Device:
         code = ffi.new("uint32_t *")
         self.description = get_string(lib.mlxn_device_info, self._handle, code)
         self.backend = BACKEND_NAMES.get(code[0], "unknown")
+        #: The CUDA device's ordinal (``cuda:N``; 0 for ``cuda`` and ``auto``), 0 elsewhere.
+        self.index = int(backend.split(":", 1)[1]) if backend.startswith("cuda:") else 0
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return not self._finalizer.alive
 
     @property
     def handle(self) -> int:

@@ -54,3 +54,20 @@ def dtype_code(dtype: Any) -> int:
 def numpy_dtype(code: int) -> np.dtype:
     """The numpy dtype of a C ABI dtype code."""
     return numpy_dtype_of_name(DTYPE_NAMES[code])
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name of a dtype given as a string (``"float16"``), a numpy dtype or type, an
+    ml_dtypes type or a torch dtype (``torch.float16``): ``float32``, ``float16``,
+    ``bfloat16``, ...; an ``UnsupportedDtypeError`` for anything else."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif type(dtype).__module__ == "torch":  # torch.dtype: str() is "torch.float16"
+        name = str(dtype).rsplit(".", 1)[-1]
+        name = {"float": "float32", "half": "float16", "double": "float64"}.get(name, name)
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            raise UnsupportedDtypeError(f"{dtype!r} is not a dtype") from None
+    return name

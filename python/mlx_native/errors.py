@@ -57,6 +57,14 @@ class UnsupportedDtypeError(MlxError, TypeError):
     code = 8
 
 
+class ArgumentTypeError(MlxError, TypeError):
+    """An argument of the wrong kind: a list where an array goes, a float or a bool where an
+    integer goes, a string where a number goes. Raised by the Python layer only (the C ABI
+    takes no untyped value)."""
+
+    code = 6
+
+
 class InvalidHandleError(MlxError, ValueError):
     """A device, buffer or encoder that was closed, freed, or never valid."""
 

@@ -7,7 +7,7 @@ the attention over buffers of the views' memory spans, as llama.cpp does::
 
     from mlx_native.testing import make_case, run_low_level
     case = make_case(np.random.default_rng(0), 40, 4, 2, 256, 150, mask="peer")
-    out, blk = run_low_level(mx.Device("cpu"), case)
+    out, blk = run_low_level(mn.Device("cpu"), case)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import mlx_native as mx
+import mlx_native as mn
 from mlx_native.reference import peer_mask
 
 __all__ = ["LowLevelCase", "make_case", "run_low_level"]
@@ -41,11 +41,11 @@ class LowLevelCase:
     def rows(self):
         return self.q.shape[0]
 
-    def params(self) -> mx.FlashAttnPrefillTensorParams:
+    def params(self) -> mn.FlashAttnPrefillTensorParams:
         rows, nh, hd = self.q.shape
         kvp, nkv, _ = self.k.shape
         e4, e2 = 4, 2
-        return mx.FlashAttnPrefillTensorParams(
+        return mn.FlashAttnPrefillTensorParams(
             rows=rows,
             n_heads=nh,
             n_kv_heads=nkv,
@@ -64,7 +64,7 @@ class LowLevelCase:
 def make_case(rng, rows, nh, nkv, hd, kv_len, *, scale=1.0, mask="peer", pad=(4, 1, 2), window=None):
     """Q, K, V as views into larger buffers (row pad, head pad); K/V rows past kv_len are
     zero (the host contract); mask built per ``mask`` with -inf padding columns."""
-    kvp = mx.kv_pad(kv_len)
+    kvp = mn.kv_pad(kv_len)
     qp, kp, vp = pad
     q_base = rng.uniform(-1, 1, size=(rows, nh + 1, hd + 4 * qp)).astype(np.float32)
     q0 = 4 if qp else 0
@@ -85,7 +85,7 @@ def make_case(rng, rows, nh, nkv, hd, kv_len, *, scale=1.0, mask="peer", pad=(4,
     elif mask == "zero":
         m[:, :kv_len] = 0
     elif mask == "causal":
-        m[:, :kv_len] = mx.causal_mask(rows, kv_len, window)
+        m[:, :kv_len] = mn.causal_mask(rows, kv_len, window)
     else:
         raise ValueError(mask)
     return LowLevelCase(q, k, v, m, kv_len, scale, q_base, k_base, v_base)
@@ -95,7 +95,7 @@ def run_low_level(dev, case: LowLevelCase, *, blk_override=None, extra_out_rows=
     """Dispatch blk (unless overridden) and attention on ``dev`` over buffers of the bases;
     returns (out [rows + extra, nh, hd], blk)."""
     rows, nh, hd = case.q.shape
-    bq = mx.queries_per_threadgroup(hd)
+    bq = mn.queries_per_threadgroup(hd)
     kvp = case.k.shape[0]
     qb = dev.buffer(_span(case.q))
     kb = dev.buffer(_span(case.k))
@@ -107,8 +107,8 @@ def run_low_level(dev, case: LowLevelCase, *, blk_override=None, extra_out_rows=
     ob = dev.buffer(out_init, copy=True)
     with dev.encoder() as enc:
         if blk_override is None:
-            mx.dispatch_flash_attn_prefill_blk(enc, mb, blkb, rows=rows, kv_pad=kvp, bq=bq, bk=64)
-        mx.dispatch_flash_attn_prefill_tensor_f16(enc, qb, kb, vb, mb, blkb, ob, case.params())
+            mn.dispatch_flash_attn_prefill_blk(enc, mb, blkb, rows=rows, kv_pad=kvp, bq=bq, bk=64)
+        mn.dispatch_flash_attn_prefill_tensor_f16(enc, qb, kb, vb, mb, blkb, ob, case.params())
     return ob.numpy(), blkb.numpy()
 
 

@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the report as JSON (rewritten after every size, so a run cut short leaves what it measured)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the ratios to the peers (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overhead", action="store_true", help="time instead one call of flash_attn_prefill, a plan's run and the kernels alone (causal, window and explicit masks; --rows default 2048) and the memory of a described-mask call")
 
 
 def main_from_args(args) -> int:
@@ -49,6 +50,9 @@ def main_from_args(args) -> int:
     def checkpoint(report):
         if args.json:
             _write_json(report, args.json)
+
+    if getattr(args, "overhead", False):
+        return _overhead(args)
 
     try:
         report = run_bench(
@@ -84,6 +88,27 @@ def main_from_args(args) -> int:
     ok = worst <= NMSE_BAR
     print(f"worst NMSE of {OURS}: {worst:.2e}, of one (row, head) {worst_row:.2e} (SPEC bar {NMSE_BAR:g}): {'OK' if ok else 'FAIL'}")
     return 0 if ok else 1
+
+
+def _overhead(args) -> int:
+    from .overhead import run_overhead
+
+    if args.threads is not None:
+        from .machine import use_threads
+
+        use_threads(args.threads)
+    try:
+        results = run_overhead(rows=args.rows or [2048], device=args.device, repeats=args.repeats, seed=args.seed)
+    except ImportError as e:
+        print(f"bench: --overhead on a CUDA device needs PyTorch with CUDA ({e})", file=sys.stderr)
+        return 2
+    except (ValueError, MlxError, RuntimeError) as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        _write_json(dict(overhead=results), args.json)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _write_json(report: dict, path: str) -> None:

@@ -1,0 +1,219 @@
+"""Argument checks of the high-level API: each returns the argument in its normal form or
+raises a typed error (an :class:`~mlx_native.MlxError` that is also a ``ValueError`` or a
+``TypeError``) that says what to pass instead. Nothing here touches an array's data but
+:func:`check_q_fits_half` and :func:`check_inputs_finite`, which are asked for."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from typing import Any, Optional, Tuple, Union
+
+import numpy as np
+
+from .arrays import Operand
+from .device import Device
+from .dtypes import dtype_name
+from .errors import ArgumentTypeError, InvalidArgumentError, InvalidHandleError, UnsupportedDtypeError
+
+#: Output dtypes the kernels write.
+OUT_DTYPES = ("float32", "float16", "bfloat16")
+
+_DEVICE_NAME = re.compile(r"^(auto|cpu|metal|cuda(:\d+)?)$")
+
+#: Rows of a host array checked at a time (bounds the temporary memory of huge inputs).
+_CHUNK_ROWS = 1024
+
+
+def _is_integer(x: Any) -> bool:
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_bool(x: Any, name: str) -> bool:
+    """``x`` as a bool: True or False (numpy's too), nothing else."""
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    raise ArgumentTypeError(f"{name} must be True or False, got {x!r} ({type(x).__name__})")
+
+
+def check_window(window: Any, name: str = "window") -> Optional[int]:
+    """``None`` or an integer >= 1 (a window of ``w`` cache rows, SPEC 6). A bool, a float
+    (even 2.0) or a string is an ``ArgumentTypeError``; 0 or a negative integer an
+    ``InvalidArgumentError``."""
+    if window is None:
+        return None
+    if not _is_integer(window):
+        raise ArgumentTypeError(
+            f"{name} must be an integer >= 1 (the number of cache rows each query row sees) or None, "
+            f"got {window!r} ({type(window).__name__})"
+        )
+    w = int(window)
+    if w < 1:
+        raise InvalidArgumentError(
+            f"{name} must be at least 1, got {w}: a window of w lets query row r see cache rows r-w+1..r; "
+            f"pass window=None for a plain causal mask"
+        )
+    if w > 2**31 - 1:
+        raise InvalidArgumentError(f"{name} {w} exceeds 2^31 - 1; pass window=None for a plain causal mask")
+    return w
+
+
+def check_scale(scale: Any) -> Optional[float]:
+    """``None`` (1/sqrt(head_dim), decided where the head dim is known) or a finite real
+    number that is finite in float32."""
+    if scale is None:
+        return None
+    if not isinstance(scale, numbers.Real) or isinstance(scale, (bool, np.bool_)):
+        raise ArgumentTypeError(f"scale must be a real number or None (1/sqrt(head_dim)), got {scale!r} ({type(scale).__name__})")
+    s = float(scale)
+    with np.errstate(over="ignore"):
+        in_f32 = float(np.float32(s)) if math.isfinite(s) else s
+    if not math.isfinite(in_f32):
+        raise InvalidArgumentError(f"scale must be a finite number (in float32), got {scale!r}")
+    return s
+
+
+def check_out_dtype(out_dtype: Any, q_dtype: Any) -> str:
+    """The output dtype's name: ``q``'s dtype for ``None``; float32, float16 or bfloat16."""
+    name = dtype_name(q_dtype if out_dtype is None else out_dtype)
+    if name not in OUT_DTYPES:
+        raise UnsupportedDtypeError(f"out_dtype must be one of {', '.join(OUT_DTYPES)} (or None: q's dtype), got {name}")
+    return name
+
+
+def check_device(device: Any) -> Union[None, str, Any]:
+    """``None``, a device name (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"metal"``,
+    ``"auto"``) or a :class:`~mlx_native.Device` (which must be open)."""
+    if device is None:
+        return None
+    if isinstance(device, Device):
+        if device.closed:
+            raise InvalidHandleError(f"device handle {device.handle} is closed")
+        return device
+    if isinstance(device, str):
+        if not _DEVICE_NAME.match(device):
+            raise InvalidArgumentError(
+                f"device {device!r} is not a device name: pass 'cpu', 'cuda', 'cuda:N', 'metal', 'auto', "
+                f"a mlx_native.Device, or None (the arrays' own device)"
+            )
+        return device
+    raise ArgumentTypeError(
+        f"device must be a name such as 'cpu' or 'cuda:0', a mlx_native.Device or None, got {type(device).__name__}"
+    )
+
+
+def check_cu_seqlens(cu_q: Any, cu_k: Any, total_q: int, total_k: int, causal: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """SPEC 7's ``cu_seqlens_q`` and ``cu_seqlens_k`` as host int32 arrays: 1-D integer
+    arrays (int32 or int64; numpy, torch CPU/CUDA, CuPy) of ``B + 1`` entries each,
+    starting at 0, non-decreasing, ending at the totals; with ``causal`` no sequence's
+    cache shorter than its prompt. A CUDA array is copied to the host (a synchronisation)."""
+    if (cu_q is None) != (cu_k is None):
+        raise InvalidArgumentError("cu_seqlens_q and cu_seqlens_k go together: pass both (variable length) or neither")
+    vals = []
+    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+        op = Operand.of(cu, name)
+        if op.dtype.kind not in "iu":
+            raise UnsupportedDtypeError(f"{name} must hold integers (int32 or int64), got {op.dtype.name}")
+        if op.ndim != 1 or op.shape[0] < 1:
+            raise InvalidArgumentError(f"{name} must be 1-D with B + 1 entries (B sequences), got shape {op.shape}")
+        a = np.asarray(op.to_host()).astype(np.int64)
+        if a[0] != 0:
+            raise InvalidArgumentError(f"{name}[0] is {a[0]}, it must be 0 (FlashAttention's convention: offsets of each sequence)")
+        down = np.flatnonzero(np.diff(a) < 0)
+        if down.size:
+            i = int(down[0]) + 1
+            raise InvalidArgumentError(f"{name} decreases at entry {i}: {a[i - 1]} then {a[i]}; offsets must be non-decreasing")
+        if a[-1] != total:
+            raise InvalidArgumentError(f"{name} ends at {a[-1]}, not at the {total} rows its tensor has")
+        if total > 2**31 - 1:
+            raise InvalidArgumentError(f"{name}: {total} rows exceed int32")
+        vals.append(a)
+    cq, ck = vals
+    if len(cq) != len(ck):
+        raise InvalidArgumentError(
+            f"cu_seqlens_q has {len(cq)} entries and cu_seqlens_k {len(ck)}: both must have B + 1 (one per sequence, plus one)"
+        )
+    if causal:
+        lq, lk = np.diff(cq), np.diff(ck)
+        short = np.flatnonzero(lk < lq)
+        if short.size:
+            b = int(short[0])
+            raise InvalidArgumentError(
+                f"sequence {b} has {lq[b]} query rows but {lk[b]} cache rows: with causal (or window) each prompt is "
+                f"the end of its cache, which cannot be shorter"
+            )
+    return cq.astype(np.int32), ck.astype(np.int32)
+
+
+def default_scale(head_dim: int) -> float:
+    """SPEC 9: ``1 / sqrt(head_dim)``, as in every peer."""
+    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+
+
+def check_q_fits_half(q: Any, scale: Optional[float] = None) -> None:
+    """Raise ``InvalidArgumentError`` if ``half(scale * q)`` is not finite somewhere
+    (``scale`` None: 1/sqrt(head_dim)).
+
+    The kernel folds ``scale`` into Q and rounds Q to float16 (SPEC section 2, step 1): a
+    value with ``|scale * q| >= 65520`` becomes +-inf in half, and a NaN stays NaN; either
+    makes that (row, head) of the output NaN or inf. This finds the first such element. A
+    torch tensor is checked on its own device."""
+    op = Operand.of(q, "q")
+    s = check_scale(scale)
+    if s is None:
+        s = default_scale(op.shape[-1] if op.ndim else 1)
+    if op.library == "torch":
+        import torch
+
+        t = op.obj
+        bad = ~torch.isfinite((t.float() * np.float32(s)).half())
+        if bool(bad.any()):
+            i = np.unravel_index(int(torch.argmax(bad.flatten().to(torch.uint8))), tuple(t.shape))
+            _q_error(i, float(t[i]), scale if scale is not None else s)
+        return
+    a = op.to_host()
+    f = np.float32(s)
+    rows = a.shape[0] if a.ndim else 1
+    flat = a.reshape(rows, -1) if a.ndim else a.reshape(1, 1)
+    for r0 in range(0, rows, _CHUNK_ROWS):
+        chunk = flat[r0 : r0 + _CHUNK_ROWS]
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = ~np.isfinite((f * chunk.astype(np.float32)).astype(np.float16))
+        if bad.any():
+            i = np.unravel_index(int(np.argmax(bad.ravel())) + r0 * flat.shape[1], a.shape)
+            _q_error(i, float(a[i]), scale if scale is not None else s)
+
+
+def _q_error(i, value, scale) -> None:
+    raise InvalidArgumentError(
+        f"q[{', '.join(str(int(x)) for x in i)}] = {value!r} times scale {scale!r} is not finite in half "
+        f"(|scale * q| must stay below 65520 and q must be finite)"
+    )
+
+
+def check_finite(name: str, x: Any, allow_neg_inf: bool = False) -> None:
+    """Raise ``InvalidArgumentError`` naming the first NaN or infinite element of ``x``
+    (``-inf`` allowed where ``allow_neg_inf``: a mask's masked entries), on ``x``'s own
+    device for a torch tensor."""
+    op = Operand.of(x, name)
+    if op.size == 0:
+        return
+    if op.library == "torch":
+        import torch
+
+        t = op.obj
+        if t.dtype == torch.bool:
+            return
+        bad = torch.isnan(t) | torch.isposinf(t) if allow_neg_inf else ~torch.isfinite(t)
+        if bool(bad.any()):
+            i = np.unravel_index(int(torch.argmax(bad.flatten().to(torch.uint8))), tuple(t.shape))
+            raise InvalidArgumentError(f"{name}[{', '.join(str(int(j)) for j in i)}] = {float(t[i])!r} is not finite")
+        return
+    a = op.to_host()
+    if a.dtype == np.bool_:
+        return
+    bad = np.isnan(a) | np.isposinf(a) | (np.isneginf(a) & (not allow_neg_inf))
+    if bad.any():
+        i = np.unravel_index(int(np.argmax(bad.ravel())), a.shape)
+        raise InvalidArgumentError(f"{name}[{', '.join(str(int(j)) for j in i)}] = {float(a[i])!r} is not finite")

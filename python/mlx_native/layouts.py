@@ -1,0 +1,132 @@
+"""The operands' layouts: :class:`ArraySpec` (a layout without data), how the kernels read an
+array (its own strides when its last axis is contiguous, else those of a copy), the checks
+of q, k and v against each other, and where a prefill runs."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._lib import check, ffi, lib
+from .arrays import Operand, _contiguous_strides
+from .device import Device, shared_device
+from .dtypes import dtype_name, numpy_dtype_of_name
+from .errors import InvalidArgumentError, UnsupportedDtypeError
+
+__all__ = ["ArraySpec", "check_qkv", "layout", "norm_strides", "operand", "pick_device", "span"]
+
+_Q_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ArraySpec:
+    """An array's layout without its data, to plan on: ``shape``, ``dtype`` (a name, a
+    numpy or torch dtype), ``strides`` in elements (None: C-contiguous) and ``device``
+    (``"cpu"``, ``"cuda"``, ``"cuda:N"``). ``ArraySpec.like(x)`` takes an array's."""
+
+    def __init__(self, shape: Sequence[int], dtype: Any, strides: Optional[Sequence[int]] = None, device: str = "cpu"):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = numpy_dtype_of_name(dtype_name(dtype))
+        self.strides = _contiguous_strides(self.shape) if strides is None else tuple(int(s) for s in strides)
+        if len(self.strides) != len(self.shape):
+            raise InvalidArgumentError(f"ArraySpec: {len(self.strides)} strides for a shape of {len(self.shape)} axes")
+        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+            raise InvalidArgumentError(f"ArraySpec: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        self.device = "cuda:0" if device == "cuda" else device
+
+    @classmethod
+    def like(cls, x: Any) -> "ArraySpec":
+        op = Operand.of(x)
+        return cls(op.shape, op.dtype, op.strides, op.device)
+
+    def operand(self) -> Operand:
+        return Operand(None, "spec", self.device, self.shape, self.strides, self.dtype, 0, True)
+
+    def __repr__(self) -> str:
+        return f"ArraySpec({self.shape}, {self.dtype.name}, strides={self.strides}, device={self.device!r})"
+
+
+def operand(x: Any, name: str) -> Operand:
+    if isinstance(x, ArraySpec):
+        return x.operand()
+    if isinstance(x, Operand):
+        return x
+    return Operand.of(x, name)
+
+
+def norm_strides(shape: tuple, strides: tuple) -> tuple:
+    """Strides with those of axes of one element (or none) set to 0: they are never used,
+    and libraries disagree on them."""
+    return tuple(0 if d <= 1 else int(s) for d, s in zip(shape, strides))
+
+
+def layout(op: Operand) -> tuple:
+    """(shape, strides, dtype) as the kernels read the operand: its own strides when its
+    last axis is contiguous (used in place), else those of its contiguous copy."""
+    strides = op.strides if op.in_place else _contiguous_strides(op.shape)
+    return op.shape, norm_strides(op.shape, strides), op.dtype
+
+
+def span(op: Operand) -> np.ndarray:
+    """A host operand's elements from its first to its last, as a flat numpy view."""
+    a = op.host_array()
+    n = op.span_elements()
+    return np.lib.stride_tricks.as_strided(a, shape=(n,), strides=(a.itemsize,), writeable=False)
+
+
+def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
+    """Dtypes, ranks and shapes of q, k, v against each other."""
+    if qo.dtype.name not in _Q_DTYPES:
+        raise UnsupportedDtypeError(f"q must be float32, float16 or bfloat16, got {qo.dtype.name}")
+    for name, op in (("k", ko), ("v", vo)):
+        if op.dtype != np.float16:
+            raise UnsupportedDtypeError(f"{name} must be float16, got {op.dtype.name}")
+    if qo.ndim not in (3, 4):
+        raise InvalidArgumentError(
+            f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim], got shape {qo.shape} "
+            f"(a [batch, heads, rows, head_dim] tensor passes as q.transpose(1, 2), without a copy)"
+        )
+    for name, op in (("k", ko), ("v", vo)):
+        if op.ndim != qo.ndim:
+            kind = "[kv_len, kv_heads, head_dim]" if qo.ndim == 3 else "[batch, kv_len, kv_heads, head_dim]"
+            raise InvalidArgumentError(f"q is {qo.ndim}-D, so {name} must be {kind}; got shape {op.shape}")
+    if vo.shape != ko.shape:
+        raise InvalidArgumentError(f"v has shape {vo.shape}, k has {ko.shape}: they must match")
+    if ko.shape[-1] != qo.shape[-1]:
+        raise InvalidArgumentError(
+            f"q has head_dim {qo.shape[-1]} and k/v {ko.shape[-1]} (the last axis): they must be equal. The layout is "
+            f"q [rows, heads, head_dim], k/v [kv_len, kv_heads, head_dim] (4-D: a batch axis first)"
+        )
+    if qo.ndim == 4 and ko.shape[0] != qo.shape[0]:
+        raise InvalidArgumentError(f"q has a batch of {qo.shape[0]} and k/v of {ko.shape[0]}: they must be equal")
+    n_heads, n_kv = qo.shape[-2], ko.shape[-2]
+    if n_kv == 0 or n_heads % n_kv:
+        raise InvalidArgumentError(
+            f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv} (axis -2 of q and of k/v). The layout is "
+            f"q [rows, heads, head_dim], k/v [kv_len, kv_heads, head_dim]: a [heads, rows, head_dim] tensor passes "
+            f"as x.transpose(0, 1) (4-D: x.transpose(1, 2)), without a copy"
+        )
+    # The head dims the op has kernels for, as the op itself says (its tile table's rows).
+    p = ffi.new("MlxnFlashAttnPrefillParams *")
+    p.head_dim = min(int(qo.shape[-1]), 2**32 - 1)
+    check(lib.mlxn_flash_attn_prefill_mask_table_bytes(p, ffi.new("uint64_t *")))
+
+
+def pick_device(dev_arg, qo: Operand) -> Tuple[Device, bool]:
+    """The plan's device and whether the arrays are uploaded to it: by default the data
+    decides (host arrays on the CPU, CUDA arrays on their device)."""
+    if dev_arg is None:
+        dev = shared_device(qo.device if qo.on_cuda else "cpu")
+    elif isinstance(dev_arg, str):
+        dev = shared_device(dev_arg)
+    else:
+        dev = dev_arg
+    if qo.on_cuda:
+        if dev.backend != "cuda" or dev.index != qo.device_index:
+            raise InvalidArgumentError(
+                f"the arrays are on {qo.device} and the device is {dev.backend}"
+                f"{':' + str(dev.index) if dev.backend == 'cuda' else ''}: pass device=None (the arrays' own device), "
+                f"or move the arrays"
+            )
+        return dev, False
+    return dev, dev.backend == "cuda"

@@ -1,0 +1,507 @@
+"""``PrefillPlan``: a prefill planned once on its layouts (shapes, strides, dtypes, the mask
+description and, for variable length, the sequence offsets), then run on any arrays of
+those layouts, as FlashInfer's ``plan`` / ``run``. It stands on the C ABI's plan
+(``mlxn_prefill_plan_*``): each run passes the arrays' addresses in one call; on CUDA it
+is enqueued on the caller's stream, with no host synchronisation and no allocation by the
+library, so it can be captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from ._lib import check, ffi, lib
+from .arrays import Operand
+from .checks import (
+    check_bool,
+    check_cu_seqlens,
+    check_device,
+    check_finite as check_array_finite,
+    check_out_dtype,
+    check_q_fits_half,
+    check_scale,
+    check_window,
+    default_scale,
+)
+from .device import Device, Encoder
+from .dtypes import DTYPE_CODES, numpy_dtype_of_name
+from .errors import InvalidArgumentError
+from .layouts import ArraySpec, check_qkv, layout, norm_strides, operand, pick_device, span
+from .masks import described_pairs, masked_pairs, prepare_mask
+
+__all__ = ["ArraySpec", "PrefillPlan"]
+
+
+def _free(handle: int) -> None:
+    try:
+        lib.mlxn_prefill_plan_free(handle)
+    except Exception:  # pragma: no cover - at interpreter exit
+        pass
+
+
+class PrefillPlan:
+    """One prefill planned on its layouts and runnable many times (FlashInfer's ``plan``
+    and ``run``); :func:`~mlx_native.flash_attn_prefill` keeps one per layout and takes
+    the same arguments.
+
+    ``q``, ``k``, ``v`` and ``mask`` are arrays or :class:`ArraySpec` (layouts without
+    data): the plan reads only their shapes, strides, dtypes and devices (and the values of
+    ``cu_seqlens_q`` / ``cu_seqlens_k``, which belong to the plan). Every argument is
+    checked here, before anything runs.
+
+    - ``run(q, k, v, mask=None, *, out=None, lse=None)`` runs on arrays of the planned
+      layouts and returns ``out`` (``(out, lse)`` with ``return_lse``), new arrays of q's
+      library on q's device unless given (contiguous, of the planned shapes and dtypes).
+      ``run()`` with no arrays runs on those the plan was made with.
+    - On CUDA a run is enqueued on the caller's current stream (PyTorch's for tensors,
+      CuPy's for CuPy arrays) and returns at once, with no host synchronisation and no
+      allocation but the outputs' (by the caller's library; none when ``out`` and ``lse``
+      are given): it can be captured in a ``torch.cuda.CUDAGraph`` and replayed. The
+      plan owns the explicit mask's tile table, so runs of one plan with a mask must not
+      overlap on different streams.
+    - ``encode(encoder, classify=True)`` records the planned arrays' run on an encoder
+      (the benchmarks record many and commit once); ``encoded_result()`` is its output.
+    - ``visible_pairs``: the (query row, cache row) pairs the mask leaves visible, the
+      useful work of SPEC 5 (None for an explicit mask planned without data).
+
+    Host arrays planned for a CUDA device (``device="cuda"``) are uploaded by each run
+    (``run()`` with no arrays uploads them once) and the result is downloaded into q's
+    library.
+    """
+
+    def __init__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any = None,
+        *,
+        causal: bool = False,
+        window: Optional[int] = None,
+        scale: Optional[float] = None,
+        cu_seqlens_q: Any = None,
+        cu_seqlens_k: Any = None,
+        return_lse: bool = False,
+        out_dtype: Any = None,
+        device: Union[None, str, Device] = None,
+        check_finite: bool = False,
+    ):
+        causal = check_bool(causal, "causal")
+        window = check_window(window)
+        causal = causal or window is not None
+        scale = check_scale(scale)
+        self._lse = check_bool(return_lse, "return_lse")
+        self._check_finite = check_bool(check_finite, "check_finite")
+        dev_arg = check_device(device)
+        qo, ko, vo = operand(q, "q"), operand(k, "k"), operand(v, "v")
+        check_qkv(qo, ko, vo)
+        batched = qo.ndim == 4
+        rows, n_heads, head_dim = qo.shape[-3:]
+        kv_len, n_kv_heads = ko.shape[-3], ko.shape[-2]
+        self._cu = None
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            if batched:
+                raise InvalidArgumentError(
+                    "cu_seqlens go with 3-D q [total_q, heads, head_dim] and k/v [total_k, kv_heads, head_dim] "
+                    f"(FlashAttention's variable length), got a 4-D q of shape {qo.shape}"
+                )
+            if mask is not None:
+                raise InvalidArgumentError(
+                    "an explicit mask cannot go with cu_seqlens: describe the mask (causal, window) or pad the batch "
+                    "to a fixed length ([B, rows, heads, head_dim]) and pass a [B, 1, rows, kv] mask"
+                )
+            self._cu = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, rows, kv_len, causal)
+            batch = len(self._cu[0]) - 1
+        else:
+            batch = qo.shape[0] if batched else 1
+            if causal and kv_len < rows:
+                raise InvalidArgumentError(
+                    f"causal with {rows} query rows and a cache of {kv_len} rows: the prompt is the end of its cache, "
+                    f"which cannot be shorter (pass the whole cache as k/v, or causal=False with an explicit mask)"
+                )
+        self.device, self._upload = pick_device(dev_arg, qo)
+        self._cuda = self.device.backend == "cuda" and not self._upload
+        self._array_device = qo.device
+        out_name = check_out_dtype(out_dtype, qo.dtype)
+        self.out_dtype = numpy_dtype_of_name(out_name)
+        self.scale = default_scale(head_dim) if scale is None else scale
+        self.causal, self.window, self.batch = causal, window, batch
+        self._dims = (rows, kv_len, n_heads, n_kv_heads, head_dim)
+        self._layouts = tuple(layout(o) for o in (qo, ko, vo))
+
+        self._mask_form = None
+        mask_strides = (0, 0)
+        mask_in_place = mask is None
+        if mask is not None:
+            mo = operand(mask, "mask")
+            core, bs, rs = prepare_mask(mo, batch=batch, rows=rows, kv_len=kv_len, like=qo)
+            mask_in_place = core.obj is not None and core.ptr == mo.ptr and core.library == mo.library
+            self._mask_form = (core.shape, bs, rs)
+            mask_strides = (bs, rs)
+
+        # Outputs: like q, contiguous; lse [H, rows], [B, H, rows] or [H, total_q].
+        self.shape = qo.shape
+        self.lse_shape = (batch, n_heads, rows) if batched else (n_heads, rows)
+        p = ffi.new("MlxnFlashAttnPrefillParams *")
+        qs, ks, vs = (lay[1] for lay in self._layouts)
+        if not batched:
+            qs, ks, vs = (0,) + qs, (0,) + ks, (0,) + vs
+        p.q_strides, p.k_strides, p.v_strides = qs[:3], ks[:3], vs[:3]
+        p.out_strides = (rows * n_heads * head_dim if batched else 0, n_heads * head_dim, head_dim)
+        p.mask_strides = mask_strides
+        p.lse_strides = (n_heads * rows if batched else 0, rows)
+        p.batch, p.rows, p.kv_len = batch, rows, kv_len
+        p.n_heads, p.n_kv_heads, p.head_dim = n_heads, n_kv_heads, head_dim
+        p.causal, p.window, p.scale = int(causal), window or 0, self.scale
+        self._params = p
+
+        out = ffi.new("uint64_t *")
+        cq = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[0])
+        ck = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[1])
+        codes = (DTYPE_CODES[qo.dtype.name], DTYPE_CODES["float16"], DTYPE_CODES[out_name])
+        check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, int(mask is not None), int(self._lse), cq, ck, out))
+        self._handle = int(out[0])
+        self._finalizer = weakref.finalize(self, _free, self._handle)
+        ext = ffi.new("MlxnPrefillExtents *")
+        check(lib.mlxn_prefill_plan_extents(self._handle, ext))
+        self._extents = dict(out=int(ext.out), lse=int(ext.lse), blk=int(ext.blk))
+
+        # What a call of flash_attn_prefill on arrays of these very layouts (its cache's key)
+        # may skip: building operands, checking layouts, converting or copying.
+        direct = (
+            qo.library in ("numpy", "torch")
+            and qo.in_place and ko.in_place and vo.in_place and mask_in_place
+            and not self._upload and not self._check_finite
+        )  # fmt: skip
+        self._direct = _direct_outputs(qo, self.shape, self.lse_shape, self.out_dtype) if direct else None
+
+        data = [x for x in (q, k, v, mask) if x is not None]
+        self._planned = None if any(isinstance(x, ArraySpec) for x in data) else (q, k, v, mask)
+        self._lock = threading.RLock()
+        self._bufs = None
+        self._scratch = None
+        self._enc_out = None
+        self._classified = False
+        self._pairs = None
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def handle(self) -> int:
+        """The C ABI plan handle."""
+        return self._handle
+
+    @property
+    def has_mask(self) -> bool:
+        return self._mask_form is not None
+
+    @property
+    def visible_pairs(self) -> Optional[int]:
+        """The (query row, cache row) pairs the description and the explicit mask leave
+        visible, over the batch: SPEC 5's useful work is ``4 * head_dim * n_heads`` times
+        this. From the description in closed form; with an explicit mask, counted on the
+        planned mask once (on its device; None when it was planned without data)."""
+        if self._pairs is None:
+            rows, kv_len = self._dims[0], self._dims[1]
+            if self._mask_form is not None:
+                if self._planned is None:
+                    return None
+                core = self._bind_mask(self._planned[3], Operand.of(self._planned[0], "q"))
+                self._pairs = masked_pairs(core, self.batch, rows, kv_len, self.causal, self.window)
+            elif self._cu is not None:
+                lq, lk = np.diff(self._cu[0]), np.diff(self._cu[1])
+                self._pairs = sum(described_pairs(int(a), int(b), self.causal, self.window) for a, b in zip(lq, lk))
+            else:
+                self._pairs = self.batch * described_pairs(rows, kv_len, self.causal, self.window)
+        return self._pairs
+
+    def __repr__(self) -> str:
+        rows, kv_len, nh, nkv, hd = self._dims
+        what = "variable length" if self._cu is not None else f"batch {self.batch}"
+        mask = ", explicit mask" if self.has_mask else ""
+        desc = f"window {self.window}" if self.window else ("causal" if self.causal else "no description")
+        return (
+            f"PrefillPlan({what}, {rows} rows, {kv_len} cache rows, {nh}/{nkv} heads, dim {hd}, {desc}{mask}, "
+            f"scale {self.scale:g}, out {self.out_dtype.name}{', lse' if self._lse else ''}, on {self.device.backend})"
+        )
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, q: Any = None, k: Any = None, v: Any = None, mask: Any = None, *, out: Any = None, lse: Any = None) -> Any:
+        """Run on ``q``, ``k``, ``v`` (and ``mask`` when the plan has one) of the planned
+        layouts, or with no arrays on the planned ones. Returns ``out``, or ``(out, lse)``
+        when the plan returns lse. With ``check_finite`` the inputs are checked first."""
+        if q is None and k is None and v is None:
+            if self._planned is None:
+                raise InvalidArgumentError("this plan was made from layouts (ArraySpec): pass the arrays, run(q, k, v, ...)")
+            q, k, v, planned_mask = self._planned
+            mask = planned_mask if mask is None else mask
+            if self._upload:  # uploaded once, by the first such run
+                qo = Operand.of(q, "q")
+                if self._check_finite:
+                    _check_inputs(qo, Operand.of(k, "k"), Operand.of(v, "v"), self.scale)
+                    if mask is not None:
+                        check_array_finite("mask", mask, allow_neg_inf=True)
+                with self._lock:
+                    return self._run_buffers(self._buffers, out, lse, qo)
+        elif q is None or k is None or v is None:
+            raise InvalidArgumentError("pass q, k and v (or none of them: the arrays the plan was made with)")
+        qo, ko, vo = self._bind(q, "q", 0), self._bind(k, "k", 1), self._bind(v, "v", 2)
+        mo = self._bind_mask(mask, qo)
+        if self._check_finite:
+            _check_inputs(qo, ko, vo, self.scale)
+            if mask is not None:
+                check_array_finite("mask", mask, allow_neg_inf=True)
+        if self._upload:
+            return self._run_uploaded(qo, ko, vo, mo, out, lse)
+        oo = _output(out, qo, "out", self.shape, self.out_dtype)
+        lo = _output(lse, qo, "lse", self.lse_shape, np.float32) if self._lse else None
+        stream = qo.run_stream() if self._cuda else 0
+        _run(self._handle, qo.ptr, ko.ptr, vo.ptr, None if mo is None else mo.ptr, oo.ptr, None if lo is None else lo.ptr, stream)
+        return (oo.obj, lo.obj) if lo is not None else oo.obj
+
+    __call__ = run
+
+    def _run_call(self, q: Any, k: Any, v: Any, mask: Any):
+        """:meth:`run` for arrays whose layouts (``arrays.layout_key``) are those this plan
+        was made from: the one call's path, which checks nothing it knows already."""
+        d = self._direct
+        if d is None:
+            return self.run(q, k, v, mask)
+        new_out, new_lse, ptr = d
+        o = new_out(q)
+        lse = new_lse(q) if self._lse else None
+        stream = 0
+        if self._cuda:
+            import torch
+
+            stream = torch.cuda.current_stream(q.device).cuda_stream or 1
+        _run(self._handle, ptr(q), ptr(k), ptr(v), None if mask is None else ptr(mask), ptr(o),
+             None if lse is None else ptr(lse), stream)  # fmt: skip
+        return (o, lse) if lse is not None else o
+
+    def _bind(self, x: Any, name: str, i: int) -> Operand:
+        op = Operand.of(x, name)
+        if not op.in_place:
+            op = op.made_contiguous()
+        shape, strides, dtype = self._layouts[i]
+        if op.shape != shape or op.dtype != dtype or norm_strides(op.shape, op.strides) != strides:
+            raise InvalidArgumentError(
+                f"{name} is {op.dtype.name} {op.shape} with strides {op.strides}; this plan was made for {dtype.name} "
+                f"{shape} with strides {strides}: make a plan for it (flash_attn_prefill keeps one per layout)"
+            )
+        if op.device != self._array_device:
+            raise InvalidArgumentError(f"{name} is on {op.device}; this plan runs on arrays on {self._array_device}")
+        return op
+
+    def _bind_mask(self, mask: Any, like: Operand) -> Optional[Operand]:
+        if self._mask_form is None:
+            if mask is not None:
+                raise InvalidArgumentError("this plan has no explicit mask: make one with a mask to pass one")
+            return None
+        if mask is None:
+            raise InvalidArgumentError("this plan has an explicit mask: pass one of the planned layout")
+        rows, kv_len = self._dims[0], self._dims[1]
+        core, bs, rs = prepare_mask(mask, batch=self.batch, rows=rows, kv_len=kv_len, like=like)
+        if (core.shape, bs, rs) != self._mask_form:
+            raise InvalidArgumentError(
+                f"the mask's kernel form is {core.shape} with (batch, row) strides {(bs, rs)}; this plan was made for "
+                f"{self._mask_form[0]} with {self._mask_form[1:]}: make a plan for it"
+            )
+        return core
+
+    # ------------------------------------------------------------------ buffers and encoders
+
+    @property
+    def _buffers(self) -> dict:
+        """Library buffers over the planned arrays (uploaded once for a CUDA device and
+        host arrays), the outputs, the explicit mask's table and the sequence offsets."""
+        with self._lock:
+            if self._bufs is None:
+                self._bufs = self._make_buffers()
+            return self._bufs
+
+    def _make_buffers(self) -> dict:
+        """The buffers of :attr:`_buffers`."""
+        if self._planned is None:
+            raise InvalidArgumentError("this plan was made from layouts (ArraySpec): it has no arrays to encode")
+        q, k, v, m = self._planned
+        qo, ko, vo = self._bind(q, "q", 0), self._bind(k, "k", 1), self._bind(v, "v", 2)
+        mo = self._bind_mask(m, qo)
+        dev = self.device
+
+        def buf(op):
+            return dev.buffer(span(op)) if self._upload else dev.wrap(op, span=True)
+
+        b = dict(q=buf(qo), k=buf(ko), v=buf(vo), mask=None if mo is None else buf(mo), lse=None, cu_q=None, cu_k=None)
+        if self._upload:
+            b.update(self._output_buffers())
+        else:
+            oo = qo.new_empty(self.shape, self.out_dtype)
+            lo = qo.new_empty(self.lse_shape, np.float32) if self._lse else None
+            b["out"], self._enc_out = dev.wrap(oo, span=True), (oo, lo)
+            if lo is not None:
+                b["lse"] = dev.wrap(lo, span=True)
+            b["blk"] = dev.empty((max(1, self._extents["blk"]),), np.uint8) if mo is not None else None
+            if self._cu is not None:
+                b["cu_q"], b["cu_k"] = dev.buffer(self._cu[0]), dev.buffer(self._cu[1])
+        return b
+
+    def encode(self, encoder: Encoder, *, classify: bool = True) -> None:
+        """Record a run on the planned arrays on ``encoder`` (an encoder of the plan's
+        device; it runs on the library's stream when committed): the explicit mask's
+        classification (unless ``classify`` is False and an earlier recording classified
+        it into the plan's table), then the attention. The output is
+        :meth:`encoded_result`'s, overwritten by every recorded run."""
+        self._record(encoder, self._buffers, classify)
+
+    def encoded_result(self) -> Any:
+        """The output of the runs recorded by :meth:`encode` (after their commit): ``out``
+        or ``(out, lse)``, arrays of q's library (the same arrays every time, except for
+        host arrays on a CUDA device, which are downloaded anew)."""
+        b = self._buffers
+        if self._upload:
+            return self._download(b, Operand.of(self._planned[0], "q"), None, None)
+        oo, lo = self._enc_out
+        return (oo.obj, lo.obj) if lo is not None else oo.obj
+
+    def _record(self, enc: Encoder, b: dict, classify: bool) -> None:
+        h = lambda x: 0 if x is None else x.handle  # noqa: E731
+        if b["mask"] is not None and (classify or not self._classified):
+            check(lib.mlxn_dispatch_flash_attn_prefill_mask_blk(enc.handle, b["mask"].handle, b["blk"].handle, self._params))
+            self._classified = True
+        check(
+            lib.mlxn_dispatch_flash_attn_prefill(
+                enc.handle,
+                b["q"].handle,
+                b["k"].handle,
+                b["v"].handle,
+                b["out"].handle,
+                h(b["mask"]),
+                h(b["blk"]),
+                h(b["cu_q"]),
+                h(b["cu_k"]),
+                h(b["lse"]),
+                self._params,
+            )
+        )
+        enc._hold(*[x for x in b.values() if x is not None])
+
+    def _run_uploaded(self, qo, ko, vo, mo, out, lse):
+        dev = self.device
+        with self._lock:
+            if self._scratch is None:
+                # The outputs, table and offsets of upload runs (the arrays' buffers are new).
+                self._scratch = {k: v for k, v in self._output_buffers().items()}
+            b = dict(self._scratch)
+            b.update(q=dev.buffer(span(qo)), k=dev.buffer(span(ko)), v=dev.buffer(span(vo)))
+            b["mask"] = None if mo is None else dev.buffer(span(mo))
+            return self._run_buffers(b, out, lse, qo)
+
+    def _output_buffers(self) -> dict:
+        """Device buffers of the outputs (flat), of the explicit mask's table and of the
+        sequence offsets, for runs through an encoder on a CUDA device."""
+        dev = self.device
+        b = dict(lse=None, blk=None, cu_q=None, cu_k=None)
+        b["out"] = dev.empty((self._extents["out"],), self.out_dtype)
+        if self._lse:
+            b["lse"] = dev.empty((self._extents["lse"],), np.float32)
+        if self._mask_form is not None:
+            b["blk"] = dev.empty((max(1, self._extents["blk"]),), np.uint8)
+        if self._cu is not None:
+            b["cu_q"], b["cu_k"] = dev.buffer(self._cu[0]), dev.buffer(self._cu[1])
+        return b
+
+    def _run_buffers(self, b: dict, out, lse, qo: Operand):
+        with self.device.encoder() as enc:
+            self._record(enc, b, True)
+        return self._download(b, qo, out, lse)
+
+    def _download(self, b: dict, qo: Operand, out, lse):
+        o = b["out"].numpy().reshape(self.shape)
+        oo = _output(out, qo, "out", self.shape, self.out_dtype, fill=o)
+        if not self._lse:
+            return oo.obj
+        lo = _output(lse, qo, "lse", self.lse_shape, np.float32, fill=b["lse"].numpy().reshape(self.lse_shape))
+        return oo.obj, lo.obj
+
+
+def _run(handle: int, q: int, k: int, v: int, mask: Optional[int], out: int, lse: Optional[int], stream: int) -> None:
+    """One ``mlxn_prefill_plan_run``. The C ABI reads address 0 of the mask or lse as "not
+    given": an empty one (no element, so never read) takes the address of another operand,
+    and when every operand is empty there is nothing to run."""
+    if mask == 0 or lse == 0:
+        some = k or q or v or out
+        if not some:
+            return
+        mask = some if mask == 0 else mask
+        lse = some if lse == 0 else lse
+    check(lib.mlxn_prefill_plan_run(handle, q, k, v, mask or 0, out, lse or 0, stream))
+
+
+def _numpy_ptr(a: np.ndarray) -> int:
+    return a.ctypes.data if a.size else 0
+
+
+def _torch_ptr(t) -> int:
+    return t.data_ptr()
+
+
+def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
+    """For the one call's path: makers of the outputs from q (its library, its device) and
+    the address function of its library."""
+    from .arrays import _torch_dtype
+
+    if qo.library == "torch":
+        import torch
+
+        tdt = _torch_dtype(out_dtype)
+
+        def new_out(q):
+            return torch.empty(shape, dtype=tdt, device=q.device)
+
+        def new_lse(q):
+            return torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+
+        ptr = _torch_ptr
+    else:
+
+        def new_out(q):
+            return np.empty(shape, dtype=out_dtype)
+
+        def new_lse(q):
+            return np.empty(lse_shape, dtype=np.float32)
+
+        ptr = _numpy_ptr
+    return new_out, new_lse, ptr
+
+
+def _check_inputs(qo: Operand, ko: Operand, vo: Operand, scale: float) -> None:
+    check_q_fits_half(qo.obj, scale)
+    check_array_finite("k", ko.obj)
+    check_array_finite("v", vo.obj)
+
+
+def _output(given: Any, like: Operand, name: str, shape: tuple, dtype, fill: Optional[np.ndarray] = None) -> Operand:
+    """The output operand: ``given`` (checked: contiguous, of ``shape`` and ``dtype``, on
+    ``like``'s device), or a new array of ``like``'s library; with ``fill`` (a host array)
+    holding it."""
+    if given is None:
+        if fill is not None:
+            return like.from_host(fill)
+        return like.new_empty(shape, dtype)
+    op = Operand.of(given, name)
+    if op.shape != tuple(shape) or op.dtype != np.dtype(dtype) or not op.contiguous or op.readonly or op.device != like.device:
+        raise InvalidArgumentError(
+            f"{name} must be a writable contiguous {np.dtype(dtype).name} array of shape {tuple(shape)} on {like.device}, "
+            f"got {op.dtype.name} {op.shape} with strides {op.strides} on {op.device}"
+        )
+    if fill is not None:
+        if op.library == "torch":
+            op.obj.copy_(Operand.of(op.obj).from_host(fill).obj)
+        else:
+            op.obj[...] = fill
+    return op
