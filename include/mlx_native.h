@@ -315,6 +315,11 @@ int32_t mlxn_dispatch_flash_attn_prefill_blk(uint64_t enc,
 // `out` must be valid.
 int32_t mlxn_queries_per_threadgroup(uint32_t head_dim, uint32_t *out);
 
+// Whether this build has a prefill kernel for Q/K head dim `head_dim`, V head dim
+// `head_dim_v` (0: the same) and K/V dtype code `kv_dtype`: 0, or the error that names the
+// head dims it takes.
+int32_t mlxn_flash_attn_prefill_supports(uint32_t head_dim, uint32_t head_dim_v, uint32_t kv_dtype);
+
 // Threadgroup memory of one dispatch of the Metal kernel at `head_dim`.
 //
 // # Safety

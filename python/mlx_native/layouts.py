@@ -11,7 +11,7 @@ import numpy as np
 from ._lib import check, ffi, lib
 from .arrays import Operand, _contiguous_strides
 from .device import Device, shared_device
-from .dtypes import dtype_name, numpy_dtype_of_name
+from .dtypes import dtype_code, dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 
 __all__ = ["ArraySpec", "check_qkv", "layout", "norm_strides", "operand", "pick_device", "span"]
@@ -106,10 +106,8 @@ def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
             f"q [rows, heads, head_dim], k/v [kv_len, kv_heads, head_dim]: a [heads, rows, head_dim] tensor passes "
             f"as x.transpose(0, 1) (4-D: x.transpose(1, 2)), without a copy"
         )
-    # The head dims the op has kernels for, as the op itself says (its tile table's rows).
-    p = ffi.new("MlxnFlashAttnPrefillParams *")
-    p.head_dim = min(int(qo.shape[-1]), 2**32 - 1)
-    check(lib.mlxn_flash_attn_prefill_mask_table_bytes(p, ffi.new("uint64_t *")))
+    # The head dims this build has kernels for, as the op itself says.
+    check(lib.mlxn_flash_attn_prefill_supports(min(int(qo.shape[-1]), 2**32 - 1), 0, dtype_code("float16")))
 
 
 def pick_device(dev_arg, qo: Operand) -> Tuple[Device, bool]:

@@ -162,7 +162,7 @@ class PrefillPlan:
         cq = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[0])
         ck = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[1])
         codes = (DTYPE_CODES[qo.dtype.name], DTYPE_CODES["float16"], DTYPE_CODES[out_name])
-        check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, int(mask is not None), int(self._lse), cq, ck, out))
+        check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, int(mask is not None), int(self._lse), 0, cq, ck, out))
         self._handle = int(out[0])
         self._finalizer = weakref.finalize(self, _free, self._handle)
         ext = ffi.new("MlxnPrefillExtents *")
@@ -385,6 +385,7 @@ class PrefillPlan:
                 h(b["cu_q"]),
                 h(b["cu_k"]),
                 h(b["lse"]),
+                0,
                 self._params,
             )
         )
@@ -439,7 +440,7 @@ def _run(handle: int, q: int, k: int, v: int, mask: Optional[int], out: int, lse
             return
         mask = some if mask == 0 else mask
         lse = some if lse == 0 else lse
-    check(lib.mlxn_prefill_plan_run(handle, q, k, v, mask or 0, out, lse or 0, stream))
+    check(lib.mlxn_prefill_plan_run(handle, q, k, v, mask or 0, out, lse or 0, 0, stream))
 
 
 def _numpy_ptr(a: np.ndarray) -> int:

@@ -757,6 +757,17 @@ pub unsafe extern "C" fn mlxn_queries_per_threadgroup(head_dim: u32, out: *mut u
     })
 }
 
+/// Whether this build has a prefill kernel for Q/K head dim `head_dim`, V head dim
+/// `head_dim_v` (0: the same) and K/V dtype code `kv_dtype`: 0, or the error that names the
+/// head dims it takes.
+#[no_mangle]
+pub extern "C" fn mlxn_flash_attn_prefill_supports(head_dim: u32, head_dim_v: u32, kv_dtype: u32) -> i32 {
+    guard(|| {
+        let dv = if head_dim_v == 0 { head_dim } else { head_dim_v };
+        prefill::kernel_name(head_dim, dv, dtype_arg(kv_dtype)?).map(|_| ())
+    })
+}
+
 /// Threadgroup memory of one dispatch of the Metal kernel at `head_dim`.
 ///
 /// # Safety

@@ -63,8 +63,8 @@ pub const HEAD_DIMS: [((u32, u32), &str, &str); 9] = [
 /// until they do, the op refuses them rather than compute without them.
 const SCORE_TRANSFORMS: bool = false;
 
-/// The kernels of the head dims and K/V dtypes every backend runs today. A head dim the op
-/// accepts and no backend has yet is `KernelNotFound` at dispatch.
+/// The kernels of the head dims and K/V dtypes every backend runs today; the op refuses the
+/// others of [`HEAD_DIMS`] when validating, with the dims it takes.
 pub const REGISTERED_KERNELS: &[&str] = &[K_PREFILL_D256, K_PREFILL_D512];
 /// The explicit mask's classifier.
 pub const K_PREFILL_MASK_BLK: &str = "flash_attn_prefill_mask_blk";
@@ -160,10 +160,13 @@ pub fn mask_tile_rows(head_dim: u32) -> Result<u32> {
 }
 
 fn unsupported_head_dim(head_dim: u32, head_dim_v: u32) -> MlxError {
-    let dims: Vec<String> =
-        HEAD_DIMS.iter().map(|((k, v), _, _)| if k == v { k.to_string() } else { format!("({k}, {v})") }).collect();
+    let dims: Vec<String> = HEAD_DIMS
+        .iter()
+        .filter(|(_, f16, bf16)| REGISTERED_KERNELS.contains(f16) || REGISTERED_KERNELS.contains(bf16))
+        .map(|((k, v), _, _)| if k == v { k.to_string() } else { format!("{k} with v {v}") })
+        .collect();
     MlxError::InvalidArgument(format!(
-        "flash_attn_prefill: unsupported head dims (q/k {head_dim}, v {head_dim_v}); the kernels take {}",
+        "flash_attn_prefill: unsupported head_dim {head_dim} (v head dim {head_dim_v}); this build's kernels take {}",
         dims.join(", ")
     ))
 }
@@ -174,12 +177,23 @@ pub fn kernel_name(head_dim: u32, head_dim_v: u32, kv_dtype: DType) -> Result<&'
         .iter()
         .find(|(d, _, _)| *d == (head_dim, head_dim_v))
         .ok_or_else(|| unsupported_head_dim(head_dim, head_dim_v))?;
-    match kv_dtype {
-        DType::F16 => Ok(f16),
-        DType::BF16 => Ok(bf16),
+    let name = match kv_dtype {
+        DType::F16 => f16,
+        DType::BF16 => bf16,
         other => {
-            Err(MlxError::UnsupportedDtype(format!("flash_attn_prefill: k and v must be F16 or BF16, got {other}")))
+            return Err(MlxError::UnsupportedDtype(format!(
+                "flash_attn_prefill: k and v must be F16 or BF16, got {other}"
+            )))
         }
+    };
+    if REGISTERED_KERNELS.contains(name) {
+        Ok(name)
+    } else if kv_dtype == DType::BF16 && REGISTERED_KERNELS.contains(f16) {
+        Err(MlxError::UnsupportedDtype(format!(
+            "flash_attn_prefill: this build has no BF16 K/V kernel at head dim {head_dim}; convert k and v to F16"
+        )))
+    } else {
+        Err(unsupported_head_dim(head_dim, head_dim_v))
     }
 }
 
@@ -725,6 +739,22 @@ mod tests {
         assert_eq!(span([0, 3, 4], [1000, 100, 10], 8), 0);
         assert_eq!(span([1, 1, 1], [u64::MAX, u64::MAX, 0], 8), 8);
         assert_eq!(span([2, 1, 1], [u64::MAX, 0, 0], 8), u64::MAX, "saturates");
+    }
+
+    #[test]
+    fn a_head_dim_without_a_kernel_in_this_build_is_refused_with_the_dims_it_takes() {
+        assert_eq!(kernel_name(256, 256, DType::F16).unwrap(), K_PREFILL_D256);
+        assert_eq!(kernel_name(512, 512, DType::F16).unwrap(), K_PREFILL_D512);
+        for (dk, dv) in [(100, 100), (256, 512)] {
+            let e = kernel_name(dk, dv, DType::F16).unwrap_err().to_string();
+            assert!(e.contains(&format!("unsupported head_dim {dk}")) && e.contains("256"), "{e}");
+        }
+        for name in HEAD_DIMS.iter().flat_map(|(_, a, b)| [*a, *b]) {
+            let ((dk, dv), f16, _) = HEAD_DIMS.iter().find(|(_, a, b)| *a == name || *b == name).unwrap();
+            let dtype = if *f16 == name { DType::F16 } else { DType::BF16 };
+            assert_eq!(kernel_name(*dk, *dv, dtype).is_ok(), REGISTERED_KERNELS.contains(&name), "{name}");
+        }
+        assert!(matches!(kernel_name(256, 256, DType::F32), Err(MlxError::UnsupportedDtype(_))));
     }
 
     #[test]
