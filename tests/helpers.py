@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlx_native.testing import LowLevelCase, _span, make_case, run_low_level
 
-__all__ = ["CASES", "LowLevelCase", "_span", "case_id", "make_case", "run_low_level"]
+__all__ = ["CASES", "LowLevelCase", "_span", "case_id", "import_test_extra", "make_case", "run_low_level"]
 
 
 # The correctness suite's strided low-level cases, shared by every backend's tests:
@@ -23,3 +23,28 @@ CASES = [
 def case_id(c):
     rows, nh, nkv, hd, kv, scale, mask, w = c
     return f"r{rows}-h{nh}/{nkv}-d{hd}-kv{kv}-s{scale}-{mask}{'' if w is None else w}"
+
+
+#: The Python each test extra's pinned version needs (pyproject.toml, [test]).
+_EXTRA_PYTHON = {"torch": (3, 10), "transformers": (3, 11)}
+
+
+def import_test_extra(name: str):
+    """Import a module of the test extras (torch, transformers). A missing one fails: the
+    test command installs them (``pip install ".[test]"``), so in CI a test that needs one
+    runs or fails, never skips. Only on a Python older than the pinned version supports,
+    where pip cannot install it, is it a skip that says so."""
+    import importlib
+    import sys
+
+    import pytest
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        need = _EXTRA_PYTHON.get(name)
+        if need is not None and sys.version_info[:2] < need:
+            pytest.skip(f"the test extra {name} needs Python {need[0]}.{need[1]}+", allow_module_level=True)
+        raise ImportError(f"{e}: the tests need the test extras, pip install '.[test]'") from e
+
+

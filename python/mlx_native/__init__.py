@@ -25,7 +25,8 @@ level mirrors the Rust op names (:mod:`mlx_native.ops`)::
         mn.dispatch_flash_attn_prefill_tensor_f16(enc, q, k, v, mask, blk, out, params)
 """
 
-from .attention import clear_plan_cache, flash_attn_prefill
+from .attention import clear_plan_cache
+from .front_door import flash_attn_prefill
 from .plan import ArraySpec, PrefillPlan
 from .merge import merge_attention_states
 from .masks import causal_mask, flash_attn_prefill_blk
@@ -55,6 +56,7 @@ from .errors import (
     MlxError,
     ShaderCompilationError,
     UnsupportedDtypeError,
+    UnsupportedFeatureError,
 )
 from .ops import (
     CACHE_ROWS_PER_STEP,
@@ -104,6 +106,7 @@ __all__ = [
     "KernelNotFoundError",
     "ShaderCompilationError",
     "UnsupportedDtypeError",
+    "UnsupportedFeatureError",
     # The origin op, mirroring the Rust names (mlx_native.ops).
     "CACHE_ROWS_PER_STEP",
     "K_TENSOR_F16_D256",

@@ -65,6 +65,14 @@ class ArgumentTypeError(MlxError, TypeError):
     code = 6
 
 
+class UnsupportedFeatureError(MlxError, NotImplementedError):
+    """A feature the caller asked for that this build does not compute (dropout, a score
+    transform its kernels do not apply yet, a head dim without a kernel, a backward pass).
+    Raised by the Python layer only: nothing is computed without it."""
+
+    code = 6
+
+
 class InvalidHandleError(MlxError, ValueError):
     """A device, buffer or encoder that was closed, freed, or never valid."""
 

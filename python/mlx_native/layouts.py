@@ -14,7 +14,7 @@ from .device import Device, shared_device
 from .dtypes import dtype_code, dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 
-__all__ = ["ArraySpec", "check_qkv", "layout", "norm_strides", "operand", "pick_device", "span"]
+__all__ = ["ArraySpec", "check_head_dims", "check_qkv", "layout", "norm_strides", "operand", "pick_device", "span"]
 
 _Q_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -108,6 +108,14 @@ def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
         )
     # The head dims this build has kernels for, as the op itself says.
     check(lib.mlxn_flash_attn_prefill_supports(min(int(qo.shape[-1]), 2**32 - 1), 0, dtype_code("float16")))
+
+
+def check_head_dims(head_dim: int, head_dim_v: int = 0, kv_dtype: Any = "float16") -> None:
+    """Raise the op's own error (naming the head dims this build has kernels for) unless
+    it has a prefill kernel for Q/K head dim ``head_dim``, V head dim ``head_dim_v`` (0:
+    the same) and K/V of ``kv_dtype``."""
+    cap = 2**32 - 1
+    check(lib.mlxn_flash_attn_prefill_supports(min(head_dim, cap), min(head_dim_v, cap), dtype_code(kv_dtype)))
 
 
 def pick_device(dev_arg, qo: Operand) -> Tuple[Device, bool]:
