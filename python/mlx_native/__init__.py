@@ -120,3 +120,13 @@ __all__ = [
     "queries_per_threadgroup",
     "threadgroup_memory_bytes",
 ]
+
+
+def __getattr__(name: str):
+    # PEP 562: ``mn.integrations`` (the backends of other libraries, which import those
+    # libraries) loads on first use; nothing here imports it otherwise.
+    if name == "integrations":
+        import importlib
+
+        return importlib.import_module(".integrations", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,164 @@
+"""mlx_native as a Hugging Face transformers attention backend::
+
+    import mlx_native as mn
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=mn.integrations.transformers.register())
+
+:func:`register` adds an attention function (``AttentionInterface``) and a mask function
+(``AttentionMaskInterface``, ``transformers_masks.py``) under one name. transformers calls
+the attention function with ``[batch, heads, seq, head_dim]`` tensors in the model's dtype;
+it passes them to :func:`mlx_native.flash_attn_prefill` as ``[batch, seq, heads, head_dim]``
+views (no copy), K and V cast to float16 (the kernels' K/V dtype), Q as it is, and returns
+``[batch, seq, heads, head_dim]`` in the model's dtype, as transformers' SDPA function does.
+Features the kernels do not compute (dropout, a backward pass, masks per head, head dims
+without a kernel, score transforms of SPEC 10 this build lacks) are refused by name with
+:class:`mlx_native.UnsupportedFeatureError` (a ``NotImplementedError``), never dropped."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Optional
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.utils import logging
+
+from ..errors import MlxError, UnsupportedFeatureError
+from ..front_door import flash_attn_prefill
+from ..layouts import check_head_dims
+from .transformers_masks import PrefillMask, prefill_mask
+
+__all__ = ["register", "attention_forward", "prefill_mask", "PrefillMask"]
+
+logger = logging.get_logger(__name__)
+
+#: The K/V dtype handed to the kernels.
+KV_DTYPE = torch.float16
+
+
+def register(name: str = "mlx_native") -> str:
+    """Register the attention and mask functions under ``name`` with transformers and
+    return ``name``, to pass as ``attn_implementation``."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, prefill_mask)
+    return name
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    **kwargs: Any,
+):
+    """The attention function transformers calls for each layer: ``(attn_output, None)``,
+    ``attn_output`` ``[batch, seq, heads, head_dim]`` in the dtype of ``query``.
+
+    ``attention_mask`` is what :func:`prefill_mask` made (a :class:`PrefillMask` or a
+    boolean mask), a mask the caller made (bool or additive ``[batch or 1, 1, seq,
+    kv]``), or None (causal per ``is_causal`` or the module's ``is_causal``, as transformers'
+    SDPA function reads it). ``scaling`` None is ``1/sqrt(head_dim)``; ``softcap`` (Gemma 2)
+    and ``s_aux`` (attention sinks, gpt-oss) go to the kernel's SPEC 10 transforms.
+    ``sliding_window`` is not read: the mask carries the window."""
+    _refuse_what_is_not_computed(query, key, value, dropout, kwargs)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask, causal, window = None, False, None
+    if isinstance(attention_mask, PrefillMask):
+        if (attention_mask.q_length, attention_mask.kv_length) != (q_len, kv_len):
+            raise ValueError(
+                f"the layer's mask describes {attention_mask.q_length} queries and {attention_mask.kv_length} cache "
+                f"rows, but the layer has {q_len} and {kv_len}: the mask was made for other inputs"
+            )
+        mask, causal, window = attention_mask.padding, attention_mask.causal, attention_mask.window
+    elif attention_mask is not None:
+        mask = _explicit_mask(attention_mask, kv_len)
+    else:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and q_len > 1
+        if causal and kv_len > q_len:
+            # transformers' SDPA reads "causal, no mask" top-left aligned: the queries are
+            # the first rows of a static cache whose later rows are unwritten.
+            key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+        elif causal and kv_len < q_len:
+            raise UnsupportedFeatureError(
+                f"causal attention with {q_len} queries over {kv_len} keys and no mask: pass a mask that says which "
+                "keys each query sees"
+            )
+    sinks = None
+    if s_aux is not None:
+        sinks = s_aux.detach() if not torch.is_grad_enabled() else s_aux
+        sinks = sinks.to(device=query.device, dtype=torch.float32)
+    out = flash_attn_prefill(
+        query.transpose(1, 2), _kv(key).transpose(1, 2), _kv(value).transpose(1, 2), mask, causal=causal,
+        window=window, scale=scaling, softcap=0.0 if softcap is None else softcap, sinks=sinks,
+    )  # fmt: skip
+    return out, None
+
+
+def _kv(x: torch.Tensor) -> torch.Tensor:
+    # The one conversion the kernels need: K and V in float16 (strides kept: a cast, not a
+    # layout copy).
+    return x if x.dtype == KV_DTYPE else x.to(KV_DTYPE)
+
+
+def _explicit_mask(mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """A mask transformers or the caller made, as the kernel takes it: one for every head;
+    a key axis longer than the keys is cut to them (as transformers' eager attention
+    does)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor, a PrefillMask or None, got {type(mask).__name__}")
+    if mask.dim() == 4 and mask.shape[1] != 1 and mask.stride(1) != 0:
+        raise UnsupportedFeatureError(
+            f"a mask per head ({tuple(mask.shape)}): mlx_native applies one mask to every head; pass it as "
+            "[batch, 1, seq, kv]"
+        )
+    if mask.shape[-1] > kv_len:
+        mask = mask[..., :kv_len]
+    return mask
+
+
+def _refuse_what_is_not_computed(query, key, value, dropout, kwargs) -> None:
+    if dropout:
+        raise UnsupportedFeatureError(
+            f"attention dropout ({dropout}): mlx_native computes no dropout; call model.eval(), or set the config's "
+            "attention_dropout to 0"
+        )
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        raise UnsupportedFeatureError(
+            "a backward pass: mlx_native's attention has none. Run the model under torch.no_grad() or "
+            "torch.inference_mode() (generate does), or train with another attn_implementation"
+        )
+    if kwargs.get("position_bias") is not None:
+        raise UnsupportedFeatureError("a position bias (T5-style relative attention): use another attn_implementation")
+    if kwargs.get("output_attentions", False):
+        logger.warning_once("mlx_native attention does not return attention weights (output_attentions=True)")
+    if query.shape[0] != key.shape[0]:
+        raise UnsupportedFeatureError(
+            f"queries of batch {query.shape[0]} against keys of batch {key.shape[0]}: pass one batch"
+        )
+    if key.shape[-1] != value.shape[-1]:
+        raise UnsupportedFeatureError(
+            f"keys of head dim {key.shape[-1]} and values of head dim {value.shape[-1]}: mlx_native's prefill takes "
+            "one head dim for both"
+        )
+    refusal = _head_dim_refusal(int(query.shape[-1]))
+    if refusal is not None:
+        raise UnsupportedFeatureError(refusal)
+
+
+@lru_cache(maxsize=None)
+def _head_dim_refusal(head_dim: int) -> Optional[str]:
+    try:
+        check_head_dims(head_dim)
+    except MlxError as e:
+        return f"head dim {head_dim}: {e}"
+    return None
