@@ -15,7 +15,7 @@ import pytest
 import mlx_native as mx
 from mlx_native.reference import nmse, peer_mask, random_qkv, reference_attention
 
-from helpers import make_case, run_low_level
+from helpers import import_test_extra, make_case, run_low_level
 
 HAS_CUDA = "cuda" in mx.backends()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")
@@ -138,7 +138,7 @@ def test_cta_pair_forms_match_the_one_cta_form_bit_for_bit(rng, case, mode, monk
 
 @needs_gpu
 def test_torch_in_torch_out_in_place_and_strided(rng):
-    torch = pytest.importorskip("torch")
+    torch = import_test_extra("torch")
     rows, nh, nkv, hd, kv_len = 100, 8, 2, 256, 130  # kv_len not a multiple of 64: padded on the GPU
     q, k, v = random_qkv(rows, nh, nkv, hd, kv_len, rng)
     # A strided q: every other head of a wider tensor, used in place.
@@ -157,7 +157,7 @@ def test_torch_in_torch_out_in_place_and_strided(rng):
 
 @needs_gpu
 def test_torch_side_stream_is_waited_for(rng):
-    torch = pytest.importorskip("torch")
+    torch = import_test_extra("torch")
     rows, nh, hd = 256, 4, 256
     q, k, v = random_qkv(rows, nh, nh, hd, rows, rng)
     side = torch.cuda.Stream()
@@ -177,7 +177,7 @@ def test_torch_side_stream_is_waited_for(rng):
 
 @needs_gpu
 def test_device_buffer_wraps_torch_memory_in_place():
-    torch = pytest.importorskip("torch")
+    torch = import_test_extra("torch")
     dev = mx.Device("cuda")
     t = torch.arange(64, dtype=torch.float32, device="cuda")
     b = dev.buffer(t)
@@ -195,7 +195,7 @@ def test_device_buffer_wraps_torch_memory_in_place():
 
 @needs_gpu
 def test_wrapping_memory_that_is_not_this_devices_is_refused():
-    torch = pytest.importorskip("torch")
+    torch = import_test_extra("torch")
     from mlx_native._lib import ffi, lib
 
     dev = mx.Device("cuda")
@@ -220,7 +220,7 @@ def test_cupy_in_cupy_out(rng):
 
 @needs_gpu
 def test_two_wrappers_of_one_tensor_overlap():
-    torch = pytest.importorskip("torch")
+    torch = import_test_extra("torch")
     dev = mx.Device("cuda")
     n = 40 * 4 * 256
     t = torch.zeros(2 * n, dtype=torch.float32, device="cuda")

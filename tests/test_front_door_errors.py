@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import mlx_native as mn
+from helpers import import_test_extra
 
 
 @pytest.fixture
@@ -135,7 +136,7 @@ def test_heads_rows_dim_is_not_read_as_rows_heads_dim(rng):
 
 
 def test_a_tensor_that_requires_grad(qkv):
-    torch = pytest.importorskip("torch")
+    torch = import_test_extra("torch")
     q, k, v = (torch.from_numpy(x) for x in qkv)
     q.requires_grad_(True)
     err = _raises(mn.InvalidArgumentError, ValueError, "requires grad", mn.flash_attn_prefill, q, k, v)

@@ -1,7 +1,8 @@
 """The front door with PyTorch: torch in, torch out, on the CPU and on CUDA (tensors used in
 place, masks converted on their device, the caller's stream, CUDA graphs). The CPU tests
-need torch; the CUDA ones a GPU, its driver and a CUDA build of torch (the lead runs them on
-an H200: ``python -m pytest tests/test_front_door_torch.py``)."""
+need torch (a test extra: without it they fail, not skip); the CUDA ones a GPU, its driver
+and a CUDA build of torch (the lead runs them on an H200: ``python -m pytest
+tests/test_front_door_torch.py``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import numpy as np
 import pytest
 
 import mlx_native as mn
+from helpers import import_test_extra
 from mlx_native.arrays import Operand
 from mlx_native.reference import nmse, reference_prefill
 
-torch = pytest.importorskip("torch")
+torch = import_test_extra("torch")  # a test extra: missing, the module fails rather than skips
 
 BAR = 1e-5
 HAS_CUDA = "cuda" in mn.backends() and torch.cuda.is_available()
