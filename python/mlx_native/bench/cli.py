@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the report as JSON (rewritten after every size, so a run cut short leaves what it measured)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the ratios to the peers (matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--transformers", action="store_true", help="time instead the forward of Gemma 3 and Gemma 4 shaped transformers models (random weights) with eager, SDPA and mlx_native attention, and the attention's share (--rows default 1024 4096; --device cpu, cuda or cuda:N, default cuda when PyTorch has a GPU)")
+    p.add_argument("--models", nargs="+", default=None, help="with --transformers: gemma3, gemma4 (default both)")
+    p.add_argument("--layers", type=int, default=None, help="with --transformers: decoder layers, five sliding to one global, the last global (default 6 on CUDA, 2 on the CPU)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="with --transformers: the model's dtype (default bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--overhead", action="store_true", help="time instead one call of flash_attn_prefill, a plan's run and the kernels alone (causal, window and explicit masks; --rows default 2048) and the memory of a described-mask call")
 
 
@@ -53,6 +57,8 @@ def main_from_args(args) -> int:
 
     if getattr(args, "overhead", False):
         return _overhead(args)
+    if getattr(args, "transformers", False):
+        return _transformers(args)
 
     try:
         report = run_bench(
@@ -107,6 +113,42 @@ def _overhead(args) -> int:
         return 2
     if args.json:
         _write_json(dict(overhead=results), args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _transformers(args) -> int:
+    try:
+        from .transformers_forward import run_transformers_bench
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        print(f"bench: --transformers needs PyTorch and transformers (pip install '.[transformers]'): {e}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        import torch
+
+        from .machine import use_threads
+
+        use_threads(args.threads)
+        torch.set_num_threads(args.threads)
+
+    def checkpoint(report):
+        if args.json:
+            _write_json(report, args.json)
+
+    try:
+        report = run_transformers_bench(
+            rows=args.rows or [1024, 4096], models=args.models or ["gemma3", "gemma4"], layers=args.layers,
+            device=None if args.device in (None, "auto") else args.device, dtype=args.dtype,
+            repeats=args.repeats, seed=args.seed, on_result=checkpoint,
+        )  # fmt: skip
+    except ImportError as e:
+        print(f"bench: --transformers needs PyTorch and transformers (pip install '.[transformers]'): {e}", file=sys.stderr)
+        return 2
+    except (ValueError, MlxError, RuntimeError) as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        _write_json(report, args.json)
         print(f"wrote {args.json}")
     return 0
 
