@@ -1,7 +1,7 @@
 """``python -m mlx_native bench --transformers``: the forward of Gemma-shaped transformers
 models (random weights, built from configs: nothing is downloaded) with transformers' eager
-and SDPA attention and with mlx_native's (``integrations.transformers``), and the attention's
-share of the forward.
+and SDPA attention and with mlx_native's (``integrations.transformers``), and the share of
+each forward spent in the attention.
 
 - Models (:data:`MODELS`): the attention shapes of SPEC 4 and of Gemma 3 12B, each layer of
   the released model's width, ``--layers`` of them in the models' pattern (five sliding
@@ -12,23 +12,26 @@ share of the forward.
   set of weights) runs every implementation in turn (``set_attn_implementation``), one
   forward each per round, after a warm-up forward each; the best of ``--repeats`` rounds is
   kept. On CUDA each forward is timed between two synchronisations.
-- The attention's share: the same forward with the attention function replaced by one that
-  returns zeros of the output's shape (and the described masks, so no mask is built either)
-  is the rest of the model; an implementation's attention time is its forward less that.
+- The attention: each implementation runs under a name of its own whose attention function
+  and mask function are the implementation's, timed (on CUDA between synchronisations):
+  ``attention`` is their sum over the forward (the layers' attention and the masks made for
+  them, e.g. eager's ``[rows, rows]`` float masks), measured directly rather than as the
+  difference of two forwards, so that a load on a shared machine falls on it only as much
+  as on the rest; ``share`` is its part of the forward.
 """
 
 from __future__ import annotations
 
 import copy
 import platform
+import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-#: Implementations timed, in the order they run each round; ``none`` is the model without
-#: its attention (zeros for the attention's output).
-IMPLS = ("eager", "sdpa", "mlx_native", "none")
-NO_ATTENTION = "mlx_native_bench_no_attention"
+#: Implementations timed, in the order they run each round.
+IMPLS = ("eager", "sdpa", "mlx_native")
 VOCAB = 4096
+_TIMED = "mlx_native_bench_timed_"
 
 
 def _gemma3(transformers, layer_types: List[str]):
@@ -66,22 +69,46 @@ def layer_pattern(layers: int) -> List[str]:
     return types
 
 
-def _register_no_attention(torch) -> None:
+class AttentionClock:
+    """Seconds spent in the attention and mask functions since the last :meth:`reset`."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.seconds = 0.0
+        self._sync = sync
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            self._sync()
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync()
+                self.seconds += time.perf_counter() - t
+
+        return run
+
+
+def _register_timed(model, impl: str, ours: str, clock: AttentionClock) -> str:
+    """Register ``impl``'s attention and mask functions, timed by ``clock``, under a name of
+    their own, and return it. Eager's attention function is the model's own (transformers
+    takes it from the model's module when the name is ``eager``)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from ..integrations.transformers_masks import prefill_mask
-
-    def no_attention(module, query, key, value, attention_mask, **_):
-        b, h, s, d = query.shape
-        return torch.zeros(b, s, h, value.shape[-1], dtype=query.dtype, device=query.device), None
-
-    AttentionInterface.register(NO_ATTENTION, no_attention)
-    AttentionMaskInterface.register(NO_ATTENTION, prefill_mask)
-
-
-def _impl_name(impl: str, ours: str) -> str:
-    return {"mlx_native": ours, "none": NO_ATTENTION}.get(impl, impl)
+    key = ours if impl == "mlx_native" else impl
+    if key == "eager":
+        attention = sys.modules[type(model).__module__].eager_attention_forward
+    else:
+        attention = AttentionInterface._global_mapping[key]
+    mask = AttentionMaskInterface._global_mapping[key]
+    name = _TIMED + impl
+    AttentionInterface.register(name, clock.timed(attention))
+    AttentionMaskInterface.register(name, clock.timed(mask))
+    return name
 
 
 def run_transformers_bench(
@@ -110,12 +137,12 @@ def run_transformers_bench(
     if unknown:
         raise ValueError(f"unknown models {unknown}: choose from {', '.join(MODELS)}")
     ours = mn_hf.register()
-    _register_no_attention(torch)
 
     def sync():
         if on_cuda:
             torch.cuda.synchronize(dev)
 
+    clock = AttentionClock(sync)
     machine = dict(
         device=torch.cuda.get_device_name(dev) if on_cuda else (platform.processor() or platform.machine()),
         threads=torch.get_num_threads(), torch=torch.__version__, transformers=transformers.__version__,
@@ -129,39 +156,39 @@ def run_transformers_bench(
     for name in models:
         torch.manual_seed(seed)
         cfg = MODELS[name](transformers, layer_pattern(layers))
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=dt)
+        with dev:  # the weights made (and initialised) on the device itself
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=dt)
         model = model.to(dev).eval()
+        names = {impl: _register_timed(model, impl, ours, clock) for impl in IMPLS}
         for n in rows:
             ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed)).to(dev)
-            best = {impl: float("inf") for impl in IMPLS}
+            best = {impl: (float("inf"), float("inf")) for impl in IMPLS}
 
             def forward(impl):
-                model.set_attn_implementation(_impl_name(impl, ours))
+                model.set_attn_implementation(names[impl])
+                clock.reset()
                 sync()
                 t = time.perf_counter()
                 with torch.inference_mode():
                     model(ids, use_cache=False, logits_to_keep=1)
                 sync()
-                return time.perf_counter() - t
+                return time.perf_counter() - t, clock.seconds
 
             for impl in IMPLS:
                 forward(impl)  # warm-up: kernels compiled, allocator warm
             for _ in range(repeats):
                 for impl in IMPLS:
-                    best[impl] = min(best[impl], forward(impl))
-            rest = best["none"]
-            for impl in IMPLS[:-1]:
-                attn = max(best[impl] - rest, 0.0)
-                ours_attn = max(best["mlx_native"] - rest, 0.0)
-                r = dict(model=name, rows=n, impl=impl, forward_s=best[impl], attention_s=attn,
-                         share=attn / best[impl], rest_s=rest, ours_x=best[impl] / best["mlx_native"],
-                         ours_x_attention=(attn / ours_attn) if ours_attn > 0 else None)  # fmt: skip
+                    total, attn = forward(impl)
+                    best[impl] = (min(best[impl][0], total), min(best[impl][1], attn))
+            ours_total, ours_attn = best["mlx_native"]
+            for impl in IMPLS:
+                total, attn = best[impl]
+                r = dict(model=name, rows=n, impl=impl, forward_s=total, attention_s=attn, share=attn / total,
+                         ours_x=total / ours_total, ours_x_attention=attn / ours_attn)  # fmt: skip
                 results.append(r)
-                ax = r["ours_x_attention"]
-                print(f"{name:8} {n:6d} {impl:11} {1e3 * r['forward_s']:11.1f} {1e3 * attn:13.1f} "
-                      f"{100 * r['share']:5.1f}% {r['ours_x']:7.2f} {'-' if ax is None else f'{ax:.2f}':>7}")  # fmt: skip
+                print(f"{name:8} {n:6d} {impl:11} {1e3 * total:11.1f} {1e3 * attn:13.1f} {100 * r['share']:5.1f}% "
+                      f"{r['ours_x']:7.2f} {r['ours_x_attention']:7.2f}")  # fmt: skip
                 if on_result is not None:
                     on_result(dict(machine=machine, results=results))
-            print(f"{name:8} {n:6d} {'(no attn)':11} {1e3 * rest:11.1f}")
         del model
     return dict(machine=machine, results=results)
