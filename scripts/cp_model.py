@@ -9,6 +9,7 @@ share of the time that communication leaves uncovered. A model, not a measuremen
     python3 scripts/cp_model.py cp_pieces.json                        # NVLink 4: 450 GB/s a direction
     python3 scripts/cp_model.py cp_pieces.json --bandwidth-gbs 380    # a measured value
     python3 scripts/cp_model.py cp_pieces.json --json cp_model.json --markdown
+    python3 scripts/cp_model.py --assume-tflops 290 --assume-memory-gbs 4000   # no pieces: rates assumed
 
 One GPU's time is the measured whole-sequence run where the pieces have it, else the sum
 of every block's measured time over all ranks (the same work, in pieces). What it leaves
@@ -98,6 +99,34 @@ def predict(pieces: dict, bandwidth_gbs: float = NVLINK4_GBS, latency_us: float 
                 bandwidth_gbs=bandwidth_gbs, latency_us=latency_us, predictions=out)  # fmt: skip
 
 
+def assumed_pieces(seq_lens: List[int], ranks: List[int], tflops: float, memory_gbs: float, heads: int = 16,
+                   kv_heads: int = 2, head_dim: int = 512) -> dict:
+    """Pieces as cp_pieces.py writes them, from assumed rates instead of measurements: every
+    block and the whole sequence at ``tflops`` useful TFLOP/s, merges and packing at
+    ``memory_gbs`` (a merge reads the running result and the partial and writes the
+    result: three passes over float32 ``[rows, heads, dim]``). Causal, zigzag."""
+    flops_per_pair = 4 * head_dim * heads
+    row_bytes = 2 * kv_heads * head_dim * 2
+    cases = []
+    for n in seq_lens:
+        shapes = {}
+        for p in ranks:
+            for rank in ring_schedule(n, p, "zigzag", True, None).steps:
+                for st in rank:
+                    for w in st.work:
+                        for b in w.blocks:
+                            shapes[(b.q1 - b.q0, b.k1 - b.k0, b.offset)] = b.pairs
+        blocks = [dict(rows=r, kv_rows=k, offset=o, pairs=x, ms=x * flops_per_pair / tflops / 1e9) for (r, k, o), x in shapes.items()]
+        merges = [dict(rows=r, ms=3 * r * heads * head_dim * 4 / memory_gbs / 1e6) for r in {r for r, _, _ in shapes}]
+        packs = [dict(ranks=p, rows=n // p, ms=3 * (n // p) * row_bytes / 2 / memory_gbs / 1e6) for p in ranks]
+        cases.append(dict(seq_len=n, blocks=blocks, merges=merges, packs=packs))
+    whole = [dict(seq_len=n, ms=n * (n + 1) / 2 * flops_per_pair / tflops / 1e9) for n in seq_lens]
+    layer = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, q_dtype="float32", kv_dtype="float16", causal=True,
+                 window=None, scale=1.0, layout="zigzag")  # fmt: skip
+    return dict(device=f"assumed: {tflops:g} useful TFLOP/s, {memory_gbs:g} GB/s memory", backend="none", layer=layer,
+                ranks=ranks, kv_bytes_per_row=row_bytes, cases=cases, one_device=whole)  # fmt: skip
+
+
 def _table(model: dict, markdown: bool) -> str:
     head = ["N", "GPUs", "chunk rows", "longest step ms: compute / hop", "total ms", "one GPU ms", "speedup", "efficiency", "uncovered comm"]
     rows = []
@@ -118,7 +147,10 @@ def _table(model: dict, markdown: bool) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("pieces", help="the JSON of scripts/cp_pieces.py")
+    ap.add_argument("pieces", nargs="?", help="the JSON of scripts/cp_pieces.py")
+    ap.add_argument("--assume-tflops", type=float, help="no pieces: every block at this many useful TFLOP/s")
+    ap.add_argument("--assume-memory-gbs", type=float, default=4000.0, help="with --assume-tflops: merges at this rate")
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[131072, 262144, 524288], help="with --assume-tflops")
     ap.add_argument("--bandwidth-gbs", type=float, default=NVLINK4_GBS,
                     help="GB/s a GPU sends (and receives) at once; default NVLink 4's 450 (900 both ways)")  # fmt: skip
     ap.add_argument("--latency-us", type=float, default=10.0, help="fixed cost of a step's hops")
@@ -128,8 +160,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.bandwidth_gbs <= 0 or a.latency_us < 0:
         ap.error("the bandwidth must be positive and the latency not negative")
-    with open(a.pieces) as f:
-        pieces = json.load(f)
+    if (a.pieces is None) == (a.assume_tflops is None):
+        ap.error("pass a pieces JSON (scripts/cp_pieces.py) or --assume-tflops, one of them")
+    if a.pieces is not None:
+        with open(a.pieces) as f:
+            pieces = json.load(f)
+    else:
+        pieces = assumed_pieces(a.seq_lens, a.ranks or [2, 4, 8], a.assume_tflops, a.assume_memory_gbs)
     model = predict(pieces, a.bandwidth_gbs, a.latency_us, a.ranks)
     print(f"model, not measurement: pieces of {pieces.get('device')} ({pieces.get('backend')}), "
           f"{a.bandwidth_gbs:g} GB/s a direction, {a.latency_us:g} us a step")  # fmt: skip

@@ -50,6 +50,8 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     w_new = torch.exp(lse - base)
     total = torch.where(seen, w_acc + w_new, torch.ones_like(top))  # >= 1 where seen
     acc_lse.copy_(torch.where(seen, base + torch.log(total), top))
-    c_acc = (w_acc / total).transpose(0, 1).unsqueeze(-1)
+    # The two weights add up to 1 where a row is seen (and the new one is 0 where it is
+    # not): o = o_acc + c (o_new - o_acc), one pass over the output (read both, write one).
+    # lerp gives o_new exactly at c = 1 (a row only the new part sees) and o_acc at c = 0.
     c_new = (w_new / total).transpose(0, 1).unsqueeze(-1)
-    acc_out.mul_(c_acc).add_(out.to(torch.float32) * c_new)
+    acc_out.lerp_(out.to(torch.float32), c_new)
