@@ -22,7 +22,6 @@ import math
 import sys
 import time
 
-import numpy as np
 import torch
 
 import mlx_native as mn
@@ -69,6 +68,20 @@ def _block_call(q, kv, offset, a):
                                          offset=offset, scale=1.0, return_lse=True, out_dtype=torch.float32)  # fmt: skip
 
 
+def _merge_ms(rows: int, a, timer: Timer) -> float:
+    """One partial of ``rows`` query rows merged into a running result (as the ring does)."""
+    acc_o = torch.zeros((rows, a.heads, a.head_dim), dtype=torch.float32, device=a.device)
+    acc_l = torch.zeros((a.heads, rows), dtype=torch.float32, device=a.device)
+    o, lse = torch.ones_like(acc_o), torch.zeros_like(acc_l)
+    return timer.ms(lambda: merge_into(acc_o, acc_l, o, lse), a.repeats)
+
+
+def _pack_ms(rows: int, a, timer: Timer) -> float:
+    """A rank's K and V packed into one message (once per prefill)."""
+    kk = torch.zeros((rows, a.kv_heads, a.head_dim), dtype=torch.float16, device=a.device)
+    return timer.ms(lambda: torch.stack((kk, kk), dim=1), a.repeats)
+
+
 def measure(a) -> dict:
     device = a.device
     timer = Timer(device)
@@ -106,20 +119,13 @@ def measure(a) -> dict:
             del q, kv, call
         merges = []
         for rows in sorted({r for r, _, _ in shapes}):
-            acc_o = torch.zeros((rows, a.heads, a.head_dim), dtype=torch.float32, device=device)
-            acc_l = torch.zeros((a.heads, rows), dtype=torch.float32, device=device)
-            o, lse = torch.ones_like(acc_o), torch.zeros_like(acc_l)
-            ms = timer.ms(lambda: merge_into(acc_o, acc_l, o, lse), a.repeats)
+            ms = _merge_ms(rows, a, timer)
             merges.append(dict(rows=rows, ms=ms))
             print(f"N {n:>7}  merge {rows:>7} rows  {ms:10.3f} ms", flush=True)
-            del acc_o, acc_l, o, lse
         packs = []
         for p in a.ranks:
             rows = max(ring_schedule(n, p, a.layout, a.causal, a.window).rows)
-            kk = torch.zeros((rows, a.kv_heads, a.head_dim), dtype=torch.float16, device=device)
-            ms = timer.ms(lambda: torch.stack((kk, kk), dim=1), a.repeats)
-            packs.append(dict(ranks=p, rows=rows, ms=ms))
-            del kk
+            packs.append(dict(ranks=p, rows=rows, ms=_pack_ms(rows, a, timer)))
         cases.append(dict(seq_len=n, blocks=blocks, merges=merges, packs=packs))
         if not a.no_full:
             q, kv = _inputs(n, n, a, device, gen)

@@ -8,7 +8,6 @@ arguments are wrong or the ranks disagree."""
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -127,7 +126,7 @@ def check_local(q, k, v, *, causal, window, scale, layout, seq_len, return_lse, 
 
 
 # The descriptor's fields: what every rank must agree on, then what differs by rank.
-_AGREED = ("n_heads", "n_kv_heads", "head_dim", "causal", "window", "layout", "seq_len", "scale")
+_AGREED = ("n_heads", "n_kv_heads", "head_dim", "causal", "window", "layout", "scale")
 _FIELDS = ("ok", "rows") + _AGREED
 
 
@@ -135,9 +134,8 @@ def _describe(args: Optional[LocalArgs]) -> List[int]:
     if args is None:
         return [0] + [-1] * (len(_FIELDS) - 1)
     scale = -1 if args.scale is None else struct.unpack("<q", struct.pack("<d", args.scale))[0]
-    seq = -1 if args.seq_len is None else args.seq_len
     return [1, args.rows, args.n_heads, args.n_kv_heads, args.head_dim, int(args.causal), args.window or 0,
-            LAYOUTS.index(args.layout), seq, scale]  # fmt: skip
+            LAYOUTS.index(args.layout), scale]  # fmt: skip
 
 
 def _shown(field: str, value: int) -> str:
@@ -147,17 +145,15 @@ def _shown(field: str, value: int) -> str:
         return repr(LAYOUTS[value])
     if field == "window":
         return "None" if value == 0 else str(value)
-    if field == "seq_len":
-        return "None" if value == -1 else str(value)
     if field == "causal":
         return str(bool(value))
     return str(value)
 
 
 def agree(args: Optional[LocalArgs], problem: Optional[MlxError], info: GroupInfo, device: torch.device) -> int:
-    """The sequence length, agreed by every rank; or the same error on every rank when one
-    of them refused its arguments (``problem``, re-raised as it is on its own rank) or the
-    ranks disagree. One ``all_gather`` of a few integers (on ``device``), and one of the
+    """The sequence length (the sum of every rank's rows), once every rank's rows are those
+    the layout gives it; or the same error on every rank when one of them refused its
+    arguments (``problem``, re-raised as it is on its own rank) or the ranks disagree. One ``all_gather`` of a few integers (on ``device``), and one of the
     messages when something is wrong."""
     mine = torch.tensor(_describe(args), dtype=torch.int64, device=device)
     table = [torch.empty_like(mine) for _ in range(info.size)]
@@ -179,10 +175,8 @@ def agree(args: Optional[LocalArgs], problem: Optional[MlxError], info: GroupInf
         if len(set(values)) > 1:
             shown = ", ".join(f"rank {r}: {_shown(field, x)}" for r, x in enumerate(values))
             raise InvalidArgumentError(f"the ranks of the group must pass the same {field}, got {shown}")
-    seq_len = rows[0][_FIELDS.index("seq_len")]
     held = [row[1] for row in rows]
-    if seq_len < 0:
-        seq_len = sum(held)
+    seq_len = sum(held)
     _check_rows(args.layout, seq_len, info.size, held)
     return seq_len
 
@@ -201,6 +195,3 @@ def _check_rows(layout: str, seq_len: int, size: int, held: List[int], only: Opt
             f"mlx_native.distributed.shard_sequence(x, world_size, rank, layout)"
         )
 
-
-def scale_of(args: LocalArgs) -> float:
-    return 1.0 / math.sqrt(args.head_dim) if args.scale is None else args.scale

@@ -53,7 +53,8 @@ def context_parallel_prefill(
     - ``seq_len``: ``N``. None: found by one ``all_gather`` of a few integers per rank,
       which also checks that every rank passed the same heads, head dim, mask, scale and
       layout and holds the rows the layout gives it, so that a mistake is the same error
-      on every rank (on an NCCL group, a host synchronisation). Given: nothing is
+      on every rank (on an NCCL group, a host synchronisation). Given (by every rank
+      alike): nothing is
       communicated but the ring; each rank checks its own arguments only, and a rank that
       raises leaves the others waiting in the ring (until the group's timeout).
     - ``return_lse``: also return the float32 ``[heads, rows_local]`` log-sum-exp.
