@@ -4,7 +4,7 @@ multi-GPU scaling (scripts/cp_model.py): every distinct partial attention (block
 ring schedule of each sequence length N and rank count P, the merge of a partial into a
 rank's result, the packing of K/V, the bytes a hop moves, and the whole sequence on one device.
 
-    python3 scripts/cp_pieces.py --json cp_pieces.json            # H200: ~1 min (128k-512k, P 2/4/8)
+    python3 scripts/cp_pieces.py --json cp_pieces.json            # H200: ~2 min (128k-512k, P 2/4/8)
     python3 scripts/cp_pieces.py --quick --json cp_pieces.json    # 128k only, seconds
     python3 scripts/cp_pieces.py --device cpu --quick --json x.json   # tiny sizes on the CPU
 
