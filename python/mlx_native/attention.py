@@ -9,7 +9,7 @@ from collections import OrderedDict
 from typing import Any, Optional, Union
 
 from .arrays import layout_key
-from .checks import check_bool, check_device, check_scale, check_window
+from .checks import check_bool, check_device, check_offset, check_scale, check_window
 from .device import Device
 from .plan import PrefillPlan
 
@@ -36,6 +36,7 @@ def flash_attn_prefill(
     *,
     causal: bool = False,
     window: Optional[int] = None,
+    offset: Optional[int] = None,
     scale: Optional[float] = None,
     cu_seqlens_q: Any = None,
     cu_seqlens_k: Any = None,
@@ -64,6 +65,12 @@ def flash_attn_prefill(
       prompt is the end of its cache; a cache shorter than the prompt is an error);
       ``window=w`` (an integer >= 1, implies causal) also needs ``j > r + kv_len - rows - w``.
       Both go to the kernel as a description: no ``[rows, kv]`` array exists anywhere.
+    - ``offset``: an integer (any sign, int32) placing query row ``r`` at position ``r +
+      offset`` of the cache for ``causal``/``window`` instead (``r + offset - w < j <= r +
+      offset``), with or without cu_seqlens (one offset for every sequence): a chunk of
+      queries against a chunk of the cache, as context parallelism computes them. The cache
+      may then be shorter than the prompt; rows that see nothing are zeros with lse -inf.
+      None: the prompt is the end of its cache (``offset = kv_len - rows``). Needs causal.
     - ``mask``: an explicit mask ``[rows, kv]``, ``[B or 1, rows, kv]`` or ``[B or 1, 1,
       rows, kv]`` (one for every head), additive float or bool (True = may attend); with
       ``causal``/``window`` it is added on the visible pairs. Float16 with a contiguous last
@@ -91,11 +98,13 @@ def flash_attn_prefill(
     ``ValueError`` or a ``TypeError``."""
     causal = check_bool(causal, "causal")
     window = check_window(window)
+    offset = check_offset(offset, causal or window is not None)
     scale = check_scale(scale)
     return_lse = check_bool(return_lse, "return_lse")
     check_finite = check_bool(check_finite, "check_finite")
     device = check_device(device)
-    key = _key(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, (causal, window, scale, return_lse, out_dtype, device, check_finite))
+    described = (causal, window, offset, scale)
+    key = _key(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, described + (return_lse, out_dtype, device, check_finite))
     plan = None
     if key is not None:
         with _cache_lock:
@@ -104,7 +113,7 @@ def flash_attn_prefill(
                 _cache.move_to_end(key)
     if plan is None:
         plan = PrefillPlan(
-            q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
+            q, k, v, mask, causal=causal, window=window, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
             check_finite=check_finite,
         )  # fmt: skip

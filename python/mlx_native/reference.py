@@ -76,10 +76,13 @@ def useful_flops(head_dim: int, n_heads: int, visible_pairs: int) -> float:
     return 4.0 * head_dim * n_heads * visible_pairs
 
 
-def visible_mask(lq: int, lk: int, causal: bool = False, window: Optional[int] = None) -> np.ndarray:
-    """SPEC 6: bool ``[lq, lk]``, True where query row r may see cache row j (the prompt is
-    the last ``lq`` rows of the cache: ``offset = lk - lq``)."""
-    r = np.arange(lq)[:, None] + (lk - lq)
+def visible_mask(
+    lq: int, lk: int, causal: bool = False, window: Optional[int] = None, offset: Optional[int] = None
+) -> np.ndarray:
+    """SPEC 6: bool ``[lq, lk]``, True where query row r may see cache row j: row r sits at
+    cache position ``r + offset`` (None: the prompt is the last ``lq`` rows of the cache,
+    ``offset = lk - lq``)."""
+    r = np.arange(lq)[:, None] + (lk - lq if offset is None else offset)
     j = np.arange(lk)[None, :]
     ok = np.ones((lq, lk), dtype=bool)
     if causal or window is not None:
@@ -100,13 +103,16 @@ def reference_prefill(
     scale: float = 1.0,
     cu_seqlens_q: Optional[np.ndarray] = None,
     cu_seqlens_k: Optional[np.ndarray] = None,
+    offset: Optional[int] = None,
 ):
     """SPEC 6-8 in float64 on the kernels' rounded inputs: ``half(scale * q)`` (q read as
     float from any dtype), K/V as given (float16), an optional additive mask (rounded to
     float16) added on the visible pairs. Shapes as the high-level API takes them: q
     ``[rows, H, D]`` or ``[B, rows, H, D]``, k/v ``[kv, Hkv, D]`` or ``[B, kv, Hkv, D]``,
     mask ``[rows, kv]`` or ``[B or 1, rows, kv]`` (a 4-D ``[B or 1, 1, rows, kv]`` is taken
-    too); variable length with ``cu_seqlens_*`` on 3-D q/k/v (no mask).
+    too); variable length with ``cu_seqlens_*`` on 3-D q/k/v (no mask). ``offset`` places
+    query row r of every sequence at cache position ``r + offset`` (None: the prompt is the
+    end of its cache).
 
     Returns ``(out, lse)`` in float64: out shaped like q, lse ``[H, rows]``, ``[B, H, rows]``
     or ``[H, total_q]`` (SPEC 8: ``ln(sum_j exp(s_j))``; -inf and zero output where a row
@@ -129,7 +135,7 @@ def reference_prefill(
         out = np.zeros(q.shape, np.float64)
         lse = np.full((q.shape[1], q.shape[0]), -np.inf)
         for qsl, ksl in seqs:
-            o, l = _one_sequence(q[qsl], k[ksl], v[ksl], None, causal, window, scale)
+            o, l = _one_sequence(q[qsl], k[ksl], v[ksl], None, causal, window, scale, offset)
             out[qsl] = o
             lse[:, qsl] = l
         return out, lse
@@ -138,16 +144,16 @@ def reference_prefill(
     lse = np.full((nb, qs.shape[2], qs.shape[1]), -np.inf)
     for b in range(nb):
         mb = None if mask is None else m[b if m.shape[0] > 1 else 0]
-        out[b], lse[b] = _one_sequence(qs[b], ks[b], vs[b], mb, causal, window, scale)
+        out[b], lse[b] = _one_sequence(qs[b], ks[b], vs[b], mb, causal, window, scale, offset)
     return (out, lse) if batched else (out[0], lse[0])
 
 
-def _one_sequence(q, k, v, mask, causal, window, scale):
+def _one_sequence(q, k, v, mask, causal, window, scale, offset=None):
     lq, n_heads, head_dim = q.shape
     lk, n_kv_heads, _ = k.shape
     group = n_heads // n_kv_heads
     qh = (np.float32(scale) * q.astype(np.float32)).astype(np.float16).astype(np.float64)
-    seen = visible_mask(lq, lk, causal, window)
+    seen = visible_mask(lq, lk, causal, window, offset)
     add = np.where(seen, 0.0, -np.inf) if mask is None else np.where(seen, mask, -np.inf)
     out = np.zeros((lq, n_heads, v.shape[2]), np.float64)
     lse = np.full((n_heads, lq), -np.inf)
