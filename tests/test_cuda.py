@@ -49,7 +49,10 @@ def test_kernels_compile_with_nvrtc_through_the_c_abi():
             function = line.split("'")[1]
         if "spill stores" in line:
             stores = int(line.split(" bytes spill stores")[0].rsplit(" ", 1)[1])
-            assert stores <= (128 if function.endswith("_xf") else 0), line
+            # The Hopper form at head dim 128 runs two CTAs an SM within 128 registers and
+            # spills a little there (still the faster form: mainloop_sm90.cuh, HCfg).
+            allowed = function.endswith("_xf") or function in ("flash_attn_prefill_d128", "flash_attn_prefill_d128_bf16")
+            assert stores <= (128 if allowed else 0), line
 
 
 def test_bad_architecture_names_are_refused():

@@ -58,7 +58,13 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                             .and_then(|l| l.rsplit(' ').next())
                             .and_then(|n| n.parse().ok())
                             .unwrap_or(u32::MAX);
-                        let allowed = if function.contains("_xf'") { 128 } else { 0 };
+                        // The Hopper form at head dim 128 runs two CTAs an SM, within 128
+                        // registers: ptxas spills a little there, and it is still the faster
+                        // form (mainloop_sm90.cuh, HCfg).
+                        let two_ctas = arch == "sm_90a"
+                            && (function.starts_with("flash_attn_prefill_d128'")
+                                || function.starts_with("flash_attn_prefill_d128_bf16'"));
+                        let allowed = if function.contains("_xf'") || two_ctas { 128 } else { 0 };
                         assert!(stores <= allowed, "{arch}: {function} spills registers: {line}");
                     }
                 }

@@ -33,7 +33,7 @@
 // transforms are branches there, which cost its registers nothing), else the portable one.
 #ifdef MLXN_HOPPER
 #define MLXN_ENTRY(NAME, D, T)                                                                \
-    extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME(MLXN_ARGS) {               \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, hopper::HCfg<D>::MINB) NAME(MLXN_ARGS) { \
         hopper::attention<D, PAIR_NONE, T>(MLXN_PASS);                                        \
     }
 #else

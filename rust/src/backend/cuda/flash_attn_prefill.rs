@@ -137,7 +137,7 @@ pub fn attention_cta_rows(dk: u32, dv: u32, hopper: bool) -> u32 {
 pub fn attention_shared_bytes(dk: u32, dv: u32, hopper: bool) -> Option<u32> {
     match (dk, dv, hopper) {
         (64, 64, true) => Some(83_008),
-        (128, 128, true) => Some(132_160),
+        (128, 128, true) => Some(83_008),
         (256, 256, true) => Some(230_464),
         (512, 512, true) => Some(214_592),
         (_, _, true) => None,
