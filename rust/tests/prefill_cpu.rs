@@ -7,6 +7,8 @@ mod common;
 
 use std::sync::{Mutex, MutexGuard};
 
+#[cfg(unix)]
+use common::prefill::{run_placed, Placement};
 use common::prefill::{round_to, run, Output, Prefill, Table};
 use common::{nmse, read_u8, upload};
 use half::f16;
@@ -449,6 +451,35 @@ fn every_instruction_set_matches_the_reference() {
             let e = nmse(&out, &first);
             assert!(e < 1e-9 || (c.out_dtype != DType::F32 && e < 1e-6), "{name}: {isa} differs from {}: {e:e}", outs[0].0);
         }
+    }
+}
+
+/// Q, K, V and the explicit mask in the caller's memory, each ending at its last element
+/// right before a page that faults on any access: the kernel reads nothing past a tensor. The
+/// last sequence's last step is partial with a cache length that is not a multiple of 4 (a
+/// step's computed cache rows end at a multiple of 4), its last query tile partial, and the
+/// mask's last row ends at the cache's end.
+#[cfg(unix)]
+#[test]
+fn no_input_is_read_past_its_last_element() {
+    let (_l, dev, mut reg) = setup();
+    let mut peer = Prefill::fixed(151, 2, 45, 77, 4, 2, 256, 1).with_lse();
+    peer.set_peer_mask(21, false);
+    let mut shared = described(Prefill::fixed(152, 2, 20, 101, 2, 1, 512, 0), true, 0);
+    shared.set_peer_mask(22, true);
+    let cases = [
+        ("causal kv 77 d256", described(Prefill::fixed(153, 2, 33, 77, 4, 2, 256, 1), true, 0).with_lse()),
+        ("dense kv 130 d512", Prefill::fixed(154, 1, 20, 130, 2, 1, 512, 0)),
+        ("varlen window 9 d256", described(Prefill::varlen(155, &[(20, 64), (37, 101)], 4, 2, 256, 1), true, 9).with_lse()),
+        ("peer mask kv 77 d256", peer),
+        ("shared mask + causal kv 101 d512", shared),
+        ("q bf16 out f16 kv 93 d512", Prefill { out_dtype: DType::F16, ..described(Prefill::fixed(156, 1, 17, 93, 2, 2, 512, 2), true, 0).with_q_dtype(DType::BF16) }),
+    ];
+    for (name, c) in cases {
+        for_each_isa(|isa| {
+            let o = run_placed(&dev, &mut reg, &c, Table::Computed, Placement::Guarded);
+            check(&format!("{name} [{isa}], guarded"), &c, &o);
+        });
     }
 }
 
