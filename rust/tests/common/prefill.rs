@@ -424,6 +424,98 @@ impl Prefill {
     }
 }
 
+/// What each buffer of a prefill must hold, counted here from the case's own layout (not
+/// from the op): elements of Q, K, V, O, lse (0 without) and the mask (0 without), bytes of
+/// the mask's tables (0 without).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Needs {
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub out: usize,
+    pub lse: usize,
+    pub mask: usize,
+    pub blk: usize,
+}
+
+/// A case's buffers, each exactly as large as [`Prefill::needs`] says: Q, K, V and the mask
+/// with the case's data, O and lse filled with [`SENTINEL`], the table zero.
+pub struct Buffers {
+    pub q: MlxBuffer,
+    pub k: MlxBuffer,
+    pub v: MlxBuffer,
+    pub out: MlxBuffer,
+    pub lse: Option<MlxBuffer>,
+    pub mask: Option<MlxBuffer>,
+    pub blk: Option<MlxBuffer>,
+    pub cu: Option<(MlxBuffer, MlxBuffer)>,
+}
+
+impl Buffers {
+    pub fn view(&self) -> FlashAttnPrefillBuffers<'_> {
+        FlashAttnPrefillBuffers {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            out: &self.out,
+            mask: self.mask.as_ref(),
+            blk: self.blk.as_ref(),
+            cu_seqlens_q: self.cu.as_ref().map(|c| &c.0),
+            cu_seqlens_k: self.cu.as_ref().map(|c| &c.1),
+            lse: self.lse.as_ref(),
+        }
+    }
+}
+
+impl Prefill {
+    /// `cu_seqlens_q` and `cu_seqlens_k` of the sequences (variable length).
+    pub fn cu_seqlens(&self) -> (Vec<i32>, Vec<i32>) {
+        let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
+        for &(lq, lk) in &self.lens {
+            cq.push(cq.last().unwrap() + lq as i32);
+            ck.push(ck.last().unwrap() + lk as i32);
+        }
+        (cq, ck)
+    }
+
+    pub fn needs(&self) -> Needs {
+        let (seqs, rows, kv) = self.shape();
+        let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let bq = if hd == 256 { 32 } else { 16 };
+        let mask_seqs = |m: &Mask| if m.strides[0] == 0 { 1 } else { seqs };
+        Needs {
+            q: span([seqs, rows, nh], self.q_strides, hd),
+            k: span([seqs, kv, nkv], self.k_strides, hd),
+            v: span([seqs, kv, nkv], self.v_strides, hd),
+            out: span([seqs, rows, nh], self.out_strides, hd),
+            lse: self.lse_strides.map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows)),
+            mask: self.mask.as_ref().map_or(0, |m| span([mask_seqs(m), rows, 1], [m.strides[0], m.strides[1], 0], kv)),
+            blk: self.mask.as_ref().map_or(0, |m| mask_seqs(m) * rows.div_ceil(bq) * kv.div_ceil(64)),
+        }
+    }
+
+    /// The case's buffers on `dev` ([`Buffers`]).
+    pub fn buffers(&self, dev: &MlxDevice) -> Buffers {
+        let n = self.needs();
+        let q = dev.alloc_buffer(self.q_dtype, &[n.q]).unwrap();
+        q.write_bytes(0, &encode(self.q_dtype, &self.q[..n.q])).unwrap();
+        let cu = self.varlen.then(|| {
+            let (cq, ck) = self.cu_seqlens();
+            (upload(dev, DType::I32, &cq), upload(dev, DType::I32, &ck))
+        });
+        Buffers {
+            q,
+            k: upload(dev, DType::F16, &self.k[..n.k]),
+            v: upload(dev, DType::F16, &self.v[..n.v]),
+            out: sentinel_buffer(dev, self.out_dtype, n.out),
+            lse: self.lse_strides.map(|_| sentinel_buffer(dev, DType::F32, n.lse)),
+            mask: self.mask.as_ref().map(|m| upload(dev, DType::F16, &m.data[..n.mask])),
+            blk: self.mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[n.blk]).unwrap()),
+            cu,
+        }
+    }
+}
+
 /// What a run gives back: O `[logical row][head][dim]` and lse `[logical row][head]` as read
 /// from the buffers (f64), their raw bits, and the explicit mask's table.
 pub struct Output {
