@@ -213,18 +213,21 @@ mod front_door {
         assert!(m.contains(needle), "{what}: message {m:?} lacks {needle:?}");
     }
 
-    /// The dispatch succeeds (the table computed first when there is a mask) and writes out.
-    fn accepted(what: &str, dev: &MlxDevice, b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) {
+    /// The dispatch succeeds (the table computed first when there is a mask) and writes out
+    /// (filled with 0xff bytes first); returns out's bytes.
+    fn accepted(what: &str, dev: &MlxDevice, b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> Vec<u8> {
         let mut reg = default_registry();
         let mut enc = dev.command_encoder();
         if let (Some(m), Some(t)) = (b.mask, b.blk) {
             dispatch_flash_attn_prefill_mask_blk(&mut enc, &mut reg, dev, m, t, p).unwrap_or_else(|e| panic!("{what}: {e:?}"));
         }
-        let before = read_u8(b.out);
+        b.out.write_bytes(0, &vec![0xff; b.out.data_byte_len()]).unwrap();
         dispatch_flash_attn_prefill(&mut enc, &mut reg, dev, b, p).unwrap_or_else(|e| panic!("{what}: {e:?}"));
         assert!(!enc.pending().is_empty(), "{what}: nothing encoded");
         enc.commit_and_wait().unwrap();
-        assert_ne!(read_u8(b.out), before, "{what}: out not written");
+        let out = read_u8(b.out);
+        assert!(out.iter().any(|&x| x != 0xff), "{what}: out not written");
+        out
     }
 
     fn shorter(dev: &MlxDevice, b: &MlxBuffer) -> MlxBuffer {
@@ -238,7 +241,7 @@ mod front_door {
         let bufs = c.buffers(&dev);
         let b = bufs.view();
         let p = c.params();
-        accepted("the case itself", &dev, &b, &p);
+        let causal = accepted("the case itself", &dev, &b, &p);
         let big = 1u32 << 31;
         let huge = 1u64 << 63;
         let cases: Vec<(&str, FlashAttnPrefillParams, &str)> = vec![
@@ -276,6 +279,26 @@ mod front_door {
         ];
         for (what, bad, needle) in &cases {
             refused(what, &dev, &b, bad, false, needle);
+        }
+        // The limits themselves pass those checks: a window of i32::MAX rows is a causal
+        // mask; a batch of i32::MAX sequences and a stride of i64::MAX are refused by the
+        // buffers' sizes, not by the limits.
+        let widest = accepted("window i32::MAX", &dev, &b, &FlashAttnPrefillParams { window: i32::MAX as u32, ..p });
+        assert!(widest == causal, "a window of i32::MAX rows is not the causal mask");
+        refused("batch i32::MAX", &dev, &b, &FlashAttnPrefillParams { batch: i32::MAX as u32, ..p }, false, "q holds");
+        let top = i64::MAX as u64;
+        refused("q batch stride i64::MAX", &dev, &b, &FlashAttnPrefillParams { q_strides: [top, p.q_strides[1], p.q_strides[2]], ..p }, false, "q holds");
+        // Nothing to compute (no sequence, or no query row): accepted, nothing encoded (a
+        // grid with no threadgroup is an error on a GPU).
+        for (what, empty) in [
+            ("batch 0", FlashAttnPrefillParams { batch: 0, ..p }),
+            ("rows 0", FlashAttnPrefillParams { rows: 0, ..p }),
+            ("batch 0, rows 0", FlashAttnPrefillParams { batch: 0, rows: 0, ..p }),
+        ] {
+            let mut reg = default_registry();
+            let mut enc = dev.command_encoder();
+            dispatch_flash_attn_prefill(&mut enc, &mut reg, &dev, &b, &empty).unwrap_or_else(|e| panic!("{what}: {e:?}"));
+            assert!(enc.pending().is_empty(), "{what}: a dispatch was encoded");
         }
         // A cache shorter than the prompt is fine with an explicit offset, and so is a
         // smaller problem than the buffers hold.
@@ -412,8 +435,23 @@ mod front_door {
         let fixed_v = validate_shapes(&FlashAttnPrefillParams { batch: 1, ..p }, &o, None).unwrap();
         let err = validate_buffers(&b, &fixed_v).unwrap_err();
         check_error("cu_seqlens for a fixed length", &err, false, "this one is fixed length");
-        let err = validate_buffers(&FlashAttnPrefillBuffers { cu_seqlens_q: None, cu_seqlens_k: None, ..b }, &v).unwrap_err();
-        check_error("no cu_seqlens for a variable length", &err, false, "give cu_seqlens_q and cu_seqlens_k");
+        for (what, bad) in [
+            ("no cu_seqlens", FlashAttnPrefillBuffers { cu_seqlens_q: None, cu_seqlens_k: None, ..b }),
+            ("no cu_seqlens_k", FlashAttnPrefillBuffers { cu_seqlens_k: None, ..b }),
+            ("no cu_seqlens_q", FlashAttnPrefillBuffers { cu_seqlens_q: None, ..b }),
+        ] {
+            check_error(what, &validate_buffers(&bad, &v).unwrap_err(), false, "give cu_seqlens_q and cu_seqlens_k");
+        }
+        // The buffers' own check of cu_seqlens (a plan's run reads them on the device): batch + 1.
+        let three = upload(&dev, DType::I32, &cq[..3]);
+        for (what, bad) in [
+            ("cu_seqlens_q", FlashAttnPrefillBuffers { cu_seqlens_q: Some(&three), ..b }),
+            ("cu_seqlens_k", FlashAttnPrefillBuffers { cu_seqlens_k: Some(&three), ..b }),
+        ] {
+            let err = validate_buffers(&bad, &v).unwrap_err();
+            check_error(what, &err, false, &format!("{what} holds 12 bytes, its shape and strides need 16"));
+        }
+        validate_buffers(&b, &v).unwrap();
     }
 
     #[test]
@@ -504,6 +542,11 @@ mod front_door {
             ("batch past i32", mask, blk, FlashAttnPrefillParams { batch: big, ..p }, "a dimension exceeds i32"),
             ("mask stride past i64", mask, blk, FlashAttnPrefillParams { mask_strides: [1 << 63, p.mask_strides[1]], ..p }, "a mask stride exceeds i64"),
             ("head_dim 128", mask, blk, FlashAttnPrefillParams { head_dim: 128, ..p }, "unsupported head_dim 128"),
+            // The limits themselves pass those checks, and the mask's size refuses them.
+            ("rows i32::MAX", mask, blk, FlashAttnPrefillParams { rows: i32::MAX as u32, ..p }, "mask holds"),
+            ("kv_len i32::MAX", mask, blk, FlashAttnPrefillParams { kv_len: i32::MAX as u32, ..p }, "mask holds"),
+            ("batch i32::MAX", mask, blk, FlashAttnPrefillParams { batch: i32::MAX as u32, ..p }, "mask holds"),
+            ("mask stride i64::MAX", mask, blk, FlashAttnPrefillParams { mask_strides: [i64::MAX as u64, p.mask_strides[1]], ..p }, "mask holds"),
         ] {
             let err = go(m, t, &bad).expect_err(what);
             let dtype = matches!(err, MlxError::UnsupportedDtype(_));
