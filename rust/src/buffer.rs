@@ -41,7 +41,14 @@ impl MlxBuffer {
     ) -> Result<Self> {
         let byte_len = memory.len();
         check_shape(&shape, dtype, byte_len)?;
-        Ok(MlxBuffer { memory, device_id, dtype, shape, byte_offset: 0, byte_len })
+        Ok(MlxBuffer {
+            memory,
+            device_id,
+            dtype,
+            shape,
+            byte_offset: 0,
+            byte_len,
+        })
     }
 
     pub fn dtype(&self) -> DType {
@@ -80,7 +87,13 @@ impl MlxBuffer {
     }
 
     /// A view of `byte_len` bytes at `byte_offset` (relative to this view), as `dtype`.
-    pub fn view(&self, byte_offset: usize, byte_len: usize, dtype: DType, shape: Vec<usize>) -> Result<Self> {
+    pub fn view(
+        &self,
+        byte_offset: usize,
+        byte_len: usize,
+        dtype: DType,
+        shape: Vec<usize>,
+    ) -> Result<Self> {
         let end = byte_offset.checked_add(byte_len);
         if end.is_none_or(|e| e > self.byte_len) {
             return Err(MlxError::InvalidArgument(format!(
@@ -107,7 +120,9 @@ impl MlxBuffer {
     /// Host address of this view's first byte, where the memory is host-visible.
     pub fn host_ptr(&self) -> Option<*mut u8> {
         // SAFETY: byte_offset <= memory.len() by construction.
-        self.memory.host_ptr().map(|p| unsafe { p.add(self.byte_offset) })
+        self.memory
+            .host_ptr()
+            .map(|p| unsafe { p.add(self.byte_offset) })
     }
 
     /// Copy `dst.len()` bytes at `offset` (relative to this view) to the host.
@@ -128,7 +143,10 @@ impl MlxBuffer {
             // Two wrappers of the same host memory are different allocations to us but the
             // same bytes to the kernel: compare addresses.
             (Some(a), Some(b)) => {
-                let (a0, b0) = (a as usize + self.byte_offset, b as usize + other.byte_offset);
+                let (a0, b0) = (
+                    a as usize + self.byte_offset,
+                    b as usize + other.byte_offset,
+                );
                 return self.byte_len > 0
                     && other.byte_len > 0
                     && a0 < b0 + other.byte_len

@@ -3,8 +3,8 @@
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::error::{MlxError, Result};
-pub use crate::interface::{BoundArg, Dispatch, GridSize};
 use crate::interface::Pipeline;
+pub use crate::interface::{BoundArg, Dispatch, GridSize};
 
 /// One argument of a dispatch, by reference, as the op passes it.
 #[derive(Debug, Clone, Copy)]
@@ -36,7 +36,10 @@ pub struct CommandEncoder {
 
 impl CommandEncoder {
     pub fn new(device: MlxDevice) -> Self {
-        CommandEncoder { device, pending: Vec::new() }
+        CommandEncoder {
+            device,
+            pending: Vec::new(),
+        }
     }
 
     pub fn device(&self) -> &MlxDevice {
@@ -64,7 +67,9 @@ impl CommandEncoder {
         for (index, arg) in args {
             let arg = match *arg {
                 KernelArg::Buffer(b) => BoundArg::Buffer(self.own(b, 0)?.binding()),
-                KernelArg::BufferWithOffset(b, off) => BoundArg::Buffer(self.own(b, off)?.binding()),
+                KernelArg::BufferWithOffset(b, off) => {
+                    BoundArg::Buffer(self.own(b, off)?.binding())
+                }
                 KernelArg::Bytes(bytes) => BoundArg::Bytes(bytes.to_vec()),
             };
             bound.push((*index, arg));

@@ -27,11 +27,17 @@ pub struct GridSize {
 
 impl GridSize {
     pub const fn new(width: u64, height: u64, depth: u64) -> Self {
-        GridSize { width, height, depth }
+        GridSize {
+            width,
+            height,
+            depth,
+        }
     }
     /// width * height * depth (saturating).
     pub fn count(&self) -> u64 {
-        self.width.saturating_mul(self.height).saturating_mul(self.depth)
+        self.width
+            .saturating_mul(self.height)
+            .saturating_mul(self.depth)
     }
 }
 
@@ -89,7 +95,11 @@ pub struct BufferBinding {
 
 impl std::fmt::Debug for BufferBinding {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "BufferBinding({} bytes of {} at {})", self.byte_len, self.dtype, self.byte_offset)
+        write!(
+            f,
+            "BufferBinding({} bytes of {} at {})",
+            self.byte_len, self.dtype, self.byte_offset
+        )
     }
 }
 
@@ -97,11 +107,15 @@ impl BufferBinding {
     /// Host address of the range's first byte, where the memory is host-visible.
     pub fn host_ptr(&self) -> Option<*mut u8> {
         // SAFETY: byte_offset <= memory.len() (the buffer that made the binding checked it).
-        self.memory.host_ptr().map(|p| unsafe { p.add(self.byte_offset) })
+        self.memory
+            .host_ptr()
+            .map(|p| unsafe { p.add(self.byte_offset) })
     }
     /// Device address of the range's first byte, for device memory.
     pub fn device_addr(&self) -> Option<u64> {
-        self.memory.device_addr().map(|a| a + self.byte_offset as u64)
+        self.memory
+            .device_addr()
+            .map(|a| a + self.byte_offset as u64)
     }
 }
 
@@ -118,7 +132,11 @@ pub struct SourceFile {
 impl SourceFile {
     /// A file that includes nothing of the library's.
     pub const fn single(name: &'static str, text: &'static str) -> Self {
-        SourceFile { name, text, headers: &[] }
+        SourceFile {
+            name,
+            text,
+            headers: &[],
+        }
     }
 }
 
@@ -150,7 +168,11 @@ impl std::fmt::Debug for Pipeline {
 impl Pipeline {
     /// A pipeline whose backend-specific state is `inner`.
     pub fn new(name: &str, max_threads: u64, inner: Arc<dyn Any + Send + Sync>) -> Self {
-        Pipeline { name: name.into(), max_threads, inner }
+        Pipeline {
+            name: name.into(),
+            max_threads,
+            inner,
+        }
     }
     pub fn name(&self) -> &str {
         &self.name
@@ -211,7 +233,10 @@ impl Dispatch {
 
     /// Bytes of the threadgroup memory block `index`.
     pub fn shared_bytes(&self, index: u64) -> u64 {
-        self.shared.iter().find(|(i, _)| *i == index).map_or(0, |(_, b)| *b)
+        self.shared
+            .iter()
+            .find(|(i, _)| *i == index)
+            .map_or(0, |(_, b)| *b)
     }
 }
 

@@ -35,10 +35,10 @@ use crate::encoder::GridSize;
 
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
+use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, KernelArg};
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
-use crate::dtypes::DType;
 
 pub use crate::params::FlashAttnPrefillTensorParamsGpu;
 
@@ -48,25 +48,56 @@ pub const FLASH_ATTN_PREFILL_TENSOR_CUDA: SourceFile = SourceFile {
     name: "flash_attn_prefill_tensor.cu",
     text: include_str!("../../../shaders/flash_attn_prefill_tensor.cu"),
     headers: &[
-        ("flash_attn_prefill/common.cuh", include_str!("../../../shaders/flash_attn_prefill/common.cuh")),
-        ("flash_attn_prefill/params.cuh", include_str!("../../../shaders/flash_attn_prefill/params.cuh")),
-        ("flash_attn_prefill/block_range.cuh", include_str!("../../../shaders/flash_attn_prefill/block_range.cuh")),
-        ("flash_attn_prefill/loaders.cuh", include_str!("../../../shaders/flash_attn_prefill/loaders.cuh")),
-        ("flash_attn_prefill/softmax.cuh", include_str!("../../../shaders/flash_attn_prefill/softmax.cuh")),
-        ("flash_attn_prefill/epilogue.cuh", include_str!("../../../shaders/flash_attn_prefill/epilogue.cuh")),
-        ("flash_attn_prefill/mainloop_sm80.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm80.cuh")),
-        ("flash_attn_prefill/sm90_ptx.cuh", include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh")),
-        ("flash_attn_prefill/mainloop_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90.cuh")),
+        (
+            "flash_attn_prefill/common.cuh",
+            include_str!("../../../shaders/flash_attn_prefill/common.cuh"),
+        ),
+        (
+            "flash_attn_prefill/params.cuh",
+            include_str!("../../../shaders/flash_attn_prefill/params.cuh"),
+        ),
+        (
+            "flash_attn_prefill/block_range.cuh",
+            include_str!("../../../shaders/flash_attn_prefill/block_range.cuh"),
+        ),
+        (
+            "flash_attn_prefill/loaders.cuh",
+            include_str!("../../../shaders/flash_attn_prefill/loaders.cuh"),
+        ),
+        (
+            "flash_attn_prefill/softmax.cuh",
+            include_str!("../../../shaders/flash_attn_prefill/softmax.cuh"),
+        ),
+        (
+            "flash_attn_prefill/epilogue.cuh",
+            include_str!("../../../shaders/flash_attn_prefill/epilogue.cuh"),
+        ),
+        (
+            "flash_attn_prefill/mainloop_sm80.cuh",
+            include_str!("../../../shaders/flash_attn_prefill/mainloop_sm80.cuh"),
+        ),
+        (
+            "flash_attn_prefill/sm90_ptx.cuh",
+            include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh"),
+        ),
+        (
+            "flash_attn_prefill/mainloop_sm90.cuh",
+            include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90.cuh"),
+        ),
     ],
 };
 
 /// The Metal kernel (the origin's file, whose entry points the front door's op shares).
-pub const FLASH_ATTN_PREFILL_TENSOR_METAL: SourceFile =
-    SourceFile::single("flash_attn_prefill_tensor.metal", include_str!("../../../shaders/flash_attn_prefill_tensor.metal"));
+pub const FLASH_ATTN_PREFILL_TENSOR_METAL: SourceFile = SourceFile::single(
+    "flash_attn_prefill_tensor.metal",
+    include_str!("../../../shaders/flash_attn_prefill_tensor.metal"),
+);
 
 /// The device sources (MSL, CUDA); all entry points of each.
-pub static FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE: KernelSource =
-    KernelSource { metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL), cuda: Some(FLASH_ATTN_PREFILL_TENSOR_CUDA) };
+pub static FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE: KernelSource = KernelSource {
+    metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL),
+    cuda: Some(FLASH_ATTN_PREFILL_TENSOR_CUDA),
+};
 
 /// Kernel entry point at head dim 256.
 pub const K_TENSOR_F16_D256: &str = "flash_attn_prefill_tensor_f16_d256";
@@ -98,7 +129,9 @@ pub fn queries_per_threadgroup(head_dim: u32) -> Result<u32> {
 /// (not a multiple of the step, so no dispatch accepts it) where the rounding would not
 /// fit in 32 bits, instead of overflowing.
 pub fn kv_pad(kv_len: u32) -> u32 {
-    kv_len.div_ceil(CACHE_ROWS_PER_STEP).saturating_mul(CACHE_ROWS_PER_STEP)
+    kv_len
+        .div_ceil(CACHE_ROWS_PER_STEP)
+        .saturating_mul(CACHE_ROWS_PER_STEP)
 }
 
 fn kernel_name(head_dim: u32) -> Result<&'static str> {
@@ -359,7 +392,11 @@ mod tests {
         assert_eq!(kv_pad(64), 64);
         assert_eq!(kv_pad(1281), 1344);
         assert_eq!(kv_pad(u32::MAX - 63), u32::MAX - 63);
-        assert_eq!(kv_pad(u32::MAX - 62), u32::MAX, "saturates, never overflows");
+        assert_eq!(
+            kv_pad(u32::MAX - 62),
+            u32::MAX,
+            "saturates, never overflows"
+        );
         assert_eq!(kv_pad(u32::MAX), u32::MAX);
     }
 }

@@ -5,8 +5,8 @@
 
 pub mod dense_mm_capability;
 pub mod flash_attn_prefill;
-pub mod flash_attn_prefill_plan;
 pub mod flash_attn_prefill_blk;
+pub mod flash_attn_prefill_plan;
 pub mod flash_attn_prefill_tensor;
 
 use crate::kernel_registry::KernelRegistry;

@@ -26,12 +26,17 @@ unsafe impl Sync for HostMemory {}
 impl HostMemory {
     pub fn zeroed(len: usize) -> Result<Self> {
         if len == 0 {
-            return Ok(HostMemory { ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(), len, base: std::ptr::null_mut() });
+            return Ok(HostMemory {
+                ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                len,
+                base: std::ptr::null_mut(),
+            });
         }
         // A small alignment keeps `alloc_zeroed` on calloc, whose large blocks are fresh
         // zero pages, untouched until used (an over-aligned layout is allocated, then
         // zeroed byte by byte); the 64-byte alignment is made by hand inside the block.
-        let layout = Self::layout(len).ok_or(MlxError::BufferAllocationError { bytes: len as u64 })?;
+        let layout =
+            Self::layout(len).ok_or(MlxError::BufferAllocationError { bytes: len as u64 })?;
         // SAFETY: layout has a non-zero size.
         let base = unsafe { std::alloc::alloc_zeroed(layout) };
         if base.is_null() {
@@ -79,7 +84,9 @@ unsafe impl Sync for WrappedHostMemory {}
 
 fn host_read(ptr: *mut u8, len: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
     if offset.checked_add(dst.len()).is_none_or(|e| e > len) {
-        return Err(MlxError::InvalidArgument("read past the end of a buffer".into()));
+        return Err(MlxError::InvalidArgument(
+            "read past the end of a buffer".into(),
+        ));
     }
     // SAFETY: range checked above.
     unsafe { std::ptr::copy_nonoverlapping(ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
@@ -88,7 +95,9 @@ fn host_read(ptr: *mut u8, len: usize, offset: usize, dst: &mut [u8]) -> Result<
 
 fn host_write(ptr: *mut u8, len: usize, offset: usize, src: &[u8]) -> Result<()> {
     if offset.checked_add(src.len()).is_none_or(|e| e > len) {
-        return Err(MlxError::InvalidArgument("write past the end of a buffer".into()));
+        return Err(MlxError::InvalidArgument(
+            "write past the end of a buffer".into(),
+        ));
     }
     // SAFETY: range checked above; `copy` allows the source to overlap the buffer.
     unsafe { std::ptr::copy(src.as_ptr(), ptr.add(offset), src.len()) };
@@ -118,4 +127,3 @@ macro_rules! host_memory_impl {
 }
 host_memory_impl!(HostMemory);
 host_memory_impl!(WrappedHostMemory);
-

@@ -71,7 +71,9 @@ impl Backend for CpuBackend {
         // Linux overcommits: a huge zeroed allocation can succeed and the process be killed
         // later, when the pages are touched. More than the machine has is refused here.
         if memory_limit().is_some_and(|limit| bytes as u64 > limit) {
-            return Err(MlxError::BufferAllocationError { bytes: bytes as u64 });
+            return Err(MlxError::BufferAllocationError {
+                bytes: bytes as u64,
+            });
         }
         Ok(Arc::new(HostMemory::zeroed(bytes)?))
     }
@@ -119,9 +121,12 @@ fn read_memory_limit() -> Option<u64> {
     };
     let total = field("MemTotal:")?.saturating_add(field("SwapTotal:").unwrap_or(0));
     // cgroup v2, then v1; "max" or a huge number means no limit.
-    let cgroup = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
-        .iter()
-        .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok());
+    let cgroup = [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ]
+    .iter()
+    .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok());
     Some(cgroup.map_or(total, |c| c.min(total)))
 }
 

@@ -50,7 +50,9 @@ impl Memory for CudaMemory {
     }
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         if offset.checked_add(dst.len()).is_none_or(|e| e > self.len) {
-            return Err(MlxError::InvalidArgument("read past the end of a buffer".into()));
+            return Err(MlxError::InvalidArgument(
+                "read past the end of a buffer".into(),
+            ));
         }
         if dst.is_empty() {
             return Ok(());
@@ -59,14 +61,21 @@ impl Memory for CudaMemory {
         // SAFETY: the range is inside the allocation; the host buffer holds dst.len() bytes
         // and outlives the synchronisation below.
         let r = unsafe {
-            (d.cuMemcpyDtoHAsync_v2)(dst.as_mut_ptr() as *mut c_void, self.ptr + offset as u64, dst.len(), self.ctx.stream)
+            (d.cuMemcpyDtoHAsync_v2)(
+                dst.as_mut_ptr() as *mut c_void,
+                self.ptr + offset as u64,
+                dst.len(),
+                self.ctx.stream,
+            )
         };
         d.check(r, "copy to the host", MlxError::CommandBufferError)?;
         self.ctx.synchronize()
     }
     fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         if offset.checked_add(src.len()).is_none_or(|e| e > self.len) {
-            return Err(MlxError::InvalidArgument("write past the end of a buffer".into()));
+            return Err(MlxError::InvalidArgument(
+                "write past the end of a buffer".into(),
+            ));
         }
         if src.is_empty() {
             return Ok(());
@@ -74,7 +83,12 @@ impl Memory for CudaMemory {
         let d = self.ctx.bind()?;
         // SAFETY: as for read; the source stays valid until the stream is synchronised.
         let r = unsafe {
-            (d.cuMemcpyHtoDAsync_v2)(self.ptr + offset as u64, src.as_ptr() as *const c_void, src.len(), self.ctx.stream)
+            (d.cuMemcpyHtoDAsync_v2)(
+                self.ptr + offset as u64,
+                src.as_ptr() as *const c_void,
+                src.len(),
+                self.ctx.stream,
+            )
         };
         d.check(r, "copy to the device", MlxError::CommandBufferError)?;
         self.ctx.synchronize()
@@ -115,7 +129,10 @@ pub(super) fn check_device_range(ctx: &CudaContext, addr: u64, bytes: usize) -> 
     }
     let ordinal = attr_u32(driver::POINTER_DEVICE_ORDINAL)? as i32;
     if ordinal != ctx.ordinal {
-        return Err(bad(format!("it belongs to cuda:{ordinal}, not cuda:{}", ctx.ordinal)));
+        return Err(bad(format!(
+            "it belongs to cuda:{ordinal}, not cuda:{}",
+            ctx.ordinal
+        )));
     }
     let start = attr_u64(driver::POINTER_RANGE_START_ADDR)?;
     let size = attr_u64(driver::POINTER_RANGE_SIZE)?;
@@ -127,4 +144,3 @@ pub(super) fn check_device_range(ctx: &CudaContext, addr: u64, bytes: usize) -> 
     }
     Ok(())
 }
-

@@ -33,11 +33,18 @@ pub enum Command<'a, A: MetalApi + ?Sized> {
     /// `setBytes:length:atIndex:` (a copy, at most 4 KiB).
     SetBytes { index: u64, bytes: &'a [u8] },
     /// `setBuffer:offset:atIndex:`
-    SetBuffer { index: u64, buffer: &'a A::Buffer, offset: u64 },
+    SetBuffer {
+        index: u64,
+        buffer: &'a A::Buffer,
+        offset: u64,
+    },
     /// `setThreadgroupMemoryLength:atIndex:` (a multiple of 16 bytes).
     SetThreadgroupMemoryLength { index: u64, bytes: u64 },
     /// `dispatchThreadgroups:threadsPerThreadgroup:`
-    DispatchThreadgroups { grid: GridSize, threadgroup: GridSize },
+    DispatchThreadgroups {
+        grid: GridSize,
+        threadgroup: GridSize,
+    },
 }
 
 /// A Metal device, reduced to what the backend uses. Errors are Metal's messages; the backend
@@ -64,14 +71,19 @@ pub trait MetalApi: Send + Sync + 'static {
     /// # Safety
     /// `ptr` and `bytes` are multiples of [`MetalApi::page_size`], `bytes > 0`; the memory
     /// stays valid, and is not freed by Metal, while the buffer exists.
-    unsafe fn new_buffer_no_copy(&self, ptr: *mut u8, bytes: usize) -> Result<Self::Buffer, String>;
+    unsafe fn new_buffer_no_copy(&self, ptr: *mut u8, bytes: usize)
+        -> Result<Self::Buffer, String>;
     /// The host address of a shared buffer's first byte (`contents`).
     fn contents(&self, buffer: &Self::Buffer) -> *mut u8;
     /// Compile Metal Shading Language source at run time (`newLibraryWithSource:options:error:`);
     /// the error is the compiler's log.
     fn compile_library(&self, source: &str) -> Result<Self::Library, String>;
     /// The compute pipeline of `function` in `library`.
-    fn new_pipeline(&self, library: &Self::Library, function: &str) -> Result<PipelineInfo<Self::Pipeline>, PipelineError>;
+    fn new_pipeline(
+        &self,
+        library: &Self::Library,
+        function: &str,
+    ) -> Result<PipelineInfo<Self::Pipeline>, PipelineError>;
     /// Encode `commands` on one compute command encoder of one new command buffer, commit it
     /// and wait until it completes; the error is the command buffer's when it failed.
     fn run(&self, commands: &[Command<'_, Self>]) -> Result<(), String>;

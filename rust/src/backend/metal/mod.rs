@@ -16,15 +16,15 @@ use crate::interface::Backend;
 
 pub mod api;
 pub mod backend;
+#[cfg(test)]
+mod fake;
 pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
-#[cfg(test)]
-mod fake;
-#[cfg(test)]
-mod tests;
 #[cfg(target_os = "macos")]
 mod objc;
+#[cfg(test)]
+mod tests;
 
 pub use api::MetalApi;
 pub use backend::MetalBackend;
@@ -66,7 +66,9 @@ pub fn open() -> Result<Arc<dyn Backend>> {
     {
         match objc::ObjcMetal::system_default() {
             Some(api) => Ok(Arc::new(MetalBackend::new(api))),
-            None => Err(MlxError::DeviceNotFound("no Metal device on this Mac".into())),
+            None => Err(MlxError::DeviceNotFound(
+                "no Metal device on this Mac".into(),
+            )),
         }
     }
     #[cfg(not(target_os = "macos"))]
