@@ -30,17 +30,9 @@ fn cpu_seconds() -> f64 {
 }
 
 fn main() {
-    let args: Vec<i64> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("a number"))
-        .collect();
+    let args: Vec<i64> = std::env::args().skip(1).map(|a| a.parse().expect("a number")).collect();
     let arg = |i: usize, d: i64| *args.get(i).unwrap_or(&d);
-    let (rows, hd, nh, nkv) = (
-        arg(0, 1024) as usize,
-        arg(1, 256) as usize,
-        arg(2, 16) as usize,
-        arg(3, 8) as usize,
-    );
+    let (rows, hd, nh, nkv) = (arg(0, 1024) as usize, arg(1, 256) as usize, arg(2, 16) as usize, arg(3, 8) as usize);
     let window = arg(4, 0);
     let repeats = arg(5, 3) as usize;
     // MLX_NATIVE_TIMING_LAYOUT=head: K/V as [kv head][row][dim] instead of [row][kv head][dim].
@@ -51,21 +43,13 @@ fn main() {
     let fill = |dtype: DType, n: usize, val: u8| {
         let b = dev.alloc_buffer(dtype, &[n]).unwrap();
         let bytes: Vec<u8> = (0..n * dtype.size_of())
-            .map(|i| {
-                if dtype == DType::F16 && i % 2 == 1 {
-                    0x38
-                } else {
-                    val.wrapping_add(i as u8)
-                }
-            })
+            .map(|i| if dtype == DType::F16 && i % 2 == 1 { 0x38 } else { val.wrapping_add(i as u8) })
             .collect();
         b.write_bytes(0, &bytes).unwrap();
         b
     };
     let q = dev.alloc_buffer(DType::F32, &[rows * nh * hd]).unwrap();
-    let qv: Vec<f32> = (0..rows * nh * hd)
-        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
+    let qv: Vec<f32> = (0..rows * nh * hd).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
     q.write_bytes(0, bytemuck::cast_slice(&qv)).unwrap();
     let k = fill(DType::F16, kvp * nkv * hd, 3);
     let v = fill(DType::F16, kvp * nkv * hd, 5);
@@ -75,8 +59,7 @@ fn main() {
     let mvals: Vec<u16> = (0..rows * kvp)
         .map(|i| {
             let (r, j) = (i / kvp, i % kvp);
-            let ok = j < rows
-                && (window == 0 || (j <= r && (window < 0 || j as i64 > r as i64 - window)));
+            let ok = j < rows && (window == 0 || (j <= r && (window < 0 || j as i64 > r as i64 - window)));
             pairs += ok as usize;
             if ok {
                 0
@@ -87,15 +70,8 @@ fn main() {
         .collect();
     mask.write_bytes(0, bytemuck::cast_slice(&mvals)).unwrap();
     let bq = queries_per_threadgroup(hd as u32).unwrap() as usize;
-    let blk = dev
-        .alloc_buffer(DType::U8, &[rows.div_ceil(bq) * kvp / 64])
-        .unwrap();
-    let bp = FlashAttnPrefillBlkParams {
-        rows: rows as u32,
-        kv_pad: kvp as u32,
-        bq: bq as u32,
-        bk: 64,
-    };
+    let blk = dev.alloc_buffer(DType::U8, &[rows.div_ceil(bq) * kvp / 64]).unwrap();
+    let bp = FlashAttnPrefillBlkParams { rows: rows as u32, kv_pad: kvp as u32, bq: bq as u32, bk: 64 };
     let mut enc = dev.command_encoder();
     dispatch_flash_attn_prefill_blk(&mut enc, &mut reg, &dev, &mask, &blk, &bp).unwrap();
     enc.commit_and_wait().unwrap();
@@ -116,19 +92,14 @@ fn main() {
     };
     let flops = 4.0 * hd as f64 * nh as f64 * pairs as f64;
     let only = std::env::var("MLX_NATIVE_CPU_ISA").ok();
-    for isa in simd::detected_isas()
-        .into_iter()
-        .filter(|i| only.as_deref().is_none_or(|o| o == *i))
-    {
+    for isa in simd::detected_isas().into_iter().filter(|i| only.as_deref().is_none_or(|o| o == *i)) {
         simd::force_isa(Some(isa)).unwrap();
         let mut best = f64::MAX;
         let mut best_cpu = f64::MAX;
         for _ in 0..repeats {
             let mut enc = dev.command_encoder();
-            dispatch_flash_attn_prefill_tensor_f16(
-                &mut enc, &mut reg, &dev, &q, &k, &v, &mask, &blk, &out, &p,
-            )
-            .unwrap();
+            dispatch_flash_attn_prefill_tensor_f16(&mut enc, &mut reg, &dev, &q, &k, &v, &mask, &blk, &out, &p)
+                .unwrap();
             let (t, c) = (Instant::now(), cpu_seconds());
             enc.commit_and_wait().unwrap();
             best = best.min(t.elapsed().as_secs_f64());

@@ -29,17 +29,9 @@ fn cpu_seconds() -> f64 {
 }
 
 fn main() {
-    let args: Vec<i64> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("a number"))
-        .collect();
+    let args: Vec<i64> = std::env::args().skip(1).map(|a| a.parse().expect("a number")).collect();
     let arg = |i: usize, d: i64| *args.get(i).unwrap_or(&d);
-    let (rows, hd, nh, nkv) = (
-        arg(0, 1024) as usize,
-        arg(1, 256) as usize,
-        arg(2, 16) as usize,
-        arg(3, 8) as usize,
-    );
+    let (rows, hd, nh, nkv) = (arg(0, 1024) as usize, arg(1, 256) as usize, arg(2, 16) as usize, arg(3, 8) as usize);
     let window = arg(4, -1);
     let repeats = arg(5, 3) as usize;
     let kv = arg(6, rows as i64) as usize;
@@ -52,17 +44,11 @@ fn main() {
         b
     };
     let q = dev.alloc_buffer(DType::F32, &[rows * nh * hd]).unwrap();
-    let qv: Vec<f32> = (0..rows * nh * hd)
-        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
+    let qv: Vec<f32> = (0..rows * nh * hd).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
     q.write_bytes(0, bytemuck::cast_slice(&qv)).unwrap();
     // Halves in [0.5, 1) and their negatives.
-    let k = buffer(DType::F16, kv * nkv * hd, &|i| {
-        0x3800 | ((i * 37) % 1024) as u16 | (((i / 3) % 2) << 15) as u16
-    });
-    let v = buffer(DType::F16, kv * nkv * hd, &|i| {
-        0x3800 | ((i * 53) % 1024) as u16 | (((i / 5) % 2) << 15) as u16
-    });
+    let k = buffer(DType::F16, kv * nkv * hd, &|i| 0x3800 | ((i * 37) % 1024) as u16 | (((i / 3) % 2) << 15) as u16);
+    let v = buffer(DType::F16, kv * nkv * hd, &|i| 0x3800 | ((i * 53) % 1024) as u16 | (((i / 5) % 2) << 15) as u16);
     let off = kv as i64 - rows as i64;
     let mut pairs = 0usize;
     let visible = |r: usize, j: usize| {
@@ -99,15 +85,8 @@ fn main() {
         offset: 0,
         has_offset: 0,
     };
-    let explicit = FlashAttnPrefillParams {
-        mask_strides: [0, kv as u64],
-        causal: 0,
-        window: 0,
-        ..described
-    };
-    let blk = dev
-        .alloc_buffer(DType::U8, &[mask_table_bytes(&explicit).unwrap() as usize])
-        .unwrap();
+    let explicit = FlashAttnPrefillParams { mask_strides: [0, kv as u64], causal: 0, window: 0, ..described };
+    let blk = dev.alloc_buffer(DType::U8, &[mask_table_bytes(&explicit).unwrap() as usize]).unwrap();
     let mut enc = dev.command_encoder();
     dispatch_flash_attn_prefill_mask_blk(&mut enc, &mut reg, &dev, &mask, &blk, &explicit).unwrap();
     enc.commit_and_wait().unwrap();
@@ -122,11 +101,7 @@ fn main() {
         cu_seqlens_k: None,
         lse: None,
     };
-    let with_mask = FlashAttnPrefillBuffers {
-        mask: Some(&mask),
-        blk: Some(&blk),
-        ..plain
-    };
+    let with_mask = FlashAttnPrefillBuffers { mask: Some(&mask), blk: Some(&blk), ..plain };
     let flops = 4.0 * hd as f64 * nh as f64 * pairs as f64;
     let kind = match window {
         0 => "dense".to_string(),
@@ -134,15 +109,9 @@ fn main() {
         w => format!("window {w}"),
     };
     let only = std::env::var("MLX_NATIVE_CPU_ISA").ok();
-    for isa in simd::detected_isas()
-        .into_iter()
-        .filter(|i| only.as_deref().is_none_or(|o| o == *i))
-    {
+    for isa in simd::detected_isas().into_iter().filter(|i| only.as_deref().is_none_or(|o| o == *i)) {
         simd::force_isa(Some(isa)).unwrap();
-        for (how, b, p) in [
-            ("described", &plain, &described),
-            ("explicit", &with_mask, &explicit),
-        ] {
+        for (how, b, p) in [("described", &plain, &described), ("explicit", &with_mask, &explicit)] {
             let (mut best, mut best_cpu) = (f64::MAX, f64::MAX);
             for _ in 0..repeats {
                 let mut enc = dev.command_encoder();

@@ -33,22 +33,10 @@ impl std::fmt::Debug for MlxBuffer {
 impl MlxBuffer {
     /// A view of all of `memory`. `shape` may be empty (a flat buffer); if it is not, its
     /// product times the dtype size must not exceed the memory.
-    pub(crate) fn new(
-        memory: Arc<dyn Memory>,
-        device_id: u64,
-        dtype: DType,
-        shape: Vec<usize>,
-    ) -> Result<Self> {
+    pub(crate) fn new(memory: Arc<dyn Memory>, device_id: u64, dtype: DType, shape: Vec<usize>) -> Result<Self> {
         let byte_len = memory.len();
         check_shape(&shape, dtype, byte_len)?;
-        Ok(MlxBuffer {
-            memory,
-            device_id,
-            dtype,
-            shape,
-            byte_offset: 0,
-            byte_len,
-        })
+        Ok(MlxBuffer { memory, device_id, dtype, shape, byte_offset: 0, byte_len })
     }
 
     pub fn dtype(&self) -> DType {
@@ -87,13 +75,7 @@ impl MlxBuffer {
     }
 
     /// A view of `byte_len` bytes at `byte_offset` (relative to this view), as `dtype`.
-    pub fn view(
-        &self,
-        byte_offset: usize,
-        byte_len: usize,
-        dtype: DType,
-        shape: Vec<usize>,
-    ) -> Result<Self> {
+    pub fn view(&self, byte_offset: usize, byte_len: usize, dtype: DType, shape: Vec<usize>) -> Result<Self> {
         let end = byte_offset.checked_add(byte_len);
         if end.is_none_or(|e| e > self.byte_len) {
             return Err(MlxError::InvalidArgument(format!(
@@ -120,9 +102,7 @@ impl MlxBuffer {
     /// Host address of this view's first byte, where the memory is host-visible.
     pub fn host_ptr(&self) -> Option<*mut u8> {
         // SAFETY: byte_offset <= memory.len() by construction.
-        self.memory
-            .host_ptr()
-            .map(|p| unsafe { p.add(self.byte_offset) })
+        self.memory.host_ptr().map(|p| unsafe { p.add(self.byte_offset) })
     }
 
     /// Copy `dst.len()` bytes at `offset` (relative to this view) to the host.
@@ -143,14 +123,8 @@ impl MlxBuffer {
             // Two wrappers of the same host memory are different allocations to us but the
             // same bytes to the kernel: compare addresses.
             (Some(a), Some(b)) => {
-                let (a0, b0) = (
-                    a as usize + self.byte_offset,
-                    b as usize + other.byte_offset,
-                );
-                return self.byte_len > 0
-                    && other.byte_len > 0
-                    && a0 < b0 + other.byte_len
-                    && b0 < a0 + self.byte_len;
+                let (a0, b0) = (a as usize + self.byte_offset, b as usize + other.byte_offset);
+                return self.byte_len > 0 && other.byte_len > 0 && a0 < b0 + other.byte_len && b0 < a0 + self.byte_len;
             }
             _ => match (self.memory.device_addr(), other.memory.device_addr()) {
                 // The same for two wrappers of one CUDA tensor.

@@ -24,12 +24,7 @@ struct DeviceInner {
 
 impl std::fmt::Debug for MlxDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "MlxDevice({}, {})",
-            self.inner.id,
-            self.inner.backend.description()
-        )
+        write!(f, "MlxDevice({}, {})", self.inner.id, self.inner.backend.description())
     }
 }
 
@@ -48,9 +43,7 @@ impl MlxDevice {
     /// A device over a backend of the caller's (tests use recording fakes).
     pub fn from_backend(backend: Arc<dyn Backend>) -> Self {
         let id = NEXT_DEVICE_ID.fetch_add(1, Ordering::Relaxed);
-        MlxDevice {
-            inner: Arc::new(DeviceInner { id, backend }),
-        }
+        MlxDevice { inner: Arc::new(DeviceInner { id, backend }) }
     }
 
     /// The id the kernel registry caches pipelines under; unique per opened device.
@@ -83,22 +76,12 @@ impl MlxDevice {
     /// # Safety
     /// The memory must stay valid while the buffer (or any clone or view) exists, and no
     /// one else may write it while a kernel reads or writes it.
-    pub unsafe fn wrap_host(
-        &self,
-        ptr: *mut u8,
-        bytes: usize,
-        dtype: DType,
-        shape: &[usize],
-    ) -> Result<MlxBuffer> {
+    pub unsafe fn wrap_host(&self, ptr: *mut u8, bytes: usize, dtype: DType, shape: &[usize]) -> Result<MlxBuffer> {
         if ptr.is_null() && bytes > 0 {
-            return Err(MlxError::InvalidArgument(
-                "null pointer for a non-empty buffer".into(),
-            ));
+            return Err(MlxError::InvalidArgument("null pointer for a non-empty buffer".into()));
         }
         if (ptr as usize) % dtype.size_of() != 0 {
-            return Err(MlxError::InvalidArgument(format!(
-                "host pointer {ptr:p} is not aligned to {dtype} elements"
-            )));
+            return Err(MlxError::InvalidArgument(format!("host pointer {ptr:p} is not aligned to {dtype} elements")));
         }
         let mem = self.inner.backend.wrap_host(ptr, bytes)?;
         MlxBuffer::new(mem, self.inner.id, dtype, shape.to_vec())
@@ -109,13 +92,7 @@ impl MlxDevice {
     ///
     /// # Safety
     /// The memory must stay allocated while the buffer (or any clone or view) exists.
-    pub unsafe fn wrap_device(
-        &self,
-        addr: u64,
-        bytes: usize,
-        dtype: DType,
-        shape: &[usize],
-    ) -> Result<MlxBuffer> {
+    pub unsafe fn wrap_device(&self, addr: u64, bytes: usize, dtype: DType, shape: &[usize]) -> Result<MlxBuffer> {
         if addr % dtype.size_of() as u64 != 0 {
             return Err(MlxError::InvalidArgument(format!(
                 "device address {addr:#x} is not aligned to {dtype} elements"

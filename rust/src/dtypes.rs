@@ -17,15 +17,7 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in code order.
-    pub const ALL: [DType; 7] = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::U8,
-        DType::U16,
-        DType::U32,
-        DType::I32,
-    ];
+    pub const ALL: [DType; 7] = [DType::F32, DType::F16, DType::BF16, DType::U8, DType::U16, DType::U32, DType::I32];
 
     /// Bytes per element.
     pub fn size_of(self) -> usize {

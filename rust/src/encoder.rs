@@ -36,10 +36,7 @@ pub struct CommandEncoder {
 
 impl CommandEncoder {
     pub fn new(device: MlxDevice) -> Self {
-        CommandEncoder {
-            device,
-            pending: Vec::new(),
-        }
+        CommandEncoder { device, pending: Vec::new() }
     }
 
     pub fn device(&self) -> &MlxDevice {
@@ -67,9 +64,7 @@ impl CommandEncoder {
         for (index, arg) in args {
             let arg = match *arg {
                 KernelArg::Buffer(b) => BoundArg::Buffer(self.own(b, 0)?.binding()),
-                KernelArg::BufferWithOffset(b, off) => {
-                    BoundArg::Buffer(self.own(b, off)?.binding())
-                }
+                KernelArg::BufferWithOffset(b, off) => BoundArg::Buffer(self.own(b, off)?.binding()),
                 KernelArg::Bytes(bytes) => BoundArg::Bytes(bytes.to_vec()),
             };
             bound.push((*index, arg));

@@ -98,10 +98,7 @@ mod tests {
             MlxError::DeviceNotFound(String::new()),
             MlxError::BackendUnavailable(String::new()),
             MlxError::CommandBufferError(String::new()),
-            MlxError::ShaderCompilationError {
-                name: String::new(),
-                message: String::new(),
-            },
+            MlxError::ShaderCompilationError { name: String::new(), message: String::new() },
             MlxError::BufferAllocationError { bytes: 0 },
             MlxError::InvalidArgument(String::new()),
             MlxError::KernelNotFound(String::new()),
@@ -118,10 +115,7 @@ mod tests {
 
     #[test]
     fn messages_carry_their_detail() {
-        let e = MlxError::ShaderCompilationError {
-            name: "k".into(),
-            message: "line 3".into(),
-        };
+        let e = MlxError::ShaderCompilationError { name: "k".into(), message: "line 3".into() };
         assert_eq!(e.to_string(), "kernel k did not compile: line 3");
         let e = MlxError::BufferAllocationError { bytes: 12 };
         assert!(e.to_string().contains("12 bytes"));

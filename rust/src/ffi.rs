@@ -88,8 +88,7 @@ impl Object {
     }
 }
 
-static HANDLES: LazyLock<Mutex<HashMap<u64, Object>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
+static HANDLES: LazyLock<Mutex<HashMap<u64, Object>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
@@ -113,12 +112,10 @@ fn lookup<T>(h: u64, want: &str, pick: impl FnOnce(&Object) -> Option<T>) -> Res
     }
     let table = lock(&HANDLES);
     match table.get(&h) {
-        None => Err(MlxError::InvalidHandle(format!(
-            "{want} handle {h} is closed or was never issued"
-        ))),
-        Some(obj) => pick(obj).ok_or_else(|| {
-            MlxError::InvalidHandle(format!("handle {h} is a {}, not a {want}", obj.kind()))
-        }),
+        None => Err(MlxError::InvalidHandle(format!("{want} handle {h} is closed or was never issued"))),
+        Some(obj) => {
+            pick(obj).ok_or_else(|| MlxError::InvalidHandle(format!("handle {h} is a {}, not a {want}", obj.kind())))
+        }
     }
 }
 
@@ -163,13 +160,8 @@ fn release(h: u64, want: &str, is_kind: fn(&Object) -> bool) -> Result<()> {
     let mut table = lock(&HANDLES);
     match table.get(&h) {
         None if h == 0 => Err(MlxError::InvalidHandle(format!("null {want} handle"))),
-        None => Err(MlxError::InvalidHandle(format!(
-            "{want} handle {h} is closed or was never issued"
-        ))),
-        Some(o) if !is_kind(o) => Err(MlxError::InvalidHandle(format!(
-            "handle {h} is a {}, not a {want}",
-            o.kind()
-        ))),
+        None => Err(MlxError::InvalidHandle(format!("{want} handle {h} is closed or was never issued"))),
+        Some(o) if !is_kind(o) => Err(MlxError::InvalidHandle(format!("handle {h} is a {}, not a {want}", o.kind()))),
         Some(_) => {
             // Drop outside the lock: dropping an encoder or buffer may free memory.
             let obj = table.remove(&h);
@@ -213,9 +205,7 @@ fn guard(f: impl FnOnce() -> Result<()>) -> i32 {
 
 fn out_ptr<T>(p: *mut T, what: &str) -> Result<*mut T> {
     if p.is_null() {
-        Err(MlxError::InvalidArgument(format!(
-            "{what} is a null pointer"
-        )))
+        Err(MlxError::InvalidArgument(format!("{what} is a null pointer")))
     } else {
         Ok(p)
     }
@@ -223,36 +213,28 @@ fn out_ptr<T>(p: *mut T, what: &str) -> Result<*mut T> {
 
 unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
     if p.is_null() {
-        return Err(MlxError::InvalidArgument(format!(
-            "{what} is a null pointer"
-        )));
+        return Err(MlxError::InvalidArgument(format!("{what} is a null pointer")));
     }
-    CStr::from_ptr(p)
-        .to_str()
-        .map_err(|_| MlxError::InvalidArgument(format!("{what} is not UTF-8")))
+    CStr::from_ptr(p).to_str().map_err(|_| MlxError::InvalidArgument(format!("{what} is not UTF-8")))
 }
 
 unsafe fn shape_arg(shape: *const u64, ndim: usize) -> Result<Vec<usize>> {
     if ndim > MLXN_MAX_DIMS {
-        return Err(MlxError::InvalidArgument(format!(
-            "{ndim} dimensions, at most {MLXN_MAX_DIMS}"
-        )));
+        return Err(MlxError::InvalidArgument(format!("{ndim} dimensions, at most {MLXN_MAX_DIMS}")));
     }
     if ndim > 0 && shape.is_null() {
         return Err(MlxError::InvalidArgument("shape is a null pointer".into()));
     }
     (0..ndim)
         .map(|i| {
-            usize::try_from(*shape.add(i)).map_err(|_| {
-                MlxError::InvalidArgument("a dimension exceeds the address space".into())
-            })
+            usize::try_from(*shape.add(i))
+                .map_err(|_| MlxError::InvalidArgument("a dimension exceeds the address space".into()))
         })
         .collect()
 }
 
 fn dtype_arg(code: u32) -> Result<DType> {
-    DType::from_code(code)
-        .ok_or_else(|| MlxError::UnsupportedDtype(format!("no dtype has code {code}")))
+    DType::from_code(code).ok_or_else(|| MlxError::UnsupportedDtype(format!("no dtype has code {code}")))
 }
 
 /// Copy `s` (NUL-terminated) into `buf` of `cap` bytes, truncating; `needed` gets the full
@@ -282,8 +264,7 @@ fn backend_code(kind: BackendKind) -> u32 {
 /// The library version, a static NUL-terminated string.
 #[no_mangle]
 pub extern "C" fn mlxn_version() -> *const c_char {
-    static V: LazyLock<CString> =
-        LazyLock::new(|| CString::new(crate::VERSION).unwrap_or_default());
+    static V: LazyLock<CString> = LazyLock::new(|| CString::new(crate::VERSION).unwrap_or_default());
     V.as_ptr()
 }
 
@@ -300,14 +281,7 @@ pub extern "C" fn mlxn_last_error() -> *const c_char {
 /// `buf` must hold `cap` bytes (or be null); `needed` must be null or valid.
 #[no_mangle]
 pub unsafe extern "C" fn mlxn_backends(buf: *mut c_char, cap: usize, needed: *mut usize) -> i32 {
-    guard(|| {
-        write_string(
-            &crate::backend::available_backends().join(","),
-            buf,
-            cap,
-            needed,
-        )
-    })
+    guard(|| write_string(&crate::backend::available_backends().join(","), buf, cap, needed))
 }
 
 /// The CPU backend's facts: `isa=<in use>;detected=<a,b,..>;threads=<n>;memory=<bytes>`
@@ -338,11 +312,7 @@ pub unsafe extern "C" fn mlxn_cpu_info(buf: *mut c_char, cap: usize, needed: *mu
 #[no_mangle]
 pub unsafe extern "C" fn mlxn_cpu_force_isa(name: *const c_char) -> i32 {
     guard(|| {
-        let name = if name.is_null() {
-            None
-        } else {
-            Some(c_str(name, "name")?)
-        };
+        let name = if name.is_null() { None } else { Some(c_str(name, "name")?) };
         crate::backend::cpu::simd::force_isa(name)
     })
 }
@@ -387,10 +357,7 @@ pub unsafe extern "C" fn mlxn_device_open(backend: *const c_char, out: *mut u64)
         let out = out_ptr(out, "out")?;
         let name = c_str(backend, "backend")?;
         let device = MlxDevice::new(name)?;
-        let ctx = DeviceCtx {
-            device,
-            registry: Mutex::new(crate::default_registry()),
-        };
+        let ctx = DeviceCtx { device, registry: Mutex::new(crate::default_registry()) };
         *out = insert(Object::Device(Arc::new(ctx)));
         Ok(())
     })
@@ -430,16 +397,11 @@ pub unsafe extern "C" fn mlxn_device_info(
 /// # Safety
 /// `out` must be valid.
 #[no_mangle]
-pub unsafe extern "C" fn mlxn_flash_attn_prefill_tensor_available(
-    dev: u64,
-    head_dim: u32,
-    out: *mut i32,
-) -> i32 {
+pub unsafe extern "C" fn mlxn_flash_attn_prefill_tensor_available(dev: u64, head_dim: u32, out: *mut i32) -> i32 {
     guard(|| {
         let out = out_ptr(out, "out")?;
         let d = device(dev)?;
-        let ok =
-            fa::flash_attn_prefill_tensor_available(&mut lock(&d.registry), &d.device, head_dim)?;
+        let ok = fa::flash_attn_prefill_tensor_available(&mut lock(&d.registry), &d.device, head_dim)?;
         *out = ok as i32;
         Ok(())
     })
@@ -452,13 +414,7 @@ pub unsafe extern "C" fn mlxn_flash_attn_prefill_tensor_available(
 /// # Safety
 /// `shape` must hold `ndim` values; `out` must be valid.
 #[no_mangle]
-pub unsafe extern "C" fn mlxn_buffer_new(
-    dev: u64,
-    dtype: u32,
-    shape: *const u64,
-    ndim: usize,
-    out: *mut u64,
-) -> i32 {
+pub unsafe extern "C" fn mlxn_buffer_new(dev: u64, dtype: u32, shape: *const u64, ndim: usize, out: *mut u64) -> i32 {
     guard(|| {
         let out = out_ptr(out, "out")?;
         let d = device(dev)?;
@@ -550,12 +506,9 @@ pub unsafe extern "C" fn mlxn_cuda_compile_check(
     guard(|| {
         let arch = c_str(arch, "arch")?;
         if arch.is_empty() || !arch.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-            return Err(MlxError::InvalidArgument(format!(
-                "bad CUDA architecture {arch:?} (sm_90a, sm_80, ...)"
-            )));
+            return Err(MlxError::InvalidArgument(format!("bad CUDA architecture {arch:?} (sm_90a, sm_80, ...)")));
         }
-        let report =
-            crate::backend::cuda::compile_check(arch, &crate::default_registry().cuda_sources())?;
+        let report = crate::backend::cuda::compile_check(arch, &crate::default_registry().cuda_sources())?;
         write_string(&report, buf, cap, needed)
     })
 }
@@ -579,9 +532,7 @@ pub unsafe extern "C" fn mlxn_buffer_info(buf: u64, out: *mut MlxnBufferInfo) ->
             ndim: b.shape().len() as u32,
             shape,
             byte_len: b.data_byte_len() as u64,
-            host_ptr: b
-                .host_ptr()
-                .map_or(std::ptr::null_mut(), |p| p as *mut c_void),
+            host_ptr: b.host_ptr().map_or(std::ptr::null_mut(), |p| p as *mut c_void),
             backend,
         };
         Ok(())
@@ -593,9 +544,7 @@ fn lookup_backend_of(b: &MlxBuffer) -> u32 {
     table
         .values()
         .find_map(|o| match o {
-            Object::Device(d) if d.device.registry_id() == b.device_id() => {
-                Some(backend_code(d.device.backend_kind()))
-            }
+            Object::Device(d) if d.device.registry_id() == b.device_id() => Some(backend_code(d.device.backend_kind())),
             _ => None,
         })
         .unwrap_or_else(|| if b.host_ptr().is_some() { 0 } else { 1 })
@@ -606,12 +555,7 @@ fn lookup_backend_of(b: &MlxBuffer) -> u32 {
 /// # Safety
 /// `dst` must hold `n` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn mlxn_buffer_read(
-    buf: u64,
-    offset: usize,
-    dst: *mut c_void,
-    n: usize,
-) -> i32 {
+pub unsafe extern "C" fn mlxn_buffer_read(buf: u64, offset: usize, dst: *mut c_void, n: usize) -> i32 {
     guard(|| {
         let b = buffer(buf)?;
         if n == 0 {
@@ -627,12 +571,7 @@ pub unsafe extern "C" fn mlxn_buffer_read(
 /// # Safety
 /// `src` must hold `n` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn mlxn_buffer_write(
-    buf: u64,
-    offset: usize,
-    src: *const c_void,
-    n: usize,
-) -> i32 {
+pub unsafe extern "C" fn mlxn_buffer_write(buf: u64, offset: usize, src: *const c_void, n: usize) -> i32 {
     guard(|| {
         let b = buffer(buf)?;
         if n == 0 {
@@ -759,14 +698,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill_tensor_f16(
         }
         let p = *params;
         let e = encoder(enc)?;
-        let (q, k, v, mask, blk, out) = (
-            buffer(q)?,
-            buffer(k)?,
-            buffer(v)?,
-            buffer(mask)?,
-            buffer(blk)?,
-            buffer(out)?,
-        );
+        let (q, k, v, mask, blk, out) = (buffer(q)?, buffer(k)?, buffer(v)?, buffer(mask)?, buffer(blk)?, buffer(out)?);
         let mut encoder = lock(&e.encoder);
         let mut registry = lock(&e.ctx.registry);
         fa::dispatch_flash_attn_prefill_tensor_f16(
@@ -798,12 +730,7 @@ pub extern "C" fn mlxn_dispatch_flash_attn_prefill_blk(
     guard(|| {
         let e = encoder(enc)?;
         let (mask, blk) = (buffer(mask)?, buffer(blk)?);
-        let p = FlashAttnPrefillBlkParams {
-            rows,
-            kv_pad,
-            bq,
-            bk,
-        };
+        let p = FlashAttnPrefillBlkParams { rows, kv_pad, bq, bk };
         let mut encoder = lock(&e.encoder);
         let mut registry = lock(&e.ctx.registry);
         flash_attn_prefill_blk::dispatch_flash_attn_prefill_blk(
@@ -852,9 +779,7 @@ pub unsafe extern "C" fn mlxn_kv_pad(kv_len: u32, out: *mut u32) -> i32 {
     guard(|| {
         let out = out_ptr(out, "out")?;
         if kv_len > u32::MAX - (fa::CACHE_ROWS_PER_STEP - 1) {
-            return Err(MlxError::InvalidArgument(format!(
-                "kv_len {kv_len} cannot be padded in 32 bits"
-            )));
+            return Err(MlxError::InvalidArgument(format!("kv_len {kv_len} cannot be padded in 32 bits")));
         }
         *out = fa::kv_pad(kv_len);
         Ok(())
@@ -896,15 +821,8 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
         let p = *params;
         let e = encoder(enc)?;
         let (q, k, v, out) = (buffer(q)?, buffer(k)?, buffer(v)?, buffer(out)?);
-        let (mask, blk, lse) = (
-            optional_buffer(mask)?,
-            optional_buffer(blk)?,
-            optional_buffer(lse)?,
-        );
-        let (cu_q, cu_k) = (
-            optional_buffer(cu_seqlens_q)?,
-            optional_buffer(cu_seqlens_k)?,
-        );
+        let (mask, blk, lse) = (optional_buffer(mask)?, optional_buffer(blk)?, optional_buffer(lse)?);
+        let (cu_q, cu_k) = (optional_buffer(cu_seqlens_q)?, optional_buffer(cu_seqlens_k)?);
         let b = FlashAttnPrefillBuffers {
             q: &q,
             k: &k,
@@ -943,14 +861,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill_mask_blk(
         let (mask, blk) = (buffer(mask)?, buffer(blk)?);
         let mut encoder = lock(&e.encoder);
         let mut registry = lock(&e.ctx.registry);
-        prefill::dispatch_flash_attn_prefill_mask_blk(
-            &mut encoder,
-            &mut registry,
-            &e.ctx.device,
-            &mask,
-            &blk,
-            &p,
-        )
+        prefill::dispatch_flash_attn_prefill_mask_blk(&mut encoder, &mut registry, &e.ctx.device, &mask, &blk, &p)
     })
 }
 
@@ -1018,9 +929,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
         let flag = |x: i32, name: &str| match x {
             0 => Ok(false),
             1 => Ok(true),
-            _ => Err(MlxError::InvalidArgument(format!(
-                "{name} must be 0 or 1, got {x}"
-            ))),
+            _ => Err(MlxError::InvalidArgument(format!("{name} must be 0 or 1, got {x}"))),
         };
         let operands = PrefillOperands {
             q_dtype: dtype_arg(q_dtype)?,
@@ -1032,7 +941,9 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
         let n = p.batch as usize + 1;
         let cu = match (cu_seqlens_q.is_null(), cu_seqlens_k.is_null()) {
             (true, true) => None,
-            (false, false) => Some((std::slice::from_raw_parts(cu_seqlens_q, n), std::slice::from_raw_parts(cu_seqlens_k, n))),
+            (false, false) => {
+                Some((std::slice::from_raw_parts(cu_seqlens_q, n), std::slice::from_raw_parts(cu_seqlens_k, n)))
+            }
             _ => {
                 return Err(MlxError::InvalidArgument(
                     "flash_attn_prefill: cu_seqlens_q and cu_seqlens_k go together: give both or neither".into(),
@@ -1050,23 +961,12 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
 /// # Safety
 /// `out` must be valid.
 #[no_mangle]
-pub unsafe extern "C" fn mlxn_prefill_plan_extents(
-    plan_handle: u64,
-    out: *mut MlxnPrefillExtents,
-) -> i32 {
+pub unsafe extern "C" fn mlxn_prefill_plan_extents(plan_handle: u64, out: *mut MlxnPrefillExtents) -> i32 {
     guard(|| {
         let out = out_ptr(out, "out")?;
         let pc = plan(plan_handle)?;
         let e = pc.plan.extents();
-        *out = MlxnPrefillExtents {
-            q: e.q,
-            k: e.k,
-            v: e.v,
-            out: e.out,
-            mask: e.mask,
-            blk: e.blk,
-            lse: e.lse,
-        };
+        *out = MlxnPrefillExtents { q: e.q, k: e.k, v: e.v, out: e.out, mask: e.mask, blk: e.blk, lse: e.lse };
         Ok(())
     })
 }
@@ -1099,48 +999,26 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
         let kb = p.wrap("k", k, e.k, o.kv_dtype)?;
         let vb = p.wrap("v", v, e.v, o.kv_dtype)?;
         let ob = p.wrap("out", out, e.out, o.out_dtype)?;
-        let optional = |name: &str,
-                        addr: u64,
-                        present: bool,
-                        elems: u64,
-                        dtype: DType|
-         -> Result<Option<MlxBuffer>> {
+        let optional = |name: &str, addr: u64, present: bool, elems: u64, dtype: DType| -> Result<Option<MlxBuffer>> {
             match (addr, present) {
                 (0, false) => Ok(None),
-                (0, true) => Err(MlxError::InvalidArgument(format!(
-                    "flash_attn_prefill: this plan needs {name}"
-                ))),
-                (_, false) => Err(MlxError::InvalidArgument(format!(
-                    "flash_attn_prefill: this plan has no {name}: pass 0"
-                ))),
+                (0, true) => Err(MlxError::InvalidArgument(format!("flash_attn_prefill: this plan needs {name}"))),
+                (_, false) => {
+                    Err(MlxError::InvalidArgument(format!("flash_attn_prefill: this plan has no {name}: pass 0")))
+                }
                 (a, true) => p.wrap(name, a, elems, dtype).map(Some),
             }
         };
         let mb = optional("mask", mask, o.mask, e.mask, DType::F16)?;
         let lb = optional("lse", lse, o.lse, e.lse, DType::F32)?;
-        let b = PrefillRunBuffers {
-            q: &qb,
-            k: &kb,
-            v: &vb,
-            out: &ob,
-            mask: mb.as_ref(),
-            lse: lb.as_ref(),
-        };
+        let b = PrefillRunBuffers { q: &qb, k: &kb, v: &vb, out: &ob, mask: mb.as_ref(), lse: lb.as_ref() };
         let mut registry = lock(&pc.ctx.registry);
-        p.run(
-            &mut registry,
-            &b,
-            if stream == 0 { None } else { Some(stream) },
-        )
+        p.run(&mut registry, &b, if stream == 0 { None } else { Some(stream) })
     })
 }
 
 /// Free a prefill plan.
 #[no_mangle]
 pub extern "C" fn mlxn_prefill_plan_free(plan_handle: u64) -> i32 {
-    guard(|| {
-        release(plan_handle, "prefill plan", |o| {
-            matches!(o, Object::Plan(_))
-        })
-    })
+    guard(|| release(plan_handle, "prefill plan", |o| matches!(o, Object::Plan(_))))
 }

@@ -27,17 +27,11 @@ pub struct GridSize {
 
 impl GridSize {
     pub const fn new(width: u64, height: u64, depth: u64) -> Self {
-        GridSize {
-            width,
-            height,
-            depth,
-        }
+        GridSize { width, height, depth }
     }
     /// width * height * depth (saturating).
     pub fn count(&self) -> u64 {
-        self.width
-            .saturating_mul(self.height)
-            .saturating_mul(self.depth)
+        self.width.saturating_mul(self.height).saturating_mul(self.depth)
     }
 }
 
@@ -95,11 +89,7 @@ pub struct BufferBinding {
 
 impl std::fmt::Debug for BufferBinding {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "BufferBinding({} bytes of {} at {})",
-            self.byte_len, self.dtype, self.byte_offset
-        )
+        write!(f, "BufferBinding({} bytes of {} at {})", self.byte_len, self.dtype, self.byte_offset)
     }
 }
 
@@ -107,15 +97,11 @@ impl BufferBinding {
     /// Host address of the range's first byte, where the memory is host-visible.
     pub fn host_ptr(&self) -> Option<*mut u8> {
         // SAFETY: byte_offset <= memory.len() (the buffer that made the binding checked it).
-        self.memory
-            .host_ptr()
-            .map(|p| unsafe { p.add(self.byte_offset) })
+        self.memory.host_ptr().map(|p| unsafe { p.add(self.byte_offset) })
     }
     /// Device address of the range's first byte, for device memory.
     pub fn device_addr(&self) -> Option<u64> {
-        self.memory
-            .device_addr()
-            .map(|a| a + self.byte_offset as u64)
+        self.memory.device_addr().map(|a| a + self.byte_offset as u64)
     }
 }
 
@@ -132,11 +118,7 @@ pub struct SourceFile {
 impl SourceFile {
     /// A file that includes nothing of the library's.
     pub const fn single(name: &'static str, text: &'static str) -> Self {
-        SourceFile {
-            name,
-            text,
-            headers: &[],
-        }
+        SourceFile { name, text, headers: &[] }
     }
 }
 
@@ -168,11 +150,7 @@ impl std::fmt::Debug for Pipeline {
 impl Pipeline {
     /// A pipeline whose backend-specific state is `inner`.
     pub fn new(name: &str, max_threads: u64, inner: Arc<dyn Any + Send + Sync>) -> Self {
-        Pipeline {
-            name: name.into(),
-            max_threads,
-            inner,
-        }
+        Pipeline { name: name.into(), max_threads, inner }
     }
     pub fn name(&self) -> &str {
         &self.name
@@ -210,19 +188,14 @@ impl Dispatch {
     pub fn buffer(&self, index: u64) -> Result<&BufferBinding> {
         match self.args.iter().find(|(i, _)| *i == index) {
             Some((_, BoundArg::Buffer(b))) => Ok(b),
-            _ => Err(MlxError::Internal(format!(
-                "{}: no buffer bound at index {index}",
-                self.pipeline.name()
-            ))),
+            _ => Err(MlxError::Internal(format!("{}: no buffer bound at index {index}", self.pipeline.name()))),
         }
     }
 
     /// The constant block bound at `index`, read as `T` (the op's params mirror).
     pub fn constant<T: bytemuck::Pod>(&self, index: u64) -> Result<T> {
         match self.args.iter().find(|(i, _)| *i == index) {
-            Some((_, BoundArg::Bytes(b))) if b.len() == std::mem::size_of::<T>() => {
-                Ok(bytemuck::pod_read_unaligned(b))
-            }
+            Some((_, BoundArg::Bytes(b))) if b.len() == std::mem::size_of::<T>() => Ok(bytemuck::pod_read_unaligned(b)),
             _ => Err(MlxError::Internal(format!(
                 "{}: no {}-byte constant bound at index {index}",
                 self.pipeline.name(),
@@ -233,10 +206,7 @@ impl Dispatch {
 
     /// Bytes of the threadgroup memory block `index`.
     pub fn shared_bytes(&self, index: u64) -> u64 {
-        self.shared
-            .iter()
-            .find(|(i, _)| *i == index)
-            .map_or(0, |(_, b)| *b)
+        self.shared.iter().find(|(i, _)| *i == index).map_or(0, |(_, b)| *b)
     }
 }
 
@@ -271,19 +241,13 @@ pub trait Backend: Send + Sync {
     /// The region must stay allocated while any buffer that wraps it exists.
     unsafe fn wrap_device(&self, addr: u64, bytes: usize) -> Result<Arc<dyn Memory>> {
         let _ = (addr, bytes);
-        Err(MlxError::InvalidArgument(format!(
-            "the {} backend has no device memory to wrap",
-            self.kind().name()
-        )))
+        Err(MlxError::InvalidArgument(format!("the {} backend has no device memory to wrap", self.kind().name())))
     }
     /// Wait until the work queued on another library's stream (a CUDA stream handle) is
     /// done, before this device uses memory that work writes. Backends without streams
     /// refuse.
     fn wait_stream(&self, stream: u64) -> Result<()> {
         let _ = stream;
-        Err(MlxError::InvalidArgument(format!(
-            "the {} backend has no streams",
-            self.kind().name()
-        )))
+        Err(MlxError::InvalidArgument(format!("the {} backend has no streams", self.kind().name())))
     }
 }

@@ -58,9 +58,10 @@ impl KernelRegistry {
     pub fn get_pipeline(&mut self, name: &str, device: &MlxDevice) -> Result<&Pipeline> {
         let key = (device.registry_id(), name.to_string());
         if !self.pipelines.contains_key(&key) {
-            let source = self.sources.get(name).ok_or_else(|| {
-                MlxError::KernelNotFound(format!("no kernel named {name} is registered"))
-            })?;
+            let source = self
+                .sources
+                .get(name)
+                .ok_or_else(|| MlxError::KernelNotFound(format!("no kernel named {name} is registered")))?;
             let pipeline = device.backend().compile(name, source)?;
             self.pipelines.insert(key.clone(), pipeline);
         }
@@ -82,14 +83,8 @@ impl KernelRegistry {
             return Ok(p.clone());
         }
         let probe = match self.get_pipeline(name, device) {
-            Ok(_) => PipelineProbe {
-                available: true,
-                reason: None,
-            },
-            Err(e) if classifier(&e) => PipelineProbe {
-                available: false,
-                reason: Some(e.to_string()),
-            },
+            Ok(_) => PipelineProbe { available: true, reason: None },
+            Err(e) if classifier(&e) => PipelineProbe { available: false, reason: Some(e.to_string()) },
             Err(e) => return Err(e),
         };
         self.probes.insert(key, probe.clone());

@@ -50,19 +50,9 @@ mod tests {
         let names = registry.kernel_names();
         assert_eq!(names.len(), 6, "{names:?}");
         for name in names {
-            assert!(
-                crate::backend::cpu::kernel(name).is_some(),
-                "{name}: no CPU form"
-            );
-            assert!(
-                crate::backend::cuda::kernel(name).is_some(),
-                "{name}: no CUDA launcher"
-            );
-            assert_eq!(
-                crate::backend::metal::function_of(name),
-                name,
-                "{name}: no Metal function"
-            );
+            assert!(crate::backend::cpu::kernel(name).is_some(), "{name}: no CPU form");
+            assert!(crate::backend::cuda::kernel(name).is_some(), "{name}: no CUDA launcher");
+            assert_eq!(crate::backend::metal::function_of(name), name, "{name}: no Metal function");
         }
         assert!(crate::backend::cpu::kernel("no_such_kernel").is_none());
         assert!(crate::backend::cuda::kernel("no_such_kernel").is_none());

@@ -56,27 +56,14 @@ impl FlashAttnPrefillTensorParamsGpu {
             self.v_head_stride,
             self.mask_row_stride,
         ];
-        if dims.iter().any(|&x| x < 0)
-            || self.rows == 0
-            || self.n_heads == 0
-            || self.n_kv_heads == 0
-        {
+        if dims.iter().any(|&x| x < 0) || self.rows == 0 || self.n_heads == 0 || self.n_kv_heads == 0 {
             return None;
         }
-        if self.kv_pad == 0
-            || self.kv_pad % 64 != 0
-            || self.n_heads % self.n_kv_heads != 0
-            || bq == 0
-        {
+        if self.kv_pad == 0 || self.kv_pad % 64 != 0 || self.n_heads % self.n_kv_heads != 0 || bq == 0 {
             return None;
         }
         let u = |x: i32| x as u64;
-        let (rows, nh, nkv, kvp) = (
-            u(self.rows),
-            u(self.n_heads),
-            u(self.n_kv_heads),
-            u(self.kv_pad),
-        );
+        let (rows, nh, nkv, kvp) = (u(self.rows), u(self.n_heads), u(self.n_kv_heads), u(self.kv_pad));
         let span = |last_row: u64, rs: i32, last_head: u64, hs: i32, width: u64, esz: u64| {
             last_row
                 .saturating_mul(u(rs))
@@ -85,36 +72,12 @@ impl FlashAttnPrefillTensorParamsGpu {
                 .saturating_mul(esz)
         };
         Some(AttentionExtents {
-            q: span(
-                rows - 1,
-                self.q_row_stride,
-                nh - 1,
-                self.q_head_stride,
-                head_dim,
-                4,
-            ),
-            k: span(
-                kvp - 1,
-                self.k_row_stride,
-                nkv - 1,
-                self.k_head_stride,
-                head_dim,
-                2,
-            ),
-            v: span(
-                kvp - 1,
-                self.v_row_stride,
-                nkv - 1,
-                self.v_head_stride,
-                head_dim,
-                2,
-            ),
+            q: span(rows - 1, self.q_row_stride, nh - 1, self.q_head_stride, head_dim, 4),
+            k: span(kvp - 1, self.k_row_stride, nkv - 1, self.k_head_stride, head_dim, 2),
+            v: span(kvp - 1, self.v_row_stride, nkv - 1, self.v_head_stride, head_dim, 2),
             mask: span(rows - 1, self.mask_row_stride, 0, 0, kvp, 2),
             blk: rows.div_ceil(bq).saturating_mul(kvp / 64),
-            out: rows
-                .saturating_mul(nh)
-                .saturating_mul(head_dim)
-                .saturating_mul(4),
+            out: rows.saturating_mul(nh).saturating_mul(head_dim).saturating_mul(4),
         })
     }
 }
@@ -132,19 +95,11 @@ pub struct FlashAttnPrefillBlkParamsGpu {
 impl FlashAttnPrefillBlkParamsGpu {
     /// Bytes of the mask and of the table, `None` for a shape that breaks the op's contract.
     pub fn extents(&self) -> Option<(u64, u64)> {
-        if self.rows <= 0
-            || self.kv_pad <= 0
-            || self.bq <= 0
-            || self.bk <= 0
-            || self.kv_pad % self.bk != 0
-        {
+        if self.rows <= 0 || self.kv_pad <= 0 || self.bq <= 0 || self.bk <= 0 || self.kv_pad % self.bk != 0 {
             return None;
         }
         let (rows, kvp) = (self.rows as u64, self.kv_pad as u64);
-        Some((
-            rows * kvp * 2,
-            rows.div_ceil(self.bq as u64) * (kvp / self.bk as u64),
-        ))
+        Some((rows * kvp * 2, rows.div_ceil(self.bq as u64) * (kvp / self.bk as u64)))
     }
 }
 
@@ -222,14 +177,7 @@ impl FlashAttnPrefillParamsGpu {
     /// op checks its buffers against it, and a backend that writes memory relies on it.
     /// `None` for a block no op makes (a negative field).
     pub fn extents(&self) -> Option<PrefillExtents> {
-        let fields = [
-            self.batch,
-            self.rows,
-            self.kv_len,
-            self.n_heads,
-            self.n_kv_heads,
-            self.head_dim,
-        ];
+        let fields = [self.batch, self.rows, self.kv_len, self.n_heads, self.n_kv_heads, self.head_dim];
         let strides = [
             self.q_batch_stride,
             self.q_row_stride,
@@ -249,28 +197,15 @@ impl FlashAttnPrefillParamsGpu {
             self.lse_head_stride,
             self.blk_batch_stride,
         ];
-        if fields.iter().any(|&x| x < 0)
-            || strides.iter().any(|&x| x < 0)
-            || self.blk_rows < 0
-            || self.blk_steps < 0
-        {
+        if fields.iter().any(|&x| x < 0) || strides.iter().any(|&x| x < 0) || self.blk_rows < 0 || self.blk_steps < 0 {
             return None;
         }
         let u = |x: i32| x as u64;
         let w = |x: i64| x as u64;
         // Variable length: one batch of all the rows (the batch strides are 0).
-        let seqs = if self.flags & PREFILL_VARLEN != 0 {
-            u(self.batch).min(1)
-        } else {
-            u(self.batch)
-        };
-        let (rows, kvl, nh, nkv, hd) = (
-            u(self.rows),
-            u(self.kv_len),
-            u(self.n_heads),
-            u(self.n_kv_heads),
-            u(self.head_dim),
-        );
+        let seqs = if self.flags & PREFILL_VARLEN != 0 { u(self.batch).min(1) } else { u(self.batch) };
+        let (rows, kvl, nh, nkv, hd) =
+            (u(self.rows), u(self.kv_len), u(self.n_heads), u(self.n_kv_heads), u(self.head_dim));
         let span = |n: [u64; 3], s: [u64; 3], width: u64| -> u64 {
             if n.contains(&0) || width == 0 {
                 return 0;
@@ -283,75 +218,21 @@ impl FlashAttnPrefillParamsGpu {
         };
         let mask = self.flags & PREFILL_MASK != 0;
         let lse = self.flags & PREFILL_LSE != 0;
-        let masks = if self.mask_batch_stride == 0 {
-            u(self.batch).min(1)
-        } else {
-            u(self.batch)
-        };
-        let tables = if self.blk_batch_stride == 0 {
-            u(self.batch).min(1)
-        } else {
-            u(self.batch)
-        };
+        let masks = if self.mask_batch_stride == 0 { u(self.batch).min(1) } else { u(self.batch) };
+        let tables = if self.blk_batch_stride == 0 { u(self.batch).min(1) } else { u(self.batch) };
         Some(PrefillExtents {
-            q: span(
-                [seqs, rows, nh],
-                [
-                    w(self.q_batch_stride),
-                    w(self.q_row_stride),
-                    w(self.q_head_stride),
-                ],
-                hd,
-            ),
-            k: span(
-                [seqs, kvl, nkv],
-                [
-                    w(self.k_batch_stride),
-                    w(self.k_row_stride),
-                    w(self.k_head_stride),
-                ],
-                hd,
-            ),
-            v: span(
-                [seqs, kvl, nkv],
-                [
-                    w(self.v_batch_stride),
-                    w(self.v_row_stride),
-                    w(self.v_head_stride),
-                ],
-                hd,
-            ),
-            out: span(
-                [seqs, rows, nh],
-                [
-                    w(self.o_batch_stride),
-                    w(self.o_row_stride),
-                    w(self.o_head_stride),
-                ],
-                hd,
-            ),
+            q: span([seqs, rows, nh], [w(self.q_batch_stride), w(self.q_row_stride), w(self.q_head_stride)], hd),
+            k: span([seqs, kvl, nkv], [w(self.k_batch_stride), w(self.k_row_stride), w(self.k_head_stride)], hd),
+            v: span([seqs, kvl, nkv], [w(self.v_batch_stride), w(self.v_row_stride), w(self.v_head_stride)], hd),
+            out: span([seqs, rows, nh], [w(self.o_batch_stride), w(self.o_row_stride), w(self.o_head_stride)], hd),
             mask: if mask {
-                span(
-                    [masks, rows, 1],
-                    [w(self.mask_batch_stride), w(self.mask_row_stride), 0],
-                    kvl,
-                )
+                span([masks, rows, 1], [w(self.mask_batch_stride), w(self.mask_row_stride), 0], kvl)
             } else {
                 0
             },
-            blk: if mask {
-                tables
-                    .saturating_mul(u(self.blk_rows))
-                    .saturating_mul(u(self.blk_steps))
-            } else {
-                0
-            },
+            blk: if mask { tables.saturating_mul(u(self.blk_rows)).saturating_mul(u(self.blk_steps)) } else { 0 },
             lse: if lse {
-                span(
-                    [seqs, nh, 1],
-                    [w(self.lse_batch_stride), w(self.lse_head_stride), 0],
-                    rows,
-                )
+                span([seqs, nh, 1], [w(self.lse_batch_stride), w(self.lse_head_stride), 0], rows)
             } else {
                 0
             },
@@ -472,7 +353,8 @@ pub const PREFILL_FIELDS: &[Field] = fields!(FlashAttnPrefillParamsGpu: q_batch_
     flags, q_dtype, o_dtype, blk_rows, blk_steps, blk_bq, scale, offset);
 
 /// The fields of [`FlashAttnPrefillMaskBlkParamsGpu`], in order.
-pub const MASK_BLK_FIELDS: &[Field] = fields!(FlashAttnPrefillMaskBlkParamsGpu: mask_batch_stride, mask_row_stride, batch, rows, kv_len, bq, bk, steps);
+pub const MASK_BLK_FIELDS: &[Field] =
+    fields!(FlashAttnPrefillMaskBlkParamsGpu: mask_batch_stride, mask_row_stride, batch, rows, kv_len, bq, bk, steps);
 
 #[cfg(test)]
 mod tests {
@@ -483,19 +365,13 @@ mod tests {
     /// 64-bit integer) fields, each at its natural alignment (anything else fails the
     /// parse, and the test with it), and their sizes ([`device_fields`]: names and offsets).
     fn device_layout(source: &str, name: &str) -> Vec<(String, usize, usize)> {
-        let start = source
-            .find(&format!("struct {name} {{"))
-            .unwrap_or_else(|| panic!("no struct {name}"));
+        let start = source.find(&format!("struct {name} {{")).unwrap_or_else(|| panic!("no struct {name}"));
         let body = &source[start..];
         let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
         let mut out = Vec::new();
         let mut offset = 0usize;
         for decl in body.split(';') {
-            let decl: String = decl
-                .lines()
-                .map(|l| l.split("//").next().unwrap())
-                .collect::<Vec<_>>()
-                .join(" ");
+            let decl: String = decl.lines().map(|l| l.split("//").next().unwrap()).collect::<Vec<_>>().join(" ");
             let decl = decl.trim();
             if decl.is_empty() {
                 continue;
@@ -521,35 +397,22 @@ mod tests {
     }
 
     fn device_fields(source: &str, name: &str) -> Vec<(String, usize)> {
-        device_layout(source, name)
-            .into_iter()
-            .map(|(n, offset, _)| (n, offset))
-            .collect()
+        device_layout(source, name).into_iter().map(|(n, offset, _)| (n, offset)).collect()
     }
 
     /// The sizes of [`device_layout`]'s fields.
     fn device_sizes(source: &str, name: &str) -> Vec<usize> {
-        device_layout(source, name)
-            .into_iter()
-            .map(|(_, _, size)| size)
-            .collect()
+        device_layout(source, name).into_iter().map(|(_, _, size)| size).collect()
     }
 
     /// Each field's size in a block without padding (`total` its size): the gap to the next.
     fn rust_sizes(fields: &[Field], total: usize) -> Vec<usize> {
         let ends = fields.iter().skip(1).map(|f| f.offset).chain([total]);
-        fields
-            .iter()
-            .zip(ends)
-            .map(|(f, end)| end - f.offset)
-            .collect()
+        fields.iter().zip(ends).map(|(f, end)| end - f.offset).collect()
     }
 
     fn rust_fields(fields: &[Field]) -> Vec<(String, usize)> {
-        fields
-            .iter()
-            .map(|f| (f.name.to_string(), f.offset))
-            .collect()
+        fields.iter().map(|f| (f.name.to_string(), f.offset)).collect()
     }
 
     #[test]
@@ -607,63 +470,33 @@ mod tests {
     fn metal_declares_the_same_prefill_block() {
         let metal = include_str!("../../shaders/flash_attn_prefill_tensor.metal");
         let name = "FlashAttnPrefillParams";
-        assert_eq!(
-            device_fields(metal, name),
-            rust_fields(PREFILL_FIELDS),
-            "the .metal struct drifted"
-        );
+        assert_eq!(device_fields(metal, name), rust_fields(PREFILL_FIELDS), "the .metal struct drifted");
         let size = std::mem::size_of::<FlashAttnPrefillParamsGpu>();
-        assert_eq!(
-            device_sizes(metal, name),
-            rust_sizes(PREFILL_FIELDS, size),
-            "a .metal field has another size"
-        );
+        assert_eq!(device_sizes(metal, name), rust_sizes(PREFILL_FIELDS, size), "a .metal field has another size");
     }
 
     #[test]
     fn metal_declares_the_same_mask_blk_block() {
         let metal = include_str!("../../shaders/flash_attn_prefill_blk.metal");
         let name = "FlashAttnPrefillMaskBlkParams";
-        assert_eq!(
-            device_fields(metal, name),
-            rust_fields(MASK_BLK_FIELDS),
-            "the .metal struct drifted"
-        );
+        assert_eq!(device_fields(metal, name), rust_fields(MASK_BLK_FIELDS), "the .metal struct drifted");
         let size = std::mem::size_of::<FlashAttnPrefillMaskBlkParamsGpu>();
-        assert_eq!(
-            device_sizes(metal, name),
-            rust_sizes(MASK_BLK_FIELDS, size),
-            "a .metal field has another size"
-        );
+        assert_eq!(device_sizes(metal, name), rust_sizes(MASK_BLK_FIELDS, size), "a .metal field has another size");
     }
 
     #[test]
     fn an_int_where_the_block_has_a_long_is_seen_by_its_size() {
         // The offsets may still agree (the next long is aligned to 8); the sizes do not.
-        let narrowed =
-            "struct Q {\n long q_batch_stride;\n int q_row_stride;\n long q_head_stride;\n};";
-        assert_eq!(
-            device_fields(narrowed, "Q"),
-            rust_fields(&PREFILL_FIELDS[..3])
-        );
+        let narrowed = "struct Q {\n long q_batch_stride;\n int q_row_stride;\n long q_head_stride;\n};";
+        assert_eq!(device_fields(narrowed, "Q"), rust_fields(&PREFILL_FIELDS[..3]));
         assert_eq!(device_sizes(narrowed, "Q"), vec![8, 4, 8]);
-        assert_ne!(
-            device_sizes(narrowed, "Q"),
-            rust_sizes(&PREFILL_FIELDS[..3], 24)
-        );
+        assert_ne!(device_sizes(narrowed, "Q"), rust_sizes(&PREFILL_FIELDS[..3], 24));
     }
 
     #[test]
     fn sixty_four_bit_fields_are_aligned() {
         let f = device_fields("struct P {\n int a;\n long long b;\n float c;\n};", "P");
-        assert_eq!(
-            f,
-            vec![
-                ("a".to_string(), 0),
-                ("b".to_string(), 8),
-                ("c".to_string(), 16)
-            ]
-        );
+        assert_eq!(f, vec![("a".to_string(), 0), ("b".to_string(), 8), ("c".to_string(), 16)]);
     }
 
     #[test]
@@ -696,11 +529,7 @@ mod tests {
         assert_eq!(e.mask, (32 * 128 + 128) * 2);
         assert_eq!(e.blk, 2 * 2);
         assert_eq!(e.out, 33 * 4 * 256 * 4);
-        assert!(FlashAttnPrefillTensorParamsGpu { kv_pad: 100, ..p }
-            .extents(256, 32)
-            .is_none());
-        assert!(FlashAttnPrefillTensorParamsGpu { rows: -1, ..p }
-            .extents(256, 32)
-            .is_none());
+        assert!(FlashAttnPrefillTensorParamsGpu { kv_pad: 100, ..p }.extents(256, 32).is_none());
+        assert!(FlashAttnPrefillTensorParamsGpu { rows: -1, ..p }.extents(256, 32).is_none());
     }
 }

@@ -10,11 +10,7 @@ use std::process::Command;
 fn library_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("the test's path");
     let dir = exe.parent().expect("target/<profile>/deps").to_path_buf();
-    let lib = dir.join(if cfg!(target_os = "macos") {
-        "libmlx_native.dylib"
-    } else {
-        "libmlx_native.so"
-    });
+    let lib = dir.join(if cfg!(target_os = "macos") { "libmlx_native.dylib" } else { "libmlx_native.so" });
     assert!(lib.exists(), "{} was not built", lib.display());
     dir
 }
@@ -35,22 +31,10 @@ fn the_c_example_runs_a_prefill_through_the_header() {
         .arg(&exe)
         .output()
         .unwrap_or_else(|e| panic!("{cc} could not run: {e}"));
-    assert!(
-        build.status.success(),
-        "the example did not build:\n{}",
-        String::from_utf8_lossy(&build.stderr)
-    );
-    let run = Command::new(&exe)
-        .env("LD_LIBRARY_PATH", &lib)
-        .env("DYLD_LIBRARY_PATH", &lib)
-        .output()
-        .unwrap();
+    assert!(build.status.success(), "the example did not build:\n{}", String::from_utf8_lossy(&build.stderr));
+    let run = Command::new(&exe).env("LD_LIBRARY_PATH", &lib).env("DYLD_LIBRARY_PATH", &lib).output().unwrap();
     let _ = std::fs::remove_file(&exe);
     let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "the example failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    assert!(run.status.success(), "the example failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
     assert!(stdout.contains("NMSE"), "{stdout}");
 }

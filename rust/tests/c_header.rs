@@ -7,8 +7,7 @@ use std::path::Path;
 #[test]
 fn the_committed_c_header_is_the_generated_one() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let config = cbindgen::Config::from_file(root.join("include/cbindgen.toml"))
-        .expect("include/cbindgen.toml");
+    let config = cbindgen::Config::from_file(root.join("include/cbindgen.toml")).expect("include/cbindgen.toml");
     let mut generated = Vec::new();
     cbindgen::Builder::new()
         .with_crate(root)
@@ -26,12 +25,7 @@ fn the_committed_c_header_is_the_generated_one() {
         committed == generated,
         "include/mlx_native.h is not what cbindgen makes of rust/src/ffi.rs: run `MLXN_WRITE_HEADER=1 cargo test --test c_header`"
     );
-    for name in [
-        "mlxn_prefill_plan_new",
-        "mlxn_prefill_plan_run",
-        "MlxnFlashAttnPrefillParams",
-        "mlxn_last_error",
-    ] {
+    for name in ["mlxn_prefill_plan_new", "mlxn_prefill_plan_run", "MlxnFlashAttnPrefillParams", "mlxn_last_error"] {
         assert!(generated.contains(name), "the header lacks {name}");
     }
 }

@@ -15,11 +15,9 @@ use sha2::{Digest, Sha256};
 const FILE: &str = "toy.cu";
 const ARCH: &str = "sm_80";
 /// The kernel the library asks for.
-const REAL: &str =
-    r#"extern "C" __global__ void toy_fill(float* out) { out[threadIdx.x] = 1.0f; }"#;
+const REAL: &str = r#"extern "C" __global__ void toy_fill(float* out) { out[threadIdx.x] = 1.0f; }"#;
 /// Another user's kernel: the same entry point, a wrong result (zeros).
-const PLANTED: &str =
-    r#"extern "C" __global__ void toy_fill(float* out) { out[threadIdx.x] = 0.0f; }"#;
+const PLANTED: &str = r#"extern "C" __global__ void toy_fill(float* out) { out[threadIdx.x] = 0.0f; }"#;
 /// A user id that is not ours (`nobody`), for the cases that need root to chown.
 const OTHER_UID: u32 = 65534;
 
@@ -40,18 +38,11 @@ fn have_nvrtc() -> bool {
 }
 
 fn compile(source: &str) -> Vec<u8> {
-    nvrtc::nvrtc()
-        .unwrap()
-        .compile(FILE, source, &nvrtc::options(ARCH))
-        .unwrap()
-        .0
+    nvrtc::nvrtc().unwrap().compile(FILE, source, &nvrtc::options(ARCH)).unwrap().0
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn chmod(p: &Path, mode: u32) {
@@ -106,10 +97,7 @@ fn hash_name() -> String {
 
 /// Put `bytes` under the cubin's predictable name in `dir`, with a matching hash file.
 fn plant(dir: &Path, bytes: &[u8], file_mode: u32) {
-    for (n, b) in [
-        (name(), bytes.to_vec()),
-        (hash_name(), format!("{}\n", sha256_hex(bytes)).into_bytes()),
-    ] {
+    for (n, b) in [(name(), bytes.to_vec()), (hash_name(), format!("{}\n", sha256_hex(bytes)).into_bytes())] {
         std::fs::write(dir.join(&n), b).unwrap();
         chmod(&dir.join(&n), file_mode);
     }
@@ -125,28 +113,17 @@ fn assert_fresh(f: &Fetched, reason: &str, planted: Option<&[u8]>) {
     let real = compile(REAL);
     assert!(!f.from_disk, "read from disk despite: {reason}");
     assert_eq!(nvrtc::entry_points(&f.bytes), vec!["toy_fill".to_string()]);
-    assert!(
-        f.bytes == real,
-        "not the cubin of a fresh compile of the real source"
-    );
+    assert!(f.bytes == real, "not the cubin of a fresh compile of the real source");
     if let Some(p) = planted {
         assert!(f.bytes != p, "the planted cubin was returned");
     }
-    let why = f
-        .refused
-        .as_deref()
-        .unwrap_or_else(|| panic!("no refusal reported; expected: {reason}"));
-    assert!(
-        why.contains(reason),
-        "refusal {why:?} does not say {reason:?}"
-    );
+    let why = f.refused.as_deref().unwrap_or_else(|| panic!("no refusal reported; expected: {reason}"));
+    assert!(why.contains(reason), "refusal {why:?} does not say {reason:?}");
 }
 
 fn listing(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
+    let mut v: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     v.sort();
     v
 }
@@ -163,11 +140,7 @@ fn compiles_are_deterministic_and_the_planted_source_differs_only_in_behaviour()
         return;
     }
     let (real, planted) = (compile(REAL), compile(PLANTED));
-    assert_eq!(
-        real,
-        compile(REAL),
-        "the toy compile is not deterministic: the tests below compare bytes"
-    );
+    assert_eq!(real, compile(REAL), "the toy compile is not deterministic: the tests below compare bytes");
     assert_ne!(real, planted);
     assert_eq!(nvrtc::entry_points(&real), nvrtc::entry_points(&planted));
 }
@@ -185,19 +158,10 @@ fn a_cubin_we_wrote_is_used_again_by_a_fresh_cache() {
     for d in [s.0.join("made"), s.0.join("made/by"), cache.clone()] {
         assert_eq!(mode(&d), 0o700, "{}", d.display());
     }
-    assert_eq!(
-        listing(&cache),
-        vec![name(), hash_name()],
-        "no temporary file is left"
-    );
+    assert_eq!(listing(&cache), vec![name(), hash_name()], "no temporary file is left");
     assert_eq!(mode(&cache.join(name())), 0o600);
     assert_eq!(mode(&cache.join(hash_name())), 0o600);
-    assert_eq!(
-        std::fs::read_to_string(cache.join(hash_name()))
-            .unwrap()
-            .trim(),
-        sha256_hex(&first.bytes)
-    );
+    assert_eq!(std::fs::read_to_string(cache.join(hash_name())).unwrap().trim(), sha256_hex(&first.bytes));
 
     // A new call opens a new cache object: it reads the file instead of compiling.
     let second = fetch(&cache);
@@ -220,16 +184,8 @@ fn a_group_writable_folder_is_not_used() {
     let planted = compile(PLANTED);
     plant(&cache, &planted, 0o600);
     let before = listing(&cache);
-    assert_fresh(
-        &fetch(&cache),
-        "is writable by group (mode 0770)",
-        Some(&planted[..]),
-    );
-    assert_eq!(
-        listing(&cache),
-        before,
-        "nothing is written into a folder that is not used"
-    );
+    assert_fresh(&fetch(&cache), "is writable by group (mode 0770)", Some(&planted[..]));
+    assert_eq!(listing(&cache), before, "nothing is written into a folder that is not used");
     assert!(DiskCache::open(&cache).is_err());
 }
 
@@ -240,10 +196,9 @@ fn a_world_writable_folder_is_not_used() {
     }
     let s = Scratch::new("world-folder");
     let planted = compile(PLANTED);
-    for (m, reason) in [
-        (0o707, "is writable by others (mode 0707)"),
-        (0o1777, "writable by group and others (mode 1777)"),
-    ] {
+    for (m, reason) in
+        [(0o707, "is writable by others (mode 0707)"), (0o1777, "writable by group and others (mode 1777)")]
+    {
         let cache = s.cache(&format!("cache{m:o}"), Some(m));
         plant(&cache, &planted, 0o644);
         let before = listing(&cache);
@@ -279,11 +234,7 @@ fn a_folder_above_the_cache_must_be_ours_or_roots_and_not_writable_by_others_unl
 
     // Group-writable, not sticky.
     chmod(&open, 0o770);
-    assert_fresh(
-        &fetch(&cache),
-        "open above it is writable by group and not sticky (mode 0770)",
-        None,
-    );
+    assert_fresh(&fetch(&cache), "open above it is writable by group and not sticky (mode 0770)", None);
     chmod(&open, 0o755);
     assert!(fetch(&cache).from_disk);
 
@@ -316,11 +267,7 @@ fn a_folder_owned_by_another_user_is_not_used() {
     let planted = compile(PLANTED);
     plant(&cache, &planted, 0o600);
     std::os::unix::fs::chown(&cache, Some(OTHER_UID), None).unwrap();
-    assert_fresh(
-        &fetch(&cache),
-        &format!("is owned by uid {OTHER_UID}, not by uid 0"),
-        Some(&planted[..]),
-    );
+    assert_fresh(&fetch(&cache), &format!("is owned by uid {OTHER_UID}, not by uid 0"), Some(&planted[..]));
 }
 
 #[test]
@@ -335,9 +282,7 @@ fn a_cubin_owned_by_another_user_is_not_used() {
     // For everyone: the check made on each opened file refuses a file of any uid but ours.
     let m = std::fs::metadata(cache.join(name())).unwrap();
     assert!(nvrtc::file_refusal(&m, us).is_none());
-    assert!(nvrtc::file_refusal(&m, us + 1)
-        .unwrap()
-        .contains(&format!("is owned by uid {us}, not by uid {}", us + 1)));
+    assert!(nvrtc::file_refusal(&m, us + 1).unwrap().contains(&format!("is owned by uid {us}, not by uid {}", us + 1)));
     if us != 0 {
         eprintln!("not root: the cubin of another user cannot be made here, checked through file_refusal only");
         return;
@@ -346,22 +291,14 @@ fn a_cubin_owned_by_another_user_is_not_used() {
     let planted = compile(PLANTED);
     plant(&cache, &planted, 0o600);
     std::os::unix::fs::chown(cache.join(name()), Some(OTHER_UID), None).unwrap();
-    assert_fresh(
-        &fetch(&cache),
-        &format!("it is owned by uid {OTHER_UID}, not by uid 0"),
-        Some(&planted[..]),
-    );
+    assert_fresh(&fetch(&cache), &format!("it is owned by uid {OTHER_UID}, not by uid 0"), Some(&planted[..]));
     // It was replaced by our own, which is used from then on.
     assert_eq!(std::fs::metadata(cache.join(name())).unwrap().uid(), 0);
     assert!(fetch(&cache).from_disk);
 
     // The hash file of another user.
     std::os::unix::fs::chown(cache.join(hash_name()), Some(OTHER_UID), None).unwrap();
-    assert_fresh(
-        &fetch(&cache),
-        &format!("its hash file {} is owned by uid {OTHER_UID}", hash_name()),
-        None,
-    );
+    assert_fresh(&fetch(&cache), &format!("its hash file {} is owned by uid {OTHER_UID}", hash_name()), None);
 }
 
 #[test]
@@ -377,11 +314,7 @@ fn a_tampered_cubin_is_not_used() {
     let last = b.len() - 1;
     b[last] ^= 0x55; // still an ELF file, still ours and 0600; the hash file left as it was
     std::fs::write(&path, &b).unwrap();
-    assert_fresh(
-        &fetch(&cache),
-        &format!("its content does not match the SHA-256 in {}", hash_name()),
-        Some(&b[..]),
-    );
+    assert_fresh(&fetch(&cache), &format!("its content does not match the SHA-256 in {}", hash_name()), Some(&b[..]));
     assert!(fetch(&cache).from_disk, "the damaged file was replaced");
 
     // Not an ELF file at all, with a hash file that matches it.
@@ -399,11 +332,7 @@ fn a_cubin_without_its_hash_file_is_not_used() {
     let cache = s.cache("cache", None);
     fill(&cache);
     std::fs::remove_file(cache.join(hash_name())).unwrap();
-    assert_fresh(
-        &fetch(&cache),
-        &format!("it has no hash file ({})", hash_name()),
-        None,
-    );
+    assert_fresh(&fetch(&cache), &format!("it has no hash file ({})", hash_name()), None);
     assert!(fetch(&cache).from_disk);
 }
 
@@ -424,18 +353,8 @@ fn a_symbolic_link_in_place_of_a_cached_file_is_not_followed() {
     std::os::unix::fs::symlink(elsewhere.join(name()), cache.join(name())).unwrap();
     std::fs::copy(elsewhere.join(hash_name()), cache.join(hash_name())).unwrap();
     assert_fresh(&fetch(&cache), "it is a symbolic link", Some(&planted[..]));
-    assert!(
-        !std::fs::symlink_metadata(cache.join(name()))
-            .unwrap()
-            .file_type()
-            .is_symlink(),
-        "the link was replaced"
-    );
-    assert_eq!(
-        std::fs::read(elsewhere.join(name())).unwrap(),
-        planted,
-        "the link's target is left alone"
-    );
+    assert!(!std::fs::symlink_metadata(cache.join(name())).unwrap().file_type().is_symlink(), "the link was replaced");
+    assert_eq!(std::fs::read(elsewhere.join(name())).unwrap(), planted, "the link's target is left alone");
     assert!(fetch(&cache).from_disk);
 
     // The hash file swapped for a link to a matching hash.
@@ -443,11 +362,7 @@ fn a_symbolic_link_in_place_of_a_cached_file_is_not_followed() {
     std::fs::write(elsewhere.join("hash"), sha256_hex(&real)).unwrap();
     std::fs::remove_file(cache.join(hash_name())).unwrap();
     std::os::unix::fs::symlink(elsewhere.join("hash"), cache.join(hash_name())).unwrap();
-    assert_fresh(
-        &fetch(&cache),
-        &format!("its hash file {} is a symbolic link", hash_name()),
-        None,
-    );
+    assert_fresh(&fetch(&cache), &format!("its hash file {} is a symbolic link", hash_name()), None);
     assert!(fetch(&cache).from_disk);
 }
 
@@ -467,14 +382,7 @@ fn a_group_writable_cubin_is_not_used() {
     chmod(&cache.join(name()), 0o602);
     assert_fresh(&fetch(&cache), "it is writable by others (mode 0602)", None);
     chmod(&cache.join(hash_name()), 0o660);
-    assert_fresh(
-        &fetch(&cache),
-        &format!(
-            "its hash file {} is writable by group (mode 0660)",
-            hash_name()
-        ),
-        None,
-    );
+    assert_fresh(&fetch(&cache), &format!("its hash file {} is writable by group (mode 0660)", hash_name()), None);
     assert!(fetch(&cache).from_disk);
 }
 
@@ -492,24 +400,12 @@ fn a_planted_cubin_is_never_loaded() {
     // A shared folder: the default folder name, made by whoever came first, open to all.
     let shared = s.cache("shared", Some(0o777));
     plant(&shared, &planted, 0o644);
-    assert_fresh(
-        &fetch(&shared),
-        "writable by group and others",
-        Some(&planted[..]),
-    );
-    assert_eq!(
-        std::fs::read(shared.join(name())).unwrap(),
-        planted,
-        "left as it was, unused"
-    );
+    assert_fresh(&fetch(&shared), "writable by group and others", Some(&planted[..]));
+    assert_eq!(std::fs::read(shared.join(name())).unwrap(), planted, "left as it was, unused");
 
     // A sticky shared folder (a /tmp of its own): still not ours alone.
     chmod(&shared, 0o1777);
-    assert_fresh(
-        &fetch(&shared),
-        "writable by group and others",
-        Some(&planted[..]),
-    );
+    assert_fresh(&fetch(&shared), "writable by group and others", Some(&planted[..]));
 
     // Our own private folder, the planted files owned by another user (root can make it).
     if am_root() {
@@ -518,22 +414,14 @@ fn a_planted_cubin_is_never_loaded() {
         for n in [name(), hash_name()] {
             std::os::unix::fs::chown(ours.join(n), Some(OTHER_UID), None).unwrap();
         }
-        assert_fresh(
-            &fetch(&ours),
-            &format!("is owned by uid {OTHER_UID}"),
-            Some(&planted[..]),
-        );
+        assert_fresh(&fetch(&ours), &format!("is owned by uid {OTHER_UID}"), Some(&planted[..]));
         assert!(fetch(&ours).bytes != planted);
     }
 
     // Our own private folder, the planted files left writable by a group (a group's copy).
     let ours = s.cache("ours-group", Some(0o700));
     plant(&ours, &planted, 0o664);
-    assert_fresh(
-        &fetch(&ours),
-        "writable by group (mode 0664)",
-        Some(&planted[..]),
-    );
+    assert_fresh(&fetch(&ours), "writable by group (mode 0664)", Some(&planted[..]));
     assert!(fetch(&ours).bytes != planted);
 }
 

@@ -28,8 +28,7 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                 if arch == "sm_90a" {
                     // The CTA-pair forms exist on Hopper only.
                     for hd in [256, 512] {
-                        entries
-                            .extend(cuda::flash_attn_prefill::PairMode::ALL.map(|m| m.entry(hd)));
+                        entries.extend(cuda::flash_attn_prefill::PairMode::ALL.map(|m| m.entry(hd)));
                     }
                 }
                 for entry in &entries {
@@ -42,20 +41,10 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                     return; // this NVRTC build returns no resource report
                 }
                 // The attention kernels keep O, S and P in registers: a spill is a bug.
-                let spills: Vec<&str> = report
-                    .lines()
-                    .filter(|l| l.contains("spill stores"))
-                    .collect();
-                assert_eq!(
-                    spills.len(),
-                    entries.len(),
-                    "{arch}: one resource line per entry point:\n{report}"
-                );
+                let spills: Vec<&str> = report.lines().filter(|l| l.contains("spill stores")).collect();
+                assert_eq!(spills.len(), entries.len(), "{arch}: one resource line per entry point:\n{report}");
                 for line in spills {
-                    assert!(
-                        line.contains(", 0 bytes spill stores"),
-                        "{arch}: a kernel spills registers: {line}"
-                    );
+                    assert!(line.contains(", 0 bytes spill stores"), "{arch}: a kernel spills registers: {line}");
                 }
             }
             Err(MlxError::BackendUnavailable(why)) if !nvrtc_required() => {
@@ -93,21 +82,12 @@ fn a_compile_error_carries_the_compiler_log() {
 fn without_a_usable_gpu_cuda_is_a_clean_error_and_auto_is_the_cpu() {
     if cuda::usable() {
         assert_eq!(backend::available_backends()[0], "cuda");
-        assert_eq!(
-            MlxDevice::new("auto").unwrap().backend_kind(),
-            BackendKind::Cuda
-        );
-        assert!(matches!(
-            MlxDevice::new("cuda:4096"),
-            Err(MlxError::DeviceNotFound(_))
-        ));
+        assert_eq!(MlxDevice::new("auto").unwrap().backend_kind(), BackendKind::Cuda);
+        assert!(matches!(MlxDevice::new("cuda:4096"), Err(MlxError::DeviceNotFound(_))));
         return;
     }
     assert_eq!(backend::available_backends(), vec!["cpu"]);
-    assert_eq!(
-        MlxDevice::new("auto").unwrap().backend_kind(),
-        BackendKind::Cpu
-    );
+    assert_eq!(MlxDevice::new("auto").unwrap().backend_kind(), BackendKind::Cpu);
     for name in ["cuda", "cuda:0", "cuda:1"] {
         match MlxDevice::new(name) {
             Err(MlxError::BackendUnavailable(m)) => assert!(!m.is_empty()),
@@ -115,10 +95,7 @@ fn without_a_usable_gpu_cuda_is_a_clean_error_and_auto_is_the_cpu() {
             other => panic!("{name}: {other:?}"),
         }
     }
-    assert!(matches!(
-        MlxDevice::new("cuda:x"),
-        Err(MlxError::DeviceNotFound(_))
-    ));
+    assert!(matches!(MlxDevice::new("cuda:x"), Err(MlxError::DeviceNotFound(_))));
 }
 
 #[test]
@@ -127,8 +104,5 @@ fn the_cpu_backend_refuses_device_memory_and_streams() {
     // SAFETY: refused before the address is used.
     let e = unsafe { cpu.wrap_device(0x1000, 16, mlx_native::DType::F32, &[4]) }.unwrap_err();
     assert!(matches!(e, MlxError::InvalidArgument(_)), "{e:?}");
-    assert!(matches!(
-        cpu.backend().wait_stream(1),
-        Err(MlxError::InvalidArgument(_))
-    ));
+    assert!(matches!(cpu.backend().wait_stream(1), Err(MlxError::InvalidArgument(_))));
 }

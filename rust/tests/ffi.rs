@@ -7,9 +7,7 @@ use std::ptr;
 use mlx_native::ffi::*;
 
 fn last_error() -> String {
-    unsafe { CStr::from_ptr(mlxn_last_error()) }
-        .to_string_lossy()
-        .into_owned()
+    unsafe { CStr::from_ptr(mlxn_last_error()) }.to_string_lossy().into_owned()
 }
 
 fn open_cpu() -> u64 {
@@ -30,18 +28,12 @@ fn version_and_backends() {
     let mut needed = 0usize;
     assert_eq!(unsafe { mlxn_backends(ptr::null_mut(), 0, &mut needed) }, 0);
     let mut buf = vec![0 as std::ffi::c_char; needed];
-    assert_eq!(
-        unsafe { mlxn_backends(buf.as_mut_ptr(), needed, &mut needed) },
-        0
-    );
+    assert_eq!(unsafe { mlxn_backends(buf.as_mut_ptr(), needed, &mut needed) }, 0);
     let s = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap();
     assert!(s.split(',').any(|b| b == "cpu"), "{s}");
     // A too-small buffer is truncated, NUL-terminated, and says how much it needed.
     let mut small = [1 as std::ffi::c_char; 2];
-    assert_eq!(
-        unsafe { mlxn_backends(small.as_mut_ptr(), 2, &mut needed) },
-        0
-    );
+    assert_eq!(unsafe { mlxn_backends(small.as_mut_ptr(), 2, &mut needed) }, 0);
     assert_eq!(small[1], 0);
     assert_eq!(needed, s.len() + 1);
 }
@@ -53,16 +45,10 @@ fn unknown_backends_and_null_arguments() {
     assert_eq!(unsafe { mlxn_device_open(name.as_ptr(), &mut dev) }, 1);
     assert!(last_error().contains("unknown backend"), "{}", last_error());
     assert_eq!(dev, 77, "out untouched on failure");
-    assert_eq!(
-        unsafe { mlxn_device_open(ptr::null(), &mut dev) },
-        INVALID_ARGUMENT
-    );
+    assert_eq!(unsafe { mlxn_device_open(ptr::null(), &mut dev) }, INVALID_ARGUMENT);
     assert!(last_error().contains("backend is a null pointer"));
     let cpu = CString::new("cpu").unwrap();
-    assert_eq!(
-        unsafe { mlxn_device_open(cpu.as_ptr(), ptr::null_mut()) },
-        INVALID_ARGUMENT
-    );
+    assert_eq!(unsafe { mlxn_device_open(cpu.as_ptr(), ptr::null_mut()) }, INVALID_ARGUMENT);
 }
 
 #[test]
@@ -70,26 +56,16 @@ fn stale_null_and_wrong_kind_handles() {
     let dev = open_cpu();
     let mut buf = 0u64;
     let shape = [4u64];
-    assert_eq!(
-        unsafe { mlxn_buffer_new(dev, 0, shape.as_ptr(), 1, &mut buf) },
-        0
-    );
+    assert_eq!(unsafe { mlxn_buffer_new(dev, 0, shape.as_ptr(), 1, &mut buf) }, 0);
     let mut info = std::mem::MaybeUninit::<MlxnBufferInfo>::uninit();
     assert_eq!(unsafe { mlxn_buffer_info(buf, info.as_mut_ptr()) }, 0);
     let info = unsafe { info.assume_init() };
-    assert_eq!(
-        (info.dtype, info.ndim, info.shape[0], info.byte_len),
-        (0, 1, 4, 16)
-    );
+    assert_eq!((info.dtype, info.ndim, info.shape[0], info.byte_len), (0, 1, 4, 16));
 
     // Wrong kind.
     let mut enc = 0u64;
     assert_eq!(unsafe { mlxn_encoder_new(buf, &mut enc) }, INVALID_HANDLE);
-    assert!(
-        last_error().contains("is a buffer, not a device"),
-        "{}",
-        last_error()
-    );
+    assert!(last_error().contains("is a buffer, not a device"), "{}", last_error());
     // Null.
     assert_eq!(mlxn_buffer_free(0), INVALID_HANDLE);
     assert!(last_error().contains("null buffer handle"));
@@ -97,10 +73,7 @@ fn stale_null_and_wrong_kind_handles() {
     assert_eq!(mlxn_buffer_free(buf), 0);
     assert_eq!(mlxn_buffer_free(buf), INVALID_HANDLE);
     let mut x = [0u8; 4];
-    assert_eq!(
-        unsafe { mlxn_buffer_read(buf, 0, x.as_mut_ptr().cast(), 4) },
-        INVALID_HANDLE
-    );
+    assert_eq!(unsafe { mlxn_buffer_read(buf, 0, x.as_mut_ptr().cast(), 4) }, INVALID_HANDLE);
     // Never issued.
     assert_eq!(mlxn_encoder_commit_and_wait(u64::MAX), INVALID_HANDLE);
     assert_eq!(mlxn_device_close(dev), 0);
@@ -112,78 +85,30 @@ fn bad_dtypes_shapes_and_ranges() {
     let dev = open_cpu();
     let mut buf = 5u64;
     let shape = [4u64, 4];
-    assert_eq!(
-        unsafe { mlxn_buffer_new(dev, 99, shape.as_ptr(), 2, &mut buf) },
-        8
-    );
+    assert_eq!(unsafe { mlxn_buffer_new(dev, 99, shape.as_ptr(), 2, &mut buf) }, 8);
     assert!(last_error().contains("no dtype has code 99"));
-    assert_eq!(
-        unsafe { mlxn_buffer_new(dev, 0, ptr::null(), 2, &mut buf) },
-        INVALID_ARGUMENT
-    );
-    assert_eq!(
-        unsafe { mlxn_buffer_new(dev, 0, shape.as_ptr(), 9, &mut buf) },
-        INVALID_ARGUMENT
-    );
+    assert_eq!(unsafe { mlxn_buffer_new(dev, 0, ptr::null(), 2, &mut buf) }, INVALID_ARGUMENT);
+    assert_eq!(unsafe { mlxn_buffer_new(dev, 0, shape.as_ptr(), 9, &mut buf) }, INVALID_ARGUMENT);
     let huge = [u64::MAX, 2];
-    assert_eq!(
-        unsafe { mlxn_buffer_new(dev, 0, huge.as_ptr(), 2, &mut buf) },
-        5
-    );
+    assert_eq!(unsafe { mlxn_buffer_new(dev, 0, huge.as_ptr(), 2, &mut buf) }, 5);
     assert_eq!(buf, 5);
-    assert_eq!(
-        unsafe { mlxn_buffer_new(dev, 0, shape.as_ptr(), 2, &mut buf) },
-        0
-    );
+    assert_eq!(unsafe { mlxn_buffer_new(dev, 0, shape.as_ptr(), 2, &mut buf) }, 0);
     let mut dst = [0u8; 8];
-    assert_eq!(
-        unsafe { mlxn_buffer_read(buf, 60, dst.as_mut_ptr().cast(), 8) },
-        INVALID_ARGUMENT
-    );
-    assert!(
-        last_error().contains("exceed the buffer's 64 bytes"),
-        "{}",
-        last_error()
-    );
-    assert_eq!(
-        unsafe { mlxn_buffer_read(buf, usize::MAX, dst.as_mut_ptr().cast(), 8) },
-        INVALID_ARGUMENT
-    );
-    assert_eq!(
-        unsafe { mlxn_buffer_write(buf, 0, ptr::null(), 8) },
-        INVALID_ARGUMENT
-    );
+    assert_eq!(unsafe { mlxn_buffer_read(buf, 60, dst.as_mut_ptr().cast(), 8) }, INVALID_ARGUMENT);
+    assert!(last_error().contains("exceed the buffer's 64 bytes"), "{}", last_error());
+    assert_eq!(unsafe { mlxn_buffer_read(buf, usize::MAX, dst.as_mut_ptr().cast(), 8) }, INVALID_ARGUMENT);
+    assert_eq!(unsafe { mlxn_buffer_write(buf, 0, ptr::null(), 8) }, INVALID_ARGUMENT);
     // A wrapped region whose shape needs more bytes than it has.
     let mut host = [0f32; 4];
     assert_eq!(
-        unsafe {
-            mlxn_buffer_wrap_host(
-                dev,
-                host.as_mut_ptr().cast(),
-                16,
-                0,
-                shape.as_ptr(),
-                2,
-                &mut buf,
-            )
-        },
+        unsafe { mlxn_buffer_wrap_host(dev, host.as_mut_ptr().cast(), 16, 0, shape.as_ptr(), 2, &mut buf,) },
         INVALID_ARGUMENT
     );
     // A misaligned host pointer.
     let bytes = [0u8; 20];
     let one = [4u64];
     assert_eq!(
-        unsafe {
-            mlxn_buffer_wrap_host(
-                dev,
-                bytes.as_ptr().add(1) as *mut _,
-                16,
-                0,
-                one.as_ptr(),
-                1,
-                &mut buf,
-            )
-        },
+        unsafe { mlxn_buffer_wrap_host(dev, bytes.as_ptr().add(1) as *mut _, 16, 0, one.as_ptr(), 1, &mut buf,) },
         INVALID_ARGUMENT
     );
     assert!(last_error().contains("not aligned"));
@@ -203,44 +128,20 @@ fn op_entry_points_validate_and_report() {
         assert_eq!(mlxn_buffer_new(dev, 1, ms.as_ptr(), 2, &mut mask), 0);
         assert_eq!(mlxn_buffer_new(dev, 3, bs.as_ptr(), 1, &mut blk), 0);
     }
-    assert_eq!(
-        mlxn_dispatch_flash_attn_prefill_blk(enc, mask, blk, 32, 64, 0, 64),
-        INVALID_ARGUMENT
-    );
-    assert!(
-        last_error().starts_with("invalid argument: flash_attn_prefill_blk: empty shape"),
-        "{}",
-        last_error()
-    );
+    assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(enc, mask, blk, 32, 64, 0, 64), INVALID_ARGUMENT);
+    assert!(last_error().starts_with("invalid argument: flash_attn_prefill_blk: empty shape"), "{}", last_error());
     let mut pending = 9u64;
     assert_eq!(unsafe { mlxn_encoder_pending(enc, &mut pending) }, 0);
     assert_eq!(pending, 0);
-    assert_eq!(
-        mlxn_dispatch_flash_attn_prefill_blk(enc, mask, blk, 32, 64, 32, 64),
-        0
-    );
+    assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(enc, mask, blk, 32, 64, 32, 64), 0);
     assert_eq!(unsafe { mlxn_encoder_pending(enc, &mut pending) }, 0);
     assert_eq!(pending, 1);
     assert_eq!(mlxn_encoder_commit_and_wait(enc), 0);
     let mut b = [7u8];
-    assert_eq!(
-        unsafe { mlxn_buffer_read(blk, 0, b.as_mut_ptr().cast(), 1) },
-        0
-    );
+    assert_eq!(unsafe { mlxn_buffer_read(blk, 0, b.as_mut_ptr().cast(), 1) }, 0);
     assert_eq!(b[0], 2, "an all-zero mask tile is class 2");
     assert_eq!(
-        unsafe {
-            mlxn_dispatch_flash_attn_prefill_tensor_f16(
-                enc,
-                mask,
-                mask,
-                mask,
-                mask,
-                blk,
-                blk,
-                ptr::null(),
-            )
-        },
+        unsafe { mlxn_dispatch_flash_attn_prefill_tensor_f16(enc, mask, mask, mask, mask, blk, blk, ptr::null(),) },
         INVALID_ARGUMENT
     );
     let mut q = 0u32;
@@ -252,10 +153,7 @@ fn op_entry_points_validate_and_report() {
     assert_eq!(kvp, 128);
     assert_eq!(mlxn_cache_rows_per_step(), 64);
     // An encoder freed with work pending drops it.
-    assert_eq!(
-        mlxn_dispatch_flash_attn_prefill_blk(enc, mask, blk, 32, 64, 32, 64),
-        0
-    );
+    assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(enc, mask, blk, 32, 64, 32, 64), 0);
     assert_eq!(mlxn_encoder_free(enc), 0);
     for h in [mask, blk] {
         assert_eq!(mlxn_buffer_free(h), 0);
@@ -285,20 +183,10 @@ fn fma_peak_is_measured_and_checks_its_arguments() {
     let mut all = -1.0f64;
     assert_eq!(unsafe { mlxn_cpu_fma_peak(0, &mut all) }, 0);
     assert!(all.is_finite() && all > 0.1, "all-thread peak {all}");
-    assert_eq!(
-        unsafe { mlxn_cpu_fma_peak(1, ptr::null_mut()) },
-        INVALID_ARGUMENT
-    );
-    assert!(
-        last_error().contains("out_gflops is a null pointer"),
-        "{}",
-        last_error()
-    );
+    assert_eq!(unsafe { mlxn_cpu_fma_peak(1, ptr::null_mut()) }, INVALID_ARGUMENT);
+    assert!(last_error().contains("out_gflops is a null pointer"), "{}", last_error());
     let mut untouched = 5.0f64;
-    assert_eq!(
-        unsafe { mlxn_cpu_fma_peak(100_000, &mut untouched) },
-        INVALID_ARGUMENT
-    );
+    assert_eq!(unsafe { mlxn_cpu_fma_peak(100_000, &mut untouched) }, INVALID_ARGUMENT);
     assert!(last_error().contains("at most"), "{}", last_error());
     assert_eq!(untouched, 5.0, "out untouched on failure");
 }
@@ -322,10 +210,7 @@ fn every_entry_point_refuses_every_bad_handle() {
     unsafe {
         assert_eq!(mlxn_device_open(cpu.as_ptr(), &mut dead_dev), 0);
         assert_eq!(mlxn_encoder_new(dead_dev, &mut dead_enc), 0);
-        assert_eq!(
-            mlxn_buffer_new(dead_dev, 1, ms.as_ptr(), 2, &mut dead_buf),
-            0
-        );
+        assert_eq!(mlxn_buffer_new(dead_dev, 1, ms.as_ptr(), 2, &mut dead_buf), 0);
     }
     assert_eq!(mlxn_encoder_free(dead_enc), 0);
     assert_eq!(mlxn_buffer_free(dead_buf), 0);
@@ -354,37 +239,16 @@ fn every_entry_point_refuses_every_bad_handle() {
         let (mut out, mut flag, mut code) = (77u64, 77i32, 77u32);
         let mut needed = 77usize;
         unsafe {
-            assert_eq!(
-                mlxn_device_info(h, &mut code, ptr::null_mut(), 0, &mut needed),
-                INVALID_HANDLE,
-                "{h}"
-            );
+            assert_eq!(mlxn_device_info(h, &mut code, ptr::null_mut(), 0, &mut needed), INVALID_HANDLE, "{h}");
             assert_eq!((code, needed), (77, 77));
-            assert_eq!(
-                mlxn_flash_attn_prefill_tensor_available(h, 256, &mut flag),
-                INVALID_HANDLE
-            );
+            assert_eq!(mlxn_flash_attn_prefill_tensor_available(h, 256, &mut flag), INVALID_HANDLE);
             assert_eq!(flag, 77);
+            assert_eq!(mlxn_buffer_new(h, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
             assert_eq!(
-                mlxn_buffer_new(h, 0, shape.as_ptr(), 1, &mut out),
+                mlxn_buffer_wrap_host(h, host.as_mut_ptr().cast(), 16, 0, shape.as_ptr(), 1, &mut out),
                 INVALID_HANDLE
             );
-            assert_eq!(
-                mlxn_buffer_wrap_host(
-                    h,
-                    host.as_mut_ptr().cast(),
-                    16,
-                    0,
-                    shape.as_ptr(),
-                    1,
-                    &mut out
-                ),
-                INVALID_HANDLE
-            );
-            assert_eq!(
-                mlxn_buffer_wrap_device(h, 1 << 20, 16, 0, shape.as_ptr(), 1, &mut out),
-                INVALID_HANDLE
-            );
+            assert_eq!(mlxn_buffer_wrap_device(h, 1 << 20, 16, 0, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
             assert_eq!(mlxn_encoder_new(h, &mut out), INVALID_HANDLE);
             assert_eq!(out, 77);
         }
@@ -396,43 +260,22 @@ fn every_entry_point_refuses_every_bad_handle() {
         let mut bytes = [9u8; 4];
         let mut info = std::mem::MaybeUninit::<MlxnBufferInfo>::uninit();
         unsafe {
-            assert_eq!(
-                mlxn_buffer_info(h, info.as_mut_ptr()),
-                INVALID_HANDLE,
-                "{h}"
-            );
-            assert_eq!(
-                mlxn_buffer_read(h, 0, bytes.as_mut_ptr().cast(), 4),
-                INVALID_HANDLE
-            );
+            assert_eq!(mlxn_buffer_info(h, info.as_mut_ptr()), INVALID_HANDLE, "{h}");
+            assert_eq!(mlxn_buffer_read(h, 0, bytes.as_mut_ptr().cast(), 4), INVALID_HANDLE);
             assert_eq!(bytes, [9; 4]);
-            assert_eq!(
-                mlxn_buffer_write(h, 0, bytes.as_ptr().cast(), 4),
-                INVALID_HANDLE
-            );
-            assert_eq!(
-                mlxn_buffer_view(h, 0, 4, 3, shape.as_ptr(), 1, &mut out),
-                INVALID_HANDLE
-            );
+            assert_eq!(mlxn_buffer_write(h, 0, bytes.as_ptr().cast(), 4), INVALID_HANDLE);
+            assert_eq!(mlxn_buffer_view(h, 0, 4, 3, shape.as_ptr(), 1, &mut out), INVALID_HANDLE);
             assert_eq!(out, 77);
         }
         assert_eq!(mlxn_buffer_free(h), INVALID_HANDLE);
         // In each buffer position of both ops.
-        assert_eq!(
-            mlxn_dispatch_flash_attn_prefill_blk(enc, h, blk, 32, 64, 32, 64),
-            INVALID_HANDLE
-        );
-        assert_eq!(
-            mlxn_dispatch_flash_attn_prefill_blk(enc, buf, h, 32, 64, 32, 64),
-            INVALID_HANDLE
-        );
+        assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(enc, h, blk, 32, 64, 32, 64), INVALID_HANDLE);
+        assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(enc, buf, h, 32, 64, 32, 64), INVALID_HANDLE);
         for pos in 0..6 {
             let mut hs = [buf; 6];
             hs[pos] = h;
             let s = unsafe {
-                mlxn_dispatch_flash_attn_prefill_tensor_f16(
-                    enc, hs[0], hs[1], hs[2], hs[3], hs[4], hs[5], &p,
-                )
+                mlxn_dispatch_flash_attn_prefill_tensor_f16(enc, hs[0], hs[1], hs[2], hs[3], hs[4], hs[5], &p)
             };
             assert_eq!(s, INVALID_HANDLE, "buffer position {pos}, handle {h}");
         }
@@ -447,10 +290,7 @@ fn every_entry_point_refuses_every_bad_handle() {
                 INVALID_HANDLE
             );
         }
-        assert_eq!(
-            mlxn_dispatch_flash_attn_prefill_blk(h, buf, blk, 32, 64, 32, 64),
-            INVALID_HANDLE
-        );
+        assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(h, buf, blk, 32, 64, 32, 64), INVALID_HANDLE);
         assert_eq!(mlxn_encoder_commit_and_wait(h), INVALID_HANDLE);
         assert_eq!(mlxn_encoder_free(h), INVALID_HANDLE);
     }
@@ -458,10 +298,7 @@ fn every_entry_point_refuses_every_bad_handle() {
     let mut pending = 9u64;
     assert_eq!(unsafe { mlxn_encoder_pending(enc, &mut pending) }, 0);
     assert_eq!(pending, 0);
-    assert_eq!(
-        mlxn_dispatch_flash_attn_prefill_blk(enc, buf, blk, 32, 64, 32, 64),
-        0
-    );
+    assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(enc, buf, blk, 32, 64, 32, 64), 0);
     assert_eq!(mlxn_encoder_commit_and_wait(enc), 0);
     assert_eq!(mlxn_encoder_free(enc), 0);
     assert_eq!(mlxn_buffer_free(buf), 0);
@@ -480,37 +317,15 @@ fn views_share_memory_and_are_checked() {
     let two = [2u64];
     // Past the end, misaligned, too small for its shape, an unknown dtype.
     unsafe {
-        assert_eq!(
-            mlxn_buffer_view(base, 60, 8, 0, two.as_ptr(), 1, &mut view),
-            INVALID_ARGUMENT
-        );
-        assert!(
-            last_error().contains("exceeds the buffer"),
-            "{}",
-            last_error()
-        );
-        assert_eq!(
-            mlxn_buffer_view(base, 2, 8, 0, two.as_ptr(), 1, &mut view),
-            INVALID_ARGUMENT
-        );
+        assert_eq!(mlxn_buffer_view(base, 60, 8, 0, two.as_ptr(), 1, &mut view), INVALID_ARGUMENT);
+        assert!(last_error().contains("exceeds the buffer"), "{}", last_error());
+        assert_eq!(mlxn_buffer_view(base, 2, 8, 0, two.as_ptr(), 1, &mut view), INVALID_ARGUMENT);
         assert!(last_error().contains("not aligned"), "{}", last_error());
-        assert_eq!(
-            mlxn_buffer_view(base, 0, 4, 0, two.as_ptr(), 1, &mut view),
-            INVALID_ARGUMENT
-        );
-        assert_eq!(
-            mlxn_buffer_view(base, usize::MAX, 8, 0, two.as_ptr(), 1, &mut view),
-            INVALID_ARGUMENT
-        );
-        assert_eq!(
-            mlxn_buffer_view(base, 0, 8, 42, two.as_ptr(), 1, &mut view),
-            8
-        );
+        assert_eq!(mlxn_buffer_view(base, 0, 4, 0, two.as_ptr(), 1, &mut view), INVALID_ARGUMENT);
+        assert_eq!(mlxn_buffer_view(base, usize::MAX, 8, 0, two.as_ptr(), 1, &mut view), INVALID_ARGUMENT);
+        assert_eq!(mlxn_buffer_view(base, 0, 8, 42, two.as_ptr(), 1, &mut view), 8);
         assert_eq!(view, 77);
-        assert_eq!(
-            mlxn_buffer_view(base, 8, 8, 0, two.as_ptr(), 1, &mut view),
-            0
-        );
+        assert_eq!(mlxn_buffer_view(base, 8, 8, 0, two.as_ptr(), 1, &mut view), 0);
     }
     let vals = [1.5f32, -2.0];
     unsafe { assert_eq!(mlxn_buffer_write(view, 0, vals.as_ptr().cast(), 8), 0) };

@@ -21,36 +21,15 @@ fn cases() -> Vec<(&'static str, Case)> {
     let mut scaled = Case::new(5, 40, 4, 1, 256, 160, 0, MaskKind::Peer);
     scaled.scale = 0.37;
     vec![
-        (
-            "d256 gqa2 peer strided partial",
-            Case::new(1, 45, 4, 2, 256, 130, 1, MaskKind::Peer),
-        ),
-        (
-            "d512 mha causal partial",
-            Case::new(2, 33, 2, 2, 512, 77, 0, MaskKind::Causal),
-        ),
-        (
-            "d256 gqa8 window strided",
-            Case::new(3, 20, 8, 1, 256, 200, 2, MaskKind::Window(64)),
-        ),
-        (
-            "d512 zero mask kv=64",
-            Case::new(4, 17, 4, 4, 512, 64, 1, MaskKind::Zero),
-        ),
+        ("d256 gqa2 peer strided partial", Case::new(1, 45, 4, 2, 256, 130, 1, MaskKind::Peer)),
+        ("d512 mha causal partial", Case::new(2, 33, 2, 2, 512, 77, 0, MaskKind::Causal)),
+        ("d256 gqa8 window strided", Case::new(3, 20, 8, 1, 256, 200, 2, MaskKind::Window(64))),
+        ("d512 zero mask kv=64", Case::new(4, 17, 4, 4, 512, 64, 1, MaskKind::Zero)),
         ("d256 gqa4 peer scale", scaled),
-        (
-            "d512 gqa2 peer longer cache",
-            Case::new(6, 24, 4, 2, 512, 300, 0, MaskKind::Peer),
-        ),
+        ("d512 gqa2 peer longer cache", Case::new(6, 24, 4, 2, 512, 300, 0, MaskKind::Peer)),
         // One head per KV head: 4 query tiles per work item, the last item with one of 5.
-        (
-            "d256 mha window, items of 4 tiles",
-            Case::new(7, 150, 3, 3, 256, 150, 1, MaskKind::Window(40)),
-        ),
-        (
-            "d256 gqa2 peer, one item of 4 tiles",
-            Case::new(8, 100, 4, 2, 256, 100, 0, MaskKind::Peer),
-        ),
+        ("d256 mha window, items of 4 tiles", Case::new(7, 150, 3, 3, 256, 150, 1, MaskKind::Window(40))),
+        ("d256 gqa2 peer, one item of 4 tiles", Case::new(8, 100, 4, 2, 256, 100, 0, MaskKind::Peer)),
     ]
 }
 
@@ -63,10 +42,7 @@ fn matches_the_float64_reference_on_every_isa() {
         let b = bind(&dev, &c, 0);
         for_each_isa(|isa| {
             let out = run(&dev, &mut reg, &c, &b, false);
-            assert!(
-                out.iter().all(|x| x.is_finite()),
-                "{name} [{isa}]: non-finite output"
-            );
+            assert!(out.iter().all(|x| x.is_finite()), "{name} [{isa}]: non-finite output");
             let e = nmse(&out, &reference);
             eprintln!("{name:32} [{isa:14}] nmse {e:.3e}");
             assert!(e < 1e-5, "{name} [{isa}]: nmse {e:e}");
@@ -74,14 +50,8 @@ fn matches_the_float64_reference_on_every_isa() {
             flash_attn_prefill_tensor::set_column_skipping(false);
             let full = run(&dev, &mut reg, &c, &b, false);
             flash_attn_prefill_tensor::set_column_skipping(true);
-            let same = out
-                .iter()
-                .zip(&full)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                same,
-                "{name} [{isa}]: skipping -inf cache rows changes the output"
-            );
+            let same = out.iter().zip(&full).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name} [{isa}]: skipping -inf cache rows changes the output");
         });
     }
 }
@@ -95,10 +65,7 @@ fn the_skip_table_changes_no_bit() {
         let with_blk = run(&dev, &mut reg, &c, &b, false);
         let blk = read_u8(&b.blk);
         let all_ones = run(&dev, &mut reg, &c, &b, true);
-        let same = with_blk
-            .iter()
-            .zip(&all_ones)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
+        let same = with_blk.iter().zip(&all_ones).all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "{name}: computed blk {blk:?} changes the output");
     }
 }
@@ -154,21 +121,10 @@ fn fully_masked_rows_are_zero_and_past_rows_untouched() {
         let out = run(&dev, &mut reg, &c, &b, false);
         let row = c.n_heads * hd;
         for r in [3usize, 36] {
-            assert!(
-                out[r * row..(r + 1) * row].iter().all(|&x| x == 0.0),
-                "row {r} not zero"
-            );
+            assert!(out[r * row..(r + 1) * row].iter().all(|&x| x == 0.0), "row {r} not zero");
         }
-        assert!(
-            out[..c.rows * row].iter().all(|x| x.is_finite()),
-            "NaN or inf written"
-        );
-        assert!(
-            out[c.rows * row..]
-                .iter()
-                .all(|x| x.to_bits() == sentinel.to_bits()),
-            "a row >= rows was written"
-        );
+        assert!(out[..c.rows * row].iter().all(|x| x.is_finite()), "NaN or inf written");
+        assert!(out[c.rows * row..].iter().all(|x| x.to_bits() == sentinel.to_bits()), "a row >= rows was written");
         let reference = c.reference();
         let e = nmse(&out[..c.rows * row], &reference);
         assert!(e < 1e-5, "hd {hd}: nmse {e:e}");

@@ -15,9 +15,7 @@ use std::cell::{Cell, RefCell};
 use common::Rng;
 use half::f16;
 use mlx_native::backend::available_backends;
-use mlx_native::ops::flash_attn_prefill_blk::{
-    dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams,
-};
+use mlx_native::ops::flash_attn_prefill_blk::{dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams};
 use mlx_native::ops::flash_attn_prefill_tensor::{
     dispatch_flash_attn_prefill_tensor_f16, FlashAttnPrefillTensorParams,
 };
@@ -28,21 +26,14 @@ use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
 const I32_MAX: u64 = i32::MAX as u64;
 
 fn cases(default: u32) -> u32 {
-    std::env::var("MLXN_FUZZ_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
+    std::env::var("MLXN_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
 fn runner(default_cases: u32, salt: u64) -> TestRunner {
     let seed = match std::env::var("MLXN_FUZZ_SEED").ok().as_deref() {
         None => RngSeed::Fixed(0x5eed_0000 + salt),
         Some("random") => RngSeed::Random,
-        Some(s) => RngSeed::Fixed(
-            s.parse::<u64>()
-                .expect("MLXN_FUZZ_SEED: a number or `random`")
-                + salt,
-        ),
+        Some(s) => RngSeed::Fixed(s.parse::<u64>().expect("MLXN_FUZZ_SEED: a number or `random`") + salt),
     };
     TestRunner::new(Config {
         cases: cases(default_cases),
@@ -56,10 +47,7 @@ fn runner(default_cases: u32, salt: u64) -> TestRunner {
 fn devices() -> Vec<MlxDevice> {
     available_backends()
         .into_iter()
-        .map(|name| {
-            MlxDevice::new(name)
-                .unwrap_or_else(|e| panic!("{name} is listed but does not open: {e}"))
-        })
+        .map(|name| MlxDevice::new(name).unwrap_or_else(|e| panic!("{name} is listed but does not open: {e}")))
         .collect()
 }
 
@@ -90,14 +78,7 @@ struct Draw {
 }
 
 const NAMES: [&str; 6] = ["q", "k", "v", "mask", "blk", "out"];
-const WANT: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::F16,
-    DType::F16,
-    DType::U8,
-    DType::F32,
-];
+const WANT: [DType; 6] = [DType::F32, DType::F16, DType::F16, DType::F16, DType::U8, DType::F32];
 /// Elements above which a buffer is not allocated at its drawn size (it gets a small one).
 const CAP_ELEMS: u128 = 1 << 20;
 
@@ -168,14 +149,7 @@ fn draw() -> impl Strategy<Value = Draw> {
                     dtype_draw(WANT[4]),
                     dtype_draw(WANT[5]),
                 ],
-                [
-                    size_draw(),
-                    size_draw(),
-                    size_draw(),
-                    size_draw(),
-                    size_draw(),
-                    size_draw(),
-                ],
+                [size_draw(), size_draw(), size_draw(), size_draw(), size_draw(), size_draw()],
                 any::<bool>(),
                 prop_oneof![12 => Just(None), 1 => (0usize..5).prop_map(Some)],
                 prop_oneof![Just(0usize), Just(4), Just(64)],
@@ -183,12 +157,7 @@ fn draw() -> impl Strategy<Value = Draw> {
                 any::<u64>(),
             );
             (qr, kr, vr, rest).prop_map(
-                move |(
-                    qrs,
-                    krs,
-                    vrs,
-                    (dtypes, sizes, arena, overlap, guard, mask_seed, data_seed),
-                )| Draw {
+                move |(qrs, krs, vrs, (dtypes, sizes, arena, overlap, guard, mask_seed, data_seed))| Draw {
                     p: FlashAttnPrefillTensorParams {
                         rows,
                         n_heads: nh,
@@ -227,22 +196,11 @@ fn bq_of(hd: u32) -> u128 {
 /// Elements each buffer needs (SPEC section 2), in exact arithmetic; `None` where the shape
 /// does not define it (zero sizes, a head dim other than 256/512).
 fn needs(p: &FlashAttnPrefillTensorParams) -> Option<[u128; 6]> {
-    if !matches!(p.head_dim, 256 | 512)
-        || p.rows == 0
-        || p.n_heads == 0
-        || p.n_kv_heads == 0
-        || p.kv_pad == 0
-    {
+    if !matches!(p.head_dim, 256 | 512) || p.rows == 0 || p.n_heads == 0 || p.n_kv_heads == 0 || p.kv_pad == 0 {
         return None;
     }
     let u = |x: u32| x as u128;
-    let (rows, nh, nkv, hd, kvp) = (
-        u(p.rows),
-        u(p.n_heads),
-        u(p.n_kv_heads),
-        u(p.head_dim),
-        u(p.kv_pad),
-    );
+    let (rows, nh, nkv, hd, kvp) = (u(p.rows), u(p.n_heads), u(p.n_kv_heads), u(p.head_dim), u(p.kv_pad));
     Some([
         (rows - 1) * u(p.q_row_stride) + (nh - 1) * u(p.q_head_stride) + hd,
         (kvp - 1) * u(p.k_row_stride) + (nkv - 1) * u(p.k_head_stride) + hd,
@@ -267,10 +225,7 @@ fn expected_error(d: &Draw, elems: &[u128; 6], place: &Placement) -> Option<Stri
         return Some("empty shape".into());
     }
     if p.n_heads % p.n_kv_heads != 0 {
-        return Some(format!(
-            "n_heads {} is not a multiple of n_kv_heads {}",
-            p.n_heads, p.n_kv_heads
-        ));
+        return Some(format!("n_heads {} is not a multiple of n_kv_heads {}", p.n_heads, p.n_kv_heads));
     }
     if p.kv_pad % 64 != 0 {
         return Some(format!("kv_pad {} is not a multiple of 64", p.kv_pad));
@@ -341,16 +296,11 @@ fn build(dev: &MlxDevice, d: &Draw) -> Built {
         // Too big to allocate: a small buffer (the op must refuse it for its size).
         elems[i] = if n > CAP_ELEMS { 1024 } else { n };
     }
-    let bytes: Vec<usize> = (0..6)
-        .map(|i| elems[i] as usize * d.dtypes[i].size_of())
-        .collect();
+    let bytes: Vec<usize> = (0..6).map(|i| elems[i] as usize * d.dtypes[i].size_of()).collect();
     let mut place: Placement = [(0, 0, 0); 6];
     let mut allocs = Vec::new();
     // After the output: a whole output row of guard, so a row too many is seen, not a crash.
-    let row = (d.p.n_heads as usize)
-        .saturating_mul(d.p.head_dim as usize)
-        .min(1 << 14)
-        * 4;
+    let row = (d.p.n_heads as usize).saturating_mul(d.p.head_dim as usize).min(1 << 14) * 4;
     if d.arena {
         // One allocation, buffers in order with a 64-byte gap; `out` last, after its guard,
         // or over the input named by `overlap`.
@@ -372,26 +322,16 @@ fn build(dev: &MlxDevice, d: &Draw) -> Built {
             allocs.push(dev.alloc_buffer(DType::U8, &[bytes[i]]).unwrap());
             place[i] = (i, 0, bytes[i]);
         }
-        allocs.push(
-            dev.alloc_buffer(DType::U8, &[d.guard + bytes[5] + row + 64])
-                .unwrap(),
-        );
+        allocs.push(dev.alloc_buffer(DType::U8, &[d.guard + bytes[5] + row + 64]).unwrap());
         place[5] = (5, d.guard, bytes[5]);
     }
     let bufs = (0..6)
         .map(|i| {
             let (a, o, l) = place[i];
-            allocs[a]
-                .view(o, l, d.dtypes[i], vec![elems[i] as usize])
-                .unwrap()
+            allocs[a].view(o, l, d.dtypes[i], vec![elems[i] as usize]).unwrap()
         })
         .collect();
-    Built {
-        allocs,
-        bufs,
-        place,
-        elems,
-    }
+    Built { allocs, bufs, place, elems }
 }
 
 fn f16_bits(x: f32) -> u16 {
@@ -432,9 +372,8 @@ fn classify(mask: &[u16], rows: usize, kvp: usize, bq: usize, bk: usize) -> Vec<
     let mut out = Vec::new();
     for qt in 0..rows.div_ceil(bq) {
         for kt in 0..kvp / bk {
-            let vals = (qt * bq..((qt + 1) * bq).min(rows)).flat_map(|r| {
-                (kt * bk..(kt + 1) * bk).map(move |j| f16::from_bits(mask[r * kvp + j]))
-            });
+            let vals = (qt * bq..((qt + 1) * bq).min(rows))
+                .flat_map(|r| (kt * bk..(kt + 1) * bk).map(move |j| f16::from_bits(mask[r * kvp + j])));
             let (mut masked, mut zero) = (true, true);
             for x in vals {
                 masked &= x.to_f32() <= -65504.0;
@@ -454,27 +393,12 @@ fn classify(mask: &[u16], rows: usize, kvp: usize, bq: usize, bk: usize) -> Vec<
 
 /// The float64 reference of SPEC section 3 on the drawn strides.
 #[allow(clippy::too_many_arguments)]
-fn reference(
-    p: &FlashAttnPrefillTensorParams,
-    q: &[f32],
-    k: &[u16],
-    v: &[u16],
-    mask: &[u16],
-) -> Vec<f64> {
-    let (rows, nh, hd, kvp) = (
-        p.rows as usize,
-        p.n_heads as usize,
-        p.head_dim as usize,
-        p.kv_pad as usize,
-    );
+fn reference(p: &FlashAttnPrefillTensorParams, q: &[f32], k: &[u16], v: &[u16], mask: &[u16]) -> Vec<f64> {
+    let (rows, nh, hd, kvp) = (p.rows as usize, p.n_heads as usize, p.head_dim as usize, p.kv_pad as usize);
     let group = nh / p.n_kv_heads as usize;
     let (qrs, qhs) = (p.q_row_stride as usize, p.q_head_stride as usize);
-    let (krs, khs, vrs, vhs) = (
-        p.k_row_stride as usize,
-        p.k_head_stride as usize,
-        p.v_row_stride as usize,
-        p.v_head_stride as usize,
-    );
+    let (krs, khs, vrs, vhs) =
+        (p.k_row_stride as usize, p.k_head_stride as usize, p.v_row_stride as usize, p.v_head_stride as usize);
     let kf: Vec<f64> = k.iter().map(|&b| f16::from_bits(b).to_f64()).collect();
     let vf: Vec<f64> = v.iter().map(|&b| f16::from_bits(b).to_f64()).collect();
     let mut out = vec![0f64; rows * nh * hd];
@@ -482,14 +406,11 @@ fn reference(
     for r in 0..rows {
         for h in 0..nh {
             let g = h / group;
-            let qh: Vec<f64> = (0..hd)
-                .map(|d| f16::from_f32(p.scale * q[r * qrs + h * qhs + d]).to_f64())
-                .collect();
+            let qh: Vec<f64> = (0..hd).map(|d| f16::from_f32(p.scale * q[r * qrs + h * qhs + d]).to_f64()).collect();
             let mut mx = f64::NEG_INFINITY;
             for (j, sj) in s.iter_mut().enumerate() {
                 let kr = &kf[j * krs + g * khs..][..hd];
-                *sj = qh.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>()
-                    + f16::from_bits(mask[r * kvp + j]).to_f64();
+                *sj = qh.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>() + f16::from_bits(mask[r * kvp + j]).to_f64();
                 mx = mx.max(*sj);
             }
             if mx == f64::NEG_INFINITY {
@@ -515,10 +436,7 @@ fn reference(
 }
 
 fn cast_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
-    bytes
-        .chunks_exact(std::mem::size_of::<T>())
-        .map(bytemuck::pod_read_unaligned)
-        .collect()
+    bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect()
 }
 
 fn snapshot(allocs: &[MlxBuffer]) -> Vec<Vec<u8>> {
@@ -527,11 +445,7 @@ fn snapshot(allocs: &[MlxBuffer]) -> Vec<Vec<u8>> {
 
 /// Run one drawn dispatch on `dev` and check it against the predicate and the reference.
 /// Returns the rule that refused the dispatch, or `None` when it ran and matched.
-fn check_dispatch(
-    dev: &MlxDevice,
-    reg: &mut KernelRegistry,
-    d: &Draw,
-) -> Result<Option<String>, TestCaseError> {
+fn check_dispatch(dev: &MlxDevice, reg: &mut KernelRegistry, d: &Draw) -> Result<Option<String>, TestCaseError> {
     let b = build(dev, d);
     let p = &d.p;
     let mut rng = Rng::new(d.data_seed);
@@ -541,18 +455,12 @@ fn check_dispatch(
         let n = b.elems[i] as usize;
         let bytes: Vec<u8> = match (i, d.dtypes[i]) {
             (0, DType::F32) => {
-                bytemuck::cast_slice(&(0..n).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<f32>>())
-                    .to_vec()
+                bytemuck::cast_slice(&(0..n).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<f32>>()).to_vec()
             }
-            (1 | 2, DType::F16) => bytemuck::cast_slice(
-                &(0..n)
-                    .map(|_| f16_bits(rng.uniform(-1.0, 1.0)))
-                    .collect::<Vec<u16>>(),
-            )
-            .to_vec(),
-            _ => (0..buf.data_byte_len())
-                .map(|_| rng.next_u64() as u8)
-                .collect(),
+            (1 | 2, DType::F16) => {
+                bytemuck::cast_slice(&(0..n).map(|_| f16_bits(rng.uniform(-1.0, 1.0))).collect::<Vec<u16>>()).to_vec()
+            }
+            _ => (0..buf.data_byte_len()).map(|_| rng.next_u64() as u8).collect(),
         };
         buf.write_bytes(0, &bytes).unwrap();
     }
@@ -562,9 +470,7 @@ fn check_dispatch(
     let mut mask_bits = Vec::new();
     if shaped && d.dtypes[3] == DType::F16 && b.elems[3] >= (rows * kvp) as u128 {
         mask_bits = fill_mask(rows, kvp, d.mask_seed);
-        b.bufs[3]
-            .write_bytes(0, bytemuck::cast_slice(&mask_bits))
-            .unwrap();
+        b.bufs[3].write_bytes(0, bytemuck::cast_slice(&mask_bits)).unwrap();
         let blk = classify(&mask_bits, rows, kvp, bq_of(p.head_dim) as usize, 64);
         if b.elems[4] >= blk.len() as u128 && d.dtypes[4] == DType::U8 {
             b.bufs[4].write_bytes(0, &blk).unwrap();
@@ -575,9 +481,7 @@ fn check_dispatch(
     let sentinel: Vec<u8> = (0..ol).map(|i| 0xA5 ^ (i as u8)).collect();
     if d.overlap.is_none() {
         let alloc = &b.allocs[oa];
-        let guard: Vec<u8> = (0..alloc.data_byte_len() - oo)
-            .map(|i| 0x5A ^ (i as u8))
-            .collect();
+        let guard: Vec<u8> = (0..alloc.data_byte_len() - oo).map(|i| 0x5A ^ (i as u8)).collect();
         alloc.write_bytes(oo, &guard).unwrap();
         if oo > 0 && !d.arena {
             alloc.write_bytes(0, &vec![0xC3u8; oo]).unwrap();
@@ -588,42 +492,26 @@ fn check_dispatch(
 
     let expect = expected_error(d, &b.elems, &b.place);
     let mut enc = dev.command_encoder();
-    let (q, k, v, m, blk, out) = (
-        &b.bufs[0], &b.bufs[1], &b.bufs[2], &b.bufs[3], &b.bufs[4], &b.bufs[5],
-    );
+    let (q, k, v, m, blk, out) = (&b.bufs[0], &b.bufs[1], &b.bufs[2], &b.bufs[3], &b.bufs[4], &b.bufs[5]);
     let got = dispatch_flash_attn_prefill_tensor_f16(&mut enc, reg, dev, q, k, v, m, blk, out, p);
     match (&expect, got) {
         (Some(needle), Err(MlxError::InvalidArgument(msg))) => {
             prop_assert!(msg.starts_with("flash_attn_prefill_tensor: "), "{msg}");
-            prop_assert!(
-                msg.contains(needle.as_str()),
-                "expected {needle:?}, got {msg:?}"
-            );
+            prop_assert!(msg.contains(needle.as_str()), "expected {needle:?}, got {msg:?}");
             prop_assert!(enc.pending().is_empty());
             enc.commit_and_wait().unwrap();
-            prop_assert!(
-                snapshot(&b.allocs) == before,
-                "a refused dispatch changed memory"
-            );
+            prop_assert!(snapshot(&b.allocs) == before, "a refused dispatch changed memory");
             Ok(Some(rule_name(needle)))
         }
-        (Some(needle), other) => Err(TestCaseError::fail(format!(
-            "expected {needle:?}, got {other:?}"
-        ))),
-        (None, Err(e)) => Err(TestCaseError::fail(format!(
-            "a valid dispatch was refused: {e}"
-        ))),
+        (Some(needle), other) => Err(TestCaseError::fail(format!("expected {needle:?}, got {other:?}"))),
+        (None, Err(e)) => Err(TestCaseError::fail(format!("a valid dispatch was refused: {e}"))),
         (None, Ok(())) => {
-            enc.commit_and_wait()
-                .map_err(|e| TestCaseError::fail(format!("commit: {e}")))?;
+            enc.commit_and_wait().map_err(|e| TestCaseError::fail(format!("commit: {e}")))?;
             let after = snapshot(&b.allocs);
             for (i, (x, y)) in after.iter().zip(&before).enumerate() {
                 if i == oa {
                     prop_assert!(x[..oo] == y[..oo], "bytes before the output were written");
-                    prop_assert!(
-                        x[oo + ol..] == y[oo + ol..],
-                        "bytes after the output were written"
-                    );
+                    prop_assert!(x[oo + ol..] == y[oo + ol..], "bytes after the output were written");
                 } else {
                     prop_assert!(x == y, "an input allocation was written");
                 }
@@ -649,19 +537,13 @@ fn check_dispatch(
 
 /// A refusal's rule without its numbers, to count them.
 fn rule_name(msg: &str) -> String {
-    msg.split(' ')
-        .filter(|w| !w.chars().any(|c| c.is_ascii_digit()))
-        .collect::<Vec<_>>()
-        .join(" ")
+    msg.split(' ').filter(|w| !w.chars().any(|c| c.is_ascii_digit())).collect::<Vec<_>>().join(" ")
 }
 
 /// The instruction sets to run the CPU kernels under (all this machine has).
 fn isas(dev: &MlxDevice) -> Vec<Option<&'static str>> {
     if dev.backend_kind() == mlx_native::backend::BackendKind::Cpu {
-        mlx_native::backend::cpu::simd::detected_isas()
-            .into_iter()
-            .map(Some)
-            .collect()
+        mlx_native::backend::cpu::simd::detected_isas().into_iter().map(Some).collect()
     } else {
         vec![None]
     }
@@ -692,10 +574,7 @@ fn attention_dispatch_matches_reference_or_names_its_error() {
             let counts = counts.into_inner();
             eprintln!("{dev:?} {isa:?}: {n} dispatches: {counts:#?}");
             // Both sides must be exercised: at least a fifth valid, and every rule hit.
-            let valid = counts
-                .get("valid: matched the reference")
-                .copied()
-                .unwrap_or(0);
+            let valid = counts.get("valid: matched the reference").copied().unwrap_or(0);
             assert!(valid * 5 >= n, "only {valid} of {n} dispatches were valid");
             if n >= 600 {
                 for rule in [
@@ -718,10 +597,7 @@ fn attention_dispatch_matches_reference_or_names_its_error() {
                     "blk must be",
                     "out overlaps",
                 ] {
-                    assert!(
-                        counts.keys().any(|k| k.contains(rule)),
-                        "no draw hit {rule:?}: {counts:?}"
-                    );
+                    assert!(counts.keys().any(|k| k.contains(rule)), "no draw hit {rule:?}: {counts:?}");
                 }
             }
         }
@@ -754,48 +630,22 @@ fn blk_draw() -> impl Strategy<Value = BlkDraw> {
         prop_oneof![8 => Just(false), 1 => Just(true)],
         any::<u64>(),
     )
-        .prop_map(
-            |(
-                rows,
-                kv_pad,
-                bq,
-                bk,
-                mask_dtype,
-                blk_dtype,
-                mask_size,
-                blk_size,
-                same_alloc,
-                seed,
-            )| BlkDraw {
-                p: FlashAttnPrefillBlkParams {
-                    rows,
-                    kv_pad,
-                    bq,
-                    bk,
-                },
-                mask_dtype,
-                blk_dtype,
-                mask_size,
-                blk_size,
-                same_alloc,
-                seed,
-            },
-        )
+        .prop_map(|(rows, kv_pad, bq, bk, mask_dtype, blk_dtype, mask_size, blk_size, same_alloc, seed)| BlkDraw {
+            p: FlashAttnPrefillBlkParams { rows, kv_pad, bq, bk },
+            mask_dtype,
+            blk_dtype,
+            mask_size,
+            blk_size,
+            same_alloc,
+            seed,
+        })
 }
 
-fn check_blk(
-    dev: &MlxDevice,
-    reg: &mut KernelRegistry,
-    d: &BlkDraw,
-) -> Result<bool, TestCaseError> {
+fn check_blk(dev: &MlxDevice, reg: &mut KernelRegistry, d: &BlkDraw) -> Result<bool, TestCaseError> {
     let p = &d.p;
     let u = |x: u32| x as u128;
     let mask_need = u(p.rows) * u(p.kv_pad);
-    let blk_need = if p.bq == 0 || p.bk == 0 {
-        0
-    } else {
-        u(p.rows).div_ceil(u(p.bq)) * (u(p.kv_pad) / u(p.bk))
-    };
+    let blk_need = if p.bq == 0 || p.bk == 0 { 0 } else { u(p.rows).div_ceil(u(p.bq)) * (u(p.kv_pad) / u(p.bk)) };
     let sized = |n: u128, s: Size| {
         let n = match s {
             Size::Exact => n,
@@ -812,46 +662,23 @@ fn check_blk(
     let (mb, bb) = (me * d.mask_dtype.size_of(), be * d.blk_dtype.size_of());
     // blk inside a guarded allocation; with `same_alloc` it sits over the mask's last bytes.
     let guard = 16usize;
-    let alloc = dev
-        .alloc_buffer(DType::U8, &[guard + mb + bb + 2 * guard])
-        .unwrap();
+    let alloc = dev.alloc_buffer(DType::U8, &[guard + mb + bb + 2 * guard]).unwrap();
     let mask_off = guard;
-    let blk_off = if d.same_alloc && mb > 0 && bb > 0 {
-        mask_off + mb - 1
-    } else {
-        mask_off + mb + guard
-    };
-    let blk_off = if d.blk_dtype.size_of() > 1 {
-        round_up(blk_off, 4)
-    } else {
-        blk_off
-    };
+    let blk_off = if d.same_alloc && mb > 0 && bb > 0 { mask_off + mb - 1 } else { mask_off + mb + guard };
+    let blk_off = if d.blk_dtype.size_of() > 1 { round_up(blk_off, 4) } else { blk_off };
     let mask = alloc.view(mask_off, mb, d.mask_dtype, vec![me]).unwrap();
     let blk = alloc.view(blk_off, bb, d.blk_dtype, vec![be]).unwrap();
     let mut rng = Rng::new(d.seed);
-    let kinds = [
-        0u16,
-        f16::NEG_INFINITY.to_bits(),
-        f16_bits(-65504.0),
-        f16_bits(0.5),
-        0x8000,
-        0x7e00,
-    ];
+    let kinds = [0u16, f16::NEG_INFINITY.to_bits(), f16_bits(-65504.0), f16_bits(0.5), 0x8000, 0x7e00];
     let mut bits: Vec<u16> = Vec::with_capacity(me);
     let mut tile_kind = 0;
     for i in 0..me {
         if i % 37 == 0 {
             tile_kind = rng.below(kinds.len());
         }
-        bits.push(if rng.below(40) == 0 {
-            kinds[rng.below(kinds.len())]
-        } else {
-            kinds[tile_kind]
-        });
+        bits.push(if rng.below(40) == 0 { kinds[rng.below(kinds.len())] } else { kinds[tile_kind] });
     }
-    let mut init: Vec<u8> = (0..alloc.data_byte_len())
-        .map(|i| (i as u8) ^ 0x3c)
-        .collect();
+    let mut init: Vec<u8> = (0..alloc.data_byte_len()).map(|i| (i as u8) ^ 0x3c).collect();
     if d.mask_dtype.size_of() == 2 {
         init[mask_off..mask_off + mb].copy_from_slice(bytemuck::cast_slice(&bits));
     }
@@ -863,10 +690,7 @@ fn check_blk(
         Some("empty shape")
     } else if p.kv_pad % p.bk != 0 {
         Some("is not a multiple of bk")
-    } else if [p.rows, p.kv_pad, p.bq, p.bk]
-        .iter()
-        .any(|&x| x as u64 > I32_MAX)
-    {
+    } else if [p.rows, p.kv_pad, p.bq, p.bk].iter().any(|&x| x as u64 > I32_MAX) {
         Some("exceeds i32")
     } else if d.mask_dtype != DType::F16 {
         Some("mask must be F16")
@@ -888,35 +712,16 @@ fn check_blk(
             prop_assert!(common::read_u8(&alloc) == before);
             Ok(false)
         }
-        (Some(needle), other) => Err(TestCaseError::fail(format!(
-            "expected {needle:?}, got {other:?}"
-        ))),
-        (None, Err(e)) => Err(TestCaseError::fail(format!(
-            "a valid classification was refused: {e}"
-        ))),
+        (Some(needle), other) => Err(TestCaseError::fail(format!("expected {needle:?}, got {other:?}"))),
+        (None, Err(e)) => Err(TestCaseError::fail(format!("a valid classification was refused: {e}"))),
         (None, Ok(())) => {
             enc.commit_and_wait().unwrap();
             let after = common::read_u8(&alloc);
             let n = blk_need as usize;
-            prop_assert!(
-                after[..blk_off] == before[..blk_off],
-                "bytes before blk were written"
-            );
-            prop_assert!(
-                after[blk_off + n..] == before[blk_off + n..],
-                "bytes after the table were written"
-            );
-            let want = classify(
-                &bits,
-                p.rows as usize,
-                p.kv_pad as usize,
-                p.bq as usize,
-                p.bk as usize,
-            );
-            prop_assert!(
-                after[blk_off..blk_off + n] == want[..],
-                "table differs from SPEC section 1"
-            );
+            prop_assert!(after[..blk_off] == before[..blk_off], "bytes before blk were written");
+            prop_assert!(after[blk_off + n..] == before[blk_off + n..], "bytes after the table were written");
+            let want = classify(&bits, p.rows as usize, p.kv_pad as usize, p.bq as usize, p.bk as usize);
+            prop_assert!(after[blk_off..blk_off + n] == want[..], "table differs from SPEC section 1");
             Ok(true)
         }
     }
@@ -938,10 +743,7 @@ fn blk_dispatch_matches_spec_or_names_its_error() {
         }
         let (valid, invalid) = (valid.get(), invalid.get());
         eprintln!("{dev:?}: {valid} valid and {invalid} invalid classifications checked");
-        assert!(
-            valid * 5 >= cases(300) && invalid * 10 >= cases(300),
-            "{valid} valid, {invalid} invalid"
-        );
+        assert!(valid * 5 >= cases(300) && invalid * 10 >= cases(300), "{valid} valid, {invalid} invalid");
     }
 }
 
@@ -1079,8 +881,7 @@ mod handles {
             Call::NewBuffer(i, mask) => {
                 let h = m.pick(i);
                 let (dtype, shape): (u32, &[u64]) = if mask { (1, &[32, 64]) } else { (3, &[1]) };
-                let got =
-                    unsafe { mlxn_buffer_new(h, dtype, shape.as_ptr(), shape.len(), &mut out) };
+                let got = unsafe { mlxn_buffer_new(h, dtype, shape.as_ptr(), shape.len(), &mut out) };
                 prop_assert_eq!(got, status(m.is(h, is_dev)));
                 if got == OK {
                     m.add(out, if mask { Kind::Mask(h) } else { Kind::Blk(h) });
@@ -1093,9 +894,7 @@ mod handles {
                     Some(Kind::Mask(_)) => (1, &[32, 64], 4096),
                     _ => (3, &[1], 1),
                 };
-                let got = unsafe {
-                    mlxn_buffer_view(h, 0, bytes, dtype, shape.as_ptr(), shape.len(), &mut out)
-                };
+                let got = unsafe { mlxn_buffer_view(h, 0, bytes, dtype, shape.as_ptr(), shape.len(), &mut out) };
                 prop_assert_eq!(got, status(m.is(h, is_buf)));
                 if got == OK {
                     m.add(out, kind.unwrap());
@@ -1130,19 +929,14 @@ mod handles {
                 let handles_ok = m.is(e, is_enc) && m.is(mk, is_buf) && m.is(b, is_buf);
                 let want = if !handles_ok {
                     INVALID_HANDLE
-                } else if !matches!(m.live[&mk], Kind::Mask(_))
-                    || !matches!(m.live[&b], Kind::Blk(_))
-                {
+                } else if !matches!(m.live[&mk], Kind::Mask(_)) || !matches!(m.live[&b], Kind::Blk(_)) {
                     INVALID_ARGUMENT // dtype or size
                 } else if m.device_of(mk) != m.device_of(e) || m.device_of(b) != m.device_of(e) {
                     INVALID_ARGUMENT // a buffer of another device
                 } else {
                     OK
                 };
-                prop_assert_eq!(
-                    mlxn_dispatch_flash_attn_prefill_blk(e, mk, b, 32, 64, 32, 64),
-                    want
-                );
+                prop_assert_eq!(mlxn_dispatch_flash_attn_prefill_blk(e, mk, b, 32, 64, 32, 64), want);
             }
             Call::Commit(i) => {
                 let h = m.pick(i);
@@ -1150,10 +944,7 @@ mod handles {
             }
             Call::Pending(i) => {
                 let h = m.pick(i);
-                prop_assert_eq!(
-                    unsafe { mlxn_encoder_pending(h, &mut out) },
-                    status(m.is(h, is_enc))
-                );
+                prop_assert_eq!(unsafe { mlxn_encoder_pending(h, &mut out) }, status(m.is(h, is_enc)));
             }
             Call::Read(i) => {
                 let h = m.pick(i);
@@ -1167,31 +958,17 @@ mod handles {
                 let h = m.pick(i);
                 // A zero byte: a mask stays all-zero, a table byte gets rewritten on commit.
                 let byte = [0u8; 1];
-                prop_assert_eq!(
-                    unsafe { mlxn_buffer_write(h, 0, byte.as_ptr().cast(), 1) },
-                    status(m.is(h, is_buf))
-                );
+                prop_assert_eq!(unsafe { mlxn_buffer_write(h, 0, byte.as_ptr().cast(), 1) }, status(m.is(h, is_buf)));
             }
             Call::Info(i) => {
                 let h = m.pick(i);
                 let mut info = std::mem::MaybeUninit::<MlxnBufferInfo>::uninit();
-                prop_assert_eq!(
-                    unsafe { mlxn_buffer_info(h, info.as_mut_ptr()) },
-                    status(m.is(h, is_buf))
-                );
+                prop_assert_eq!(unsafe { mlxn_buffer_info(h, info.as_mut_ptr()) }, status(m.is(h, is_buf)));
             }
             Call::DeviceInfo(i) => {
                 let h = m.pick(i);
                 let mut needed = 0usize;
-                let got = unsafe {
-                    mlxn_device_info(
-                        h,
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                        0,
-                        &mut needed,
-                    )
-                };
+                let got = unsafe { mlxn_device_info(h, std::ptr::null_mut(), std::ptr::null_mut(), 0, &mut needed) };
                 prop_assert_eq!(got, status(m.is(h, is_dev)));
             }
         }
@@ -1205,10 +982,7 @@ mod handles {
         let total = Cell::new(0usize);
         let result = runner(300, 3).run(&proptest::collection::vec(call(), 1..60), |calls| {
             total.set(total.get() + calls.len());
-            let mut m = Model {
-                issued: Vec::new(),
-                live: HashMap::new(),
-            };
+            let mut m = Model { issued: Vec::new(), live: HashMap::new() };
             let base = handle_count();
             let mut outcome = Ok(());
             for c in &calls {
@@ -1241,11 +1015,7 @@ mod handles {
         if let Err(e) = result {
             panic!("{e}");
         }
-        eprintln!(
-            "{} C ABI calls in {} sequences matched the handle model",
-            total.get(),
-            cases(300)
-        );
+        eprintln!("{} C ABI calls in {} sequences matched the handle model", total.get(), cases(300));
         assert_eq!(handle_count(), start);
     }
 }

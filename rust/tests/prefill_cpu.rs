@@ -16,9 +16,7 @@ use common::{nmse, read_u8, upload};
 use half::f16;
 use mlx_native::backend::cpu::{flash_attn_prefill, simd, CpuKernelFn, CpuPipeline};
 use mlx_native::interface::{BoundArg, BufferBinding, Dispatch, GridSize, Pipeline};
-use mlx_native::ops::flash_attn_prefill::{
-    dispatch_flash_attn_prefill_mask_blk, mask_blk_params, validate,
-};
+use mlx_native::ops::flash_attn_prefill::{dispatch_flash_attn_prefill_mask_blk, mask_blk_params, validate};
 use mlx_native::params::{FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu};
 use mlx_native::{default_registry, DType, KernelRegistry, MlxDevice};
 
@@ -50,29 +48,16 @@ fn for_each_isa(mut f: impl FnMut(&str)) {
 /// Returns the NMSE.
 fn check(name: &str, c: &Prefill, o: &Output) -> f64 {
     let (reference, lse) = c.reference();
-    assert!(
-        o.out.iter().all(|x| x.is_finite()),
-        "{name}: non-finite output"
-    );
+    assert!(o.out.iter().all(|x| x.is_finite()), "{name}: non-finite output");
     let e = if c.out_dtype == DType::F32 {
         let out: Vec<f32> = o.out.iter().map(|&x| x as f32).collect();
         nmse(&out, &reference)
     } else {
-        let rounded: Vec<f64> = reference
-            .iter()
-            .map(|&x| round_to(c.out_dtype, x as f32) as f64)
-            .collect();
-        let ulp = if c.out_dtype == DType::F16 {
-            2f64.powi(-10)
-        } else {
-            2f64.powi(-7)
-        };
+        let rounded: Vec<f64> = reference.iter().map(|&x| round_to(c.out_dtype, x as f32) as f64).collect();
+        let ulp = if c.out_dtype == DType::F16 { 2f64.powi(-10) } else { 2f64.powi(-7) };
         for (i, (&a, &b)) in o.out.iter().zip(&rounded).enumerate() {
             let tol = ulp * b.abs() * 1.01 + 1e-3;
-            assert!(
-                (a - b).abs() <= tol,
-                "{name}: element {i} is {a}, the rounded reference {b}"
-            );
+            assert!((a - b).abs() <= tol, "{name}: element {i} is {a}, the rounded reference {b}");
         }
         let out: Vec<f32> = o.out.iter().map(|&x| x as f32).collect();
         nmse(&out, &rounded)
@@ -82,16 +67,9 @@ fn check(name: &str, c: &Prefill, o: &Output) -> f64 {
     if c.lse_strides.is_some() {
         for (i, (&got, &want)) in o.lse.iter().zip(&lse).enumerate() {
             if want == f64::NEG_INFINITY {
-                assert_eq!(
-                    got,
-                    f64::NEG_INFINITY,
-                    "{name}: lse {i} of a row that sees nothing"
-                );
+                assert_eq!(got, f64::NEG_INFINITY, "{name}: lse {i} of a row that sees nothing");
             } else {
-                assert!(
-                    (got - want).abs() < 2e-3,
-                    "{name}: lse {i} is {got}, the reference {want}"
-                );
+                assert!((got - want).abs() < 2e-3, "{name}: lse {i} is {got}, the reference {want}");
             }
         }
     }
@@ -111,22 +89,10 @@ fn described(mut c: Prefill, causal: bool, window: usize) -> Prefill {
 fn fixed_length_batches_with_batch_strides() {
     let (_l, dev, mut reg) = setup();
     let cases = [
-        (
-            "d256 gqa2 batch 3 kv 130",
-            Prefill::fixed(1, 3, 45, 130, 4, 2, 256, 1).with_lse(),
-        ),
-        (
-            "d512 mha batch 2 kv 77 causal",
-            described(Prefill::fixed(2, 2, 20, 77, 2, 2, 512, 2), true, 0).with_lse(),
-        ),
-        (
-            "d256 gqa8 batch 4 kv 64 rows 1",
-            Prefill::fixed(3, 4, 1, 64, 8, 1, 256, 0),
-        ),
-        (
-            "d256 mha batch 2 kv < rows",
-            Prefill::fixed(4, 2, 90, 40, 3, 3, 256, 1).with_lse(),
-        ),
+        ("d256 gqa2 batch 3 kv 130", Prefill::fixed(1, 3, 45, 130, 4, 2, 256, 1).with_lse()),
+        ("d512 mha batch 2 kv 77 causal", described(Prefill::fixed(2, 2, 20, 77, 2, 2, 512, 2), true, 0).with_lse()),
+        ("d256 gqa8 batch 4 kv 64 rows 1", Prefill::fixed(3, 4, 1, 64, 8, 1, 256, 0)),
+        ("d256 mha batch 2 kv < rows", Prefill::fixed(4, 2, 90, 40, 3, 3, 256, 1).with_lse()),
     ];
     for (name, c) in cases {
         let o = run(&dev, &mut reg, &c, Table::Computed);
@@ -144,10 +110,7 @@ fn fixed_length_batches_with_batch_strides() {
         c1.v = c.v[b * c.v_strides[0]..].to_vec();
         let one = run(&dev, &mut reg, &c1, Table::Computed);
         let part = &whole.out_bits[b * rows * nh * hd..(b + 1) * rows * nh * hd];
-        assert_eq!(
-            one.out_bits, part,
-            "sequence {b} alone differs from its place in the batch"
-        );
+        assert_eq!(one.out_bits, part, "sequence {b} alone differs from its place in the batch");
     }
 }
 
@@ -155,30 +118,12 @@ fn fixed_length_batches_with_batch_strides() {
 fn causal_and_window_with_a_longer_cache() {
     let (_l, dev, mut reg) = setup();
     let cases = [
-        (
-            "d256 causal rows 70 kv 200",
-            described(Prefill::fixed(11, 2, 70, 200, 4, 2, 256, 1), true, 0),
-        ),
-        (
-            "d256 window 40 rows 70 kv 200",
-            described(Prefill::fixed(12, 2, 70, 200, 4, 2, 256, 0), true, 40),
-        ),
-        (
-            "d512 window 1 rows 33 kv 100",
-            described(Prefill::fixed(13, 1, 33, 100, 4, 1, 512, 1), true, 1),
-        ),
-        (
-            "d512 window 100 rows 50 kv 300",
-            described(Prefill::fixed(14, 2, 50, 300, 2, 2, 512, 0), true, 100),
-        ),
-        (
-            "d256 window 64 fresh rows 150",
-            described(Prefill::fixed(15, 1, 150, 150, 3, 3, 256, 1), true, 64),
-        ),
-        (
-            "d256 causal fresh rows 100 gqa4",
-            described(Prefill::fixed(16, 1, 100, 100, 8, 2, 256, 0), true, 0),
-        ),
+        ("d256 causal rows 70 kv 200", described(Prefill::fixed(11, 2, 70, 200, 4, 2, 256, 1), true, 0)),
+        ("d256 window 40 rows 70 kv 200", described(Prefill::fixed(12, 2, 70, 200, 4, 2, 256, 0), true, 40)),
+        ("d512 window 1 rows 33 kv 100", described(Prefill::fixed(13, 1, 33, 100, 4, 1, 512, 1), true, 1)),
+        ("d512 window 100 rows 50 kv 300", described(Prefill::fixed(14, 2, 50, 300, 2, 2, 512, 0), true, 100)),
+        ("d256 window 64 fresh rows 150", described(Prefill::fixed(15, 1, 150, 150, 3, 3, 256, 1), true, 64)),
+        ("d256 causal fresh rows 100 gqa4", described(Prefill::fixed(16, 1, 100, 100, 8, 2, 256, 0), true, 0)),
     ];
     for (name, c) in cases {
         let c = c.with_lse();
@@ -192,15 +137,7 @@ fn variable_length_sequences() {
     let (_l, dev, mut reg) = setup();
     // An empty prompt, prompts shorter than their caches, one of one row, caches not
     // multiples of 64.
-    let lens = [
-        (37, 37),
-        (0, 20),
-        (50, 130),
-        (1, 1),
-        (70, 75),
-        (0, 0),
-        (33, 200),
-    ];
+    let lens = [(37, 37), (0, 20), (50, 130), (1, 1), (70, 75), (0, 0), (33, 200)];
     for (name, causal, window, hd) in [
         ("varlen causal d256", true, 0, 256),
         ("varlen window 30 d256", true, 30, 256),
@@ -208,12 +145,7 @@ fn variable_length_sequences() {
         ("varlen window 7 d512", true, 7, 512),
         ("varlen dense d256", false, 0, 256),
     ] {
-        let c = described(
-            Prefill::varlen(21 + hd as u64, &lens, 4, 2, hd, 1),
-            causal,
-            window,
-        )
-        .with_lse();
+        let c = described(Prefill::varlen(21 + hd as u64, &lens, 4, 2, hd, 1), causal, window).with_lse();
         let o = run(&dev, &mut reg, &c, Table::Computed);
         check(name, &c, &o);
     }
@@ -234,15 +166,11 @@ fn an_empty_cache_gives_zeros_and_lse_minus_inf() {
         for r in 0..lq {
             let row = c.logical_row(b, r);
             assert!(
-                o.out_bits[row * nh * hd..(row + 1) * nh * hd]
-                    .iter()
-                    .all(|&x| x == 0),
+                o.out_bits[row * nh * hd..(row + 1) * nh * hd].iter().all(|&x| x == 0),
                 "sequence {b} row {r}: not +0"
             );
             assert!(
-                o.lse[row * nh..(row + 1) * nh]
-                    .iter()
-                    .all(|&x| x == f64::NEG_INFINITY),
+                o.lse[row * nh..(row + 1) * nh].iter().all(|&x| x == f64::NEG_INFINITY),
                 "sequence {b} row {r}: lse"
             );
         }
@@ -258,12 +186,7 @@ fn explicit_masks_alone_and_with_causal_shared_and_per_batch() {
         ("explicit per batch + causal d512", true, 0, false, 512),
         ("explicit shared + window 50 d256", true, 50, true, 256),
     ] {
-        let mut c = described(
-            Prefill::fixed(41 + hd as u64, 2, 45, 150, 4, 2, hd, 1),
-            causal,
-            window,
-        )
-        .with_lse();
+        let mut c = described(Prefill::fixed(41 + hd as u64, 2, 45, 150, 4, 2, hd, 1), causal, window).with_lse();
         c.set_peer_mask(7, shared);
         let o = run(&dev, &mut reg, &c, Table::Computed);
         check(name, &c, &o);
@@ -280,10 +203,7 @@ fn every_q_and_out_dtype() {
             let o32 = run(&dev, &mut reg, &c32, Table::Computed);
             check(&format!("d{hd} q {q_dtype} out float32"), &c32, &o32);
             for out_dtype in [DType::F16, DType::BF16] {
-                let c = Prefill {
-                    out_dtype,
-                    ..c32.clone()
-                };
+                let c = Prefill { out_dtype, ..c32.clone() };
                 let o = run(&dev, &mut reg, &c, Table::Computed);
                 check(&format!("d{hd} q {q_dtype} out {out_dtype}"), &c, &o);
                 // Rounded by the kernel from its F32 result, to nearest even.
@@ -308,29 +228,15 @@ fn every_q_and_out_dtype() {
 /// SPEC 8 over any number of parts: `o = sum_k e^(lse_k - L) o_k`, `L = ln(sum_k e^lse_k)`.
 fn merge_all(parts: &[&Output], nh: usize, hd: usize) -> (Vec<f32>, Vec<f64>) {
     let rows = parts[0].lse.len() / nh;
-    let (mut out, mut lse) = (
-        vec![0f32; rows * nh * hd],
-        vec![f64::NEG_INFINITY; rows * nh],
-    );
+    let (mut out, mut lse) = (vec![0f32; rows * nh * hd], vec![f64::NEG_INFINITY; rows * nh]);
     for i in 0..rows * nh {
-        let mx = parts
-            .iter()
-            .map(|p| p.lse[i])
-            .fold(f64::NEG_INFINITY, f64::max);
+        let mx = parts.iter().map(|p| p.lse[i]).fold(f64::NEG_INFINITY, f64::max);
         if mx == f64::NEG_INFINITY {
             continue;
         }
-        let l = mx
-            + parts
-                .iter()
-                .map(|p| (p.lse[i] - mx).exp())
-                .sum::<f64>()
-                .ln();
+        let l = mx + parts.iter().map(|p| (p.lse[i] - mx).exp()).sum::<f64>().ln();
         for d in 0..hd {
-            out[i * hd + d] = parts
-                .iter()
-                .map(|p| (p.lse[i] - l).exp() * p.out[i * hd + d])
-                .sum::<f64>() as f32;
+            out[i * hd + d] = parts.iter().map(|p| (p.lse[i] - l).exp() * p.out[i * hd + d]).sum::<f64>() as f32;
         }
         lse[i] = l;
     }
@@ -363,14 +269,8 @@ fn two_parts_of_a_cache_merge_to_the_whole() {
         eprintln!("{name:60} merged nmse {e:.2e}");
         assert!(e < 1e-5, "{name}: merged nmse {e:e}");
         for (i, (&got, &want)) in lse.iter().zip(&ref_lse).enumerate() {
-            assert!(
-                got == want || (got - want).abs() < 2e-3,
-                "{name}: merged lse {i} is {got}, the reference {want}"
-            );
-            assert!(
-                got == whole.lse[i] || (got - whole.lse[i]).abs() < 2e-3,
-                "{name}: merged lse {i} vs the whole's"
-            );
+            assert!(got == want || (got - want).abs() < 2e-3, "{name}: merged lse {i} is {got}, the reference {want}");
+            assert!(got == whole.lse[i] || (got - whole.lse[i]).abs() < 2e-3, "{name}: merged lse {i} vs the whole's");
         }
     }
 }
@@ -384,56 +284,21 @@ fn an_explicit_offset_places_the_queries_in_the_cache() {
     };
     let cases = [
         // Rows below 20 see nothing; a chunk inside the cache; one past it (every row sees all).
-        (
-            "causal offset -20 d256",
-            with_offset(
-                described(Prefill::fixed(131, 2, 40, 150, 4, 2, 256, 1), true, 0),
-                -20,
-            ),
-        ),
-        (
-            "causal offset 37 d512",
-            with_offset(
-                described(Prefill::fixed(132, 2, 40, 150, 4, 2, 512, 1), true, 0),
-                37,
-            ),
-        ),
-        (
-            "causal offset 200 d256",
-            with_offset(
-                described(Prefill::fixed(133, 1, 40, 150, 2, 1, 256, 0), true, 0),
-                200,
-            ),
-        ),
+        ("causal offset -20 d256", with_offset(described(Prefill::fixed(131, 2, 40, 150, 4, 2, 256, 1), true, 0), -20)),
+        ("causal offset 37 d512", with_offset(described(Prefill::fixed(132, 2, 40, 150, 4, 2, 512, 1), true, 0), 37)),
+        ("causal offset 200 d256", with_offset(described(Prefill::fixed(133, 1, 40, 150, 2, 1, 256, 0), true, 0), 200)),
         (
             "window 30 offset 60 d256",
-            with_offset(
-                described(Prefill::fixed(134, 2, 70, 150, 4, 2, 256, 1), true, 30),
-                60,
-            ),
+            with_offset(described(Prefill::fixed(134, 2, 70, 150, 4, 2, 256, 1), true, 30), 60),
         ),
         // A cache shorter than the prompt, and an empty prompt.
         (
             "varlen causal offset 10 d256",
-            with_offset(
-                described(
-                    Prefill::varlen(135, &[(30, 80), (0, 10), (50, 20)], 4, 2, 256, 1),
-                    true,
-                    0,
-                ),
-                10,
-            ),
+            with_offset(described(Prefill::varlen(135, &[(30, 80), (0, 10), (50, 20)], 4, 2, 256, 1), true, 0), 10),
         ),
         (
             "varlen window 16 offset -5 d512",
-            with_offset(
-                described(
-                    Prefill::varlen(136, &[(40, 70), (33, 33)], 2, 2, 512, 0),
-                    true,
-                    16,
-                ),
-                -5,
-            ),
+            with_offset(described(Prefill::varlen(136, &[(40, 70), (33, 33)], 2, 2, 512, 0), true, 16), -5),
         ),
     ];
     for (name, c) in cases {
@@ -448,34 +313,19 @@ fn an_explicit_offset_places_the_queries_in_the_cache() {
                 }
                 let row = c.logical_row(b, r);
                 assert!(
-                    o.out_bits[row * nh * hd..(row + 1) * nh * hd]
-                        .iter()
-                        .all(|&x| x == 0),
+                    o.out_bits[row * nh * hd..(row + 1) * nh * hd].iter().all(|&x| x == 0),
                     "{name}: row {row} not +0"
                 );
                 assert!(
-                    o.lse[row * nh..(row + 1) * nh]
-                        .iter()
-                        .all(|&x| x == f64::NEG_INFINITY),
+                    o.lse[row * nh..(row + 1) * nh].iter().all(|&x| x == f64::NEG_INFINITY),
                     "{name}: row {row} lse"
                 );
             }
         }
         if !c.varlen {
             // The same placement given as an explicit mask: the same bits.
-            let mut explicit = Prefill {
-                causal: false,
-                window: 0,
-                offset: None,
-                ..c.clone()
-            };
-            explicit.set_mask(true, 0, |b, r, j| {
-                if c.visible(b, r, j) {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            });
+            let mut explicit = Prefill { causal: false, window: 0, offset: None, ..c.clone() };
+            explicit.set_mask(true, 0, |b, r, j| if c.visible(b, r, j) { 0.0 } else { f32::NEG_INFINITY });
             let e = run(&dev, &mut reg, &explicit, Table::Computed);
             assert!(same_bits(&o, &e), "{name}: described and explicit differ");
         }
@@ -486,35 +336,20 @@ fn an_explicit_offset_places_the_queries_in_the_cache() {
 fn parts_of_a_cache_with_their_offsets_merge_to_the_whole_causal_prefill() {
     let (_l, dev, mut reg) = setup();
     for (name, hd, window, cuts) in [
-        (
-            "d256 causal, cut at 128 and 200",
-            256,
-            0,
-            vec![0, 128, 200, 300],
-        ),
+        ("d256 causal, cut at 128 and 200", 256, 0, vec![0, 128, 200, 300]),
         ("d512 window 100, cut at 150", 512, 100, vec![0, 150, 300]),
-        (
-            "d256 window 40, cut at 70, 230 and 250",
-            256,
-            40,
-            vec![0, 70, 230, 250, 300],
-        ),
+        ("d256 window 40, cut at 70, 230 and 250", 256, 40, vec![0, 70, 230, 250, 300]),
     ] {
         let c = described(Prefill::fixed(141, 2, 64, 300, 4, 2, hd, 1), true, window).with_lse();
-        let parts: Vec<Output> = cuts
-            .windows(2)
-            .map(|w| run(&dev, &mut reg, &c.cache_part(w[0], w[1]), Table::Computed))
-            .collect();
+        let parts: Vec<Output> =
+            cuts.windows(2).map(|w| run(&dev, &mut reg, &c.cache_part(w[0], w[1]), Table::Computed)).collect();
         let (out, lse) = merge_all(&parts.iter().collect::<Vec<_>>(), 4, hd);
         let (reference, ref_lse) = c.reference();
         let e = nmse(&out, &reference);
         eprintln!("{name:60} merged nmse {e:.2e}");
         assert!(e < 1e-5, "{name}: merged nmse {e:e}");
         for (i, (&got, &want)) in lse.iter().zip(&ref_lse).enumerate() {
-            assert!(
-                got == want || (got - want).abs() < 2e-3,
-                "{name}: merged lse {i} is {got}, the reference {want}"
-            );
+            assert!(got == want || (got - want).abs() < 2e-3, "{name}: merged lse {i} is {got}, the reference {want}");
         }
     }
 }
@@ -543,18 +378,8 @@ fn fully_masked_rows_give_zeros_and_lse_minus_inf() {
             rows.push(c.logical_row(0, 10));
         }
         for row in rows {
-            assert!(
-                o.out_bits[row * nh * hd..(row + 1) * nh * hd]
-                    .iter()
-                    .all(|&x| x == 0),
-                "row {row}: not +0"
-            );
-            assert!(
-                o.lse[row * nh..(row + 1) * nh]
-                    .iter()
-                    .all(|&x| x == f64::NEG_INFINITY),
-                "row {row}: lse not -inf"
-            );
+            assert!(o.out_bits[row * nh * hd..(row + 1) * nh * hd].iter().all(|&x| x == 0), "row {row}: not +0");
+            assert!(o.lse[row * nh..(row + 1) * nh].iter().all(|&x| x == f64::NEG_INFINITY), "row {row}: lse not -inf");
         }
     }
 }
@@ -568,20 +393,12 @@ fn a_computed_table_changes_no_bit() {
         ("per batch + causal d256", true, 0, false, 256),
         ("shared + window 40 d512", true, 40, true, 512),
     ] {
-        let mut c =
-            described(Prefill::fixed(81, 2, 50, 170, 4, 2, hd, 1), causal, window).with_lse();
+        let mut c = described(Prefill::fixed(81, 2, 50, 170, 4, 2, hd, 1), causal, window).with_lse();
         c.set_peer_mask(11, shared);
         let computed = run(&dev, &mut reg, &c, Table::Computed);
         let ones = run(&dev, &mut reg, &c, Table::AllOnes);
-        assert!(
-            computed.blk.iter().any(|&b| b != 1),
-            "{name}: the computed table is all ones"
-        );
-        assert!(
-            same_bits(&computed, &ones),
-            "{name}: the computed table {:?} changes the output",
-            computed.blk
-        );
+        assert!(computed.blk.iter().any(|&b| b != 1), "{name}: the computed table is all ones");
+        assert!(same_bits(&computed, &ones), "{name}: the computed table {:?} changes the output", computed.blk);
     }
 }
 
@@ -601,41 +418,20 @@ fn a_described_mask_equals_the_same_mask_given_explicitly() {
         ("causal kv 74 rows 60 d512", 60, 74, 0, 512, false),
         ("window 95 fresh 230 d256", 230, 230, 95, 256, false),
         ("window 79 fresh 160 d512", 160, 160, 79, 512, false),
-        (
-            "causal + peer mask kv 150 rows 45 d256",
-            45,
-            150,
-            0,
-            256,
-            true,
-        ),
-        (
-            "window 30 + peer mask kv 150 rows 45 d512",
-            45,
-            150,
-            30,
-            512,
-            true,
-        ),
+        ("causal + peer mask kv 150 rows 45 d256", 45, 150, 0, 256, true),
+        ("window 30 + peer mask kv 150 rows 45 d512", 45, 150, 30, 512, true),
     ] {
-        let mut desc =
-            described(Prefill::fixed(91, 2, rows, kv, 4, 2, hd, 1), true, window).with_lse();
+        let mut desc = described(Prefill::fixed(91, 2, rows, kv, 4, 2, hd, 1), true, window).with_lse();
         if with_peer {
             desc.set_peer_mask(13, false);
         }
-        let mut explicit = Prefill {
-            causal: false,
-            window: 0,
-            ..desc.clone()
-        };
+        let mut explicit = Prefill { causal: false, window: 0, ..desc.clone() };
         let d2 = desc.clone();
         explicit.set_mask(!with_peer, 0, |b, r, j| {
             if !d2.visible(b, r, j) {
                 f32::NEG_INFINITY
             } else {
-                d2.mask.as_ref().map_or(0.0, |m| {
-                    f16::from_bits(m.data[d2.mask_at(b, r, j)]).to_f32()
-                })
+                d2.mask.as_ref().map_or(0.0, |m| f16::from_bits(m.data[d2.mask_at(b, r, j)]).to_f32())
             }
         });
         let a = run(&dev, &mut reg, &desc, Table::Computed);
@@ -651,17 +447,10 @@ fn leaving_out_unseen_cache_rows_changes_no_bit() {
     let mut peer = described(Prefill::fixed(101, 2, 45, 150, 4, 2, 256, 1), true, 0).with_lse();
     peer.set_peer_mask(17, false);
     let cases = [
-        (
-            "window 40",
-            described(Prefill::fixed(102, 2, 70, 200, 4, 2, 256, 0), true, 40).with_lse(),
-        ),
+        ("window 40", described(Prefill::fixed(102, 2, 70, 200, 4, 2, 256, 0), true, 40).with_lse()),
         (
             "varlen causal d512",
-            described(
-                Prefill::varlen(103, &[(37, 37), (50, 130), (0, 20), (20, 25)], 2, 1, 512, 1),
-                true,
-                0,
-            ),
+            described(Prefill::varlen(103, &[(37, 37), (50, 130), (0, 20), (20, 25)], 2, 1, 512, 1), true, 0),
         ),
         ("causal + peer", peer),
     ];
@@ -670,10 +459,7 @@ fn leaving_out_unseen_cache_rows_changes_no_bit() {
         flash_attn_prefill::set_column_skipping(false);
         let full = run(&dev, &mut reg, &c, Table::Computed);
         flash_attn_prefill::set_column_skipping(true);
-        assert!(
-            same_bits(&skipping, &full),
-            "{name}: skipping unseen cache rows changes the output"
-        );
+        assert!(same_bits(&skipping, &full), "{name}: skipping unseen cache rows changes the output");
     }
 }
 
@@ -683,26 +469,15 @@ fn every_instruction_set_matches_the_reference() {
     let mut peer = described(Prefill::fixed(111, 2, 45, 150, 4, 2, 512, 1), true, 0).with_lse();
     peer.set_peer_mask(19, true);
     let cases = [
-        (
-            "window 40 d256",
-            described(Prefill::fixed(112, 2, 70, 200, 4, 2, 256, 1), true, 40).with_lse(),
-        ),
+        ("window 40 d256", described(Prefill::fixed(112, 2, 70, 200, 4, 2, 256, 1), true, 40).with_lse()),
         (
             "varlen causal d256",
-            described(
-                Prefill::varlen(113, &[(37, 37), (0, 9), (50, 130)], 4, 1, 256, 0),
-                true,
-                0,
-            )
-            .with_lse(),
+            described(Prefill::varlen(113, &[(37, 37), (0, 9), (50, 130)], 4, 1, 256, 0), true, 0).with_lse(),
         ),
         ("causal + peer d512", peer),
         (
             "q bf16 out f16 d256",
-            Prefill {
-                out_dtype: DType::F16,
-                ..Prefill::fixed(114, 1, 40, 90, 2, 2, 256, 1).with_q_dtype(DType::BF16)
-            },
+            Prefill { out_dtype: DType::F16, ..Prefill::fixed(114, 1, 40, 90, 2, 2, 256, 1).with_q_dtype(DType::BF16) },
         ),
     ];
     for (name, c) in cases {
@@ -739,22 +514,11 @@ fn no_input_is_read_past_its_last_element() {
     let mut shared = described(Prefill::fixed(152, 2, 20, 101, 2, 1, 512, 0), true, 0);
     shared.set_peer_mask(22, true);
     let cases = [
-        (
-            "causal kv 77 d256",
-            described(Prefill::fixed(153, 2, 33, 77, 4, 2, 256, 1), true, 0).with_lse(),
-        ),
-        (
-            "dense kv 130 d512",
-            Prefill::fixed(154, 1, 20, 130, 2, 1, 512, 0),
-        ),
+        ("causal kv 77 d256", described(Prefill::fixed(153, 2, 33, 77, 4, 2, 256, 1), true, 0).with_lse()),
+        ("dense kv 130 d512", Prefill::fixed(154, 1, 20, 130, 2, 1, 512, 0)),
         (
             "varlen window 9 d256",
-            described(
-                Prefill::varlen(155, &[(20, 64), (37, 101)], 4, 2, 256, 1),
-                true,
-                9,
-            )
-            .with_lse(),
+            described(Prefill::varlen(155, &[(20, 64), (37, 101)], 4, 2, 256, 1), true, 9).with_lse(),
         ),
         ("peer mask kv 77 d256", peer),
         ("shared mask + causal kv 101 d512", shared),
@@ -762,8 +526,7 @@ fn no_input_is_read_past_its_last_element() {
             "q bf16 out f16 kv 93 d512",
             Prefill {
                 out_dtype: DType::F16,
-                ..described(Prefill::fixed(156, 1, 17, 93, 2, 2, 512, 2), true, 0)
-                    .with_q_dtype(DType::BF16)
+                ..described(Prefill::fixed(156, 1, 17, 93, 2, 2, 512, 2), true, 0).with_q_dtype(DType::BF16)
             },
         ),
     ];
@@ -834,20 +597,13 @@ fn the_mask_classifier_follows_spec_1_over_a_batch_and_past_the_cache() {
         let tables = if shared { 1 } else { 3 };
         let (rows_t, steps) = (45usize.div_ceil(bq), 150usize.div_ceil(64));
         // One byte more than the tables: it must stay as it was.
-        let blk = dev
-            .alloc_buffer(DType::U8, &[tables * rows_t * steps + 1])
-            .unwrap();
-        blk.write_bytes(0, &vec![0xaa; tables * rows_t * steps + 1])
-            .unwrap();
+        let blk = dev.alloc_buffer(DType::U8, &[tables * rows_t * steps + 1]).unwrap();
+        blk.write_bytes(0, &vec![0xaa; tables * rows_t * steps + 1]).unwrap();
         let mut enc = dev.command_encoder();
         dispatch_flash_attn_prefill_mask_blk(&mut enc, &mut reg, &dev, &mask, &blk, &p).unwrap();
         enc.commit_and_wait().unwrap();
         let got = read_u8(&blk);
-        assert_eq!(
-            got[tables * rows_t * steps],
-            0xaa,
-            "a byte past the tables was written"
-        );
+        assert_eq!(got[tables * rows_t * steps], 0xaa, "a byte past the tables was written");
         for b in 0..tables {
             for qt in 0..rows_t {
                 for kt in 0..steps {
@@ -856,37 +612,21 @@ fn the_mask_classifier_follows_spec_1_over_a_batch_and_past_the_cache() {
                         .map(|(r, j)| (j < 150).then(|| m.data[c.mask_at(b, r, j)]))
                         .collect();
                     let at = (b * rows_t + qt) * steps + kt;
-                    assert_eq!(
-                        got[at],
-                        tile_class(&vals),
-                        "d{hd} shared {shared}: table {b} tile ({qt}, {kt})"
-                    );
+                    assert_eq!(got[at], tile_class(&vals), "d{hd} shared {shared}: table {b} tile ({qt}, {kt})");
                 }
             }
         }
         for want in [0u8, 1, 2] {
-            assert!(
-                got[..tables * rows_t * steps].contains(&want),
-                "no tile of class {want}: {got:?}"
-            );
+            assert!(got[..tables * rows_t * steps].contains(&want), "no tile of class {want}: {got:?}");
         }
         // The last column tile runs past kv_len (150 = 2 * 64 + 22): never 2.
-        assert!(
-            (0..tables * rows_t).all(|t| got[t * steps + steps - 1] != 2),
-            "a tile past the cache's end is 2"
-        );
+        assert!((0..tables * rows_t).all(|t| got[t * steps + steps - 1] != 2), "a tile past the cache's end is 2");
     }
 }
 
 /// A dispatch of a CPU kernel built by hand (as a backend that skips the op would): `block`
 /// at 0, then the buffers at their indices (an absent one bound as Q), `swap` replacing some.
-fn by_hand(
-    name: &str,
-    kernel: CpuKernelFn,
-    block: &[u8],
-    b: &Buffers,
-    swap: &[(u64, BufferBinding)],
-) -> Dispatch {
+fn by_hand(name: &str, kernel: CpuKernelFn, block: &[u8], b: &Buffers, swap: &[(u64, BufferBinding)]) -> Dispatch {
     let q = b.q.binding();
     let or_q = |x: Option<&mlx_native::MlxBuffer>| x.map_or(q.clone(), |x| x.binding());
     let mut bound = vec![
@@ -917,10 +657,7 @@ fn by_hand(
 /// A binding of `b` one element shorter.
 fn short(b: &mlx_native::MlxBuffer) -> BufferBinding {
     let x = b.binding();
-    BufferBinding {
-        byte_len: x.byte_len - b.dtype().size_of(),
-        ..x
-    }
+    BufferBinding { byte_len: x.byte_len - b.dtype().size_of(), ..x }
 }
 
 /// The CPU kernels check what they rely on, for a dispatch the op did not make: a block no
@@ -941,13 +678,7 @@ fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
     let g = validate(&bufs.view(), &c.params()).unwrap().gpu;
     let kernel: CpuKernelFn = flash_attn_prefill::run_d256;
     let go = |g: &FlashAttnPrefillParamsGpu, swap: &[(u64, BufferBinding)]| {
-        let d = by_hand(
-            "flash_attn_prefill_d256",
-            kernel,
-            bytemuck::bytes_of(g),
-            &bufs,
-            swap,
-        );
+        let d = by_hand("flash_attn_prefill_d256", kernel, bytemuck::bytes_of(g), &bufs, swap);
         kernel(&d)
     };
     let sentinel = vec![0xffu8; bufs.out.data_byte_len()];
@@ -961,18 +692,11 @@ fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
         assert!(read_u8(&bufs.out) == sentinel, "{what}: out was written");
     };
     go(&g, &[]).unwrap();
-    let out: Vec<u32> = bytemuck::cast_slice::<u8, f32>(&read_u8(&bufs.out))
-        .iter()
-        .map(|x| x.to_bits())
-        .collect();
+    let out: Vec<u32> = bytemuck::cast_slice::<u8, f32>(&read_u8(&bufs.out)).iter().map(|x| x.to_bits()).collect();
     for (i, &bits) in want.out_bits.iter().enumerate() {
         let (row, rest) = (i / (4 * 256), i % (4 * 256));
         let (b, r) = (row / 40, row % 40);
-        assert_eq!(
-            out[c.out_at(b, r, rest / 256) + rest % 256],
-            bits,
-            "the block by hand differs from the op at {i}"
-        );
+        assert_eq!(out[c.out_at(b, r, rest / 256) + rest % 256], bits, "the block by hand differs from the op at {i}");
     }
     let f = |edit: fn(&mut FlashAttnPrefillParamsGpu)| {
         let mut x = g;
@@ -989,16 +713,10 @@ fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
         ("an O dtype code -1", f(|x| x.o_dtype = -1)),
         ("a negative stride", f(|x| x.k_row_stride = -1)),
         ("a negative batch", f(|x| x.batch = -1)),
-        (
-            "a mask with variable length",
-            f(|x| x.flags |= mlx_native::params::PREFILL_VARLEN),
-        ),
+        ("a mask with variable length", f(|x| x.flags |= mlx_native::params::PREFILL_VARLEN)),
         ("a table of 0-row tiles", f(|x| x.blk_bq = 0)),
         ("a table narrower than the cache", f(|x| x.blk_steps = 1)),
-        (
-            "a table of another batch stride",
-            f(|x| x.blk_batch_stride += 1),
-        ),
+        ("a table of another batch stride", f(|x| x.blk_batch_stride += 1)),
         ("a table of other tiles", f(|x| x.blk_bq = 16)),
         ("more sequences", f(|x| x.batch = 3)),
     ];
@@ -1017,22 +735,14 @@ fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
         refuse(&format!("{what} one element short"), &g, &[(i, b)]);
     }
     // Nothing to compute: no sequence, or no query row (the table's size is then 0).
-    for (what, empty) in [
-        ("batch 0", f(|x| x.batch = 0)),
-        ("rows 0", f(|x| x.rows = 0)),
-    ] {
+    for (what, empty) in [("batch 0", f(|x| x.batch = 0)), ("rows 0", f(|x| x.rows = 0))] {
         bufs.out.write_bytes(0, &sentinel).unwrap();
         go(&empty, &[]).unwrap_or_else(|e| panic!("{what}: {e:?}"));
         assert!(read_u8(&bufs.out) == sentinel, "{what}: out was written");
     }
 
     // Variable length: cu_seqlens that do not lie inside the tensors.
-    let mut v = described(
-        Prefill::varlen(162, &[(20, 30), (0, 10), (17, 40)], 4, 2, 256, 1),
-        true,
-        0,
-    )
-    .with_lse();
+    let mut v = described(Prefill::varlen(162, &[(20, 30), (0, 10), (17, 40)], 4, 2, 256, 1), true, 0).with_lse();
     v.lse_strides = None;
     let vb = v.buffers(&dev);
     let vg = validate(&vb.view(), &v.params()).unwrap().gpu;
@@ -1052,26 +762,10 @@ fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
     for (what, q, k) in [
         ("cu_seqlens_q from 1", vec![1, 20, 20, 37], ck.clone()),
         ("cu_seqlens_k decreasing", cq.clone(), vec![0, 30, 29, 80]),
-        (
-            "cu_seqlens_q past the rows",
-            vec![0, 20, 20, 38],
-            ck.clone(),
-        ),
-        (
-            "cu_seqlens_k past the cache",
-            cq.clone(),
-            vec![0, 30, 40, 81],
-        ),
-        (
-            "cu_seqlens_q of batch entries",
-            cq[..3].to_vec(),
-            ck.clone(),
-        ),
-        (
-            "cu_seqlens_k of batch entries",
-            cq.clone(),
-            ck[..3].to_vec(),
-        ),
+        ("cu_seqlens_q past the rows", vec![0, 20, 20, 38], ck.clone()),
+        ("cu_seqlens_k past the cache", cq.clone(), vec![0, 30, 40, 81]),
+        ("cu_seqlens_q of batch entries", cq[..3].to_vec(), ck.clone()),
+        ("cu_seqlens_k of batch entries", cq.clone(), ck[..3].to_vec()),
     ] {
         let err = vgo(&q, &k).expect_err(what);
         assert!(
@@ -1095,18 +789,9 @@ fn the_cpu_mask_classifier_refuses_blocks_and_buffers_no_op_makes() {
     let g = mask_blk_params(&c.params()).unwrap();
     let kernel: CpuKernelFn = flash_attn_prefill::run_mask_blk;
     let go = |g: &FlashAttnPrefillMaskBlkParamsGpu, swap: &[(u64, BufferBinding)]| {
-        let mut d = by_hand(
-            "flash_attn_prefill_mask_blk",
-            kernel,
-            bytemuck::bytes_of(g),
-            &bufs,
-            &[],
-        );
-        d.args = vec![
-            (0, d.args[0].1.clone()),
-            (1, BoundArg::Buffer(mask.binding())),
-            (2, BoundArg::Buffer(blk.binding())),
-        ];
+        let mut d = by_hand("flash_attn_prefill_mask_blk", kernel, bytemuck::bytes_of(g), &bufs, &[]);
+        d.args =
+            vec![(0, d.args[0].1.clone()), (1, BoundArg::Buffer(mask.binding())), (2, BoundArg::Buffer(blk.binding()))];
         for (i, x) in swap {
             d.args[*i as usize] = (*i, BoundArg::Buffer(x.clone()));
         }
@@ -1115,10 +800,7 @@ fn the_cpu_mask_classifier_refuses_blocks_and_buffers_no_op_makes() {
     let sentinel = vec![0xeeu8; blk.data_byte_len()];
     blk.write_bytes(0, &sentinel).unwrap();
     go(&g, &[]).unwrap();
-    assert!(
-        read_u8(blk).iter().all(|&x| x <= 2),
-        "a table byte not written"
-    );
+    assert!(read_u8(blk).iter().all(|&x| x <= 2), "a table byte not written");
     let f = |edit: fn(&mut FlashAttnPrefillMaskBlkParamsGpu)| {
         let mut x = g;
         edit(&mut x);
@@ -1131,16 +813,8 @@ fn the_cpu_mask_classifier_refuses_blocks_and_buffers_no_op_makes() {
         ("negative steps", f(|x| x.steps = -1), vec![]),
         ("0-row tiles", f(|x| x.bq = 0), vec![]),
         ("0-column tiles", f(|x| x.bk = 0), vec![]),
-        (
-            "a negative batch stride",
-            f(|x| x.mask_batch_stride = -1),
-            vec![],
-        ),
-        (
-            "a negative row stride",
-            f(|x| x.mask_row_stride = -1),
-            vec![],
-        ),
+        ("a negative batch stride", f(|x| x.mask_batch_stride = -1), vec![]),
+        ("a negative row stride", f(|x| x.mask_row_stride = -1), vec![]),
         ("another row stride", f(|x| x.mask_row_stride += 1), vec![]),
         ("more masks", f(|x| x.batch = 3), vec![]),
         ("more steps", f(|x| x.steps = 3), vec![]),
@@ -1156,17 +830,11 @@ fn the_cpu_mask_classifier_refuses_blocks_and_buffers_no_op_makes() {
         assert!(read_u8(blk) == sentinel, "{what}: the table was written");
     }
     // Nothing to classify (no mask, no row): nothing written; no column: every tile 0.
-    for (what, empty) in [
-        ("batch 0", f(|x| x.batch = 0)),
-        ("rows 0", f(|x| x.rows = 0)),
-    ] {
+    for (what, empty) in [("batch 0", f(|x| x.batch = 0)), ("rows 0", f(|x| x.rows = 0))] {
         blk.write_bytes(0, &sentinel).unwrap();
         go(&empty, &[]).unwrap_or_else(|e| panic!("{what}: {e:?}"));
         assert!(read_u8(blk) == sentinel, "{what}: the table was written");
     }
     go(&f(|x| x.kv_len = 0), &[]).unwrap();
-    assert!(
-        read_u8(blk).iter().all(|&x| x == 0),
-        "kv_len 0: a tile not 0"
-    );
+    assert!(read_u8(blk).iter().all(|&x| x == 0), "kv_len 0: a tile not 0");
 }

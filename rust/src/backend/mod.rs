@@ -44,9 +44,7 @@ pub fn open(name: &str) -> Result<Arc<dyn Backend>> {
         }
         "cpu" => Ok(Arc::new(cpu::CpuBackend::new())),
         "metal" => metal::open(),
-        n if n == "cuda" || n.starts_with("cuda:") => {
-            Ok(Arc::new(cuda::CudaBackend::open(cuda::parse_name(n)?)?))
-        }
+        n if n == "cuda" || n.starts_with("cuda:") => Ok(Arc::new(cuda::CudaBackend::open(cuda::parse_name(n)?)?)),
         other => Err(MlxError::DeviceNotFound(format!(
             "unknown backend {other:?} (expected one of auto, cpu, cuda, cuda:N, metal)"
         ))),

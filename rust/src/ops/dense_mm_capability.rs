@@ -23,10 +23,7 @@ mod tests {
     use super::*;
 
     fn compile_error(message: &str) -> MlxError {
-        MlxError::ShaderCompilationError {
-            name: "k".into(),
-            message: message.into(),
-        }
+        MlxError::ShaderCompilationError { name: "k".into(), message: message.into() }
     }
 
     #[test]
@@ -44,11 +41,7 @@ mod tests {
         assert!(!is_unavailable_tensor_header(&compile_error(
             "program_source:40:5: error: use of undeclared identifier 'qh'"
         )));
-        assert!(!is_unavailable_tensor_header(&compile_error(
-            "'other.h' file not found"
-        )));
-        assert!(!is_unavailable_tensor_header(&MlxError::InvalidArgument(
-            "'metal_tensor' file not found".into()
-        )));
+        assert!(!is_unavailable_tensor_header(&compile_error("'other.h' file not found")));
+        assert!(!is_unavailable_tensor_header(&MlxError::InvalidArgument("'metal_tensor' file not found".into())));
     }
 }

@@ -18,9 +18,7 @@
 //! problem, and nothing is dispatched.
 
 use super::flash_attn_prefill_blk::{FLASH_ATTN_PREFILL_BLK_CUDA, FLASH_ATTN_PREFILL_BLK_METAL};
-use super::flash_attn_prefill_tensor::{
-    FLASH_ATTN_PREFILL_TENSOR_CUDA, FLASH_ATTN_PREFILL_TENSOR_METAL,
-};
+use super::flash_attn_prefill_tensor::{FLASH_ATTN_PREFILL_TENSOR_CUDA, FLASH_ATTN_PREFILL_TENSOR_METAL};
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::dtypes::DType;
@@ -29,22 +27,18 @@ use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource};
 pub use crate::params::PrefillExtents;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE,
-    PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
+    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK,
+    PREFILL_OFFSET, PREFILL_VARLEN,
 };
 
 /// The attention's device sources (MSL, CUDA): the same files as the origin op's, whose
 /// kernels are this one's with a fixed layout.
-pub static FLASH_ATTN_PREFILL_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL),
-    cuda: Some(FLASH_ATTN_PREFILL_TENSOR_CUDA),
-};
+pub static FLASH_ATTN_PREFILL_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL), cuda: Some(FLASH_ATTN_PREFILL_TENSOR_CUDA) };
 
 /// The explicit mask's classifier (MSL, CUDA): the origin's classifier's files.
-pub static FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(FLASH_ATTN_PREFILL_BLK_METAL),
-    cuda: Some(FLASH_ATTN_PREFILL_BLK_CUDA),
-};
+pub static FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_BLK_METAL), cuda: Some(FLASH_ATTN_PREFILL_BLK_CUDA) };
 
 /// Kernel entry point at head dim 256.
 pub const K_PREFILL_D256: &str = "flash_attn_prefill_d256";
@@ -61,10 +55,7 @@ const SIMDGROUPS: u64 = 8;
 pub fn register(registry: &mut KernelRegistry) {
     registry.register_source(K_PREFILL_D256, FLASH_ATTN_PREFILL_SHADER_SOURCE);
     registry.register_source(K_PREFILL_D512, FLASH_ATTN_PREFILL_SHADER_SOURCE);
-    registry.register_source(
-        K_PREFILL_MASK_BLK,
-        FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE,
-    );
+    registry.register_source(K_PREFILL_MASK_BLK, FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE);
 }
 
 /// Shapes, strides and the mask description of one prefill. Strides are in elements (the
@@ -137,9 +128,7 @@ pub fn mask_tile_rows(head_dim: u32) -> Result<u32> {
 }
 
 fn unsupported_head_dim(head_dim: u32) -> MlxError {
-    MlxError::InvalidArgument(format!(
-        "flash_attn_prefill: unsupported head_dim {head_dim} (256 or 512)"
-    ))
+    MlxError::InvalidArgument(format!("flash_attn_prefill: unsupported head_dim {head_dim} (256 or 512)"))
 }
 
 fn kernel_name(head_dim: u32) -> Result<&'static str> {
@@ -153,19 +142,14 @@ fn kernel_name(head_dim: u32) -> Result<&'static str> {
 /// Threadgroup memory of one dispatch of the Metal kernel: the origin's formula (queries,
 /// scores, probabilities, row scale, rescale flag), padded to 16.
 pub fn threadgroup_memory_bytes(head_dim: u32) -> Result<u64> {
-    super::flash_attn_prefill_tensor::threadgroup_memory_bytes(head_dim)
-        .map_err(|_| unsupported_head_dim(head_dim))
+    super::flash_attn_prefill_tensor::threadgroup_memory_bytes(head_dim).map_err(|_| unsupported_head_dim(head_dim))
 }
 
 /// Bytes of the explicit mask's tile table for `p`: `[batch or 1][ceil(rows / bq)][ceil(kv_len / 64)]`
 /// (one table when the mask has batch stride 0).
 pub fn mask_table_bytes(p: &FlashAttnPrefillParams) -> Result<u64> {
     let bq = mask_tile_rows(p.head_dim)? as u64;
-    let tables = if p.mask_strides[0] == 0 {
-        1
-    } else {
-        p.batch as u64
-    };
+    let tables = if p.mask_strides[0] == 0 { 1 } else { p.batch as u64 };
     Ok(tables
         .saturating_mul((p.rows as u64).div_ceil(bq))
         .saturating_mul((p.kv_len as u64).div_ceil(CACHE_ROWS_PER_STEP as u64)))
@@ -192,20 +176,14 @@ fn dtype_in(name: &str, got: DType, allowed: &[DType]) -> Result<()> {
         return Ok(());
     }
     let names: Vec<String> = allowed.iter().map(|d| d.to_string()).collect();
-    Err(MlxError::UnsupportedDtype(format!(
-        "flash_attn_prefill: {name} must be {}, got {got}",
-        names.join(" or ")
-    )))
+    Err(MlxError::UnsupportedDtype(format!("flash_attn_prefill: {name} must be {}, got {got}", names.join(" or "))))
 }
 
 fn need(name: &str, buf: &MlxBuffer, dtype: DType, elems: u64) -> Result<()> {
     dtype_in(name, buf.dtype(), &[dtype])?;
     let bytes = elems.saturating_mul(dtype.size_of() as u64);
     if (buf.data_byte_len() as u64) < bytes {
-        return Err(invalid(format!(
-            "{name} holds {} bytes, its shape and strides need {bytes}",
-            buf.data_byte_len()
-        )));
+        return Err(invalid(format!("{name} holds {} bytes, its shape and strides need {bytes}", buf.data_byte_len())));
     }
     Ok(())
 }
@@ -229,26 +207,15 @@ pub fn read_sequence_lengths(
         }
         let mut bytes = vec![0u8; n * 4];
         b.read_bytes(0, &mut bytes)?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        Ok(bytes.chunks_exact(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect())
     };
-    sequence_lengths(
-        p,
-        &read("cu_seqlens_q", cu_q)?,
-        &read("cu_seqlens_k", cu_k)?,
-    )
+    sequence_lengths(p, &read("cu_seqlens_q", cu_q)?, &read("cu_seqlens_k", cu_k)?)
 }
 
 /// The sequences' (query rows, cache rows) from `cu_seqlens` values, checked (SPEC 7):
 /// `batch + 1` entries each, starting at 0, non-decreasing, ending at the totals; and a
 /// causal sequence's cache no shorter than its prompt.
-pub fn sequence_lengths(
-    p: &FlashAttnPrefillParams,
-    cq: &[i32],
-    ck: &[i32],
-) -> Result<Vec<(u32, u32)>> {
+pub fn sequence_lengths(p: &FlashAttnPrefillParams, cq: &[i32], ck: &[i32]) -> Result<Vec<(u32, u32)>> {
     let n = p.batch as usize + 1;
     let check = |name: &str, cu: &[i32], total: u32| -> Result<()> {
         if cu.len() != n {
@@ -262,12 +229,7 @@ pub fn sequence_lengths(
             return Err(invalid(format!("{name}[0] is {}, it must be 0", cu[0])));
         }
         if let Some(i) = cu.windows(2).position(|w| w[1] < w[0]) {
-            return Err(invalid(format!(
-                "{name} decreases at entry {}: {} then {}",
-                i + 1,
-                cu[i],
-                cu[i + 1]
-            )));
+            return Err(invalid(format!("{name} decreases at entry {}: {} then {}", i + 1, cu[i], cu[i + 1])));
         }
         if cu[n - 1] as i64 != total as i64 {
             return Err(invalid(format!(
@@ -279,9 +241,8 @@ pub fn sequence_lengths(
     };
     check("cu_seqlens_q", cq, p.rows)?;
     check("cu_seqlens_k", ck, p.kv_len)?;
-    let lens: Vec<(u32, u32)> = (0..p.batch as usize)
-        .map(|b| ((cq[b + 1] - cq[b]) as u32, (ck[b + 1] - ck[b]) as u32))
-        .collect();
+    let lens: Vec<(u32, u32)> =
+        (0..p.batch as usize).map(|b| ((cq[b + 1] - cq[b]) as u32, (ck[b + 1] - ck[b]) as u32)).collect();
     if p.causal != 0 && p.has_offset == 0 {
         if let Some(b) = lens.iter().position(|&(lq, lk)| lk < lq) {
             return Err(invalid(format!(
@@ -327,25 +288,16 @@ pub fn validate_shapes(
     let kernel = kernel_name(p.head_dim)?;
     let bq = mask_tile_rows(p.head_dim)?;
     if p.n_heads == 0 || p.n_kv_heads == 0 {
-        return Err(invalid(format!(
-            "n_heads {} and n_kv_heads {} must be at least 1",
-            p.n_heads, p.n_kv_heads
-        )));
+        return Err(invalid(format!("n_heads {} and n_kv_heads {} must be at least 1", p.n_heads, p.n_kv_heads)));
     }
     if p.n_heads % p.n_kv_heads != 0 {
-        return Err(invalid(format!(
-            "n_heads {} is not a multiple of n_kv_heads {}",
-            p.n_heads, p.n_kv_heads
-        )));
+        return Err(invalid(format!("n_heads {} is not a multiple of n_kv_heads {}", p.n_heads, p.n_kv_heads)));
     }
     if p.causal > 1 {
         return Err(invalid(format!("causal must be 0 or 1, got {}", p.causal)));
     }
     if p.has_offset > 1 {
-        return Err(invalid(format!(
-            "has_offset must be 0 or 1, got {}",
-            p.has_offset
-        )));
+        return Err(invalid(format!("has_offset must be 0 or 1, got {}", p.has_offset)));
     }
     if p.has_offset == 1 && p.causal == 0 {
         return Err(invalid(format!(
@@ -354,10 +306,7 @@ pub fn validate_shapes(
         )));
     }
     if p.window != 0 && p.causal == 0 {
-        return Err(invalid(format!(
-            "window {} needs causal = 1 (a window is a causal mask's last rows)",
-            p.window
-        )));
+        return Err(invalid(format!("window {} needs causal = 1 (a window is a causal mask's last rows)", p.window)));
     }
     if !p.scale.is_finite() {
         return Err(invalid(format!("scale {} is not a finite number", p.scale)));
@@ -367,13 +316,7 @@ pub fn validate_shapes(
         return Err(invalid(format!("a dimension exceeds i32: {p:?}")));
     }
     let strides = [p.q_strides, p.k_strides, p.v_strides, p.out_strides];
-    if strides
-        .iter()
-        .flatten()
-        .chain(p.mask_strides.iter())
-        .chain(p.lse_strides.iter())
-        .any(|&s| s > i64::MAX as u64)
-    {
+    if strides.iter().flatten().chain(p.mask_strides.iter()).chain(p.lse_strides.iter()).any(|&s| s > i64::MAX as u64) {
         return Err(invalid(format!("a stride exceeds i64: {p:?}")));
     }
     dtype_in("q", o.q_dtype, &[DType::F32, DType::F16, DType::BF16])?;
@@ -386,13 +329,7 @@ pub fn validate_shapes(
                     .into(),
             ));
         }
-        let batch_strides = [
-            p.q_strides[0],
-            p.k_strides[0],
-            p.v_strides[0],
-            p.out_strides[0],
-            p.lse_strides[0],
-        ];
+        let batch_strides = [p.q_strides[0], p.k_strides[0], p.v_strides[0], p.out_strides[0], p.lse_strides[0]];
         if batch_strides.iter().any(|&s| s != 0) {
             return Err(invalid(
                 "with cu_seqlens the sequences are rows of one tensor: the batch strides (of q, k, v, out, lse) must be 0"
@@ -400,11 +337,7 @@ pub fn validate_shapes(
             ));
         }
         if lens.len() != p.batch as usize {
-            return Err(invalid(format!(
-                "{} sequence lengths for a batch of {}",
-                lens.len(),
-                p.batch
-            )));
+            return Err(invalid(format!("{} sequence lengths for a batch of {}", lens.len(), p.batch)));
         }
     } else if p.causal != 0 && p.has_offset == 0 && p.kv_len < p.rows {
         return Err(invalid(format!(
@@ -453,11 +386,7 @@ pub fn validate_shapes(
         mask_row_stride: if o.mask { i(p.mask_strides[1]) } else { 0 },
         lse_batch_stride: if o.lse { i(p.lse_strides[0]) } else { 0 },
         lse_head_stride: if o.lse { i(p.lse_strides[1]) } else { 0 },
-        blk_batch_stride: if o.mask && p.mask_strides[0] != 0 {
-            i(blk_rows * blk_steps)
-        } else {
-            0
-        },
+        blk_batch_stride: if o.mask && p.mask_strides[0] != 0 { i(blk_rows * blk_steps) } else { 0 },
         batch: p.batch as i32,
         rows: p.rows as i32,
         kv_len: p.kv_len as i32,
@@ -475,18 +404,9 @@ pub fn validate_shapes(
         scale: p.scale,
         offset: if p.has_offset == 1 { p.offset } else { 0 },
     };
-    let extents = gpu
-        .extents()
-        .ok_or_else(|| invalid(format!("a field does not fit the params block: {p:?}")))?;
+    let extents = gpu.extents().ok_or_else(|| invalid(format!("a field does not fit the params block: {p:?}")))?;
     let grid = GridSize::new((max_rows as u64).div_ceil(bq as u64), p.n_heads as u64, nb);
-    Ok(ValidatedPrefill {
-        gpu,
-        kernel,
-        grid,
-        empty: nb == 0 || max_rows == 0,
-        operands: *o,
-        extents,
-    })
+    Ok(ValidatedPrefill { gpu, kernel, grid, empty: nb == 0 || max_rows == 0, operands: *o, extents })
 }
 
 /// Check the buffers of a prefill [`validate_shapes`] accepted: which are given, their
@@ -528,10 +448,7 @@ pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -
     if let Some(blk) = b.blk {
         need("blk", blk, DType::U8, e.blk)?;
     }
-    for (name, cu) in [
-        ("cu_seqlens_q", b.cu_seqlens_q),
-        ("cu_seqlens_k", b.cu_seqlens_k),
-    ] {
+    for (name, cu) in [("cu_seqlens_q", b.cu_seqlens_q), ("cu_seqlens_k", b.cu_seqlens_k)] {
         if let Some(cu) = cu {
             need(name, cu, DType::I32, v.gpu.batch as u64 + 1)?;
         }
@@ -563,23 +480,14 @@ pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -
 
 /// Check `p` and the buffers against each other (SPEC 6-9) and build the params block.
 /// Reads the `cu_seqlens` of a variable-length batch (a copy to the host for device memory).
-pub fn validate(
-    b: &FlashAttnPrefillBuffers<'_>,
-    p: &FlashAttnPrefillParams,
-) -> Result<ValidatedPrefill> {
+pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> Result<ValidatedPrefill> {
     let lens = match (b.cu_seqlens_q, b.cu_seqlens_k) {
         (None, None) => None,
         (Some(q), Some(k)) => Some(read_sequence_lengths(p, q, k)?),
-        _ => {
-            return Err(invalid(
-                "cu_seqlens_q and cu_seqlens_k go together: give both or neither".into(),
-            ))
-        }
+        _ => return Err(invalid("cu_seqlens_q and cu_seqlens_k go together: give both or neither".into())),
     };
     if b.mask.is_some() != b.blk.is_some() {
-        return Err(invalid(
-            "an explicit mask needs its tile table (blk), and a table its mask".into(),
-        ));
+        return Err(invalid("an explicit mask needs its tile table (blk), and a table its mask".into()));
     }
     let operands = PrefillOperands {
         q_dtype: b.q.dtype(),
@@ -662,11 +570,7 @@ pub fn encode_validated<'a>(
 /// `mask_tile_rows(head_dim) x 64`).
 pub fn mask_blk_params(p: &FlashAttnPrefillParams) -> Result<FlashAttnPrefillMaskBlkParamsGpu> {
     let bq = mask_tile_rows(p.head_dim)?;
-    let masks = if p.mask_strides[0] == 0 {
-        p.batch.min(1)
-    } else {
-        p.batch
-    };
+    let masks = if p.mask_strides[0] == 0 { p.batch.min(1) } else { p.batch };
     Ok(FlashAttnPrefillMaskBlkParamsGpu {
         mask_batch_stride: p.mask_strides[0] as i64,
         mask_row_stride: p.mask_strides[1] as i64,
@@ -696,22 +600,10 @@ pub fn dispatch_flash_attn_prefill_mask_blk(
         return Err(invalid(format!("a dimension exceeds i32: {p:?}")));
     }
     if p.mask_strides.iter().any(|&s| s > i64::MAX as u64) {
-        return Err(invalid(format!(
-            "a mask stride exceeds i64: {:?}",
-            p.mask_strides
-        )));
+        return Err(invalid(format!("a mask stride exceeds i64: {:?}", p.mask_strides)));
     }
     let (masks, rows, kvl) = (g.batch as u64, p.rows as u64, p.kv_len as u64);
-    need(
-        "mask",
-        mask,
-        DType::F16,
-        span(
-            [masks, rows, 1],
-            [p.mask_strides[0], p.mask_strides[1], 0],
-            kvl,
-        ),
-    )?;
+    need("mask", mask, DType::F16, span([masks, rows, 1], [p.mask_strides[0], p.mask_strides[1], 0], kvl))?;
     let table = g.table_bytes();
     if blk.dtype() != DType::U8 || (blk.data_byte_len() as u64) < table {
         return Err(invalid(format!(
@@ -729,11 +621,7 @@ pub fn dispatch_flash_attn_prefill_mask_blk(
     let pipeline = registry.get_pipeline(K_PREFILL_MASK_BLK, device)?;
     encoder.encode_threadgroups_with_args_and_shared(
         pipeline,
-        &[
-            (0, KernelArg::Bytes(as_bytes(&g))),
-            (1, KernelArg::Buffer(mask)),
-            (2, KernelArg::Buffer(blk)),
-        ],
+        &[(0, KernelArg::Bytes(as_bytes(&g))), (1, KernelArg::Buffer(mask)), (2, KernelArg::Buffer(blk))],
         &[],
         GridSize::new(g.steps as u64, g.table_rows() as u64, masks),
         GridSize::new(32, 1, 1),
@@ -746,14 +634,8 @@ mod tests {
 
     #[test]
     fn the_params_block_has_no_padding() {
-        assert_eq!(
-            std::mem::size_of::<FlashAttnPrefillParamsGpu>(),
-            17 * 8 + 16 * 4
-        );
-        assert_eq!(
-            std::mem::size_of::<FlashAttnPrefillMaskBlkParamsGpu>(),
-            2 * 8 + 6 * 4
-        );
+        assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 17 * 8 + 16 * 4);
+        assert_eq!(std::mem::size_of::<FlashAttnPrefillMaskBlkParamsGpu>(), 2 * 8 + 6 * 4);
     }
 
     #[test]
@@ -787,17 +669,10 @@ mod tests {
         };
         assert_eq!(mask_table_bytes(&p).unwrap(), 2 * 3);
         assert_eq!(
-            mask_table_bytes(&FlashAttnPrefillParams {
-                mask_strides: [33 * 130, 130],
-                ..p
-            })
-            .unwrap(),
+            mask_table_bytes(&FlashAttnPrefillParams { mask_strides: [33 * 130, 130], ..p }).unwrap(),
             3 * 2 * 3
         );
-        assert_eq!(
-            mask_table_bytes(&FlashAttnPrefillParams { head_dim: 512, ..p }).unwrap(),
-            3 * 3
-        );
+        assert_eq!(mask_table_bytes(&FlashAttnPrefillParams { head_dim: 512, ..p }).unwrap(), 3 * 3);
         assert!(mask_table_bytes(&FlashAttnPrefillParams { head_dim: 128, ..p }).is_err());
     }
 }

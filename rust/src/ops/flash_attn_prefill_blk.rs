@@ -22,22 +22,16 @@ pub use crate::params::FlashAttnPrefillBlkParamsGpu;
 pub const K_BLK_F16: &str = "flash_attn_prefill_blk";
 
 /// The classifiers' CUDA source (the origin's and the front door's table share one file).
-pub const FLASH_ATTN_PREFILL_BLK_CUDA: SourceFile = SourceFile::single(
-    "flash_attn_prefill_blk.cu",
-    include_str!("../../../shaders/flash_attn_prefill_blk.cu"),
-);
+pub const FLASH_ATTN_PREFILL_BLK_CUDA: SourceFile =
+    SourceFile::single("flash_attn_prefill_blk.cu", include_str!("../../../shaders/flash_attn_prefill_blk.cu"));
 
 /// The classifiers' MSL source.
-pub const FLASH_ATTN_PREFILL_BLK_METAL: SourceFile = SourceFile::single(
-    "flash_attn_prefill_blk.metal",
-    include_str!("../../../shaders/flash_attn_prefill_blk.metal"),
-);
+pub const FLASH_ATTN_PREFILL_BLK_METAL: SourceFile =
+    SourceFile::single("flash_attn_prefill_blk.metal", include_str!("../../../shaders/flash_attn_prefill_blk.metal"));
 
 /// The device sources (MSL, CUDA).
-pub static FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(FLASH_ATTN_PREFILL_BLK_METAL),
-    cuda: Some(FLASH_ATTN_PREFILL_BLK_CUDA),
-};
+pub static FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_BLK_METAL), cuda: Some(FLASH_ATTN_PREFILL_BLK_CUDA) };
 
 /// Threads of one threadgroup (one tile each).
 const THREADS: u64 = 32;
@@ -85,24 +79,14 @@ pub fn dispatch_flash_attn_prefill_blk(
         return Err(invalid(format!("empty shape {p:?}")));
     }
     if p.kv_pad % p.bk != 0 {
-        return Err(invalid(format!(
-            "kv_pad {} is not a multiple of bk {}",
-            p.kv_pad, p.bk
-        )));
+        return Err(invalid(format!("kv_pad {} is not a multiple of bk {}", p.kv_pad, p.bk)));
     }
-    if [p.rows, p.kv_pad, p.bq, p.bk]
-        .iter()
-        .any(|&x| x > i32::MAX as u32)
-    {
+    if [p.rows, p.kv_pad, p.bq, p.bk].iter().any(|&x| x > i32::MAX as u32) {
         return Err(invalid(format!("a dimension exceeds i32: {p:?}")));
     }
     let mask_bytes = p.rows as u64 * p.kv_pad as u64 * 2;
     if mask.dtype() != DType::F16 {
-        return Err(invalid(format!(
-            "mask must be {}, got {}",
-            DType::F16,
-            mask.dtype()
-        )));
+        return Err(invalid(format!("mask must be {}, got {}", DType::F16, mask.dtype())));
     }
     if (mask.data_byte_len() as u64) < mask_bytes {
         return Err(invalid(format!(
@@ -125,26 +109,14 @@ pub fn dispatch_flash_attn_prefill_blk(
     if blk.overlaps(mask) {
         return Err(invalid("blk overlaps the mask".into()));
     }
-    let gpu = FlashAttnPrefillBlkParamsGpu {
-        rows: p.rows as i32,
-        kv_pad: p.kv_pad as i32,
-        bq: p.bq as i32,
-        bk: p.bk as i32,
-    };
+    let gpu =
+        FlashAttnPrefillBlkParamsGpu { rows: p.rows as i32, kv_pad: p.kv_pad as i32, bq: p.bq as i32, bk: p.bk as i32 };
     let pipeline = registry.get_pipeline(K_BLK_F16, device)?;
     encoder.encode_threadgroups_with_args_and_shared(
         pipeline,
-        &[
-            (0, KernelArg::Bytes(as_bytes(&gpu))),
-            (1, KernelArg::Buffer(mask)),
-            (2, KernelArg::Buffer(blk)),
-        ],
+        &[(0, KernelArg::Bytes(as_bytes(&gpu))), (1, KernelArg::Buffer(mask)), (2, KernelArg::Buffer(blk))],
         &[],
-        GridSize::new(
-            (p.kv_pad / p.bk) as u64,
-            (p.rows as u64).div_ceil(p.bq as u64),
-            1,
-        ),
+        GridSize::new((p.kv_pad / p.bk) as u64, (p.rows as u64).div_ceil(p.bq as u64), 1),
         GridSize::new(THREADS, 1, 1),
     )
 }
@@ -160,12 +132,7 @@ mod tests {
 
     #[test]
     fn table_size_clamps_the_last_query_tile() {
-        let p = FlashAttnPrefillBlkParams {
-            rows: 33,
-            kv_pad: 128,
-            bq: 32,
-            bk: 64,
-        };
+        let p = FlashAttnPrefillBlkParams { rows: 33, kv_pad: 128, bq: 32, bk: 64 };
         assert_eq!(blk_bytes(&p).unwrap(), 4);
         assert!(blk_bytes(&FlashAttnPrefillBlkParams { bq: 0, ..p }).is_err());
     }

@@ -15,9 +15,8 @@ use crate::interface::BackendKind;
 use crate::kernel_registry::KernelRegistry;
 
 use super::flash_attn_prefill::{
-    dispatch_flash_attn_prefill_mask_blk, encode_validated, sequence_lengths, validate_buffers,
-    validate_shapes, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents,
-    PrefillOperands, ValidatedPrefill,
+    dispatch_flash_attn_prefill_mask_blk, encode_validated, sequence_lengths, validate_buffers, validate_shapes,
+    FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents, PrefillOperands, ValidatedPrefill,
 };
 
 /// One planned prefill on one device.
@@ -58,11 +57,8 @@ impl FlashAttnPrefillPlan {
             None => None,
         };
         let validated = validate_shapes(params, operands, lens.as_deref())?;
-        let blk = if operands.mask {
-            Some(device.alloc_buffer(DType::U8, &[validated.extents.blk as usize])?)
-        } else {
-            None
-        };
+        let blk =
+            if operands.mask { Some(device.alloc_buffer(DType::U8, &[validated.extents.blk as usize])?) } else { None };
         let cu_seqlens = match cu_seqlens {
             Some((cq, ck)) => {
                 let upload = |v: &[i32]| -> Result<MlxBuffer> {
@@ -74,13 +70,7 @@ impl FlashAttnPrefillPlan {
             }
             None => None,
         };
-        Ok(FlashAttnPrefillPlan {
-            device: device.clone(),
-            params: *params,
-            validated,
-            blk,
-            cu_seqlens,
-        })
+        Ok(FlashAttnPrefillPlan { device: device.clone(), params: *params, validated, blk, cu_seqlens })
     }
 
     /// The device the plan runs on.
@@ -125,26 +115,14 @@ impl FlashAttnPrefillPlan {
         };
         validate_buffers(&bufs, &self.validated)?;
         if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {
-            dispatch_flash_attn_prefill_mask_blk(
-                encoder,
-                registry,
-                &self.device,
-                mask,
-                blk,
-                &self.params,
-            )?;
+            dispatch_flash_attn_prefill_mask_blk(encoder, registry, &self.device, mask, blk, &self.params)?;
         }
         encode_validated(encoder, registry, &self.device, &bufs, &self.validated)
     }
 
     /// Run once and wait (`stream` `None`), or enqueue on the caller's CUDA stream and
     /// return at once (`Some(stream)`; other backends run now).
-    pub fn run(
-        &self,
-        registry: &mut KernelRegistry,
-        b: &PrefillRunBuffers<'_>,
-        stream: Option<u64>,
-    ) -> Result<()> {
+    pub fn run(&self, registry: &mut KernelRegistry, b: &PrefillRunBuffers<'_>, stream: Option<u64>) -> Result<()> {
         let mut encoder = self.device.command_encoder();
         self.encode(&mut encoder, registry, b)?;
         match stream {
@@ -160,29 +138,15 @@ impl FlashAttnPrefillPlan {
     /// # Safety
     /// The memory must stay valid, and hold that many elements, until the run that uses
     /// the buffer is complete.
-    pub unsafe fn wrap(
-        &self,
-        name: &str,
-        addr: u64,
-        elems: u64,
-        dtype: DType,
-    ) -> Result<MlxBuffer> {
-        let bytes =
-            usize::try_from(elems.saturating_mul(dtype.size_of() as u64)).map_err(|_| {
-                MlxError::InvalidArgument(format!(
-                    "flash_attn_prefill: {name} is larger than memory"
-                ))
-            })?;
+    pub unsafe fn wrap(&self, name: &str, addr: u64, elems: u64, dtype: DType) -> Result<MlxBuffer> {
+        let bytes = usize::try_from(elems.saturating_mul(dtype.size_of() as u64))
+            .map_err(|_| MlxError::InvalidArgument(format!("flash_attn_prefill: {name} is larger than memory")))?;
         if addr == 0 && bytes > 0 {
-            return Err(MlxError::InvalidArgument(format!(
-                "flash_attn_prefill: {name} is a null address"
-            )));
+            return Err(MlxError::InvalidArgument(format!("flash_attn_prefill: {name} is a null address")));
         }
         match self.device.backend_kind() {
             BackendKind::Cuda => self.device.wrap_device(addr, bytes, dtype, &[]),
-            _ => self
-                .device
-                .wrap_host(addr as usize as *mut u8, bytes, dtype, &[]),
+            _ => self.device.wrap_host(addr as usize as *mut u8, bytes, dtype, &[]),
         }
     }
 }

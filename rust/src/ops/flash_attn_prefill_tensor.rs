@@ -48,42 +48,15 @@ pub const FLASH_ATTN_PREFILL_TENSOR_CUDA: SourceFile = SourceFile {
     name: "flash_attn_prefill_tensor.cu",
     text: include_str!("../../../shaders/flash_attn_prefill_tensor.cu"),
     headers: &[
-        (
-            "flash_attn_prefill/common.cuh",
-            include_str!("../../../shaders/flash_attn_prefill/common.cuh"),
-        ),
-        (
-            "flash_attn_prefill/params.cuh",
-            include_str!("../../../shaders/flash_attn_prefill/params.cuh"),
-        ),
-        (
-            "flash_attn_prefill/block_range.cuh",
-            include_str!("../../../shaders/flash_attn_prefill/block_range.cuh"),
-        ),
-        (
-            "flash_attn_prefill/loaders.cuh",
-            include_str!("../../../shaders/flash_attn_prefill/loaders.cuh"),
-        ),
-        (
-            "flash_attn_prefill/softmax.cuh",
-            include_str!("../../../shaders/flash_attn_prefill/softmax.cuh"),
-        ),
-        (
-            "flash_attn_prefill/epilogue.cuh",
-            include_str!("../../../shaders/flash_attn_prefill/epilogue.cuh"),
-        ),
-        (
-            "flash_attn_prefill/mainloop_sm80.cuh",
-            include_str!("../../../shaders/flash_attn_prefill/mainloop_sm80.cuh"),
-        ),
-        (
-            "flash_attn_prefill/sm90_ptx.cuh",
-            include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh"),
-        ),
-        (
-            "flash_attn_prefill/mainloop_sm90.cuh",
-            include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90.cuh"),
-        ),
+        ("flash_attn_prefill/common.cuh", include_str!("../../../shaders/flash_attn_prefill/common.cuh")),
+        ("flash_attn_prefill/params.cuh", include_str!("../../../shaders/flash_attn_prefill/params.cuh")),
+        ("flash_attn_prefill/block_range.cuh", include_str!("../../../shaders/flash_attn_prefill/block_range.cuh")),
+        ("flash_attn_prefill/loaders.cuh", include_str!("../../../shaders/flash_attn_prefill/loaders.cuh")),
+        ("flash_attn_prefill/softmax.cuh", include_str!("../../../shaders/flash_attn_prefill/softmax.cuh")),
+        ("flash_attn_prefill/epilogue.cuh", include_str!("../../../shaders/flash_attn_prefill/epilogue.cuh")),
+        ("flash_attn_prefill/mainloop_sm80.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm80.cuh")),
+        ("flash_attn_prefill/sm90_ptx.cuh", include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh")),
+        ("flash_attn_prefill/mainloop_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90.cuh")),
     ],
 };
 
@@ -94,10 +67,8 @@ pub const FLASH_ATTN_PREFILL_TENSOR_METAL: SourceFile = SourceFile::single(
 );
 
 /// The device sources (MSL, CUDA); all entry points of each.
-pub static FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE: KernelSource = KernelSource {
-    metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL),
-    cuda: Some(FLASH_ATTN_PREFILL_TENSOR_CUDA),
-};
+pub static FLASH_ATTN_PREFILL_TENSOR_SHADER_SOURCE: KernelSource =
+    KernelSource { metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL), cuda: Some(FLASH_ATTN_PREFILL_TENSOR_CUDA) };
 
 /// Kernel entry point at head dim 256.
 pub const K_TENSOR_F16_D256: &str = "flash_attn_prefill_tensor_f16_d256";
@@ -129,9 +100,7 @@ pub fn queries_per_threadgroup(head_dim: u32) -> Result<u32> {
 /// (not a multiple of the step, so no dispatch accepts it) where the rounding would not
 /// fit in 32 bits, instead of overflowing.
 pub fn kv_pad(kv_len: u32) -> u32 {
-    kv_len
-        .div_ceil(CACHE_ROWS_PER_STEP)
-        .saturating_mul(CACHE_ROWS_PER_STEP)
+    kv_len.div_ceil(CACHE_ROWS_PER_STEP).saturating_mul(CACHE_ROWS_PER_STEP)
 }
 
 fn kernel_name(head_dim: u32) -> Result<&'static str> {
@@ -208,21 +177,12 @@ fn need_elems(
     width: u64,
 ) -> Result<()> {
     if buf.dtype() != dtype {
-        return Err(invalid(format!(
-            "{name} must be {dtype}, got {}",
-            buf.dtype()
-        )));
+        return Err(invalid(format!("{name} must be {dtype}, got {}", buf.dtype())));
     }
-    let elems = last_row
-        .saturating_mul(row)
-        .saturating_add(last_head.saturating_mul(head))
-        .saturating_add(width);
+    let elems = last_row.saturating_mul(row).saturating_add(last_head.saturating_mul(head)).saturating_add(width);
     let bytes = elems.saturating_mul(dtype.size_of() as u64);
     if (buf.data_byte_len() as u64) < bytes {
-        return Err(invalid(format!(
-            "{name} holds {} bytes, the strides need {bytes}",
-            buf.data_byte_len()
-        )));
+        return Err(invalid(format!("{name} holds {} bytes, the strides need {bytes}", buf.data_byte_len())));
     }
     Ok(())
 }
@@ -247,16 +207,10 @@ pub fn dispatch_flash_attn_prefill_tensor_f16(
         return Err(invalid(format!("empty shape {p:?}")));
     }
     if p.n_heads % p.n_kv_heads != 0 {
-        return Err(invalid(format!(
-            "n_heads {} is not a multiple of n_kv_heads {}",
-            p.n_heads, p.n_kv_heads
-        )));
+        return Err(invalid(format!("n_heads {} is not a multiple of n_kv_heads {}", p.n_heads, p.n_kv_heads)));
     }
     if p.kv_pad % CACHE_ROWS_PER_STEP != 0 {
-        return Err(invalid(format!(
-            "kv_pad {} is not a multiple of {CACHE_ROWS_PER_STEP}",
-            p.kv_pad
-        )));
+        return Err(invalid(format!("kv_pad {} is not a multiple of {CACHE_ROWS_PER_STEP}", p.kv_pad)));
     }
     let i32_ok = [
         p.rows,
@@ -278,40 +232,11 @@ pub fn dispatch_flash_attn_prefill_tensor_f16(
     let (rows, hd, kvp) = (p.rows as u64, p.head_dim as u64, p.kv_pad as u64);
     let (nh, nkv) = (p.n_heads as u64, p.n_kv_heads as u64);
     if p.q_row_stride % 4 != 0 || p.q_head_stride % 4 != 0 {
-        return Err(invalid(
-            "Q strides must be multiples of 4 (float4 loads)".into(),
-        ));
+        return Err(invalid("Q strides must be multiples of 4 (float4 loads)".into()));
     }
-    need_elems(
-        "q",
-        q,
-        DType::F32,
-        rows - 1,
-        p.q_row_stride as u64,
-        nh - 1,
-        p.q_head_stride as u64,
-        hd,
-    )?;
-    need_elems(
-        "k",
-        k,
-        DType::F16,
-        kvp - 1,
-        p.k_row_stride as u64,
-        nkv - 1,
-        p.k_head_stride as u64,
-        hd,
-    )?;
-    need_elems(
-        "v",
-        v,
-        DType::F16,
-        kvp - 1,
-        p.v_row_stride as u64,
-        nkv - 1,
-        p.v_head_stride as u64,
-        hd,
-    )?;
+    need_elems("q", q, DType::F32, rows - 1, p.q_row_stride as u64, nh - 1, p.q_head_stride as u64, hd)?;
+    need_elems("k", k, DType::F16, kvp - 1, p.k_row_stride as u64, nkv - 1, p.k_head_stride as u64, hd)?;
+    need_elems("v", v, DType::F16, kvp - 1, p.v_row_stride as u64, nkv - 1, p.v_head_stride as u64, hd)?;
     need_elems("mask", mask, DType::F16, rows - 1, kvp, 0, 0, kvp)?;
     need_elems("out", out, DType::F32, rows - 1, nh * hd, nh - 1, hd, hd)?;
     let blk_bytes = (rows.div_ceil(bq as u64)) * (kvp / CACHE_ROWS_PER_STEP as u64);
@@ -392,11 +317,7 @@ mod tests {
         assert_eq!(kv_pad(64), 64);
         assert_eq!(kv_pad(1281), 1344);
         assert_eq!(kv_pad(u32::MAX - 63), u32::MAX - 63);
-        assert_eq!(
-            kv_pad(u32::MAX - 62),
-            u32::MAX,
-            "saturates, never overflows"
-        );
+        assert_eq!(kv_pad(u32::MAX - 62), u32::MAX, "saturates, never overflows");
         assert_eq!(kv_pad(u32::MAX), u32::MAX);
     }
 }

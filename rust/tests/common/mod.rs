@@ -5,12 +5,9 @@
 pub mod prefill;
 
 use half::f16;
-use mlx_native::ops::flash_attn_prefill_blk::{
-    dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams,
-};
+use mlx_native::ops::flash_attn_prefill_blk::{dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams};
 use mlx_native::ops::flash_attn_prefill_tensor::{
-    dispatch_flash_attn_prefill_tensor_f16, kv_pad, queries_per_threadgroup,
-    FlashAttnPrefillTensorParams,
+    dispatch_flash_attn_prefill_tensor_f16, kv_pad, queries_per_threadgroup, FlashAttnPrefillTensorParams,
 };
 use mlx_native::{DType, KernelRegistry, MlxBuffer, MlxDevice};
 
@@ -94,9 +91,7 @@ impl Case {
         let k_row_stride = n_kv_heads * k_head_stride + 3 * pad;
         let v_head_stride = head_dim + 2 * pad;
         let v_row_stride = n_kv_heads * v_head_stride + pad;
-        let q: Vec<f32> = (0..rows * q_row_stride)
-            .map(|_| rng.uniform(-1.0, 1.0))
-            .collect();
+        let q: Vec<f32> = (0..rows * q_row_stride).map(|_| rng.uniform(-1.0, 1.0)).collect();
         // K/V rows at and past kv_len up to kv_pad: zero (the host contract).
         let mut k = vec![0u16; kvp * k_row_stride];
         let mut v = vec![0u16; kvp * v_row_stride];
@@ -206,17 +201,14 @@ impl Case {
                 let g = h / group;
                 let qh: Vec<f64> = (0..hd)
                     .map(|d| {
-                        let x =
-                            self.scale * self.q[r * self.q_row_stride + h * self.q_head_stride + d];
+                        let x = self.scale * self.q[r * self.q_row_stride + h * self.q_head_stride + d];
                         f16::from_f32(x).to_f64()
                     })
                     .collect();
                 let mut mx = f64::NEG_INFINITY;
                 for (j, sj) in s.iter_mut().enumerate() {
                     let kr = &self.k[j * self.k_row_stride + g * self.k_head_stride..];
-                    let dot: f64 = (0..hd)
-                        .map(|d| qh[d] * f16::from_bits(kr[d]).to_f64())
-                        .sum();
+                    let dot: f64 = (0..hd).map(|d| qh[d] * f16::from_bits(kr[d]).to_f64()).sum();
                     *sj = dot + f16::from_bits(self.mask[r * kvp + j]).to_f64();
                     mx = mx.max(*sj);
                 }
@@ -261,12 +253,7 @@ pub fn upload<T: bytemuck::Pod>(dev: &MlxDevice, dtype: DType, data: &[T]) -> Ml
 pub fn bind(dev: &MlxDevice, c: &Case, extra_out_rows: usize) -> Bound {
     let bq = queries_per_threadgroup(c.head_dim as u32).unwrap() as usize;
     let blk_len = c.rows.div_ceil(bq) * (c.kv_pad() / 64);
-    let out = dev
-        .alloc_buffer(
-            DType::F32,
-            &[(c.rows + extra_out_rows) * c.n_heads * c.head_dim],
-        )
-        .unwrap();
+    let out = dev.alloc_buffer(DType::F32, &[(c.rows + extra_out_rows) * c.n_heads * c.head_dim]).unwrap();
     Bound {
         q: upload(dev, DType::F32, &c.q),
         k: upload(dev, DType::F16, &c.k),
@@ -278,40 +265,18 @@ pub fn bind(dev: &MlxDevice, c: &Case, extra_out_rows: usize) -> Bound {
 }
 
 /// Classify the mask into `b.blk` and run the attention; returns the output as f32.
-pub fn run(
-    dev: &MlxDevice,
-    reg: &mut KernelRegistry,
-    c: &Case,
-    b: &Bound,
-    all_ones_blk: bool,
-) -> Vec<f32> {
+pub fn run(dev: &MlxDevice, reg: &mut KernelRegistry, c: &Case, b: &Bound, all_ones_blk: bool) -> Vec<f32> {
     let bq = queries_per_threadgroup(c.head_dim as u32).unwrap();
     let mut enc = dev.command_encoder();
     if all_ones_blk {
         let ones = vec![1u8; b.blk.data_byte_len()];
         b.blk.write_bytes(0, &ones).unwrap();
     } else {
-        let bp = FlashAttnPrefillBlkParams {
-            rows: c.rows as u32,
-            kv_pad: c.kv_pad() as u32,
-            bq,
-            bk: 64,
-        };
+        let bp = FlashAttnPrefillBlkParams { rows: c.rows as u32, kv_pad: c.kv_pad() as u32, bq, bk: 64 };
         dispatch_flash_attn_prefill_blk(&mut enc, reg, dev, &b.mask, &b.blk, &bp).unwrap();
     }
-    dispatch_flash_attn_prefill_tensor_f16(
-        &mut enc,
-        reg,
-        dev,
-        &b.q,
-        &b.k,
-        &b.v,
-        &b.mask,
-        &b.blk,
-        &b.out,
-        &c.params(),
-    )
-    .unwrap();
+    dispatch_flash_attn_prefill_tensor_f16(&mut enc, reg, dev, &b.q, &b.k, &b.v, &b.mask, &b.blk, &b.out, &c.params())
+        .unwrap();
     enc.commit_and_wait().unwrap();
     read_f32(&b.out)
 }

@@ -5,8 +5,8 @@
 
 use half::{bf16, f16};
 use mlx_native::ops::flash_attn_prefill::{
-    dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_table_bytes,
-    FlashAttnPrefillBuffers, FlashAttnPrefillParams,
+    dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_table_bytes, FlashAttnPrefillBuffers,
+    FlashAttnPrefillParams,
 };
 use mlx_native::{DType, KernelRegistry, MlxBuffer, MlxDevice};
 
@@ -68,14 +68,8 @@ pub fn round_to(dtype: DType, x: f32) -> f32 {
 fn encode(dtype: DType, xs: &[f32]) -> Vec<u8> {
     match dtype {
         DType::F32 => bytemuck::cast_slice(xs).to_vec(),
-        DType::F16 => xs
-            .iter()
-            .flat_map(|&x| f16::from_f32(x).to_bits().to_ne_bytes())
-            .collect(),
-        DType::BF16 => xs
-            .iter()
-            .flat_map(|&x| bf16::from_f32(x).to_bits().to_ne_bytes())
-            .collect(),
+        DType::F16 => xs.iter().flat_map(|&x| f16::from_f32(x).to_bits().to_ne_bytes()).collect(),
+        DType::BF16 => xs.iter().flat_map(|&x| bf16::from_f32(x).to_bits().to_ne_bytes()).collect(),
         d => panic!("no float dtype {d}"),
     }
 }
@@ -102,15 +96,7 @@ fn span(counts: [usize; 3], s: [usize; 3], width: usize) -> usize {
 fn strides(rows: usize, heads: usize, dim: usize, pad: usize, batch_stride: bool) -> [usize; 3] {
     let hs = dim + pad;
     let rs = heads * hs + 3 * pad;
-    [
-        if batch_stride {
-            (rows + 2) * rs + 5 * pad
-        } else {
-            0
-        },
-        rs,
-        hs,
-    ]
+    [if batch_stride { (rows + 2) * rs + 5 * pad } else { 0 }, rs, hs]
 }
 
 impl Prefill {
@@ -133,35 +119,15 @@ impl Prefill {
     }
 
     /// A variable-length batch with these (query rows, cache rows) per sequence.
-    pub fn varlen(
-        seed: u64,
-        lens: &[(usize, usize)],
-        nh: usize,
-        nkv: usize,
-        hd: usize,
-        pad: usize,
-    ) -> Prefill {
+    pub fn varlen(seed: u64, lens: &[(usize, usize)], nh: usize, nkv: usize, hd: usize, pad: usize) -> Prefill {
         let mut c = Prefill::layout(lens.to_vec(), true, nh, nkv, hd, pad);
         c.fill(seed);
         c
     }
 
-    fn layout(
-        lens: Vec<(usize, usize)>,
-        varlen: bool,
-        nh: usize,
-        nkv: usize,
-        hd: usize,
-        pad: usize,
-    ) -> Prefill {
-        let (rows, kv) = if varlen {
-            (
-                lens.iter().map(|l| l.0).sum(),
-                lens.iter().map(|l| l.1).sum(),
-            )
-        } else {
-            lens[0]
-        };
+    fn layout(lens: Vec<(usize, usize)>, varlen: bool, nh: usize, nkv: usize, hd: usize, pad: usize) -> Prefill {
+        let (rows, kv) =
+            if varlen { (lens.iter().map(|l| l.0).sum(), lens.iter().map(|l| l.1).sum()) } else { lens[0] };
         Prefill {
             lens,
             varlen,
@@ -195,14 +161,8 @@ impl Prefill {
         let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let past = |s: [usize; 3]| 2 * s[1];
         self.q = vec![f32::NAN; span([seqs, rows, nh], self.q_strides, hd) + past(self.q_strides)];
-        self.k = vec![
-            f16::NAN.to_bits();
-            span([seqs, kv, nkv], self.k_strides, hd) + past(self.k_strides)
-        ];
-        self.v = vec![
-            f16::NAN.to_bits();
-            span([seqs, kv, nkv], self.v_strides, hd) + past(self.v_strides)
-        ];
+        self.k = vec![f16::NAN.to_bits(); span([seqs, kv, nkv], self.k_strides, hd) + past(self.k_strides)];
+        self.v = vec![f16::NAN.to_bits(); span([seqs, kv, nkv], self.v_strides, hd) + past(self.v_strides)];
         for (b, &(lq, lk)) in self.lens.clone().iter().enumerate() {
             for r in 0..lq {
                 for h in 0..nh {
@@ -240,14 +200,7 @@ impl Prefill {
     pub fn with_lse(mut self) -> Prefill {
         let (_, rows, _) = self.shape();
         let hs = rows + 3;
-        self.lse_strides = Some([
-            if self.varlen {
-                0
-            } else {
-                self.n_heads * hs + 7
-            },
-            hs,
-        ]);
+        self.lse_strides = Some([if self.varlen { 0 } else { self.n_heads * hs + 7 }, hs]);
         self
     }
 
@@ -255,11 +208,7 @@ impl Prefill {
     /// of each (the totals for variable length).
     pub fn shape(&self) -> (usize, usize, usize) {
         if self.varlen {
-            (
-                1,
-                self.lens.iter().map(|l| l.0).sum(),
-                self.lens.iter().map(|l| l.1).sum(),
-            )
+            (1, self.lens.iter().map(|l| l.0).sum(), self.lens.iter().map(|l| l.1).sum())
         } else {
             (self.lens.len(), self.lens[0].0, self.lens[0].1)
         }
@@ -268,10 +217,7 @@ impl Prefill {
     /// Row offsets of sequence b in Q and in K/V (variable length), 0 otherwise.
     fn starts(&self, b: usize) -> (usize, usize) {
         if self.varlen {
-            (
-                self.lens[..b].iter().map(|l| l.0).sum(),
-                self.lens[..b].iter().map(|l| l.1).sum(),
-            )
+            (self.lens[..b].iter().map(|l| l.0).sum(), self.lens[..b].iter().map(|l| l.1).sum())
         } else {
             (0, 0)
         }
@@ -327,12 +273,7 @@ impl Prefill {
 
     /// An explicit mask for every sequence (`shared`: one for all, batch stride 0), with row
     /// stride `kv_len + pad`, whose values come from `value(b, r, j)`.
-    pub fn set_mask(
-        &mut self,
-        shared: bool,
-        pad: usize,
-        mut value: impl FnMut(usize, usize, usize) -> f32,
-    ) {
+    pub fn set_mask(&mut self, shared: bool, pad: usize, mut value: impl FnMut(usize, usize, usize) -> f32) {
         assert!(!self.varlen, "an explicit mask goes with fixed length only");
         let (seqs, rows, kv) = self.shape();
         let rs = kv + pad;
@@ -346,10 +287,7 @@ impl Prefill {
                 }
             }
         }
-        self.mask = Some(Mask {
-            strides: [bs, rs],
-            data,
-        });
+        self.mask = Some(Mask { strides: [bs, rs], data });
     }
 
     /// The peer's random mask (SPEC 3) for every sequence: uniform [-1, 1], then about a fifth
@@ -368,11 +306,9 @@ impl Prefill {
                 }
             }
         }
-        self.set_mask(shared, 5, |b, r, j| {
-            match blocks.get(&(b, r / 32, j / 64)) {
-                Some(&v) => v,
-                None => rng.uniform(-1.0, 1.0),
-            }
+        self.set_mask(shared, 5, |b, r, j| match blocks.get(&(b, r / 32, j / 64)) {
+            Some(&v) => v,
+            None => rng.uniform(-1.0, 1.0),
         });
     }
 
@@ -380,13 +316,8 @@ impl Prefill {
     pub fn params(&self) -> FlashAttnPrefillParams {
         let (_, rows, kv) = self.shape();
         let u = |s: [usize; 3]| [s[0] as u64, s[1] as u64, s[2] as u64];
-        let m = self
-            .mask
-            .as_ref()
-            .map_or([0, 0], |m| [m.strides[0] as u64, m.strides[1] as u64]);
-        let l = self
-            .lse_strides
-            .map_or([0, 0], |s| [s[0] as u64, s[1] as u64]);
+        let m = self.mask.as_ref().map_or([0, 0], |m| [m.strides[0] as u64, m.strides[1] as u64]);
+        let l = self.lse_strides.map_or([0, 0], |s| [s[0] as u64, s[1] as u64]);
         FlashAttnPrefillParams {
             q_strides: u(self.q_strides),
             k_strides: u(self.k_strides),
@@ -423,9 +354,7 @@ impl Prefill {
                 for h in 0..nh {
                     let g = h / group;
                     let qa = self.q_at(b, r, h);
-                    let qh: Vec<f64> = (0..hd)
-                        .map(|d| f16::from_f32(self.scale * self.q[qa + d]).to_f64())
-                        .collect();
+                    let qh: Vec<f64> = (0..hd).map(|d| f16::from_f32(self.scale * self.q[qa + d]).to_f64()).collect();
                     let mut mx = f64::NEG_INFINITY;
                     for (j, sj) in s.iter_mut().enumerate() {
                         *sj = f64::NEG_INFINITY;
@@ -433,9 +362,7 @@ impl Prefill {
                             continue;
                         }
                         let ka = self.k_at(b, j, g);
-                        let mut dot: f64 = (0..hd)
-                            .map(|d| qh[d] * f16::from_bits(self.k[ka + d]).to_f64())
-                            .sum();
+                        let mut dot: f64 = (0..hd).map(|d| qh[d] * f16::from_bits(self.k[ka + d]).to_f64()).sum();
                         if let Some(m) = &self.mask {
                             dot += f16::from_bits(m.data[self.mask_at(b, r, j)]).to_f64();
                         }
@@ -475,21 +402,10 @@ impl Prefill {
     pub fn cache_part(&self, j0: usize, j1: usize) -> Prefill {
         assert!(!self.varlen);
         let (seqs, rows, _) = self.shape();
-        let mut c = Prefill::layout(
-            vec![(rows, j1 - j0); seqs],
-            false,
-            self.n_heads,
-            self.n_kv_heads,
-            self.head_dim,
-            1,
-        );
-        (c.q_dtype, c.out_dtype, c.scale, c.q_strides, c.q) = (
-            self.q_dtype,
-            self.out_dtype,
-            self.scale,
-            self.q_strides,
-            self.q.clone(),
-        );
+        let mut c =
+            Prefill::layout(vec![(rows, j1 - j0); seqs], false, self.n_heads, self.n_kv_heads, self.head_dim, 1);
+        (c.q_dtype, c.out_dtype, c.scale, c.q_strides, c.q) =
+            (self.q_dtype, self.out_dtype, self.scale, self.q_strides, self.q.clone());
         (c.causal, c.window) = (self.causal, self.window);
         if self.causal {
             c.offset = Some(self.query_offset(0) - j0 as i64);
@@ -510,9 +426,7 @@ impl Prefill {
             }
         }
         if let Some(m) = &self.mask {
-            c.set_mask(m.strides[0] == 0, 3, |b, r, j| {
-                f16::from_bits(m.data[self.mask_at(b, r, j0 + j)]).to_f32()
-            });
+            c.set_mask(m.strides[0] == 0, 3, |b, r, j| f16::from_bits(m.data[self.mask_at(b, r, j0 + j)]).to_f32());
         }
         c
     }
@@ -582,16 +496,9 @@ impl Prefill {
             k: span([seqs, kv, nkv], self.k_strides, hd),
             v: span([seqs, kv, nkv], self.v_strides, hd),
             out: span([seqs, rows, nh], self.out_strides, hd),
-            lse: self
-                .lse_strides
-                .map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows)),
-            mask: self.mask.as_ref().map_or(0, |m| {
-                span([mask_seqs(m), rows, 1], [m.strides[0], m.strides[1], 0], kv)
-            }),
-            blk: self
-                .mask
-                .as_ref()
-                .map_or(0, |m| mask_seqs(m) * rows.div_ceil(bq) * kv.div_ceil(64)),
+            lse: self.lse_strides.map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows)),
+            mask: self.mask.as_ref().map_or(0, |m| span([mask_seqs(m), rows, 1], [m.strides[0], m.strides[1], 0], kv)),
+            blk: self.mask.as_ref().map_or(0, |m| mask_seqs(m) * rows.div_ceil(bq) * kv.div_ceil(64)),
         }
     }
 
@@ -599,8 +506,7 @@ impl Prefill {
     pub fn buffers(&self, dev: &MlxDevice) -> Buffers {
         let n = self.needs();
         let q = dev.alloc_buffer(self.q_dtype, &[n.q]).unwrap();
-        q.write_bytes(0, &encode(self.q_dtype, &self.q[..n.q]))
-            .unwrap();
+        q.write_bytes(0, &encode(self.q_dtype, &self.q[..n.q])).unwrap();
         let cu = self.varlen.then(|| {
             let (cq, ck) = self.cu_seqlens();
             (upload(dev, DType::I32, &cq), upload(dev, DType::I32, &ck))
@@ -610,17 +516,9 @@ impl Prefill {
             k: upload(dev, DType::F16, &self.k[..n.k]),
             v: upload(dev, DType::F16, &self.v[..n.v]),
             out: sentinel_buffer(dev, self.out_dtype, n.out),
-            lse: self
-                .lse_strides
-                .map(|_| sentinel_buffer(dev, DType::F32, n.lse)),
-            mask: self
-                .mask
-                .as_ref()
-                .map(|m| upload(dev, DType::F16, &m.data[..n.mask])),
-            blk: self
-                .mask
-                .as_ref()
-                .map(|_| dev.alloc_buffer(DType::U8, &[n.blk]).unwrap()),
+            lse: self.lse_strides.map(|_| sentinel_buffer(dev, DType::F32, n.lse)),
+            mask: self.mask.as_ref().map(|m| upload(dev, DType::F16, &m.data[..n.mask])),
+            blk: self.mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[n.blk]).unwrap()),
             cu,
         }
     }
@@ -647,8 +545,7 @@ pub enum Table {
 
 fn sentinel_buffer(dev: &MlxDevice, dtype: DType, elems: usize) -> MlxBuffer {
     let b = dev.alloc_buffer(dtype, &[elems.max(1)]).unwrap();
-    b.write_bytes(0, &vec![SENTINEL; b.data_byte_len()])
-        .unwrap();
+    b.write_bytes(0, &vec![SENTINEL; b.data_byte_len()]).unwrap();
     b
 }
 
@@ -681,31 +578,12 @@ impl Guarded {
             let body = bytes.len().div_ceil(page).max(1) * page;
             let total = body + page;
             let prot = libc::PROT_READ | libc::PROT_WRITE;
-            let base = libc::mmap(
-                std::ptr::null_mut(),
-                total,
-                prot,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            );
+            let base = libc::mmap(std::ptr::null_mut(), total, prot, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
             assert!(base != libc::MAP_FAILED, "mmap failed");
-            assert_eq!(
-                libc::mprotect(
-                    (base as *mut u8).add(body) as *mut libc::c_void,
-                    page,
-                    libc::PROT_NONE
-                ),
-                0
-            );
+            assert_eq!(libc::mprotect((base as *mut u8).add(body) as *mut libc::c_void, page, libc::PROT_NONE), 0);
             let ptr = (base as *mut u8).add(body - bytes.len());
             std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len());
-            Guarded {
-                base,
-                total,
-                ptr,
-                len: bytes.len(),
-            }
+            Guarded { base, total, ptr, len: bytes.len() }
         }
     }
 }
@@ -744,20 +622,14 @@ pub fn run_placed(
     let nkv = c.n_kv_heads;
     let seq_len = |b: usize| c.lens[b];
     // One past the last element each tensor uses.
-    let q_end = used(c.q.len(), c.lens.len(), |b| {
-        (seq_len(b).0 > 0).then(|| c.q_at(b, seq_len(b).0 - 1, nh - 1) + hd)
-    });
-    let k_end = used(c.k.len(), c.lens.len(), |b| {
-        (seq_len(b).1 > 0).then(|| c.k_at(b, seq_len(b).1 - 1, nkv - 1) + hd)
-    });
-    let v_end = used(c.v.len(), c.lens.len(), |b| {
-        (seq_len(b).1 > 0).then(|| c.v_at(b, seq_len(b).1 - 1, nkv - 1) + hd)
-    });
+    let q_end = used(c.q.len(), c.lens.len(), |b| (seq_len(b).0 > 0).then(|| c.q_at(b, seq_len(b).0 - 1, nh - 1) + hd));
+    let k_end =
+        used(c.k.len(), c.lens.len(), |b| (seq_len(b).1 > 0).then(|| c.k_at(b, seq_len(b).1 - 1, nkv - 1) + hd));
+    let v_end =
+        used(c.v.len(), c.lens.len(), |b| (seq_len(b).1 > 0).then(|| c.v_at(b, seq_len(b).1 - 1, nkv - 1) + hd));
     let m_end = c.mask.as_ref().map(|m| {
         let n = if m.strides[0] == 0 { 1 } else { c.lens.len() };
-        used(m.data.len(), n, |b| {
-            (rows > 0 && c.lens[b].1 > 0).then(|| c.mask_at(b, rows - 1, c.lens[b].1 - 1) + 1)
-        })
+        used(m.data.len(), n, |b| (rows > 0 && c.lens[b].1 > 0).then(|| c.mask_at(b, rows - 1, c.lens[b].1 - 1) + 1))
     });
     let q_bytes = encode(c.q_dtype, &c.q);
     let k_bytes: &[u8] = bytemuck::cast_slice(&c.k);
@@ -768,9 +640,7 @@ pub fn run_placed(
     let mut place = |bytes: &[u8], end: usize, dtype: DType| -> MlxBuffer {
         match placement {
             Placement::Buffers => {
-                let b = dev
-                    .alloc_buffer(dtype, &[bytes.len() / dtype.size_of()])
-                    .unwrap();
+                let b = dev.alloc_buffer(dtype, &[bytes.len() / dtype.size_of()]).unwrap();
                 b.write_bytes(0, bytes).unwrap();
                 b
             }
@@ -790,16 +660,10 @@ pub fn run_placed(
     let mask = m_bytes.map(|m| place(m, m_end.unwrap(), DType::F16));
     let out_elems = span([seqs, rows, nh], c.out_strides, hd) + 2 * c.out_strides[1] + 17;
     let out = sentinel_buffer(dev, c.out_dtype, out_elems);
-    let lse_elems = c.lse_strides.map_or(0, |s| {
-        span([seqs, nh, 1], [s[0], s[1], 0], rows) + 2 * s[1] + 9
-    });
-    let lse = c
-        .lse_strides
-        .map(|_| sentinel_buffer(dev, DType::F32, lse_elems));
-    let blk = mask.as_ref().map(|_| {
-        dev.alloc_buffer(DType::U8, &[mask_table_bytes(&p).unwrap().max(1) as usize])
-            .unwrap()
-    });
+    let lse_elems = c.lse_strides.map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows) + 2 * s[1] + 9);
+    let lse = c.lse_strides.map(|_| sentinel_buffer(dev, DType::F32, lse_elems));
+    let blk =
+        mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[mask_table_bytes(&p).unwrap().max(1) as usize]).unwrap());
     let cu = c.varlen.then(|| {
         let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
         for &(lq, lk) in &c.lens {
@@ -811,9 +675,7 @@ pub fn run_placed(
     let mut enc = dev.command_encoder();
     if let (Some(m), Some(t)) = (&mask, &blk) {
         match table {
-            Table::Computed => {
-                dispatch_flash_attn_prefill_mask_blk(&mut enc, reg, dev, m, t, &p).unwrap()
-            }
+            Table::Computed => dispatch_flash_attn_prefill_mask_blk(&mut enc, reg, dev, m, t, &p).unwrap(),
             Table::AllOnes => t.write_bytes(0, &vec![1u8; t.data_byte_len()]).unwrap(),
         }
     }
@@ -864,28 +726,14 @@ pub fn run_placed(
         }
     }
     for (i, w) in written.iter().enumerate() {
-        let untouched = out_bytes[i * esize..(i + 1) * esize]
-            .iter()
-            .all(|&x| x == SENTINEL);
-        assert!(
-            *w || untouched,
-            "out element {i} lies outside every output row and was written"
-        );
+        let untouched = out_bytes[i * esize..(i + 1) * esize].iter().all(|&x| x == SENTINEL);
+        assert!(*w || untouched, "out element {i} lies outside every output row and was written");
     }
     if let Some(lb) = &lse_bytes {
         for (i, w) in lse_written.iter().enumerate() {
             let untouched = lb[i * 4..i * 4 + 4].iter().all(|&x| x == SENTINEL);
-            assert!(
-                *w || untouched,
-                "lse element {i} lies outside every output row and was written"
-            );
+            assert!(*w || untouched, "lse element {i} lies outside every output row and was written");
         }
     }
-    Output {
-        out: o,
-        lse: l,
-        out_bits: o_bits,
-        lse_bits: l_bits,
-        blk: blk.as_ref().map_or(Vec::new(), read_u8),
-    }
+    Output { out: o, lse: l, out_bits: o_bits, lse_bits: l_bits, blk: blk.as_ref().map_or(Vec::new(), read_u8) }
 }

@@ -17,8 +17,8 @@ use super::{host_slice, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu as MaskBlkParams, FlashAttnPrefillParamsGpu as Params,
-    PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
+    FlashAttnPrefillMaskBlkParamsGpu as MaskBlkParams, FlashAttnPrefillParamsGpu as Params, PREFILL_CAUSAL,
+    PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
 };
 
 /// This op's kernels, by name.
@@ -63,13 +63,9 @@ fn bad(what: &str) -> MlxError {
 /// Read and check `cu_seqlens` (`batch + 1` int32 at `ptr`): non-decreasing, from 0 up to at
 /// most `total`, so every sequence lies inside its tensor.
 unsafe fn read_cu(ptr: *const u8, batch: usize, total: usize) -> Result<Vec<usize>> {
-    let cu: Vec<i32> = (0..=batch)
-        .map(|i| std::ptr::read_unaligned((ptr as *const i32).add(i)))
-        .collect();
+    let cu: Vec<i32> = (0..=batch).map(|i| std::ptr::read_unaligned((ptr as *const i32).add(i))).collect();
     if cu[0] != 0 || cu.windows(2).any(|w| w[1] < w[0]) || cu[batch] as i64 > total as i64 {
-        return Err(bad(
-            "cu_seqlens not non-decreasing from 0 up to the tensor's rows",
-        ));
+        return Err(bad("cu_seqlens not non-decreasing from 0 up to the tensor's rows"));
     }
     Ok(cu.into_iter().map(|x| x as usize).collect())
 }
@@ -79,23 +75,15 @@ unsafe fn read_cu(ptr: *const u8, batch: usize, total: usize) -> Result<Vec<usiz
 pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
     // The op validated the dispatch; a kernel that writes memory checks what it relies on:
     // the block's own consistency, then every buffer against its extents.
-    let e = p
-        .extents()
-        .ok_or_else(|| bad("params break the op's contract"))?;
+    let e = p.extents().ok_or_else(|| bad("params break the op's contract"))?;
     let has = |f: i32| p.flags & f != 0;
     let (q_dtype, o_dtype) = (Elem::from_code(p.q_dtype), Elem::from_code(p.o_dtype));
     let (Some(q_dtype), Some(o_dtype)) = (q_dtype, o_dtype) else {
         return Err(bad("a Q or O dtype code that is not F32, F16 or BF16"));
     };
-    if p.head_dim as usize != D
-        || p.n_heads <= 0
-        || p.n_kv_heads <= 0
-        || p.n_heads % p.n_kv_heads != 0
-        || p.window < 0
+    if p.head_dim as usize != D || p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 || p.window < 0
     {
-        return Err(bad(
-            "head_dim is not the kernel's, the heads do not group, or a negative window",
-        ));
+        return Err(bad("head_dim is not the kernel's, the heads do not group, or a negative window"));
     }
     let u = |x: i32| x as usize;
     let z = |x: i64| x as usize;
@@ -106,9 +94,7 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
     let mut blk_need = 0u64;
     if has(PREFILL_MASK) {
         if has(PREFILL_VARLEN) || p.blk_bq <= 0 || u(p.blk_steps) < steps {
-            return Err(bad(
-                "an explicit mask with variable length, or a table narrower than the cache",
-            ));
+            return Err(bad("an explicit mask with variable length, or a table narrower than the cache"));
         }
         if batch > 0 && rows > 0 && steps > 0 {
             blk_need = ((batch - 1) as u64)
@@ -127,29 +113,13 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
     };
     let bytes = |elems: u64, size: u64| elems.saturating_mul(size);
     let (q, k) = (buf(1, bytes(e.q, esize(q_dtype)))?, buf(2, bytes(e.k, 2))?);
-    let (v, out) = (
-        buf(3, bytes(e.v, 2))?,
-        buf(6, bytes(e.out, esize(o_dtype)))?,
-    );
-    let (mask, blk) = if has(PREFILL_MASK) {
-        (buf(4, bytes(e.mask, 2))?, buf(5, blk_need)?)
-    } else {
-        (q, q)
-    };
-    let lse = if has(PREFILL_LSE) {
-        buf(7, bytes(e.lse, 4))?
-    } else {
-        q
-    };
+    let (v, out) = (buf(3, bytes(e.v, 2))?, buf(6, bytes(e.out, esize(o_dtype)))?);
+    let (mask, blk) = if has(PREFILL_MASK) { (buf(4, bytes(e.mask, 2))?, buf(5, blk_need)?) } else { (q, q) };
+    let lse = if has(PREFILL_LSE) { buf(7, bytes(e.lse, 4))? } else { q };
     let cu = if has(PREFILL_VARLEN) {
         let need = (batch as u64 + 1) * 4;
         // SAFETY: both hold batch + 1 int32 (checked by `buf`).
-        unsafe {
-            Some((
-                read_cu(buf(8, need)?, batch, rows)?,
-                read_cu(buf(9, need)?, batch, kv_len)?,
-            ))
-        }
+        unsafe { Some((read_cu(buf(8, need)?, batch, rows)?, read_cu(buf(9, need)?, batch, kv_len)?)) }
     } else {
         None
     };
@@ -276,12 +246,7 @@ pub fn run_mask_blk(d: &Dispatch) -> Result<()> {
     let p: MaskBlkParams = d.constant(0)?;
     let bad = |what: &str| MlxError::Internal(format!("flash_attn_prefill_mask_blk (cpu): {what}"));
     let dims = [p.batch, p.rows, p.kv_len, p.steps];
-    if dims.iter().any(|&x| x < 0)
-        || p.bq <= 0
-        || p.bk <= 0
-        || p.mask_batch_stride < 0
-        || p.mask_row_stride < 0
-    {
+    if dims.iter().any(|&x| x < 0) || p.bq <= 0 || p.bk <= 0 || p.mask_batch_stride < 0 || p.mask_row_stride < 0 {
         return Err(bad("params break the op's contract"));
     }
     let (batch, rows, kv_len) = (p.batch as usize, p.rows as usize, p.kv_len as usize);
@@ -315,12 +280,7 @@ pub fn run_mask_blk(d: &Dispatch) -> Result<()> {
             } else {
                 let tile_rows = (r0..r1).map(|r| {
                     // SAFETY: b < batch, r < rows, j1 <= kv_len: inside the mask checked above.
-                    unsafe {
-                        std::slice::from_raw_parts(
-                            m.0.add(b * mbs as usize + r * mrs as usize + j0),
-                            j1 - j0,
-                        )
-                    }
+                    unsafe { std::slice::from_raw_parts(m.0.add(b * mbs as usize + r * mrs as usize + j0), j1 - j0) }
                 });
                 match classify_rows(tile_rows) {
                     // Columns past the cache's end are masked: the tile is not all zero.

@@ -79,15 +79,8 @@ pub fn classify(bits: impl Iterator<Item = u16>) -> u8 {
 pub fn run(d: &Dispatch) -> Result<()> {
     let p: BlkParams = d.constant(0)?;
     let bad = |what: &str| MlxError::Internal(format!("flash_attn_prefill_blk (cpu): {what}"));
-    let (mask_need, blk_need) = p
-        .extents()
-        .ok_or_else(|| bad("shape breaks the op's contract"))?;
-    let (rows, kv_pad, bq, bk) = (
-        p.rows as usize,
-        p.kv_pad as usize,
-        p.bq as usize,
-        p.bk as usize,
-    );
+    let (mask_need, blk_need) = p.extents().ok_or_else(|| bad("shape breaks the op's contract"))?;
+    let (rows, kv_pad, bq, bk) = (p.rows as usize, p.kv_pad as usize, p.bq as usize, p.bk as usize);
     let (mask, mask_len) = host_slice(d, 1)?;
     let (blk, blk_len) = host_slice(d, 2)?;
     let q_tiles = rows.div_ceil(bq);
@@ -124,27 +117,12 @@ mod tests {
     #[test]
     fn classes_of_crafted_tiles() {
         assert_eq!(classify([h(f32::NEG_INFINITY); 4].into_iter()), SKIP);
-        assert_eq!(
-            classify([h(-65504.0), h(f32::NEG_INFINITY)].into_iter()),
-            SKIP
-        );
+        assert_eq!(classify([h(-65504.0), h(f32::NEG_INFINITY)].into_iter()), SKIP);
         assert_eq!(classify([h(0.0), h(-0.0)].into_iter()), ZERO);
         assert_eq!(classify([h(0.0), h(f32::NEG_INFINITY)].into_iter()), MIXED);
-        assert_eq!(
-            classify([h(-65472.0)].into_iter()),
-            MIXED,
-            "the next half above -65504 is not masked"
-        );
-        assert_eq!(
-            classify([h(1e-7)].into_iter()),
-            MIXED,
-            "a subnormal is not zero"
-        );
-        assert_eq!(
-            classify([0xfe00u16].into_iter()),
-            MIXED,
-            "NaN is neither masked nor zero"
-        );
+        assert_eq!(classify([h(-65472.0)].into_iter()), MIXED, "the next half above -65504 is not masked");
+        assert_eq!(classify([h(1e-7)].into_iter()), MIXED, "a subnormal is not zero");
+        assert_eq!(classify([0xfe00u16].into_iter()), MIXED, "NaN is neither masked nor zero");
         assert_eq!(classify([h(f32::INFINITY)].into_iter()), MIXED);
     }
 
@@ -165,9 +143,7 @@ mod tests {
         ];
         let mut state = 12345u64;
         let mut next = || {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (state >> 33) as usize
         };
         for case in 0..3000 {
@@ -180,11 +156,7 @@ mod tests {
                 v[i] = specials[next() % specials.len()];
             }
             let rows: Vec<&[u16]> = v.chunks(1 + next() % 9).collect();
-            assert_eq!(
-                classify_rows(rows.into_iter()),
-                classify(v.iter().copied()),
-                "{v:x?}"
-            );
+            assert_eq!(classify_rows(rows.into_iter()), classify(v.iter().copied()), "{v:x?}");
         }
     }
 }

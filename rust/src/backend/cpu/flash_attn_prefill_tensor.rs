@@ -15,10 +15,8 @@ use crate::params::FlashAttnPrefillTensorParamsGpu as Params;
 pub use super::flash_attn_prefill::set_column_skipping;
 
 /// This op's kernels, by name.
-pub const KERNELS: &[(&str, CpuKernelFn)] = &[
-    ("flash_attn_prefill_tensor_f16_d256", run_d256),
-    ("flash_attn_prefill_tensor_f16_d512", run_d512),
-];
+pub const KERNELS: &[(&str, CpuKernelFn)] =
+    &[("flash_attn_prefill_tensor_f16_d256", run_d256), ("flash_attn_prefill_tensor_f16_d512", run_d512)];
 
 /// Entry point of `flash_attn_prefill_tensor_f16_d256`.
 pub fn run_d256(d: &Dispatch) -> Result<()> {
@@ -35,8 +33,7 @@ fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
     let bq = bq_of(D);
     // The origin's contract (kv_pad a multiple of 64, no empty dimension), checked as the
     // origin checked it; the general kernel then checks every buffer against its strides.
-    p.extents(D as u64, bq as u64).ok_or_else(|| {
-        MlxError::Internal("flash_attn_prefill_tensor (cpu): shape breaks the op's contract".into())
-    })?;
+    p.extents(D as u64, bq as u64)
+        .ok_or_else(|| MlxError::Internal("flash_attn_prefill_tensor (cpu): shape breaks the op's contract".into()))?;
     run::<D>(d, &p.as_prefill(D as i32, bq as i32))
 }

@@ -35,8 +35,7 @@ impl HostMemory {
         // A small alignment keeps `alloc_zeroed` on calloc, whose large blocks are fresh
         // zero pages, untouched until used (an over-aligned layout is allocated, then
         // zeroed byte by byte); the 64-byte alignment is made by hand inside the block.
-        let layout =
-            Self::layout(len).ok_or(MlxError::BufferAllocationError { bytes: len as u64 })?;
+        let layout = Self::layout(len).ok_or(MlxError::BufferAllocationError { bytes: len as u64 })?;
         // SAFETY: layout has a non-zero size.
         let base = unsafe { std::alloc::alloc_zeroed(layout) };
         if base.is_null() {
@@ -84,9 +83,7 @@ unsafe impl Sync for WrappedHostMemory {}
 
 fn host_read(ptr: *mut u8, len: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
     if offset.checked_add(dst.len()).is_none_or(|e| e > len) {
-        return Err(MlxError::InvalidArgument(
-            "read past the end of a buffer".into(),
-        ));
+        return Err(MlxError::InvalidArgument("read past the end of a buffer".into()));
     }
     // SAFETY: range checked above.
     unsafe { std::ptr::copy_nonoverlapping(ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
@@ -95,9 +92,7 @@ fn host_read(ptr: *mut u8, len: usize, offset: usize, dst: &mut [u8]) -> Result<
 
 fn host_write(ptr: *mut u8, len: usize, offset: usize, src: &[u8]) -> Result<()> {
     if offset.checked_add(src.len()).is_none_or(|e| e > len) {
-        return Err(MlxError::InvalidArgument(
-            "write past the end of a buffer".into(),
-        ));
+        return Err(MlxError::InvalidArgument("write past the end of a buffer".into()));
     }
     // SAFETY: range checked above; `copy` allows the source to overlap the buffer.
     unsafe { std::ptr::copy(src.as_ptr(), ptr.add(offset), src.len()) };

@@ -71,9 +71,7 @@ impl Backend for CpuBackend {
         // Linux overcommits: a huge zeroed allocation can succeed and the process be killed
         // later, when the pages are touched. More than the machine has is refused here.
         if memory_limit().is_some_and(|limit| bytes as u64 > limit) {
-            return Err(MlxError::BufferAllocationError {
-                bytes: bytes as u64,
-            });
+            return Err(MlxError::BufferAllocationError { bytes: bytes as u64 });
         }
         Ok(Arc::new(HostMemory::zeroed(bytes)?))
     }
@@ -83,19 +81,15 @@ impl Backend for CpuBackend {
     }
 
     fn compile(&self, name: &str, _source: &KernelSource) -> Result<Pipeline> {
-        let kernel = kernel(name).ok_or_else(|| {
-            MlxError::KernelNotFound(format!("kernel {name} has no CPU implementation"))
-        })?;
+        let kernel =
+            kernel(name).ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CPU implementation")))?;
         Ok(Pipeline::new(name, 1024, Arc::new(CpuPipeline { kernel })))
     }
 
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {
         for d in dispatches {
             let state = d.pipeline.inner::<CpuPipeline>().ok_or_else(|| {
-                MlxError::InvalidArgument(format!(
-                    "pipeline {} was not built by the CPU backend",
-                    d.pipeline.name()
-                ))
+                MlxError::InvalidArgument(format!("pipeline {} was not built by the CPU backend", d.pipeline.name()))
             })?;
             (state.kernel)(d)?;
         }
@@ -121,12 +115,9 @@ fn read_memory_limit() -> Option<u64> {
     };
     let total = field("MemTotal:")?.saturating_add(field("SwapTotal:").unwrap_or(0));
     // cgroup v2, then v1; "max" or a huge number means no limit.
-    let cgroup = [
-        "/sys/fs/cgroup/memory.max",
-        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-    ]
-    .iter()
-    .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok());
+    let cgroup = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok());
     Some(cgroup.map_or(total, |c| c.min(total)))
 }
 
@@ -139,10 +130,7 @@ fn read_memory_limit() -> Option<u64> {
 pub(crate) fn host_slice(d: &Dispatch, index: u64) -> Result<(*mut u8, usize)> {
     let b = d.buffer(index)?;
     let p = b.host_ptr().ok_or_else(|| {
-        MlxError::InvalidArgument(format!(
-            "{}: buffer {index} is not in host memory",
-            d.pipeline.name()
-        ))
+        MlxError::InvalidArgument(format!("{}: buffer {index} is not in host memory", d.pipeline.name()))
     })?;
     Ok((p, b.byte_len))
 }

@@ -100,15 +100,9 @@ pub const MAX_THREADS: usize = 1024;
 /// Measured FMA peak of `threads` threads (0: the kernels' thread count), GFLOP/s, with
 /// the instruction set the kernels use now. Takes about a quarter of a second.
 pub fn fma_peak_gflops(threads: usize) -> Result<f64> {
-    let threads = if threads == 0 {
-        super::threads()
-    } else {
-        threads
-    };
+    let threads = if threads == 0 { super::threads() } else { threads };
     if threads > MAX_THREADS {
-        return Err(MlxError::InvalidArgument(format!(
-            "threads must be at most {MAX_THREADS}, got {threads}"
-        )));
+        return Err(MlxError::InvalidArgument(format!("threads must be at most {MAX_THREADS}, got {threads}")));
     }
     let (f, flop_per_iter) = pick();
     // Calibrate: grow the count until one run takes at least 20 ms (clock ramp-up included).
@@ -121,10 +115,7 @@ pub fn fma_peak_gflops(threads: usize) -> Result<f64> {
         let grow = (0.03 / dt.as_secs_f64().max(1e-6)).clamp(2.0, 64.0);
         iters = (iters as f64 * grow) as u64;
     }
-    let best = (0..5)
-        .map(|_| timed(f, threads, iters))
-        .min()
-        .unwrap_or(Duration::MAX);
+    let best = (0..5).map(|_| timed(f, threads, iters)).min().unwrap_or(Duration::MAX);
     Ok(threads as f64 * iters as f64 * flop_per_iter / best.as_secs_f64() / 1e9)
 }
 

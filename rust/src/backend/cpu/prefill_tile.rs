@@ -128,37 +128,19 @@ pub(super) fn pick<const D: usize>() -> ItemFn {
     item_portable::<D>
 }
 
-unsafe fn item_portable<const D: usize>(
-    pb: &Problem,
-    seq: &Seq,
-    grp: usize,
-    g: usize,
-    s: &mut Scratch,
-) {
+unsafe fn item_portable<const D: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
     work_item::<Portable, D>(pb, seq, grp, g, s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn item_avx512<const D: usize>(
-    pb: &Problem,
-    seq: &Seq,
-    grp: usize,
-    g: usize,
-    s: &mut Scratch,
-) {
+unsafe fn item_avx512<const D: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
     work_item::<super::simd::Avx512, D>(pb, seq, grp, g, s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn item_avx2<const D: usize>(
-    pb: &Problem,
-    seq: &Seq,
-    grp: usize,
-    g: usize,
-    s: &mut Scratch,
-) {
+unsafe fn item_avx2<const D: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
     work_item::<super::simd::Avx2, D>(pb, seq, grp, g, s)
 }
 
@@ -220,20 +202,9 @@ struct Sub {
 /// `r0 .. r0 + nr` of a sequence, and the range of the step's columns some of them see
 /// (relative to `c0`, unrounded).
 #[inline(always)]
-fn describe(
-    pb: &Problem,
-    seq: &Seq,
-    r0: usize,
-    nr: usize,
-    c0: usize,
-    n: usize,
-) -> (u8, usize, usize) {
+fn describe(pb: &Problem, seq: &Seq, r0: usize, nr: usize, c0: usize, n: usize) -> (u8, usize, usize) {
     let off = seq.off;
-    let (first, last, w) = (
-        r0 as i64 + off,
-        (r0 + nr - 1) as i64 + off,
-        pb.window as i64,
-    );
+    let (first, last, w) = (r0 as i64 + off, (r0 + nr - 1) as i64 + off, pb.window as i64);
     let (c0i, end) = (c0 as i64, (c0 + n) as i64);
     // Row r sees [r + off - w + 1, r + off] (causal, window) within [0, Lk): the union over
     // consecutive rows is one range.
@@ -243,11 +214,7 @@ fn describe(
         return (SKIP, C, 0);
     }
     let all = n == C && (!pb.causal || c0i + C as i64 - 1 <= first) && (w == 0 || c0i > last - w);
-    (
-        if all { FULL } else { PARTIAL },
-        (lo - c0i) as usize,
-        (hi - c0i) as usize,
-    )
+    (if all { FULL } else { PARTIAL }, (lo - c0i) as usize, (hi - c0i) as usize)
 }
 
 /// The explicit mask's class of the step for query rows `r0 .. r0 + nr`: the bytes of every
@@ -273,13 +240,7 @@ unsafe fn table_class(pb: &Problem, seq: &Seq, r0: usize, nr: usize, step: usize
 /// `g`, all `group` query heads of that KV head. Row `i` of the item is tile
 /// `i / (group * bq)`, head `i / bq % group`, query row `i % bq` of the tile.
 #[inline(always)]
-unsafe fn work_item<S: Simd, const D: usize>(
-    pb: &Problem,
-    seq: &Seq,
-    grp: usize,
-    g: usize,
-    sc: &mut Scratch,
-) {
+unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, sc: &mut Scratch) {
     let (bq, nt) = (pb.bq, pb.nt);
     let per = bq * pb.group; // rows of one tile, a multiple of W
     let r = per * nt; // rows of the item
@@ -305,13 +266,7 @@ unsafe fn work_item<S: Simd, const D: usize>(
         let qt = grp * nt + k;
         let r0 = qt * bq;
         let nr = if qt < q_tiles { bq.min(seq.lq - r0) } else { 0 };
-        *sub = Sub {
-            r0,
-            nr,
-            ib: k * per,
-            ie: (k + 1) * per,
-            ..Sub::default()
-        };
+        *sub = Sub { r0, nr, ib: k * per, ie: (k + 1) * per, ..Sub::default() };
     }
     let subs = &mut subs[..nt];
 
@@ -342,23 +297,14 @@ unsafe fn work_item<S: Simd, const D: usize>(
             if dc == SKIP {
                 continue;
             }
-            let tc = if pb.has_mask {
-                table_class(pb, seq, sub.r0, sub.nr, step)
-            } else {
-                FULL
-            };
+            let tc = if pb.has_mask { table_class(pb, seq, sub.r0, sub.nr, step) } else { FULL };
             if tc == SKIP {
                 continue;
             }
-            let (mut lo, mut hi) = if dc == FULL {
-                (0, C)
-            } else {
-                (dlo & !3, ((dhi + 3) & !3).min(C))
-            };
+            let (mut lo, mut hi) = if dc == FULL { (0, C) } else { (dlo & !3, ((dhi + 3) & !3).min(C)) };
             if tc == PARTIAL {
                 let mask = pb.mask.add(seq.mask);
-                let (mlo, mhi) =
-                    load_mask::<S>(pb, mask, mrow, mt.add(k * C * bq), sub.r0, sub.nr, c0, n);
+                let (mlo, mhi) = load_mask::<S>(pb, mask, mrow, mt.add(k * C * bq), sub.r0, sub.nr, c0, n);
                 (lo, hi) = (lo.max(mlo), hi.min(mhi));
             }
             if !pb.column_skip {
@@ -387,19 +333,7 @@ unsafe fn work_item<S: Simd, const D: usize>(
             }
             softmax_step::<S>(st_b, m_b, l_b, ms_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
         }
-        accumulate::<S, D>(
-            st_b,
-            v_base.add(c0 * pb.v_rs),
-            pb.v_rs,
-            vf,
-            o_b,
-            ms_b,
-            r,
-            subs,
-            lo_all,
-            hi_all,
-            n,
-        );
+        accumulate::<S, D>(st_b, v_base.add(c0 * pb.v_rs), pb.v_rs, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
     }
 
     store_out::<S, D>(pb, seq, g, subs, o_b, m_b, l_b);
@@ -408,14 +342,7 @@ unsafe fn work_item<S: Simd, const D: usize>(
 /// Q of the item's rows: `qh = half(scale * q)`, transposed into Q^T (`[D][r]`); rows past
 /// the prompt are zero. By blocks of W rows, so that every line of Q^T is written whole, once.
 #[inline(always)]
-unsafe fn load_q<S: Simd, const D: usize>(
-    pb: &Problem,
-    seq: &Seq,
-    g: usize,
-    subs: &[Sub],
-    qt_b: *mut f32,
-    r: usize,
-) {
+unsafe fn load_q<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, g: usize, subs: &[Sub], qt_b: *mut f32, r: usize) {
     let scale = S::splat(pb.scale);
     let mut tmp = [[0f32; D]; W];
     for sub in subs.iter() {
@@ -471,11 +398,7 @@ unsafe fn store_out<S: Simd, const D: usize>(
                 let l = *l_b.add(i);
                 let lv = S::splat(l);
                 for dv in (0..D).step_by(W) {
-                    let o = if l == 0.0 {
-                        S::splat(0.0)
-                    } else {
-                        S::div(S::load(o_b.add(i * D + dv)), lv)
-                    };
+                    let o = if l == 0.0 { S::splat(0.0) } else { S::div(S::load(o_b.add(i * D + dv)), lv) };
                     match pb.o_dtype {
                         Elem::F32 => S::store((pb.out.0 as *mut f32).add(at + dv), o),
                         Elem::F16 | Elem::BF16 => {
@@ -494,11 +417,7 @@ unsafe fn store_out<S: Simd, const D: usize>(
                     }
                 }
                 if pb.has_lse {
-                    let lse = if l == 0.0 {
-                        f32::NEG_INFINITY
-                    } else {
-                        *m_b.add(i) + l.ln()
-                    };
+                    let lse = if l == 0.0 { f32::NEG_INFINITY } else { *m_b.add(i) + l.ln() };
                     *pb.lse.0.add(seq.lse + h * pb.lse_hs + sub.r0 + rr) = lse;
                 }
             }
@@ -520,11 +439,7 @@ unsafe fn load_tile<S: Simd, const D: usize>(
     for j in lo..hi {
         let s = src.add(j * rs);
         for dv in (0..D).step_by(W) {
-            let x = if j < n {
-                S::load_f16(s.add(dv))
-            } else {
-                S::splat(0.0)
-            };
+            let x = if j < n { S::load_f16(s.add(dv)) } else { S::splat(0.0) };
             S::store(dst.add(j * D + dv), x);
         }
     }
@@ -629,11 +544,7 @@ unsafe fn load_mask<S: Simd>(
             }
         } else {
             for j in 0..C {
-                *dst.add(j) = if j < n {
-                    half::f16::from_bits(*src.add(j)).to_f32()
-                } else {
-                    f32::NEG_INFINITY
-                };
+                *dst.add(j) = if j < n { half::f16::from_bits(*src.add(j)).to_f32() } else { f32::NEG_INFINITY };
             }
         }
     }
@@ -657,15 +568,7 @@ unsafe fn load_mask<S: Simd>(
 /// Add the mask (`mt`, `[C][bq]`) of cache rows `lo..hi` to the scores of every head of
 /// the tile whose rows start at `ib`.
 #[inline(always)]
-unsafe fn add_mask<S: Simd>(
-    pb: &Problem,
-    mt: *const f32,
-    st: *mut f32,
-    r: usize,
-    ib: usize,
-    lo: usize,
-    hi: usize,
-) {
+unsafe fn add_mask<S: Simd>(pb: &Problem, mt: *const f32, st: *mut f32, r: usize, ib: usize, lo: usize, hi: usize) {
     let bq = pb.bq;
     for j in lo..hi {
         for hh in 0..pb.group {
@@ -698,11 +601,7 @@ unsafe fn hide<S: Simd>(pb: &Problem, seq: &Seq, st: *mut f32, r: usize, sub: &S
             (0, 0)
         } else {
             let a = if pb.causal { rel.clamp(0, bq) } else { 0 };
-            let b = if pb.window > 0 {
-                (rel + pb.window as i64).clamp(0, bq)
-            } else {
-                bq
-            };
+            let b = if pb.window > 0 { (rel + pb.window as i64).clamp(0, bq) } else { bq };
             (a, b.max(a))
         };
         if a == 0 && b == bq {
@@ -744,11 +643,7 @@ unsafe fn softmax_step<S: Simd>(
     for i0 in (ib..ie).step_by(W) {
         // As if the max had started at column 0: the -inf columns before `lo` leave -inf.
         let first = S::load(st.add(lo * r + i0));
-        let mut mx = if lo == 0 {
-            first
-        } else {
-            S::max(first, S::splat(f32::NEG_INFINITY))
-        };
+        let mut mx = if lo == 0 { first } else { S::max(first, S::splat(f32::NEG_INFINITY)) };
         for j in lo + 1..hi {
             mx = S::max(S::load(st.add(j * r + i0)), mx);
         }
@@ -800,11 +695,7 @@ unsafe fn accumulate<S: Simd, const D: usize>(
     for d0 in (0..D).step_by(V_SPAN) {
         for j in lo..hi {
             for x in (0..V_SPAN).step_by(W) {
-                let val = if j < n {
-                    S::load_f16(v.add(j * rs + d0 + x))
-                } else {
-                    S::splat(0.0)
-                };
+                let val = if j < n { S::load_f16(v.add(j * rs + d0 + x)) } else { S::splat(0.0) };
                 S::store(vc.add(j * V_SPAN + x), val);
             }
         }
@@ -817,15 +708,11 @@ unsafe fn accumulate<S: Simd, const D: usize>(
             }
             if S::WIDE_BLOCKS {
                 for i0 in (sub.ib..sub.ie).step_by(8) {
-                    accumulate_block::<S, D, 8, 2>(
-                        p, vc, o, ms, rescale[k], r, i0, d0, sub.lo, sub.hi,
-                    );
+                    accumulate_block::<S, D, 8, 2>(p, vc, o, ms, rescale[k], r, i0, d0, sub.lo, sub.hi);
                 }
             } else {
                 for i0 in (sub.ib..sub.ie).step_by(2) {
-                    accumulate_block::<S, D, 2, 2>(
-                        p, vc, o, ms, rescale[k], r, i0, d0, sub.lo, sub.hi,
-                    );
+                    accumulate_block::<S, D, 2, 2>(p, vc, o, ms, rescale[k], r, i0, d0, sub.lo, sub.hi);
                 }
             }
         }
@@ -939,35 +826,19 @@ mod tests {
         ];
         for bq in [32, 16] {
             for (causal, window) in descriptions {
-                let pb = Problem {
-                    bq,
-                    ..problem(causal, window)
-                };
+                let pb = Problem { bq, ..problem(causal, window) };
                 // The prompt at the cache's end, and offsets a block gives (context
                 // parallelism: a chunk of queries before, inside or past a chunk of the cache).
                 let placed = shapes
                     .iter()
                     .filter(|&&(lq, lk)| !causal || lk >= lq)
                     .map(|&(lq, lk)| (lq, lk, lk as i64 - lq as i64));
-                let given = [
-                    (33usize, 100usize, -40i64),
-                    (33, 100, -1),
-                    (70, 20, 5),
-                    (5, 64, 200),
-                    (40, 130, 17),
-                ];
+                let given = [(33usize, 100usize, -40i64), (33, 100, -1), (70, 20, 5), (5, 64, 200), (40, 130, 17)];
                 for (lq, lk, off) in placed.chain(given.into_iter().filter(|_| causal)) {
-                    let seq = Seq {
-                        lq,
-                        lk,
-                        off,
-                        ..Seq::default()
-                    };
+                    let seq = Seq { lq, lk, off, ..Seq::default() };
                     let visible = |r: usize, j: usize| {
                         let (r, j) = (r as i64, j as i64);
-                        j < lk as i64
-                            && (!causal || j <= r + off)
-                            && (window == 0 || j > r + off - window as i64)
+                        j < lk as i64 && (!causal || j <= r + off) && (window == 0 || j > r + off - window as i64)
                     };
                     for r0 in (0..lq).step_by(bq) {
                         let nr = bq.min(lq - r0);
@@ -991,7 +862,9 @@ mod tests {
                             } else {
                                 PARTIAL
                             };
-                            let at = format!("bq {bq} causal {causal} window {window} lq {lq} lk {lk} off {off} r0 {r0} c0 {c0}");
+                            let at = format!(
+                                "bq {bq} causal {causal} window {window} lq {lq} lk {lk} off {off} r0 {r0} c0 {c0}"
+                            );
                             assert_eq!(class, want, "{at}");
                             if class != SKIP {
                                 assert_eq!((lo, hi), (lo_want, hi_want), "{at}");

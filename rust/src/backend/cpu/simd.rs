@@ -299,10 +299,7 @@ mod x86 {
         }
         #[inline(always)]
         unsafe fn fma(a: Pair, b: Pair, c: Pair) -> Pair {
-            Pair(
-                _mm256_fmadd_ps(a.0, b.0, c.0),
-                _mm256_fmadd_ps(a.1, b.1, c.1),
-            )
+            Pair(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1))
         }
         #[inline(always)]
         unsafe fn add(a: Pair, b: Pair) -> Pair {
@@ -333,27 +330,18 @@ mod x86 {
         unsafe fn select_gt(a: Pair, b: Pair, t: Pair, f: Pair) -> Pair {
             let m0 = _mm256_cmp_ps::<_CMP_GT_OQ>(a.0, b.0);
             let m1 = _mm256_cmp_ps::<_CMP_GT_OQ>(a.1, b.1);
-            Pair(
-                _mm256_blendv_ps(f.0, t.0, m0),
-                _mm256_blendv_ps(f.1, t.1, m1),
-            )
+            Pair(_mm256_blendv_ps(f.0, t.0, m0), _mm256_blendv_ps(f.1, t.1, m1))
         }
         #[inline(always)]
         unsafe fn round(v: Pair) -> Pair {
-            Pair(
-                _mm256_round_ps::<NEAREST>(v.0),
-                _mm256_round_ps::<NEAREST>(v.1),
-            )
+            Pair(_mm256_round_ps::<NEAREST>(v.0), _mm256_round_ps::<NEAREST>(v.1))
         }
         #[inline(always)]
         unsafe fn ldexp(p: Pair, n: Pair) -> Pair {
             let bias = _mm256_set1_epi32(127);
             let e0 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n.0), bias));
             let e1 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n.1), bias));
-            Pair(
-                _mm256_mul_ps(p.0, _mm256_castsi256_ps(e0)),
-                _mm256_mul_ps(p.1, _mm256_castsi256_ps(e1)),
-            )
+            Pair(_mm256_mul_ps(p.0, _mm256_castsi256_ps(e0)), _mm256_mul_ps(p.1, _mm256_castsi256_ps(e1)))
         }
     }
 }
@@ -428,9 +416,7 @@ mod tests {
 
     fn check_exp<S: Simd>() {
         unsafe {
-            for &x in &[
-                -100.0f32, -87.0, -20.0, -1.5, -0.3, 0.0, 0.25, 1.0, 3.0, 8.0, 30.0,
-            ] {
+            for &x in &[-100.0f32, -87.0, -20.0, -1.5, -0.3, 0.0, 0.25, 1.0, 3.0, 8.0, 30.0] {
                 let got = {
                     let mut out = [0f32; W];
                     S::store(out.as_mut_ptr(), S::exp(S::splat(x)));
@@ -455,16 +441,7 @@ mod tests {
     fn check_round_half<S: Simd>() {
         let vals: Vec<f32> = (0..W)
             .map(|i| {
-                [
-                    1.0009766f32,
-                    0.33333,
-                    -7.12345,
-                    65519.0,
-                    65520.0,
-                    1e-6,
-                    -3e-8,
-                    2.5e-5,
-                ][i % 8]
+                [1.0009766f32, 0.33333, -7.12345, 65519.0, 65520.0, 1e-6, -3e-8, 2.5e-5][i % 8]
                     * (1.0 + i as f32 * 1e-4)
             })
             .collect();
@@ -472,12 +449,7 @@ mod tests {
             let mut out = [0f32; W];
             S::store(out.as_mut_ptr(), S::round_half(S::load(vals.as_ptr())));
             for i in 0..W {
-                assert_eq!(
-                    out[i].to_bits(),
-                    half::f16::from_f32(vals[i]).to_f32().to_bits(),
-                    "{} lane {i}",
-                    S::NAME
-                );
+                assert_eq!(out[i].to_bits(), half::f16::from_f32(vals[i]).to_f32().to_bits(), "{} lane {i}", S::NAME);
             }
         }
     }
@@ -485,19 +457,14 @@ mod tests {
     fn check_bf16<S: Simd>() {
         // One, minus one, +-inf, a quiet NaN, the smallest subnormal, -0, pi, and others.
         let vals: [u16; W] = [
-            0x3f80, 0xbf80, 0x7f80, 0xff80, 0x7fc1, 0x0001, 0x8000, 0x4049, 0xc2f7, 0x0080, 0x7f7f,
-            0xff7f, 0x3c23, 0xbe00, 0x4780, 0x0000,
+            0x3f80, 0xbf80, 0x7f80, 0xff80, 0x7fc1, 0x0001, 0x8000, 0x4049, 0xc2f7, 0x0080, 0x7f7f, 0xff7f, 0x3c23,
+            0xbe00, 0x4780, 0x0000,
         ];
         unsafe {
             let mut out = [0f32; W];
             S::store(out.as_mut_ptr(), S::load_bf16(vals.as_ptr()));
             for i in 0..W {
-                assert_eq!(
-                    out[i].to_bits(),
-                    half::bf16::from_bits(vals[i]).to_f32().to_bits(),
-                    "{} lane {i}",
-                    S::NAME
-                );
+                assert_eq!(out[i].to_bits(), half::bf16::from_bits(vals[i]).to_f32().to_bits(), "{} lane {i}", S::NAME);
             }
         }
     }
@@ -517,29 +484,13 @@ mod tests {
         let b: Vec<f32> = (0..W).map(|i| pairs[i % 8].1).collect();
         unsafe {
             let (mut mx, mut mn) = ([0f32; W], [0f32; W]);
-            S::store(
-                mx.as_mut_ptr(),
-                S::max(S::load(a.as_ptr()), S::load(b.as_ptr())),
-            );
-            S::store(
-                mn.as_mut_ptr(),
-                S::min(S::load(a.as_ptr()), S::load(b.as_ptr())),
-            );
+            S::store(mx.as_mut_ptr(), S::max(S::load(a.as_ptr()), S::load(b.as_ptr())));
+            S::store(mn.as_mut_ptr(), S::min(S::load(a.as_ptr()), S::load(b.as_ptr())));
             for i in 0..W {
                 let want_max = if a[i] > b[i] { a[i] } else { b[i] };
                 let want_min = if a[i] < b[i] { a[i] } else { b[i] };
-                assert_eq!(
-                    mx[i].to_bits(),
-                    want_max.to_bits(),
-                    "{} max lane {i}",
-                    S::NAME
-                );
-                assert_eq!(
-                    mn[i].to_bits(),
-                    want_min.to_bits(),
-                    "{} min lane {i}",
-                    S::NAME
-                );
+                assert_eq!(mx[i].to_bits(), want_max.to_bits(), "{} max lane {i}", S::NAME);
+                assert_eq!(mn[i].to_bits(), want_min.to_bits(), "{} min lane {i}", S::NAME);
             }
         }
     }

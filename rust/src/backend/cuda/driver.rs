@@ -151,8 +151,7 @@ pub fn driver() -> Result<&'static Driver> {
                 // preconditions.
                 match unsafe { Library::new(name) } {
                     Ok(lib) => {
-                        let d = Driver::load(lib)
-                            .map_err(|e| format!("the CUDA driver {name} lacks {e}"))?;
+                        let d = Driver::load(lib).map_err(|e| format!("the CUDA driver {name} lacks {e}"))?;
                         // SAFETY: cuInit takes flags 0.
                         let r = unsafe { (d.cuInit)(0) };
                         if r != CUDA_SUCCESS {
@@ -163,10 +162,7 @@ pub fn driver() -> Result<&'static Driver> {
                     Err(e) => tried.push(format!("{name}: {e}")),
                 }
             }
-            Err(format!(
-                "no CUDA driver could be loaded ({})",
-                tried.join("; ")
-            ))
+            Err(format!("no CUDA driver could be loaded ({})", tried.join("; ")))
         })
         .as_ref()
         .map_err(|e| MlxError::BackendUnavailable(e.clone()))

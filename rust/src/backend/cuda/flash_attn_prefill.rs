@@ -17,8 +17,8 @@ use super::launch::{contract, device_buffer, CudaKernel, Launch, PrepareContext}
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_LSE,
-    PREFILL_MASK, PREFILL_VARLEN,
+    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_LSE, PREFILL_MASK,
+    PREFILL_VARLEN,
 };
 
 /// This op's kernels, by name: the attention runs the entry points it shares with the
@@ -99,11 +99,7 @@ pub fn attention_geometry(
     let cta_rows = match head_dim {
         256 => 128,
         512 => 64,
-        _ => {
-            return Err(MlxError::InvalidArgument(format!(
-                "no CUDA attention kernel for head_dim {head_dim}"
-            )))
-        }
+        _ => return Err(MlxError::InvalidArgument(format!("no CUDA attention kernel for head_dim {head_dim}"))),
     };
     let row_groups = cta_rows / if hopper { 16 } else { ROWS_PER_GROUP };
     if rows == 0 || n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
@@ -128,12 +124,7 @@ pub fn attention_geometry(
 /// The CTA shape of the head-pair form (Hopper): the wgmma form's shape for groups of half
 /// the query heads per KV head, so that the two CTAs of a cluster (y = 2j, 2j + 1) split
 /// one KV head's heads. `None` when that group is odd.
-pub fn pair_geometry(
-    head_dim: u32,
-    rows: u32,
-    n_heads: u32,
-    n_kv_heads: u32,
-) -> Option<AttentionGeometry> {
+pub fn pair_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<AttentionGeometry> {
     if n_kv_heads == 0 || n_heads % n_kv_heads != 0 || (n_heads / n_kv_heads) % 2 != 0 {
         return None;
     }
@@ -201,29 +192,14 @@ fn pair_setting() -> Option<bool> {
 /// The tensor map of K or V for the CTA-pair form: dims (head dim, KV heads, cache rows,
 /// sequences), boxes of 64 x 1 x 64 x 1 halves, 128-byte swizzle; rows past a sequence's
 /// cache land as zeros. `None` where TMA cannot address the view.
-fn kv_tensor_map(
-    base: u64,
-    head_dim: u32,
-    n_kv: u32,
-    kv_len: u32,
-    batch: u32,
-    strides: [i64; 3],
-) -> Option<TensorMap> {
+fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_len: u32, batch: u32, strides: [i64; 3]) -> Option<TensorMap> {
     let encode = driver::driver().ok()?.cuTensorMapEncodeTiled?;
     let [batch_stride, row_stride, head_stride] = strides.map(|s| s as u64 * 2);
     // A dimension of extent 1 never steps: any valid stride does.
-    let head = if n_kv == 1 {
-        head_dim as u64 * 2
-    } else {
-        head_stride
-    };
+    let head = if n_kv == 1 { head_dim as u64 * 2 } else { head_stride };
     // One sequence: the stride past its whole cache (the driver refuses a 4-d map whose
     // outer stride does not cover the dimension inside it).
-    let seq = if batch == 1 {
-        row_stride.saturating_mul(kv_len as u64)
-    } else {
-        batch_stride
-    };
+    let seq = if batch == 1 { row_stride.saturating_mul(kv_len as u64) } else { batch_stride };
     let ok = |s: u64| s > 0 && s % 16 == 0 && s < (1 << 40);
     if base % 16 != 0 || !ok(row_stride) || !ok(head) || !ok(seq) || kv_len == 0 {
         return None;
@@ -280,52 +256,27 @@ pub fn attention_launch(
     variants: bool,
 ) -> Result<Launch> {
     let hopper = pc.hopper;
-    let mut geo = attention_geometry(
-        head_dim,
-        p.max_rows.max(1) as u32,
-        p.n_heads as u32,
-        p.n_kv_heads as u32,
-        hopper,
-    )?;
+    let mut geo =
+        attention_geometry(head_dim, p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
     let aligned = |base: u64, strides: &[i64], elems: i64, bytes: u64| {
         base % bytes == 0 && strides.iter().all(|&s| s % elems == 0)
     };
     let q_elems = if p.q_dtype == 0 { 4 } else { 8 }; // 16 bytes of Q
     let o_bytes = if p.o_dtype == 0 { 8 } else { 4 }; // two elements of O
     let mut flags = 0;
-    if aligned(
-        b.q,
-        &[p.q_batch_stride, p.q_row_stride, p.q_head_stride],
-        q_elems,
-        16,
-    ) {
+    if aligned(b.q, &[p.q_batch_stride, p.q_row_stride, p.q_head_stride], q_elems, 16) {
         flags |= FLAG_Q_ALIGNED;
     }
-    if aligned(
-        b.k,
-        &[p.k_batch_stride, p.k_row_stride, p.k_head_stride],
-        8,
-        16,
-    ) {
+    if aligned(b.k, &[p.k_batch_stride, p.k_row_stride, p.k_head_stride], 8, 16) {
         flags |= FLAG_K_ALIGNED;
     }
-    if aligned(
-        b.v,
-        &[p.v_batch_stride, p.v_row_stride, p.v_head_stride],
-        8,
-        16,
-    ) {
+    if aligned(b.v, &[p.v_batch_stride, p.v_row_stride, p.v_head_stride], 8, 16) {
         flags |= FLAG_V_ALIGNED;
     }
     if aligned(b.mask, &[p.mask_batch_stride, p.mask_row_stride], 8, 16) {
         flags |= FLAG_MASK_ALIGNED;
     }
-    if aligned(
-        b.out,
-        &[p.o_batch_stride, p.o_row_stride, p.o_head_stride],
-        2,
-        o_bytes,
-    ) {
+    if aligned(b.out, &[p.o_batch_stride, p.o_row_stride, p.o_head_stride], 2, o_bytes) {
         flags |= FLAG_OUT_ALIGNED;
     }
     // CTA pairs sharing each K/V tile (Hopper): where TMA can address K and V (fixed
@@ -334,35 +285,12 @@ pub fn attention_launch(
     let mut maps = None;
     let mut mode = None;
     let fixed = p.flags & PREFILL_VARLEN == 0;
-    if let Some(heads_allowed) = if variants && hopper && fixed {
-        pair_setting()
-    } else {
-        None
-    } {
+    if let Some(heads_allowed) = if variants && hopper && fixed { pair_setting() } else { None } {
         let (nkv, kvl, nb) = (p.n_kv_heads as u32, p.kv_len as u32, p.batch as u32);
-        let km = kv_tensor_map(
-            b.k,
-            head_dim,
-            nkv,
-            kvl,
-            nb,
-            [p.k_batch_stride, p.k_row_stride, p.k_head_stride],
-        );
-        let vm = kv_tensor_map(
-            b.v,
-            head_dim,
-            nkv,
-            kvl,
-            nb,
-            [p.v_batch_stride, p.v_row_stride, p.v_head_stride],
-        );
+        let km = kv_tensor_map(b.k, head_dim, nkv, kvl, nb, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]);
+        let vm = kv_tensor_map(b.v, head_dim, nkv, kvl, nb, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]);
         if let (Some(km), Some(vm)) = (km, vm) {
-            let heads = pair_geometry(
-                head_dim,
-                p.max_rows.max(1) as u32,
-                p.n_heads as u32,
-                p.n_kv_heads as u32,
-            );
+            let heads = pair_geometry(head_dim, p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32);
             mode = Some(match heads.filter(|_| heads_allowed) {
                 Some(g) => {
                     geo = g;
@@ -379,25 +307,16 @@ pub fn attention_launch(
         q_tiles: geo.q_tiles as i32,
         flags,
     };
-    let shared = attention_shared_bytes(head_dim, hopper)
-        .ok_or_else(|| contract(name, "no shared memory size"))?;
+    let shared = attention_shared_bytes(head_dim, hopper).ok_or_else(|| contract(name, "no shared memory size"))?;
     // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
-    let grid_x = if mode == Some(PairMode::Queries) {
-        geo.q_tiles + geo.q_tiles % 2
-    } else {
-        geo.q_tiles
-    };
+    let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
     if p.batch as u64 > 65_535 {
         return Err(MlxError::InvalidArgument(format!(
             "{name}: a batch of {} is more than one CUDA launch takes (65535)",
             p.batch
         )));
     }
-    let mut l = Launch::new(
-        [grid_x, geo.head_groups, p.batch as u32],
-        [ATTENTION_THREADS, 1, 1],
-        shared,
-    );
+    let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32], [ATTENTION_THREADS, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(p));
     l.push_bytes(bytemuck::bytes_of(&launch));
     for ptr in [b.q, b.k, b.v, b.mask, b.blk, b.out, b.lse, b.cu_q, b.cu_k] {
@@ -413,22 +332,13 @@ pub fn attention_launch(
 
 /// The device address of buffer `index` if it holds at least `need` bytes (a present
 /// buffer), 0 for an absent one (`need` 0).
-fn sized_buffer(
-    pc: &PrepareContext<'_>,
-    d: &Dispatch,
-    index: u64,
-    need: u64,
-    present: bool,
-) -> Result<u64> {
+fn sized_buffer(pc: &PrepareContext<'_>, d: &Dispatch, index: u64, need: u64, present: bool) -> Result<u64> {
     if !present {
         return Ok(0);
     }
     let (addr, len) = device_buffer(pc.ctx, d, index)?;
     if (len as u64) < need {
-        return Err(contract(
-            d.pipeline.name(),
-            "a buffer is smaller than its strides need",
-        ));
+        return Err(contract(d.pipeline.name(), "a buffer is smaller than its strides need"));
     }
     Ok(addr)
 }
@@ -438,21 +348,12 @@ fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool)
     let p: FlashAttnPrefillParamsGpu = d.constant(0)?;
     // The op validated the dispatch; a kernel that writes device memory checks what it
     // relies on, from the same extents.
-    let e: PrefillExtents = p
-        .extents()
-        .ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
+    let e: PrefillExtents = p.extents().ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
     if p.head_dim as u32 != head_dim {
-        return Err(contract(
-            name,
-            "the params block's head dim is not the kernel's",
-        ));
+        return Err(contract(name, "the params block's head dim is not the kernel's"));
     }
     let esz = |code: i32| if code == 0 { 4 } else { 2 };
-    let (mask, lse, varlen) = (
-        p.flags & PREFILL_MASK != 0,
-        p.flags & PREFILL_LSE != 0,
-        p.flags & PREFILL_VARLEN != 0,
-    );
+    let (mask, lse, varlen) = (p.flags & PREFILL_MASK != 0, p.flags & PREFILL_LSE != 0, p.flags & PREFILL_VARLEN != 0);
     let cu = (p.batch as u64 + 1) * 4;
     let b = AttentionPointers {
         q: sized_buffer(pc, d, 1, e.q * esz(p.q_dtype), true)?,
@@ -472,12 +373,7 @@ fn prepare_mask_blk(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
     let name = d.pipeline.name();
     let p: FlashAttnPrefillMaskBlkParamsGpu = d.constant(0)?;
     let fields = [p.batch, p.rows, p.kv_len, p.bq, p.bk, p.steps];
-    if fields.iter().any(|&x| x < 0)
-        || p.bq == 0
-        || p.bk == 0
-        || p.mask_batch_stride < 0
-        || p.mask_row_stride < 0
-    {
+    if fields.iter().any(|&x| x < 0) || p.bq == 0 || p.bk == 0 || p.mask_batch_stride < 0 || p.mask_row_stride < 0 {
         return Err(contract(name, "shape breaks the op's contract"));
     }
     let (mask, mask_len) = device_buffer(pc.ctx, d, 1)?;
@@ -486,9 +382,7 @@ fn prepare_mask_blk(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
     let mask_need = if p.batch == 0 || p.rows == 0 || p.kv_len == 0 {
         0
     } else {
-        ((p.batch as u64 - 1) * p.mask_batch_stride as u64
-            + (rows - 1) * p.mask_row_stride as u64
-            + p.kv_len as u64)
+        ((p.batch as u64 - 1) * p.mask_batch_stride as u64 + (rows - 1) * p.mask_row_stride as u64 + p.kv_len as u64)
             * 2
     };
     let tiles = p.table_bytes();
@@ -497,14 +391,10 @@ fn prepare_mask_blk(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
     }
     let ctas = tiles.div_ceil(8);
     if ctas > i32::MAX as u64 {
-        return Err(MlxError::InvalidArgument(format!(
-            "{name}: {tiles} tiles is more than one launch takes"
-        )));
+        return Err(MlxError::InvalidArgument(format!("{name}: {tiles} tiles is more than one launch takes")));
     }
-    let aligned = (mask % 16 == 0
-        && p.bk % 8 == 0
-        && p.mask_row_stride % 8 == 0
-        && p.mask_batch_stride % 8 == 0) as i32;
+    let aligned =
+        (mask % 16 == 0 && p.bk % 8 == 0 && p.mask_row_stride % 8 == 0 && p.mask_batch_stride % 8 == 0) as i32;
     let mut l = Launch::new([ctas.max(1) as u32, 1, 1], [256, 1, 1], 0);
     l.push_bytes(bytemuck::bytes_of(&p));
     l.push_ptr(mask);
@@ -522,50 +412,21 @@ mod tests {
         // Gemma 4 26B global: 16 heads over 2 KV heads, head dim 512 -> 2 heads x 32 queries
         // (mma.sync), 4 heads x 16 queries (wgmma).
         let g = attention_geometry(512, 8192, 16, 2, false).unwrap();
-        assert_eq!(
-            (g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups),
-            (2, 32, 256, 8)
-        );
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 256, 8));
         let g = attention_geometry(512, 8192, 16, 2, true).unwrap();
-        assert_eq!(
-            (g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups),
-            (4, 16, 512, 4)
-        );
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
         // Sliding: 16 over 8 at 256 -> 2 heads x 64 queries.
         let g = attention_geometry(256, 8192, 16, 8, false).unwrap();
-        assert_eq!(
-            (g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups),
-            (2, 64, 128, 8)
-        );
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 64, 128, 8));
         assert_eq!(attention_geometry(256, 8192, 16, 8, true).unwrap(), g);
         // Group of 8 at 256 -> 4 heads x 32 queries (8 x 16 with wgmma); none -> 1 x 128.
-        assert_eq!(
-            attention_geometry(256, 100, 8, 1, false)
-                .unwrap()
-                .heads_per_cta,
-            4
-        );
-        assert_eq!(
-            attention_geometry(256, 100, 8, 1, true)
-                .unwrap()
-                .heads_per_cta,
-            8
-        );
+        assert_eq!(attention_geometry(256, 100, 8, 1, false).unwrap().heads_per_cta, 4);
+        assert_eq!(attention_geometry(256, 100, 8, 1, true).unwrap().heads_per_cta, 8);
         let g = attention_geometry(256, 129, 8, 8, true).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles), (1, 128, 2));
         // A group of 3 shares nothing; of 6, two heads.
-        assert_eq!(
-            attention_geometry(256, 10, 6, 2, true)
-                .unwrap()
-                .heads_per_cta,
-            1
-        );
-        assert_eq!(
-            attention_geometry(512, 10, 6, 1, false)
-                .unwrap()
-                .heads_per_cta,
-            2
-        );
+        assert_eq!(attention_geometry(256, 10, 6, 2, true).unwrap().heads_per_cta, 1);
+        assert_eq!(attention_geometry(512, 10, 6, 1, false).unwrap().heads_per_cta, 2);
         assert!(attention_geometry(128, 10, 6, 1, false).is_err());
     }
 
@@ -573,28 +434,16 @@ mod tests {
     fn cta_pairs_split_each_kv_group_in_two() {
         // Global layer: 16 / 2 -> 4 heads x 16 queries; the pair (y = 2j, 2j + 1) is the 8.
         let g = pair_geometry(512, 8192, 16, 2).unwrap();
-        assert_eq!(
-            (g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups),
-            (4, 16, 512, 4)
-        );
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
         // Groups of 4 and 2: 2 heads x 32 queries, 1 head x 64; groups of 16: 4 x 16.
         let g = pair_geometry(512, 100, 8, 2).unwrap();
-        assert_eq!(
-            (g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups),
-            (2, 32, 4, 4)
-        );
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 4, 4));
         let g = pair_geometry(512, 100, 4, 2).unwrap();
-        assert_eq!(
-            (g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups),
-            (1, 64, 2, 4)
-        );
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 64, 2, 4));
         assert_eq!(pair_geometry(512, 100, 32, 2).unwrap().heads_per_cta, 4);
         // Head dim 256 (128 rows): sliding 16 / 8 -> 1 head x 128 queries; 16 / 1 -> 8 x 16.
         let g = pair_geometry(256, 8192, 16, 8).unwrap();
-        assert_eq!(
-            (g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups),
-            (1, 128, 64, 16)
-        );
+        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 128, 64, 16));
         assert_eq!(pair_geometry(256, 100, 16, 1).unwrap().heads_per_cta, 8);
         // Every pair stays inside one KV group.
         for (hd, nh, nkv) in [
@@ -612,10 +461,7 @@ mod tests {
             let group = nh / nkv;
             assert_eq!(g.head_groups % 2, 0);
             for j in 0..g.head_groups / 2 {
-                assert_eq!(
-                    (2 * j * g.heads_per_cta) / group,
-                    ((2 * j + 1) * g.heads_per_cta) / group
-                );
+                assert_eq!((2 * j * g.heads_per_cta) / group, ((2 * j + 1) * g.heads_per_cta) / group);
             }
         }
         // Odd groups (and no sharing) have no pairs.

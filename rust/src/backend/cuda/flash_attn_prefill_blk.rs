@@ -19,9 +19,7 @@ pub const KERNELS: &[CudaKernel] = &[CudaKernel {
 fn prepare(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
     let name = d.pipeline.name();
     let p: BlkParams = d.constant(0)?;
-    let (mask_need, blk_need) = p
-        .extents()
-        .ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
+    let (mask_need, blk_need) = p.extents().ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
     let (mask, mask_len) = device_buffer(pc.ctx, d, 1)?;
     let (blk, blk_len) = device_buffer(pc.ctx, d, 2)?;
     if (mask_len as u64) < mask_need || (blk_len as u64) < blk_need {
@@ -29,9 +27,7 @@ fn prepare(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
     }
     let ctas = blk_need.div_ceil(8);
     if ctas > i32::MAX as u64 {
-        return Err(MlxError::InvalidArgument(format!(
-            "{name}: {blk_need} tiles is more than one launch takes"
-        )));
+        return Err(MlxError::InvalidArgument(format!("{name}: {blk_need} tiles is more than one launch takes")));
     }
     let aligned = (mask % 16 == 0 && p.bk % 8 == 0) as i32;
     let mut l = Launch::new([ctas as u32, 1, 1], [256, 1, 1], 0);

@@ -39,14 +39,9 @@ fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool)
     let bq: u64 = if head_dim == 256 { 32 } else { 16 };
     // The op validated the dispatch; a kernel that writes device memory checks what it
     // relies on, from the same extents.
-    let e = p
-        .extents(head_dim as u64, bq)
-        .ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
+    let e = p.extents(head_dim as u64, bq).ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
     let mut b = [0u64; 6];
-    for (i, need) in [e.q, e.k, e.v, e.mask, e.blk, e.out]
-        .into_iter()
-        .enumerate()
-    {
+    for (i, need) in [e.q, e.k, e.v, e.mask, e.blk, e.out].into_iter().enumerate() {
         let (addr, len) = device_buffer(pc.ctx, d, i as u64 + 1)?;
         if (len as u64) < need {
             return Err(contract(name, "a buffer is smaller than its strides need"));
@@ -54,23 +49,6 @@ fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool)
         b[i] = addr;
     }
     let [q, k, v, mask, blk, out] = b;
-    let ptrs = AttentionPointers {
-        q,
-        k,
-        v,
-        mask,
-        blk,
-        out,
-        lse: 0,
-        cu_q: 0,
-        cu_k: 0,
-    };
-    attention_launch(
-        pc,
-        name,
-        head_dim,
-        &p.as_prefill(head_dim as i32, bq as i32),
-        &ptrs,
-        variants,
-    )
+    let ptrs = AttentionPointers { q, k, v, mask, blk, out, lse: 0, cu_q: 0, cu_k: 0 };
+    attention_launch(pc, name, head_dim, &p.as_prefill(head_dim as i32, bq as i32), &ptrs, variants)
 }

@@ -49,21 +49,12 @@ pub struct Launch {
 
 impl Launch {
     pub fn new(grid: [u32; 3], block: [u32; 3], shared_bytes: u32) -> Self {
-        Launch {
-            grid,
-            block,
-            shared_bytes,
-            params: Vec::new(),
-            variant: None,
-        }
+        Launch { grid, block, shared_bytes, params: Vec::new(), variant: None }
     }
 
     /// One pointer per kernel parameter, valid while `self` lives.
     pub fn param_pointers(&mut self) -> Vec<*mut c_void> {
-        self.params
-            .iter_mut()
-            .map(|p| p.as_mut_ptr() as *mut c_void)
-            .collect()
+        self.params.iter_mut().map(|p| p.as_mut_ptr() as *mut c_void).collect()
     }
 
     /// The next parameter: a block of bytes passed by value.
@@ -84,23 +75,14 @@ pub fn device_buffer(ctx: &Arc<CudaContext>, d: &Dispatch, index: u64) -> Result
     device_address(ctx, d.buffer(index)?, d.pipeline.name(), index)
 }
 
-fn device_address(
-    ctx: &Arc<CudaContext>,
-    b: &BufferBinding,
-    name: &str,
-    index: u64,
-) -> Result<(u64, usize)> {
+fn device_address(ctx: &Arc<CudaContext>, b: &BufferBinding, name: &str, index: u64) -> Result<(u64, usize)> {
     let mem = b
         .memory
         .as_any()
         .downcast_ref::<CudaMemory>()
-        .ok_or_else(|| {
-            MlxError::InvalidArgument(format!("{name}: buffer {index} is not CUDA device memory"))
-        })?;
+        .ok_or_else(|| MlxError::InvalidArgument(format!("{name}: buffer {index} is not CUDA device memory")))?;
     if !Arc::ptr_eq(mem.context(), ctx) {
-        return Err(MlxError::InvalidArgument(format!(
-            "{name}: buffer {index} belongs to another CUDA device"
-        )));
+        return Err(MlxError::InvalidArgument(format!("{name}: buffer {index} belongs to another CUDA device")));
     }
     Ok((mem.device_ptr() + b.byte_offset as u64, b.byte_len))
 }
@@ -124,21 +106,11 @@ pub fn contract(name: &str, what: &str) -> MlxError {
 pub fn launch_as_encoded(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch> {
     let name = d.pipeline.name();
     let dim = |x: u64, what: &str| -> Result<u32> {
-        u32::try_from(x).map_err(|_| {
-            MlxError::InvalidArgument(format!("{name}: {what} {x} is too large for CUDA"))
-        })
+        u32::try_from(x).map_err(|_| MlxError::InvalidArgument(format!("{name}: {what} {x} is too large for CUDA")))
     };
     let mut l = Launch::new(
-        [
-            dim(d.grid.width, "grid")?,
-            dim(d.grid.height, "grid")?,
-            dim(d.grid.depth, "grid")?,
-        ],
-        [
-            dim(d.threadgroup.width, "block")?,
-            dim(d.threadgroup.height, "block")?,
-            dim(d.threadgroup.depth, "block")?,
-        ],
+        [dim(d.grid.width, "grid")?, dim(d.grid.height, "grid")?, dim(d.grid.depth, "grid")?],
+        [dim(d.threadgroup.width, "block")?, dim(d.threadgroup.height, "block")?, dim(d.threadgroup.depth, "block")?],
         dim(d.shared.iter().map(|(_, b)| *b).sum(), "shared memory")?,
     );
     let mut args: Vec<&(u64, BoundArg)> = d.args.iter().collect();

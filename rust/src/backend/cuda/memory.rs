@@ -50,9 +50,7 @@ impl Memory for CudaMemory {
     }
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         if offset.checked_add(dst.len()).is_none_or(|e| e > self.len) {
-            return Err(MlxError::InvalidArgument(
-                "read past the end of a buffer".into(),
-            ));
+            return Err(MlxError::InvalidArgument("read past the end of a buffer".into()));
         }
         if dst.is_empty() {
             return Ok(());
@@ -73,9 +71,7 @@ impl Memory for CudaMemory {
     }
     fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         if offset.checked_add(src.len()).is_none_or(|e| e > self.len) {
-            return Err(MlxError::InvalidArgument(
-                "write past the end of a buffer".into(),
-            ));
+            return Err(MlxError::InvalidArgument("write past the end of a buffer".into()));
         }
         if src.is_empty() {
             return Ok(());
@@ -129,18 +125,13 @@ pub(super) fn check_device_range(ctx: &CudaContext, addr: u64, bytes: usize) -> 
     }
     let ordinal = attr_u32(driver::POINTER_DEVICE_ORDINAL)? as i32;
     if ordinal != ctx.ordinal {
-        return Err(bad(format!(
-            "it belongs to cuda:{ordinal}, not cuda:{}",
-            ctx.ordinal
-        )));
+        return Err(bad(format!("it belongs to cuda:{ordinal}, not cuda:{}", ctx.ordinal)));
     }
     let start = attr_u64(driver::POINTER_RANGE_START_ADDR)?;
     let size = attr_u64(driver::POINTER_RANGE_SIZE)?;
     let end = addr.checked_add(bytes as u64);
     if end.is_none_or(|e| e > start.saturating_add(size)) {
-        return Err(bad(format!(
-            "{bytes} bytes run past the end of its allocation ({size} bytes at {start:#x})"
-        )));
+        return Err(bad(format!("{bytes} bytes run past the end of its allocation ({size} bytes at {start:#x})")));
     }
     Ok(())
 }

@@ -21,9 +21,7 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{MlxError, Result};
-use crate::interface::{
-    Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline, SourceFile,
-};
+use crate::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline, SourceFile};
 
 pub mod driver;
 pub mod flash_attn_prefill;
@@ -83,11 +81,7 @@ pub fn device_count() -> Result<i32> {
     let d = driver()?;
     let mut n = 0;
     // SAFETY: valid out pointer.
-    d.check(
-        unsafe { (d.cuDeviceGetCount)(&mut n) },
-        "cuDeviceGetCount",
-        MlxError::BackendUnavailable,
-    )?;
+    d.check(unsafe { (d.cuDeviceGetCount)(&mut n) }, "cuDeviceGetCount", MlxError::BackendUnavailable)?;
     Ok(n)
 }
 
@@ -104,9 +98,7 @@ impl CudaContext {
         let d = driver()?;
         let count = device_count()?;
         if count == 0 {
-            return Err(MlxError::BackendUnavailable(
-                "the CUDA driver reports no device".into(),
-            ));
+            return Err(MlxError::BackendUnavailable("the CUDA driver reports no device".into()));
         }
         if ordinal < 0 || ordinal >= count {
             return Err(MlxError::DeviceNotFound(format!(
@@ -130,48 +122,23 @@ impl CudaContext {
         let mut dev = 0;
         // SAFETY: valid out pointers and an ordinal below the device count, throughout.
         unsafe {
-            d.check(
-                (d.cuDeviceGet)(&mut dev, ordinal),
-                "cuDeviceGet",
-                unavailable,
-            )?;
+            d.check((d.cuDeviceGet)(&mut dev, ordinal), "cuDeviceGet", unavailable)?;
             let mut name = [0 as c_char; 256];
-            d.check(
-                (d.cuDeviceGetName)(name.as_mut_ptr(), 256, dev),
-                "cuDeviceGetName",
-                unavailable,
-            )?;
-            let name = std::ffi::CStr::from_ptr(name.as_ptr())
-                .to_string_lossy()
-                .into_owned();
+            d.check((d.cuDeviceGetName)(name.as_mut_ptr(), 256, dev), "cuDeviceGetName", unavailable)?;
+            let name = std::ffi::CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
             let attr = |a: c_int| -> Result<i32> {
                 let mut v = 0;
-                d.check(
-                    (d.cuDeviceGetAttribute)(&mut v, a, dev),
-                    "cuDeviceGetAttribute",
-                    unavailable,
-                )?;
+                d.check((d.cuDeviceGetAttribute)(&mut v, a, dev), "cuDeviceGetAttribute", unavailable)?;
                 Ok(v)
             };
-            let cc = (
-                attr(driver::ATTR_COMPUTE_CAPABILITY_MAJOR)?,
-                attr(driver::ATTR_COMPUTE_CAPABILITY_MINOR)?,
-            );
+            let cc = (attr(driver::ATTR_COMPUTE_CAPABILITY_MAJOR)?, attr(driver::ATTR_COMPUTE_CAPABILITY_MINOR)?);
             let multiprocessors = attr(driver::ATTR_MULTIPROCESSOR_COUNT)?;
             let max_shared_per_block = attr(driver::ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
             let mut ctx: CuContext = std::ptr::null_mut();
-            d.check(
-                (d.cuDevicePrimaryCtxRetain)(&mut ctx, dev),
-                "cuDevicePrimaryCtxRetain",
-                unavailable,
-            )?;
+            d.check((d.cuDevicePrimaryCtxRetain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain", unavailable)?;
             d.check((d.cuCtxSetCurrent)(ctx), "cuCtxSetCurrent", unavailable)?;
             let mut stream: CuStream = std::ptr::null_mut();
-            d.check(
-                (d.cuStreamCreate)(&mut stream, driver::STREAM_NON_BLOCKING),
-                "cuStreamCreate",
-                unavailable,
-            )?;
+            d.check((d.cuStreamCreate)(&mut stream, driver::STREAM_NON_BLOCKING), "cuStreamCreate", unavailable)?;
             Ok(CudaContext {
                 ordinal,
                 ctx,
@@ -189,11 +156,7 @@ impl CudaContext {
     pub fn bind(&self) -> Result<&'static Driver> {
         let d = driver()?;
         // SAFETY: a live context handle.
-        d.check(
-            unsafe { (d.cuCtxSetCurrent)(self.ctx) },
-            "cuCtxSetCurrent",
-            MlxError::CommandBufferError,
-        )?;
+        d.check(unsafe { (d.cuCtxSetCurrent)(self.ctx) }, "cuCtxSetCurrent", MlxError::CommandBufferError)?;
         Ok(d)
     }
 
@@ -259,21 +222,14 @@ impl CudaContext {
                 }
             }
         };
-        let cname = CString::new(entry)
-            .map_err(|_| MlxError::KernelNotFound(format!("bad kernel name {entry:?}")))?;
+        let cname = CString::new(entry).map_err(|_| MlxError::KernelNotFound(format!("bad kernel name {entry:?}")))?;
         let mut f: CuFunction = std::ptr::null_mut();
         // SAFETY: a loaded module and a NUL-terminated name.
         let r = unsafe { (d.cuModuleGetFunction)(&mut f, module.0, cname.as_ptr()) };
         if r == driver::CUDA_ERROR_NOT_FOUND {
-            return Err(MlxError::KernelNotFound(format!(
-                "{file} has no entry point {entry}"
-            )));
+            return Err(MlxError::KernelNotFound(format!("{file} has no entry point {entry}")));
         }
-        d.check(
-            r,
-            &format!("cuModuleGetFunction({entry})"),
-            MlxError::CommandBufferError,
-        )?;
+        d.check(r, &format!("cuModuleGetFunction({entry})"), MlxError::CommandBufferError)?;
         Ok(f)
     }
 }
@@ -282,12 +238,7 @@ fn load_module(d: &Driver, cubin: &[u8]) -> Result<CuModule> {
     let mut m: CuModule = std::ptr::null_mut();
     // SAFETY: a complete cubin image in memory.
     let r = unsafe { (d.cuModuleLoadData)(&mut m, cubin.as_ptr() as *const c_void) };
-    d.check(r, "cuModuleLoadData", |message| {
-        MlxError::ShaderCompilationError {
-            name: "cubin".into(),
-            message,
-        }
-    })?;
+    d.check(r, "cuModuleLoadData", |message| MlxError::ShaderCompilationError { name: "cubin".into(), message })?;
     Ok(m)
 }
 
@@ -314,9 +265,7 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// Open device `ordinal`.
     pub fn open(ordinal: i32) -> Result<Self> {
-        Ok(CudaBackend {
-            ctx: CudaContext::get(ordinal)?,
-        })
+        Ok(CudaBackend { ctx: CudaContext::get(ordinal)? })
     }
 
     /// The device's context.
@@ -333,12 +282,8 @@ pub fn parse_name(name: &str) -> Result<i32> {
             .strip_prefix(':')
             .and_then(|n| n.parse::<i32>().ok())
             .filter(|&n| n >= 0)
-            .ok_or_else(|| {
-                MlxError::DeviceNotFound(format!("bad CUDA device name {name:?} (cuda or cuda:N)"))
-            }),
-        None => Err(MlxError::DeviceNotFound(format!(
-            "{name:?} is not a CUDA device name"
-        ))),
+            .ok_or_else(|| MlxError::DeviceNotFound(format!("bad CUDA device name {name:?} (cuda or cuda:N)"))),
+        None => Err(MlxError::DeviceNotFound(format!("{name:?} is not a CUDA device name"))),
     }
 }
 
@@ -357,28 +302,16 @@ impl Backend for CudaBackend {
 
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
         if bytes == 0 {
-            return Ok(Arc::new(CudaMemory {
-                ctx: self.ctx.clone(),
-                ptr: 0,
-                len: 0,
-                owned: false,
-            }));
+            return Ok(Arc::new(CudaMemory { ctx: self.ctx.clone(), ptr: 0, len: 0, owned: false }));
         }
         let d = self.ctx.bind()?;
         let mut ptr: CuDevicePtr = 0;
         // SAFETY: valid out pointer.
         let r = unsafe { (d.cuMemAlloc_v2)(&mut ptr, bytes) };
         if r != driver::CUDA_SUCCESS {
-            return Err(MlxError::BufferAllocationError {
-                bytes: bytes as u64,
-            });
+            return Err(MlxError::BufferAllocationError { bytes: bytes as u64 });
         }
-        let mem = CudaMemory {
-            ctx: self.ctx.clone(),
-            ptr,
-            len: bytes,
-            owned: true,
-        };
+        let mem = CudaMemory { ctx: self.ctx.clone(), ptr, len: bytes, owned: true };
         // SAFETY: the whole new allocation.
         let r = unsafe { (d.cuMemsetD8Async)(ptr, 0, bytes, self.ctx.stream) };
         d.check(r, "zero-filling a new buffer", MlxError::CommandBufferError)?;
@@ -396,12 +329,7 @@ impl Backend for CudaBackend {
         if bytes > 0 {
             memory::check_device_range(&self.ctx, addr, bytes)?;
         }
-        Ok(Arc::new(CudaMemory {
-            ctx: self.ctx.clone(),
-            ptr: addr,
-            len: bytes,
-            owned: false,
-        }))
+        Ok(Arc::new(CudaMemory { ctx: self.ctx.clone(), ptr: addr, len: bytes, owned: false }))
     }
 
     fn wait_stream(&self, stream: u64) -> Result<()> {
@@ -409,30 +337,21 @@ impl Backend for CudaBackend {
         // SAFETY: the caller names a stream of this process (CUDA Array Interface `stream`:
         // 1 and 2 are the driver's legacy and per-thread default streams).
         let r = unsafe { (d.cuStreamSynchronize)(stream as usize as CuStream) };
-        d.check(
-            r,
-            &format!("synchronising stream {stream:#x}"),
-            MlxError::InvalidArgument,
-        )
+        d.check(r, &format!("synchronising stream {stream:#x}"), MlxError::InvalidArgument)
     }
 
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
-        let src = source.cuda.ok_or_else(|| {
-            MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation"))
-        })?;
+        let src =
+            source.cuda.ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
         let kernel = kernel(name);
         let arch = self.ctx.arch();
         let hopper = arch == "sm_90a";
-        let function = self
-            .ctx
-            .function(src, kernel.map_or(name, |k| k.entry), &arch)?;
+        let function = self.ctx.function(src, kernel.map_or(name, |k| k.entry), &arch)?;
         let d = self.ctx.bind()?;
         let variants = match kernel {
-            Some(k) if hopper => k
-                .hopper_variants
-                .iter()
-                .map(|v| self.ctx.function(src, v, &arch))
-                .collect::<Result<_>>()?,
+            Some(k) if hopper => {
+                k.hopper_variants.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<_>>()?
+            }
             _ => Vec::new(),
         };
         if let Some(smem) = kernel.and_then(|k| (k.shared_bytes)(hopper)) {
@@ -444,40 +363,18 @@ impl Backend for CudaBackend {
             }
             for &f in std::iter::once(&function).chain(&variants) {
                 // SAFETY: a valid function handle.
-                let r = unsafe {
-                    (d.cuFuncSetAttribute)(
-                        f,
-                        driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as c_int,
-                    )
-                };
-                d.check(
-                    r,
-                    &format!("{name}: raising its shared memory limit"),
-                    MlxError::CommandBufferError,
-                )?;
+                let r = unsafe { (d.cuFuncSetAttribute)(f, driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as c_int) };
+                d.check(r, &format!("{name}: raising its shared memory limit"), MlxError::CommandBufferError)?;
             }
         }
         let mut max_threads = 0;
         // SAFETY: a valid function handle and out pointer.
-        let r = unsafe {
-            (d.cuFuncGetAttribute)(
-                &mut max_threads,
-                driver::FUNC_MAX_THREADS_PER_BLOCK,
-                function,
-            )
-        };
+        let r = unsafe { (d.cuFuncGetAttribute)(&mut max_threads, driver::FUNC_MAX_THREADS_PER_BLOCK, function) };
         d.check(r, "cuFuncGetAttribute", MlxError::CommandBufferError)?;
         Ok(Pipeline::new(
             name,
             max_threads.max(0) as u64,
-            Arc::new(CudaPipeline {
-                ctx: self.ctx.clone(),
-                function,
-                variants,
-                kernel,
-                hopper,
-            }),
+            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, variants, kernel, hopper }),
         ))
     }
 
@@ -511,10 +408,7 @@ impl CudaBackend {
                 )));
             }
             let launch_one = |launch: &mut Launch| {
-                let function = launch
-                    .variant
-                    .and_then(|i| p.variants.get(i).copied())
-                    .unwrap_or(p.function);
+                let function = launch.variant.and_then(|i| p.variants.get(i).copied()).unwrap_or(p.function);
                 let mut params = launch.param_pointers();
                 // SAFETY: a function of this context, launch dimensions checked by `prepare`,
                 // and one pointer per kernel parameter to storage that outlives the call.
@@ -534,10 +428,7 @@ impl CudaBackend {
                     )
                 }
             };
-            let pc = PrepareContext {
-                ctx: &self.ctx,
-                hopper: p.hopper,
-            };
+            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper };
             let prepare = |variants: bool| match p.kernel {
                 Some(k) => (k.prepare)(&pc, dispatch, variants && !p.variants.is_empty()),
                 None => launch::launch_as_encoded(&self.ctx, dispatch),
@@ -559,11 +450,7 @@ impl CudaBackend {
                 // leaves the context usable): the plain form, which computes the same bits.
                 r = launch_one(&mut prepare(false)?);
             }
-            d.check(
-                r,
-                &format!("launching {}", dispatch.pipeline.name()),
-                MlxError::CommandBufferError,
-            )?;
+            d.check(r, &format!("launching {}", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
         }
         Ok(())
     }
@@ -591,10 +478,7 @@ mod tests {
         assert_eq!(parse_name("cuda").unwrap(), 0);
         assert_eq!(parse_name("cuda:3").unwrap(), 3);
         for bad in ["cuda:", "cuda:-1", "cuda:x", "cuda3", "cpu"] {
-            assert!(
-                matches!(parse_name(bad), Err(MlxError::DeviceNotFound(_))),
-                "{bad}"
-            );
+            assert!(matches!(parse_name(bad), Err(MlxError::DeviceNotFound(_))), "{bad}");
         }
     }
 }

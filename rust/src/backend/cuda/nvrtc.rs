@@ -85,10 +85,7 @@ static NVRTC: OnceLock<std::result::Result<Nvrtc, String>> = OnceLock::new();
 
 /// NVRTC, loaded once; `BackendUnavailable` with every place tried when it is missing.
 pub fn nvrtc() -> Result<&'static Nvrtc> {
-    NVRTC
-        .get_or_init(load)
-        .as_ref()
-        .map_err(|e| MlxError::BackendUnavailable(e.clone()))
+    NVRTC.get_or_init(load).as_ref().map_err(|e| MlxError::BackendUnavailable(e.clone()))
 }
 
 fn candidates() -> Vec<PathBuf> {
@@ -123,17 +120,14 @@ fn builtins_beside(lib: &Path) -> Vec<Library> {
     let mut names: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
-            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-                n.starts_with("libnvrtc-builtins") && n.contains(".so") && !n.contains(".alt.")
-            })
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libnvrtc-builtins") && n.contains(".so") && !n.contains(".alt."))
         })
         .collect();
     names.sort();
     // SAFETY: loading the builtins library runs no code with preconditions.
-    names
-        .into_iter()
-        .filter_map(|p| unsafe { Library::new(&p) }.ok())
-        .collect()
+    names.into_iter().filter_map(|p| unsafe { Library::new(&p) }.ok()).collect()
 }
 
 fn load() -> std::result::Result<Nvrtc, String> {
@@ -182,20 +176,10 @@ impl Nvrtc {
 
     /// Compile `source` (named `file` in messages) with `options`: the cubin and the log.
     /// A failure is `ShaderCompilationError` carrying the compiler's log.
-    pub fn compile(
-        &self,
-        file: &str,
-        source: &str,
-        options: &[String],
-    ) -> Result<(Vec<u8>, String)> {
-        let fail = |message: String| MlxError::ShaderCompilationError {
-            name: file.to_string(),
-            message,
-        };
-        let src =
-            CString::new(source).map_err(|_| fail("the source contains a NUL byte".into()))?;
-        let name =
-            CString::new(file).map_err(|_| fail("the file name contains a NUL byte".into()))?;
+    pub fn compile(&self, file: &str, source: &str, options: &[String]) -> Result<(Vec<u8>, String)> {
+        let fail = |message: String| MlxError::ShaderCompilationError { name: file.to_string(), message };
+        let src = CString::new(source).map_err(|_| fail("the source contains a NUL byte".into()))?;
+        let name = CString::new(file).map_err(|_| fail("the file name contains a NUL byte".into()))?;
         let opts: Vec<CString> = options
             .iter()
             .map(|o| CString::new(o.as_str()))
@@ -205,40 +189,23 @@ impl Nvrtc {
         let mut prog: Program = std::ptr::null_mut();
         // SAFETY: valid NUL-terminated strings; no headers.
         let r = unsafe {
-            (self.nvrtcCreateProgram)(
-                &mut prog,
-                src.as_ptr(),
-                name.as_ptr(),
-                0,
-                std::ptr::null(),
-                std::ptr::null(),
-            )
+            (self.nvrtcCreateProgram)(&mut prog, src.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null())
         };
         if r != NVRTC_SUCCESS {
             return Err(fail(format!("nvrtcCreateProgram: {}", self.error_text(r))));
         }
         let result = (|| {
             // SAFETY: `prog` is a live program; the option array holds `len` pointers.
-            let r = unsafe {
-                (self.nvrtcCompileProgram)(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr())
-            };
+            let r = unsafe { (self.nvrtcCompileProgram)(prog, opt_ptrs.len() as c_int, opt_ptrs.as_ptr()) };
             let log = self.program_log(prog);
             if r != NVRTC_SUCCESS {
-                return Err(fail(format!(
-                    "{} ({}):\n{log}",
-                    self.error_text(r),
-                    options.join(" ")
-                )));
+                return Err(fail(format!("{} ({}):\n{log}", self.error_text(r), options.join(" "))));
             }
             let mut size = 0usize;
             // SAFETY: valid program and out pointer.
             let r = unsafe { (self.nvrtcGetCUBINSize)(prog, &mut size) };
             if r != NVRTC_SUCCESS || size == 0 {
-                return Err(fail(format!(
-                    "no cubin: {} (options {})",
-                    self.error_text(r),
-                    options.join(" ")
-                )));
+                return Err(fail(format!("no cubin: {} (options {})", self.error_text(r), options.join(" "))));
             }
             let mut cubin = vec![0u8; size];
             // SAFETY: the buffer holds `size` bytes, as NVRTC asked for.
@@ -261,9 +228,7 @@ impl Nvrtc {
         }
         let mut buf = vec![0u8; size];
         // SAFETY: the buffer holds `size` bytes.
-        if unsafe { (self.nvrtcGetProgramLog)(prog, buf.as_mut_ptr() as *mut c_char) }
-            != NVRTC_SUCCESS
-        {
+        if unsafe { (self.nvrtcGetProgramLog)(prog, buf.as_mut_ptr() as *mut c_char) } != NVRTC_SUCCESS {
             return String::new();
         }
         let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
@@ -275,18 +240,9 @@ impl Nvrtc {
 /// `MLX_NATIVE_CUDA_DEFINES` adds `-D` options (a development knob, for timing variants of
 /// a kernel; anything else in it is ignored).
 pub fn options(arch: &str) -> Vec<String> {
-    let mut o = vec![
-        format!("--gpu-architecture={arch}"),
-        "-std=c++17".into(),
-        "-lineinfo".into(),
-    ];
+    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-lineinfo".into()];
     if let Ok(extra) = std::env::var(DEFINES_ENV) {
-        o.extend(
-            extra
-                .split_whitespace()
-                .filter(|d| d.starts_with("-D") && d.len() > 2)
-                .map(String::from),
-        );
+        o.extend(extra.split_whitespace().filter(|d| d.starts_with("-D") && d.len() > 2).map(String::from));
     }
     o
 }
@@ -354,26 +310,12 @@ pub fn cubin(file: &str, source: &str, arch: &str) -> Result<Arc<Vec<u8>>> {
     let opts = options(arch);
     let key = cache_key(nv, &opts, source);
     let cache = CUBINS.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(c) = cache
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&(key, arch.to_string()))
-    {
+    if let Some(c) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&(key, arch.to_string())) {
         return Ok(c.clone());
     }
-    let fetched = fetch(
-        nv,
-        file,
-        source,
-        &opts,
-        &file_name(file, arch, key),
-        cache_dir().as_deref(),
-    )?;
+    let fetched = fetch(nv, file, source, &opts, &file_name(file, arch, key), cache_dir().as_deref())?;
     let bytes = Arc::new(fetched.bytes);
-    cache
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert((key, arch.to_string()), bytes.clone());
+    cache.lock().unwrap_or_else(|e| e.into_inner()).insert((key, arch.to_string()), bytes.clone());
     Ok(bytes)
 }
 
@@ -389,60 +331,30 @@ pub struct Fetched {
 
 /// The cubin of `source` for `arch` through the disk cache in `dir` (none: compile), as
 /// [`cubin`] does without its in-process cache: a fresh [`DiskCache`] on every call.
-pub fn cubin_with_cache(
-    dir: Option<&Path>,
-    file: &str,
-    source: &str,
-    arch: &str,
-) -> Result<Fetched> {
+pub fn cubin_with_cache(dir: Option<&Path>, file: &str, source: &str, arch: &str) -> Result<Fetched> {
     let nv = nvrtc()?;
     let opts = options(arch);
     let name = file_name(file, arch, cache_key(nv, &opts, source));
     fetch(nv, file, source, &opts, &name, dir)
 }
 
-fn fetch(
-    nv: &Nvrtc,
-    file: &str,
-    source: &str,
-    opts: &[String],
-    name: &str,
-    dir: Option<&Path>,
-) -> Result<Fetched> {
+fn fetch(nv: &Nvrtc, file: &str, source: &str, opts: &[String], name: &str, dir: Option<&Path>) -> Result<Fetched> {
     let mut refused = None;
     let disk = dir.and_then(|d| match DiskCache::open(d) {
         Ok(c) => Some(c),
         Err(why) => {
-            warn_once(
-                d,
-                &format!(
-                    "not using the CUDA cubin cache folder {}: {why}; compiling in memory",
-                    d.display()
-                ),
-            );
+            warn_once(d, &format!("not using the CUDA cubin cache folder {}: {why}; compiling in memory", d.display()));
             refused = Some(why);
             None
         }
     });
     if let Some(c) = &disk {
         match c.load(name) {
-            Ok(Some(bytes)) => {
-                return Ok(Fetched {
-                    bytes,
-                    from_disk: true,
-                    refused: None,
-                })
-            }
+            Ok(Some(bytes)) => return Ok(Fetched { bytes, from_disk: true, refused: None }),
             Ok(None) => {}
             Err(why) => {
                 let path = c.dir().join(name);
-                warn_once(
-                    &path,
-                    &format!(
-                        "not using the cached cubin {}: {why}; compiling it afresh",
-                        path.display()
-                    ),
-                );
+                warn_once(&path, &format!("not using the cached cubin {}: {why}; compiling it afresh", path.display()));
                 refused = Some(why);
             }
         }
@@ -452,11 +364,7 @@ fn fetch(
         // Replaces a refused file too (the folder is ours), so the warning is not repeated.
         c.store(name, &bytes);
     }
-    Ok(Fetched {
-        bytes,
-        from_disk: false,
-        refused,
-    })
+    Ok(Fetched { bytes, from_disk: false, refused })
 }
 
 /// Forget a cubin that the driver refused (a damaged cache file): the next call compiles.
@@ -465,9 +373,7 @@ pub fn forget(file: &str, source: &str, arch: &str) {
     if let Ok(nv) = nvrtc() {
         let key = cache_key(nv, &options(arch), source);
         if let Some(c) = CUBINS.get() {
-            c.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&(key, arch.to_string()));
+            c.lock().unwrap_or_else(|e| e.into_inner()).remove(&(key, arch.to_string()));
         }
         // A folder that fails the checks was not used, so there is nothing of ours to remove.
         if let Some(c) = cache_dir().and_then(|d| DiskCache::open(&d).ok()) {
@@ -499,10 +405,7 @@ fn is_elf(b: &[u8]) -> bool {
 #[cfg_attr(not(unix), allow(dead_code))]
 fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::{Digest, Sha256};
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The on-disk cubin cache: a folder that only its user can write, holding files that only
@@ -573,8 +476,7 @@ pub fn file_refusal(m: &std::fs::Metadata, uid: u32) -> Option<String> {
     if m.uid() != uid {
         return Some(format!("is owned by uid {}, not by uid {uid}", m.uid()));
     }
-    writable_by(m.mode())
-        .map(|who| format!("is writable by {who} (mode {:04o})", m.mode() & 0o7777))
+    writable_by(m.mode()).map(|who| format!("is writable by {who} (mode {:04o})", m.mode() & 0o7777))
 }
 
 #[cfg(unix)]
@@ -586,9 +488,7 @@ impl DiskCache {
         let dir = if dir.is_absolute() {
             dir.to_path_buf()
         } else {
-            std::env::current_dir()
-                .map_err(|e| format!("the working folder is unknown ({e})"))?
-                .join(dir)
+            std::env::current_dir().map_err(|e| format!("the working folder is unknown ({e})"))?.join(dir)
         };
         if std::fs::symlink_metadata(&dir).is_err() {
             std::fs::DirBuilder::new()
@@ -597,39 +497,23 @@ impl DiskCache {
                 .create(&dir)
                 .map_err(|e| format!("it cannot be made ({e})"))?;
         }
-        let real =
-            std::fs::canonicalize(&dir).map_err(|e| format!("it cannot be resolved ({e})"))?;
+        let real = std::fs::canonicalize(&dir).map_err(|e| format!("it cannot be resolved ({e})"))?;
         let uid = euid();
-        let it = if real == dir {
-            "it".to_string()
-        } else {
-            format!("it (resolved: {})", real.display())
-        };
-        let m = std::fs::symlink_metadata(&real)
-            .map_err(|e| format!("{it} cannot be examined ({e})"))?;
+        let it = if real == dir { "it".to_string() } else { format!("it (resolved: {})", real.display()) };
+        let m = std::fs::symlink_metadata(&real).map_err(|e| format!("{it} cannot be examined ({e})"))?;
         if !m.is_dir() {
             return Err(format!("{it} is not a folder"));
         }
         if m.uid() != uid {
-            return Err(format!(
-                "{it} is owned by uid {}, not by uid {uid}",
-                m.uid()
-            ));
+            return Err(format!("{it} is owned by uid {}, not by uid {uid}", m.uid()));
         }
         if let Some(who) = writable_by(m.mode()) {
-            return Err(format!(
-                "{it} is writable by {who} (mode {:04o})",
-                m.mode() & 0o7777
-            ));
+            return Err(format!("{it} is writable by {who} (mode {:04o})", m.mode() & 0o7777));
         }
         for a in real.ancestors().skip(1) {
-            let m = std::fs::symlink_metadata(a)
-                .map_err(|e| format!("{} cannot be examined ({e})", a.display()))?;
+            let m = std::fs::symlink_metadata(a).map_err(|e| format!("{} cannot be examined ({e})", a.display()))?;
             if m.file_type().is_symlink() {
-                return Err(format!(
-                    "{} above it was changed into a symbolic link",
-                    a.display()
-                ));
+                return Err(format!("{} above it was changed into a symbolic link", a.display()));
             }
             if m.uid() != uid && m.uid() != 0 {
                 return Err(format!(
@@ -665,9 +549,7 @@ impl DiskCache {
             Err(why) => return Err(format!("its hash file {hash_name} {why}")),
         };
         if kept.trim_ascii() != sha256_hex(&bytes).as_bytes() {
-            return Err(format!(
-                "its content does not match the SHA-256 in {hash_name}"
-            ));
+            return Err(format!("its content does not match the SHA-256 in {hash_name}"));
         }
         Ok(Some(bytes))
     }
@@ -690,25 +572,20 @@ impl DiskCache {
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&path)
             .map_err(|e| format!("cannot be opened ({e})"))?;
-        let m = f
-            .metadata()
-            .map_err(|e| format!("cannot be examined ({e})"))?;
+        let m = f.metadata().map_err(|e| format!("cannot be examined ({e})"))?;
         if let Some(why) = file_refusal(&m, self.uid) {
             return Err(why);
         }
         let mut bytes = Vec::with_capacity(m.len() as usize);
-        f.read_to_end(&mut bytes)
-            .map_err(|e| format!("cannot be read ({e})"))?;
+        f.read_to_end(&mut bytes).map_err(|e| format!("cannot be read ({e})"))?;
         Ok(Some(bytes))
     }
 
     /// Keep `bytes` under `name`, its SHA-256 under `name.sha256`. Failures only mean no
     /// disk cache.
     pub fn store(&self, name: &str, bytes: &[u8]) {
-        let _ = self.write(
-            &format!("{name}.sha256"),
-            format!("{}\n", sha256_hex(bytes)).as_bytes(),
-        ) && self.write(name, bytes);
+        let _ = self.write(&format!("{name}.sha256"), format!("{}\n", sha256_hex(bytes)).as_bytes())
+            && self.write(name, bytes);
     }
 
     /// Remove the cubin kept under `name` and its hash file.
@@ -723,11 +600,8 @@ impl DiskCache {
         use std::os::unix::fs::OpenOptionsExt;
         use std::sync::atomic::{AtomicU64, Ordering};
         static SERIAL: AtomicU64 = AtomicU64::new(0);
-        let tmp = self.dir.join(format!(
-            ".{name}.{}.{}.tmp",
-            std::process::id(),
-            SERIAL.fetch_add(1, Ordering::Relaxed)
-        ));
+        let tmp =
+            self.dir.join(format!(".{name}.{}.{}.tmp", std::process::id(), SERIAL.fetch_add(1, Ordering::Relaxed)));
         let Ok(mut f) = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -815,10 +689,7 @@ mod tests {
 
     #[test]
     fn sha256_is_the_standard_one() {
-        assert_eq!(
-            sha256_hex(b"abc"),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
     }
 
     #[cfg(unix)]
@@ -838,19 +709,13 @@ mod tests {
         assert_eq!(file_refusal(&m, m.uid()), None);
         // Another user's file, whoever runs the test: the same file judged for another uid.
         let other = m.uid().wrapping_add(1);
-        assert_eq!(
-            file_refusal(&m, other),
-            Some(format!("is owned by uid {}, not by uid {other}", m.uid()))
-        );
+        assert_eq!(file_refusal(&m, other), Some(format!("is owned by uid {}, not by uid {other}", m.uid())));
         std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert_eq!(file_refusal(&std::fs::metadata(&f).unwrap(), m.uid()), None);
         std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o622)).unwrap();
         let why = file_refusal(&std::fs::metadata(&f).unwrap(), m.uid()).unwrap();
         assert_eq!(why, "is writable by group and others (mode 0622)");
-        assert_eq!(
-            file_refusal(&std::fs::metadata(&dir).unwrap(), m.uid()).unwrap(),
-            "is not a regular file"
-        );
+        assert_eq!(file_refusal(&std::fs::metadata(&dir).unwrap(), m.uid()).unwrap(), "is not a regular file");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -26,17 +26,11 @@ pub const SOURCE_DIR_ENV: &str = "MLX_NATIVE_CUDA_SOURCE_DIR";
 pub fn effective_text(name: &'static str, text: &'static str) -> Result<&'static str> {
     static DIR: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
     static FILES: OnceLock<Mutex<HashMap<&'static str, Option<&'static str>>>> = OnceLock::new();
-    let Some(dir) = DIR.get_or_init(|| {
-        std::env::var_os(SOURCE_DIR_ENV)
-            .filter(|v| !v.is_empty())
-            .map(Into::into)
-    }) else {
+    let Some(dir) = DIR.get_or_init(|| std::env::var_os(SOURCE_DIR_ENV).filter(|v| !v.is_empty()).map(Into::into))
+    else {
         return Ok(text);
     };
-    let mut files = FILES
-        .get_or_init(|| Mutex::new(HashMap::new()))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut files = FILES.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner());
     let replaced = match files.get(name) {
         Some(t) => *t,
         None => {
@@ -58,19 +52,13 @@ pub fn effective_text(name: &'static str, text: &'static str) -> Result<&'static
 /// is not a folder or the file cannot be read as UTF-8 text.
 pub(crate) fn read_override(dir: &std::path::Path, name: &str) -> Result<Option<String>> {
     if !dir.is_dir() {
-        return Err(MlxError::InvalidArgument(format!(
-            "{SOURCE_DIR_ENV}={} is not a folder",
-            dir.display()
-        )));
+        return Err(MlxError::InvalidArgument(format!("{SOURCE_DIR_ENV}={} is not a folder", dir.display())));
     }
     let path = dir.join(name);
     match std::fs::read_to_string(&path) {
         Ok(t) => Ok(Some(t)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(MlxError::InvalidArgument(format!(
-            "{SOURCE_DIR_ENV}: cannot read {}: {e}",
-            path.display()
-        ))),
+        Err(e) => Err(MlxError::InvalidArgument(format!("{SOURCE_DIR_ENV}: cannot read {}: {e}", path.display()))),
     }
 }
 
@@ -83,8 +71,7 @@ pub fn compiled_source(src: SourceFile) -> Result<String> {
         texts.insert(name, effective_text(name, text)?);
     }
     let main = effective_text(src.name, src.text)?;
-    let mut out =
-        String::with_capacity(main.len() + texts.values().map(|t| t.len() + 64).sum::<usize>());
+    let mut out = String::with_capacity(main.len() + texts.values().map(|t| t.len() + 64).sum::<usize>());
     let mut done = HashSet::new();
     join(src.name, main, &texts, &mut done, &mut out)?;
     Ok(out)
@@ -121,10 +108,7 @@ fn join<'a>(
             None if included.is_some() => {
                 return Err(MlxError::ShaderCompilationError {
                     name: name.to_string(),
-                    message: format!(
-                        "line {}: {trimmed}: no such part among the source's headers",
-                        i + 1
-                    ),
+                    message: format!("line {}: {trimmed}: no such part among the source's headers", i + 1),
                 })
             }
             None => {
@@ -145,15 +129,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("mlxn-source-dir-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("a.cu"), "// replaced").unwrap();
-        assert_eq!(
-            read_override(&dir, "a.cu").unwrap().as_deref(),
-            Some("// replaced")
-        );
-        assert_eq!(
-            read_override(&dir, "b.cu").unwrap(),
-            None,
-            "a file the folder lacks stays built in"
-        );
+        assert_eq!(read_override(&dir, "a.cu").unwrap().as_deref(), Some("// replaced"));
+        assert_eq!(read_override(&dir, "b.cu").unwrap(), None, "a file the folder lacks stays built in");
         let missing = dir.join("no-such-folder");
         let err = read_override(&missing, "a.cu").unwrap_err();
         assert!(err.to_string().contains("is not a folder"), "{err}");
@@ -176,18 +153,8 @@ mod tests {
         assert!(j.contains("#line 3 \"main.cu\"\nint main_line;"), "{j}");
         assert!(!j.contains("#pragma once"), "{j}");
         let a = j.find("int a;").unwrap();
-        assert!(
-            a < j.find("int b;").unwrap()
-                && j.find("int b;").unwrap() < j.find("int main_line;").unwrap()
-        );
-        let bad = SourceFile {
-            name: "m.cu",
-            text: "#include \"p/missing.cuh\"\n",
-            headers: &[],
-        };
-        assert!(matches!(
-            compiled_source(bad),
-            Err(MlxError::ShaderCompilationError { .. })
-        ));
+        assert!(a < j.find("int b;").unwrap() && j.find("int b;").unwrap() < j.find("int main_line;").unwrap());
+        let bad = SourceFile { name: "m.cu", text: "#include \"p/missing.cuh\"\n", headers: &[] };
+        assert!(matches!(compiled_source(bad), Err(MlxError::ShaderCompilationError { .. })));
     }
 }

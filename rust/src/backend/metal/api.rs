@@ -33,18 +33,11 @@ pub enum Command<'a, A: MetalApi + ?Sized> {
     /// `setBytes:length:atIndex:` (a copy, at most 4 KiB).
     SetBytes { index: u64, bytes: &'a [u8] },
     /// `setBuffer:offset:atIndex:`
-    SetBuffer {
-        index: u64,
-        buffer: &'a A::Buffer,
-        offset: u64,
-    },
+    SetBuffer { index: u64, buffer: &'a A::Buffer, offset: u64 },
     /// `setThreadgroupMemoryLength:atIndex:` (a multiple of 16 bytes).
     SetThreadgroupMemoryLength { index: u64, bytes: u64 },
     /// `dispatchThreadgroups:threadsPerThreadgroup:`
-    DispatchThreadgroups {
-        grid: GridSize,
-        threadgroup: GridSize,
-    },
+    DispatchThreadgroups { grid: GridSize, threadgroup: GridSize },
 }
 
 /// A Metal device, reduced to what the backend uses. Errors are Metal's messages; the backend
@@ -71,8 +64,7 @@ pub trait MetalApi: Send + Sync + 'static {
     /// # Safety
     /// `ptr` and `bytes` are multiples of [`MetalApi::page_size`], `bytes > 0`; the memory
     /// stays valid, and is not freed by Metal, while the buffer exists.
-    unsafe fn new_buffer_no_copy(&self, ptr: *mut u8, bytes: usize)
-        -> Result<Self::Buffer, String>;
+    unsafe fn new_buffer_no_copy(&self, ptr: *mut u8, bytes: usize) -> Result<Self::Buffer, String>;
     /// The host address of a shared buffer's first byte (`contents`).
     fn contents(&self, buffer: &Self::Buffer) -> *mut u8;
     /// Compile Metal Shading Language source at run time (`newLibraryWithSource:options:error:`);

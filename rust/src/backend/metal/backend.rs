@@ -8,9 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use super::api::{Command, MetalApi, PipelineError};
 use crate::error::{MlxError, Result};
-use crate::interface::{
-    Backend, BackendKind, BoundArg, BufferBinding, Dispatch, KernelSource, Memory, Pipeline,
-};
+use crate::interface::{Backend, BackendKind, BoundArg, BufferBinding, Dispatch, KernelSource, Memory, Pipeline};
 
 /// The most bytes `setBytes:length:atIndex:` takes.
 pub const MAX_SET_BYTES: usize = 4096;
@@ -59,9 +57,7 @@ impl<A: MetalApi> MetalMemory<A> {
 fn check_range(len: usize, offset: usize, n: usize) -> Result<()> {
     match offset.checked_add(n) {
         Some(end) if end <= len => Ok(()),
-        _ => Err(MlxError::InvalidArgument(format!(
-            "{n} bytes at offset {offset} exceed the buffer's {len} bytes"
-        ))),
+        _ => Err(MlxError::InvalidArgument(format!("{n} bytes at offset {offset} exceed the buffer's {len} bytes"))),
     }
 }
 
@@ -75,9 +71,7 @@ impl<A: MetalApi> Memory for MetalMemory<A> {
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         check_range(self.len, offset, dst.len())?;
         // SAFETY: in range; shared storage is host-visible.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.host.add(offset), dst.as_mut_ptr(), dst.len())
-        };
+        unsafe { std::ptr::copy_nonoverlapping(self.host.add(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
     fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
@@ -110,10 +104,7 @@ pub struct MetalBackend<A: MetalApi> {
 
 impl<A: MetalApi> MetalBackend<A> {
     pub fn new(api: A) -> Self {
-        MetalBackend {
-            api,
-            libraries: Mutex::new(HashMap::new()),
-        }
+        MetalBackend { api, libraries: Mutex::new(HashMap::new()) }
     }
 
     pub fn api(&self) -> &A {
@@ -122,22 +113,16 @@ impl<A: MetalApi> MetalBackend<A> {
 
     fn library(&self, name: &str, source: &'static str) -> Result<Arc<A::Library>> {
         let key = (source.as_ptr() as usize, source.len());
-        if let Some(lib) = self
-            .libraries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-        {
+        if let Some(lib) = self.libraries.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(lib.clone());
         }
         // Compile outside the lock: a compilation takes long and another source may be asked
         // for meanwhile. Two threads compiling the same source both succeed; one result stays.
-        let lib = Arc::new(self.api.compile_library(source).map_err(|message| {
-            MlxError::ShaderCompilationError {
-                name: name.to_string(),
-                message,
-            }
-        })?);
+        let lib = Arc::new(
+            self.api
+                .compile_library(source)
+                .map_err(|message| MlxError::ShaderCompilationError { name: name.to_string(), message })?,
+        );
         let mut libs = self.libraries.lock().unwrap_or_else(|e| e.into_inner());
         Ok(libs.entry(key).or_insert(lib).clone())
     }
@@ -145,40 +130,22 @@ impl<A: MetalApi> MetalBackend<A> {
     fn owned(&self, bytes: usize) -> Result<MetalMemory<A>> {
         // Metal has no empty buffers: an empty allocation is one byte nobody sees.
         let buffer =
-            self.api
-                .new_buffer(bytes.max(1))
-                .map_err(|_| MlxError::BufferAllocationError {
-                    bytes: bytes as u64,
-                })?;
+            self.api.new_buffer(bytes.max(1)).map_err(|_| MlxError::BufferAllocationError { bytes: bytes as u64 })?;
         let contents = self.api.contents(&buffer);
         // Metal does not promise zeroed contents; the Backend contract does.
         // SAFETY: the buffer holds at least `bytes.max(1)` bytes at `contents`.
         unsafe { std::ptr::write_bytes(contents, 0, bytes) };
-        Ok(MetalMemory {
-            buffer,
-            storage: Storage::Owned,
-            host: contents,
-            contents,
-            len: bytes,
-        })
+        Ok(MetalMemory { buffer, storage: Storage::Owned, host: contents, contents, len: bytes })
     }
 
     /// The Metal memory behind the buffer bound at `index` of `d`.
-    fn metal_memory<'d>(
-        &self,
-        d: &'d Dispatch,
-        index: u64,
-        b: &'d BufferBinding,
-    ) -> Result<&'d MetalMemory<A>> {
-        b.memory
-            .as_any()
-            .downcast_ref::<MetalMemory<A>>()
-            .ok_or_else(|| {
-                MlxError::InvalidArgument(format!(
-                    "{}: the buffer at index {index} is not memory of the Metal backend",
-                    d.pipeline.name()
-                ))
-            })
+    fn metal_memory<'d>(&self, d: &'d Dispatch, index: u64, b: &'d BufferBinding) -> Result<&'d MetalMemory<A>> {
+        b.memory.as_any().downcast_ref::<MetalMemory<A>>().ok_or_else(|| {
+            MlxError::InvalidArgument(format!(
+                "{}: the buffer at index {index} is not memory of the Metal backend",
+                d.pipeline.name()
+            ))
+        })
     }
 }
 
@@ -220,23 +187,15 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
     }
 
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
-        let file = source
-            .metal
-            .ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no Metal form")))?;
+        let file = source.metal.ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no Metal form")))?;
         let library = self.library(name, file.text)?;
         let function = super::function_of(name);
-        let info = self
-            .api
-            .new_pipeline(&library, function)
-            .map_err(|e| match e {
-                PipelineError::NoFunction => MlxError::KernelNotFound(format!(
-                    "the Metal source of {name} has no function of that name"
-                )),
-                PipelineError::Failed(message) => MlxError::ShaderCompilationError {
-                    name: name.to_string(),
-                    message,
-                },
-            })?;
+        let info = self.api.new_pipeline(&library, function).map_err(|e| match e {
+            PipelineError::NoFunction => {
+                MlxError::KernelNotFound(format!("the Metal source of {name} has no function of that name"))
+            }
+            PipelineError::Failed(message) => MlxError::ShaderCompilationError { name: name.to_string(), message },
+        })?;
         Ok(Pipeline::new(
             name,
             info.max_total_threads_per_threadgroup,
@@ -256,9 +215,7 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
         for d in dispatches {
             let name = d.pipeline.name();
             let state = d.pipeline.inner::<MetalPipeline<A>>().ok_or_else(|| {
-                MlxError::InvalidArgument(format!(
-                    "pipeline {name} was not built by the Metal backend"
-                ))
+                MlxError::InvalidArgument(format!("pipeline {name} was not built by the Metal backend"))
             })?;
             let threads = d.threadgroup.count();
             let max_threads = d.pipeline.max_total_threads_per_threadgroup();
@@ -303,16 +260,10 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
                     }
                     BoundArg::Buffer(b) => {
                         let mem = self.metal_memory(d, index, b)?;
-                        if mem.storage == Storage::Staged
-                            && !staged.iter().any(|m| std::ptr::eq(*m, mem))
-                        {
+                        if mem.storage == Storage::Staged && !staged.iter().any(|m| std::ptr::eq(*m, mem)) {
                             staged.push(mem);
                         }
-                        commands.push(Command::SetBuffer {
-                            index,
-                            buffer: &mem.buffer,
-                            offset: b.byte_offset as u64,
-                        });
+                        commands.push(Command::SetBuffer { index, buffer: &mem.buffer, offset: b.byte_offset as u64 });
                     }
                 }
             }
@@ -320,10 +271,7 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
                 commands.push(Command::SetThreadgroupMemoryLength { index, bytes });
             }
             if d.grid.count() > 0 {
-                commands.push(Command::DispatchThreadgroups {
-                    grid: d.grid,
-                    threadgroup: d.threadgroup,
-                });
+                commands.push(Command::DispatchThreadgroups { grid: d.grid, threadgroup: d.threadgroup });
             }
         }
         for m in &staged {

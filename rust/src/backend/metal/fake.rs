@@ -13,23 +13,10 @@ use crate::interface::GridSize;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recorded {
     SetPipeline(String),
-    SetBytes {
-        index: u64,
-        bytes: Vec<u8>,
-    },
-    SetBuffer {
-        index: u64,
-        buffer: usize,
-        offset: u64,
-    },
-    SetThreadgroupMemoryLength {
-        index: u64,
-        bytes: u64,
-    },
-    DispatchThreadgroups {
-        grid: GridSize,
-        threadgroup: GridSize,
-    },
+    SetBytes { index: u64, bytes: Vec<u8> },
+    SetBuffer { index: u64, buffer: usize, offset: u64 },
+    SetThreadgroupMemoryLength { index: u64, bytes: u64 },
+    DispatchThreadgroups { grid: GridSize, threadgroup: GridSize },
 }
 
 pub struct FakeBuffer {
@@ -98,21 +85,13 @@ impl FakeMetal {
 
     fn register(&self, contents: *mut u8, len: usize) -> usize {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.buffers
-            .lock()
-            .unwrap()
-            .insert(id, (contents as usize, len));
+        self.buffers.lock().unwrap().insert(id, (contents as usize, len));
         id
     }
 
     /// The last recorded command buffer.
     pub fn last_run(&self) -> Vec<Recorded> {
-        self.runs
-            .lock()
-            .unwrap()
-            .last()
-            .cloned()
-            .unwrap_or_default()
+        self.runs.lock().unwrap().last().cloned().unwrap_or_default()
     }
 }
 
@@ -140,28 +119,13 @@ impl MetalApi for FakeMetal {
         let mut owned = vec![0xA5u8; bytes].into_boxed_slice();
         let contents = owned.as_mut_ptr();
         let id = self.register(contents, bytes);
-        Ok(FakeBuffer {
-            id,
-            owned: Some(owned),
-            contents,
-            len: bytes,
-            no_copy: false,
-        })
+        Ok(FakeBuffer { id, owned: Some(owned), contents, len: bytes, no_copy: false })
     }
 
     unsafe fn new_buffer_no_copy(&self, ptr: *mut u8, bytes: usize) -> Result<FakeBuffer, String> {
-        assert!(
-            bytes > 0 && (ptr as usize) % self.page == 0 && bytes % self.page == 0,
-            "no-copy needs whole pages"
-        );
+        assert!(bytes > 0 && (ptr as usize) % self.page == 0 && bytes % self.page == 0, "no-copy needs whole pages");
         let id = self.register(ptr, bytes);
-        Ok(FakeBuffer {
-            id,
-            owned: None,
-            contents: ptr,
-            len: bytes,
-            no_copy: true,
-        })
+        Ok(FakeBuffer { id, owned: None, contents: ptr, len: bytes, no_copy: true })
     }
 
     fn contents(&self, buffer: &FakeBuffer) -> *mut u8 {
@@ -185,19 +149,13 @@ impl MetalApi for FakeMetal {
         Ok(FakeLibrary { functions })
     }
 
-    fn new_pipeline(
-        &self,
-        library: &FakeLibrary,
-        function: &str,
-    ) -> Result<PipelineInfo<FakePipeline>, PipelineError> {
+    fn new_pipeline(&self, library: &FakeLibrary, function: &str) -> Result<PipelineInfo<FakePipeline>, PipelineError> {
         if !library.functions.iter().any(|f| f == function) {
             return Err(PipelineError::NoFunction);
         }
         self.pipelines.fetch_add(1, Ordering::Relaxed);
         Ok(PipelineInfo {
-            pipeline: FakePipeline {
-                name: function.to_string(),
-            },
+            pipeline: FakePipeline { name: function.to_string() },
             max_total_threads_per_threadgroup: self.max_threads,
             thread_execution_width: 32,
         })
@@ -208,30 +166,15 @@ impl MetalApi for FakeMetal {
             .iter()
             .map(|c| match c {
                 Command::SetPipeline(p) => Recorded::SetPipeline(p.name.clone()),
-                Command::SetBytes { index, bytes } => Recorded::SetBytes {
-                    index: *index,
-                    bytes: bytes.to_vec(),
-                },
-                Command::SetBuffer {
-                    index,
-                    buffer,
-                    offset,
-                } => Recorded::SetBuffer {
-                    index: *index,
-                    buffer: buffer.id,
-                    offset: *offset,
-                },
+                Command::SetBytes { index, bytes } => Recorded::SetBytes { index: *index, bytes: bytes.to_vec() },
+                Command::SetBuffer { index, buffer, offset } => {
+                    Recorded::SetBuffer { index: *index, buffer: buffer.id, offset: *offset }
+                }
                 Command::SetThreadgroupMemoryLength { index, bytes } => {
-                    Recorded::SetThreadgroupMemoryLength {
-                        index: *index,
-                        bytes: *bytes,
-                    }
+                    Recorded::SetThreadgroupMemoryLength { index: *index, bytes: *bytes }
                 }
                 Command::DispatchThreadgroups { grid, threadgroup } => {
-                    Recorded::DispatchThreadgroups {
-                        grid: *grid,
-                        threadgroup: *threadgroup,
-                    }
+                    Recorded::DispatchThreadgroups { grid: *grid, threadgroup: *threadgroup }
                 }
             })
             .collect();
@@ -241,12 +184,7 @@ impl MetalApi for FakeMetal {
         }
         if let Some(fill) = *self.fill_on_run.lock().unwrap() {
             for c in commands {
-                if let Command::SetBuffer {
-                    index,
-                    buffer,
-                    offset,
-                } = c
-                {
+                if let Command::SetBuffer { index, buffer, offset } = c {
                     if *index == fill.index {
                         // SAFETY: the buffer holds `len` bytes at `contents`.
                         unsafe {

@@ -9,16 +9,7 @@ use super::MetalKernel;
 
 /// This op's kernels, by name.
 pub const KERNELS: &[MetalKernel] = &[
-    MetalKernel {
-        name: "flash_attn_prefill_d256",
-        function: "flash_attn_prefill_d256",
-    },
-    MetalKernel {
-        name: "flash_attn_prefill_d512",
-        function: "flash_attn_prefill_d512",
-    },
-    MetalKernel {
-        name: "flash_attn_prefill_mask_blk",
-        function: "flash_attn_prefill_mask_blk",
-    },
+    MetalKernel { name: "flash_attn_prefill_d256", function: "flash_attn_prefill_d256" },
+    MetalKernel { name: "flash_attn_prefill_d512", function: "flash_attn_prefill_d512" },
+    MetalKernel { name: "flash_attn_prefill_mask_blk", function: "flash_attn_prefill_mask_blk" },
 ];

@@ -4,7 +4,5 @@
 use super::MetalKernel;
 
 /// This op's kernel, by name.
-pub const KERNELS: &[MetalKernel] = &[MetalKernel {
-    name: "flash_attn_prefill_blk",
-    function: "flash_attn_prefill_blk",
-}];
+pub const KERNELS: &[MetalKernel] =
+    &[MetalKernel { name: "flash_attn_prefill_blk", function: "flash_attn_prefill_blk" }];

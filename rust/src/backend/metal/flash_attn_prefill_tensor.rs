@@ -7,12 +7,6 @@ use super::MetalKernel;
 
 /// This op's kernels, by name.
 pub const KERNELS: &[MetalKernel] = &[
-    MetalKernel {
-        name: "flash_attn_prefill_tensor_f16_d256",
-        function: "flash_attn_prefill_tensor_f16_d256",
-    },
-    MetalKernel {
-        name: "flash_attn_prefill_tensor_f16_d512",
-        function: "flash_attn_prefill_tensor_f16_d512",
-    },
+    MetalKernel { name: "flash_attn_prefill_tensor_f16_d256", function: "flash_attn_prefill_tensor_f16_d256" },
+    MetalKernel { name: "flash_attn_prefill_tensor_f16_d512", function: "flash_attn_prefill_tensor_f16_d512" },
 ];

@@ -66,15 +66,11 @@ pub fn open() -> Result<Arc<dyn Backend>> {
     {
         match objc::ObjcMetal::system_default() {
             Some(api) => Ok(Arc::new(MetalBackend::new(api))),
-            None => Err(MlxError::DeviceNotFound(
-                "no Metal device on this Mac".into(),
-            )),
+            None => Err(MlxError::DeviceNotFound("no Metal device on this Mac".into())),
         }
     }
     #[cfg(not(target_os = "macos"))]
     {
-        Err(MlxError::BackendUnavailable(
-            "the metal backend needs macOS (this build is for another system)".into(),
-        ))
+        Err(MlxError::BackendUnavailable("the metal backend needs macOS (this build is for another system)".into()))
     }
 }

@@ -7,9 +7,8 @@ use objc2::rc::{autoreleasepool, Retained};
 use objc2::runtime::ProtocolObject;
 use objc2_foundation::{NSPageSize, NSString};
 use objc2_metal::{
-    MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder, MTLCommandQueue,
-    MTLComputeCommandEncoder, MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice,
-    MTLLibrary, MTLResourceOptions, MTLSize,
+    MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder, MTLCommandQueue, MTLComputeCommandEncoder,
+    MTLComputePipelineState, MTLCreateSystemDefaultDevice, MTLDevice, MTLLibrary, MTLResourceOptions, MTLSize,
 };
 
 use super::api::{Command, MetalApi, PipelineError, PipelineInfo};
@@ -41,11 +40,7 @@ unsafe impl Send for SharedBuffer {}
 unsafe impl Sync for SharedBuffer {}
 
 fn mtl_size(s: GridSize) -> MTLSize {
-    MTLSize {
-        width: s.width as usize,
-        height: s.height as usize,
-        depth: s.depth as usize,
-    }
+    MTLSize { width: s.width as usize, height: s.height as usize, depth: s.depth as usize }
 }
 
 impl MetalApi for ObjcMetal {
@@ -72,21 +67,16 @@ impl MetalApi for ObjcMetal {
             .ok_or_else(|| format!("Metal could not allocate a buffer of {bytes} bytes"))
     }
 
-    unsafe fn new_buffer_no_copy(
-        &self,
-        ptr: *mut u8,
-        bytes: usize,
-    ) -> Result<SharedBuffer, String> {
+    unsafe fn new_buffer_no_copy(&self, ptr: *mut u8, bytes: usize) -> Result<SharedBuffer, String> {
         let pointer = NonNull::new(ptr as *mut c_void).ok_or("a null pointer")?;
         // SAFETY: the caller passes page-aligned memory it keeps alive; no deallocator.
         unsafe {
-            self.device
-                .newBufferWithBytesNoCopy_length_options_deallocator(
-                    pointer,
-                    bytes,
-                    MTLResourceOptions::StorageModeShared,
-                    None,
-                )
+            self.device.newBufferWithBytesNoCopy_length_options_deallocator(
+                pointer,
+                bytes,
+                MTLResourceOptions::StorageModeShared,
+                None,
+            )
         }
         .map(SharedBuffer)
         .ok_or_else(|| format!("Metal could not wrap {bytes} bytes at {ptr:p}"))
@@ -110,9 +100,7 @@ impl MetalApi for ObjcMetal {
         function: &str,
     ) -> Result<PipelineInfo<Self::Pipeline>, PipelineError> {
         autoreleasepool(|_| {
-            let f = library
-                .newFunctionWithName(&NSString::from_str(function))
-                .ok_or(PipelineError::NoFunction)?;
+            let f = library.newFunctionWithName(&NSString::from_str(function)).ok_or(PipelineError::NoFunction)?;
             let pipeline = self
                 .device
                 .newComputePipelineStateWithFunction_error(&f)
@@ -127,13 +115,8 @@ impl MetalApi for ObjcMetal {
 
     fn run(&self, commands: &[Command<'_, Self>]) -> Result<(), String> {
         autoreleasepool(|_| {
-            let cb = self
-                .queue
-                .commandBuffer()
-                .ok_or("Metal could not make a command buffer")?;
-            let enc = cb
-                .computeCommandEncoder()
-                .ok_or("Metal could not make a compute command encoder")?;
+            let cb = self.queue.commandBuffer().ok_or("Metal could not make a command buffer")?;
+            let enc = cb.computeCommandEncoder().ok_or("Metal could not make a compute command encoder")?;
             for c in commands {
                 match c {
                     Command::SetPipeline(p) => enc.setComputePipelineState(p),
@@ -146,25 +129,15 @@ impl MetalApi for ObjcMetal {
                             *index as usize,
                         )
                     },
-                    Command::SetBuffer {
-                        index,
-                        buffer,
-                        offset,
-                    } => unsafe {
-                        enc.setBuffer_offset_atIndex(
-                            Some(&buffer.0),
-                            *offset as usize,
-                            *index as usize,
-                        )
+                    Command::SetBuffer { index, buffer, offset } => unsafe {
+                        enc.setBuffer_offset_atIndex(Some(&buffer.0), *offset as usize, *index as usize)
                     },
                     Command::SetThreadgroupMemoryLength { index, bytes } => unsafe {
                         enc.setThreadgroupMemoryLength_atIndex(*bytes as usize, *index as usize)
                     },
-                    Command::DispatchThreadgroups { grid, threadgroup } => enc
-                        .dispatchThreadgroups_threadsPerThreadgroup(
-                            mtl_size(*grid),
-                            mtl_size(*threadgroup),
-                        ),
+                    Command::DispatchThreadgroups { grid, threadgroup } => {
+                        enc.dispatchThreadgroups_threadsPerThreadgroup(mtl_size(*grid), mtl_size(*threadgroup))
+                    }
                 }
             }
             enc.endEncoding();
@@ -174,9 +147,7 @@ impl MetalApi for ObjcMetal {
                 return Err(cb
                     .error()
                     .map(|e| e.localizedDescription().to_string())
-                    .unwrap_or_else(|| {
-                        "the command buffer failed without an error object".into()
-                    }));
+                    .unwrap_or_else(|| "the command buffer failed without an error object".into()));
             }
             Ok(())
         })

@@ -12,12 +12,10 @@ use crate::backend::cpu::HostMemory;
 use crate::backend::{Backend, BackendKind};
 use crate::encoder::{GridSize, KernelArg};
 use crate::kernel_registry::{KernelRegistry, KernelSource};
-use crate::ops::flash_attn_prefill_blk::{
-    dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams, K_BLK_F16,
-};
+use crate::ops::flash_attn_prefill_blk::{dispatch_flash_attn_prefill_blk, FlashAttnPrefillBlkParams, K_BLK_F16};
 use crate::ops::flash_attn_prefill_tensor::{
-    dispatch_flash_attn_prefill_tensor_f16, flash_attn_prefill_tensor_available,
-    threadgroup_memory_bytes, FlashAttnPrefillTensorParams, K_TENSOR_F16_D256, K_TENSOR_F16_D512,
+    dispatch_flash_attn_prefill_tensor_f16, flash_attn_prefill_tensor_available, threadgroup_memory_bytes,
+    FlashAttnPrefillTensorParams, K_TENSOR_F16_D256, K_TENSOR_F16_D512,
 };
 use crate::{default_registry, DType, MlxBuffer, MlxDevice, MlxError};
 
@@ -27,12 +25,7 @@ fn fake_device(api: FakeMetal) -> (MlxDevice, Arc<MetalBackend<FakeMetal>>) {
 }
 
 fn buffer_id(b: &MlxBuffer) -> usize {
-    b.memory()
-        .as_any()
-        .downcast_ref::<MetalMemory<FakeMetal>>()
-        .expect("Metal memory")
-        .buffer()
-        .id
+    b.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().expect("Metal memory").buffer().id
 }
 
 struct Attention {
@@ -64,31 +57,19 @@ fn attention(dev: &MlxDevice, head_dim: u32) -> Attention {
         scale: 0.5,
     };
     Attention {
-        q: dev
-            .alloc_buffer(DType::F32, &[n(rows * nh * head_dim)])
-            .unwrap(),
-        k: dev
-            .alloc_buffer(DType::F16, &[n(kv_pad * nkv * head_dim)])
-            .unwrap(),
-        v: dev
-            .alloc_buffer(DType::F16, &[n(kv_pad * nkv * head_dim)])
-            .unwrap(),
+        q: dev.alloc_buffer(DType::F32, &[n(rows * nh * head_dim)]).unwrap(),
+        k: dev.alloc_buffer(DType::F16, &[n(kv_pad * nkv * head_dim)]).unwrap(),
+        v: dev.alloc_buffer(DType::F16, &[n(kv_pad * nkv * head_dim)]).unwrap(),
         mask: dev.alloc_buffer(DType::F16, &[n(rows * kv_pad)]).unwrap(),
-        blk: dev
-            .alloc_buffer(DType::U8, &[n(rows.div_ceil(bq) * kv_pad / 64)])
-            .unwrap(),
-        out: dev
-            .alloc_buffer(DType::F32, &[n(rows * nh * head_dim)])
-            .unwrap(),
+        blk: dev.alloc_buffer(DType::U8, &[n(rows.div_ceil(bq) * kv_pad / 64)]).unwrap(),
+        out: dev.alloc_buffer(DType::F32, &[n(rows * nh * head_dim)]).unwrap(),
         p,
     }
 }
 
 fn dispatch(dev: &MlxDevice, reg: &mut KernelRegistry, a: &Attention) -> crate::Result<()> {
     let mut enc = dev.command_encoder();
-    dispatch_flash_attn_prefill_tensor_f16(
-        &mut enc, reg, dev, &a.q, &a.k, &a.v, &a.mask, &a.blk, &a.out, &a.p,
-    )?;
+    dispatch_flash_attn_prefill_tensor_f16(&mut enc, reg, dev, &a.q, &a.k, &a.v, &a.mask, &a.blk, &a.out, &a.p)?;
     enc.commit_and_wait()
 }
 
@@ -100,43 +81,27 @@ fn words(ints: &[i32], scale: f32) -> Vec<u8> {
 
 #[test]
 fn attention_binds_what_the_kernel_declares_at_256_and_512() {
-    for (head_dim, name, q_tiles) in [
-        (256u32, K_TENSOR_F16_D256, 2u64),
-        (512, K_TENSOR_F16_D512, 3),
-    ] {
+    for (head_dim, name, q_tiles) in [(256u32, K_TENSOR_F16_D256, 2u64), (512, K_TENSOR_F16_D512, 3)] {
         let (dev, be) = fake_device(FakeMetal::new());
         let mut reg = default_registry();
         let a = attention(&dev, head_dim);
         dispatch(&dev, &mut reg, &a).unwrap();
         let hd = head_dim as i32;
-        let params = words(
-            &[45, 4, 2, 192, 4 * hd, hd, 2 * hd, hd, 2 * hd, hd, 192],
-            0.5,
-        );
+        let params = words(&[45, 4, 2, 192, 4 * hd, hd, 2 * hd, hd, 2 * hd, hd, 192], 0.5);
         assert_eq!(params.len(), 48);
-        let buf = |index, b: &MlxBuffer| Recorded::SetBuffer {
-            index,
-            buffer: buffer_id(b),
-            offset: 0,
-        };
+        let buf = |index, b: &MlxBuffer| Recorded::SetBuffer { index, buffer: buffer_id(b), offset: 0 };
         assert_eq!(
             be.api().last_run(),
             vec![
                 Recorded::SetPipeline(name.into()),
-                Recorded::SetBytes {
-                    index: 0,
-                    bytes: params
-                },
+                Recorded::SetBytes { index: 0, bytes: params },
                 buf(1, &a.q),
                 buf(2, &a.k),
                 buf(3, &a.v),
                 buf(4, &a.mask),
                 buf(5, &a.blk),
                 buf(6, &a.out),
-                Recorded::SetThreadgroupMemoryLength {
-                    index: 0,
-                    bytes: threadgroup_memory_bytes(head_dim).unwrap()
-                },
+                Recorded::SetThreadgroupMemoryLength { index: 0, bytes: threadgroup_memory_bytes(head_dim).unwrap() },
                 Recorded::DispatchThreadgroups {
                     grid: GridSize::new(q_tiles, 4, 1),
                     threadgroup: GridSize::new(32, 8, 1)
@@ -154,40 +119,18 @@ fn blk_binds_what_the_kernel_declares() {
     let mask = dev.alloc_buffer(DType::F16, &[45 * 192]).unwrap();
     let blk = dev.alloc_buffer(DType::U8, &[2 * 3]).unwrap();
     let mut enc = dev.command_encoder();
-    let p = FlashAttnPrefillBlkParams {
-        rows: 45,
-        kv_pad: 192,
-        bq: 32,
-        bk: 64,
-    };
+    let p = FlashAttnPrefillBlkParams { rows: 45, kv_pad: 192, bq: 32, bk: 64 };
     dispatch_flash_attn_prefill_blk(&mut enc, &mut reg, &dev, &mask, &blk, &p).unwrap();
     enc.commit_and_wait().unwrap();
-    let params: Vec<u8> = [45i32, 192, 32, 64]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
+    let params: Vec<u8> = [45i32, 192, 32, 64].iter().flat_map(|x| x.to_le_bytes()).collect();
     assert_eq!(
         be.api().last_run(),
         vec![
             Recorded::SetPipeline(K_BLK_F16.into()),
-            Recorded::SetBytes {
-                index: 0,
-                bytes: params
-            },
-            Recorded::SetBuffer {
-                index: 1,
-                buffer: buffer_id(&mask),
-                offset: 0
-            },
-            Recorded::SetBuffer {
-                index: 2,
-                buffer: buffer_id(&blk),
-                offset: 0
-            },
-            Recorded::DispatchThreadgroups {
-                grid: GridSize::new(3, 2, 1),
-                threadgroup: GridSize::new(32, 1, 1)
-            },
+            Recorded::SetBytes { index: 0, bytes: params },
+            Recorded::SetBuffer { index: 1, buffer: buffer_id(&mask), offset: 0 },
+            Recorded::SetBuffer { index: 2, buffer: buffer_id(&blk), offset: 0 },
+            Recorded::DispatchThreadgroups { grid: GridSize::new(3, 2, 1), threadgroup: GridSize::new(32, 1, 1) },
         ]
     );
 }
@@ -197,18 +140,10 @@ fn a_view_is_bound_at_its_byte_offset() {
     let (dev, be) = fake_device(FakeMetal::new());
     let mut reg = default_registry();
     let mut a = attention(&dev, 256);
-    let big = dev
-        .alloc_buffer(DType::F32, &[a.q.element_count() + 64])
-        .unwrap();
-    a.q = big
-        .view(256, a.q.data_byte_len(), DType::F32, vec![])
-        .unwrap();
+    let big = dev.alloc_buffer(DType::F32, &[a.q.element_count() + 64]).unwrap();
+    a.q = big.view(256, a.q.data_byte_len(), DType::F32, vec![]).unwrap();
     dispatch(&dev, &mut reg, &a).unwrap();
-    assert!(be.api().last_run().contains(&Recorded::SetBuffer {
-        index: 1,
-        buffer: buffer_id(&big),
-        offset: 256
-    }));
+    assert!(be.api().last_run().contains(&Recorded::SetBuffer { index: 1, buffer: buffer_id(&big), offset: 256 }));
 }
 
 #[test]
@@ -256,10 +191,8 @@ fn the_probe_reads_a_missing_tensor_header_as_unavailable() {
 #[test]
 fn the_probe_reports_other_compile_errors_as_errors_and_success_as_available() {
     let api = FakeMetal::new();
-    *api.compile_error.lock().unwrap() = Some((
-        "<metal_tensor>".into(),
-        "program_source:90:5: error: use of undeclared identifier 'qh'".into(),
-    ));
+    *api.compile_error.lock().unwrap() =
+        Some(("<metal_tensor>".into(), "program_source:90:5: error: use of undeclared identifier 'qh'".into()));
     let (dev, _) = fake_device(api);
     let mut reg = default_registry();
     match flash_attn_prefill_tensor_available(&mut reg, &dev, 256) {
@@ -282,10 +215,9 @@ fn a_pipeline_too_narrow_for_eight_simdgroups_is_refused_before_anything_runs() 
     let mut reg = default_registry();
     let a = attention(&dev, 256);
     match dispatch(&dev, &mut reg, &a) {
-        Err(MlxError::InvalidArgument(m)) => assert!(
-            m.contains("allows 128 threads per threadgroup, needs 256"),
-            "{m}"
-        ),
+        Err(MlxError::InvalidArgument(m)) => {
+            assert!(m.contains("allows 128 threads per threadgroup, needs 256"), "{m}")
+        }
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
     assert!(be.api().runs.lock().unwrap().is_empty());
@@ -301,13 +233,7 @@ fn raw_blk(
     let mut reg = default_registry();
     let pipeline = reg.get_pipeline(K_BLK_F16, dev)?.clone();
     let mut enc = dev.command_encoder();
-    enc.encode_threadgroups_with_args_and_shared(
-        &pipeline,
-        args,
-        shared,
-        GridSize::new(1, 1, 1),
-        threadgroup,
-    )?;
+    enc.encode_threadgroups_with_args_and_shared(&pipeline, args, shared, GridSize::new(1, 1, 1), threadgroup)?;
     enc.commit_and_wait()
 }
 
@@ -318,28 +244,10 @@ fn dispatches_metal_cannot_run_are_refused_before_anything_runs() {
     let small = [1u8; 16];
     let big = vec![0u8; 4097];
     let ok_args = [(0, KernelArg::Bytes(&small)), (2, KernelArg::Buffer(&out))];
-    type Case<'a> = (
-        &'a str,
-        Vec<(u64, KernelArg<'a>)>,
-        Vec<(u64, u64)>,
-        GridSize,
-        &'a str,
-    );
+    type Case<'a> = (&'a str, Vec<(u64, KernelArg<'a>)>, Vec<(u64, u64)>, GridSize, &'a str);
     let cases: Vec<Case<'_>> = vec![
-        (
-            "too many threads",
-            ok_args.to_vec(),
-            vec![],
-            GridSize::new(1025, 1, 1),
-            "the pipeline allows 1 to 1024",
-        ),
-        (
-            "no threads",
-            ok_args.to_vec(),
-            vec![],
-            GridSize::new(0, 1, 1),
-            "the pipeline allows",
-        ),
+        ("too many threads", ok_args.to_vec(), vec![], GridSize::new(1025, 1, 1), "the pipeline allows 1 to 1024"),
+        ("no threads", ok_args.to_vec(), vec![], GridSize::new(0, 1, 1), "the pipeline allows"),
         (
             "threadgroup memory",
             ok_args.to_vec(),
@@ -347,27 +255,9 @@ fn dispatches_metal_cannot_run_are_refused_before_anything_runs() {
             GridSize::new(32, 1, 1),
             "exceed the device's 32768",
         ),
-        (
-            "odd threadgroup memory",
-            ok_args.to_vec(),
-            vec![(0, 20)],
-            GridSize::new(32, 1, 1),
-            "multiple of 16",
-        ),
-        (
-            "bytes too big",
-            vec![(0, KernelArg::Bytes(&big))],
-            vec![],
-            GridSize::new(32, 1, 1),
-            "4096",
-        ),
-        (
-            "index 31",
-            vec![(31, KernelArg::Buffer(&out))],
-            vec![],
-            GridSize::new(32, 1, 1),
-            "index 31",
-        ),
+        ("odd threadgroup memory", ok_args.to_vec(), vec![(0, 20)], GridSize::new(32, 1, 1), "multiple of 16"),
+        ("bytes too big", vec![(0, KernelArg::Bytes(&big))], vec![], GridSize::new(32, 1, 1), "4096"),
+        ("index 31", vec![(31, KernelArg::Buffer(&out))], vec![], GridSize::new(32, 1, 1), "index 31"),
     ];
     for (what, args, shared, tg, needle) in cases {
         match raw_blk(&dev, &args, &shared, tg) {
@@ -384,23 +274,9 @@ fn dispatches_metal_cannot_run_are_refused_before_anything_runs() {
 fn memory_of_another_backend_is_refused() {
     let (dev, be) = fake_device(FakeMetal::new());
     // A buffer of this device's id over CPU memory (the public API cannot make one).
-    let cpu = MlxBuffer::new(
-        Arc::new(HostMemory::zeroed(64).unwrap()),
-        dev.registry_id(),
-        DType::U8,
-        vec![],
-    )
-    .unwrap();
-    match raw_blk(
-        &dev,
-        &[(2, KernelArg::Buffer(&cpu))],
-        &[],
-        GridSize::new(32, 1, 1),
-    ) {
-        Err(MlxError::InvalidArgument(m)) => assert!(
-            m.contains("index 2 is not memory of the Metal backend"),
-            "{m}"
-        ),
+    let cpu = MlxBuffer::new(Arc::new(HostMemory::zeroed(64).unwrap()), dev.registry_id(), DType::U8, vec![]).unwrap();
+    match raw_blk(&dev, &[(2, KernelArg::Buffer(&cpu))], &[], GridSize::new(32, 1, 1)) {
+        Err(MlxError::InvalidArgument(m)) => assert!(m.contains("index 2 is not memory of the Metal backend"), "{m}"),
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
     assert!(be.api().runs.lock().unwrap().is_empty());
@@ -431,25 +307,12 @@ fn allocations_are_zeroed_shared_buffers_and_failures_are_allocation_errors() {
     let b = dev.alloc_buffer(DType::F32, &[1000]).unwrap();
     let mut bytes = vec![1u8; 4000];
     b.read_bytes(0, &mut bytes).unwrap();
-    assert!(
-        bytes.iter().all(|&x| x == 0),
-        "the fake fills new buffers with 0xA5"
-    );
-    let mem = b
-        .memory()
-        .as_any()
-        .downcast_ref::<MetalMemory<FakeMetal>>()
-        .unwrap();
+    assert!(bytes.iter().all(|&x| x == 0), "the fake fills new buffers with 0xA5");
+    let mem = b.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().unwrap();
     assert_eq!(mem.storage(), Storage::Owned);
-    assert_eq!(
-        dev.alloc_buffer(DType::F32, &[0]).unwrap().data_byte_len(),
-        0
-    );
+    assert_eq!(dev.alloc_buffer(DType::F32, &[0]).unwrap().data_byte_len(), 0);
     *be.api().fail_alloc.lock().unwrap() = true;
-    assert_eq!(
-        dev.alloc_buffer(DType::U8, &[77]).unwrap_err(),
-        MlxError::BufferAllocationError { bytes: 77 }
-    );
+    assert_eq!(dev.alloc_buffer(DType::U8, &[77]).unwrap_err(), MlxError::BufferAllocationError { bytes: 77 });
 }
 
 /// Page-aligned host memory (16 KiB pages, the fake's).
@@ -479,37 +342,22 @@ fn page_aligned_host_memory_is_used_in_place() {
     let pages = Pages::new(32768);
     // SAFETY: `pages` outlives the buffer.
     let blk = unsafe { dev.wrap_host(pages.ptr, 20000, DType::U8, &[20000]) }.unwrap();
-    let mem = blk
-        .memory()
-        .as_any()
-        .downcast_ref::<MetalMemory<FakeMetal>>()
-        .unwrap();
+    let mem = blk.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().unwrap();
     assert_eq!(mem.storage(), Storage::NoCopy);
     assert!(mem.buffer().no_copy);
     assert_eq!(blk.host_ptr(), Some(pages.ptr));
     let (contents, len) = be.api().buffers.lock().unwrap()[&mem.buffer().id];
-    assert_eq!(
-        (contents, len),
-        (pages.ptr as usize, 32768),
-        "whole pages, no copy"
-    );
+    assert_eq!((contents, len), (pages.ptr as usize, 32768), "whole pages, no copy");
     // What the kernel writes is in the host memory, with no copy back.
     *be.api().fill_on_run.lock().unwrap() = Some(FillOnRun { index: 2, byte: 7 });
     let mask = dev.alloc_buffer(DType::F16, &[64 * 64]).unwrap();
     let mut reg = default_registry();
     let mut enc = dev.command_encoder();
-    let p = FlashAttnPrefillBlkParams {
-        rows: 64,
-        kv_pad: 64,
-        bq: 32,
-        bk: 64,
-    };
+    let p = FlashAttnPrefillBlkParams { rows: 64, kv_pad: 64, bq: 32, bk: 64 };
     dispatch_flash_attn_prefill_blk(&mut enc, &mut reg, &dev, &mask, &blk, &p).unwrap();
     enc.commit_and_wait().unwrap();
     // SAFETY: 20000 bytes of `pages`.
-    assert!(unsafe { std::slice::from_raw_parts(pages.ptr, 20000) }
-        .iter()
-        .all(|&x| x == 7));
+    assert!(unsafe { std::slice::from_raw_parts(pages.ptr, 20000) }.iter().all(|&x| x == 7));
 }
 
 #[test]
@@ -521,38 +369,21 @@ fn unaligned_host_memory_is_staged_around_each_command_buffer() {
     let mask = unsafe { dev.wrap_host(mask_ptr, 64 * 64 * 2, DType::F16, &[64 * 64]) }.unwrap();
     let blk = unsafe { dev.wrap_host(blk_ptr, 2, DType::U8, &[2]) }.unwrap();
     for b in [&mask, &blk] {
-        let mem = b
-            .memory()
-            .as_any()
-            .downcast_ref::<MetalMemory<FakeMetal>>()
-            .unwrap();
+        let mem = b.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().unwrap();
         assert_eq!(mem.storage(), Storage::Staged);
     }
     mask.write_bytes(0, &[3u8; 64 * 64 * 2]).unwrap();
     *be.api().fill_on_run.lock().unwrap() = Some(FillOnRun { index: 2, byte: 9 });
     let mut reg = default_registry();
     let mut enc = dev.command_encoder();
-    let p = FlashAttnPrefillBlkParams {
-        rows: 64,
-        kv_pad: 64,
-        bq: 32,
-        bk: 64,
-    };
+    let p = FlashAttnPrefillBlkParams { rows: 64, kv_pad: 64, bq: 32, bk: 64 };
     dispatch_flash_attn_prefill_blk(&mut enc, &mut reg, &dev, &mask, &blk, &p).unwrap();
     enc.commit_and_wait().unwrap();
     // The kernel saw the host's mask, and its output came back to the host.
-    let mask_mem = mask
-        .memory()
-        .as_any()
-        .downcast_ref::<MetalMemory<FakeMetal>>()
-        .unwrap();
+    let mask_mem = mask.memory().as_any().downcast_ref::<MetalMemory<FakeMetal>>().unwrap();
     let (contents, _) = be.api().buffers.lock().unwrap()[&mask_mem.buffer().id];
     // SAFETY: the fake's buffer holds the mask's bytes.
-    assert!(
-        unsafe { std::slice::from_raw_parts(contents as *const u8, 64 * 64 * 2) }
-            .iter()
-            .all(|&x| x == 3)
-    );
+    assert!(unsafe { std::slice::from_raw_parts(contents as *const u8, 64 * 64 * 2) }.iter().all(|&x| x == 3));
     // SAFETY: two bytes at blk_ptr.
     assert_eq!(unsafe { std::slice::from_raw_parts(blk_ptr, 2) }, &[9, 9]);
 }
@@ -561,21 +392,9 @@ fn unaligned_host_memory_is_staged_around_each_command_buffer() {
 fn a_kernel_without_a_metal_form_or_function_is_not_found() {
     let (dev, _) = fake_device(FakeMetal::new());
     let mut reg = KernelRegistry::new();
-    reg.register_source(
-        "cpu_only",
-        KernelSource {
-            metal: None,
-            cuda: None,
-        },
-    );
-    assert!(matches!(
-        reg.get_pipeline("cpu_only", &dev),
-        Err(MlxError::KernelNotFound(_))
-    ));
-    reg.register_source(
-        "no_such_kernel",
-        crate::ops::flash_attn_prefill_blk::FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE,
-    );
+    reg.register_source("cpu_only", KernelSource { metal: None, cuda: None });
+    assert!(matches!(reg.get_pipeline("cpu_only", &dev), Err(MlxError::KernelNotFound(_))));
+    reg.register_source("no_such_kernel", crate::ops::flash_attn_prefill_blk::FLASH_ATTN_PREFILL_BLK_SHADER_SOURCE);
     match reg.get_pipeline("no_such_kernel", &dev) {
         Err(MlxError::KernelNotFound(m)) => assert!(m.contains("no function"), "{m}"),
         other => panic!("expected KernelNotFound, got {other:?}"),
@@ -587,31 +406,23 @@ fn the_ops_name_the_metal_entry_points_of_their_sources() {
     let (dev, _) = fake_device(FakeMetal::new());
     let mut reg = default_registry();
     for name in [K_TENSOR_F16_D256, K_TENSOR_F16_D512, K_BLK_F16] {
-        reg.get_pipeline(name, &dev)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
 
 #[cfg(not(target_os = "macos"))]
 #[test]
 fn off_macos_metal_is_unavailable_and_auto_is_the_cpu() {
-    assert!(matches!(
-        crate::backend::open("metal"),
-        Err(MlxError::BackendUnavailable(_))
-    ));
+    assert!(matches!(crate::backend::open("metal"), Err(MlxError::BackendUnavailable(_))));
     assert!(!crate::backend::available_backends().contains(&"metal"));
-    assert_eq!(
-        crate::backend::open("auto").unwrap().kind(),
-        BackendKind::Cpu
-    );
+    assert_eq!(crate::backend::open("auto").unwrap().kind(), BackendKind::Cpu);
 }
 
 // -- flash_attn_prefill (SPEC 6-9) ------------------------------------------------------------
 
 use crate::ops::flash_attn_prefill::{
     dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_blk_params, validate,
-    FlashAttnPrefillBuffers, FlashAttnPrefillParams, K_PREFILL_D256, K_PREFILL_D512,
-    K_PREFILL_MASK_BLK,
+    FlashAttnPrefillBuffers, FlashAttnPrefillParams, K_PREFILL_D256, K_PREFILL_D512, K_PREFILL_MASK_BLK,
 };
 
 fn prefill_registry() -> KernelRegistry {
@@ -652,15 +463,9 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
         let p = prefill_params(head_dim);
         let n = |x: u64| x as usize;
         let (hd, b) = (head_dim as u64, 3u64);
-        let q = dev
-            .alloc_buffer(DType::BF16, &[n(b * 45 * 4 * hd)])
-            .unwrap();
-        let k = dev
-            .alloc_buffer(DType::F16, &[n(b * 130 * 2 * hd)])
-            .unwrap();
-        let v = dev
-            .alloc_buffer(DType::F16, &[n(b * 130 * 2 * hd)])
-            .unwrap();
+        let q = dev.alloc_buffer(DType::BF16, &[n(b * 45 * 4 * hd)]).unwrap();
+        let k = dev.alloc_buffer(DType::F16, &[n(b * 130 * 2 * hd)]).unwrap();
+        let v = dev.alloc_buffer(DType::F16, &[n(b * 130 * 2 * hd)]).unwrap();
         let out = dev.alloc_buffer(DType::F16, &[n(b * 45 * 4 * hd)]).unwrap();
         let mask = dev.alloc_buffer(DType::F16, &[45 * 130]).unwrap();
         // One table for every sequence (mask batch stride 0): q_tiles x ceil(130 / 64) bytes.
@@ -681,19 +486,12 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
         let mut enc = dev.command_encoder();
         dispatch_flash_attn_prefill(&mut enc, &mut reg, &dev, &bufs, &p).unwrap();
         enc.commit_and_wait().unwrap();
-        let buf = |index, b: &MlxBuffer| Recorded::SetBuffer {
-            index,
-            buffer: buffer_id(b),
-            offset: 0,
-        };
+        let buf = |index, b: &MlxBuffer| Recorded::SetBuffer { index, buffer: buffer_id(b), offset: 0 };
         assert_eq!(
             be.api().last_run(),
             vec![
                 Recorded::SetPipeline(name.into()),
-                Recorded::SetBytes {
-                    index: 0,
-                    bytes: crate::as_bytes(&gpu).to_vec()
-                },
+                Recorded::SetBytes { index: 0, bytes: crate::as_bytes(&gpu).to_vec() },
                 buf(1, &q),
                 buf(2, &k),
                 buf(3, &v),
@@ -703,10 +501,7 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
                 buf(7, &lse),
                 buf(8, &q),
                 buf(9, &q),
-                Recorded::SetThreadgroupMemoryLength {
-                    index: 0,
-                    bytes: threadgroup_memory_bytes(head_dim).unwrap()
-                },
+                Recorded::SetThreadgroupMemoryLength { index: 0, bytes: threadgroup_memory_bytes(head_dim).unwrap() },
                 Recorded::DispatchThreadgroups {
                     grid: GridSize::new(q_tiles, 4, 3),
                     threadgroup: GridSize::new(32, 8, 1)
@@ -729,24 +524,12 @@ fn a_prefill_pipeline_too_narrow_for_eight_simdgroups_is_refused_before_anything
         api.max_threads = max_threads;
         let (dev, be) = fake_device(api);
         let mut reg = prefill_registry();
-        let p = FlashAttnPrefillParams {
-            mask_strides: [0, 0],
-            lse_strides: [0, 0],
-            ..prefill_params(256)
-        };
+        let p = FlashAttnPrefillParams { mask_strides: [0, 0], lse_strides: [0, 0], ..prefill_params(256) };
         let n = |x: u64| x as usize;
-        let q = dev
-            .alloc_buffer(DType::F32, &[n(3 * 45 * 4 * 256)])
-            .unwrap();
-        let k = dev
-            .alloc_buffer(DType::F16, &[n(3 * 130 * 2 * 256)])
-            .unwrap();
-        let v = dev
-            .alloc_buffer(DType::F16, &[n(3 * 130 * 2 * 256)])
-            .unwrap();
-        let out = dev
-            .alloc_buffer(DType::F32, &[n(3 * 45 * 4 * 256)])
-            .unwrap();
+        let q = dev.alloc_buffer(DType::F32, &[n(3 * 45 * 4 * 256)]).unwrap();
+        let k = dev.alloc_buffer(DType::F16, &[n(3 * 130 * 2 * 256)]).unwrap();
+        let v = dev.alloc_buffer(DType::F16, &[n(3 * 130 * 2 * 256)]).unwrap();
+        let out = dev.alloc_buffer(DType::F32, &[n(3 * 45 * 4 * 256)]).unwrap();
         let bufs = FlashAttnPrefillBuffers {
             q: &q,
             k: &k,
@@ -763,28 +546,16 @@ fn a_prefill_pipeline_too_narrow_for_eight_simdgroups_is_refused_before_anything
         if refused {
             match r {
                 Err(MlxError::InvalidArgument(m)) => {
-                    assert!(
-                        m.contains(&format!(
-                            "allows {max_threads} threads per threadgroup, needs 256"
-                        )),
-                        "{m}"
-                    )
+                    assert!(m.contains(&format!("allows {max_threads} threads per threadgroup, needs 256")), "{m}")
                 }
                 other => panic!("{max_threads} threads: expected InvalidArgument, got {other:?}"),
             }
-            assert!(
-                enc.pending().is_empty(),
-                "{max_threads} threads: something was encoded"
-            );
+            assert!(enc.pending().is_empty(), "{max_threads} threads: something was encoded");
         } else {
             r.unwrap();
             enc.commit_and_wait().unwrap();
         }
-        assert_eq!(
-            be.api().runs.lock().unwrap().is_empty(),
-            refused,
-            "{max_threads} threads"
-        );
+        assert_eq!(be.api().runs.lock().unwrap().is_empty(), refused, "{max_threads} threads");
     }
 }
 
@@ -836,21 +607,14 @@ fn prefill_of_variable_length_binds_the_cu_seqlens_and_covers_the_longest_sequen
     dispatch_flash_attn_prefill(&mut enc, &mut reg, &dev, &bufs, &p).unwrap();
     enc.commit_and_wait().unwrap();
     let run = be.api().last_run();
-    let buf = |index, b: &MlxBuffer| Recorded::SetBuffer {
-        index,
-        buffer: buffer_id(b),
-        offset: 0,
-    };
+    let buf = |index, b: &MlxBuffer| Recorded::SetBuffer { index, buffer: buffer_id(b), offset: 0 };
     for (index, b) in [(4, &q), (5, &q), (7, &q), (8, &cu_q), (9, &cu_k)] {
         assert!(run.contains(&buf(index, b)), "index {index}");
     }
     // The longest sequence has 33 rows: 3 tiles of 16 at head dim 512.
     assert_eq!(
         run.last(),
-        Some(&Recorded::DispatchThreadgroups {
-            grid: GridSize::new(3, 2, 3),
-            threadgroup: GridSize::new(32, 8, 1)
-        })
+        Some(&Recorded::DispatchThreadgroups { grid: GridSize::new(3, 2, 3), threadgroup: GridSize::new(32, 8, 1) })
     );
 }
 
@@ -871,24 +635,10 @@ fn prefill_mask_blk_covers_every_table() {
         be.api().last_run(),
         vec![
             Recorded::SetPipeline(K_PREFILL_MASK_BLK.into()),
-            Recorded::SetBytes {
-                index: 0,
-                bytes: crate::as_bytes(&g).to_vec()
-            },
-            Recorded::SetBuffer {
-                index: 1,
-                buffer: buffer_id(&mask),
-                offset: 0
-            },
-            Recorded::SetBuffer {
-                index: 2,
-                buffer: buffer_id(&blk),
-                offset: 0
-            },
-            Recorded::DispatchThreadgroups {
-                grid: GridSize::new(3, 2, 3),
-                threadgroup: GridSize::new(32, 1, 1)
-            },
+            Recorded::SetBytes { index: 0, bytes: crate::as_bytes(&g).to_vec() },
+            Recorded::SetBuffer { index: 1, buffer: buffer_id(&mask), offset: 0 },
+            Recorded::SetBuffer { index: 2, buffer: buffer_id(&blk), offset: 0 },
+            Recorded::DispatchThreadgroups { grid: GridSize::new(3, 2, 3), threadgroup: GridSize::new(32, 1, 1) },
         ]
     );
 }
@@ -899,13 +649,11 @@ fn the_prefill_op_names_metal_entry_points_of_its_sources() {
     let mut reg = prefill_registry();
     for name in [K_PREFILL_D256, K_PREFILL_D512, K_PREFILL_MASK_BLK] {
         assert_eq!(super::function_of(name), name);
-        reg.get_pipeline(name, &dev)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
     // The origin's kernels are entry points of the same two files.
     for name in [K_TENSOR_F16_D256, K_TENSOR_F16_D512, K_BLK_F16] {
-        reg.get_pipeline(name, &dev)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
     assert_eq!(be.api().pipelines.load(Ordering::Relaxed), 6);
 }
