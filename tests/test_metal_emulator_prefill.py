@@ -1,6 +1,6 @@
 """flash_attn_prefill's Metal kernels (SPEC 6-9: batches of fixed and variable length,
-described causal and window masks, an explicit mask and its tile tables, lse, Q and O
-dtypes) run by the CPU emulator (tests/metal_emu, docs/metal.md), dispatched exactly as
+described causal and window masks with the prompt at the cache's end or an explicit query
+offset, an explicit mask and its tile tables, lse, Q and O dtypes) run by the CPU emulator (tests/metal_emu, docs/metal.md), dispatched exactly as
 rust/src/ops/flash_attn_prefill.rs encodes them (bindings, params block packed like the Rust
 struct, threadgroup memory, grid), against the float64 reference and the CPU backend.
 
@@ -36,7 +36,7 @@ F32 = np.dtype(np.float32)
 DTYPE_CODE = {F32: 0, F16: 1, BF16: 2}
 
 # PREFILL_* (rust/src/params.rs)
-CAUSAL, MASK, VARLEN, LSE = 1, 2, 4, 8
+CAUSAL, MASK, VARLEN, LSE, OFFSET = 1, 2, 4, 8, 16
 
 THREADS = (32, 8, 1)
 STEP = 64
@@ -75,6 +75,9 @@ class Prefill:
     cu_k: Optional[np.ndarray] = None
     causal: bool = False
     window: int = 0
+    # Query row r of each sequence at r + offset of its cache (PREFILL_OFFSET); None: the
+    # prompt is the cache's end (offset Lk - Lq).
+    offset: Optional[int] = None
     scale: float = 1.0
     lse: bool = True
     o_dtype: np.dtype = F32
@@ -221,7 +224,7 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         return (0, _el(x, 0), _el(x, 1)) if c.varlen else (_el(x, 0), _el(x, 1), _el(x, 2))
 
     flags = (CAUSAL if c.causal else 0) | (MASK if c.mask is not None else 0)
-    flags |= (VARLEN if c.varlen else 0) | (LSE if c.lse else 0)
+    flags |= (VARLEN if c.varlen else 0) | (LSE if c.lse else 0) | (OFFSET if c.offset is not None else 0)
     blk_rows, blk_steps = cdiv(rows, bq), cdiv(kv, STEP)
     mask_strides = (0, 0)
     if c.mask is not None:
@@ -235,7 +238,7 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         *mask_strides, *lse_strides,
         blk_rows * blk_steps if c.mask is not None and mask_strides[0] != 0 else 0,
         batch, rows, kv, nh, nkv, hd, max_rows, c.window, flags,
-        DTYPE_CODE[c.q.dtype], DTYPE_CODE[c.o_dtype], blk_rows, blk_steps, bq, c.scale, 0,
+        DTYPE_CODE[c.q.dtype], DTYPE_CODE[c.o_dtype], blk_rows, blk_steps, bq, c.scale, c.offset or 0,
     )  # fmt: skip
     assert len(params) == 200
     qbuf = _span(c.q)
@@ -279,11 +282,38 @@ def _only_the_view_changed(base, sl, sentinel_bits, what):
     assert not (bits[inside] == sentinel_bits).any(), f"{what}: an element of the view was not written"
 
 
+def placed(lq: int, lk: int, causal: bool, window: int, offset: Optional[int]) -> np.ndarray:
+    """SPEC 6 with the query rows at ``r + offset`` of the cache (None: ``lk - lq``): bool
+    ``[lq, lk]``, True where row r sees cache row j."""
+    r = np.arange(lq)[:, None] + (lk - lq if offset is None else offset)
+    j = np.arange(lk)[None, :]
+    ok = np.ones((lq, lk), dtype=bool)
+    if causal:
+        ok &= j <= r
+    if window:
+        ok &= j > r - window
+    return ok
+
+
 def reference(c: Prefill):
-    return reference_prefill(
-        c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale,
-        cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k,
-    )  # fmt: skip
+    if c.offset is None:
+        return reference_prefill(
+            c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale,
+            cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k,
+        )  # fmt: skip
+    # An explicit offset: each sequence with its visibility as an explicit 0 / -inf mask.
+    out = np.zeros(c.q.shape, np.float64)
+    lse = np.full((c.n_heads, c.rows) if c.varlen else (c.batch, c.n_heads, c.rows), -np.inf)
+    for (qs, _), (q, k, v, m) in c.sequences():
+        seen = placed(q.shape[0], k.shape[0], c.causal, c.window, c.offset)
+        add = np.where(seen, 0.0 if m is None else m.astype(np.float64), -np.inf).astype(np.float16)
+        o, l = reference_prefill(q, k, v, add, scale=c.scale)
+        out[qs] = o
+        if c.varlen:
+            lse[:, qs] = l
+        else:
+            lse[qs] = l
+    return out, lse
 
 
 def cpu_origin(c: Prefill) -> np.ndarray:
@@ -299,7 +329,7 @@ def cpu_origin(c: Prefill) -> np.ndarray:
         kp = np.zeros((kvp, *k.shape[1:]), np.float16)
         vp = np.zeros((kvp, *v.shape[1:]), np.float16)
         kp[:lk], vp[:lk] = k, v
-        seen = visible_mask(lq, lk, c.causal, c.window or None)
+        seen = placed(lq, lk, c.causal, c.window, c.offset)
         full = np.full((lq, kvp), -np.inf, np.float16)
         full[:, :lk] = np.where(seen, 0 if m is None else m, -np.inf)
         qf = np.ascontiguousarray(q, dtype=np.float32)
@@ -373,6 +403,73 @@ def test_causal_window_with_an_offset(emu, rng, hd, rows, kv, window):
 
 
 @pytest.mark.parametrize(
+    "hd,rows,kv,window",
+    [
+        (256, 64, 97, 0),  # offset 33: row 31, the last of tile 0, alone sees cache row 64 (step 1's first)
+        (256, 64, 128, 34),  # offset 64: row 32, the first of tile 1, alone sees cache row 63 (step 0's last)
+        (512, 32, 81, 0),  # offset 49: row 15 alone sees cache row 64
+        (512, 32, 96, 18),  # offset 64: row 16 alone sees cache row 63
+    ],
+)
+def test_a_step_one_edge_row_alone_sees_is_computed(emu, rng, hd, rows, kv, window):
+    # The described class of a step for a tile: some pair is visible iff the step meets
+    # [lo(first row), hi(last row)]. Here that span touches the step in one cache row only.
+    # A small scale keeps every p of a row well above half's smallest value, so the one pair
+    # counts whatever the draw.
+    c = fixed_case(rng, batch=1, rows=rows, kv=kv, nh=2, nkv=1, hd=hd, causal=True, window=window, scale=0.05)
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+
+
+def _explicit(c: Prefill) -> Prefill:
+    """The same prefill with its description given as an explicit 0 / -inf mask (per
+    sequence, in a NaN-padded buffer) and nothing described."""
+    mb = _nan_base((c.batch, c.rows + 1, c.kv_len + 3), F16)
+    m = mb[:, :c.rows, 1 : 1 + c.kv_len]
+    for (qs, _), (q, k, _, own) in c.sequences():
+        seen = placed(q.shape[0], k.shape[0], c.causal, c.window, c.offset)
+        m[qs] = np.where(seen, 0.0 if own is None else own.astype(np.float32), -np.inf)
+    return c.with_(mask=m, causal=False, window=0, offset=None)
+
+
+@pytest.mark.parametrize(
+    "hd,batch,rows,kv,window,offset",
+    [
+        (256, 2, 40, 150, 0, -20),  # rows below 20 see nothing
+        (512, 2, 20, 150, 0, 37),  # a chunk of queries inside the cache
+        (256, 1, 40, 100, 0, 200),  # past the cache: every row sees all of it
+        (256, 2, 70, 150, 30, 60),  # a window, a partial last step
+        (512, 1, 33, 100, 16, -5),
+    ],
+)
+def test_an_explicit_offset_places_the_queries_in_the_cache(emu, rng, hd, batch, rows, kv, window, offset):
+    # PREFILL_OFFSET (context parallelism, SPEC 6): row r at r + offset of the cache, not
+    # the prompt at the cache's end. Against the reference, and bit for bit against the same
+    # placement given as an explicit mask; rows that see nothing are +0 with lse -inf.
+    c = fixed_case(rng, batch=batch, rows=rows, kv=kv, nh=2, nkv=1, hd=hd, causal=True, window=window, offset=offset)
+    assert offset != kv - rows
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+    e = _explicit(c)
+    out_e, lse_e, _ = emu_prefill(emu, e)
+    assert same_bits(out, out_e) and same_bits(lse, lse_e)
+    # Without the flag the same block means the prompt at the cache's end: another result.
+    end, _, _ = emu_prefill(emu, c.with_(offset=None))
+    assert nmse(end, out) > 1e-3
+
+
+def test_an_explicit_offset_with_variable_length(emu, rng):
+    # Caches longer, shorter than and as long as their prompts, and an empty prompt: every
+    # sequence is placed by the same offset.
+    c = varlen_case(rng, lq=[30, 0, 50, 20], lk=[80, 10, 20, 20], nh=2, nkv=1, hd=256, causal=True, offset=10)
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+    w = c.with_(window=7, offset=-3)
+    out, lse, _ = emu_prefill(emu, w)
+    check(w, out, lse)
+
+
+@pytest.mark.parametrize(
     "hd,batch,mask,causal,window",
     [(256, 2, "shared", False, 0), (512, 2, "per-batch", True, 0), (256, 3, "per-batch", True, 40)],
 )
@@ -418,6 +515,30 @@ def test_every_q_dtype_and_o_dtype(emu, rng):
         assert out.dtype == dt
         assert same_bits(out, base.astype(dt)), dt
         check(c.with_(o_dtype=dt), out, None)
+
+
+def test_f16_and_bf16_outputs_round_ties_to_even(emu, rng):
+    # Q = 0: every visible score is 0, so p = 1 and each output is the mean of the V rows its
+    # row sees, exact in F32. With a window of 1 that is a V value (an F16: one in eight is a
+    # tie for BF16), with a window of 2 the mean of two (often a tie for F16). The kernel
+    # rounds each to nearest even: half away from zero and truncation differ on the ties.
+    for window, dt in ((1, BF16), (2, F16), (2, BF16)):
+        c = fixed_case(rng, batch=1, rows=40, kv=100, nh=2, nkv=1, hd=256, causal=True, window=window)
+        c.q[...] = 0
+        base, _, _ = emu_prefill(emu, c)
+        check(c, base, None, cpu=False)
+        out, _, _ = emu_prefill(emu, c.with_(o_dtype=dt))
+        want = base.astype(dt)
+        assert same_bits(out, want), (window, dt)
+        # The case has ties: rounding half away from zero gives other bits.
+        if dt == BF16:
+            away = ((base.view(np.uint32).astype(np.uint64) + 0x8000) >> 16).astype(np.uint16)
+        else:
+            f, t = base.astype(np.float64), base.astype(np.float16)
+            other = np.nextafter(t, np.where(f > t, np.float16(np.inf), np.float16(-np.inf)))
+            tie = (f != t) & (np.abs(other.astype(np.float64) - f) == np.abs(t.astype(np.float64) - f))
+            away = np.where(tie & (np.abs(other) > np.abs(t)), other, t).view(np.uint16)
+        assert (away != want.view(np.uint16)).sum() > 100, (window, dt)
 
 
 # -- lse -----------------------------------------------------------------------------------------

@@ -433,6 +433,99 @@ impl Prefill {
     }
 }
 
+/// What each buffer of a prefill must hold, counted here from the case's own layout (not
+/// from the op): elements of Q, K, V, O, lse (0 without) and the mask (0 without), bytes of
+/// the mask's tables (0 without).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Needs {
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub out: usize,
+    pub lse: usize,
+    pub mask: usize,
+    pub blk: usize,
+}
+
+/// A case's buffers, each exactly as large as [`Prefill::needs`] says: Q, K, V and the mask
+/// with the case's data, O and lse filled with [`SENTINEL`], the table zero.
+pub struct Buffers {
+    pub q: MlxBuffer,
+    pub k: MlxBuffer,
+    pub v: MlxBuffer,
+    pub out: MlxBuffer,
+    pub lse: Option<MlxBuffer>,
+    pub mask: Option<MlxBuffer>,
+    pub blk: Option<MlxBuffer>,
+    pub cu: Option<(MlxBuffer, MlxBuffer)>,
+}
+
+impl Buffers {
+    pub fn view(&self) -> FlashAttnPrefillBuffers<'_> {
+        FlashAttnPrefillBuffers {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            out: &self.out,
+            mask: self.mask.as_ref(),
+            blk: self.blk.as_ref(),
+            cu_seqlens_q: self.cu.as_ref().map(|c| &c.0),
+            cu_seqlens_k: self.cu.as_ref().map(|c| &c.1),
+            lse: self.lse.as_ref(),
+            sinks: None,
+        }
+    }
+}
+
+impl Prefill {
+    /// `cu_seqlens_q` and `cu_seqlens_k` of the sequences (variable length).
+    pub fn cu_seqlens(&self) -> (Vec<i32>, Vec<i32>) {
+        let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
+        for &(lq, lk) in &self.lens {
+            cq.push(cq.last().unwrap() + lq as i32);
+            ck.push(ck.last().unwrap() + lk as i32);
+        }
+        (cq, ck)
+    }
+
+    pub fn needs(&self) -> Needs {
+        let (seqs, rows, kv) = self.shape();
+        let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let bq = if hd == 256 { 32 } else { 16 };
+        let mask_seqs = |m: &Mask| if m.strides[0] == 0 { 1 } else { seqs };
+        Needs {
+            q: span([seqs, rows, nh], self.q_strides, hd),
+            k: span([seqs, kv, nkv], self.k_strides, hd),
+            v: span([seqs, kv, nkv], self.v_strides, hd),
+            out: span([seqs, rows, nh], self.out_strides, hd),
+            lse: self.lse_strides.map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows)),
+            mask: self.mask.as_ref().map_or(0, |m| span([mask_seqs(m), rows, 1], [m.strides[0], m.strides[1], 0], kv)),
+            blk: self.mask.as_ref().map_or(0, |m| mask_seqs(m) * rows.div_ceil(bq) * kv.div_ceil(64)),
+        }
+    }
+
+    /// The case's buffers on `dev` ([`Buffers`]).
+    pub fn buffers(&self, dev: &MlxDevice) -> Buffers {
+        let n = self.needs();
+        let q = dev.alloc_buffer(self.q_dtype, &[n.q]).unwrap();
+        q.write_bytes(0, &encode(self.q_dtype, &self.q[..n.q])).unwrap();
+        let cu = self.varlen.then(|| {
+            let (cq, ck) = self.cu_seqlens();
+            (upload(dev, DType::I32, &cq), upload(dev, DType::I32, &ck))
+        });
+        Buffers {
+            q,
+            k: upload(dev, DType::F16, &self.k[..n.k]),
+            v: upload(dev, DType::F16, &self.v[..n.v]),
+            out: sentinel_buffer(dev, self.out_dtype, n.out),
+            lse: self.lse_strides.map(|_| sentinel_buffer(dev, DType::F32, n.lse)),
+            mask: self.mask.as_ref().map(|m| upload(dev, DType::F16, &m.data[..n.mask])),
+            blk: self.mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[n.blk]).unwrap()),
+            cu,
+        }
+    }
+}
+
 /// What a run gives back: O `[logical row][head][dim]` and lse `[logical row][head]` as read
 /// from the buffers (f64), their raw bits, and the explicit mask's table.
 pub struct Output {
@@ -458,21 +551,119 @@ fn sentinel_buffer(dev: &MlxDevice, dtype: DType, elems: usize) -> MlxBuffer {
     b
 }
 
+/// Where a run's inputs (Q, K, V and the explicit mask) live.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Placement {
+    /// Library buffers holding the case's data (NaN past each sequence and in the padding).
+    Buffers,
+    /// The caller's memory (wrapped in place), each tensor ending at its last element, right
+    /// before a page that faults on any access: a read past a tensor kills the process.
+    #[cfg(unix)]
+    Guarded,
+}
+
+/// `len` bytes that end where an inaccessible page begins (mmap, then mprotect PROT_NONE).
+#[cfg(unix)]
+pub struct Guarded {
+    base: *mut libc::c_void,
+    total: usize,
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+#[cfg(unix)]
+impl Guarded {
+    pub fn new(bytes: &[u8]) -> Guarded {
+        // SAFETY: plain anonymous mappings, checked; `ptr..ptr + len` lies in the readable part.
+        unsafe {
+            let page = libc::sysconf(libc::_SC_PAGESIZE) as usize;
+            let body = bytes.len().div_ceil(page).max(1) * page;
+            let total = body + page;
+            let prot = libc::PROT_READ | libc::PROT_WRITE;
+            let base = libc::mmap(std::ptr::null_mut(), total, prot, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+            assert!(base != libc::MAP_FAILED, "mmap failed");
+            assert_eq!(libc::mprotect((base as *mut u8).add(body) as *mut libc::c_void, page, libc::PROT_NONE), 0);
+            let ptr = (base as *mut u8).add(body - bytes.len());
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len());
+            Guarded { base, total, ptr, len: bytes.len() }
+        }
+    }
+}
+
+#[cfg(unix)]
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `new` with this length.
+        unsafe { libc::munmap(self.base, self.total) };
+    }
+}
+
+/// Elements of `data` up to the last one the tensor uses (`last(b)`: one past the last
+/// element of sequence b's last row, None for an empty sequence).
+fn used(data_len: usize, seqs: usize, last: impl Fn(usize) -> Option<usize>) -> usize {
+    (0..seqs).filter_map(last).max().unwrap_or(0).min(data_len)
+}
+
 /// Run `c` through the op on `dev`. Asserts that no byte of the output buffers outside the
 /// rows of O and lse was written.
 pub fn run(dev: &MlxDevice, reg: &mut KernelRegistry, c: &Prefill, table: Table) -> Output {
+    run_placed(dev, reg, c, table, Placement::Buffers)
+}
+
+/// [`run`] with the inputs placed as `placement` says.
+pub fn run_placed(
+    dev: &MlxDevice,
+    reg: &mut KernelRegistry,
+    c: &Prefill,
+    table: Table,
+    placement: Placement,
+) -> Output {
     let (seqs, rows, _) = c.shape();
     let (nh, hd) = (c.n_heads, c.head_dim);
     let p = c.params();
-    let q = dev.alloc_buffer(c.q_dtype, &[c.q.len()]).unwrap();
-    q.write_bytes(0, &encode(c.q_dtype, &c.q)).unwrap();
-    let k = upload(dev, DType::F16, &c.k);
-    let v = upload(dev, DType::F16, &c.v);
+    let nkv = c.n_kv_heads;
+    let seq_len = |b: usize| c.lens[b];
+    // One past the last element each tensor uses.
+    let q_end = used(c.q.len(), c.lens.len(), |b| (seq_len(b).0 > 0).then(|| c.q_at(b, seq_len(b).0 - 1, nh - 1) + hd));
+    let k_end =
+        used(c.k.len(), c.lens.len(), |b| (seq_len(b).1 > 0).then(|| c.k_at(b, seq_len(b).1 - 1, nkv - 1) + hd));
+    let v_end =
+        used(c.v.len(), c.lens.len(), |b| (seq_len(b).1 > 0).then(|| c.v_at(b, seq_len(b).1 - 1, nkv - 1) + hd));
+    let m_end = c.mask.as_ref().map(|m| {
+        let n = if m.strides[0] == 0 { 1 } else { c.lens.len() };
+        used(m.data.len(), n, |b| (rows > 0 && c.lens[b].1 > 0).then(|| c.mask_at(b, rows - 1, c.lens[b].1 - 1) + 1))
+    });
+    let q_bytes = encode(c.q_dtype, &c.q);
+    let k_bytes: &[u8] = bytemuck::cast_slice(&c.k);
+    let v_bytes: &[u8] = bytemuck::cast_slice(&c.v);
+    let m_bytes: Option<&[u8]> = c.mask.as_ref().map(|m| bytemuck::cast_slice(&m.data[..]));
+    #[cfg(unix)]
+    let mut guards: Vec<Guarded> = Vec::new();
+    let mut place = |bytes: &[u8], end: usize, dtype: DType| -> MlxBuffer {
+        match placement {
+            Placement::Buffers => {
+                let b = dev.alloc_buffer(dtype, &[bytes.len() / dtype.size_of()]).unwrap();
+                b.write_bytes(0, bytes).unwrap();
+                b
+            }
+            #[cfg(unix)]
+            Placement::Guarded => {
+                let g = Guarded::new(&bytes[..end * dtype.size_of()]);
+                // SAFETY: the mapping outlives the run (`guards` is dropped after it).
+                let b = unsafe { dev.wrap_host(g.ptr, g.len, dtype, &[end]) }.unwrap();
+                guards.push(g);
+                b
+            }
+        }
+    };
+    let q = place(&q_bytes, q_end, c.q_dtype);
+    let k = place(k_bytes, k_end, DType::F16);
+    let v = place(v_bytes, v_end, DType::F16);
+    let mask = m_bytes.map(|m| place(m, m_end.unwrap(), DType::F16));
     let out_elems = span([seqs, rows, nh], c.out_strides, hd) + 2 * c.out_strides[1] + 17;
     let out = sentinel_buffer(dev, c.out_dtype, out_elems);
     let lse_elems = c.lse_strides.map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows) + 2 * s[1] + 9);
     let lse = c.lse_strides.map(|_| sentinel_buffer(dev, DType::F32, lse_elems));
-    let mask = c.mask.as_ref().map(|m| upload(dev, DType::F16, &m.data));
     let blk =
         mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[mask_table_bytes(&p).unwrap().max(1) as usize]).unwrap());
     let cu = c.varlen.then(|| {
