@@ -48,7 +48,7 @@ mod tests {
     fn every_registered_kernel_has_a_form_in_every_backend() {
         let registry = super::default_registry();
         let names = registry.kernel_names();
-        assert_eq!(names.len(), 6, "{names:?}");
+        assert_eq!(names.len(), 22, "{names:?}");
         for name in names {
             assert!(crate::backend::cpu::kernel(name).is_some(), "{name}: no CPU form");
             assert!(crate::backend::cuda::kernel(name).is_some(), "{name}: no CUDA launcher");
