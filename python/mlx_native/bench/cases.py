@@ -38,6 +38,8 @@ CASES: Dict[str, Case] = {
         Case("dense", "dense", 16, 8, 256, "zero"),
         Case("causal-8h", "causal 8h", 8, 8, 256, "causal"),
         Case("dense-8h", "dense 8h", 8, 8, 256, "zero"),
+        # Head dim 128 (Llama-shaped: 32/8 heads), SPEC 10's most common head dim.
+        Case("causal-d128", "causal d128", 32, 8, 128, "causal"),
     )
 }
 #: Rows and cases run when none are named, by device kind: the CPU at the sizes a CPU user
