@@ -137,3 +137,19 @@ def test_bad_transforms_head_dims_and_dtypes_are_typed_errors(rng):
         call(q5, k5, k5)
     with pytest.raises(mn.InvalidArgumentError, match="must match but for the head dim"):
         call(q, k, v[:8])
+
+
+def test_a_sink_given_to_one_part_of_the_cache_merges_to_the_whole(rng):
+    # SPEC 8 with SPEC 10: lse includes the sink, so the part that carries it and the part
+    # that does not merge to the whole cache with the sink.
+    q, k, v = _qkv(rng, 24, 90, 4, 2, 64, 64)
+    sinks = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+    whole, whole_lse = mn.flash_attn_prefill(q, k, v, return_lse=True, sinks=sinks)
+    a = mn.flash_attn_prefill(q, k[:50], v[:50], return_lse=True, sinks=sinks)
+    b = mn.flash_attn_prefill(q, k[50:], v[50:], return_lse=True)
+    out, lse = mn.merge_attention_states(*a, *b)
+    # Each part rounds P to half against its own running max: the same to the reference's
+    # bar, not to the bit.
+    ref, ref_lse = reference_prefill(q, k, v, sinks=sinks, scale=1 / 8)
+    _close(whole, whole_lse, ref, ref_lse)
+    _close(out, lse, ref, ref_lse)
