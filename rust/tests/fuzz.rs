@@ -1057,15 +1057,18 @@ mod transforms {
     }
 
     fn tdraw() -> impl Strategy<Value = TDraw> {
-        let good_dims: Vec<(usize, usize)> = HEAD_DIMS.iter().map(|((k, v), _, _)| (*k as usize, *v as usize)).collect();
-        let dims = prop_oneof![4 => proptest::sample::select(good_dims), 1 => proptest::sample::select(BAD_DIMS.to_vec())];
+        let good_dims: Vec<(usize, usize)> =
+            HEAD_DIMS.iter().map(|((k, v), _, _)| (*k as usize, *v as usize)).collect();
+        let dims =
+            prop_oneof![4 => proptest::sample::select(good_dims), 1 => proptest::sample::select(BAD_DIMS.to_vec())];
         let kv_dtypes = prop_oneof![
             8 => prop_oneof![Just((DType::F16, DType::F16)), Just((DType::BF16, DType::BF16))],
             1 => Just((DType::F32, DType::F32)),
             1 => prop_oneof![Just((DType::F16, DType::BF16)), Just((DType::BF16, DType::F16))],
         ];
         let softcap = prop_oneof![6 => Just(0.0f32), 3 => Just(3.0f32), 1 => prop_oneof![Just(f32::NAN), Just(-1.0f32), Just(f32::INFINITY)]];
-        let max_bias = prop_oneof![6 => Just(0.0f32), 3 => Just(4.0f32), 1 => prop_oneof![Just(f32::INFINITY), Just(-0.5f32)]];
+        let max_bias =
+            prop_oneof![6 => Just(0.0f32), 3 => Just(4.0f32), 1 => prop_oneof![Just(f32::INFINITY), Just(-0.5f32)]];
         let sinks = prop_oneof![
             4 => Just(None),
             4 => Just(Some((DType::F32, 0))),

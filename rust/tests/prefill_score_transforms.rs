@@ -93,7 +93,10 @@ fn softcap_alibi_and_sinks_on_described_and_explicit_masks() {
                 ("sinks causal", causal(fixed(seed + 30), 0).with_transforms(0.0, 0.0, Some(sinks(6, seed)))),
                 ("all three window 50", causal(fixed(seed + 40), 50).with_transforms(3.0, 5.0, Some(sinks(6, seed)))),
             ];
-            cases.push(("explicit mask softcap alibi sinks", fixed(seed + 50).with_transforms(6.0, 4.0, Some(sinks(6, 1)))));
+            cases.push((
+                "explicit mask softcap alibi sinks",
+                fixed(seed + 50).with_transforms(6.0, 4.0, Some(sinks(6, 1))),
+            ));
             cases.push(("explicit mask + causal alibi", causal(fixed(seed + 60), 0).with_transforms(0.0, 2.0, None)));
             for (name, c) in cases {
                 let kv = if n == 1 { DType::BF16 } else { DType::F16 };
@@ -116,9 +119,12 @@ fn variable_length_with_the_transforms() {
     let lens = [(17, 40), (0, 9), (33, 33), (5, 70)];
     for (hd, window) in [(96, 0), (192, 30)] {
         let c = Prefill::varlen(330 + hd as u64, &lens, 4, 2, 64, 1).with_lse();
-        let c = causal(c, window)
-            .with_transforms(5.0, 3.0, Some(sinks(4, hd as u64)))
-            .with_kv(331, (hd, hd), DType::BF16, false);
+        let c = causal(c, window).with_transforms(5.0, 3.0, Some(sinks(4, hd as u64))).with_kv(
+            331,
+            (hd, hd),
+            DType::BF16,
+            false,
+        );
         let o = run(&dev, &mut reg, &c, Table::Computed);
         check(&format!("varlen d{hd} window {window} transforms"), &c, &o);
     }
@@ -156,8 +162,8 @@ fn sinks_with_rows_that_see_nothing_give_zeros_and_lse_sigma() {
     for b in 0..2 {
         for &r in &masked_rows {
             let row = c.logical_row(b, r);
-            for h in 0..4 {
-                assert_eq!(o.lse[row * 4 + h], s[h] as f64, "lse of a row that sees nothing is its sink");
+            for (h, &sigma) in s.iter().enumerate() {
+                assert_eq!(o.lse[row * 4 + h], sigma as f64, "lse of a row that sees nothing is its sink");
                 let at = (row * 4 + h) * 112;
                 assert!(o.out_bits[at..at + 112].iter().all(|&x| x == 0), "a row that sees nothing is +0");
             }
@@ -244,7 +250,13 @@ fn bad_transforms_head_dims_and_kv_dtypes_are_typed_errors() {
     expect_refused(&dev, r, &c, |b| b.params.head_dim_v = 512, "unsupported head_dim 64 (v head dim 512)");
     expect_refused(&dev, r, &c, |b| b.params.head_dim = 100, "unsupported head_dim 100");
     expect_refused(&dev, r, &c, |b| b.v = upload(&dev, DType::BF16, &c.v), "k is F16 and v is BF16");
-    expect_refused(&dev, r, &c, |b| (b.k, b.v) = (upload(&dev, DType::F32, &c.k), upload(&dev, DType::F32, &c.v)), "k and v must be");
+    expect_refused(
+        &dev,
+        r,
+        &c,
+        |b| (b.k, b.v) = (upload(&dev, DType::F32, &c.k), upload(&dev, DType::F32, &c.v)),
+        "k and v must be",
+    );
     let mla = c.clone().with_kv(351, (576, 512), DType::F16, false);
     expect_refused(&dev, r, &mla, |b| b.params.head_dim_v = 256, "unsupported head_dim 576 (v head dim 256)");
     expect_refused(&dev, r, &mla, |b| b.params.head_dim_v = 576, "unsupported head_dim 576 (v head dim 576)");

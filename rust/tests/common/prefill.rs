@@ -404,7 +404,6 @@ impl Prefill {
             head_dim_v: self.head_dim_v as u32,
             softcap: self.softcap,
             max_bias: self.max_bias,
-            ..Default::default()
         }
     }
 

@@ -170,13 +170,7 @@ unsafe fn item_avx512<const DK: usize, const DV: usize>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn item_avx2<const DK: usize, const DV: usize>(
-    pb: &Problem,
-    seq: &Seq,
-    grp: usize,
-    g: usize,
-    s: &mut Scratch,
-) {
+unsafe fn item_avx2<const DK: usize, const DV: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
     work_item::<super::simd::Avx2, DK, DV>(pb, seq, grp, g, s)
 }
 

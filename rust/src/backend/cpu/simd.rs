@@ -460,7 +460,8 @@ mod tests {
     }
 
     fn check_tanh<S: Simd>() {
-        let xs: Vec<f32> = (-400..=400).map(|i| i as f32 * 0.0271).chain([1e-6, -3e-5, 0.3124, 0.3126, 20.0, -90.0]).collect();
+        let xs: Vec<f32> =
+            (-400..=400).map(|i| i as f32 * 0.0271).chain([1e-6, -3e-5, 0.3124, 0.3126, 20.0, -90.0]).collect();
         unsafe {
             for chunk in xs.chunks(W) {
                 let mut v = [0f32; W];
