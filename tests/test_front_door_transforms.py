@@ -153,3 +153,14 @@ def test_a_sink_given_to_one_part_of_the_cache_merges_to_the_whole(rng):
     ref, ref_lse = reference_prefill(q, k, v, sinks=sinks, scale=1 / 8)
     _close(whole, whole_lse, ref, ref_lse)
     _close(out, lse, ref, ref_lse)
+
+
+def test_a_plan_made_on_arrays_runs_and_encodes_with_its_planned_sinks(rng):
+    q, k, v = _qkv(rng, 20, 30, 4, 2, 64, 64)
+    s = np.array([1.0, 2.0, -1.0, 0.0], np.float32)
+    plan = mn.PrefillPlan(q, k, v, causal=True, sinks=s, softcap=2.0)
+    ref, _ = reference_prefill(q, k, v, causal=True, sinks=s, softcap=2.0, scale=1 / 8)
+    assert nmse(plan.run(), ref) < 1e-5
+    with plan.device.encoder() as enc:
+        plan.encode(enc)
+    assert np.array_equal(plan.encoded_result(), plan.run())
