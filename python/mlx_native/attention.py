@@ -9,7 +9,7 @@ from collections import OrderedDict
 from typing import Any, Optional, Union
 
 from .arrays import layout_key
-from .checks import check_bool, check_device, check_max_bias, check_scale, check_softcap, check_window
+from .checks import check_bool, check_device, check_max_bias, check_offset, check_scale, check_softcap, check_window
 from .device import Device
 from .plan import PrefillPlan
 
@@ -36,6 +36,7 @@ def flash_attn_prefill(
     *,
     causal: bool = False,
     window: Optional[int] = None,
+    offset: Optional[int] = None,
     scale: Optional[float] = None,
     cu_seqlens_q: Any = None,
     cu_seqlens_k: Any = None,
@@ -70,6 +71,12 @@ def flash_attn_prefill(
       prompt is the end of its cache; a cache shorter than the prompt is an error);
       ``window=w`` (an integer >= 1, implies causal) also needs ``j > r + kv_len - rows - w``.
       Both go to the kernel as a description: no ``[rows, kv]`` array exists anywhere.
+    - ``offset``: an integer (any sign, int32) placing query row ``r`` at position ``r +
+      offset`` of the cache for ``causal``/``window`` instead (``r + offset - w < j <= r +
+      offset``), with or without cu_seqlens (one offset for every sequence): a chunk of
+      queries against a chunk of the cache, as context parallelism computes them. The cache
+      may then be shorter than the prompt; rows that see nothing are zeros with lse -inf.
+      None: the prompt is the end of its cache (``offset = kv_len - rows``). Needs causal.
     - ``mask``: an explicit mask ``[rows, kv]``, ``[B or 1, rows, kv]`` or ``[B or 1, 1,
       rows, kv]`` (one for every head), additive float or bool (True = may attend); with
       ``causal``/``window`` it is added on the visible pairs. Float16 with a contiguous last
@@ -106,13 +113,15 @@ def flash_attn_prefill(
     ``ValueError`` or a ``TypeError``."""
     causal = check_bool(causal, "causal")
     window = check_window(window)
+    offset = check_offset(offset, causal or window is not None)
     scale = check_scale(scale)
     return_lse = check_bool(return_lse, "return_lse")
     check_finite = check_bool(check_finite, "check_finite")
     device = check_device(device)
     softcap, max_bias = check_softcap(softcap), check_max_bias(max_bias)
+    described = (causal, window, offset, scale)
     transforms = (softcap, max_bias, sinks is not None)
-    rest = (causal, window, scale, return_lse, out_dtype, device, check_finite, transforms)
+    rest = described + (return_lse, out_dtype, device, check_finite, transforms)
     key = _key(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, rest)
     plan = None
     if key is not None:
@@ -122,7 +131,7 @@ def flash_attn_prefill(
                 _cache.move_to_end(key)
     if plan is None:
         plan = PrefillPlan(
-            q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
+            q, k, v, mask, causal=causal, window=window, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
             check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks,
         )  # fmt: skip

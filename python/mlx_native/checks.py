@@ -59,6 +59,29 @@ def check_window(window: Any, name: str = "window") -> Optional[int]:
     return w
 
 
+def check_offset(offset: Any, causal: bool) -> Optional[int]:
+    """``None`` (the prompt is the end of its cache: ``offset = kv_len - rows``, SPEC 6) or
+    an integer in int32 placing query row ``r`` at position ``r + offset`` of the cache, any
+    sign (negative: the queries start before the cache; past ``kv_len``: after it). It places
+    the queries for a described mask only, so it needs ``causal`` (or ``window``)."""
+    if offset is None:
+        return None
+    if not _is_integer(offset):
+        raise ArgumentTypeError(
+            f"offset must be an integer (query row r sits at cache position r + offset) or None, "
+            f"got {offset!r} ({type(offset).__name__})"
+        )
+    off = int(offset)
+    if not -(2**31) <= off <= 2**31 - 1:
+        raise InvalidArgumentError(f"offset {off} does not fit in int32")
+    if not causal:
+        raise InvalidArgumentError(
+            f"offset {off} places the queries for a described mask: pass causal=True or a window with it "
+            f"(without a mask every query row sees the whole cache, wherever it sits)"
+        )
+    return off
+
+
 def check_scale(scale: Any) -> Optional[float]:
     """``None`` (1/sqrt(head_dim), decided where the head dim is known) or a finite real
     number that is finite in float32."""
@@ -142,8 +165,9 @@ def check_device(device: Any) -> Union[None, str, Any]:
 def check_cu_seqlens(cu_q: Any, cu_k: Any, total_q: int, total_k: int, causal: bool) -> Tuple[np.ndarray, np.ndarray]:
     """SPEC 7's ``cu_seqlens_q`` and ``cu_seqlens_k`` as host int32 arrays: 1-D integer
     arrays (int32 or int64; numpy, torch CPU/CUDA, CuPy) of ``B + 1`` entries each,
-    starting at 0, non-decreasing, ending at the totals; with ``causal`` no sequence's
-    cache shorter than its prompt. A CUDA array is copied to the host (a synchronisation)."""
+    starting at 0, non-decreasing, ending at the totals; with ``causal`` (pass False when an
+    explicit offset places the queries) no sequence's cache shorter than its prompt. A CUDA
+    array is copied to the host (a synchronisation)."""
     if (cu_q is None) != (cu_k is None):
         raise InvalidArgumentError("cu_seqlens_q and cu_seqlens_k go together: pass both (variable length) or neither")
     vals = []

@@ -21,6 +21,7 @@ from .checks import (
     check_device,
     check_finite as check_array_finite,
     check_max_bias,
+    check_offset,
     check_out_dtype,
     check_q_fits_half,
     check_scale,
@@ -87,6 +88,7 @@ class PrefillPlan:
         *,
         causal: bool = False,
         window: Optional[int] = None,
+        offset: Optional[int] = None,
         scale: Optional[float] = None,
         cu_seqlens_q: Any = None,
         cu_seqlens_k: Any = None,
@@ -101,6 +103,7 @@ class PrefillPlan:
         causal = check_bool(causal, "causal")
         window = check_window(window)
         causal = causal or window is not None
+        offset = check_offset(offset, causal)
         scale = check_scale(scale)
         self.softcap, self.max_bias = check_softcap(softcap), check_max_bias(max_bias)
         self._lse = check_bool(return_lse, "return_lse")
@@ -131,11 +134,11 @@ class PrefillPlan:
                     "an explicit mask cannot go with cu_seqlens: describe the mask (causal, window) or pad the batch "
                     "to a fixed length ([B, rows, heads, head_dim]) and pass a [B, 1, rows, kv] mask"
                 )
-            self._cu = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, rows, kv_len, causal)
+            self._cu = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, rows, kv_len, causal and offset is None)
             batch = len(self._cu[0]) - 1
         else:
             batch = qo.shape[0] if batched else 1
-            if causal and kv_len < rows:
+            if causal and offset is None and kv_len < rows:
                 raise InvalidArgumentError(
                     f"causal with {rows} query rows and a cache of {kv_len} rows: the prompt is the end of its cache, "
                     f"which cannot be shorter (pass the whole cache as k/v, or causal=False with an explicit mask)"
@@ -146,7 +149,7 @@ class PrefillPlan:
         out_name = check_out_dtype(out_dtype, qo.dtype)
         self.out_dtype = numpy_dtype_of_name(out_name)
         self.scale = default_scale(head_dim) if scale is None else scale
-        self.causal, self.window, self.batch = causal, window, batch
+        self.causal, self.window, self.offset, self.batch = causal, window, offset, batch
         self._dims = (rows, kv_len, n_heads, n_kv_heads, head_dim)
         self._n_heads = n_heads
         self._layouts = tuple(layout(o) for o in (qo, ko, vo))
@@ -175,6 +178,7 @@ class PrefillPlan:
         p.batch, p.rows, p.kv_len = batch, rows, kv_len
         p.n_heads, p.n_kv_heads, p.head_dim = n_heads, n_kv_heads, head_dim
         p.causal, p.window, p.scale = int(causal), window or 0, self.scale
+        p.offset, p.has_offset = offset or 0, int(offset is not None)
         p.head_dim_v, p.softcap, p.max_bias = head_dim_v, self.softcap, self.max_bias
         self._params = p
 
@@ -232,12 +236,14 @@ class PrefillPlan:
                 if self._planned is None:
                     return None
                 core = self._bind_mask(self._planned[3], Operand.of(self._planned[0], "q"))
-                self._pairs = masked_pairs(core, self.batch, rows, kv_len, self.causal, self.window)
+                self._pairs = masked_pairs(core, self.batch, rows, kv_len, self.causal, self.window, self.offset)
             elif self._cu is not None:
                 lq, lk = np.diff(self._cu[0]), np.diff(self._cu[1])
-                self._pairs = sum(described_pairs(int(a), int(b), self.causal, self.window) for a, b in zip(lq, lk))
+                self._pairs = sum(
+                    described_pairs(int(a), int(b), self.causal, self.window, self.offset) for a, b in zip(lq, lk)
+                )
             else:
-                self._pairs = self.batch * described_pairs(rows, kv_len, self.causal, self.window)
+                self._pairs = self.batch * described_pairs(rows, kv_len, self.causal, self.window, self.offset)
         return self._pairs
 
     def __repr__(self) -> str:
@@ -248,6 +254,8 @@ class PrefillPlan:
         mask += f", ALiBi max_bias {self.max_bias:g}" if self.max_bias else ""
         mask += ", sinks" if self._has_sinks else ""
         desc = f"window {self.window}" if self.window else ("causal" if self.causal else "no description")
+        if self.offset is not None:
+            desc += f", offset {self.offset}"
         return (
             f"PrefillPlan({what}, {rows} rows, {kv_len} cache rows, {nh}/{nkv} heads, dim {hd}, {desc}{mask}, "
             f"scale {self.scale:g}, out {self.out_dtype.name}{', lse' if self._lse else ''}, on {self.device.backend})"

@@ -76,10 +76,13 @@ def useful_flops(head_dim: int, n_heads: int, visible_pairs: int) -> float:
     return 4.0 * head_dim * n_heads * visible_pairs
 
 
-def visible_mask(lq: int, lk: int, causal: bool = False, window: Optional[int] = None) -> np.ndarray:
-    """SPEC 6: bool ``[lq, lk]``, True where query row r may see cache row j (the prompt is
-    the last ``lq`` rows of the cache: ``offset = lk - lq``)."""
-    r = np.arange(lq)[:, None] + (lk - lq)
+def visible_mask(
+    lq: int, lk: int, causal: bool = False, window: Optional[int] = None, offset: Optional[int] = None
+) -> np.ndarray:
+    """SPEC 6: bool ``[lq, lk]``, True where query row r may see cache row j: row r sits at
+    cache position ``r + offset`` (None: the prompt is the last ``lq`` rows of the cache,
+    ``offset = lk - lq``)."""
+    r = np.arange(lq)[:, None] + (lk - lq if offset is None else offset)
     j = np.arange(lk)[None, :]
     ok = np.ones((lq, lk), dtype=bool)
     if causal or window is not None:
@@ -100,6 +103,7 @@ def reference_prefill(
     scale: float = 1.0,
     cu_seqlens_q: Optional[np.ndarray] = None,
     cu_seqlens_k: Optional[np.ndarray] = None,
+    offset: Optional[int] = None,
     softcap: float = 0.0,
     max_bias: float = 0.0,
     sinks: Optional[np.ndarray] = None,
@@ -110,7 +114,8 @@ def reference_prefill(
     API takes them: q ``[rows, H, Dk]`` or ``[B, rows, H, Dk]``, k ``[kv, Hkv, Dk]`` or
     ``[B, kv, Hkv, Dk]``, v likewise with ``Dv`` columns, mask ``[rows, kv]`` or ``[B or 1,
     rows, kv]`` (a 4-D ``[B or 1, 1, rows, kv]`` is taken too); variable length with
-    ``cu_seqlens_*`` on 3-D q/k/v (no mask).
+    ``cu_seqlens_*`` on 3-D q/k/v (no mask). ``offset`` places query row r of every
+    sequence at cache position ``r + offset`` (None: the prompt is the end of its cache).
 
     SPEC 10: ``softcap > 0`` caps each score ``s = softcap * tanh(s / softcap)``; ``max_bias
     > 0`` scales the mask by each head's ALiBi slope (:func:`alibi_slopes`), and without an
@@ -140,7 +145,7 @@ def reference_prefill(
         out = np.zeros(q.shape[:-1] + (np.asarray(v).shape[-1],), np.float64)
         lse = np.full((q.shape[1], q.shape[0]), -np.inf)
         for qsl, ksl in seqs:
-            o, l = _one_sequence(q[qsl], k[ksl], v[ksl], None, causal, window, scale, tr)
+            o, l = _one_sequence(q[qsl], k[ksl], v[ksl], None, causal, window, scale, tr, offset)
             out[qsl] = o
             lse[:, qsl] = l
         return out, lse
@@ -149,7 +154,7 @@ def reference_prefill(
     lse = np.full((nb, qs.shape[2], qs.shape[1]), -np.inf)
     for b in range(nb):
         mb = None if mask is None else m[b if m.shape[0] > 1 else 0]
-        out[b], lse[b] = _one_sequence(qs[b], ks[b], vs[b], mb, causal, window, scale, tr)
+        out[b], lse[b] = _one_sequence(qs[b], ks[b], vs[b], mb, causal, window, scale, tr, offset)
     return (out, lse) if batched else (out[0], lse[0])
 
 
@@ -175,15 +180,16 @@ class _Transforms:
         self.sinks = None if sinks is None else np.asarray(sinks, np.float64).reshape(n_heads)
 
 
-def _one_sequence(q, k, v, mask, causal, window, scale, tr):
+def _one_sequence(q, k, v, mask, causal, window, scale, tr, offset=None):
     lq, n_heads, head_dim = q.shape
     lk, n_kv_heads, _ = k.shape
     group = n_heads // n_kv_heads
     qh = (np.float32(scale) * q.astype(np.float32)).astype(np.float16).astype(np.float64)
-    seen = visible_mask(lq, lk, causal, window)
+    seen = visible_mask(lq, lk, causal, window, offset)
     # ALiBi without an explicit mask: the mask llama.cpp writes for it, -(p - j) with p the
-    # query's position (r + lk - lq).
-    distance = np.arange(lk)[None, :] - (np.arange(lq)[:, None] + (lk - lq)).astype(np.float64)
+    # query's position (r + offset, by default r + lk - lq).
+    place = lk - lq if offset is None else offset
+    distance = np.arange(lk)[None, :] - (np.arange(lq)[:, None] + place).astype(np.float64)
     out = np.zeros((lq, n_heads, v.shape[2]), np.float64)
     lse = np.full((n_heads, lq), -np.inf)
     if tr.sinks is not None:
