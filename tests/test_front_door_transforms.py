@@ -164,3 +164,13 @@ def test_a_plan_made_on_arrays_runs_and_encodes_with_its_planned_sinks(rng):
     with plan.device.encoder() as enc:
         plan.encode(enc)
     assert np.array_equal(plan.encoded_result(), plan.run())
+
+
+@pytest.mark.parametrize("offset", [-5, 7, 30])
+def test_alibi_distance_and_sinks_with_an_explicit_offset(rng, offset):
+    # The described mask's ALiBi distance is to the query's position r + offset.
+    q, k, v = _qkv(rng, 20, 60, 4, 2, 64, 64)
+    s = np.array([1.0, 2.0, -1.0, 0.0], np.float32)
+    kw = dict(causal=True, offset=offset, max_bias=8.0)
+    out, lse = mn.flash_attn_prefill(q, k, v, return_lse=True, sinks=s, **kw)
+    _close(out, lse, *reference_prefill(q, k, v, sinks=s, scale=1 / 8, **kw))
