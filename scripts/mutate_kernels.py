@@ -468,6 +468,17 @@ MUTATIONS: List[Mutation] = [
       "-65504 not counted as masked"),
 ]
 
+# ---------------------------------------------------------------- SPEC 10 (score transforms)
+# Killed by tests/test_metal_emulator_transforms.py (softcap, ALiBi, sinks in the Metal kernels).
+MUTATIONS += [
+    M("metal-sink-out-of-sum", "metal", T_METAL, "const float sum = s_run[i] * f + exp(sigma - mf);",
+      "const float sum = s_run[i] * f;", "the sink raises the max but is left out of the sum"),
+    M("metal-alibi-slope-dropped", "metal", T_METAL, "s0 += slope * float(c + int(lane) - (r + offset));",
+      "s0 += float(c + int(lane) - (r + offset));", "ALiBi's distance without the head's slope (even columns)"),
+    M("metal-softcap-before-scale", "metal", T_METAL, "s1 = softcap * precise::tanh(s1 / softcap);",
+      "s1 = precise::tanh(s1 / softcap);", "softcap's tanh not scaled back (odd columns)"),
+]
+
 
 # ---------------------------------------------------------------------------- applying
 
@@ -532,7 +543,8 @@ def _cargo_killer(out: str) -> str:
 
 
 METAL_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_metal_emulator_prefill.py",
-               "tests/test_metal_emulator.py", "-k", "not caught and not test_emulator_"]  # fmt: skip
+               "tests/test_metal_emulator.py", "tests/test_metal_emulator_transforms.py",
+               "-k", "not caught and not test_emulator_"]  # fmt: skip
 
 
 def _select(cmd: List[str], args) -> List[str]:

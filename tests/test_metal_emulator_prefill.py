@@ -36,14 +36,28 @@ F32 = np.dtype(np.float32)
 DTYPE_CODE = {F32: 0, F16: 1, BF16: 2}
 
 # PREFILL_* (rust/src/params.rs)
-CAUSAL, MASK, VARLEN, LSE, OFFSET = 1, 2, 4, 8, 16
+CAUSAL, MASK, VARLEN, LSE, OFFSET, SINKS = 1, 2, 4, 8, 16, 32
 
 THREADS = (32, 8, 1)
 STEP = 64
-BQ = {256: 32, 512: 16}
-KERNEL = {256: "flash_attn_prefill_d256", 512: "flash_attn_prefill_d512"}
+# Query rows per threadgroup by Q/K head dim (the op's mask_tile_rows).
+BQ = {d: 32 for d in (64, 80, 96, 112, 128, 192, 256)} | {512: 16, 576: 16}
 MASK_BLK = "flash_attn_prefill_mask_blk"
-PREFILL_FORMAT = "<17q14ifi"  # FlashAttnPrefillParamsGpu: 17 i64, 14 i32, scale, reserved
+# FlashAttnPrefillParamsGpu: 17 i64, 14 i32, scale, offset, head_dim_v, kv_dtype, softcap, max_bias
+PREFILL_FORMAT = "<17q14ifi2i2f"
+
+
+def threadgroup_memory(hd: int) -> int:
+    """The op's threadgroup_memory_bytes at Q/K head dim ``hd``: queries, scores,
+    probabilities, row scales and the rescale flag of a tile of BQ[hd] rows, padded to 16."""
+    bq = BQ[hd]
+    return cdiv(bq * hd * 2 + bq * STEP * (4 + 2) + bq * 4 + 4, 16) * 16
+
+
+def kernel_name(hd: int, hdv: int, kv_dtype) -> str:
+    """The op's kernel of a (Q/K, V) head dim pair and K/V dtype (HEAD_DIMS)."""
+    name = f"flash_attn_prefill_d{hd}" + (f"_{hdv}" if hdv != hd else "")
+    return name + ("_bf16" if np.dtype(kv_dtype) == BF16 else "")
 MASK_BLK_FORMAT = "<2q6i"  # FlashAttnPrefillMaskBlkParamsGpu
 
 # Against the float64 reference (SPEC bar 5e-4), by output dtype; the F16 and BF16 bars are
@@ -51,6 +65,9 @@ MASK_BLK_FORMAT = "<2q6i"  # FlashAttnPrefillMaskBlkParamsGpu
 EXPECTED = {F32: 1e-5, F16: 1e-5, BF16: 5e-5}
 LSE_TOLERANCE = 2e-3  # SPEC 8, absolute
 CPU_AGREEMENT = 1e-10  # against the CPU backend, which computes the same rounded steps
+# With softcap or ALiBi the two compute tanh and the slopes each their own way: an ulp apart
+# in a score moves P's rounding to half by a half ulp on the odd element.
+CPU_AGREEMENT_TRANSFORMS = 1e-8
 SENTINEL = -1024.0  # exact in F32, F16 and BF16; no output comes near it
 
 
@@ -84,6 +101,10 @@ class Prefill:
     # The K and V buffers as bound (default: the views' spans, ending at the last cache row).
     k_buf: Optional[np.ndarray] = None
     v_buf: Optional[np.ndarray] = None
+    # SPEC 10: softcap, ALiBi's max_bias, float32 sinks [H].
+    softcap: float = 0.0
+    max_bias: float = 0.0
+    sinks: Optional[np.ndarray] = None
 
     @property
     def varlen(self) -> bool:
@@ -92,6 +113,10 @@ class Prefill:
     @property
     def head_dim(self) -> int:
         return self.q.shape[-1]
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.v.shape[-1]
 
     @property
     def n_heads(self) -> int:
@@ -132,24 +157,29 @@ def _nan_base(shape, dtype) -> np.ndarray:
     return np.full(shape, np.nan, np.float32).astype(dtype)
 
 
-def _qkv(rng, lead, rows, kv, nh, nkv, hd, q_dtype):
-    """Q, K, V views with padded row, head and element axes around them (NaN outside)."""
+def _qkv(rng, lead, rows, kv, nh, nkv, hd, q_dtype, hdv=None, kv_dtype=F16, v_in_k=False):
+    """Q, K, V views with padded row, head and element axes around them (NaN outside); V
+    of ``hdv`` columns (default ``hd``), or the view of K's first ``hdv`` columns."""
+    hdv = hd if hdv is None else hdv
     qb = _nan_base((*lead, rows + 1, nh + 1, hd + 8), q_dtype)
     q = qb[..., 1:, :nh, 4 : 4 + hd]
     q[...] = _values(rng, q.shape, q_dtype)
-    kb = _nan_base((*lead, kv + 3, nkv, hd + 2), F16) if lead else _nan_base((kv, nkv, hd + 2), F16)
+    kb = _nan_base((*lead, kv + 3, nkv, hd + 2), kv_dtype) if lead else _nan_base((kv, nkv, hd + 2), kv_dtype)
     k = kb[..., :kv, :, 1 : 1 + hd]
-    k[...] = _values(rng, k.shape, F16)
-    vb = _nan_base((*lead, kv + 3, nkv + 1, hd), F16) if lead else _nan_base((kv, nkv + 1, hd), F16)
+    k[...] = _values(rng, k.shape, kv_dtype)
+    if v_in_k:
+        return q, k, k[..., :hdv]
+    vb = _nan_base((*lead, kv + 3, nkv + 1, hdv), kv_dtype) if lead else _nan_base((kv, nkv + 1, hdv), kv_dtype)
     v = vb[..., :kv, 1:, :]
-    v[...] = _values(rng, v.shape, F16)
+    v[...] = _values(rng, v.shape, kv_dtype)
     return q, k, v
 
 
-def fixed_case(rng, *, batch, rows, kv, nh, nkv, hd, q_dtype=F32, mask=None, **kw) -> Prefill:
+def fixed_case(rng, *, batch, rows, kv, nh, nkv, hd, q_dtype=F32, mask=None, hdv=None, kv_dtype=F16, v_in_k=False,
+               **kw) -> Prefill:  # fmt: skip
     """``mask``: None, "shared" (one mask for every sequence) or "per-batch"; peer masks
     (all three tile classes)."""
-    q, k, v = _qkv(rng, (batch,), rows, kv, nh, nkv, hd, q_dtype)
+    q, k, v = _qkv(rng, (batch,), rows, kv, nh, nkv, hd, q_dtype, hdv, kv_dtype, v_in_k)
     m = None
     if mask is not None:
         n = 1 if mask == "shared" else batch
@@ -163,10 +193,10 @@ def fixed_case(rng, *, batch, rows, kv, nh, nkv, hd, q_dtype=F32, mask=None, **k
     return Prefill(q, k, v, m, **kw)
 
 
-def varlen_case(rng, *, lq, lk, nh, nkv, hd, q_dtype=F32, **kw) -> Prefill:
+def varlen_case(rng, *, lq, lk, nh, nkv, hd, q_dtype=F32, hdv=None, kv_dtype=F16, **kw) -> Prefill:
     cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
-    q, k, v = _qkv(rng, (), int(cu_q[-1]), int(cu_k[-1]), nh, nkv, hd, q_dtype)
+    q, k, v = _qkv(rng, (), int(cu_q[-1]), int(cu_k[-1]), nh, nkv, hd, q_dtype, hdv, kv_dtype)
     return Prefill(q, k, v, cu_q=cu_q, cu_k=cu_k, **kw)
 
 
@@ -203,18 +233,18 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
     """flash_attn_prefill as the op encodes it (threadgroup memory: the op's unless given);
     the explicit mask's tables from the emulated classifier unless given. Checks that only
     the output views changed, and all of them. Returns (out, lse or None, blk or None)."""
-    hd, nh, bq = c.head_dim, c.n_heads, BQ[c.head_dim]
+    hd, hdv, nh, bq = c.head_dim, c.head_dim_v, c.n_heads, BQ[c.head_dim]
     nkv = c.k.shape[-2]
     batch, rows, kv = c.batch, c.rows, c.kv_len
     if c.varlen:
-        ob = np.full((rows + 2, nh, hd + 4), SENTINEL, np.float32).astype(c.o_dtype)
-        o_sl = (slice(0, rows), slice(None), slice(2, 2 + hd))
+        ob = np.full((rows + 2, nh, hdv + 4), SENTINEL, np.float32).astype(c.o_dtype)
+        o_sl = (slice(0, rows), slice(None), slice(2, 2 + hdv))
         lb = np.full((nh + 1, rows + 3), SENTINEL, np.float32)
         l_sl = (slice(0, nh), slice(1, rows + 1))
         max_rows = int(np.diff(c.cu_q).max(initial=0))
     else:
-        ob = np.full((batch, rows + 2, nh, hd + 4), SENTINEL, np.float32).astype(c.o_dtype)
-        o_sl = (slice(None), slice(0, rows), slice(None), slice(2, 2 + hd))
+        ob = np.full((batch, rows + 2, nh, hdv + 4), SENTINEL, np.float32).astype(c.o_dtype)
+        o_sl = (slice(None), slice(0, rows), slice(None), slice(2, 2 + hdv))
         lb = np.full((batch, nh + 1, rows + 3), SENTINEL, np.float32)
         l_sl = (slice(None), slice(0, nh), slice(1, rows + 1))
         max_rows = rows
@@ -225,6 +255,7 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
 
     flags = (CAUSAL if c.causal else 0) | (MASK if c.mask is not None else 0)
     flags |= (VARLEN if c.varlen else 0) | (LSE if c.lse else 0) | (OFFSET if c.offset is not None else 0)
+    flags |= SINKS if c.sinks is not None else 0
     blk_rows, blk_steps = cdiv(rows, bq), cdiv(kv, STEP)
     mask_strides = (0, 0)
     if c.mask is not None:
@@ -239,8 +270,9 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         blk_rows * blk_steps if c.mask is not None and mask_strides[0] != 0 else 0,
         batch, rows, kv, nh, nkv, hd, max_rows, c.window, flags,
         DTYPE_CODE[c.q.dtype], DTYPE_CODE[c.o_dtype], blk_rows, blk_steps, bq, c.scale, c.offset or 0,
+        hdv, DTYPE_CODE[c.k.dtype], c.softcap, c.max_bias,
     )  # fmt: skip
-    assert len(params) == 200
+    assert len(params) == 216
     qbuf = _span(c.q)
     buffers = {
         1: qbuf,
@@ -252,11 +284,12 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         7: _from(lse, lb) if c.lse else qbuf,
         8: c.cu_q if c.varlen else qbuf,
         9: c.cu_k if c.varlen else qbuf,
+        10: np.asarray(c.sinks, np.float32) if c.sinks is not None else qbuf,
     }  # fmt: skip
     if batch > 0 and max_rows > 0:
         res = emu.dispatch(
-            KERNEL[hd], (cdiv(max_rows, bq), nh, batch), THREADS, buffers=buffers, constants={0: params},
-            threadgroup_memory={0: tg_memory or mx.threadgroup_memory_bytes(hd)}, **kw,
+            kernel_name(hd, hdv, c.k.dtype), (cdiv(max_rows, bq), nh, batch), THREADS, buffers=buffers, constants={0: params},
+            threadgroup_memory={0: tg_memory or threadgroup_memory(hd)}, **kw,
         )  # fmt: skip
         ob = _put_back(ob, o, res[6])
         lb = _put_back(lb, lse, res[7]) if c.lse else lb
@@ -296,24 +329,11 @@ def placed(lq: int, lk: int, causal: bool, window: int, offset: Optional[int]) -
 
 
 def reference(c: Prefill):
-    if c.offset is None:
-        return reference_prefill(
-            c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale,
-            cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k,
-        )  # fmt: skip
-    # An explicit offset: each sequence with its visibility as an explicit 0 / -inf mask.
-    out = np.zeros(c.q.shape, np.float64)
-    lse = np.full((c.n_heads, c.rows) if c.varlen else (c.batch, c.n_heads, c.rows), -np.inf)
-    for (qs, _), (q, k, v, m) in c.sequences():
-        seen = placed(q.shape[0], k.shape[0], c.causal, c.window, c.offset)
-        add = np.where(seen, 0.0 if m is None else m.astype(np.float64), -np.inf).astype(np.float16)
-        o, l = reference_prefill(q, k, v, add, scale=c.scale)
-        out[qs] = o
-        if c.varlen:
-            lse[:, qs] = l
-        else:
-            lse[qs] = l
-    return out, lse
+    return reference_prefill(
+        c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale,
+        cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k, offset=c.offset,
+        softcap=c.softcap, max_bias=c.max_bias, sinks=c.sinks,
+    )  # fmt: skip
 
 
 def cpu_origin(c: Prefill) -> np.ndarray:
@@ -338,6 +358,22 @@ def cpu_origin(c: Prefill) -> np.ndarray:
     return out
 
 
+def cpu_front_door(c: Prefill) -> np.ndarray:
+    """The CPU backend's flash_attn_prefill on the same views; float32, shaped like out."""
+    out = mx.flash_attn_prefill(
+        c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale, cu_seqlens_q=c.cu_q,
+        cu_seqlens_k=c.cu_k, out_dtype=np.float32, device="cpu", softcap=c.softcap, max_bias=c.max_bias,
+        sinks=c.sinks,
+    )  # fmt: skip
+    return np.asarray(out)
+
+
+def _origin_expresses(c: Prefill) -> bool:
+    """Whether the origin op (F16 K/V, head dim 256 or 512, no SPEC 10) computes the case."""
+    plain = c.softcap == 0 and c.max_bias == 0 and c.sinks is None
+    return plain and c.head_dim in (256, 512) and c.head_dim_v == c.head_dim and c.k.dtype == F16
+
+
 def check(c: Prefill, out, lse, *, cpu=True):
     """out against the reference (and the CPU backend), lse within SPEC 8's tolerance, rows
     that see nothing +0 with lse -inf."""
@@ -346,16 +382,30 @@ def check(c: Prefill, out, lse, *, cpu=True):
     err = nmse(out, ref)
     assert err < EXPECTED[c.o_dtype], f"nmse {err:.3e} against the reference"
     unseen = ~np.isfinite(ref_lse)  # [.., H, rows]
+    if c.sinks is not None:  # a row that sees nothing has lse = its sink
+        unseen = _sees_nothing(c)
     unseen_out = np.moveaxis(unseen, -1, -2)  # [.., rows, H]
     assert (np.asarray(out, np.float32)[unseen_out].view(np.uint32) == 0).all(), "a row that sees nothing is not +0"
     if lse is not None:
-        assert (lse[unseen] == -np.inf).all(), "the lse of a row that sees nothing is not -inf"
+        if c.sinks is None:
+            assert (lse[unseen] == -np.inf).all(), "the lse of a row that sees nothing is not -inf"
+        else:
+            sig = np.broadcast_to(np.asarray(c.sinks, np.float32)[:, None], lse.shape)
+            assert (lse[unseen] == sig[unseen]).all(), "the lse of a row that sees nothing is not its sink"
         assert np.isfinite(lse[~unseen]).all()
         off = np.abs(lse[~unseen] - ref_lse[~unseen]).max(initial=0)
         assert off < LSE_TOLERANCE, f"lse off by {off:.3e}"
     if cpu and c.o_dtype == F32:
-        err = nmse(out, cpu_origin(c))
-        assert err < CPU_AGREEMENT, f"nmse {err:.3e} against the CPU backend"
+        err = nmse(out, cpu_origin(c) if _origin_expresses(c) else cpu_front_door(c))
+        bar = CPU_AGREEMENT if c.softcap == 0 and c.max_bias == 0 else CPU_AGREEMENT_TRANSFORMS
+        assert err < bar, f"nmse {err:.3e} against the CPU backend"
+
+
+def _sees_nothing(c: Prefill) -> np.ndarray:
+    """Where a (head, row) sees no cache row, ``[.., H, rows]`` like lse: the reference's lse
+    without the sinks is -inf there."""
+    _, plain = reference(c.with_(sinks=None))
+    return ~np.isfinite(plain)
 
 
 def same_bits(a, b) -> bool:
@@ -614,6 +664,8 @@ def test_schedules_and_cooperative_layouts_change_no_bit(emu, rng):
 
 
 def test_threadgroup_memory_is_exactly_what_the_op_binds(emu, rng):
+    # The origin op's formula, which the prefill op shares (SPEC 2), at its two head dims.
+    assert [threadgroup_memory(d) for d in (256, 512)] == [mx.threadgroup_memory_bytes(d) for d in (256, 512)]
     c = fixed_case(rng, batch=1, rows=8, kv=64, nh=1, nkv=1, hd=256)
     out, lse, _ = emu_prefill(emu, c)
     check(c, out, lse, cpu=False)
@@ -716,10 +768,10 @@ def test_lse_without_the_running_max_is_caught(build_dir, rng):
 
 
 def test_a_partial_step_read_past_the_cache_is_caught(emu, build_dir, rng):
-    # K and V tensors of a whole step at the cache's end (125 rows: the last step has 61)
+    # A V tensor of a whole step at the cache's end (125 rows: the last step has 61)
     # read the 3 rows after it: past the last sequence's buffer, a fault; where the buffers go
     # on (the NaN rows after each cache), NaN in the output.
-    bad = mutated(build_dir, "dextents<int32_t, 2>(D, kn)", "dextents<int32_t, 2>(D, C)", count=2)
+    bad = mutated(build_dir, "dextents<int32_t, 2>(DV, kn)", "dextents<int32_t, 2>(DV, C)")
     c = fixed_case(rng, batch=2, rows=20, kv=125, nh=2, nkv=1, hd=256, causal=True)
     with pytest.raises(metal_emu.EmulatorError):
         emu_prefill(bad, c)

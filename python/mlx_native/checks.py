@@ -97,6 +97,42 @@ def check_scale(scale: Any) -> Optional[float]:
     return s
 
 
+def check_softcap(softcap: Any) -> float:
+    """SPEC 10's softcap: a finite real number >= 0 (0: none; Gemma 2 uses 50 and 30)."""
+    return _non_negative(softcap, "softcap", "s = softcap * tanh(s / softcap) on every score; 0 for none")
+
+
+def check_max_bias(max_bias: Any) -> float:
+    """SPEC 10's ALiBi ``max_bias``: a finite real number >= 0 (0: no ALiBi; 8 for the
+    models trained with it)."""
+    return _non_negative(max_bias, "max_bias", "ALiBi's slopes are 2^(-max_bias * ...) per head; 0 for none")
+
+
+def _non_negative(x: Any, name: str, what: str) -> float:
+    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be a real number >= 0 ({what}), got {x!r} ({type(x).__name__})")
+    v = float(x)
+    with np.errstate(over="ignore"):
+        in_f32 = float(np.float32(v)) if math.isfinite(v) else v
+    if not math.isfinite(in_f32) or v < 0:
+        raise InvalidArgumentError(f"{name} must be a finite number >= 0 (in float32), got {x!r} ({what})")
+    return v
+
+
+def check_sinks(op: Operand, n_heads: int) -> Operand:
+    """SPEC 10's attention sinks: one float32 logit per query head, ``[n_heads]``."""
+    if op.dtype != np.float32:
+        raise UnsupportedDtypeError(
+            f"sinks must be float32 (one logit per query head), got {op.dtype.name}: convert with .astype(float32) "
+            f"or .float()"
+        )
+    if op.shape != (n_heads,):
+        raise InvalidArgumentError(
+            f"sinks must have shape ({n_heads},), one logit per query head, got {op.shape}"
+        )
+    return op
+
+
 def check_out_dtype(out_dtype: Any, q_dtype: Any) -> str:
     """The output dtype's name: ``q``'s dtype for ``None``; float32, float16 or bfloat16."""
     name = dtype_name(q_dtype if out_dtype is None else out_dtype)

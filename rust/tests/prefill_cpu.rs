@@ -676,7 +676,7 @@ fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
     dispatch_flash_attn_prefill_mask_blk(&mut enc, &mut reg, &dev, mask, blk, &c.params()).unwrap();
     enc.commit_and_wait().unwrap();
     let g = validate(&bufs.view(), &c.params()).unwrap().gpu;
-    let kernel: CpuKernelFn = flash_attn_prefill::run_d256;
+    let kernel: CpuKernelFn = flash_attn_prefill::KERNELS.iter().find(|k| k.0 == "flash_attn_prefill_d256").unwrap().1;
     let go = |g: &FlashAttnPrefillParamsGpu, swap: &[(u64, BufferBinding)]| {
         let d = by_hand("flash_attn_prefill_d256", kernel, bytemuck::bytes_of(g), &bufs, swap);
         kernel(&d)

@@ -257,7 +257,7 @@ mod front_door {
         let big = 1u32 << 31;
         let huge = 1u64 << 63;
         let cases: Vec<(&str, FlashAttnPrefillParams, &str)> = vec![
-            ("head_dim 128", FlashAttnPrefillParams { head_dim: 128, ..p }, "unsupported head_dim 128 (256 or 512)"),
+            ("head_dim 100", FlashAttnPrefillParams { head_dim: 100, head_dim_v: 100, ..p }, "unsupported head_dim 100 (v head dim 100); this build's kernels take 64, 80, 96, 112, 128, 192, 256, 512, 576 with v 512"),
             ("no heads", FlashAttnPrefillParams { n_heads: 0, ..p }, "n_heads 0 and n_kv_heads 2 must be at least 1"),
             ("no kv heads", FlashAttnPrefillParams { n_kv_heads: 0, ..p }, "must be at least 1"),
             (
@@ -404,7 +404,7 @@ mod front_door {
             &FlashAttnPrefillBuffers { k: &k_f32, v: &v_f32, ..b },
             &p,
             true,
-            "k and v must be F16, got F32",
+            "k and v must be F16 or BF16, got F32",
         );
         refused("v f32", &dev, &FlashAttnPrefillBuffers { v: &v_f32, ..b }, &p, true, "k is F16 and v is F32");
         let out_i32 = dev.alloc_buffer(DType::I32, &[n.out]).unwrap();
@@ -821,7 +821,13 @@ mod front_door {
                 FlashAttnPrefillParams { mask_strides: [1 << 63, p.mask_strides[1]], ..p },
                 "a mask stride exceeds i64",
             ),
-            ("head_dim 128", mask, blk, FlashAttnPrefillParams { head_dim: 128, ..p }, "unsupported head_dim 128"),
+            (
+                "head_dim 100",
+                mask,
+                blk,
+                FlashAttnPrefillParams { head_dim: 100, head_dim_v: 100, ..p },
+                "unsupported head_dim 100",
+            ),
             // The limits themselves pass those checks, and the mask's size refuses them.
             ("rows i32::MAX", mask, blk, FlashAttnPrefillParams { rows: i32::MAX as u32, ..p }, "mask holds"),
             ("kv_len i32::MAX", mask, blk, FlashAttnPrefillParams { kv_len: i32::MAX as u32, ..p }, "mask holds"),

@@ -61,13 +61,28 @@ pub const HEAD_DIMS: [((u32, u32), &str, &str); 9] = [
     ((576, 512), "flash_attn_prefill_d576_512", "flash_attn_prefill_d576_512_bf16"),
 ];
 
-/// Whether every backend's kernels apply SPEC 10's score transforms (softcap, ALiBi, sinks);
-/// until they do, the op refuses them rather than compute without them.
-const SCORE_TRANSFORMS: bool = false;
-
-/// The kernels of the head dims and K/V dtypes every backend runs today; the op refuses the
-/// others of [`HEAD_DIMS`] when validating, with the dims it takes.
-pub const REGISTERED_KERNELS: &[&str] = &[K_PREFILL_D256, K_PREFILL_D512];
+/// The kernels of the head dims and K/V dtypes every backend runs: all of [`HEAD_DIMS`], F16
+/// and BF16 (a name outside this list is refused when validating, with the dims it takes).
+pub const REGISTERED_KERNELS: &[&str] = &[
+    "flash_attn_prefill_d64",
+    "flash_attn_prefill_d64_bf16",
+    "flash_attn_prefill_d80",
+    "flash_attn_prefill_d80_bf16",
+    "flash_attn_prefill_d96",
+    "flash_attn_prefill_d96_bf16",
+    "flash_attn_prefill_d112",
+    "flash_attn_prefill_d112_bf16",
+    "flash_attn_prefill_d128",
+    "flash_attn_prefill_d128_bf16",
+    "flash_attn_prefill_d192",
+    "flash_attn_prefill_d192_bf16",
+    K_PREFILL_D256,
+    "flash_attn_prefill_d256_bf16",
+    K_PREFILL_D512,
+    "flash_attn_prefill_d512_bf16",
+    "flash_attn_prefill_d576_512",
+    "flash_attn_prefill_d576_512_bf16",
+];
 /// The explicit mask's classifier.
 pub const K_PREFILL_MASK_BLK: &str = "flash_attn_prefill_mask_blk";
 
@@ -427,9 +442,11 @@ pub fn validate_shapes(
     if !p.max_bias.is_finite() || p.max_bias < 0.0 {
         return Err(invalid(format!("max_bias {} must be a finite number >= 0 (0: no ALiBi)", p.max_bias)));
     }
-    if !SCORE_TRANSFORMS && (p.softcap != 0.0 || p.max_bias != 0.0 || o.sinks) {
+    if p.max_bias > 0.0 && !o.mask && p.causal == 0 {
         return Err(invalid(
-            "softcap, ALiBi (max_bias) and attention sinks are not implemented by the kernels of this build yet".into(),
+            "ALiBi needs positions: pass causal=True, a window, or an explicit mask holding -|i-j| (max_bias > 0 \
+             scales the mask by each head's slope; with neither there is nothing to scale)"
+                .into(),
         ));
     }
     let dims = [p.batch, p.rows, p.kv_len, p.n_heads, p.n_kv_heads, p.window];

@@ -1,4 +1,4 @@
-//! Helpers of the `flash_attn_prefill` tests (SPEC 6-9): a strided case over a batch (fixed
+//! Helpers of the `flash_attn_prefill` tests (SPEC 6-10): a strided case over a batch (fixed
 //! or variable length), its float64 reference, and a harness that runs it through the op
 //! and reads the outputs back into one logical layout, checking on the way that nothing
 //! outside the outputs' rows was written.
@@ -25,7 +25,7 @@ pub struct Mask {
 }
 
 /// One prefill problem with its host data. Q holds values already representable in
-/// `q_dtype`.
+/// `q_dtype`; K and V are the bits of `kv_dtype` (F16 or BF16).
 #[derive(Clone, Debug)]
 pub struct Prefill {
     /// (query rows, cache rows) of every sequence.
@@ -33,7 +33,17 @@ pub struct Prefill {
     pub varlen: bool,
     pub n_heads: usize,
     pub n_kv_heads: usize,
+    /// Columns of Q and K.
     pub head_dim: usize,
+    /// Columns of V and O.
+    pub head_dim_v: usize,
+    pub kv_dtype: DType,
+    /// V is a view of K's first `head_dim_v` columns (the same buffer, K's strides).
+    pub v_in_k: bool,
+    /// SPEC 10: softcap (0: none), ALiBi's max_bias (0: none), one sink logit per head.
+    pub softcap: f32,
+    pub max_bias: f32,
+    pub sinks: Option<Vec<f32>>,
     pub causal: bool,
     pub window: usize,
     /// Where query row r of every sequence sits in its cache (`r + offset`); `None`: the
@@ -125,6 +135,50 @@ impl Prefill {
         c
     }
 
+    /// The same shapes with other head dims, K/V dtype or V as a view of K (for Q/K columns
+    /// `dims.0`, V/O columns `dims.1`), filled afresh from `seed`: strides for the new widths.
+    pub fn with_kv(mut self, seed: u64, dims: (usize, usize), kv_dtype: DType, v_in_k: bool) -> Prefill {
+        let pad = self.q_strides[2] - self.head_dim;
+        let mut c = Prefill::layout(self.lens.clone(), self.varlen, self.n_heads, self.n_kv_heads, dims.0, pad);
+        (c.head_dim_v, c.kv_dtype, c.v_in_k) = (dims.1, kv_dtype, v_in_k);
+        let (_, rows, kv) = c.shape();
+        c.v_strides = if v_in_k { c.k_strides } else { strides(kv, c.n_kv_heads, dims.1, pad, !c.varlen) };
+        c.out_strides = strides(rows, c.n_heads, dims.1, pad * 3, !c.varlen);
+        (c.causal, c.window, c.offset, c.scale) = (self.causal, self.window, self.offset, self.scale);
+        (c.q_dtype, c.out_dtype) = (self.q_dtype, self.out_dtype);
+        (c.softcap, c.max_bias, c.sinks) = (self.softcap, self.max_bias, self.sinks.take());
+        let lse = self.lse_strides.is_some();
+        c.fill(seed);
+        if lse {
+            c = c.with_lse();
+        }
+        c
+    }
+
+    /// SPEC 10's score transforms.
+    pub fn with_transforms(mut self, softcap: f32, max_bias: f32, sinks: Option<Vec<f32>>) -> Prefill {
+        (self.softcap, self.max_bias, self.sinks) = (softcap, max_bias, sinks);
+        self
+    }
+
+    /// The value of K/V bits `x` in `kv_dtype`.
+    pub fn kv_value(&self, x: u16) -> f64 {
+        if self.kv_dtype == DType::BF16 {
+            bf16::from_bits(x).to_f64()
+        } else {
+            f16::from_bits(x).to_f64()
+        }
+    }
+
+    /// The bits of `kv_dtype` nearest `x`.
+    pub fn kv_bits(&self, x: f32) -> u16 {
+        if self.kv_dtype == DType::BF16 {
+            bf16::from_f32(x).to_bits()
+        } else {
+            f16::from_f32(x).to_bits()
+        }
+    }
+
     fn layout(lens: Vec<(usize, usize)>, varlen: bool, nh: usize, nkv: usize, hd: usize, pad: usize) -> Prefill {
         let (rows, kv) =
             if varlen { (lens.iter().map(|l| l.0).sum(), lens.iter().map(|l| l.1).sum()) } else { lens[0] };
@@ -134,6 +188,12 @@ impl Prefill {
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
+            head_dim_v: hd,
+            kv_dtype: DType::F16,
+            v_in_k: false,
+            softcap: 0.0,
+            max_bias: 0.0,
+            sinks: None,
             causal: false,
             window: 0,
             offset: None,
@@ -158,11 +218,12 @@ impl Prefill {
     pub fn fill(&mut self, seed: u64) {
         let mut rng = Rng::new(seed);
         let (seqs, rows, kv) = self.shape();
-        let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let (nh, nkv, hd, hdv) = (self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim_v);
         let past = |s: [usize; 3]| 2 * s[1];
+        let nan = self.kv_bits(f32::NAN);
         self.q = vec![f32::NAN; span([seqs, rows, nh], self.q_strides, hd) + past(self.q_strides)];
-        self.k = vec![f16::NAN.to_bits(); span([seqs, kv, nkv], self.k_strides, hd) + past(self.k_strides)];
-        self.v = vec![f16::NAN.to_bits(); span([seqs, kv, nkv], self.v_strides, hd) + past(self.v_strides)];
+        self.k = vec![nan; span([seqs, kv, nkv], self.k_strides, hd) + past(self.k_strides)];
+        self.v = vec![nan; span([seqs, kv, nkv], self.v_strides, hdv) + past(self.v_strides)];
         for (b, &(lq, lk)) in self.lens.clone().iter().enumerate() {
             for r in 0..lq {
                 for h in 0..nh {
@@ -175,14 +236,18 @@ impl Prefill {
             for j in 0..lk {
                 for g in 0..nkv {
                     let (ka, va) = (self.k_at(b, j, g), self.v_at(b, j, g));
-                    for x in &mut self.k[ka..ka + hd] {
-                        *x = f16::from_f32(rng.uniform(-1.0, 1.0)).to_bits();
+                    for d in 0..hd {
+                        self.k[ka + d] = self.kv_bits(rng.uniform(-1.0, 1.0));
                     }
-                    for x in &mut self.v[va..va + hd] {
-                        *x = f16::from_f32(rng.uniform(-1.0, 1.0)).to_bits();
+                    for d in 0..hdv {
+                        self.v[va + d] = self.kv_bits(rng.uniform(-1.0, 1.0));
                     }
                 }
             }
+        }
+        if self.v_in_k {
+            // One buffer: V reads K's first head_dim_v columns.
+            self.v = self.k.clone();
         }
     }
 
@@ -336,19 +401,38 @@ impl Prefill {
             scale: self.scale,
             offset: self.offset.unwrap_or(0) as i32,
             has_offset: self.offset.is_some() as u32,
-            ..Default::default()
+            head_dim_v: self.head_dim_v as u32,
+            softcap: self.softcap,
+            max_bias: self.max_bias,
         }
     }
 
-    /// The float64 reference of SPEC 6-9: `qh = half(scale * q)`, F16 K/V, the visible pairs
-    /// with the explicit mask added, the exact softmax. Returns O `[logical row][head][dim]`
-    /// and lse `[logical row][head]` (`ln(sum_j exp(s_j))`; -inf and O = 0 where a row sees
-    /// nothing).
+    /// SPEC 10's ALiBi slope of head `h` in f64 (1 without ALiBi).
+    pub fn slope(&self, h: usize) -> f64 {
+        if self.max_bias <= 0.0 {
+            return 1.0;
+        }
+        let n2 = 1usize << (usize::BITS - 1 - self.n_heads.leading_zeros());
+        let (mb, n2f) = (self.max_bias as f64, n2 as f64);
+        let (m0, m1) = (2f64.powf(-mb / n2f), 2f64.powf(-mb / 2.0 / n2f));
+        if h < n2 {
+            m0.powi(h as i32 + 1)
+        } else {
+            m1.powi(2 * (h - n2) as i32 + 1)
+        }
+    }
+
+    /// The float64 reference of SPEC 6-10: `qh = half(scale * q)`, F16 or BF16 K/V, on the
+    /// visible pairs `s = dot(qh, k)`, softcapped, plus the head's ALiBi slope times the
+    /// explicit mask (or, ALiBi without one, times the described mask's `-(p - j)`), the exact
+    /// softmax with the head's sink logit as one more score. Returns O
+    /// `[logical row][head][dim_v]` and lse `[logical row][head]` (`ln(e^sigma + sum_j
+    /// exp(s_j))`; without a sink -inf and O = 0 where a row sees nothing).
     pub fn reference(&self) -> (Vec<f64>, Vec<f64>) {
-        let (nh, hd) = (self.n_heads, self.head_dim);
+        let (nh, hd, hdv) = (self.n_heads, self.head_dim, self.head_dim_v);
         let group = nh / self.n_kv_heads;
         let n = self.logical_rows();
-        let (mut out, mut lse) = (vec![0f64; n * nh * hd], vec![f64::NEG_INFINITY; n * nh]);
+        let (mut out, mut lse) = (vec![0f64; n * nh * hdv], vec![f64::NEG_INFINITY; n * nh]);
         for (b, &(lq, lk)) in self.lens.iter().enumerate() {
             let mut s = vec![f64::NEG_INFINITY; lk];
             for r in 0..lq {
@@ -356,16 +440,25 @@ impl Prefill {
                     let g = h / group;
                     let qa = self.q_at(b, r, h);
                     let qh: Vec<f64> = (0..hd).map(|d| f16::from_f32(self.scale * self.q[qa + d]).to_f64()).collect();
-                    let mut mx = f64::NEG_INFINITY;
+                    let sigma = self.sinks.as_ref().map_or(f64::NEG_INFINITY, |s| s[h] as f64);
+                    let slope = self.slope(h);
+                    let mut mx = sigma;
                     for (j, sj) in s.iter_mut().enumerate() {
                         *sj = f64::NEG_INFINITY;
                         if !self.visible(b, r, j) {
                             continue;
                         }
                         let ka = self.k_at(b, j, g);
-                        let mut dot: f64 = (0..hd).map(|d| qh[d] * f16::from_bits(self.k[ka + d]).to_f64()).sum();
+                        let mut dot: f64 = (0..hd).map(|d| qh[d] * self.kv_value(self.k[ka + d])).sum();
+                        if self.softcap > 0.0 {
+                            let cap = self.softcap as f64;
+                            dot = cap * (dot / cap).tanh();
+                        }
                         if let Some(m) = &self.mask {
-                            dot += f16::from_bits(m.data[self.mask_at(b, r, j)]).to_f64();
+                            dot += slope * f16::from_bits(m.data[self.mask_at(b, r, j)]).to_f64();
+                        } else if self.max_bias > 0.0 {
+                            // ALiBi on the described mask: llama.cpp's mask value -(p - j).
+                            dot += slope * (j as f64 - (r as i64 + self.query_offset(b)) as f64);
                         }
                         *sj = dot;
                         mx = mx.max(dot);
@@ -374,8 +467,8 @@ impl Prefill {
                     if mx == f64::NEG_INFINITY {
                         continue;
                     }
-                    let o = &mut out[(row * nh + h) * hd..(row * nh + h + 1) * hd];
-                    let mut denom = 0.0;
+                    let o = &mut out[(row * nh + h) * hdv..(row * nh + h + 1) * hdv];
+                    let mut denom = if sigma == f64::NEG_INFINITY { 0.0 } else { (sigma - mx).exp() };
                     for (j, &sj) in s.iter().enumerate() {
                         if sj == f64::NEG_INFINITY {
                             continue;
@@ -384,7 +477,7 @@ impl Prefill {
                         denom += p;
                         let va = self.v_at(b, j, g);
                         for (d, x) in o.iter_mut().enumerate() {
-                            *x += p * f16::from_bits(self.v[va + d]).to_f64();
+                            *x += p * self.kv_value(self.v[va + d]);
                         }
                     }
                     for x in o.iter_mut() {
@@ -458,6 +551,7 @@ pub struct Buffers {
     pub mask: Option<MlxBuffer>,
     pub blk: Option<MlxBuffer>,
     pub cu: Option<(MlxBuffer, MlxBuffer)>,
+    pub sinks: Option<MlxBuffer>,
 }
 
 impl Buffers {
@@ -472,7 +566,7 @@ impl Buffers {
             cu_seqlens_q: self.cu.as_ref().map(|c| &c.0),
             cu_seqlens_k: self.cu.as_ref().map(|c| &c.1),
             lse: self.lse.as_ref(),
-            sinks: None,
+            sinks: self.sinks.as_ref(),
         }
     }
 }
@@ -490,14 +584,15 @@ impl Prefill {
 
     pub fn needs(&self) -> Needs {
         let (seqs, rows, kv) = self.shape();
-        let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let bq = if hd == 256 { 32 } else { 16 };
+        let (nh, nkv, hd, dv) = (self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim_v);
+        // The table's query rows per tile (docs/spec.md 10a).
+        let bq = if hd <= 256 { 32 } else { 16 };
         let mask_seqs = |m: &Mask| if m.strides[0] == 0 { 1 } else { seqs };
         Needs {
             q: span([seqs, rows, nh], self.q_strides, hd),
             k: span([seqs, kv, nkv], self.k_strides, hd),
-            v: span([seqs, kv, nkv], self.v_strides, hd),
-            out: span([seqs, rows, nh], self.out_strides, hd),
+            v: if self.v_in_k { 0 } else { span([seqs, kv, nkv], self.v_strides, dv) },
+            out: span([seqs, rows, nh], self.out_strides, dv),
             lse: self.lse_strides.map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows)),
             mask: self.mask.as_ref().map_or(0, |m| span([mask_seqs(m), rows, 1], [m.strides[0], m.strides[1], 0], kv)),
             blk: self.mask.as_ref().map_or(0, |m| mask_seqs(m) * rows.div_ceil(bq) * kv.div_ceil(64)),
@@ -513,15 +608,17 @@ impl Prefill {
             let (cq, ck) = self.cu_seqlens();
             (upload(dev, DType::I32, &cq), upload(dev, DType::I32, &ck))
         });
+        let k = upload(dev, self.kv_dtype, &self.k[..n.k]);
         Buffers {
             q,
-            k: upload(dev, DType::F16, &self.k[..n.k]),
-            v: upload(dev, DType::F16, &self.v[..n.v]),
+            k: k.clone(),
+            v: if self.v_in_k { k } else { upload(dev, self.kv_dtype, &self.v[..n.v]) },
             out: sentinel_buffer(dev, self.out_dtype, n.out),
             lse: self.lse_strides.map(|_| sentinel_buffer(dev, DType::F32, n.lse)),
             mask: self.mask.as_ref().map(|m| upload(dev, DType::F16, &m.data[..n.mask])),
             blk: self.mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[n.blk]).unwrap()),
             cu,
+            sinks: self.sinks.as_ref().map(|s| upload(dev, DType::F32, s)),
         }
     }
 }
@@ -619,14 +716,15 @@ pub fn run_placed(
     placement: Placement,
 ) -> Output {
     let (seqs, rows, _) = c.shape();
-    let (nh, hd) = (c.n_heads, c.head_dim);
+    let (nh, hd) = (c.n_heads, c.head_dim_v);
     let p = c.params();
     let nkv = c.n_kv_heads;
     let seq_len = |b: usize| c.lens[b];
     // One past the last element each tensor uses.
-    let q_end = used(c.q.len(), c.lens.len(), |b| (seq_len(b).0 > 0).then(|| c.q_at(b, seq_len(b).0 - 1, nh - 1) + hd));
+    let dk = c.head_dim;
+    let q_end = used(c.q.len(), c.lens.len(), |b| (seq_len(b).0 > 0).then(|| c.q_at(b, seq_len(b).0 - 1, nh - 1) + dk));
     let k_end =
-        used(c.k.len(), c.lens.len(), |b| (seq_len(b).1 > 0).then(|| c.k_at(b, seq_len(b).1 - 1, nkv - 1) + hd));
+        used(c.k.len(), c.lens.len(), |b| (seq_len(b).1 > 0).then(|| c.k_at(b, seq_len(b).1 - 1, nkv - 1) + dk));
     let v_end =
         used(c.v.len(), c.lens.len(), |b| (seq_len(b).1 > 0).then(|| c.v_at(b, seq_len(b).1 - 1, nkv - 1) + hd));
     let m_end = c.mask.as_ref().map(|m| {
@@ -657,8 +755,10 @@ pub fn run_placed(
         }
     };
     let q = place(&q_bytes, q_end, c.q_dtype);
-    let k = place(k_bytes, k_end, DType::F16);
-    let v = place(v_bytes, v_end, DType::F16);
+    let k = place(k_bytes, k_end, c.kv_dtype);
+    // V a view of K (576/512): the same buffer, read at K's rows.
+    let v = if c.v_in_k { k.clone() } else { place(v_bytes, v_end, c.kv_dtype) };
+    let sinks = c.sinks.as_ref().map(|s| upload(dev, DType::F32, s));
     let mask = m_bytes.map(|m| place(m, m_end.unwrap(), DType::F16));
     let out_elems = span([seqs, rows, nh], c.out_strides, hd) + 2 * c.out_strides[1] + 17;
     let out = sentinel_buffer(dev, c.out_dtype, out_elems);
@@ -691,7 +791,7 @@ pub fn run_placed(
         cu_seqlens_q: cu.as_ref().map(|x| &x.0),
         cu_seqlens_k: cu.as_ref().map(|x| &x.1),
         lse: lse.as_ref(),
-        sinks: None,
+        sinks: sinks.as_ref(),
     };
     dispatch_flash_attn_prefill(&mut enc, reg, dev, &bufs, &p).unwrap();
     enc.commit_and_wait().unwrap();
