@@ -18,11 +18,14 @@ appears exactly as often as recorded, and refuses to run until the list is updat
 How each family runs a mutant (the repository's sources are never touched):
 - metal: the mutated .metal file goes into a scratch folder named by MLXN_METAL_SHADER_DIR;
   the emulator is built from it (a mutant that does not compile is reported, not counted),
-  then `pytest tests/test_metal_emulator.py -x` (the tests that plant bugs of their own and
-  the emulator's self-tests left out).
+  then `pytest -x tests/test_metal_emulator_prefill.py tests/test_metal_emulator.py` (the
+  front door's kernels first, then the origin's entry points; the tests that plant bugs of
+  their own and the emulator's self-tests left out).
 - cpu: a scratch copy of the crate (Cargo.toml, rust/, shaders/) with the mutated file, its
-  own target folder kept between runs; `cargo test --test planted --test flash_attn_cpu`,
-  then, for a survivor, `--test fuzz --test reliability`.
+  own target folder kept between runs; `cargo test --test prefill_cpu --test planted --test
+  flash_attn_cpu` (the front door's op, then the origin's through the same work item), then,
+  for a survivor, `--test fuzz --test reliability --lib` (the crate's unit tests: the
+  description's classes pair by pair, the classifier's crafted tiles).
 - cuda: the mutated .cu goes into a scratch folder named by MLX_NATIVE_CUDA_SOURCE_DIR (read
   by the installed library; no Rust needed). On a GPU: every mutant is compiled in parallel
   processes into a private cubin cache, then the CUDA tests run against each, a few at a
@@ -81,13 +84,16 @@ CU_SM90 = "shaders/flash_attn_prefill/mainloop_sm90.cuh"
 CU_SM90_PTX = "shaders/flash_attn_prefill/sm90_ptx.cuh"
 T_CU = "shaders/flash_attn_prefill_tensor.cu"
 B_CU = "shaders/flash_attn_prefill_blk.cu"
-T_RS = "rust/src/backend/cpu/flash_attn_prefill_tensor.rs"
+P_RS = "rust/src/backend/cpu/prefill_tile.rs"
+F_RS = "rust/src/backend/cpu/flash_attn_prefill.rs"
 B_RS = "rust/src/backend/cpu/flash_attn_prefill_blk.rs"
 PORTABLE = {"MLX_NATIVE_CUDA_ARCH": "sm_90"}  # the mma.sync form on a Hopper GPU
 
 M = Mutation
 MUTATIONS: List[Mutation] = [
     # ---------------------------------------------------------------- Metal: attention
+    # One body (flash_attn_prefill_tile) for both ops: the front door's flash_attn_prefill_d*
+    # and the origin's flash_attn_prefill_tensor_f16_d* (entry points over it).
     M("metal-threshold-ge", "metal", T_METAL, "if (m > m_run[i] + RESCALE_THRESHOLD) {",
       "if (m >= m_run[i] + RESCALE_THRESHOLD) {", "rescale at a step max of exactly M + 8"),
     M("metal-threshold-sign", "metal", T_METAL, "if (m > m_run[i] + RESCALE_THRESHOLD) {",
@@ -103,40 +109,99 @@ MUTATIONS: List[Mutation] = [
       "const int g = h % p.n_kv_heads;", "wrong KV head: h % n_kv_heads"),
     M("metal-kv-head-div", "metal", T_METAL, "const int g = h / (p.n_heads / p.n_kv_heads);",
       "const int g = h / p.n_kv_heads;", "wrong KV head: h / n_kv_heads"),
-    M("metal-q-rounded-first", "metal", T_METAL, "x = float4(qrow[d4]) * p.scale;",
-      "x = float4(half4(float4(qrow[d4]))) * p.scale;", "Q rounded to half before the scale"),
-    M("metal-scale-dropped", "metal", T_METAL, "x = float4(qrow[d4]) * p.scale;", "x = float4(qrow[d4]);",
-      "scale ignored"),
-    M("metal-last-step", "metal", T_METAL, "const int n_steps = p.kv_pad / C;",
-      "const int n_steps = (p.kv_pad - 1) / C;", "the last step of the cache dropped"),
-    M("metal-row-bound", "metal", T_METAL, "const int valid = min(Q, p.rows - r0);",
-      "const int valid = min(Q, p.rows - r0 + 1);", "one row past the prompt read and written"),
-    M("metal-mask-rows-past", "metal", T_METAL, "if (t == 1 && row < valid) {", "if (t == 1) {",
+    M("metal-q-rounded-first", "metal", T_METAL, "x = load_q4(q, p.q_dtype, at + ulong(4 * d4)) * p.scale;",
+      "x = float4(half4(load_q4(q, p.q_dtype, at + ulong(4 * d4)))) * p.scale;", "Q rounded to half before the scale"),
+    M("metal-scale-dropped", "metal", T_METAL, "x = load_q4(q, p.q_dtype, at + ulong(4 * d4)) * p.scale;",
+      "x = load_q4(q, p.q_dtype, at + ulong(4 * d4));", "scale ignored"),
+    M("metal-q-bf16-lane", "metal", T_METAL, "float4(float(x[0]), float(x[1]), float(x[2]), float(x[3]))",
+      "float4(float(x[0]), float(x[1]), float(x[2]), float(x[2]))", "BF16 Q: every fourth element read from the third"),
+    M("metal-last-step", "metal", T_METAL, "const int n_steps = lk / C + (lk % C != 0 ? 1 : 0);",
+      "const int n_steps = (lk - 1) / C;", "the last step of the cache dropped (whole or partial)"),
+    M("metal-partial-step", "metal", T_METAL, "const int n_steps = lk / C + (lk % C != 0 ? 1 : 0);",
+      "const int n_steps = lk / C;", "a partial last step dropped (the cache's tail past a multiple of 64)"),
+    M("metal-partial-tail-read", "metal", T_METAL, "dextents<int32_t, 2>(D, kn)", "dextents<int32_t, 2>(D, C)",
+      "a partial last step reads whole K and V tiles (rows past the cache's end)", count=2),
+    M("metal-partial-whole", "metal", T_METAL, "return whole && lo(r_last) <= c && hi(r_first) >= last ? 2 : 1;",
+      "return lo(r_last) <= c && hi(r_first) >= last ? 2 : 1;",
+      "a partial last step every row sees counted whole (no -inf past the cache's end)"),
+    M("metal-row-bound", "metal", T_METAL, "const int valid = min(Q, lq - r0);",
+      "const int valid = min(Q, lq - r0 + 1);", "one row past the prompt read and written"),
+    M("metal-mask-rows-past", "metal", T_METAL, "if (add_mask && row < valid) {", "if (add_mask) {",
       "mask rows past the prompt read"),
     M("metal-mask-column", "metal", T_METAL, "s1 += float(mrow[lane + NW]);", "s1 += float(mrow[lane]);",
       "mask value read from the wrong column"),
-    M("metal-mask-stride", "metal", T_METAL, "ulong(r0 + row) * ulong(p.mask_row_stride)",
-      "ulong(r0 + row) * ulong(p.kv_pad)", "mask rows at kv_pad instead of mask_row_stride"),
-    M("metal-k-stride", "metal", T_METAL, "dextents<int32_t, 2>(D, C), array<int32_t, 2>({1, p.k_row_stride}));",
-      "dextents<int32_t, 2>(D, C), array<int32_t, 2>({1, p.v_row_stride}));", "K rows at V's row stride"),
-    M("metal-v-head-stride", "metal", T_METAL, "v + ulong(g) * ulong(p.v_head_stride)",
-      "v + ulong(g) * ulong(p.k_head_stride)", "V heads at K's head stride"),
+    M("metal-mask-stride", "metal", T_METAL, "mask_seq + ulong(r) * ulong(p.mask_row_stride)",
+      "mask_seq + ulong(r) * ulong(p.kv_len)", "mask rows at kv_len instead of the mask's row stride"),
+    M("metal-mask-batch-stride", "metal", T_METAL, "device const half * mask_seq = mask + ulong(b) * ulong(p.mask_batch_stride);",
+      "device const half * mask_seq = mask;", "the mask's batch stride ignored (every sequence reads mask 0)"),
+    M("metal-k-stride", "metal", T_METAL, "dextents<int32_t, 2>(D, kn), array<int32_t, 2>({1, int32_t(p.k_row_stride)}));",
+      "dextents<int32_t, 2>(D, kn), array<int32_t, 2>({1, int32_t(p.v_row_stride)}));", "K rows at V's row stride"),
+    M("metal-v-head-stride", "metal", T_METAL, "v + v_at + ulong(g) * ulong(p.v_head_stride)",
+      "v + v_at + ulong(g) * ulong(p.k_head_stride)", "V heads at K's head stride"),
     M("metal-q-head-stride", "metal", T_METAL, "ulong(h) * ulong(p.q_head_stride)", "ulong(h) * ulong(D)",
       "Q heads assumed contiguous"),
+    M("metal-q-batch-stride", "metal", T_METAL, "ulong(b) * ulong(p.q_batch_stride)",
+      "ulong(b) * ulong(p.rows) * ulong(p.q_row_stride)", "Q's batch stride taken as rows x row stride"),
+    M("metal-v-batch-stride", "metal", T_METAL, "ulong(b) * ulong(p.v_batch_stride)", "ulong(b) * ulong(p.k_batch_stride)",
+      "V's sequences at K's batch stride"),
+    M("metal-o-batch-stride", "metal", T_METAL, "ulong(b) * ulong(p.o_batch_stride)",
+      "ulong(b) * ulong(p.rows) * ulong(p.o_row_stride)", "O's batch stride taken as rows x row stride"),
+    M("metal-lse-batch-stride", "metal", T_METAL, "ulong(b) * ulong(p.lse_batch_stride)",
+      "ulong(b) * ulong(p.n_heads) * ulong(p.lse_head_stride)", "lse's batch stride taken as heads x head stride"),
+    M("metal-varlen-k-start", "metal", T_METAL, "varlen ? ulong(k_start) * ulong(p.k_row_stride)",
+      "varlen ? ulong(q_start) * ulong(p.k_row_stride)", "variable length: K of a sequence from its cu_seqlens_q row"),
+    M("metal-varlen-v-start", "metal", T_METAL, "varlen ? ulong(k_start) * ulong(p.v_row_stride)",
+      "varlen ? ulong(k_start) * ulong(p.k_row_stride)", "variable length: V's sequence start at K's row stride"),
+    M("metal-varlen-o-start", "metal", T_METAL, "varlen ? ulong(q_start) * ulong(p.o_row_stride)",
+      "varlen ? ulong(k_start) * ulong(p.o_row_stride)", "variable length: O of a sequence at its cu_seqlens_k row"),
+    M("metal-varlen-lse-start", "metal", T_METAL, "const ulong lse_at = varlen ? ulong(q_start) :",
+      "const ulong lse_at = varlen ? ulong(0) :", "variable length: every sequence's lse at the first"),
+    M("metal-varlen-lk", "metal", T_METAL, "lk = cu_k[b + 1] - k_start;", "lk = cu_k[b + 1] - cu_q[b];",
+      "variable length: a sequence's cache length from the wrong cu_seqlens"),
+    M("metal-offset-dropped", "metal", T_METAL, "(p.flags & PREFILL_OFFSET) != 0 ? p.offset : lk - lq;",
+      "(p.flags & PREFILL_OFFSET) != 0 ? p.offset : 0;", "causal without the offset lk - lq (the prompt at the cache's start)"),
+    M("metal-offset-ignored", "metal", T_METAL, "(p.flags & PREFILL_OFFSET) != 0 ? p.offset : lk - lq;",
+      "lk - lq;", "an explicit query offset ignored (the prompt at the cache's end)"),
+    M("metal-offset-flag-ignored", "metal", T_METAL, "(p.flags & PREFILL_OFFSET) != 0 ? p.offset : lk - lq;",
+      "p.offset;", "the block's offset used without PREFILL_OFFSET"),
+    M("metal-window-lo", "metal", T_METAL, "max(r + offset - window + 1, 0)", "max(r + offset - window, 0)",
+      "the window one cache row wider"),
+    M("metal-causal-hi", "metal", T_METAL, "min(r + offset, lk - 1)", "min(r + offset + 1, lk - 1)",
+      "causal: each row sees the next cache row too"),
+    M("metal-step-skip-edge", "metal", T_METAL, "if (c > hi(r_last) || lo(r_first) > last) {",
+      "if (c > hi(r_last) || lo(r_first) >= last) {", "a step skipped whose last row only the tile's first row sees"),
+    M("metal-step-skip-diagonal", "metal", T_METAL, "if (c > hi(r_last) || lo(r_first) > last) {",
+      "if (c >= hi(r_last) || lo(r_first) > last) {", "a step skipped whose first row only the tile's last row sees"),
     M("metal-out-row", "metal", T_METAL, "        if (row < valid) {\n            const float s = srow[row];",
       "        if (row <= valid) {\n            const float s = srow[row];", "one output row past the prompt written"),
     M("metal-zero-guard", "metal", T_METAL, "s == 0.0f ? 0.0f : co[i] / s", "co[i] / s",
       "a fully masked row divides 0 by 0"),
+    M("metal-lse-no-max", "metal", T_METAL, "m_run[i] + log(s_run[i])", "log(s_run[i])", "lse without the running max"),
+    M("metal-lse-log2", "metal", T_METAL, "m_run[i] + log(s_run[i])", "m_run[i] + log(s_run[i]) * 1.44269504f",
+      "lse with log2 of the row sum"),
+    M("metal-lse-row", "metal", T_METAL, "ulong(h) * ulong(p.lse_head_stride) + ulong(r0 + row)]",
+      "ulong(h) * ulong(p.lse_head_stride) + ulong(row)]", "lse rows of every query tile written at the first tile's"),
+    M("metal-lse-unseen", "metal", T_METAL, "s_run[i] == 0.0f ? -INFINITY : m_run[i] + log(s_run[i])",
+      "m_run[i] + log(s_run[i])", "the lse of a row that sees nothing not set to -inf explicitly",
+      equivalent="such a row's sum is exactly 0 and its max -FLT_MAX/2 (finite): M + log(0) = -inf, the same bits"),
+    M("metal-o-f16-trunc", "metal", T_METAL, "((device half *) out)[at] = half(x);",
+      "((device ushort *) out)[at] = ushort(as_type<ushort>(half(x)) - (fabs(float(half(x))) > fabs(x) ? 1 : 0));",
+      "F16 output truncated toward zero, not rounded to nearest even"),
+    M("metal-o-bf16-trunc", "metal", T_METAL, "return ushort((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);",
+      "return ushort(u >> 16);", "BF16 output truncated, not rounded to nearest even"),
+    M("metal-o-bf16-ties-away", "metal", T_METAL, "return ushort((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);",
+      "return ushort((u + 0x8000u) >> 16);", "BF16 output rounded half away from zero, not to even"),
     M("metal-barrier-final", "metal", T_METAL,
-      "done with the last step's scales.\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n",
-      "done with the last step's scales.\n",
-      "missing barrier before srow is reused for the row sums"),
+      "step's scales.\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n    if (lane == 0) {",
+      "step's scales.\n    if (lane == 0) {", "missing barrier before srow is reused for the row sums"),
     M("metal-barrier-q", "metal", T_METAL, "        *sflag = -1;  // the step whose scores moved a running max (none yet)\n"
       "    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);\n",
       "        *sflag = -1;  // the step whose scores moved a running max (none yet)\n    }\n",
       "missing barrier after the Q tile is stored"),
-    M("metal-blk-row", "metal", T_METAL, "blk + ulong(tile) * ulong(n_steps)", "blk + ulong(tile)",
+    M("metal-blk-row", "metal", T_METAL, "+ ulong(r0 / p.blk_bq) * ulong(p.blk_steps);", "+ ulong(r0 / p.blk_bq);",
       "skip table read at the wrong row"),
+    M("metal-blk-batch-stride", "metal", T_METAL, "blk + ulong(b) * ulong(p.blk_batch_stride) + ulong(r0 / p.blk_bq)",
+      "blk + ulong(r0 / p.blk_bq)", "the table's batch stride ignored (every sequence reads table 0)"),
     M("metal-rescale-local", "metal", T_METAL, "if (*sflag == step) {", "if (rescaled) {",
       "O rescaled on this simdgroup's decision, not the threadgroup's"),
     M("metal-sums-unrounded", "metal", T_METAL, "simd_sum(float(p0) + float(p1))",
@@ -144,12 +209,16 @@ MUTATIONS: List[Mutation] = [
     M("metal-sums-no-rescale", "metal", T_METAL, "s_run[i] = s_run[i] * ms +", "s_run[i] = s_run[i] +",
       "row sums not rescaled"),
     # ---------------------------------------------------------------- Metal: tile classifier
+    # One body (classify_tile) for flash_attn_prefill_mask_blk (masks of a batch, kv_len
+    # columns) and the origin's flash_attn_prefill_blk (one mask of kv_pad columns).
     M("metal-blk-nan-bound", "metal", B_METAL, "&& mag >= 0x7bff && mag <= 0x7c00;", "&& mag >= 0x7bff;",
       "NaN bound dropped: a negative NaN counts as masked"),
-    M("metal-blk-last-row", "metal", B_METAL, "for (int r = r0; r < r1 && (all_masked || all_zero); ++r) {",
-      "for (int r = r0; r < r1 - 1 && (all_masked || all_zero); ++r) {", "a tile's last row ignored"),
-    M("metal-blk-row-past", "metal", B_METAL, "const int r1 = min(r0 + p.bq, p.rows);",
-      "const int r1 = min(r0 + p.bq, p.rows + 1);", "a mask row past the prompt read"),
+    M("metal-blk-last-row", "metal", B_METAL, "for (long r = r0; r < r1 && (all_masked || all_zero); ++r) {",
+      "for (long r = r0; r < r1 - 1 && (all_masked || all_zero); ++r) {", "a tile's last row ignored"),
+    M("metal-blk-row-past", "metal", B_METAL,
+      "const long r1 = r0 + long(p.bq) < long(p.rows) ? r0 + long(p.bq) : long(p.rows);",
+      "const long r1 = r0 + long(p.bq) < long(p.rows) + 1 ? r0 + long(p.bq) : long(p.rows) + 1;",
+      "a mask row past the prompt read"),
     M("metal-blk-sign", "metal", B_METAL, "all_masked && (bits & 0x8000) != 0 && mag", "all_masked && mag",
       "+inf counts as masked"),
     M("metal-blk-minus-zero", "metal", B_METAL, "all_zero = all_zero && mag == 0;",
@@ -161,6 +230,15 @@ MUTATIONS: List[Mutation] = [
     M("metal-blk-order", "metal", B_METAL, "all_masked ? 0 : (all_zero ? 2 : 1)", "all_zero ? 2 : (all_masked ? 0 : 1)",
       "the class tests in the other order",
       equivalent="no half is both masked (-inf, <= -65504) and zero, so a tile is never both"),
+    M("metal-blk-cut-tile", "metal", B_METAL, "                all_zero = false;  // past the cache: masked, not read\n",
+      "", "a tile of zeros cut by the cache's end counted as all zero"),
+    M("metal-blk-column-past", "metal", B_METAL, "if (c0 + j >= long(p.kv_len)) {", "if (c0 + j > long(p.kv_len)) {",
+      "the mask column at kv_len read"),
+    M("metal-blk-mask-batch-stride", "metal", B_METAL,
+      "device const ushort * tile_mask = mask + ulong(b) * ulong(p.mask_batch_stride);",
+      "device const ushort * tile_mask = mask;", "the classifier ignores the masks' batch stride"),
+    M("metal-blk-table-batch", "metal", B_METAL, "blk[(ulong(b) * ulong(table_rows) + ulong(qt)) * ulong(p.steps) + ulong(kt)]",
+      "blk[ulong(qt) * ulong(p.steps) + ulong(kt)]", "every batch's table written over table 0"),
     # ---------------------------------------------------------------- CUDA: Hopper (wgmma) form
     M("cuda-threshold-ge", "cuda", CU_SOFTMAX, "if (mx > m + RESCALE_THRESHOLD) {", "if (mx >= m + RESCALE_THRESHOLD) {",
       "Hopper: rescale at a step max of exactly M + 8"),
@@ -239,53 +317,142 @@ MUTATIONS: List[Mutation] = [
     M("cuda-blk-minus-zero", "cuda", B_CU, "zero = zero && mag == 0u;", "zero = zero && h == 0u;",
       "-0 not counted as zero"),
     # ---------------------------------------------------------------- CPU (Rust): attention
-    M("cpu-threshold-ge", "cpu", T_RS, "let thresh = S::add(m_old, S::splat(8.0));",
+    # prefill_tile.rs is the work item of both ops (the front door's flash_attn_prefill_d*
+    # and, through the adapter flash_attn_prefill_tensor.rs, the origin's); the host side
+    # (flash_attn_prefill.rs) places each sequence (base offsets, lengths, query offset).
+    M("cpu-threshold-ge", "cpu", P_RS, "let thresh = S::add(m_old, S::splat(8.0));",
       "let thresh = S::add(m_old, S::splat(8.0 - 1e-5));", "rescale at a step max of exactly M + 8"),
-    M("cpu-threshold-sign", "cpu", T_RS, "let thresh = S::add(m_old, S::splat(8.0));",
+    M("cpu-threshold-sign", "cpu", P_RS, "let thresh = S::add(m_old, S::splat(8.0));",
       "let thresh = S::sub(m_old, S::splat(8.0));", "rescale threshold of the wrong sign"),
-    M("cpu-sums-unzeroed", "cpu", T_RS, "        *l_b.add(i) = 0.0;\n", "", "row sums never zeroed"),
-    M("cpu-max-unset", "cpu", T_RS, "        *m_b.add(i) = -f32::MAX / 2.0;\n", "", "running max never reset"),
-    M("cpu-o-unzeroed", "cpu", T_RS, "    std::ptr::write_bytes(o_b, 0, r * D);\n", "", "O accumulators never zeroed"),
-    M("cpu-kv-head", "cpu", T_RS, "let h = g * pb.group + hh;", "let h = hh * (pb.n_heads / pb.group) + g;",
-      "wrong KV head: heads g, g + n_kv_heads, ... (h % n_kv_heads)", count=2),
-    M("cpu-q-rounded-first", "cpu", T_RS, "S::round_half(S::mul(S::load(src.add(dv)), scale))",
-      "S::mul(S::round_half(S::load(src.add(dv))), scale)", "Q rounded to half before the scale"),
-    M("cpu-last-step", "cpu", T_RS, "let steps = pb.kv_pad / C;", "let steps = (pb.kv_pad - 1) / C;",
-      "the last step dropped"),
-    M("cpu-row-bound", "cpu", T_RS, "bq.min(pb.rows - r0) } else { 0 };", "bq.min(pb.rows - r0 + 1) } else { 0 };",
+    M("cpu-sums-unzeroed", "cpu", P_RS, "        *l_b.add(i) = 0.0;\n", "", "row sums never zeroed"),
+    M("cpu-max-unset", "cpu", P_RS, "        *m_b.add(i) = -f32::MAX / 2.0;\n", "", "running max never reset"),
+    M("cpu-o-unzeroed", "cpu", P_RS, "    std::ptr::write_bytes(o_b, 0, r * D);\n", "", "O accumulators never zeroed"),
+    # The old cpu-kv-head (heads g, g + n_kv_heads, ...: h % n_kv_heads) needs the head count,
+    # which the work item no longer holds (its heads are the group's, consecutive, by
+    # construction); the bug's new forms: the wrong KV head, and heads of a group mixed up.
+    M("cpu-kv-head", "cpu", P_RS, "(pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs))",
+      "(pb.k.add(seq.k + g / 2 * pb.k_hs), pb.v.add(seq.v + g / 2 * pb.v_hs))",
+      "wrong KV head: K/V head g / 2 for the query heads of KV head g"),
+    M("cpu-q-head-in-group", "cpu", P_RS, "let h = g * pb.group + hh;\n            for rb in (0..pb.bq).step_by(W) {",
+      "let h = g * pb.group + (hh + 1) % pb.group;\n            for rb in (0..pb.bq).step_by(W) {",
+      "GQA: each query head's output from the next head of its group's Q"),
+    M("cpu-q-rounded-first", "cpu", P_RS, "S::round_half(S::mul(q, scale))", "S::mul(S::round_half(q), scale)",
+      "Q rounded to half before the scale"),
+    M("cpu-q-bf16-as-f16", "cpu", P_RS, "Elem::BF16 => S::load_bf16((pb.q as *const u16).add(at + dv)),",
+      "Elem::BF16 => S::load_f16((pb.q as *const u16).add(at + dv)),", "BF16 Q read as F16"),
+    M("cpu-last-step", "cpu", P_RS, "let steps = seq.lk.div_ceil(C);", "let steps = seq.lk.saturating_sub(1) / C;",
+      "the last step dropped (whole or partial)"),
+    M("cpu-partial-step", "cpu", P_RS, "let steps = seq.lk.div_ceil(C);", "let steps = seq.lk / C;",
+      "a partial last step dropped (the cache's tail past a multiple of 64)"),
+    M("cpu-partial-n", "cpu", P_RS, "let n = C.min(seq.lk - c0);", "let n = C.min(seq.lk - c0 + 1);",
+      "a partial last step one cache row longer (the row at Lk read)"),
+    M("cpu-partial-whole", "cpu", P_RS, "let all = n == C && (", "let all = (",
+      "a partial last step every row sees counted whole (columns past the cache's end computed)"),
+    M("cpu-k-tail", "cpu", P_RS, "let x = if j < n { S::load_f16(s.add(dv)) } else { S::splat(0.0) };",
+      "let x = S::load_f16(s.add(dv));", "K rows past the cache's end read in a partial last step (no value of "
+      "them reaches the output: every partial step is hidden element by element; the read faults)"),
+    M("cpu-mask-tail", "cpu", P_RS,
+      "*dst.add(j) = if j < n { half::f16::from_bits(*src.add(j)).to_f32() } else { f32::NEG_INFINITY };",
+      "*dst.add(j) = half::f16::from_bits(*src.add(j)).to_f32();",
+      "mask columns past the cache's end read in a partial last step (hidden after; the read faults)"),
+    M("cpu-v-tail", "cpu", P_RS, "let val = if j < n { S::load_f16(v.add(j * rs + d0 + x)) } else { S::splat(0.0) };",
+      "let val = S::load_f16(v.add(j * rs + d0 + x));", "V rows past the cache's end read in a partial last step"),
+    M("cpu-row-bound", "cpu", P_RS, "bq.min(seq.lq - r0) } else { 0 };", "bq.min(seq.lq - r0 + 1) } else { 0 };",
       "one row past the prompt read and written"),
-    M("cpu-mask-stride", "cpu", T_RS, "(r0 + rr) * pb.mask_rs + c0 + jv", "(r0 + rr) * pb.kv_pad + c0 + jv",
-      "mask rows at kv_pad instead of mask_row_stride"),
-    M("cpu-k-stride", "cpu", T_RS, "g * pb.k_hs), pb.k_rs, lo_all, hi_all);", "g * pb.k_hs), pb.v_rs, lo_all, hi_all);",
+    M("cpu-mask-stride", "cpu", F_RS, "mask_rs: z(p.mask_row_stride),", "mask_rs: u(p.kv_len),",
+      "mask rows at kv_len (contiguous) instead of the mask's row stride"),
+    M("cpu-k-stride", "cpu", P_RS, "k_base.add(c0 * pb.k_rs), pb.k_rs, lo_all", "k_base.add(c0 * pb.k_rs), pb.v_rs, lo_all",
       "K rows at V's row stride"),
-    M("cpu-v-head-stride", "cpu", T_RS, "pb.v.add(c0 * pb.v_rs + g * pb.v_hs)", "pb.v.add(c0 * pb.v_rs + g * pb.k_hs)",
+    M("cpu-v-head-stride", "cpu", P_RS, "pb.v.add(seq.v + g * pb.v_hs)", "pb.v.add(seq.v + g * pb.k_hs)",
       "V heads at K's head stride"),
-    M("cpu-q-head-stride", "cpu", T_RS, "(sub.r0 + rr) * pb.q_rs + h * pb.q_hs", "(sub.r0 + rr) * pb.q_rs + h * D",
+    M("cpu-q-head-stride", "cpu", P_RS, "(sub.r0 + rr) * pb.q_rs + h * pb.q_hs", "(sub.r0 + rr) * pb.q_rs + h * D",
       "Q heads assumed contiguous"),
-    M("cpu-column-range", "cpu", T_RS, "(lo & !3, (hi + 3) & !3)", "(lo & !3, hi & !3)",
-      "the last visible cache rows of a partly masked step left out"),
-    M("cpu-max-column", "cpu", T_RS, "for j in lo + 1..hi {", "for j in lo + 2..hi {",
+    M("cpu-column-range", "cpu", P_RS, "(lo & !3, (hi + 3) & !3)", "(lo & !3, hi & !3)",
+      "the last cache rows an explicit mask leaves visible in a step left out"),
+    M("cpu-describe-range", "cpu", P_RS, "(dlo & !3, ((dhi + 3) & !3).min(C))", "(dlo & !3, (dhi & !3).min(C))",
+      "the last cache rows the description leaves visible in a step left out"),
+    M("cpu-max-column", "cpu", P_RS, "for j in lo + 1..hi {", "for j in lo + 2..hi {",
       "one column left out of the step max"),
-    M("cpu-rescale-any", "cpu", T_RS, "rescale[k] = (sub.ib..sub.ie).any(|i| *ms.add(i) != 1.0);",
+    M("cpu-rescale-any", "cpu", P_RS, "rescale[k] = (sub.ib..sub.ie).any(|i| *ms.add(i) != 1.0);",
       "rescale[k] = (sub.ib..sub.ie).all(|i| *ms.add(i) != 1.0);", "O rescaled only when every row moves its max"),
-    M("cpu-p-float", "cpu", T_RS, "let p = S::round_half(S::exp(S::sub(S::load(ptr), m_new)));",
+    M("cpu-p-float", "cpu", P_RS, "let p = S::round_half(S::exp(S::sub(S::load(ptr), m_new)));",
       "let p = S::exp(S::sub(S::load(ptr), m_new));", "P kept in float"),
-    M("cpu-sums-no-rescale", "cpu", T_RS, "S::fma(S::load(l.add(i0)), scale, sum)", "S::add(S::load(l.add(i0)), sum)",
+    M("cpu-sums-no-rescale", "cpu", P_RS, "S::fma(S::load(l.add(i0)), scale, sum)", "S::add(S::load(l.add(i0)), sum)",
       "row sums not rescaled"),
-    M("cpu-mask-first-head", "cpu", T_RS, "        for hh in 0..pb.group {\n            for rv in (0..bq).step_by(W) {",
+    M("cpu-mask-first-head", "cpu", P_RS, "        for hh in 0..pb.group {\n            for rv in (0..bq).step_by(W) {",
       "        for hh in 0..pb.group.min(1) {\n            for rv in (0..bq).step_by(W) {",
       "the mask added to the first head of a group only"),
-    M("cpu-zero-guard", "cpu", T_RS, "let o = if l == 0.0 {", "let o = if l < 0.0 {",
+    M("cpu-table-row", "cpu", P_RS, "*pb.blk.add(seq.blk + t * pb.blk_steps + step)", "*pb.blk.add(seq.blk + step)",
+      "every query tile reads the first row of the table"),
+    M("cpu-table-partial", "cpu", P_RS, "all_full &= b == FULL;", "all_full &= b != SKIP;",
+      "a class-1 table byte taken as 2 (the mask not added)"),
+    M("cpu-describe-offset", "cpu", P_RS, "    let off = seq.off;\n    let (first, last, w)",
+      "    let off = seq.lk as i64 - seq.lq as i64;\n    let (first, last, w)",
+      "the step classes and ranges ignore an explicit offset (the per-element hiding does not)"),
+    M("cpu-describe-window", "cpu", P_RS, "let lo = if w > 0 { first - w + 1 } else { 0 }.max(c0i);",
+      "let lo = if w > 0 { first - w + 2 } else { 0 }.max(c0i);",
+      "the first cache row a window shows the tile's first row left out of the step's range"),
+    M("cpu-describe-diagonal", "cpu", P_RS, "c0i + C as i64 - 1 <= first", "c0i + C as i64 - 1 <= last",
+      "a step the diagonal cuts counted whole when the tile's last row sees all of it"),
+    M("cpu-hide-window", "cpu", P_RS, "(rel + pb.window as i64).clamp(0, bq)", "(rel + pb.window as i64 + 1).clamp(0, bq)",
+      "the window one cache row wider"),
+    M("cpu-hide-diagonal", "cpu", P_RS, "let a = if pb.causal { rel.clamp(0, bq) } else { 0 };",
+      "let a = if pb.causal { (rel + 1).clamp(0, bq) } else { 0 };", "causal: each row misses its own cache row"),
+    M("cpu-hide-cache-end", "cpu", P_RS, "let (a, b) = if ja >= seq.lk as i64 {", "let (a, b) = if ja > seq.lk as i64 {",
+      "the cache row at Lk left visible in a partial last step"),
+    M("cpu-zero-guard", "cpu", P_RS, "let o = if l == 0.0 {", "let o = if l < 0.0 {",
       "a fully masked row divides 0 by 0"),
-    M("cpu-out-row", "cpu", T_RS, "let dst = pb.out.0.add(((sub.r0 + rr) * pb.n_heads + h) * D);",
-      "let dst = pb.out.0.add(((sub.r0 + rr + 1) * pb.n_heads + h) * D);", "output rows written one row down"),
-    M("cpu-live-rows", "cpu", T_RS, "live |= rr < nr && x != f32::NEG_INFINITY;", "live |= x != f32::NEG_INFINITY;",
+    M("cpu-out-row", "cpu", P_RS, "let at = seq.o + (sub.r0 + rr) * pb.o_rs + h * pb.o_hs;",
+      "let at = seq.o + (sub.r0 + rr + 1) * pb.o_rs + h * pb.o_hs;", "output rows written one row down"),
+    M("cpu-o-f16-trunc", "cpu", P_RS, "half::f16::from_f32(v).to_bits()",
+      "{ let t = half::f16::from_f32(v); t.to_bits() - u16::from(t.to_f32().abs() > v.abs()) }",
+      "F16 output truncated toward zero, not rounded to nearest even"),
+    M("cpu-o-bf16-trunc", "cpu", P_RS, "half::bf16::from_f32(v).to_bits()", "(v.to_bits() >> 16) as u16",
+      "BF16 output truncated, not rounded to nearest even"),
+    M("cpu-lse-no-max", "cpu", P_RS, "*m_b.add(i) + l.ln()", "l.ln()", "lse without the running max"),
+    M("cpu-lse-log2", "cpu", P_RS, "*m_b.add(i) + l.ln()", "*m_b.add(i) + l.log2()", "lse with log2 of the row sum"),
+    M("cpu-lse-row", "cpu", P_RS, "seq.lse + h * pb.lse_hs + sub.r0 + rr", "seq.lse + h * pb.lse_hs + rr",
+      "lse rows of every query tile written at the first tile's"),
+    M("cpu-live-rows", "cpu", P_RS, "live |= rr < nr && x != f32::NEG_INFINITY;", "live |= x != f32::NEG_INFINITY;",
       "rows past the prompt count as seeing every cache row",
       equivalent="those rows' mask is filled with 0, so they widen a step's computed cache rows only; the "
       "rows left out are -inf for every real row (p = 0 exactly), and leaving them out changes no bit"),
-    M("cpu-skip-tile", "cpu", T_RS, "sub.t = if sub.nr == 0 { 0 } else {", "sub.t = if sub.nr == 0 { 1 } else {",
-      "query tiles past the prompt computed",
-      equivalent="a tile past the prompt has no rows (nr = 0): its scores are computed and never written"),
+    M("cpu-skip-tile", "cpu", P_RS, "            if sub.nr == 0 {\n                continue;\n            }\n            let (dc, dlo, dhi)",
+      "            let (dc, dlo, dhi)", "query tiles past the prompt computed",
+      equivalent="a tile past the prompt has no rows (nr = 0): its table range is empty (SKIP), without a "
+      "mask its scores are computed over zero Q and never written"),
+    # ---------------------------------------------------------------- CPU (Rust): host side
+    M("cpu-offset-dropped", "cpu", F_RS, "} else { lk as i64 - lq as i64 };", "} else { 0 };",
+      "causal without the offset lk - lq (the prompt at the cache's start)"),
+    M("cpu-offset-ignored", "cpu", F_RS, "if has(PREFILL_OFFSET) { p.offset as i64 } else",
+      "if has(PREFILL_OFFSET) { lk as i64 - lq as i64 } else", "an explicit query offset ignored"),
+    M("cpu-offset-flag-ignored", "cpu", F_RS, "if has(PREFILL_OFFSET) { p.offset as i64 } else { lk as i64 - lq as i64 };",
+      "if true { p.offset as i64 } else { lk as i64 - lq as i64 };", "the block's offset used without PREFILL_OFFSET"),
+    M("cpu-varlen-q-start", "cpu", F_RS, "q: q0 * pb.q_rs,", "q: k0 * pb.q_rs,",
+      "variable length: Q of a sequence from its cu_seqlens_k row"),
+    M("cpu-varlen-v-start", "cpu", F_RS, "v: k0 * pb.v_rs,", "v: q0 * pb.v_rs,",
+      "variable length: V of a sequence from its cu_seqlens_q row"),
+    M("cpu-varlen-lse-start", "cpu", F_RS, "lse: q0,", "lse: k0,", "variable length: lse of a sequence at its cu_seqlens_k row"),
+    M("cpu-varlen-lk", "cpu", F_RS, "let (lq, lk) = (cq[b + 1] - q0, ck[b + 1] - k0);",
+      "let (lq, lk) = (cq[b + 1] - q0, ck[b + 1] - q0.min(k0));", "variable length: a cache length from the wrong start"),
+    M("cpu-k-batch-stride", "cpu", F_RS, "k: b * z(p.k_batch_stride),", "k: b * z(p.v_batch_stride),",
+      "K's sequences at V's batch stride"),
+    M("cpu-o-batch-stride", "cpu", F_RS, "o: b * z(p.o_batch_stride),", "o: b * z(p.q_batch_stride),",
+      "O's sequences at Q's batch stride"),
+    M("cpu-lse-batch-stride", "cpu", F_RS, "lse: b * z(p.lse_batch_stride),", "lse: b * z(p.lse_head_stride) * nh,",
+      "lse's batch stride taken as heads x head stride"),
+    M("cpu-mask-batch-stride", "cpu", F_RS, "mask: b * z(p.mask_batch_stride),", "mask: 0,",
+      "the mask's batch stride ignored (every sequence reads mask 0)"),
+    M("cpu-blk-batch-stride", "cpu", F_RS, "blk: b * z(p.blk_batch_stride),", "blk: 0,",
+      "the table's batch stride ignored (every sequence reads table 0)"),
+    M("cpu-mask-blk-cut-tile", "cpu", F_RS, "                    ZERO if j1 - j0 < bk => MIXED,\n", "",
+      "a tile of zeros cut by the cache's end counted as all zero"),
+    M("cpu-mask-blk-batch-stride", "cpu", F_RS, "m.0.add(b * mbs as usize + r * mrs as usize + j0)",
+      "m.0.add(r * mrs as usize + j0)", "the classifier ignores the masks' batch stride"),
+    M("cpu-mask-blk-last-row", "cpu", F_RS, "let r1 = (r0 + bq).min(rows);", "let r1 = (r0 + bq - 1).min(rows);",
+      "the classifier of a batch ignores a full tile's last row"),
+    M("cpu-mask-blk-last-column", "cpu", F_RS, "let j1 = (kt * bk + bk).min(kv_len);", "let j1 = (kt * bk + bk - 1).min(kv_len);",
+      "the classifier of a batch ignores a tile's last column"),
     # ---------------------------------------------------------------- CPU (Rust): tile classifier
     M("cpu-blk-nan-bound", "cpu", B_RS, "u16::from(mag.wrapping_sub(0x7bff) > 1)", "u16::from(mag < 0x7bff)",
       "NaN bound dropped: a negative NaN counts as masked"),
@@ -299,6 +466,17 @@ MUTATIONS: List[Mutation] = [
     M("cpu-blk-minus-zero", "cpu", B_RS, "not_zero |= mag;", "not_zero |= h;", "-0 not counted as zero"),
     M("cpu-blk-65504", "cpu", B_RS, "mag.wrapping_sub(0x7bff) > 1", "mag.wrapping_sub(0x7c00) > 0",
       "-65504 not counted as masked"),
+]
+
+# ---------------------------------------------------------------- SPEC 10 (score transforms)
+# Killed by tests/test_metal_emulator_transforms.py (softcap, ALiBi, sinks in the Metal kernels).
+MUTATIONS += [
+    M("metal-sink-out-of-sum", "metal", T_METAL, "const float sum = s_run[i] * f + exp(sigma - mf);",
+      "const float sum = s_run[i] * f;", "the sink raises the max but is left out of the sum"),
+    M("metal-alibi-slope-dropped", "metal", T_METAL, "s0 += slope * float(c + int(lane) - (r + offset));",
+      "s0 += float(c + int(lane) - (r + offset));", "ALiBi's distance without the head's slope (even columns)"),
+    M("metal-softcap-before-scale", "metal", T_METAL, "s1 = softcap * precise::tanh(s1 / softcap);",
+      "s1 = precise::tanh(s1 / softcap);", "softcap's tanh not scaled back (odd columns)"),
 ]
 
 
@@ -356,11 +534,16 @@ def _cargo_killer(out: str) -> str:
     m = re.search(r"^test (\S+) \.\.\. FAILED", out, re.M) or re.search(r"^---- (\S+) stdout ----", out, re.M)
     if m:
         return m.group(1)
+    # A test binary killed by a signal (a read past a guarded buffer: SIGSEGV).
+    m = re.search(r"deps/(\w+?)-[0-9a-f]+ .*\(signal: \d+, (\w+)", out)
+    if m:
+        return f"{m.group(1)} ({m.group(2)})"
     m = re.search(r"error(?:\[E\d+\])?: .*", out)
     return m.group(0)[:80] if m else "(cargo test failed)"
 
 
-METAL_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_metal_emulator.py",
+METAL_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_metal_emulator_prefill.py",
+               "tests/test_metal_emulator.py", "tests/test_metal_emulator_transforms.py",
                "-k", "not caught and not test_emulator_"]  # fmt: skip
 
 
@@ -408,8 +591,8 @@ def run_metal(muts: List[Mutation], args) -> List[Result]:
 
 
 CPU_TIERS = [
-    ["cargo", "test", "-q", "--test", "planted", "--test", "flash_attn_cpu"],
-    ["cargo", "test", "-q", "--test", "fuzz", "--test", "reliability"],
+    ["cargo", "test", "-q", "--test", "prefill_cpu", "--test", "planted", "--test", "flash_attn_cpu"],
+    ["cargo", "test", "-q", "--test", "fuzz", "--test", "reliability", "--lib"],
 ]
 
 

@@ -33,61 +33,26 @@
 // and V rows past the sequence's cache are never read (zero-filled in shared memory).
 
 //
-// The kernel is in parts (shaders/flash_attn_prefill/, handed to NVRTC as headers by the
-// CUDA backend): common (types, PTX), params, block_range (sequences, visibility, classes,
-// the walk), loaders, softmax, epilogue, and one mainloop per architecture: the portable
-// one (mma.sync) and, where the compiler targets sm_90a, the Hopper one (wgmma); this
-// file holds the entry points.
+// The kernel is in parts (shaders/flash_attn_prefill/, joined with this file by the CUDA
+// backend): common (types, PTX), params, block_range (sequences, visibility, classes, the
+// walk), loaders, softmax (with SPEC 10's score transforms), epilogue, one mainloop per
+// architecture (the portable one, mma.sync; the Hopper one, wgmma, where the compiler
+// targets sm_90a) and entry (the entry points' parameters and macros). This file and its
+// siblings (flash_attn_prefill_bf16.cu, flash_attn_prefill_d<dims>.cu) instantiate them:
+// here F16 K/V at head dims 256 and 512.
 
-#include "flash_attn_prefill/mainloop_sm80.cuh"
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MLXN_HOPPER 1
-#include "flash_attn_prefill/mainloop_sm90.cuh"
-#endif
+#include "flash_attn_prefill/entry.cuh"
 
-// The entry points (the origin op's names; the new op launches them too). Parameters: the
-// params block, the launch block, Q, K, V, the explicit mask, its table, O, lse,
-// cu_seqlens_q, cu_seqlens_k, the sinks (pointers the flags say are absent are never read).
-#define MLXN_ARGS                                                                                          \
-    const Params p, const Launch L, const unsigned char* __restrict__ q, const u16* __restrict__ k,         \
-        const u16* __restrict__ v, const u16* __restrict__ mask, const u8* __restrict__ blk,               \
-        void* __restrict__ out, float* __restrict__ lse, const int* __restrict__ cu_q,                     \
-        const int* __restrict__ cu_k, const float* __restrict__ sinks
-#define MLXN_PASS p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks
-
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attn_prefill_tensor_f16_d256(MLXN_ARGS) {
+// The entry points (the origin op's names; the new op launches them too).
+MLXN_ENTRY(flash_attn_prefill_tensor_f16_d256, 256, ElemF16)
+MLXN_ENTRY(flash_attn_prefill_tensor_f16_d512, 512, ElemF16)
 #ifdef MLXN_HOPPER
-    hopper::attention<256>(MLXN_PASS);
-#else
-    attention<256>(MLXN_PASS);
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_attn_prefill_tensor_f16_d512(MLXN_ARGS) {
-#ifdef MLXN_HOPPER
-    hopper::attention<512>(MLXN_PASS);
-#else
-    attention<512>(MLXN_PASS);
-#endif
-}
-
-#ifdef MLXN_HOPPER
-// The CTA-pair forms (`hopper::attention<D, PAIR_HEADS | PAIR_QUERIES>`), launched in
-// clusters of two along y (heads) or x (query tiles). K and V come through tensor maps
-// (4-d: head dim, KV heads, cache rows, sequences; boxes of 64 x 1 x 64 x 1 with the
-// 128-byte swizzle), made by the host when the strides allow it.
-#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY)                                                            \
-    extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(NTHREADS, 1)                 \
-    NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) { \
-        hopper::attention<DIM, MODE>(MLXN_PASS, &kmap, &vmap);                                              \
-    }
-MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_heads, 256, PAIR_HEADS, 1, 2)
-MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_queries, 256, PAIR_QUERIES, 2, 1)
-MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_heads, 512, PAIR_HEADS, 1, 2)
-MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_queries, 512, PAIR_QUERIES, 2, 1)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_heads, 256, PAIR_HEADS, 1, 2, ElemF16)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_queries, 256, PAIR_QUERIES, 2, 1, ElemF16)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_heads, 512, PAIR_HEADS, 1, 2, ElemF16)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_queries, 512, PAIR_QUERIES, 2, 1, ElemF16)
 #endif
 
 // Shared memory of one CTA, for the host (kept in step with Cfg by a compile-time check).
-static_assert(Cfg<256>::SMEM == 164896, "d256 shared memory changed: update the CUDA backend");
-static_assert(Cfg<512>::SMEM == 214048, "d512 shared memory changed: update the CUDA backend");
-
+static_assert(Cfg<256, 256>::SMEM == 164896, "d256 shared memory changed: update the CUDA backend");
+static_assert(Cfg<512, 512>::SMEM == 214048, "d512 shared memory changed: update the CUDA backend");

@@ -1,9 +1,11 @@
-// Flash attention for prefill with the Metal 4 tensor API, F16 K/V: the kernels of
-// flash_attn_prefill (docs/spec.md sections 6-9) and, as thin entry points over the same
+// Flash attention for prefill with the Metal 4 tensor API, F16 or BF16 K/V: the kernels of
+// flash_attn_prefill (docs/spec.md sections 6-10) and, as thin entry points over the same
 // body, the origin op's flash_attn_prefill_tensor_f16_* (section 2).
 //
-// One threadgroup = Q query rows (32 at head dim 256, 16 at 512) of one head of one
-// sequence, 8 simdgroups (256 threads). It walks the sequence's cache 64 rows (C) at a time:
+// One threadgroup = Q query rows (32 at head dims up to 256, 16 at 512 and 576: the op's
+// mask_tile_rows) of one head of one sequence, 8 simdgroups (256 threads). Q and K have DK
+// columns, V and O DV (they differ only at (576, 512)). It walks the sequence's cache 64 rows
+// (C) at a time:
 //   S = Q.K^T      mpp::tensor_ops::matmul2d into a cooperative tensor, stored to threadgroup
 //   softmax        one simdgroup per Q/8 rows, two columns per lane; online, lazily rescaled
 //   O = O*ms + P.V mpp::tensor_ops::matmul2d accumulating into a cooperative tensor (O lives
@@ -13,11 +15,19 @@
 // it with no per-element work, 1 sets the scores of invisible pairs to -inf and adds the
 // explicit mask where its byte is 1.
 //
-// flash_attn_prefill_d256 / _d512 (rust/src/ops/flash_attn_prefill.rs): params bytes
-// (FlashAttnPrefillParams) at buffer 0, Q (F32, F16 or BF16) at 1, K (F16) at 2, V (F16) at 3,
-// the explicit mask (F16) at 4, its table (U8) at 5, O (F32, F16 or BF16) at 6, lse (F32) at 7,
-// cu_seqlens_q (I32) at 8, cu_seqlens_k at 9 (a buffer the flags leave out is bound, never
-// read); a grid of (ceil(max_rows / Q), n_heads, batch) threadgroups.
+// SPEC 10's score transforms: softcap on every score as it is read; ALiBi as the head's slope
+// times the explicit mask, or, without one, times the described mask's distance j - (r +
+// offset) (the mask llama.cpp writes for ALiBi models; this makes every step per-element);
+// the sink logit joins each row's running max and sum once, after the walk, so that P stays
+// relative to the scores' own max while half rounds it.
+//
+// flash_attn_prefill_d<DK>[_<DV>][_bf16] (rust/src/ops/flash_attn_prefill.rs): params bytes
+// (FlashAttnPrefillParams) at buffer 0, Q (F32, F16 or BF16) at 1, K (F16, or BF16 for the
+// _bf16 kernels) at 2, V (as K) at 3, the explicit mask (F16) at 4, its table (U8) at 5, O
+// (F32, F16 or BF16) at 6, lse (F32) at 7, cu_seqlens_q (I32) at 8, cu_seqlens_k at 9, the
+// sinks (F32 [n_heads]) at 10 (a buffer the flags leave out is bound, never read); a grid of
+// (ceil(max_rows / Q), n_heads, batch) threadgroups. BF16 K/V meet the half Q and P in
+// matmul2d's documented (half, bfloat) -> float combination.
 //
 // flash_attn_prefill_tensor_f16_d256 / _d512 (rust/src/ops/flash_attn_prefill_tensor.rs):
 // params bytes (FlashAttnPrefillTensorParams) at buffer 0, Q (F32) at 1, K at 2, V at 3, mask
@@ -123,7 +133,20 @@ constant constexpr float RESCALE_THRESHOLD = 8.0f;
 
 using tg_half_tensor = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>;
 using tg_float_tensor = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>;
-using dev_half_tensor = tensor<device half, dextents<int32_t, 2>, tensor_inline>;
+template <typename KT>
+using dev_kv_tensor = tensor<device KT, dextents<int32_t, 2>, tensor_inline>;
+
+// SPEC 10: the ALiBi slope of head h (1 without ALiBi): n2 = 2^floor(log2(n_heads)),
+// 2^(-max_bias / n2 * (h + 1)) for h < n2, else 2^(-max_bias / 2 / n2 * (2 (h - n2) + 1)).
+inline float alibi_slope(float max_bias, int n_heads, int h)
+{
+    if (max_bias <= 0.0f) {
+        return 1.0f;
+    }
+    const int n2 = 1 << (31 - int(clz(uint(n_heads))));
+    const float e = h < n2 ? -max_bias / float(n2) * float(h + 1) : -max_bias / 2.0f / float(n2) * float(2 * (h - n2) + 1);
+    return exp2(e);
+}
 
 // The described mask of one sequence (SPEC 6): query row r (of the sequence) sees cache row
 // j iff lo(r) <= j <= hi(r), that is j < lk, j <= r + offset when causal, and
@@ -190,18 +213,19 @@ inline void store_o(device uchar * out, int dtype, ulong at, float x)
     }
 }
 
-template <int D, int Q>
+template <int DK, int DV, int Q, typename KT>
 void flash_attn_prefill_tile(
     FlashAttnPrefillParams p,
     device const uchar * q,
-    device const half * k,
-    device const half * v,
+    device const KT * k,
+    device const KT * v,
     device const half * mask,
     device const uchar * blk,
     device uchar * out,
     device float * lse,
     device const int * cu_q,
     device const int * cu_k,
+    device const float * sinks,
     threadgroup uchar * smem,
     uint3 tgpig,
     ushort lane,
@@ -226,10 +250,10 @@ void flash_attn_prefill_tile(
         return;  // past this sequence's rows (uniform: the whole threadgroup leaves)
     }
 
-    // Threadgroup memory, exactly threadgroup_memory_bytes(D): queries half [Q][D], scores
+    // Threadgroup memory, exactly threadgroup_memory_bytes(DK): queries half [Q][DK], scores
     // float [Q][C], probabilities half [Q][C], row scale float [Q], the rescale flag.
     threadgroup half  * sq    = (threadgroup half *) smem;
-    threadgroup float * ss    = (threadgroup float *) (sq + Q * D);
+    threadgroup float * ss    = (threadgroup float *) (sq + Q * DK);
     threadgroup half  * sp    = (threadgroup half *) (ss + Q * C);
     threadgroup float * srow  = (threadgroup float *) (sp + Q * C);
     threadgroup int   * sflag = (threadgroup int *) (srow + Q);
@@ -242,6 +266,10 @@ void flash_attn_prefill_tile(
     const bool has_mask = (p.flags & PREFILL_MASK) != 0;
     const int offset = (p.flags & PREFILL_OFFSET) != 0 ? p.offset : lk - lq;
     const Visibility vis = {lk, offset, (p.flags & PREFILL_CAUSAL) != 0, p.window};
+    const float softcap = p.softcap;
+    const float slope = alibi_slope(p.max_bias, p.n_heads, h);
+    // ALiBi without an explicit mask: the described mask's distance, on every pair.
+    const bool alibi_distance = p.max_bias > 0.0f && !has_mask;
 
     // Where this sequence starts in each buffer (elements; the table in bytes).
     const ulong q_at = varlen ? ulong(q_start) * ulong(p.q_row_stride) : ulong(b) * ulong(p.q_batch_stride);
@@ -251,9 +279,9 @@ void flash_attn_prefill_tile(
     const ulong lse_at = varlen ? ulong(q_start) : ulong(b) * ulong(p.lse_batch_stride);
 
     // 1. qh = half(scale * q) for the tile's rows, zeros for rows past the end.
-    for (int e = tid; e < Q * D / 4; e += SG * NW) {
-        const int r = e / (D / 4);
-        const int d4 = e % (D / 4);
+    for (int e = tid; e < Q * DK / 4; e += SG * NW) {
+        const int r = e / (DK / 4);
+        const int d4 = e % (DK / 4);
         float4 x = 0.0f;
         if (r < valid) {
             const ulong at = q_at + ulong(r0 + r) * ulong(p.q_row_stride) + ulong(h) * ulong(p.q_head_stride);
@@ -266,19 +294,19 @@ void flash_attn_prefill_tile(
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    tg_half_tensor tq(sq, dextents<int32_t, 2>(D, Q), array<int32_t, 2>({1, D}));
+    tg_half_tensor tq(sq, dextents<int32_t, 2>(DK, Q), array<int32_t, 2>({1, DK}));
     tg_float_tensor ts(ss, dextents<int32_t, 2>(C, Q), array<int32_t, 2>({1, C}));
 
-    // S[Q][C] = Q[Q][D] . K[C][D]^T, and O[Q][D] += P[Q][C] . V[C][D].
-    constexpr auto qk_desc = matmul2d_descriptor(Q, C, D, false, true, false,
+    // S[Q][C] = Q[Q][DK] . K[C][DK]^T, and O[Q][DV] += P[Q][C] . V[C][DV].
+    constexpr auto qk_desc = matmul2d_descriptor(Q, C, DK, false, true, false,
                                                  matmul2d_descriptor::mode::multiply);
-    constexpr auto pv_desc = matmul2d_descriptor(Q, D, C, false, false, false,
+    constexpr auto pv_desc = matmul2d_descriptor(Q, DV, C, false, false, false,
                                                  matmul2d_descriptor::mode::multiply_accumulate);
     matmul2d<qk_desc, execution_simdgroups<SG>> qk;
     matmul2d<pv_desc, execution_simdgroups<SG>> pv;
 
-    auto cs = qk.template get_destination_cooperative_tensor<tg_half_tensor, dev_half_tensor, float>();
-    auto co = pv.template get_destination_cooperative_tensor<tg_half_tensor, dev_half_tensor, float>();
+    auto cs = qk.template get_destination_cooperative_tensor<tg_half_tensor, dev_kv_tensor<KT>, float>();
+    auto co = pv.template get_destination_cooperative_tensor<tg_half_tensor, dev_kv_tensor<KT>, float>();
     for (ushort i = 0; i < co.get_capacity(); ++i) {
         if (co.is_valid_element(i)) {
             co[i] = 0.0f;
@@ -293,8 +321,8 @@ void flash_attn_prefill_tile(
         s_run[i] = 0.0f;
     }
 
-    device const half * k_head = k + k_at + ulong(g) * ulong(p.k_head_stride);
-    device const half * v_head = v + v_at + ulong(g) * ulong(p.v_head_stride);
+    device const KT * k_head = k + k_at + ulong(g) * ulong(p.k_head_stride);
+    device const KT * v_head = v + v_at + ulong(g) * ulong(p.v_head_stride);
     device const half * mask_seq = mask + ulong(b) * ulong(p.mask_batch_stride);
     device const uchar * blk_row =
         blk + ulong(b) * ulong(p.blk_batch_stride) + ulong(r0 / p.blk_bq) * ulong(p.blk_steps);
@@ -313,8 +341,8 @@ void flash_attn_prefill_tile(
 
         // 2. Scores of this step into ss. The K tensor holds the step's kn rows only; columns
         // past them are set to -inf below, whatever they hold.
-        dev_half_tensor tk(const_cast<device half *>(k_head + ulong(c) * ulong(p.k_row_stride)),
-                           dextents<int32_t, 2>(D, kn), array<int32_t, 2>({1, int32_t(p.k_row_stride)}));
+        dev_kv_tensor<KT> tk(const_cast<device KT *>(k_head + ulong(c) * ulong(p.k_row_stride)),
+                             dextents<int32_t, 2>(DK, kn), array<int32_t, 2>({1, int32_t(p.k_row_stride)}));
         qk.run(tq, tk, cs);
         cs.store(ts);
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -326,18 +354,27 @@ void flash_attn_prefill_tile(
             const int row = int(sg) * R + i;
             float s0 = ss[row * C + lane];
             float s1 = ss[row * C + lane + NW];
-            if (t == 1) {
+            if (softcap > 0.0f) {
+                s0 = softcap * precise::tanh(s0 / softcap);
+                s1 = softcap * precise::tanh(s1 / softcap);
+            }
+            if (t == 1 || alibi_distance) {
                 const int r = r0 + row;
                 const bool v0 = vis.sees(r, c + int(lane));
                 const bool v1 = vis.sees(r, c + int(lane) + NW);
                 if (add_mask && row < valid) {
                     device const half * mrow = mask_seq + ulong(r) * ulong(p.mask_row_stride) + ulong(c);
                     if (v0) {
-                        s0 += float(mrow[lane]);
+                        s0 += slope * float(mrow[lane]);
                     }
                     if (v1) {
-                        s1 += float(mrow[lane + NW]);
+                        s1 += slope * float(mrow[lane + NW]);
                     }
+                }
+                if (alibi_distance) {
+                    // llama.cpp's ALiBi mask value -(p - j), p = r + offset the query's position.
+                    s0 += slope * float(c + int(lane) - (r + offset));
+                    s1 += slope * float(c + int(lane) + NW - (r + offset));
                 }
                 s0 = v0 ? s0 : -INFINITY;
                 s1 = v1 ? s1 : -INFINITY;
@@ -374,22 +411,35 @@ void flash_attn_prefill_tile(
             }
         }
         tg_half_tensor tp(sp, dextents<int32_t, 2>(kn, Q), array<int32_t, 2>({1, C}));
-        dev_half_tensor tv(const_cast<device half *>(v_head + ulong(c) * ulong(p.v_row_stride)),
-                           dextents<int32_t, 2>(D, kn), array<int32_t, 2>({1, int32_t(p.v_row_stride)}));
+        dev_kv_tensor<KT> tv(const_cast<device KT *>(v_head + ulong(c) * ulong(p.v_row_stride)),
+                             dextents<int32_t, 2>(DV, kn), array<int32_t, 2>({1, int32_t(p.v_row_stride)}));
         pv.run(tp, tv, co);
     }
 
-    // 5. O / S per row; a row that saw nothing (S == 0) is zeros, and its lse -inf. Rows past
-    // the end are not written. srow is reused for S once every thread is done with the last
-    // step's scales.
+    // 5. O / S per row; a row that saw nothing (S == 0) is zeros, and its lse -inf. With
+    // sinks the head's logit sigma joins first: the max becomes mf = max(M, sigma), the sum
+    // S e^(M - mf) + e^(sigma - mf), and O is divided by that sum over e^(M - mf) (infinite
+    // when the factor underflows: zeros); a row that saw nothing is then zeros with lse sigma.
+    // Rows past the end are not written. srow is reused for the divisor once every thread is
+    // done with the last step's scales.
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (lane == 0) {
+        const bool has_sinks = (p.flags & PREFILL_SINKS) != 0;
         for (int i = 0; i < R; ++i) {
-            srow[int(sg) * R + i] = s_run[i];
             const int row = int(sg) * R + i;
+            float div = s_run[i];
+            float row_lse = s_run[i] == 0.0f ? -INFINITY : m_run[i] + log(s_run[i]);
+            if (has_sinks) {
+                const float sigma = sinks[h];
+                const float mf = max(m_run[i], sigma);
+                const float f = exp(m_run[i] - mf);
+                const float sum = s_run[i] * f + exp(sigma - mf);
+                div = f == 0.0f ? INFINITY : sum / f;
+                row_lse = sum == 0.0f ? -INFINITY : mf + log(sum);
+            }
+            srow[row] = div;
             if ((p.flags & PREFILL_LSE) != 0 && row < valid) {
-                lse[lse_at + ulong(h) * ulong(p.lse_head_stride) + ulong(r0 + row)] =
-                    s_run[i] == 0.0f ? -INFINITY : m_run[i] + log(s_run[i]);
+                lse[lse_at + ulong(h) * ulong(p.lse_head_stride) + ulong(r0 + row)] = row_lse;
             }
         }
     }
@@ -409,6 +459,249 @@ void flash_attn_prefill_tile(
     }
 }
 
+// The entry points of flash_attn_prefill: (Q/K, V) head dims and K/V dtype, with Q rows per
+// threadgroup as the op's mask_tile_rows.
+
+kernel void flash_attn_prefill_d64(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const half * k [[buffer(2)]],
+    device const half * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<64, 64, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d64_bf16(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const bfloat * k [[buffer(2)]],
+    device const bfloat * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<64, 64, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d80(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const half * k [[buffer(2)]],
+    device const half * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<80, 80, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d80_bf16(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const bfloat * k [[buffer(2)]],
+    device const bfloat * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<80, 80, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d96(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const half * k [[buffer(2)]],
+    device const half * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<96, 96, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d96_bf16(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const bfloat * k [[buffer(2)]],
+    device const bfloat * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<96, 96, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d112(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const half * k [[buffer(2)]],
+    device const half * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<112, 112, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d112_bf16(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const bfloat * k [[buffer(2)]],
+    device const bfloat * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<112, 112, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d128(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const half * k [[buffer(2)]],
+    device const half * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<128, 128, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d128_bf16(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const bfloat * k [[buffer(2)]],
+    device const bfloat * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<128, 128, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d192(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const half * k [[buffer(2)]],
+    device const half * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<192, 192, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d192_bf16(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const bfloat * k [[buffer(2)]],
+    device const bfloat * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<192, 192, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
 kernel void flash_attn_prefill_d256(
     constant FlashAttnPrefillParams & p [[buffer(0)]],
     device const uchar * q [[buffer(1)]],
@@ -420,12 +713,33 @@ kernel void flash_attn_prefill_d256(
     device float * lse [[buffer(7)]],
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<256, 32>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<256, 256, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d256_bf16(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const bfloat * k [[buffer(2)]],
+    device const bfloat * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<256, 256, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d512(
@@ -439,12 +753,73 @@ kernel void flash_attn_prefill_d512(
     device float * lse [[buffer(7)]],
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<512, 16>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<512, 512, 16, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d512_bf16(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const bfloat * k [[buffer(2)]],
+    device const bfloat * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<512, 512, 16, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d576_512(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const half * k [[buffer(2)]],
+    device const half * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<576, 512, 16, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+}
+
+kernel void flash_attn_prefill_d576_512_bf16(
+    constant FlashAttnPrefillParams & p [[buffer(0)]],
+    device const uchar * q [[buffer(1)]],
+    device const bfloat * k [[buffer(2)]],
+    device const bfloat * v [[buffer(3)]],
+    device const half * mask [[buffer(4)]],
+    device const uchar * blk [[buffer(5)]],
+    device uchar * out [[buffer(6)]],
+    device float * lse [[buffer(7)]],
+    device const int * cu_q [[buffer(8)]],
+    device const int * cu_k [[buffer(9)]],
+    device const float * sinks [[buffer(10)]],
+    threadgroup uchar * smem [[threadgroup(0)]],
+    uint3 tgpig [[threadgroup_position_in_grid]],
+    ushort lane [[thread_index_in_simdgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]])
+{
+    flash_attn_prefill_tile<576, 512, 16, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
 }
 
 // The origin op as a prefill: one sequence of `rows` query rows over a cache of kv_pad rows,
@@ -495,8 +870,9 @@ kernel void flash_attn_prefill_tensor_f16_d256(
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<256, 32>(origin_params<256, 32>(p), (device const uchar *) q, k, v, mask, blk,
-                                     (device uchar *) out, nullptr, nullptr, nullptr, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<256, 256, 32, half>(origin_params<256, 32>(p), (device const uchar *) q, k, v, mask, blk,
+                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, smem, tgpig,
+                                                lane, sg);
 }
 
 kernel void flash_attn_prefill_tensor_f16_d512(
@@ -512,6 +888,7 @@ kernel void flash_attn_prefill_tensor_f16_d512(
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<512, 16>(origin_params<512, 16>(p), (device const uchar *) q, k, v, mask, blk,
-                                     (device uchar *) out, nullptr, nullptr, nullptr, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<512, 512, 16, half>(origin_params<512, 16>(p), (device const uchar *) q, k, v, mask, blk,
+                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, smem, tgpig,
+                                                lane, sg);
 }

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import mlx_native as mx
 from mlx_native.dtypes import numpy_dtype_of_name
-from mlx_native.reference import nmse, reference_attention
+from mlx_native.reference import nmse, reference_attention, reference_prefill
 
 I32_MAX = 2**31 - 1
 U32_MAX = 2**32 - 1
@@ -545,23 +545,34 @@ def test_blk_matches_spec_or_raises_the_named_error(device):
 # ---------------------------------------------------------------------- the high-level API
 
 
+#: (Q/K, V) head dims of SPEC 10, and pairs the kernels do not take.
+PREFILL_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
+BAD_DIMS = [(100, 100), (0, 0), (255, 255), (576, 256), (576, 576), (256, 512)]
+
+
 @st.composite
 def prefill_draws(draw):
-    bad = _corruptions(draw, ["q_dtype", "kv_dtype", "heads", "head_dim", "mask"])
+    bad = _corruptions(
+        draw, ["q_dtype", "kv_dtype", "kv_mismatch", "heads", "head_dim", "mask", "softcap", "max_bias", "sinks"]
+    )
     rows = draw(st.integers(0, 40))
-    hd = draw(st.sampled_from([128, 0, 255])) if "head_dim" in bad else draw(st.sampled_from([256, 512]))
+    hd, hdv = draw(st.sampled_from(BAD_DIMS if "head_dim" in bad else PREFILL_DIMS))
     nkv = draw(st.integers(0, 3)) if "heads" in bad else draw(st.integers(1, 3))
     nh = draw(st.integers(1, 5)) if "heads" in bad else nkv * draw(st.integers(1, 3))
     kv_len = draw(st.integers(0, 150))
     qdt = draw(st.sampled_from(["float64", "int8"])) if "q_dtype" in bad else draw(st.sampled_from(["float32", "float16", "bfloat16"]))
-    kdt = draw(st.sampled_from(["float32", "int8"])) if "kv_dtype" in bad else "float16"
+    kdt = draw(st.sampled_from(["float32", "int8"])) if "kv_dtype" in bad else draw(st.sampled_from(["float16", "bfloat16"]))
+    vdt = ({"float16": "bfloat16", "bfloat16": "float16"}.get(kdt, "float16")) if "kv_mismatch" in bad else kdt
     layout = draw(st.sampled_from(["contiguous", "sliced", "transposed", "reversed", "padded"]))
     mask = draw(st.sampled_from(["wrong_shape", "int"])) if "mask" in bad else draw(st.sampled_from(["none", "float", "bool"]))
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.integers(1, 64)))
     scale = draw(st.sampled_from([1.0, 0.5, 1.5]))
+    softcap = draw(st.sampled_from([float("nan"), -1.0, float("inf")])) if "softcap" in bad else draw(st.sampled_from([0.0, 0.0, 2.5]))
+    max_bias = draw(st.sampled_from([float("inf"), -0.5])) if "max_bias" in bad else draw(st.sampled_from([0.0, 0.0, 4.0]))
+    sinks = draw(st.sampled_from(["short", "float16"])) if "sinks" in bad else draw(st.sampled_from(["none", "none", "valid"]))
     seed = draw(st.integers(0, 2**32 - 1))
-    return rows, nh, nkv, hd, kv_len, qdt, kdt, layout, mask, causal, window, scale, seed
+    return rows, nh, nkv, (hd, hdv), kv_len, qdt, (kdt, vdt), layout, mask, causal, window, scale, (softcap, max_bias, sinks), seed
 
 
 def _arrange(x: np.ndarray, layout: str, rng) -> np.ndarray:
@@ -582,11 +593,12 @@ def _arrange(x: np.ndarray, layout: str, rng) -> np.ndarray:
 
 
 def run_prefill(dev, args) -> str:
-    rows, nh, nkv, hd, kv_len, qdt, kdt, layout, mask_kind, causal, window, scale, seed = args
+    rows, nh, nkv, (hd, hdv), kv_len, qdt, (kdt, vdt), layout, mask_kind, causal, window, scale, tr, seed = args
+    softcap, max_bias, sinks_kind = tr
     rng = np.random.default_rng(seed)
     q = _arrange(rng.uniform(-1, 1, (rows, nh, hd)).astype(numpy_dtype_of_name(qdt)), layout, rng)
-    k = _arrange(rng.uniform(-1, 1, (kv_len, nkv, hd)).astype(kdt), layout, rng)
-    v = _arrange(rng.uniform(-1, 1, (kv_len, nkv, hd)).astype(kdt), layout, rng)
+    k = _arrange(rng.uniform(-1, 1, (kv_len, nkv, hd)).astype(numpy_dtype_of_name(kdt)), layout, rng)
+    v = _arrange(rng.uniform(-1, 1, (kv_len, nkv, hdv)).astype(numpy_dtype_of_name(vdt)), layout, rng)
     mask = None
     if mask_kind == "float":
         mask = rng.uniform(-2, 1, (rows, kv_len)).astype(np.float32)
@@ -597,15 +609,34 @@ def run_prefill(dev, args) -> str:
         mask = np.zeros((rows + 2, kv_len), np.float16)
     elif mask_kind == "int":
         mask = np.zeros((rows, kv_len), np.int32)
+    sinks = None
+    if sinks_kind == "valid":
+        sinks = rng.uniform(-2, 2, nh).astype(np.float32)
+    elif sinks_kind == "short":
+        sinks = np.zeros(nh + 1, np.float32)
+    elif sinks_kind == "float16":
+        sinks = np.zeros(nh, np.float16)
     # What the API documents, in its order.
-    if qdt not in ("float32", "float16", "bfloat16"):
+    if not (softcap >= 0 and np.isfinite(softcap)):
+        expect = (mx.InvalidArgumentError, "softcap must be a finite number >= 0")
+    elif not (max_bias >= 0 and np.isfinite(max_bias)):
+        expect = (mx.InvalidArgumentError, "max_bias must be a finite number >= 0")
+    elif qdt not in ("float32", "float16", "bfloat16"):
         expect = (mx.UnsupportedDtypeError, "q must be float32, float16 or bfloat16")
-    elif kdt != "float16":
-        expect = (mx.UnsupportedDtypeError, "k must be float16")
+    elif kdt not in ("float16", "bfloat16"):
+        expect = (mx.UnsupportedDtypeError, "k must be float16 or bfloat16")
+    elif vdt != kdt:
+        expect = (mx.UnsupportedDtypeError, f"k is {kdt} and v is {vdt}")
     elif nkv == 0 or nh % nkv:
         expect = (mx.InvalidArgumentError, "is not a multiple of n_kv_heads")
-    elif hd not in (256, 512):
+    elif (hd, hdv) not in PREFILL_DIMS:
         expect = (mx.InvalidArgumentError, f"unsupported head_dim {hd}")
+    elif sinks_kind == "float16":
+        expect = (mx.UnsupportedDtypeError, "sinks must be float32")
+    elif sinks_kind == "short":
+        expect = (mx.InvalidArgumentError, f"sinks must have shape ({nh},)")
+    elif max_bias > 0 and mask_kind == "none" and not causal and window is None:
+        expect = (mx.InvalidArgumentError, "ALiBi needs positions")
     elif (causal or window is not None) and kv_len < rows:
         expect = (mx.InvalidArgumentError, "cannot be shorter")
     elif mask_kind == "wrong_shape":
@@ -615,22 +646,22 @@ def run_prefill(dev, args) -> str:
     else:
         expect = None
     try:
-        out = mx.flash_attn_prefill(q, k, v, mask, causal=causal, window=window, scale=scale, device=dev)
+        out = mx.flash_attn_prefill(q, k, v, mask, causal=causal, window=window, scale=scale, device=dev,
+                                    softcap=softcap, max_bias=max_bias, sinks=sinks)  # fmt: skip
     except mx.MlxError as e:
         assert expect is not None, f"refused: {e!r}"
         assert type(e) is expect[0] and expect[1] in str(e), f"{e!r}; expected {expect}"
         return expect[1]
     assert expect is None, f"expected {expect}, got a result"
-    assert out.shape == (rows, nh, hd) and out.dtype == q.dtype  # out_dtype defaults to q's
+    assert out.shape == (rows, nh, hdv) and out.dtype == q.dtype  # out_dtype defaults to q's
     if rows == 0 or kv_len == 0:
         assert not out.any()
         return "valid"
-    full = np.zeros((rows, kv_len), np.float16)
+    full = None
     if mask is not None:
         full = np.where(mask, 0, -np.inf).astype(np.float16) if mask.dtype == bool else mask.astype(np.float16)
-    if causal or window is not None:
-        full = np.where(np.isfinite(mx.causal_mask(rows, kv_len, window)), full, np.float16(-np.inf))
-    ref = reference_attention(q, k, v, full, scale=scale)
+    ref, _ = reference_prefill(q, k, v, full, causal=causal or window is not None, window=window, scale=scale,
+                               softcap=softcap, max_bias=max_bias, sinks=sinks)  # fmt: skip
     assert np.isfinite(out).all()
     assert nmse(out, ref) <= 5e-4
     return "valid"

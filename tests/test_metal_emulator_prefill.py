@@ -1,6 +1,6 @@
 """flash_attn_prefill's Metal kernels (SPEC 6-9: batches of fixed and variable length,
-described causal and window masks, an explicit mask and its tile tables, lse, Q and O
-dtypes) run by the CPU emulator (tests/metal_emu, docs/metal.md), dispatched exactly as
+described causal and window masks with the prompt at the cache's end or an explicit query
+offset, an explicit mask and its tile tables, lse, Q and O dtypes) run by the CPU emulator (tests/metal_emu, docs/metal.md), dispatched exactly as
 rust/src/ops/flash_attn_prefill.rs encodes them (bindings, params block packed like the Rust
 struct, threadgroup memory, grid), against the float64 reference and the CPU backend.
 
@@ -36,14 +36,28 @@ F32 = np.dtype(np.float32)
 DTYPE_CODE = {F32: 0, F16: 1, BF16: 2}
 
 # PREFILL_* (rust/src/params.rs)
-CAUSAL, MASK, VARLEN, LSE = 1, 2, 4, 8
+CAUSAL, MASK, VARLEN, LSE, OFFSET, SINKS = 1, 2, 4, 8, 16, 32
 
 THREADS = (32, 8, 1)
 STEP = 64
-BQ = {256: 32, 512: 16}
-KERNEL = {256: "flash_attn_prefill_d256", 512: "flash_attn_prefill_d512"}
+# Query rows per threadgroup by Q/K head dim (the op's mask_tile_rows).
+BQ = {d: 32 for d in (64, 80, 96, 112, 128, 192, 256)} | {512: 16, 576: 16}
 MASK_BLK = "flash_attn_prefill_mask_blk"
-PREFILL_FORMAT = "<17q14ifi"  # FlashAttnPrefillParamsGpu: 17 i64, 14 i32, scale, reserved
+# FlashAttnPrefillParamsGpu: 17 i64, 14 i32, scale, offset, head_dim_v, kv_dtype, softcap, max_bias
+PREFILL_FORMAT = "<17q14ifi2i2f"
+
+
+def threadgroup_memory(hd: int) -> int:
+    """The op's threadgroup_memory_bytes at Q/K head dim ``hd``: queries, scores,
+    probabilities, row scales and the rescale flag of a tile of BQ[hd] rows, padded to 16."""
+    bq = BQ[hd]
+    return cdiv(bq * hd * 2 + bq * STEP * (4 + 2) + bq * 4 + 4, 16) * 16
+
+
+def kernel_name(hd: int, hdv: int, kv_dtype) -> str:
+    """The op's kernel of a (Q/K, V) head dim pair and K/V dtype (HEAD_DIMS)."""
+    name = f"flash_attn_prefill_d{hd}" + (f"_{hdv}" if hdv != hd else "")
+    return name + ("_bf16" if np.dtype(kv_dtype) == BF16 else "")
 MASK_BLK_FORMAT = "<2q6i"  # FlashAttnPrefillMaskBlkParamsGpu
 
 # Against the float64 reference (SPEC bar 5e-4), by output dtype; the F16 and BF16 bars are
@@ -51,6 +65,9 @@ MASK_BLK_FORMAT = "<2q6i"  # FlashAttnPrefillMaskBlkParamsGpu
 EXPECTED = {F32: 1e-5, F16: 1e-5, BF16: 5e-5}
 LSE_TOLERANCE = 2e-3  # SPEC 8, absolute
 CPU_AGREEMENT = 1e-10  # against the CPU backend, which computes the same rounded steps
+# With softcap or ALiBi the two compute tanh and the slopes each their own way: an ulp apart
+# in a score moves P's rounding to half by a half ulp on the odd element.
+CPU_AGREEMENT_TRANSFORMS = 1e-8
 SENTINEL = -1024.0  # exact in F32, F16 and BF16; no output comes near it
 
 
@@ -75,12 +92,19 @@ class Prefill:
     cu_k: Optional[np.ndarray] = None
     causal: bool = False
     window: int = 0
+    # Query row r of each sequence at r + offset of its cache (PREFILL_OFFSET); None: the
+    # prompt is the cache's end (offset Lk - Lq).
+    offset: Optional[int] = None
     scale: float = 1.0
     lse: bool = True
     o_dtype: np.dtype = F32
     # The K and V buffers as bound (default: the views' spans, ending at the last cache row).
     k_buf: Optional[np.ndarray] = None
     v_buf: Optional[np.ndarray] = None
+    # SPEC 10: softcap, ALiBi's max_bias, float32 sinks [H].
+    softcap: float = 0.0
+    max_bias: float = 0.0
+    sinks: Optional[np.ndarray] = None
 
     @property
     def varlen(self) -> bool:
@@ -89,6 +113,10 @@ class Prefill:
     @property
     def head_dim(self) -> int:
         return self.q.shape[-1]
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.v.shape[-1]
 
     @property
     def n_heads(self) -> int:
@@ -129,24 +157,29 @@ def _nan_base(shape, dtype) -> np.ndarray:
     return np.full(shape, np.nan, np.float32).astype(dtype)
 
 
-def _qkv(rng, lead, rows, kv, nh, nkv, hd, q_dtype):
-    """Q, K, V views with padded row, head and element axes around them (NaN outside)."""
+def _qkv(rng, lead, rows, kv, nh, nkv, hd, q_dtype, hdv=None, kv_dtype=F16, v_in_k=False):
+    """Q, K, V views with padded row, head and element axes around them (NaN outside); V
+    of ``hdv`` columns (default ``hd``), or the view of K's first ``hdv`` columns."""
+    hdv = hd if hdv is None else hdv
     qb = _nan_base((*lead, rows + 1, nh + 1, hd + 8), q_dtype)
     q = qb[..., 1:, :nh, 4 : 4 + hd]
     q[...] = _values(rng, q.shape, q_dtype)
-    kb = _nan_base((*lead, kv + 3, nkv, hd + 2), F16) if lead else _nan_base((kv, nkv, hd + 2), F16)
+    kb = _nan_base((*lead, kv + 3, nkv, hd + 2), kv_dtype) if lead else _nan_base((kv, nkv, hd + 2), kv_dtype)
     k = kb[..., :kv, :, 1 : 1 + hd]
-    k[...] = _values(rng, k.shape, F16)
-    vb = _nan_base((*lead, kv + 3, nkv + 1, hd), F16) if lead else _nan_base((kv, nkv + 1, hd), F16)
+    k[...] = _values(rng, k.shape, kv_dtype)
+    if v_in_k:
+        return q, k, k[..., :hdv]
+    vb = _nan_base((*lead, kv + 3, nkv + 1, hdv), kv_dtype) if lead else _nan_base((kv, nkv + 1, hdv), kv_dtype)
     v = vb[..., :kv, 1:, :]
-    v[...] = _values(rng, v.shape, F16)
+    v[...] = _values(rng, v.shape, kv_dtype)
     return q, k, v
 
 
-def fixed_case(rng, *, batch, rows, kv, nh, nkv, hd, q_dtype=F32, mask=None, **kw) -> Prefill:
+def fixed_case(rng, *, batch, rows, kv, nh, nkv, hd, q_dtype=F32, mask=None, hdv=None, kv_dtype=F16, v_in_k=False,
+               **kw) -> Prefill:  # fmt: skip
     """``mask``: None, "shared" (one mask for every sequence) or "per-batch"; peer masks
     (all three tile classes)."""
-    q, k, v = _qkv(rng, (batch,), rows, kv, nh, nkv, hd, q_dtype)
+    q, k, v = _qkv(rng, (batch,), rows, kv, nh, nkv, hd, q_dtype, hdv, kv_dtype, v_in_k)
     m = None
     if mask is not None:
         n = 1 if mask == "shared" else batch
@@ -160,10 +193,10 @@ def fixed_case(rng, *, batch, rows, kv, nh, nkv, hd, q_dtype=F32, mask=None, **k
     return Prefill(q, k, v, m, **kw)
 
 
-def varlen_case(rng, *, lq, lk, nh, nkv, hd, q_dtype=F32, **kw) -> Prefill:
+def varlen_case(rng, *, lq, lk, nh, nkv, hd, q_dtype=F32, hdv=None, kv_dtype=F16, **kw) -> Prefill:
     cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
-    q, k, v = _qkv(rng, (), int(cu_q[-1]), int(cu_k[-1]), nh, nkv, hd, q_dtype)
+    q, k, v = _qkv(rng, (), int(cu_q[-1]), int(cu_k[-1]), nh, nkv, hd, q_dtype, hdv, kv_dtype)
     return Prefill(q, k, v, cu_q=cu_q, cu_k=cu_k, **kw)
 
 
@@ -200,18 +233,18 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
     """flash_attn_prefill as the op encodes it (threadgroup memory: the op's unless given);
     the explicit mask's tables from the emulated classifier unless given. Checks that only
     the output views changed, and all of them. Returns (out, lse or None, blk or None)."""
-    hd, nh, bq = c.head_dim, c.n_heads, BQ[c.head_dim]
+    hd, hdv, nh, bq = c.head_dim, c.head_dim_v, c.n_heads, BQ[c.head_dim]
     nkv = c.k.shape[-2]
     batch, rows, kv = c.batch, c.rows, c.kv_len
     if c.varlen:
-        ob = np.full((rows + 2, nh, hd + 4), SENTINEL, np.float32).astype(c.o_dtype)
-        o_sl = (slice(0, rows), slice(None), slice(2, 2 + hd))
+        ob = np.full((rows + 2, nh, hdv + 4), SENTINEL, np.float32).astype(c.o_dtype)
+        o_sl = (slice(0, rows), slice(None), slice(2, 2 + hdv))
         lb = np.full((nh + 1, rows + 3), SENTINEL, np.float32)
         l_sl = (slice(0, nh), slice(1, rows + 1))
         max_rows = int(np.diff(c.cu_q).max(initial=0))
     else:
-        ob = np.full((batch, rows + 2, nh, hd + 4), SENTINEL, np.float32).astype(c.o_dtype)
-        o_sl = (slice(None), slice(0, rows), slice(None), slice(2, 2 + hd))
+        ob = np.full((batch, rows + 2, nh, hdv + 4), SENTINEL, np.float32).astype(c.o_dtype)
+        o_sl = (slice(None), slice(0, rows), slice(None), slice(2, 2 + hdv))
         lb = np.full((batch, nh + 1, rows + 3), SENTINEL, np.float32)
         l_sl = (slice(None), slice(0, nh), slice(1, rows + 1))
         max_rows = rows
@@ -221,7 +254,8 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         return (0, _el(x, 0), _el(x, 1)) if c.varlen else (_el(x, 0), _el(x, 1), _el(x, 2))
 
     flags = (CAUSAL if c.causal else 0) | (MASK if c.mask is not None else 0)
-    flags |= (VARLEN if c.varlen else 0) | (LSE if c.lse else 0)
+    flags |= (VARLEN if c.varlen else 0) | (LSE if c.lse else 0) | (OFFSET if c.offset is not None else 0)
+    flags |= SINKS if c.sinks is not None else 0
     blk_rows, blk_steps = cdiv(rows, bq), cdiv(kv, STEP)
     mask_strides = (0, 0)
     if c.mask is not None:
@@ -235,9 +269,10 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         *mask_strides, *lse_strides,
         blk_rows * blk_steps if c.mask is not None and mask_strides[0] != 0 else 0,
         batch, rows, kv, nh, nkv, hd, max_rows, c.window, flags,
-        DTYPE_CODE[c.q.dtype], DTYPE_CODE[c.o_dtype], blk_rows, blk_steps, bq, c.scale, 0,
+        DTYPE_CODE[c.q.dtype], DTYPE_CODE[c.o_dtype], blk_rows, blk_steps, bq, c.scale, c.offset or 0,
+        hdv, DTYPE_CODE[c.k.dtype], c.softcap, c.max_bias,
     )  # fmt: skip
-    assert len(params) == 200
+    assert len(params) == 216
     qbuf = _span(c.q)
     buffers = {
         1: qbuf,
@@ -249,11 +284,12 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         7: _from(lse, lb) if c.lse else qbuf,
         8: c.cu_q if c.varlen else qbuf,
         9: c.cu_k if c.varlen else qbuf,
+        10: np.asarray(c.sinks, np.float32) if c.sinks is not None else qbuf,
     }  # fmt: skip
     if batch > 0 and max_rows > 0:
         res = emu.dispatch(
-            KERNEL[hd], (cdiv(max_rows, bq), nh, batch), THREADS, buffers=buffers, constants={0: params},
-            threadgroup_memory={0: tg_memory or mx.threadgroup_memory_bytes(hd)}, **kw,
+            kernel_name(hd, hdv, c.k.dtype), (cdiv(max_rows, bq), nh, batch), THREADS, buffers=buffers, constants={0: params},
+            threadgroup_memory={0: tg_memory or threadgroup_memory(hd)}, **kw,
         )  # fmt: skip
         ob = _put_back(ob, o, res[6])
         lb = _put_back(lb, lse, res[7]) if c.lse else lb
@@ -279,10 +315,24 @@ def _only_the_view_changed(base, sl, sentinel_bits, what):
     assert not (bits[inside] == sentinel_bits).any(), f"{what}: an element of the view was not written"
 
 
+def placed(lq: int, lk: int, causal: bool, window: int, offset: Optional[int]) -> np.ndarray:
+    """SPEC 6 with the query rows at ``r + offset`` of the cache (None: ``lk - lq``): bool
+    ``[lq, lk]``, True where row r sees cache row j."""
+    r = np.arange(lq)[:, None] + (lk - lq if offset is None else offset)
+    j = np.arange(lk)[None, :]
+    ok = np.ones((lq, lk), dtype=bool)
+    if causal:
+        ok &= j <= r
+    if window:
+        ok &= j > r - window
+    return ok
+
+
 def reference(c: Prefill):
     return reference_prefill(
         c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale,
-        cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k,
+        cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k, offset=c.offset,
+        softcap=c.softcap, max_bias=c.max_bias, sinks=c.sinks,
     )  # fmt: skip
 
 
@@ -299,13 +349,29 @@ def cpu_origin(c: Prefill) -> np.ndarray:
         kp = np.zeros((kvp, *k.shape[1:]), np.float16)
         vp = np.zeros((kvp, *v.shape[1:]), np.float16)
         kp[:lk], vp[:lk] = k, v
-        seen = visible_mask(lq, lk, c.causal, c.window or None)
+        seen = placed(lq, lk, c.causal, c.window, c.offset)
         full = np.full((lq, kvp), -np.inf, np.float16)
         full[:, :lk] = np.where(seen, 0 if m is None else m, -np.inf)
         qf = np.ascontiguousarray(q, dtype=np.float32)
         case = LowLevelCase(qf, kp, vp, full, lk, c.scale, qf, kp, vp)
         out[qs] = run_low_level(dev, case)[0]
     return out
+
+
+def cpu_front_door(c: Prefill) -> np.ndarray:
+    """The CPU backend's flash_attn_prefill on the same views; float32, shaped like out."""
+    out = mx.flash_attn_prefill(
+        c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale, cu_seqlens_q=c.cu_q,
+        cu_seqlens_k=c.cu_k, out_dtype=np.float32, device="cpu", softcap=c.softcap, max_bias=c.max_bias,
+        sinks=c.sinks,
+    )  # fmt: skip
+    return np.asarray(out)
+
+
+def _origin_expresses(c: Prefill) -> bool:
+    """Whether the origin op (F16 K/V, head dim 256 or 512, no SPEC 10) computes the case."""
+    plain = c.softcap == 0 and c.max_bias == 0 and c.sinks is None
+    return plain and c.head_dim in (256, 512) and c.head_dim_v == c.head_dim and c.k.dtype == F16
 
 
 def check(c: Prefill, out, lse, *, cpu=True):
@@ -316,16 +382,30 @@ def check(c: Prefill, out, lse, *, cpu=True):
     err = nmse(out, ref)
     assert err < EXPECTED[c.o_dtype], f"nmse {err:.3e} against the reference"
     unseen = ~np.isfinite(ref_lse)  # [.., H, rows]
+    if c.sinks is not None:  # a row that sees nothing has lse = its sink
+        unseen = _sees_nothing(c)
     unseen_out = np.moveaxis(unseen, -1, -2)  # [.., rows, H]
     assert (np.asarray(out, np.float32)[unseen_out].view(np.uint32) == 0).all(), "a row that sees nothing is not +0"
     if lse is not None:
-        assert (lse[unseen] == -np.inf).all(), "the lse of a row that sees nothing is not -inf"
+        if c.sinks is None:
+            assert (lse[unseen] == -np.inf).all(), "the lse of a row that sees nothing is not -inf"
+        else:
+            sig = np.broadcast_to(np.asarray(c.sinks, np.float32)[:, None], lse.shape)
+            assert (lse[unseen] == sig[unseen]).all(), "the lse of a row that sees nothing is not its sink"
         assert np.isfinite(lse[~unseen]).all()
         off = np.abs(lse[~unseen] - ref_lse[~unseen]).max(initial=0)
         assert off < LSE_TOLERANCE, f"lse off by {off:.3e}"
     if cpu and c.o_dtype == F32:
-        err = nmse(out, cpu_origin(c))
-        assert err < CPU_AGREEMENT, f"nmse {err:.3e} against the CPU backend"
+        err = nmse(out, cpu_origin(c) if _origin_expresses(c) else cpu_front_door(c))
+        bar = CPU_AGREEMENT if c.softcap == 0 and c.max_bias == 0 else CPU_AGREEMENT_TRANSFORMS
+        assert err < bar, f"nmse {err:.3e} against the CPU backend"
+
+
+def _sees_nothing(c: Prefill) -> np.ndarray:
+    """Where a (head, row) sees no cache row, ``[.., H, rows]`` like lse: the reference's lse
+    without the sinks is -inf there."""
+    _, plain = reference(c.with_(sinks=None))
+    return ~np.isfinite(plain)
 
 
 def same_bits(a, b) -> bool:
@@ -370,6 +450,73 @@ def test_causal_window_with_an_offset(emu, rng, hd, rows, kv, window):
     c = fixed_case(rng, batch=1, rows=rows, kv=kv, nh=2, nkv=1, hd=hd, causal=True, window=window)
     out, lse, _ = emu_prefill(emu, c)
     check(c, out, lse)
+
+
+@pytest.mark.parametrize(
+    "hd,rows,kv,window",
+    [
+        (256, 64, 97, 0),  # offset 33: row 31, the last of tile 0, alone sees cache row 64 (step 1's first)
+        (256, 64, 128, 34),  # offset 64: row 32, the first of tile 1, alone sees cache row 63 (step 0's last)
+        (512, 32, 81, 0),  # offset 49: row 15 alone sees cache row 64
+        (512, 32, 96, 18),  # offset 64: row 16 alone sees cache row 63
+    ],
+)
+def test_a_step_one_edge_row_alone_sees_is_computed(emu, rng, hd, rows, kv, window):
+    # The described class of a step for a tile: some pair is visible iff the step meets
+    # [lo(first row), hi(last row)]. Here that span touches the step in one cache row only.
+    # A small scale keeps every p of a row well above half's smallest value, so the one pair
+    # counts whatever the draw.
+    c = fixed_case(rng, batch=1, rows=rows, kv=kv, nh=2, nkv=1, hd=hd, causal=True, window=window, scale=0.05)
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+
+
+def _explicit(c: Prefill) -> Prefill:
+    """The same prefill with its description given as an explicit 0 / -inf mask (per
+    sequence, in a NaN-padded buffer) and nothing described."""
+    mb = _nan_base((c.batch, c.rows + 1, c.kv_len + 3), F16)
+    m = mb[:, :c.rows, 1 : 1 + c.kv_len]
+    for (qs, _), (q, k, _, own) in c.sequences():
+        seen = placed(q.shape[0], k.shape[0], c.causal, c.window, c.offset)
+        m[qs] = np.where(seen, 0.0 if own is None else own.astype(np.float32), -np.inf)
+    return c.with_(mask=m, causal=False, window=0, offset=None)
+
+
+@pytest.mark.parametrize(
+    "hd,batch,rows,kv,window,offset",
+    [
+        (256, 2, 40, 150, 0, -20),  # rows below 20 see nothing
+        (512, 2, 20, 150, 0, 37),  # a chunk of queries inside the cache
+        (256, 1, 40, 100, 0, 200),  # past the cache: every row sees all of it
+        (256, 2, 70, 150, 30, 60),  # a window, a partial last step
+        (512, 1, 33, 100, 16, -5),
+    ],
+)
+def test_an_explicit_offset_places_the_queries_in_the_cache(emu, rng, hd, batch, rows, kv, window, offset):
+    # PREFILL_OFFSET (context parallelism, SPEC 6): row r at r + offset of the cache, not
+    # the prompt at the cache's end. Against the reference, and bit for bit against the same
+    # placement given as an explicit mask; rows that see nothing are +0 with lse -inf.
+    c = fixed_case(rng, batch=batch, rows=rows, kv=kv, nh=2, nkv=1, hd=hd, causal=True, window=window, offset=offset)
+    assert offset != kv - rows
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+    e = _explicit(c)
+    out_e, lse_e, _ = emu_prefill(emu, e)
+    assert same_bits(out, out_e) and same_bits(lse, lse_e)
+    # Without the flag the same block means the prompt at the cache's end: another result.
+    end, _, _ = emu_prefill(emu, c.with_(offset=None))
+    assert nmse(end, out) > 1e-3
+
+
+def test_an_explicit_offset_with_variable_length(emu, rng):
+    # Caches longer, shorter than and as long as their prompts, and an empty prompt: every
+    # sequence is placed by the same offset.
+    c = varlen_case(rng, lq=[30, 0, 50, 20], lk=[80, 10, 20, 20], nh=2, nkv=1, hd=256, causal=True, offset=10)
+    out, lse, _ = emu_prefill(emu, c)
+    check(c, out, lse)
+    w = c.with_(window=7, offset=-3)
+    out, lse, _ = emu_prefill(emu, w)
+    check(w, out, lse)
 
 
 @pytest.mark.parametrize(
@@ -418,6 +565,30 @@ def test_every_q_dtype_and_o_dtype(emu, rng):
         assert out.dtype == dt
         assert same_bits(out, base.astype(dt)), dt
         check(c.with_(o_dtype=dt), out, None)
+
+
+def test_f16_and_bf16_outputs_round_ties_to_even(emu, rng):
+    # Q = 0: every visible score is 0, so p = 1 and each output is the mean of the V rows its
+    # row sees, exact in F32. With a window of 1 that is a V value (an F16: one in eight is a
+    # tie for BF16), with a window of 2 the mean of two (often a tie for F16). The kernel
+    # rounds each to nearest even: half away from zero and truncation differ on the ties.
+    for window, dt in ((1, BF16), (2, F16), (2, BF16)):
+        c = fixed_case(rng, batch=1, rows=40, kv=100, nh=2, nkv=1, hd=256, causal=True, window=window)
+        c.q[...] = 0
+        base, _, _ = emu_prefill(emu, c)
+        check(c, base, None, cpu=False)
+        out, _, _ = emu_prefill(emu, c.with_(o_dtype=dt))
+        want = base.astype(dt)
+        assert same_bits(out, want), (window, dt)
+        # The case has ties: rounding half away from zero gives other bits.
+        if dt == BF16:
+            away = ((base.view(np.uint32).astype(np.uint64) + 0x8000) >> 16).astype(np.uint16)
+        else:
+            f, t = base.astype(np.float64), base.astype(np.float16)
+            other = np.nextafter(t, np.where(f > t, np.float16(np.inf), np.float16(-np.inf)))
+            tie = (f != t) & (np.abs(other.astype(np.float64) - f) == np.abs(t.astype(np.float64) - f))
+            away = np.where(tie & (np.abs(other) > np.abs(t)), other, t).view(np.uint16)
+        assert (away != want.view(np.uint16)).sum() > 100, (window, dt)
 
 
 # -- lse -----------------------------------------------------------------------------------------
@@ -493,6 +664,8 @@ def test_schedules_and_cooperative_layouts_change_no_bit(emu, rng):
 
 
 def test_threadgroup_memory_is_exactly_what_the_op_binds(emu, rng):
+    # The origin op's formula, which the prefill op shares (SPEC 2), at its two head dims.
+    assert [threadgroup_memory(d) for d in (256, 512)] == [mx.threadgroup_memory_bytes(d) for d in (256, 512)]
     c = fixed_case(rng, batch=1, rows=8, kv=64, nh=1, nkv=1, hd=256)
     out, lse, _ = emu_prefill(emu, c)
     check(c, out, lse, cpu=False)
@@ -595,10 +768,10 @@ def test_lse_without_the_running_max_is_caught(build_dir, rng):
 
 
 def test_a_partial_step_read_past_the_cache_is_caught(emu, build_dir, rng):
-    # K and V tensors of a whole step at the cache's end (125 rows: the last step has 61)
+    # A V tensor of a whole step at the cache's end (125 rows: the last step has 61)
     # read the 3 rows after it: past the last sequence's buffer, a fault; where the buffers go
     # on (the NaN rows after each cache), NaN in the output.
-    bad = mutated(build_dir, "dextents<int32_t, 2>(D, kn)", "dextents<int32_t, 2>(D, C)", count=2)
+    bad = mutated(build_dir, "dextents<int32_t, 2>(DV, kn)", "dextents<int32_t, 2>(DV, C)")
     c = fixed_case(rng, batch=2, rows=20, kv=125, nh=2, nkv=1, hd=256, causal=True)
     with pytest.raises(metal_emu.EmulatorError):
         emu_prefill(bad, c)

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from typing import Any, Optional, Union
 
 from .arrays import layout_key
-from .checks import check_bool, check_device, check_scale, check_window
+from .checks import check_bool, check_device, check_max_bias, check_offset, check_scale, check_softcap, check_window
 from .device import Device
 from .plan import PrefillPlan
 
@@ -36,6 +36,7 @@ def flash_attn_prefill(
     *,
     causal: bool = False,
     window: Optional[int] = None,
+    offset: Optional[int] = None,
     scale: Optional[float] = None,
     cu_seqlens_q: Any = None,
     cu_seqlens_k: Any = None,
@@ -43,9 +44,13 @@ def flash_attn_prefill(
     out_dtype: Any = None,
     device: Union[None, str, Device] = None,
     check_finite: bool = False,
+    softcap: float = 0.0,
+    max_bias: float = 0.0,
+    sinks: Any = None,
 ) -> Any:
-    """Flash attention for a prefill (SPEC 6-9), on numpy arrays and torch tensors (CPU and
-    CUDA) alike; the result is an array of q's library on q's device.
+    """Flash attention for a prefill (SPEC 6-10, ``ggml_flash_attn_ext``'s parameters), on
+    numpy arrays and torch tensors (CPU and CUDA) alike; the result is an array of q's
+    library on q's device.
 
     Layouts (the head axis is the second to last, **not** the second)::
 
@@ -57,13 +62,21 @@ def flash_attn_prefill(
     ``x.transpose(0, 1)``) without a copy; an array whose last axis is not contiguous is
     copied first (by its own library, on its device). ``heads`` must be a multiple of
     ``kv_heads`` (query head ``h`` reads KV head ``h // (heads // kv_heads)``); head_dim
-    256 or 512.
+    64, 80, 96, 112, 128, 192, 256 or 512, or q/k 576 with v 512 (DeepSeek's MLA; v may be
+    a view of k's first 512 columns, ``k[..., :512]``).
 
-    - ``q``: float32, float16 or bfloat16; ``k``, ``v``: float16.
+    - ``q``: float32, float16 or bfloat16; ``k``, ``v``: float16 or bfloat16 (one dtype;
+      numpy's bfloat16 is ml_dtypes').
     - ``causal``: query row ``r`` sees cache row ``j`` iff ``j <= r + kv_len - rows`` (the
       prompt is the end of its cache; a cache shorter than the prompt is an error);
       ``window=w`` (an integer >= 1, implies causal) also needs ``j > r + kv_len - rows - w``.
       Both go to the kernel as a description: no ``[rows, kv]`` array exists anywhere.
+    - ``offset``: an integer (any sign, int32) placing query row ``r`` at position ``r +
+      offset`` of the cache for ``causal``/``window`` instead (``r + offset - w < j <= r +
+      offset``), with or without cu_seqlens (one offset for every sequence): a chunk of
+      queries against a chunk of the cache, as context parallelism computes them. The cache
+      may then be shorter than the prompt; rows that see nothing are zeros with lse -inf.
+      None: the prompt is the end of its cache (``offset = kv_len - rows``). Needs causal.
     - ``mask``: an explicit mask ``[rows, kv]``, ``[B or 1, rows, kv]`` or ``[B or 1, 1,
       rows, kv]`` (one for every head), additive float or bool (True = may attend); with
       ``causal``/``window`` it is added on the visible pairs. Float16 with a contiguous last
@@ -82,7 +95,16 @@ def flash_attn_prefill(
       arrays on their CUDA device); ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"metal"`` or a
       :class:`Device`. Host arrays on a CUDA device are uploaded, computed and downloaded.
     - ``check_finite``: first raise if ``half(scale * q)``, ``k`` or ``v`` holds a NaN or
-      an infinity, or the mask a NaN or +inf (a pass over the inputs).
+      an infinity, or the mask or sinks a NaN or +inf (a pass over the inputs).
+    - ``softcap``: above 0, each score becomes ``softcap * tanh(score / softcap)`` before the
+      mask is added (Gemma 2: 50).
+    - ``max_bias``: above 0, ALiBi: each head's slope (``2^(-max_bias (h + 1) / n2)``, SPEC
+      10) scales the explicit mask; with a described mask and no explicit one, the slope
+      times ``-(p - j)`` is added (``p`` the query's position in the cache, as llama.cpp's
+      ALiBi mask holds it). Needs ``causal``, a window or a mask.
+    - ``sinks``: float32 ``[heads]`` (numpy or torch, on q's device): each head's sink logit,
+      one more softmax score with no value (gpt-oss); a row that sees nothing is then zeros
+      with lse = its sink, and lse includes the sink.
 
     Returns ``out`` shaped like q (contiguous, ``out_dtype``), or ``(out, lse)``. A row
     that sees nothing is zeros (lse -inf). On CUDA the work is enqueued on the caller's
@@ -91,11 +113,16 @@ def flash_attn_prefill(
     ``ValueError`` or a ``TypeError``."""
     causal = check_bool(causal, "causal")
     window = check_window(window)
+    offset = check_offset(offset, causal or window is not None)
     scale = check_scale(scale)
     return_lse = check_bool(return_lse, "return_lse")
     check_finite = check_bool(check_finite, "check_finite")
     device = check_device(device)
-    key = _key(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, (causal, window, scale, return_lse, out_dtype, device, check_finite))
+    softcap, max_bias = check_softcap(softcap), check_max_bias(max_bias)
+    described = (causal, window, offset, scale)
+    transforms = (softcap, max_bias, sinks is not None)
+    rest = described + (return_lse, out_dtype, device, check_finite, transforms)
+    key = _key(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, rest)
     plan = None
     if key is not None:
         with _cache_lock:
@@ -104,17 +131,18 @@ def flash_attn_prefill(
                 _cache.move_to_end(key)
     if plan is None:
         plan = PrefillPlan(
-            q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
+            q, k, v, mask, causal=causal, window=window, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite,
+            check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks,
         )  # fmt: skip
         plan._planned = None  # the cache keeps no arrays alive
+        plan._planned_sinks = None
         if key is not None:
             with _cache_lock:
                 _cache[key] = plan
                 while len(_cache) > PLAN_CACHE_SIZE:
                     _cache.popitem(last=False)
-    return plan._run_call(q, k, v, mask)
+    return plan._run_call(q, k, v, mask, sinks)
 
 
 def _key(q, k, v, mask, cu_q, cu_k, rest) -> Optional[tuple]:

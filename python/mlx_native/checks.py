@@ -59,6 +59,29 @@ def check_window(window: Any, name: str = "window") -> Optional[int]:
     return w
 
 
+def check_offset(offset: Any, causal: bool) -> Optional[int]:
+    """``None`` (the prompt is the end of its cache: ``offset = kv_len - rows``, SPEC 6) or
+    an integer in int32 placing query row ``r`` at position ``r + offset`` of the cache, any
+    sign (negative: the queries start before the cache; past ``kv_len``: after it). It places
+    the queries for a described mask only, so it needs ``causal`` (or ``window``)."""
+    if offset is None:
+        return None
+    if not _is_integer(offset):
+        raise ArgumentTypeError(
+            f"offset must be an integer (query row r sits at cache position r + offset) or None, "
+            f"got {offset!r} ({type(offset).__name__})"
+        )
+    off = int(offset)
+    if not -(2**31) <= off <= 2**31 - 1:
+        raise InvalidArgumentError(f"offset {off} does not fit in int32")
+    if not causal:
+        raise InvalidArgumentError(
+            f"offset {off} places the queries for a described mask: pass causal=True or a window with it "
+            f"(without a mask every query row sees the whole cache, wherever it sits)"
+        )
+    return off
+
+
 def check_scale(scale: Any) -> Optional[float]:
     """``None`` (1/sqrt(head_dim), decided where the head dim is known) or a finite real
     number that is finite in float32."""
@@ -72,6 +95,42 @@ def check_scale(scale: Any) -> Optional[float]:
     if not math.isfinite(in_f32):
         raise InvalidArgumentError(f"scale must be a finite number (in float32), got {scale!r}")
     return s
+
+
+def check_softcap(softcap: Any) -> float:
+    """SPEC 10's softcap: a finite real number >= 0 (0: none; Gemma 2 uses 50 and 30)."""
+    return _non_negative(softcap, "softcap", "s = softcap * tanh(s / softcap) on every score; 0 for none")
+
+
+def check_max_bias(max_bias: Any) -> float:
+    """SPEC 10's ALiBi ``max_bias``: a finite real number >= 0 (0: no ALiBi; 8 for the
+    models trained with it)."""
+    return _non_negative(max_bias, "max_bias", "ALiBi's slopes are 2^(-max_bias * ...) per head; 0 for none")
+
+
+def _non_negative(x: Any, name: str, what: str) -> float:
+    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be a real number >= 0 ({what}), got {x!r} ({type(x).__name__})")
+    v = float(x)
+    with np.errstate(over="ignore"):
+        in_f32 = float(np.float32(v)) if math.isfinite(v) else v
+    if not math.isfinite(in_f32) or v < 0:
+        raise InvalidArgumentError(f"{name} must be a finite number >= 0 (in float32), got {x!r} ({what})")
+    return v
+
+
+def check_sinks(op: Operand, n_heads: int) -> Operand:
+    """SPEC 10's attention sinks: one float32 logit per query head, ``[n_heads]``."""
+    if op.dtype != np.float32:
+        raise UnsupportedDtypeError(
+            f"sinks must be float32 (one logit per query head), got {op.dtype.name}: convert with .astype(float32) "
+            f"or .float()"
+        )
+    if op.shape != (n_heads,):
+        raise InvalidArgumentError(
+            f"sinks must have shape ({n_heads},), one logit per query head, got {op.shape}"
+        )
+    return op
 
 
 def check_out_dtype(out_dtype: Any, q_dtype: Any) -> str:
@@ -106,8 +165,9 @@ def check_device(device: Any) -> Union[None, str, Any]:
 def check_cu_seqlens(cu_q: Any, cu_k: Any, total_q: int, total_k: int, causal: bool) -> Tuple[np.ndarray, np.ndarray]:
     """SPEC 7's ``cu_seqlens_q`` and ``cu_seqlens_k`` as host int32 arrays: 1-D integer
     arrays (int32 or int64; numpy, torch CPU/CUDA, CuPy) of ``B + 1`` entries each,
-    starting at 0, non-decreasing, ending at the totals; with ``causal`` no sequence's
-    cache shorter than its prompt. A CUDA array is copied to the host (a synchronisation)."""
+    starting at 0, non-decreasing, ending at the totals; with ``causal`` (pass False when an
+    explicit offset places the queries) no sequence's cache shorter than its prompt. A CUDA
+    array is copied to the host (a synchronisation)."""
     if (cu_q is None) != (cu_k is None):
         raise InvalidArgumentError("cu_seqlens_q and cu_seqlens_k go together: pass both (variable length) or neither")
     vals = []

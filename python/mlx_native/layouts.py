@@ -11,12 +11,13 @@ import numpy as np
 from ._lib import check, ffi, lib
 from .arrays import Operand, _contiguous_strides
 from .device import Device, shared_device
-from .dtypes import dtype_code, dtype_name, numpy_dtype_of_name
+from .dtypes import DTYPE_CODES, dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 
 __all__ = ["ArraySpec", "check_head_dims", "check_qkv", "layout", "norm_strides", "operand", "pick_device", "span"]
 
 _Q_DTYPES = ("float32", "float16", "bfloat16")
+_KV_DTYPES = ("float16", "bfloat16")
 
 
 class ArraySpec:
@@ -75,12 +76,17 @@ def span(op: Operand) -> np.ndarray:
 
 
 def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
-    """Dtypes, ranks and shapes of q, k, v against each other."""
+    """Dtypes, ranks and shapes of q, k, v against each other, and that this build has a
+    kernel for the head dims (q and k's, v's) and the K/V dtype."""
     if qo.dtype.name not in _Q_DTYPES:
         raise UnsupportedDtypeError(f"q must be float32, float16 or bfloat16, got {qo.dtype.name}")
     for name, op in (("k", ko), ("v", vo)):
-        if op.dtype != np.float16:
-            raise UnsupportedDtypeError(f"{name} must be float16, got {op.dtype.name}")
+        if op.dtype.name not in _KV_DTYPES:
+            raise UnsupportedDtypeError(f"{name} must be float16 or bfloat16, got {op.dtype.name}")
+    if vo.dtype != ko.dtype:
+        raise UnsupportedDtypeError(
+            f"k is {ko.dtype.name} and v is {vo.dtype.name}: they must have one dtype (float16 or bfloat16)"
+        )
     if qo.ndim not in (3, 4):
         raise InvalidArgumentError(
             f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim], got shape {qo.shape} "
@@ -90,11 +96,14 @@ def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
         if op.ndim != qo.ndim:
             kind = "[kv_len, kv_heads, head_dim]" if qo.ndim == 3 else "[batch, kv_len, kv_heads, head_dim]"
             raise InvalidArgumentError(f"q is {qo.ndim}-D, so {name} must be {kind}; got shape {op.shape}")
-    if vo.shape != ko.shape:
-        raise InvalidArgumentError(f"v has shape {vo.shape}, k has {ko.shape}: they must match")
+    if vo.shape[:-1] != ko.shape[:-1]:
+        raise InvalidArgumentError(
+            f"v has shape {vo.shape}, k has {ko.shape}: they must match but for the head dim (the last axis, which "
+            f"differs only as k 576 and v 512)"
+        )
     if ko.shape[-1] != qo.shape[-1]:
         raise InvalidArgumentError(
-            f"q has head_dim {qo.shape[-1]} and k/v {ko.shape[-1]} (the last axis): they must be equal. The layout is "
+            f"q has head_dim {qo.shape[-1]} and k {ko.shape[-1]} (the last axis): they must be equal. The layout is "
             f"q [rows, heads, head_dim], k/v [kv_len, kv_heads, head_dim] (4-D: a batch axis first)"
         )
     if qo.ndim == 4 and ko.shape[0] != qo.shape[0]:
@@ -107,7 +116,8 @@ def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
             f"as x.transpose(0, 1) (4-D: x.transpose(1, 2)), without a copy"
         )
     # The head dims this build has kernels for, as the op itself says.
-    check(lib.mlxn_flash_attn_prefill_supports(min(int(qo.shape[-1]), 2**32 - 1), 0, dtype_code("float16")))
+    dk, dv = (min(int(x), 2**32 - 1) for x in (qo.shape[-1], vo.shape[-1]))
+    check(lib.mlxn_flash_attn_prefill_supports(dk, dv, DTYPE_CODES[ko.dtype.name]))
 
 
 def check_head_dims(head_dim: int, head_dim_v: int = 0, kv_dtype: Any = "float16") -> None:

@@ -48,11 +48,12 @@ def causal_mask(rows: int, kv_len: int, window: Optional[int] = None, dtype: Any
     return out
 
 
-def _visible(xp, r0: int, r1: int, rows: int, kv_len: int, causal: bool, window: Optional[int], device=None):
+def _visible(xp, r0: int, r1: int, rows: int, kv_len: int, causal: bool, window: Optional[int], device=None, offset=None):
     """bool ``[r1 - r0, kv_len]``: the pairs of query rows ``r0..r1`` the description
-    leaves visible (SPEC 6), built with ``xp`` (numpy, CuPy or torch)."""
+    leaves visible (SPEC 6), built with ``xp`` (numpy, CuPy or torch); ``offset`` None: the
+    prompt is the end of its cache."""
     kw = {} if device is None else {"device": device}
-    last = xp.arange(r0, r1, **kw)[:, None] + (kv_len - rows)
+    last = xp.arange(r0, r1, **kw)[:, None] + (kv_len - rows if offset is None else offset)
     j = xp.arange(kv_len, **kw)[None, :]
     if not causal:
         return last * 0 <= j  # every pair, shaped [r1 - r0, kv_len]
@@ -62,13 +63,20 @@ def _visible(xp, r0: int, r1: int, rows: int, kv_len: int, causal: bool, window:
     return ok
 
 
-def described_pairs(lq: int, lk: int, causal: bool, window: Optional[int]) -> int:
+def described_pairs(lq: int, lk: int, causal: bool, window: Optional[int], offset: Optional[int] = None) -> int:
     """The visible (query row, cache row) pairs of one sequence of ``lq`` query rows and
-    ``lk`` cache rows under a described mask (SPEC 5-6), in closed form."""
+    ``lk`` cache rows under a described mask (SPEC 5-6), in closed form; ``offset`` places
+    row r at cache position ``r + offset`` (None: ``lk - lq``, the prompt ends the cache)."""
     if lq <= 0 or lk <= 0:
         return 0
     if not causal:
         return lq * lk
+    if offset is not None and offset != lk - lq:
+        # Row r sees cache rows [r + off - w + 1, r + off] clipped to [0, lk): count
+        # the pairs of the unclipped cache [0, r + off] and take away those past lk - 1.
+        below = _pairs_ending_at(offset, lq, window)
+        past = _pairs_ending_at(offset - lk, lq, window)
+        return below - past
     # Row r sees min(r + off + 1, w) rows: t = r + off + 1 runs from a to b.
     off = lk - lq
     a, b = max(off + 1, 1), off + lq
@@ -80,6 +88,21 @@ def described_pairs(lq: int, lk: int, causal: bool, window: Optional[int]) -> in
     if a >= window:
         return window * n
     return (a + window - 1) * (window - a) // 2 + window * (b - window + 1)
+
+
+def _pairs_ending_at(off: int, lq: int, window: Optional[int]) -> int:
+    """``sum over r < lq`` of the cache rows ``j >= 0`` with ``r + off - w < j <= r + off``
+    (no lower bound but 0 without a window): row r counts ``clip(r + off + 1, 0, w)``."""
+
+    def ramp(t0: int, t1: int) -> int:  # sum of t for t in [t0, t1], 0 if empty
+        return (t0 + t1) * (t1 - t0 + 1) // 2 if t1 >= t0 else 0
+
+    # t = r + off + 1 runs over [off + 1, off + lq]; t <= 0 counts 0, 0 < t < w counts t,
+    # t >= w counts w.
+    lo, hi = off + 1, off + lq
+    if window is None:
+        return ramp(max(lo, 1), hi)
+    return ramp(max(lo, 1), min(hi, window - 1)) + window * max(0, hi - max(lo, window) + 1)
 
 
 def mask_to_half(op: Operand) -> Operand:
@@ -170,7 +193,9 @@ def _shape_message(shape, batch: int, rows: int, kv_len: int) -> str:
     )
 
 
-def masked_pairs(core: Operand, batch: int, rows: int, kv_len: int, causal: bool, window: Optional[int]) -> int:
+def masked_pairs(
+    core: Operand, batch: int, rows: int, kv_len: int, causal: bool, window: Optional[int], offset: Optional[int] = None
+) -> int:
     """The visible pairs of a fixed-length batch with an explicit mask (its kernel form,
     ``[B or 1, rows or 1, kv]`` float16): pairs the description leaves visible whose mask
     value is above -65504, summed over the batch. Computed on the mask's device, in chunks
@@ -186,7 +211,7 @@ def masked_pairs(core: Operand, batch: int, rows: int, kv_len: int, causal: bool
         for b in range(bc):
             for r0 in range(0, rows, CHUNK_ROWS):
                 r1 = min(rows, r0 + CHUNK_ROWS)
-                vis = _visible(torch, r0, r1, rows, kv_len, causal, window, device=dev)
+                vis = _visible(torch, r0, r1, rows, kv_len, causal, window, device=dev, offset=offset)
                 m = t[b, r0:r1] if rc > 1 else t[b, 0:1]
                 total += int(torch.count_nonzero(vis & (m > NEG_HALF_MAX)))
     else:
@@ -199,7 +224,7 @@ def masked_pairs(core: Operand, batch: int, rows: int, kv_len: int, causal: bool
         for b in range(bc):
             for r0 in range(0, rows, CHUNK_ROWS):
                 r1 = min(rows, r0 + CHUNK_ROWS)
-                vis = _visible(xp, r0, r1, rows, kv_len, causal, window)
+                vis = _visible(xp, r0, r1, rows, kv_len, causal, window, offset=offset)
                 m = a[b, r0:r1] if rc > 1 else a[b, 0:1]
                 total += int(xp.count_nonzero(vis & (m > NEG_HALF_MAX)))
     return total * (batch if bc == 1 else 1)

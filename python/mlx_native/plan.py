@@ -20,9 +20,13 @@ from .checks import (
     check_cu_seqlens,
     check_device,
     check_finite as check_array_finite,
+    check_max_bias,
+    check_offset,
     check_out_dtype,
     check_q_fits_half,
     check_scale,
+    check_sinks,
+    check_softcap,
     check_window,
     default_scale,
 )
@@ -52,10 +56,13 @@ class PrefillPlan:
     ``cu_seqlens_q`` / ``cu_seqlens_k``, which belong to the plan). Every argument is
     checked here, before anything runs.
 
-    - ``run(q, k, v, mask=None, *, out=None, lse=None)`` runs on arrays of the planned
-      layouts and returns ``out`` (``(out, lse)`` with ``return_lse``), new arrays of q's
-      library on q's device unless given (contiguous, of the planned shapes and dtypes).
-      ``run()`` with no arrays runs on those the plan was made with.
+    - ``run(q, k, v, mask=None, *, sinks=None, out=None, lse=None)`` runs on arrays of the
+      planned layouts and returns ``out`` (``(out, lse)`` with ``return_lse``), new arrays
+      of q's library on q's device unless given (contiguous, of the planned shapes and
+      dtypes). ``run()`` with no arrays runs on those the plan was made with.
+    - ``softcap``, ``max_bias``, ``sinks``: SPEC 10, as in
+      :func:`~mlx_native.flash_attn_prefill`; the two numbers belong to the plan, the sinks
+      (float32 ``[heads]``, or an :class:`ArraySpec` of them) are data given to each run.
     - On CUDA a run is enqueued on the caller's current stream (PyTorch's for tensors,
       CuPy's for CuPy arrays) and returns at once, with no host synchronisation and no
       allocation but the outputs' (by the caller's library; none when ``out`` and ``lse``
@@ -81,6 +88,7 @@ class PrefillPlan:
         *,
         causal: bool = False,
         window: Optional[int] = None,
+        offset: Optional[int] = None,
         scale: Optional[float] = None,
         cu_seqlens_q: Any = None,
         cu_seqlens_k: Any = None,
@@ -88,11 +96,16 @@ class PrefillPlan:
         out_dtype: Any = None,
         device: Union[None, str, Device] = None,
         check_finite: bool = False,
+        softcap: float = 0.0,
+        max_bias: float = 0.0,
+        sinks: Any = None,
     ):
         causal = check_bool(causal, "causal")
         window = check_window(window)
         causal = causal or window is not None
+        offset = check_offset(offset, causal)
         scale = check_scale(scale)
+        self.softcap, self.max_bias = check_softcap(softcap), check_max_bias(max_bias)
         self._lse = check_bool(return_lse, "return_lse")
         self._check_finite = check_bool(check_finite, "check_finite")
         dev_arg = check_device(device)
@@ -100,7 +113,15 @@ class PrefillPlan:
         check_qkv(qo, ko, vo)
         batched = qo.ndim == 4
         rows, n_heads, head_dim = qo.shape[-3:]
-        kv_len, n_kv_heads = ko.shape[-3], ko.shape[-2]
+        kv_len, n_kv_heads, head_dim_v = ko.shape[-3], ko.shape[-2], vo.shape[-1]
+        self._has_sinks = sinks is not None
+        if self._has_sinks:
+            check_sinks(operand(sinks, "sinks"), n_heads)
+        if self.max_bias > 0 and mask is None and not causal:
+            raise InvalidArgumentError(
+                "ALiBi needs positions: pass causal=True, a window, or an explicit mask holding -|i-j| (max_bias > 0 "
+                "scales the mask by each head's slope)"
+            )
         self._cu = None
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             if batched:
@@ -113,11 +134,11 @@ class PrefillPlan:
                     "an explicit mask cannot go with cu_seqlens: describe the mask (causal, window) or pad the batch "
                     "to a fixed length ([B, rows, heads, head_dim]) and pass a [B, 1, rows, kv] mask"
                 )
-            self._cu = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, rows, kv_len, causal)
+            self._cu = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, rows, kv_len, causal and offset is None)
             batch = len(self._cu[0]) - 1
         else:
             batch = qo.shape[0] if batched else 1
-            if causal and kv_len < rows:
+            if causal and offset is None and kv_len < rows:
                 raise InvalidArgumentError(
                     f"causal with {rows} query rows and a cache of {kv_len} rows: the prompt is the end of its cache, "
                     f"which cannot be shorter (pass the whole cache as k/v, or causal=False with an explicit mask)"
@@ -128,8 +149,9 @@ class PrefillPlan:
         out_name = check_out_dtype(out_dtype, qo.dtype)
         self.out_dtype = numpy_dtype_of_name(out_name)
         self.scale = default_scale(head_dim) if scale is None else scale
-        self.causal, self.window, self.batch = causal, window, batch
+        self.causal, self.window, self.offset, self.batch = causal, window, offset, batch
         self._dims = (rows, kv_len, n_heads, n_kv_heads, head_dim)
+        self._n_heads = n_heads
         self._layouts = tuple(layout(o) for o in (qo, ko, vo))
 
         self._mask_form = None
@@ -142,27 +164,30 @@ class PrefillPlan:
             self._mask_form = (core.shape, bs, rs)
             mask_strides = (bs, rs)
 
-        # Outputs: like q, contiguous; lse [H, rows], [B, H, rows] or [H, total_q].
-        self.shape = qo.shape
+        # Outputs: like q with v's head dim, contiguous; lse [H, rows], [B, H, rows] or [H, total_q].
+        self.shape = qo.shape[:-1] + (head_dim_v,)
         self.lse_shape = (batch, n_heads, rows) if batched else (n_heads, rows)
         p = ffi.new("MlxnFlashAttnPrefillParams *")
         qs, ks, vs = (lay[1] for lay in self._layouts)
         if not batched:
             qs, ks, vs = (0,) + qs, (0,) + ks, (0,) + vs
         p.q_strides, p.k_strides, p.v_strides = qs[:3], ks[:3], vs[:3]
-        p.out_strides = (rows * n_heads * head_dim if batched else 0, n_heads * head_dim, head_dim)
+        p.out_strides = (rows * n_heads * head_dim_v if batched else 0, n_heads * head_dim_v, head_dim_v)
         p.mask_strides = mask_strides
         p.lse_strides = (n_heads * rows if batched else 0, rows)
         p.batch, p.rows, p.kv_len = batch, rows, kv_len
         p.n_heads, p.n_kv_heads, p.head_dim = n_heads, n_kv_heads, head_dim
         p.causal, p.window, p.scale = int(causal), window or 0, self.scale
+        p.offset, p.has_offset = offset or 0, int(offset is not None)
+        p.head_dim_v, p.softcap, p.max_bias = head_dim_v, self.softcap, self.max_bias
         self._params = p
 
         out = ffi.new("uint64_t *")
         cq = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[0])
         ck = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[1])
-        codes = (DTYPE_CODES[qo.dtype.name], DTYPE_CODES["float16"], DTYPE_CODES[out_name])
-        check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, int(mask is not None), int(self._lse), 0, cq, ck, out))
+        codes = (DTYPE_CODES[qo.dtype.name], DTYPE_CODES[ko.dtype.name], DTYPE_CODES[out_name])
+        flags = (int(mask is not None), int(self._lse), int(self._has_sinks))
+        check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, *flags, cq, ck, out))
         self._handle = int(out[0])
         self._finalizer = weakref.finalize(self, _free, self._handle)
         ext = ffi.new("MlxnPrefillExtents *")
@@ -174,12 +199,13 @@ class PrefillPlan:
         direct = (
             qo.library in ("numpy", "torch")
             and qo.in_place and ko.in_place and vo.in_place and mask_in_place
-            and not self._upload and not self._check_finite
+            and not self._upload and not self._check_finite and not self._has_sinks
         )  # fmt: skip
         self._direct = _direct_outputs(qo, self.shape, self.lse_shape, self.out_dtype) if direct else None
 
-        data = [x for x in (q, k, v, mask) if x is not None]
+        data = [x for x in (q, k, v, mask, sinks) if x is not None]
         self._planned = None if any(isinstance(x, ArraySpec) for x in data) else (q, k, v, mask)
+        self._planned_sinks = sinks
         self._lock = threading.RLock()
         self._bufs = None
         self._scratch = None
@@ -210,19 +236,26 @@ class PrefillPlan:
                 if self._planned is None:
                     return None
                 core = self._bind_mask(self._planned[3], Operand.of(self._planned[0], "q"))
-                self._pairs = masked_pairs(core, self.batch, rows, kv_len, self.causal, self.window)
+                self._pairs = masked_pairs(core, self.batch, rows, kv_len, self.causal, self.window, self.offset)
             elif self._cu is not None:
                 lq, lk = np.diff(self._cu[0]), np.diff(self._cu[1])
-                self._pairs = sum(described_pairs(int(a), int(b), self.causal, self.window) for a, b in zip(lq, lk))
+                self._pairs = sum(
+                    described_pairs(int(a), int(b), self.causal, self.window, self.offset) for a, b in zip(lq, lk)
+                )
             else:
-                self._pairs = self.batch * described_pairs(rows, kv_len, self.causal, self.window)
+                self._pairs = self.batch * described_pairs(rows, kv_len, self.causal, self.window, self.offset)
         return self._pairs
 
     def __repr__(self) -> str:
         rows, kv_len, nh, nkv, hd = self._dims
         what = "variable length" if self._cu is not None else f"batch {self.batch}"
         mask = ", explicit mask" if self.has_mask else ""
+        mask += f", softcap {self.softcap:g}" if self.softcap else ""
+        mask += f", ALiBi max_bias {self.max_bias:g}" if self.max_bias else ""
+        mask += ", sinks" if self._has_sinks else ""
         desc = f"window {self.window}" if self.window else ("causal" if self.causal else "no description")
+        if self.offset is not None:
+            desc += f", offset {self.offset}"
         return (
             f"PrefillPlan({what}, {rows} rows, {kv_len} cache rows, {nh}/{nkv} heads, dim {hd}, {desc}{mask}, "
             f"scale {self.scale:g}, out {self.out_dtype.name}{', lse' if self._lse else ''}, on {self.device.backend})"
@@ -230,47 +263,65 @@ class PrefillPlan:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, q: Any = None, k: Any = None, v: Any = None, mask: Any = None, *, out: Any = None, lse: Any = None) -> Any:
-        """Run on ``q``, ``k``, ``v`` (and ``mask`` when the plan has one) of the planned
-        layouts, or with no arrays on the planned ones. Returns ``out``, or ``(out, lse)``
-        when the plan returns lse. With ``check_finite`` the inputs are checked first."""
+    def run(
+        self,
+        q: Any = None,
+        k: Any = None,
+        v: Any = None,
+        mask: Any = None,
+        *,
+        sinks: Any = None,
+        out: Any = None,
+        lse: Any = None,
+    ) -> Any:
+        """Run on ``q``, ``k``, ``v`` (and ``mask`` when the plan has one, ``sinks`` when it
+        has sinks) of the planned layouts, or with no arrays on the planned ones. Returns
+        ``out``, or ``(out, lse)`` when the plan returns lse. With ``check_finite`` the
+        inputs are checked first."""
         if q is None and k is None and v is None:
             if self._planned is None:
                 raise InvalidArgumentError("this plan was made from layouts (ArraySpec): pass the arrays, run(q, k, v, ...)")
             q, k, v, planned_mask = self._planned
             mask = planned_mask if mask is None else mask
+            sinks = self._planned_sinks if sinks is None else sinks
             if self._upload:  # uploaded once, by the first such run
                 qo = Operand.of(q, "q")
                 if self._check_finite:
                     _check_inputs(qo, Operand.of(k, "k"), Operand.of(v, "v"), self.scale)
                     if mask is not None:
                         check_array_finite("mask", mask, allow_neg_inf=True)
+                    if sinks is not None:
+                        check_array_finite("sinks", sinks, allow_neg_inf=True)
                 with self._lock:
                     return self._run_buffers(self._buffers, out, lse, qo)
         elif q is None or k is None or v is None:
             raise InvalidArgumentError("pass q, k and v (or none of them: the arrays the plan was made with)")
         qo, ko, vo = self._bind(q, "q", 0), self._bind(k, "k", 1), self._bind(v, "v", 2)
         mo = self._bind_mask(mask, qo)
+        so = self._bind_sinks(sinks)
         if self._check_finite:
             _check_inputs(qo, ko, vo, self.scale)
             if mask is not None:
                 check_array_finite("mask", mask, allow_neg_inf=True)
+            if so is not None:
+                check_array_finite("sinks", so.obj, allow_neg_inf=True)
         if self._upload:
-            return self._run_uploaded(qo, ko, vo, mo, out, lse)
+            return self._run_uploaded(qo, ko, vo, mo, so, out, lse)
         oo = _output(out, qo, "out", self.shape, self.out_dtype)
         lo = _output(lse, qo, "lse", self.lse_shape, np.float32) if self._lse else None
         stream = qo.run_stream() if self._cuda else 0
-        _run(self._handle, qo.ptr, ko.ptr, vo.ptr, None if mo is None else mo.ptr, oo.ptr, None if lo is None else lo.ptr, stream)
+        _run(self._handle, qo.ptr, ko.ptr, vo.ptr, None if mo is None else mo.ptr, oo.ptr, None if lo is None else lo.ptr,
+             stream, None if so is None else so.ptr)  # fmt: skip
         return (oo.obj, lo.obj) if lo is not None else oo.obj
 
     __call__ = run
 
-    def _run_call(self, q: Any, k: Any, v: Any, mask: Any):
+    def _run_call(self, q: Any, k: Any, v: Any, mask: Any, sinks: Any = None):
         """:meth:`run` for arrays whose layouts (``arrays.layout_key``) are those this plan
         was made from: the one call's path, which checks nothing it knows already."""
         d = self._direct
         if d is None:
-            return self.run(q, k, v, mask)
+            return self.run(q, k, v, mask, sinks=sinks)
         new_out, new_lse, ptr = d
         o = new_out(q)
         lse = new_lse(q) if self._lse else None
@@ -295,6 +346,22 @@ class PrefillPlan:
             )
         if op.device != self._array_device:
             raise InvalidArgumentError(f"{name} is on {op.device}; this plan runs on arrays on {self._array_device}")
+        return op
+
+    def _bind_sinks(self, sinks: Any) -> Optional[Operand]:
+        """The sinks of a run: float32 ``[heads]`` on the planned arrays' device (a strided
+        view is copied), or None for a plan without sinks."""
+        if not self._has_sinks:
+            if sinks is not None:
+                raise InvalidArgumentError("this plan has no attention sinks: make one with sinks=... to pass them")
+            return None
+        if sinks is None:
+            raise InvalidArgumentError(f"this plan has attention sinks: pass sinks, float32 [{self._n_heads}]")
+        op = check_sinks(Operand.of(sinks, "sinks"), self._n_heads)
+        if not op.contiguous:
+            op = op.made_contiguous()
+        if op.device != self._array_device:
+            raise InvalidArgumentError(f"sinks are on {op.device}; this plan runs on arrays on {self._array_device}")
         return op
 
     def _bind_mask(self, mask: Any, like: Operand) -> Optional[Operand]:
@@ -336,7 +403,9 @@ class PrefillPlan:
         def buf(op):
             return dev.buffer(span(op)) if self._upload else dev.wrap(op, span=True)
 
+        so = self._bind_sinks(self._planned_sinks)
         b = dict(q=buf(qo), k=buf(ko), v=buf(vo), mask=None if mo is None else buf(mo), lse=None, cu_q=None, cu_k=None)
+        b["sinks"] = None if so is None else buf(so)
         if self._upload:
             b.update(self._output_buffers())
         else:
@@ -385,13 +454,13 @@ class PrefillPlan:
                 h(b["cu_q"]),
                 h(b["cu_k"]),
                 h(b["lse"]),
-                0,
+                h(b.get("sinks")),
                 self._params,
             )
         )
         enc._hold(*[x for x in b.values() if x is not None])
 
-    def _run_uploaded(self, qo, ko, vo, mo, out, lse):
+    def _run_uploaded(self, qo, ko, vo, mo, so, out, lse):
         dev = self.device
         with self._lock:
             if self._scratch is None:
@@ -400,6 +469,7 @@ class PrefillPlan:
             b = dict(self._scratch)
             b.update(q=dev.buffer(span(qo)), k=dev.buffer(span(ko)), v=dev.buffer(span(vo)))
             b["mask"] = None if mo is None else dev.buffer(span(mo))
+            b["sinks"] = None if so is None else dev.buffer(span(so))
             return self._run_buffers(b, out, lse, qo)
 
     def _output_buffers(self) -> dict:
@@ -430,17 +500,28 @@ class PrefillPlan:
         return oo.obj, lo.obj
 
 
-def _run(handle: int, q: int, k: int, v: int, mask: Optional[int], out: int, lse: Optional[int], stream: int) -> None:
-    """One ``mlxn_prefill_plan_run``. The C ABI reads address 0 of the mask or lse as "not
-    given": an empty one (no element, so never read) takes the address of another operand,
-    and when every operand is empty there is nothing to run."""
-    if mask == 0 or lse == 0:
+def _run(
+    handle: int,
+    q: int,
+    k: int,
+    v: int,
+    mask: Optional[int],
+    out: int,
+    lse: Optional[int],
+    stream: int,
+    sinks: Optional[int] = None,
+) -> None:
+    """One ``mlxn_prefill_plan_run``. The C ABI reads address 0 of the mask, lse or sinks as
+    "not given": an empty one (no element, so never read) takes the address of another
+    operand, and when every operand is empty there is nothing to run."""
+    if mask == 0 or lse == 0 or sinks == 0:
         some = k or q or v or out
         if not some:
             return
         mask = some if mask == 0 else mask
         lse = some if lse == 0 else lse
-    check(lib.mlxn_prefill_plan_run(handle, q, k, v, mask or 0, out, lse or 0, 0, stream))
+        sinks = some if sinks == 0 else sinks
+    check(lib.mlxn_prefill_plan_run(handle, q, k, v, mask or 0, out, lse or 0, sinks or 0, stream))
 
 
 def _numpy_ptr(a: np.ndarray) -> int:

@@ -76,10 +76,13 @@ def useful_flops(head_dim: int, n_heads: int, visible_pairs: int) -> float:
     return 4.0 * head_dim * n_heads * visible_pairs
 
 
-def visible_mask(lq: int, lk: int, causal: bool = False, window: Optional[int] = None) -> np.ndarray:
-    """SPEC 6: bool ``[lq, lk]``, True where query row r may see cache row j (the prompt is
-    the last ``lq`` rows of the cache: ``offset = lk - lq``)."""
-    r = np.arange(lq)[:, None] + (lk - lq)
+def visible_mask(
+    lq: int, lk: int, causal: bool = False, window: Optional[int] = None, offset: Optional[int] = None
+) -> np.ndarray:
+    """SPEC 6: bool ``[lq, lk]``, True where query row r may see cache row j: row r sits at
+    cache position ``r + offset`` (None: the prompt is the last ``lq`` rows of the cache,
+    ``offset = lk - lq``)."""
+    r = np.arange(lq)[:, None] + (lk - lq if offset is None else offset)
     j = np.arange(lk)[None, :]
     ok = np.ones((lq, lk), dtype=bool)
     if causal or window is not None:
@@ -100,19 +103,32 @@ def reference_prefill(
     scale: float = 1.0,
     cu_seqlens_q: Optional[np.ndarray] = None,
     cu_seqlens_k: Optional[np.ndarray] = None,
+    offset: Optional[int] = None,
+    softcap: float = 0.0,
+    max_bias: float = 0.0,
+    sinks: Optional[np.ndarray] = None,
 ):
-    """SPEC 6-8 in float64 on the kernels' rounded inputs: ``half(scale * q)`` (q read as
-    float from any dtype), K/V as given (float16), an optional additive mask (rounded to
-    float16) added on the visible pairs. Shapes as the high-level API takes them: q
-    ``[rows, H, D]`` or ``[B, rows, H, D]``, k/v ``[kv, Hkv, D]`` or ``[B, kv, Hkv, D]``,
-    mask ``[rows, kv]`` or ``[B or 1, rows, kv]`` (a 4-D ``[B or 1, 1, rows, kv]`` is taken
-    too); variable length with ``cu_seqlens_*`` on 3-D q/k/v (no mask).
+    """SPEC 6-10 in float64 on the kernels' rounded inputs: ``half(scale * q)`` (q read as
+    float from any dtype), K/V as given (float16 or bfloat16, read exactly), an optional
+    additive mask (rounded to float16) added on the visible pairs. Shapes as the high-level
+    API takes them: q ``[rows, H, Dk]`` or ``[B, rows, H, Dk]``, k ``[kv, Hkv, Dk]`` or
+    ``[B, kv, Hkv, Dk]``, v likewise with ``Dv`` columns, mask ``[rows, kv]`` or ``[B or 1,
+    rows, kv]`` (a 4-D ``[B or 1, 1, rows, kv]`` is taken too); variable length with
+    ``cu_seqlens_*`` on 3-D q/k/v (no mask). ``offset`` places query row r of every
+    sequence at cache position ``r + offset`` (None: the prompt is the end of its cache).
 
-    Returns ``(out, lse)`` in float64: out shaped like q, lse ``[H, rows]``, ``[B, H, rows]``
-    or ``[H, total_q]`` (SPEC 8: ``ln(sum_j exp(s_j))``; -inf and zero output where a row
-    sees nothing)."""
+    SPEC 10: ``softcap > 0`` caps each score ``s = softcap * tanh(s / softcap)``; ``max_bias
+    > 0`` scales the mask by each head's ALiBi slope (:func:`alibi_slopes`), and without an
+    explicit mask adds the slope times the described mask's ``-(p - j)`` (``p`` the query's
+    position in the cache; needs ``causal`` or a window); ``sinks`` (``[H]``) adds each
+    head's logit to the softmax as a score with no value.
+
+    Returns ``(out, lse)`` in float64: out shaped like q with ``Dv`` columns, lse ``[H,
+    rows]``, ``[B, H, rows]`` or ``[H, total_q]`` (SPEC 8: ``ln(e^sigma + sum_j exp(s_j))``;
+    zero output where a row sees nothing, and lse -inf there without a sink)."""
     q = np.asarray(q)
     batched = q.ndim == 4
+    tr = _Transforms(softcap, max_bias, sinks, q.shape[-2])
     qs = q if batched else q[None]
     ks = np.asarray(k) if batched else np.asarray(k)[None]
     vs = np.asarray(v) if batched else np.asarray(v)[None]
@@ -126,41 +142,76 @@ def reference_prefill(
     if cu_seqlens_q is not None:
         cq, ck = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
         seqs = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
-        out = np.zeros(q.shape, np.float64)
+        out = np.zeros(q.shape[:-1] + (np.asarray(v).shape[-1],), np.float64)
         lse = np.full((q.shape[1], q.shape[0]), -np.inf)
         for qsl, ksl in seqs:
-            o, l = _one_sequence(q[qsl], k[ksl], v[ksl], None, causal, window, scale)
+            o, l = _one_sequence(q[qsl], k[ksl], v[ksl], None, causal, window, scale, tr, offset)
             out[qsl] = o
             lse[:, qsl] = l
         return out, lse
     nb = qs.shape[0]
-    out = np.zeros(qs.shape, np.float64)
+    out = np.zeros(qs.shape[:-1] + (vs.shape[-1],), np.float64)
     lse = np.full((nb, qs.shape[2], qs.shape[1]), -np.inf)
     for b in range(nb):
         mb = None if mask is None else m[b if m.shape[0] > 1 else 0]
-        out[b], lse[b] = _one_sequence(qs[b], ks[b], vs[b], mb, causal, window, scale)
+        out[b], lse[b] = _one_sequence(qs[b], ks[b], vs[b], mb, causal, window, scale, tr, offset)
     return (out, lse) if batched else (out[0], lse[0])
 
 
-def _one_sequence(q, k, v, mask, causal, window, scale):
+def alibi_slopes(n_heads: int, max_bias: float) -> np.ndarray:
+    """SPEC 10's ALiBi slope of every head, float64 ``[n_heads]`` (ones without ALiBi):
+    ``n2 = 2^floor(log2(n_heads))``, ``m0^(h + 1)`` for ``h < n2`` with ``m0 =
+    2^(-max_bias / n2)``, else ``m1^(2 (h - n2) + 1)`` with ``m1 = 2^(-max_bias / 2 / n2)``."""
+    if max_bias <= 0:
+        return np.ones(n_heads)
+    n2 = 1 << (int(n_heads).bit_length() - 1)
+    h = np.arange(n_heads)
+    m0, m1 = 2.0 ** (-max_bias / n2), 2.0 ** (-max_bias / 2 / n2)
+    return np.where(h < n2, m0 ** (h + 1.0), m1 ** (2.0 * (h - n2) + 1.0))
+
+
+class _Transforms:
+    """SPEC 10's parameters of one reference call."""
+
+    def __init__(self, softcap, max_bias, sinks, n_heads):
+        self.softcap = float(softcap)
+        self.max_bias = float(max_bias)
+        self.slopes = alibi_slopes(n_heads, self.max_bias)
+        self.sinks = None if sinks is None else np.asarray(sinks, np.float64).reshape(n_heads)
+
+
+def _one_sequence(q, k, v, mask, causal, window, scale, tr, offset=None):
     lq, n_heads, head_dim = q.shape
     lk, n_kv_heads, _ = k.shape
     group = n_heads // n_kv_heads
     qh = (np.float32(scale) * q.astype(np.float32)).astype(np.float16).astype(np.float64)
-    seen = visible_mask(lq, lk, causal, window)
-    add = np.where(seen, 0.0, -np.inf) if mask is None else np.where(seen, mask, -np.inf)
+    seen = visible_mask(lq, lk, causal, window, offset)
+    # ALiBi without an explicit mask: the mask llama.cpp writes for it, -(p - j) with p the
+    # query's position (r + offset, by default r + lk - lq).
+    place = lk - lq if offset is None else offset
+    distance = np.arange(lk)[None, :] - (np.arange(lq)[:, None] + place).astype(np.float64)
     out = np.zeros((lq, n_heads, v.shape[2]), np.float64)
     lse = np.full((n_heads, lq), -np.inf)
+    if tr.sinks is not None:
+        lse[:] = tr.sinks[:, None]
     if lq == 0 or lk == 0:
         return out, lse
     for h in range(n_heads):
         g = h // group
-        s = qh[:, h, :] @ k[:, g, :].astype(np.float64).T + add
-        mx = s.max(axis=1, keepdims=True)
+        s = qh[:, h, :] @ k[:, g, :].astype(np.float64).T
+        if tr.softcap > 0:
+            s = tr.softcap * np.tanh(s / tr.softcap)
+        if mask is not None:
+            s = s + tr.slopes[h] * mask
+        elif tr.max_bias > 0:
+            s = s + tr.slopes[h] * distance
+        s = np.where(seen, s, -np.inf)
+        sigma = -np.inf if tr.sinks is None else tr.sinks[h]
+        mx = np.maximum(s.max(axis=1, keepdims=True), sigma)
         ok = np.isfinite(mx[:, 0])
         p = np.zeros_like(s)
         p[ok] = np.exp(s[ok] - mx[ok])
-        denom = p.sum(axis=1)
+        denom = p.sum(axis=1) + (np.exp(sigma - mx[:, 0]) if tr.sinks is not None else 0.0)
         out[ok, h, :] = (p[ok] @ v[:, g, :].astype(np.float64)) / denom[ok, None]
         lse[h, ok] = mx[ok, 0] + np.log(denom[ok])
     return out, lse

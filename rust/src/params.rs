@@ -255,6 +255,27 @@ impl FlashAttnPrefillParamsGpu {
     }
 }
 
+impl FlashAttnPrefillParamsGpu {
+    /// SPEC 10: the ALiBi slope of query head `h` (1 without ALiBi, `max_bias <= 0`):
+    /// `n2 = 2^floor(log2(n_heads))`, `m0 = 2^(-max_bias / n2)`, `m1 = 2^(-max_bias / 2 / n2)`,
+    /// `m0^(h + 1)` for `h < n2`, else `m1^(2 (h - n2) + 1)`. Computed in f64 as one power of
+    /// two and rounded once, so that every backend that calls it scales by the same f32.
+    pub fn alibi_slope(&self, h: i32) -> f32 {
+        alibi_slope(self.max_bias, self.n_heads, h)
+    }
+}
+
+/// [`FlashAttnPrefillParamsGpu::alibi_slope`] from its three numbers.
+pub fn alibi_slope(max_bias: f32, n_heads: i32, h: i32) -> f32 {
+    if max_bias <= 0.0 || n_heads <= 0 {
+        return 1.0;
+    }
+    let n2 = 1i64 << (31 - (n_heads as u32).leading_zeros());
+    let (mb, n2f, h) = (max_bias as f64, n2 as f64, h as i64);
+    let exponent = if h < n2 { -mb / n2f * (h + 1) as f64 } else { -mb / 2.0 / n2f * (2 * (h - n2) + 1) as f64 };
+    exponent.exp2() as f32
+}
+
 impl FlashAttnPrefillTensorParamsGpu {
     /// The origin op's dispatch as the front door's params block: one sequence of `rows`
     /// query rows and `kv_pad` cache rows, the explicit mask (row stride `mask_row_stride`)
@@ -526,6 +547,21 @@ mod tests {
         let f = device_fields(swapped, "Params");
         assert_ne!(f, rust_fields(&ATTENTION_FIELDS[..2]));
         assert_eq!(f, vec![("n_heads".to_string(), 0), ("rows".to_string(), 4)]);
+    }
+
+    #[test]
+    fn alibi_slopes_follow_spec_10() {
+        // 8 heads, max_bias 8: n2 = 8, m0 = 1/2, slopes 1/2 .. 1/256.
+        for h in 0..8 {
+            assert_eq!(alibi_slope(8.0, 8, h), 0.5f32.powi(h + 1), "head {h}");
+        }
+        // 12 heads: n2 = 8; heads 8..12 take m1 = 2^(-1/2) to the odd powers 1, 3, 5, 7.
+        for h in 8..12 {
+            let want = 2f64.powf(-0.5 * (2 * (h - 8) + 1) as f64) as f32;
+            assert_eq!(alibi_slope(8.0, 12, h), want, "head {h}");
+        }
+        assert_eq!(alibi_slope(0.0, 12, 3), 1.0);
+        assert_eq!(alibi_slope(5.0, 1, 0), 2f64.powf(-5.0) as f32);
     }
 
     #[test]

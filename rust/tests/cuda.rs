@@ -17,20 +17,20 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
     for arch in ["sm_90a", "sm_80"] {
         match cuda::compile_check(arch, &mlx_native::default_registry().cuda_sources()) {
             Ok(report) => {
-                let mut entries: Vec<String> = [
-                    "flash_attn_prefill_tensor_f16_d256",
-                    "flash_attn_prefill_tensor_f16_d512",
-                    "flash_attn_prefill_blk",
-                    "flash_attn_prefill_mask_blk",
-                ]
-                .map(String::from)
-                .to_vec();
-                if arch == "sm_90a" {
-                    // The CTA-pair forms exist on Hopper only.
-                    for hd in [256, 512] {
-                        entries.extend(cuda::flash_attn_prefill::PairMode::ALL.map(|m| m.entry(hd)));
+                // Every entry point of every kernel the backend knows (two ops' kernels may
+                // share one) with the variants of the form it runs: on Hopper the CTA-pair
+                // forms, in the portable form the one with the score transforms.
+                let mut entries: Vec<String> = Vec::new();
+                for k in cuda::kernels() {
+                    let variants =
+                        if arch == "sm_90a" && k.hopper_form { k.hopper_variants } else { k.portable_variants };
+                    for e in std::iter::once(&k.entry).chain(variants) {
+                        if !entries.iter().any(|x| x == e) {
+                            entries.push(e.to_string());
+                        }
                     }
                 }
+                assert!(entries.len() >= 38, "{arch}: the kernels of every head dim and dtype: {entries:?}");
                 for entry in &entries {
                     assert!(
                         report.contains(&format!("entry point {entry}")),
@@ -43,8 +43,30 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                 // The attention kernels keep O, S and P in registers: a spill is a bug.
                 let spills: Vec<&str> = report.lines().filter(|l| l.contains("spill stores")).collect();
                 assert_eq!(spills.len(), entries.len(), "{arch}: one resource line per entry point:\n{report}");
-                for line in spills {
-                    assert!(line.contains(", 0 bytes spill stores"), "{arch}: a kernel spills registers: {line}");
+                let mut function = "";
+                for line in report.lines() {
+                    if let Some(i) = line.find("Compiling entry function '") {
+                        function = &line[i + "Compiling entry function '".len()..];
+                    }
+                    if line.contains("spill stores") {
+                        // The portable form with the score transforms (`_xf`) may spill a
+                        // little at the widest head dims, where the form without them fills
+                        // the register file exactly; every other form spills nothing.
+                        let stores: u32 = line
+                            .split(" bytes spill stores")
+                            .next()
+                            .and_then(|l| l.rsplit(' ').next())
+                            .and_then(|n| n.parse().ok())
+                            .unwrap_or(u32::MAX);
+                        // The Hopper form at head dim 128 runs two CTAs an SM, within 128
+                        // registers: ptxas spills a little there, and it is still the faster
+                        // form (mainloop_sm90.cuh, HCfg).
+                        let two_ctas = arch == "sm_90a"
+                            && (function.starts_with("flash_attn_prefill_d128'")
+                                || function.starts_with("flash_attn_prefill_d128_bf16'"));
+                        let allowed = if function.contains("_xf'") || two_ctas { 128 } else { 0 };
+                        assert!(stores <= allowed, "{arch}: {function} spills registers: {line}");
+                    }
                 }
             }
             Err(MlxError::BackendUnavailable(why)) if !nvrtc_required() => {

@@ -1019,3 +1019,223 @@ mod handles {
         assert_eq!(handle_count(), start);
     }
 }
+
+// ------------------------------------------------------------------ SPEC 10 through the prefill op
+
+mod transforms {
+    //! The front door's op (`dispatch_flash_attn_prefill`) with SPEC 10's parameters drawn
+    //! good and bad: head dim pairs of the table and others, K and V dtypes (F16, BF16, F32,
+    //! mismatched), softcap and max_bias (NaN, negative, infinite), ALiBi with and without
+    //! positions, sinks (none, F32, F16, one short), with and without an explicit mask. Each
+    //! dispatch matches the float64 reference or returns the typed error the predicate names,
+    //! with nothing encoded and the output untouched.
+
+    use super::common::prefill::{Prefill, SENTINEL};
+    use super::common::{nmse, read_u8, upload};
+    use super::*;
+    use mlx_native::ops::flash_attn_prefill::{
+        dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_table_bytes, FlashAttnPrefillBuffers,
+        HEAD_DIMS,
+    };
+
+    const BAD_DIMS: [(usize, usize); 5] = [(100, 100), (576, 256), (576, 576), (256, 512), (48, 48)];
+
+    #[derive(Debug, Clone)]
+    struct TDraw {
+        dims: (usize, usize),
+        k_dtype: DType,
+        v_dtype: DType,
+        softcap: f32,
+        max_bias: f32,
+        causal: bool,
+        mask: bool,
+        /// None: no sinks; else (dtype, elements).
+        sinks: Option<(DType, usize)>,
+        rows: usize,
+        kv: usize,
+        seed: u64,
+    }
+
+    fn tdraw() -> impl Strategy<Value = TDraw> {
+        let good_dims: Vec<(usize, usize)> =
+            HEAD_DIMS.iter().map(|((k, v), _, _)| (*k as usize, *v as usize)).collect();
+        let dims =
+            prop_oneof![4 => proptest::sample::select(good_dims), 1 => proptest::sample::select(BAD_DIMS.to_vec())];
+        let kv_dtypes = prop_oneof![
+            8 => prop_oneof![Just((DType::F16, DType::F16)), Just((DType::BF16, DType::BF16))],
+            1 => Just((DType::F32, DType::F32)),
+            1 => prop_oneof![Just((DType::F16, DType::BF16)), Just((DType::BF16, DType::F16))],
+        ];
+        let softcap = prop_oneof![6 => Just(0.0f32), 3 => Just(3.0f32), 1 => prop_oneof![Just(f32::NAN), Just(-1.0f32), Just(f32::INFINITY)]];
+        let max_bias =
+            prop_oneof![6 => Just(0.0f32), 3 => Just(4.0f32), 1 => prop_oneof![Just(f32::INFINITY), Just(-0.5f32)]];
+        let sinks = prop_oneof![
+            4 => Just(None),
+            4 => Just(Some((DType::F32, 0))),
+            1 => Just(Some((DType::F16, 0))),
+            1 => Just(Some((DType::F32, 1))),
+        ];
+        (dims, kv_dtypes, softcap, max_bias, any::<bool>(), any::<bool>(), sinks, 1usize..24, 1usize..80, any::<u64>())
+            .prop_map(|(dims, (k_dtype, v_dtype), softcap, max_bias, causal, mask, sinks, rows, kv, seed)| TDraw {
+                dims,
+                k_dtype,
+                v_dtype,
+                softcap,
+                max_bias,
+                causal,
+                mask,
+                sinks,
+                rows,
+                kv,
+                seed,
+            })
+    }
+
+    /// The error the op must give (kind, message fragment), in its order, or None.
+    fn expected(d: &TDraw) -> Option<(&'static str, String)> {
+        let table = HEAD_DIMS.iter().any(|((k, v), _, _)| (*k as usize, *v as usize) == d.dims);
+        if d.k_dtype != d.v_dtype {
+            return Some(("dtype", format!("k is {} and v is {}", d.k_dtype, d.v_dtype)));
+        }
+        if !table {
+            return Some(("invalid", format!("unsupported head_dim {} (v head dim {})", d.dims.0, d.dims.1)));
+        }
+        if d.k_dtype == DType::F32 {
+            return Some(("dtype", "k and v must be F16 or BF16".into()));
+        }
+        if !(d.softcap >= 0.0 && d.softcap.is_finite()) {
+            return Some(("invalid", "softcap".into()));
+        }
+        if !(d.max_bias >= 0.0 && d.max_bias.is_finite()) {
+            return Some(("invalid", "max_bias".into()));
+        }
+        if d.max_bias > 0.0 && !d.mask && !d.causal {
+            return Some(("invalid", "ALiBi needs positions".into()));
+        }
+        if d.causal && d.kv < d.rows {
+            return Some(("invalid", "cannot be shorter".into()));
+        }
+        match d.sinks {
+            Some((DType::F16, _)) => Some(("dtype", "sinks must be F32".into())),
+            Some((_, 1)) => Some(("invalid", "sinks holds".into())),
+            _ => None,
+        }
+    }
+
+    fn check(dev: &MlxDevice, reg: &mut KernelRegistry, d: &TDraw) -> Result<String, TestCaseError> {
+        let (nh, nkv) = (4, 2);
+        let base = Prefill::fixed(d.seed, 1, d.rows, d.kv, nh, nkv, 64, 1).with_lse();
+        let kv = if d.k_dtype == DType::F32 { DType::F16 } else { d.k_dtype };
+        let mut c = base.with_kv(d.seed, d.dims, kv, false);
+        (c.causal, c.softcap, c.max_bias) = (d.causal, d.softcap, d.max_bias);
+        let mut rng = Rng::new(d.seed);
+        if d.sinks.is_some() {
+            c.sinks = Some((0..nh).map(|_| rng.uniform(-2.0, 2.0)).collect());
+        }
+        if d.mask {
+            c.set_peer_mask(d.seed, false);
+        }
+        let p = c.params();
+        let q = upload(dev, DType::F32, &c.q);
+        // Data of the wrong dtype is the same bits reinterpreted (F32: pairs of halves).
+        let kv_buf = |dtype: DType, bits: &[u16]| -> MlxBuffer {
+            if dtype == DType::F32 {
+                let mut b = bits.to_vec();
+                b.resize(bits.len().div_ceil(2) * 2, 0);
+                upload(dev, DType::F32, &b.chunks(2).map(|w| w[0] as u32 | (w[1] as u32) << 16).collect::<Vec<u32>>())
+            } else {
+                upload(dev, dtype, bits)
+            }
+        };
+        let (k, v) = (kv_buf(d.k_dtype, &c.k), kv_buf(d.v_dtype, &c.v));
+        let out = dev.alloc_buffer(DType::F32, &[c.out_strides[1] * (d.rows + 2) + 64]).unwrap();
+        out.write_bytes(0, &vec![SENTINEL; out.data_byte_len()]).unwrap();
+        let lse = upload(dev, DType::F32, &vec![f32::NAN; 4 * (d.rows + 8) * 2]);
+        let sinks = d.sinks.map(|(dtype, short)| {
+            let s = c.sinks.clone().unwrap();
+            let n = nh - short;
+            if dtype == DType::F16 {
+                upload(dev, DType::F16, &s[..n].iter().map(|&x| f16::from_f32(x).to_bits()).collect::<Vec<u16>>())
+            } else {
+                upload(dev, DType::F32, &s[..n])
+            }
+        });
+        let mask = c.mask.as_ref().map(|m| upload(dev, DType::F16, &m.data));
+        // A head dim without tiles has no table either (the attention refuses it first).
+        let table = mask_table_bytes(&p).ok();
+        let blk = mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[table.unwrap_or(1).max(1) as usize]).unwrap());
+        let mut enc = dev.command_encoder();
+        if let (Some(m), Some(t), Some(_)) = (&mask, &blk, table) {
+            dispatch_flash_attn_prefill_mask_blk(&mut enc, reg, dev, m, t, &p).unwrap();
+            enc.commit_and_wait().unwrap();
+        }
+        let before = read_u8(&out);
+        let bufs = FlashAttnPrefillBuffers {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            mask: mask.as_ref(),
+            blk: blk.as_ref(),
+            cu_seqlens_q: None,
+            cu_seqlens_k: None,
+            lse: Some(&lse),
+            sinks: sinks.as_ref(),
+        };
+        let mut enc = dev.command_encoder();
+        let got = dispatch_flash_attn_prefill(&mut enc, reg, dev, &bufs, &p);
+        match (got, expected(d)) {
+            (Err(e), Some((kind, needle))) => {
+                let (k, m) = match &e {
+                    MlxError::InvalidArgument(m) => ("invalid", m),
+                    MlxError::UnsupportedDtype(m) => ("dtype", m),
+                    other => return Err(TestCaseError::fail(format!("{d:?}: an error of another kind: {other:?}"))),
+                };
+                prop_assert!(k == kind && m.contains(&needle), "{d:?}: {e:?}, expected {kind} {needle:?}");
+                prop_assert!(enc.pending().is_empty(), "{d:?}: encoded on failure");
+                enc.commit_and_wait().unwrap();
+                prop_assert!(read_u8(&out) == before, "{d:?}: out written on failure");
+                Ok(needle.split(' ').take(2).collect::<Vec<_>>().join(" "))
+            }
+            (Ok(()), None) => {
+                enc.commit_and_wait().unwrap();
+                let (reference, _) = c.reference();
+                let bytes = read_u8(&out);
+                let mut got = Vec::with_capacity(reference.len());
+                for r in 0..d.rows {
+                    for h in 0..nh {
+                        let at = c.out_at(0, r, h);
+                        for x in 0..d.dims.1 {
+                            let i = (at + x) * 4;
+                            got.push(f32::from_ne_bytes(bytes[i..i + 4].try_into().unwrap()));
+                        }
+                    }
+                }
+                let e = nmse(&got, &reference);
+                prop_assert!(e < 1e-5, "{d:?}: nmse {e:e}");
+                Ok("valid".into())
+            }
+            (got, want) => Err(TestCaseError::fail(format!("{d:?}: got {got:?}, expected {want:?}"))),
+        }
+    }
+
+    #[test]
+    fn prefill_with_score_transforms_matches_reference_or_names_its_error() {
+        let n = cases(150);
+        let dev = MlxDevice::cpu();
+        let reg = RefCell::new(default_registry());
+        let counts = RefCell::new(std::collections::BTreeMap::<String, u32>::new());
+        let result = runner(n, 7).run(&tdraw(), |d| {
+            let rule = check(&dev, &mut reg.borrow_mut(), &d)?;
+            *counts.borrow_mut().entry(rule).or_default() += 1;
+            Ok(())
+        });
+        if let Err(e) = result {
+            panic!("{e}");
+        }
+        let counts = counts.into_inner();
+        eprintln!("{n} prefills with SPEC 10's parameters: {counts:#?}");
+        let valid = counts.get("valid").copied().unwrap_or(0);
+        assert!(valid * 4 >= n, "only {valid} of {n} prefills were valid");
+    }
+}

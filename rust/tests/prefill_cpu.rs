@@ -7,11 +7,17 @@ mod common;
 
 use std::sync::{Mutex, MutexGuard};
 
-use common::prefill::{round_to, run, Output, Prefill, Table};
+#[cfg(unix)]
+use common::prefill::{run_placed, Placement};
+use std::sync::Arc;
+
+use common::prefill::{round_to, run, Buffers, Output, Prefill, Table};
 use common::{nmse, read_u8, upload};
 use half::f16;
-use mlx_native::backend::cpu::{flash_attn_prefill, simd};
-use mlx_native::ops::flash_attn_prefill::dispatch_flash_attn_prefill_mask_blk;
+use mlx_native::backend::cpu::{flash_attn_prefill, simd, CpuKernelFn, CpuPipeline};
+use mlx_native::interface::{BoundArg, BufferBinding, Dispatch, GridSize, Pipeline};
+use mlx_native::ops::flash_attn_prefill::{dispatch_flash_attn_prefill_mask_blk, mask_blk_params, validate};
+use mlx_native::params::{FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu};
 use mlx_native::{default_registry, DType, KernelRegistry, MlxDevice};
 
 /// The instruction set and the column-skipping switch are process-wide, and several tests
@@ -494,6 +500,44 @@ fn every_instruction_set_matches_the_reference() {
     }
 }
 
+/// Q, K, V and the explicit mask in the caller's memory, each ending at its last element
+/// right before a page that faults on any access: the kernel reads nothing past a tensor. The
+/// last sequence's last step is partial with a cache length that is not a multiple of 4 (a
+/// step's computed cache rows end at a multiple of 4), its last query tile partial, and the
+/// mask's last row ends at the cache's end.
+#[cfg(unix)]
+#[test]
+fn no_input_is_read_past_its_last_element() {
+    let (_l, dev, mut reg) = setup();
+    let mut peer = Prefill::fixed(151, 2, 45, 77, 4, 2, 256, 1).with_lse();
+    peer.set_peer_mask(21, false);
+    let mut shared = described(Prefill::fixed(152, 2, 20, 101, 2, 1, 512, 0), true, 0);
+    shared.set_peer_mask(22, true);
+    let cases = [
+        ("causal kv 77 d256", described(Prefill::fixed(153, 2, 33, 77, 4, 2, 256, 1), true, 0).with_lse()),
+        ("dense kv 130 d512", Prefill::fixed(154, 1, 20, 130, 2, 1, 512, 0)),
+        (
+            "varlen window 9 d256",
+            described(Prefill::varlen(155, &[(20, 64), (37, 101)], 4, 2, 256, 1), true, 9).with_lse(),
+        ),
+        ("peer mask kv 77 d256", peer),
+        ("shared mask + causal kv 101 d512", shared),
+        (
+            "q bf16 out f16 kv 93 d512",
+            Prefill {
+                out_dtype: DType::F16,
+                ..described(Prefill::fixed(156, 1, 17, 93, 2, 2, 512, 2), true, 0).with_q_dtype(DType::BF16)
+            },
+        ),
+    ];
+    for (name, c) in cases {
+        for_each_isa(|isa| {
+            let o = run_placed(&dev, &mut reg, &c, Table::Computed, Placement::Guarded);
+            check(&format!("{name} [{isa}], guarded"), &c, &o);
+        });
+    }
+}
+
 /// SPEC 1 for one tile, element by element: columns at or past `kv_len` are masked.
 fn tile_class(vals: &[Option<u16>]) -> u8 {
     let masked = |v: &Option<u16>| match v {
@@ -578,4 +622,219 @@ fn the_mask_classifier_follows_spec_1_over_a_batch_and_past_the_cache() {
         // The last column tile runs past kv_len (150 = 2 * 64 + 22): never 2.
         assert!((0..tables * rows_t).all(|t| got[t * steps + steps - 1] != 2), "a tile past the cache's end is 2");
     }
+}
+
+/// A dispatch of a CPU kernel built by hand (as a backend that skips the op would): `block`
+/// at 0, then the buffers at their indices (an absent one bound as Q), `swap` replacing some.
+fn by_hand(name: &str, kernel: CpuKernelFn, block: &[u8], b: &Buffers, swap: &[(u64, BufferBinding)]) -> Dispatch {
+    let q = b.q.binding();
+    let or_q = |x: Option<&mlx_native::MlxBuffer>| x.map_or(q.clone(), |x| x.binding());
+    let mut bound = vec![
+        (1, q.clone()),
+        (2, b.k.binding()),
+        (3, b.v.binding()),
+        (4, or_q(b.mask.as_ref())),
+        (5, or_q(b.blk.as_ref())),
+        (6, b.out.binding()),
+        (7, or_q(b.lse.as_ref())),
+        (8, or_q(b.cu.as_ref().map(|c| &c.0))),
+        (9, or_q(b.cu.as_ref().map(|c| &c.1))),
+    ];
+    for (i, x) in swap {
+        bound.iter_mut().find(|(j, _)| j == i).unwrap().1 = x.clone();
+    }
+    let mut args = vec![(0, BoundArg::Bytes(block.to_vec()))];
+    args.extend(bound.into_iter().map(|(i, x)| (i, BoundArg::Buffer(x))));
+    Dispatch {
+        pipeline: Pipeline::new(name, 1024, Arc::new(CpuPipeline { kernel })),
+        args,
+        shared: vec![],
+        grid: GridSize::new(1, 1, 1),
+        threadgroup: GridSize::new(32, 8, 1),
+    }
+}
+
+/// A binding of `b` one element shorter.
+fn short(b: &mlx_native::MlxBuffer) -> BufferBinding {
+    let x = b.binding();
+    BufferBinding { byte_len: x.byte_len - b.dtype().size_of(), ..x }
+}
+
+/// The CPU kernels check what they rely on, for a dispatch the op did not make: a block no
+/// op makes (a field out of range, inconsistent with the kernel or the flags) or a buffer
+/// smaller than the block says is refused, and nothing is written; the op's own block runs
+/// and gives the op's bits, and an empty batch or prompt writes nothing.
+#[test]
+fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
+    let (_l, dev, mut reg) = setup();
+    let mut c = described(Prefill::fixed(161, 2, 40, 100, 4, 2, 256, 1), true, 0).with_lse();
+    c.set_peer_mask(23, false);
+    let want = run(&dev, &mut reg, &c, Table::Computed);
+    let bufs = c.buffers(&dev);
+    let (mask, blk) = (bufs.mask.as_ref().unwrap(), bufs.blk.as_ref().unwrap());
+    let mut enc = dev.command_encoder();
+    dispatch_flash_attn_prefill_mask_blk(&mut enc, &mut reg, &dev, mask, blk, &c.params()).unwrap();
+    enc.commit_and_wait().unwrap();
+    let g = validate(&bufs.view(), &c.params()).unwrap().gpu;
+    let kernel: CpuKernelFn = flash_attn_prefill::KERNELS.iter().find(|k| k.0 == "flash_attn_prefill_d256").unwrap().1;
+    let go = |g: &FlashAttnPrefillParamsGpu, swap: &[(u64, BufferBinding)]| {
+        let d = by_hand("flash_attn_prefill_d256", kernel, bytemuck::bytes_of(g), &bufs, swap);
+        kernel(&d)
+    };
+    let sentinel = vec![0xffu8; bufs.out.data_byte_len()];
+    let refuse = |what: &str, g: &FlashAttnPrefillParamsGpu, swap: &[(u64, BufferBinding)]| {
+        bufs.out.write_bytes(0, &sentinel).unwrap();
+        let err = go(g, swap).expect_err(what);
+        assert!(
+            matches!(&err, mlx_native::MlxError::Internal(m) if m.starts_with("flash_attn_prefill (cpu): ")),
+            "{what}: {err:?}"
+        );
+        assert!(read_u8(&bufs.out) == sentinel, "{what}: out was written");
+    };
+    go(&g, &[]).unwrap();
+    let out: Vec<u32> = bytemuck::cast_slice::<u8, f32>(&read_u8(&bufs.out)).iter().map(|x| x.to_bits()).collect();
+    for (i, &bits) in want.out_bits.iter().enumerate() {
+        let (row, rest) = (i / (4 * 256), i % (4 * 256));
+        let (b, r) = (row / 40, row % 40);
+        assert_eq!(out[c.out_at(b, r, rest / 256) + rest % 256], bits, "the block by hand differs from the op at {i}");
+    }
+    let f = |edit: fn(&mut FlashAttnPrefillParamsGpu)| {
+        let mut x = g;
+        edit(&mut x);
+        x
+    };
+    let blocks: Vec<(&str, FlashAttnPrefillParamsGpu)> = vec![
+        ("head dim 512 on the d256 kernel", f(|x| x.head_dim = 512)),
+        ("no heads", f(|x| x.n_heads = 0)),
+        ("no KV heads", f(|x| x.n_kv_heads = 0)),
+        ("heads that do not group", f(|x| x.n_heads = 3)),
+        ("a negative window", f(|x| x.window = -1)),
+        ("a Q dtype code 3", f(|x| x.q_dtype = 3)),
+        ("an O dtype code -1", f(|x| x.o_dtype = -1)),
+        ("a negative stride", f(|x| x.k_row_stride = -1)),
+        ("a negative batch", f(|x| x.batch = -1)),
+        ("a mask with variable length", f(|x| x.flags |= mlx_native::params::PREFILL_VARLEN)),
+        ("a table of 0-row tiles", f(|x| x.blk_bq = 0)),
+        ("a table narrower than the cache", f(|x| x.blk_steps = 1)),
+        ("a table of another batch stride", f(|x| x.blk_batch_stride += 1)),
+        ("a table of other tiles", f(|x| x.blk_bq = 16)),
+        ("more sequences", f(|x| x.batch = 3)),
+    ];
+    for (what, bad) in &blocks {
+        refuse(what, bad, &[]);
+    }
+    for (what, i, b) in [
+        ("q", 1, short(&bufs.q)),
+        ("k", 2, short(&bufs.k)),
+        ("v", 3, short(&bufs.v)),
+        ("mask", 4, short(mask)),
+        ("blk", 5, short(blk)),
+        ("out", 6, short(&bufs.out)),
+        ("lse", 7, short(bufs.lse.as_ref().unwrap())),
+    ] {
+        refuse(&format!("{what} one element short"), &g, &[(i, b)]);
+    }
+    // Nothing to compute: no sequence, or no query row (the table's size is then 0).
+    for (what, empty) in [("batch 0", f(|x| x.batch = 0)), ("rows 0", f(|x| x.rows = 0))] {
+        bufs.out.write_bytes(0, &sentinel).unwrap();
+        go(&empty, &[]).unwrap_or_else(|e| panic!("{what}: {e:?}"));
+        assert!(read_u8(&bufs.out) == sentinel, "{what}: out was written");
+    }
+
+    // Variable length: cu_seqlens that do not lie inside the tensors.
+    let mut v = described(Prefill::varlen(162, &[(20, 30), (0, 10), (17, 40)], 4, 2, 256, 1), true, 0).with_lse();
+    v.lse_strides = None;
+    let vb = v.buffers(&dev);
+    let vg = validate(&vb.view(), &v.params()).unwrap().gpu;
+    let vgo = |cq: &[i32], ck: &[i32]| {
+        let (a, b) = (upload(&dev, DType::I32, cq), upload(&dev, DType::I32, ck));
+        let d = by_hand(
+            "flash_attn_prefill_d256",
+            kernel,
+            bytemuck::bytes_of(&vg),
+            &vb,
+            &[(8, a.binding()), (9, b.binding())],
+        );
+        kernel(&d)
+    };
+    let (cq, ck) = v.cu_seqlens();
+    vgo(&cq, &ck).unwrap();
+    for (what, q, k) in [
+        ("cu_seqlens_q from 1", vec![1, 20, 20, 37], ck.clone()),
+        ("cu_seqlens_k decreasing", cq.clone(), vec![0, 30, 29, 80]),
+        ("cu_seqlens_q past the rows", vec![0, 20, 20, 38], ck.clone()),
+        ("cu_seqlens_k past the cache", cq.clone(), vec![0, 30, 40, 81]),
+        ("cu_seqlens_q of batch entries", cq[..3].to_vec(), ck.clone()),
+        ("cu_seqlens_k of batch entries", cq.clone(), ck[..3].to_vec()),
+    ] {
+        let err = vgo(&q, &k).expect_err(what);
+        assert!(
+            matches!(&err, mlx_native::MlxError::Internal(m) if m.starts_with("flash_attn_prefill (cpu): ")),
+            "{what}: {err:?}"
+        );
+    }
+    // A shorter total is fine (the tensors hold more rows than the sequences use).
+    vgo(&[0, 20, 20, 36], &[0, 30, 40, 79]).unwrap();
+}
+
+/// The same for the mask classifier: a block no op makes, or a buffer smaller than it says,
+/// is refused and no table byte written.
+#[test]
+fn the_cpu_mask_classifier_refuses_blocks_and_buffers_no_op_makes() {
+    let (_l, dev, _reg) = setup();
+    let mut c = Prefill::fixed(163, 2, 40, 100, 4, 2, 256, 1);
+    c.set_peer_mask(29, false);
+    let bufs = c.buffers(&dev);
+    let (mask, blk) = (bufs.mask.as_ref().unwrap(), bufs.blk.as_ref().unwrap());
+    let g = mask_blk_params(&c.params()).unwrap();
+    let kernel: CpuKernelFn = flash_attn_prefill::run_mask_blk;
+    let go = |g: &FlashAttnPrefillMaskBlkParamsGpu, swap: &[(u64, BufferBinding)]| {
+        let mut d = by_hand("flash_attn_prefill_mask_blk", kernel, bytemuck::bytes_of(g), &bufs, &[]);
+        d.args =
+            vec![(0, d.args[0].1.clone()), (1, BoundArg::Buffer(mask.binding())), (2, BoundArg::Buffer(blk.binding()))];
+        for (i, x) in swap {
+            d.args[*i as usize] = (*i, BoundArg::Buffer(x.clone()));
+        }
+        kernel(&d)
+    };
+    let sentinel = vec![0xeeu8; blk.data_byte_len()];
+    blk.write_bytes(0, &sentinel).unwrap();
+    go(&g, &[]).unwrap();
+    assert!(read_u8(blk).iter().all(|&x| x <= 2), "a table byte not written");
+    let f = |edit: fn(&mut FlashAttnPrefillMaskBlkParamsGpu)| {
+        let mut x = g;
+        edit(&mut x);
+        x
+    };
+    for (what, bad, swap) in [
+        ("a negative batch", f(|x| x.batch = -1), vec![]),
+        ("negative rows", f(|x| x.rows = -1), vec![]),
+        ("a negative kv_len", f(|x| x.kv_len = -1), vec![]),
+        ("negative steps", f(|x| x.steps = -1), vec![]),
+        ("0-row tiles", f(|x| x.bq = 0), vec![]),
+        ("0-column tiles", f(|x| x.bk = 0), vec![]),
+        ("a negative batch stride", f(|x| x.mask_batch_stride = -1), vec![]),
+        ("a negative row stride", f(|x| x.mask_row_stride = -1), vec![]),
+        ("another row stride", f(|x| x.mask_row_stride += 1), vec![]),
+        ("more masks", f(|x| x.batch = 3), vec![]),
+        ("more steps", f(|x| x.steps = 3), vec![]),
+        ("the mask one element short", g, vec![(1u64, short(mask))]),
+        ("the table one byte short", g, vec![(2u64, short(blk))]),
+    ] {
+        blk.write_bytes(0, &sentinel).unwrap();
+        let err = go(&bad, &swap).expect_err(what);
+        assert!(
+            matches!(&err, mlx_native::MlxError::Internal(m) if m.starts_with("flash_attn_prefill_mask_blk (cpu): ")),
+            "{what}: {err:?}"
+        );
+        assert!(read_u8(blk) == sentinel, "{what}: the table was written");
+    }
+    // Nothing to classify (no mask, no row): nothing written; no column: every tile 0.
+    for (what, empty) in [("batch 0", f(|x| x.batch = 0)), ("rows 0", f(|x| x.rows = 0))] {
+        blk.write_bytes(0, &sentinel).unwrap();
+        go(&empty, &[]).unwrap_or_else(|e| panic!("{what}: {e:?}"));
+        assert!(read_u8(blk) == sentinel, "{what}: the table was written");
+    }
+    go(&f(|x| x.kv_len = 0), &[]).unwrap();
+    assert!(read_u8(blk).iter().all(|&x| x == 0), "kv_len 0: a tile not 0");
 }

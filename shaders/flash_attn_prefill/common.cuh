@@ -97,6 +97,47 @@ __device__ __forceinline__ void unpack_half2(u32 v, float& lo, float& hi) {
         : "=f"(lo), "=f"(hi)
         : "r"(v));
 }
+// Two floats rounded to bfloat16 (round to nearest even), lo in bits 0..15, and back.
+__device__ __forceinline__ u32 pack_bf162(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void unpack_bf162(u32 v, float& lo, float& hi) {
+    lo = __uint_as_float(v << 16);
+    hi = __uint_as_float(v & 0xffff0000u);
+}
+
+// D = A * B + D, m16n8k16, bf16 inputs, f32 accumulators.
+__device__ __forceinline__ void mma16816_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The element type of both products, chosen by K/V's dtype (SPEC 9). With F16 K/V, Q and P
+// are half (SPEC 2). With BF16 K/V the tensor cores take no half x bfloat16 product, so Q
+// and P are rounded to bfloat16 as well (FlashAttention's bf16 path): the products stay
+// exact in F32 and the rounding of Q and P is 8 bits instead of 11 (docs/spec.md, 10).
+struct ElemF16 {
+    static constexpr bool BF16 = false;
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) { return pack_half2(lo, hi); }
+    static __device__ __forceinline__ void unpack2(u32 v, float& lo, float& hi) { unpack_half2(v, lo, hi); }
+    static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        mma16816(d, a, b0, b1);
+    }
+};
+struct ElemBF16 {
+    static constexpr bool BF16 = true;
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) { return pack_bf162(lo, hi); }
+    static __device__ __forceinline__ void unpack2(u32 v, float& lo, float& hi) { unpack_bf162(v, lo, hi); }
+    static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        mma16816_bf16(d, a, b0, b1);
+    }
+};
+
 __device__ __forceinline__ float half_bits_to_float(u16 h) {
     float f;
     asm("{ .reg .f16 a; mov.b16 a, %1; cvt.f32.f16 %0, a; }\n" : "=f"(f) : "h"(h));
@@ -120,11 +161,13 @@ __device__ __forceinline__ u32 swz(int c, int r7) { return (u32)((c ^ r7) << 4);
 // three bits interact with the row, so the four values of `base` (kc % 4) and an
 // immediate (kc / 4 * 128) cover every kc. Keeps the unrolled loops from holding one
 // address register per kc.
+// `c0` (a first chunk, any value) shifts every chunk: adding 8 m to a chunk leaves its low
+// three bits, so at(kc) stays one of four bases plus an immediate.
 struct Swz4 {
     u32 base[4];
-    __device__ __forceinline__ Swz4(int hi, int r7) {
+    __device__ __forceinline__ Swz4(int hi, int r7, int c0 = 0) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) base[i] = (u32)(((2 * i + hi) ^ r7) << 4);
+        for (int i = 0; i < 4; ++i) base[i] = (u32)(((c0 + 2 * i + hi) ^ r7) << 4);
     }
     __device__ __forceinline__ u32 at(int kc) const { return base[kc & 3] + (u32)((kc >> 2) << 7); }
 };

@@ -25,8 +25,9 @@ __device__ __forceinline__ void copy8_f16(u32 dst, const u16* __restrict__ src, 
 __device__ __forceinline__ float bf16_bits_to_float(u32 h) { return __uint_as_float(h << 16); }
 
 // 8 elements of Q at `src` (dtype `dt`: F32, F16 or BF16), read as float, scaled and
-// rounded to half: qh = half(scale * q), as 4 half2. `aligned`: 16-byte loads.
-__device__ __forceinline__ void load_q8_half(u32 (&w)[4], const void* __restrict__ src, int dt, float scale, bool aligned) {
+// rounded to the products' type T: qh = T(scale * q), as 4 pairs. `aligned`: 16-byte loads.
+template <class T>
+__device__ __forceinline__ void load_q8(u32 (&w)[4], const void* __restrict__ src, int dt, float scale, bool aligned) {
     float f[8];
     if (dt == DT_F32) {
         const float* q = reinterpret_cast<const float*>(src);
@@ -60,33 +61,36 @@ __device__ __forceinline__ void load_q8_half(u32 (&w)[4], const void* __restrict
         }
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) w[e] = pack_half2(scale * f[2 * e], scale * f[2 * e + 1]);
+    for (int e = 0; e < 4; ++e) w[e] = T::pack2(scale * f[2 * e], scale * f[2 * e + 1]);
 }
 
-// Q row `qr` of sequence `sq` (rows past lq zero), head h, chunk c (8 elements), as half.
+// Q row `qr` of sequence `sq` (rows past lq zero), head h, chunk c (8 elements), as T.
+template <class T>
 __device__ __forceinline__ void load_q_chunk(u32 (&w)[4], const Params& p, const Launch& L, const Seq& sq,
                                              const unsigned char* __restrict__ q, int qr, int h, int c) {
     w[0] = w[1] = w[2] = w[3] = 0u;
     if (qr < sq.lq) {
         const int esz = p.q_dtype == DT_F32 ? 4 : 2;
         const i64 e = sq.q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8;
-        load_q8_half(w, q + e * esz, p.q_dtype, p.scale, (L.flags & FLAG_Q_ALIGNED) != 0);
+        load_q8<T>(w, q + e * esz, p.q_dtype, p.scale, (L.flags & FLAG_Q_ALIGNED) != 0);
     }
 }
 
-
-// `STEP` rows of `D` halves at `src + row * row_stride` into shared memory (swizzled,
-// D * 2 bytes per row); rows at or past `nvalid` are zeros and are not read.
-// Asynchronous when the rows are 16-byte aligned, else synchronous.
-template <int D>
+// `STEP` rows of `D` 16-bit elements at `src + row * row_stride` into shared memory rows of
+// `W` elements (W a multiple of 64, at least D: the swizzle works in groups of 8 chunks; the
+// chunks past D are left as they are and never read), swizzled; rows at or past `nvalid`
+// are zeros and are not read. Asynchronous when the rows are 16-byte aligned, else
+// synchronous.
+template <int D, int W = D>
 __device__ __forceinline__ void load_rows_f16(u32 dst, const u16* __restrict__ src, i64 row_stride, int nvalid,
                                               bool aligned) {
+    static_assert(W % 64 == 0 && W >= D && D % 8 == 0, "shared rows: whole swizzle groups");
     constexpr int CH = D / 8;
     constexpr int total = STEP * CH;
     for (int i = threadIdx.x; i < total; i += NTHREADS) {
         const int r = i / CH, c = i % CH;
         const u16* s = src + (i64)r * row_stride + c * 8;
-        copy8_f16(dst + (u32)(r * D * 2) + swz(c, r & 7), s, aligned, r < nvalid);
+        copy8_f16(dst + (u32)(r * W * 2) + swz(c, r & 7), s, aligned, r < nvalid);
     }
 }
 

@@ -7,41 +7,55 @@
 
 // ------------------------------------------------------------------ the kernel
 
-template <int D>
+// The CTA's shape for Q/K head dim DK and V/O head dim DV: G warps per row group of 32
+// query rows, each taking DW of the O columns and JW of a step's score columns. V's
+// columns are padded to DVP = G * DW (the padded columns of O are computed and never
+// stored); shared rows are padded to whole swizzle groups of 64 elements (SW_K, SW_V).
+//   DV 64: G 1 (DW 64); 80, 96: 2 (48, DVP 96); 112, 128: 2 (64, DVP 128); 192: 2 (96);
+//   256: 2 (128); 512: 4 (128).
+template <int DK, int DV>
 struct Cfg {
-    static constexpr int G = D / 128;          // warps per row group (128 O columns each)
-    static constexpr int RG = NWARPS / G;      // row groups
-    static constexpr int ROWS = RG * 32;       // (query, head) rows of a CTA
-    static constexpr int JW = STEP / G;        // score columns of a warp
-    static constexpr int NB = JW / 8;          // n-blocks of S per m-tile
-    static constexpr int KL = JW / 16;         // 16-column k-chunks of P a warp produces
-    static constexpr int DW = 128;             // O columns of a warp
-    static constexpr int BQ = D == 256 ? 32 : 16;  // query rows per blk table row
+    static constexpr int G = DV <= 64 ? 1 : (DV <= 256 ? 2 : 4);  // warps per row group
+    static constexpr int DVP = DV <= 64 ? 64 : (DV <= 96 ? 96 : (DV <= 128 ? 128 : DV));
+    static constexpr int DW = DVP / G;          // O columns of a warp
+    static constexpr int RG = NWARPS / G;       // row groups
+    static constexpr int ROWS = RG * 32;        // (query, head) rows of a CTA
+    static constexpr int JW = STEP / G;         // score columns of a warp
+    static constexpr int NB = JW / 8;           // n-blocks of S per m-tile
+    static constexpr int KL = JW / 16;          // 16-column k-chunks of P a warp produces
+    static constexpr int SW_K = (DK + 63) / 64 * 64;   // shared row of Q and K, elements
+    static constexpr int SW_V = (DVP + 63) / 64 * 64;  // shared row of V
+    static constexpr int BQ = DK <= 256 ? 32 : 16;     // query rows per blk table row
+    static_assert(DW % 16 == 0 && DK % 16 == 0 && DV % 16 == 0, "whole 16-column k-chunks and n-pairs");
     // Shared memory, bytes.
-    static constexpr int Q_BYTES = ROWS * D * 2;
-    static constexpr int KV_BYTES = STEP * D * 2;
+    static constexpr int Q_BYTES = ROWS * SW_K * 2;
+    static constexpr int K_BYTES = STEP * SW_K * 2;
+    static constexpr int V_BYTES = STEP * SW_V * 2;
     static constexpr int MASK_BYTES = ROWS * STEP * 2;
     static constexpr int P_BYTES = NWARPS * 2 * KL * 32 * 16;
     static constexpr int RED_BYTES = NWARPS * 32 * 4;
     // The sequence's mask, output and lse offsets, kept here rather than in registers
     // through the walk (the d256 form has none to spare).
     static constexpr int SEQ_BYTES = 32;
-    static constexpr int SMEM = Q_BYTES + 2 * KV_BYTES + MASK_BYTES + P_BYTES + RED_BYTES + SEQ_BYTES;
+    static constexpr int SMEM = Q_BYTES + K_BYTES + V_BYTES + MASK_BYTES + P_BYTES + RED_BYTES + SEQ_BYTES;
 };
 
-template <int D>
+// T: the products' element type (ElemF16, ElemBF16). XF: the form with SPEC 10's score
+// transforms (softcap, ALiBi), a separate instantiation: at 256 and 512 the form without
+// them fills the register file exactly, and a branch left in it makes it spill.
+template <int DK, int DV, class T, bool XF>
 __device__ __forceinline__ void attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
                                           const u16* __restrict__ k, const u16* __restrict__ v,
                                           const u16* __restrict__ mask, const u8* __restrict__ blk,
                                           void* __restrict__ out, float* __restrict__ lse,
                                           const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                                           const float* __restrict__ sinks) {
-    typedef Cfg<D> C;
+    typedef Cfg<DK, DV> C;
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 s_q = smem_addr(smem);
     const u32 s_k = s_q + C::Q_BYTES;
-    const u32 s_v = s_k + C::KV_BYTES;
-    const u32 s_mask = s_v + C::KV_BYTES;
+    const u32 s_v = s_k + C::K_BYTES;
+    const u32 s_mask = s_v + C::V_BYTES;
     const u32 s_p = s_mask + C::MASK_BYTES;
     const u32 s_red = s_p + C::P_BYTES;
     const u32 s_seq = s_red + C::RED_BYTES;  // the sequence's mask, out and lse offsets (i64)
@@ -68,17 +82,17 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int group = p.n_heads / p.n_kv_heads;
     const int kvh = ((int)blockIdx.y * hpc) / group;
 
-    // ---- Q: qh = half(scale * q), rows past lq zero.
+    // ---- Q: qh = T(scale * q), rows past lq zero.
     {
-        constexpr int CH = D / 8;
+        constexpr int CH = DK / 8;
         for (int i = tid; i < C::ROWS * CH; i += NTHREADS) {
             const int r = i / CH, c = i % CH;
             const int rgi = r >> 5;
             const int qr = q_cta + (rgi / hpc) * 32 + (r & 31);
             const int h = (int)blockIdx.y * hpc + rgi % hpc;
             u32 w[4];
-            load_q_chunk(w, p, L, sq, q, qr, h, c);
-            st_shared_v4(s_q + (u32)(r * D * 2) + swz(c, r & 7), w[0], w[1], w[2], w[3]);
+            load_q_chunk<T>(w, p, L, sq, q, qr, h, c);
+            st_shared_v4(s_q + (u32)(r * C::SW_K * 2) + swz(c, r & 7), w[0], w[1], w[2], w[3]);
         }
     }
 
@@ -109,7 +123,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const bool v_al = (L.flags & FLAG_V_ALIGNED) != 0;
     const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
 
-    // ---- State: O (32 rows x 128 columns), running max and partial sums of 4 rows.
+    // ---- State: O (32 rows x DW columns), running max and partial sums of 4 rows.
     float o[2][C::DW / 8][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -131,16 +145,20 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int wd0 = wg * C::DW;   // first O column of the warp
     u32 q_row[2];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) q_row[mt] = s_q + (u32)((rg * 32 + mt * 16 + (lane & 15)) * D * 2);
+    for (int mt = 0; mt < 2; ++mt) q_row[mt] = s_q + (u32)((rg * 32 + mt * 16 + (lane & 15)) * C::SW_K * 2);
     const Swz4 q_sw(lane >> 4, l7);       // A: chunk +1 for lanes 16..31
     u32 k_row[C::JW / 16];
 #pragma unroll
     for (int jb = 0; jb < C::JW / 16; ++jb)
-        k_row[jb] = s_k + (u32)((wj0 + jb * 16 + l7 + ((lane >> 4) << 3)) * D * 2);
+        k_row[jb] = s_k + (u32)((wj0 + jb * 16 + l7 + ((lane >> 4) << 3)) * C::SW_K * 2);
     const Swz4 k_sw((lane >> 3) & 1, l7); // B (K): chunk +1 for lanes 8..15, 24..31
     const int v_r = l7 + (((lane >> 3) & 1) << 3);  // B (V^T): row within a 16-row k-chunk
-    const Swz4& v_sw = q_sw;              // B (V^T): chunk +1 for lanes 16..31, as A
-    const u32 v_col = (u32)(wd0 * 2);     // wd0 / 8 is a multiple of 16: no swizzle bits
+    // B (V^T): chunk +1 for lanes 16..31, from the warp's first column wd0 / 8. Where that
+    // is a multiple of 8 (DW a multiple of 64) it has no swizzle bits: A's bases serve, and
+    // the column is a byte offset (four registers fewer where d256 has none to spare).
+    const Swz4 v_sw_shifted(lane >> 4, l7, wd0 / 8);
+    const Swz4& v_sw = C::DW % 64 == 0 ? q_sw : v_sw_shifted;
+    const u32 v_col = C::DW % 64 == 0 ? (u32)(wd0 * 2) : 0u;
     const u32 red_me = s_red + (u32)(warp * 32 * 4);
     const u32 red_group = s_red + (u32)(rg * C::G * 32 * 4);
     const u32 p_group = s_p + (u32)(rg * C::G * 2 * C::KL * 32 * 16);
@@ -149,7 +167,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     bool need_mask = false;
     int t = next_active(-1, need_mask);
     if (t < t_end) {
-        load_rows_f16<D>(s_k, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, lk - t * STEP, k_al);
+        load_rows_f16<DK, C::SW_K>(s_k, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, lk - t * STEP, k_al);
         if (need_mask) load_mask_tile(s_mask, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);
         cp_async_commit();
     }
@@ -157,7 +175,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     while (t < t_end) {
         cp_async_wait_all();
         __syncthreads();  // K_t and the mask tile are in; V is free (every P V of t-1 done)
-        load_rows_f16<D>(s_v, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, lk - t * STEP, v_al);
+        load_rows_f16<DV, C::SW_V>(s_v, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, lk - t * STEP, v_al);
         cp_async_commit();
 
         int tb0, tb1;
@@ -175,7 +193,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][nb][e] = 0.f;
 #pragma unroll
-            for (int kc = 0; kc < D / 16; ++kc) {
+            for (int kc = 0; kc < DK / 16; ++kc) {
                 u32 a[2][4];
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], q_row[mt] + q_sw.at(kc));
@@ -185,10 +203,33 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                     ldsm_x4(b, k_row[jb] + k_sw.at(kc));
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        mma16816(s[mt][jb * 2], a[mt], b[0], b[1]);
-                        mma16816(s[mt][jb * 2 + 1], a[mt], b[2], b[3]);
+                        T::mma(s[mt][jb * 2], a[mt], b[0], b[1]);
+                        T::mma(s[mt][jb * 2 + 1], a[mt], b[2], b[3]);
                     }
                 }
+            }
+
+            if (XF && p.softcap > 0.f) {
+                const float inv = 1.f / p.softcap;
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int nb = 0; nb < C::NB; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[mt][nb][e] = softcap_score(s[mt][nb][e], p.softcap, inv);
+            }
+
+            // ---- ALiBi (SPEC 10), in two passes around the class pass below, which stays as
+            // it is without it: on an explicit mask, s + slope * mask = slope * (s / slope +
+            // mask); by distance, s + slope * (j - p_r) after it, on every computed pair.
+            if (XF && p.max_bias > 0.f && (p.flags & PREFILL_MASK)) {
+                const float inv = 1.f / alibi_slope(p, head);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int nb = 0; nb < C::NB; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[mt][nb][e] *= inv;
             }
 
             // ---- Class 1: -inf where a pair is not visible, the mask where the byte is 1;
@@ -223,6 +264,21 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #pragma unroll
                         for (int e = 0; e < 4; ++e) s[mt][nb][e] = -__int_as_float(0x7f800000);
                 }
+            }
+            if (XF && p.max_bias > 0.f && ((p.flags & PREFILL_MASK) || alibi_by_distance(p))) {
+                const float slope = alibi_slope(p, head);
+                const bool by_distance = !(p.flags & PREFILL_MASK);
+                // j - p_r of this thread's first pair, row q_loc + g8 (rows +8 and +16 follow).
+                const int d0 = t * STEP + wj0 + tig * 2 - (q_cta + q_loc + g8 + off);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int nb = 0; nb < C::NB; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            s[mt][nb][e] = by_distance
+                                ? s[mt][nb][e] + slope * (float)(d0 + nb * 8 + (e & 1) - mt * 16 - (e >> 1) * 8)
+                                : s[mt][nb][e] * slope;
             }
 
             // ---- Row maxima of the step, shared across the row group.
@@ -275,7 +331,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                     const float mr = m_run[mt][hh];
                     float sum = 0.f;
 #pragma unroll
-                    for (int nb = 0; nb < C::NB; ++nb) pk[mt][nb][hh] = softmax_p2(s[mt][nb][hh * 2], s[mt][nb][hh * 2 + 1], mr, sum);
+                    for (int nb = 0; nb < C::NB; ++nb) pk[mt][nb][hh] = softmax_p2<T>(s[mt][nb][hh * 2], s[mt][nb][hh * 2 + 1], mr, sum);
                     l_run[mt][hh] = l_run[mt][hh] * ms[mt][hh] + sum;
                 }
             // P as A-fragments: k-chunk kl of m-tile mt = n-blocks 2kl, 2kl+1.
@@ -304,7 +360,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         cp_async_wait_all();
         __syncthreads();  // V_t is in, P of the step is visible, K and the mask tile are free
         if (tn < t_end) {
-            load_rows_f16<D>(s_k, k_base + (i64)tn * STEP * p.k_row_stride, p.k_row_stride, lk - tn * STEP, k_al);
+            load_rows_f16<DK, C::SW_K>(s_k, k_base + (i64)tn * STEP * p.k_row_stride, p.k_row_stride, lk - tn * STEP, k_al);
             if (need_mask_next) load_mask_tile(s_mask, mask + ld_shared_i64(s_seq), p, lq, lk, q_cta, qpc, tn, m_al);
             cp_async_commit();
         }
@@ -317,15 +373,15 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                 u32 a[2][4];
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) ld_shared_v4(pw + (u32)(((mt * C::KL + kc % C::KL) * 32 + lane) * 16), a[mt]);
-                const u32 vrow = s_v + (u32)(v_r * D * 2) + v_col + (u32)(kc * 16 * D * 2);
+                const u32 vrow = s_v + (u32)(v_r * C::SW_V * 2) + v_col + (u32)(kc * 16 * C::SW_V * 2);
 #pragma unroll
                 for (int dp = 0; dp < C::DW / 16; ++dp) {
                     u32 b[4];
                     ldsm_x4_trans(b, vrow + v_sw.at(dp));
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        mma16816(o[mt][dp * 2], a[mt], b[0], b[1]);
-                        mma16816(o[mt][dp * 2 + 1], a[mt], b[2], b[3]);
+                        T::mma(o[mt][dp * 2], a[mt], b[0], b[1]);
+                        T::mma(o[mt][dp * 2 + 1], a[mt], b[2], b[3]);
                     }
                 }
             }
@@ -372,11 +428,14 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         for (int hh = 0; hh < 2; ++hh) {
             const int r = q0 + mt * 16 + hh * 8 + g8;
             if (r >= lq) continue;
-            const float inv = lt[mt][hh] > 0.f ? 1.f / lt[mt][hh] : 0.f;
+            float o_scale;
+            softmax_sink(p, sinks, head, m_run[mt][hh], lt[mt][hh], o_scale);
+            const float inv = lt[mt][hh] > 0.f ? o_scale / lt[mt][hh] : 0.f;
             const i64 dst = o_seq + (i64)r * p.o_row_stride + (i64)head * p.o_head_stride + wd0 + tig * 2;
 #pragma unroll
             for (int nb = 0; nb < C::DW / 8; ++nb)
-                store_out2(out, p.o_dtype, dst + nb * 8, o[mt][nb][hh * 2] * inv, o[mt][nb][hh * 2 + 1] * inv, out_al);
+                if (C::DVP == DV || wd0 + nb * 8 < DV)  // the padded columns are not O's
+                    store_out2(out, p.o_dtype, dst + nb * 8, o[mt][nb][hh * 2] * inv, o[mt][nb][hh * 2 + 1] * inv, out_al);
             if ((p.flags & PREFILL_LSE) && wg == 0 && tig == 0)
                 lse[lse_seq + (i64)head * p.lse_head_stride + r] = lse_of(m_run[mt][hh], lt[mt][hh]);
         }

@@ -14,10 +14,12 @@
 // of row r at chunk c ^ (r % 8)), so both products read their operands from shared memory
 // once per warpgroup instead of once per warp.
 //
-// Head dim 256: each warpgroup computes the scores of its 64 rows over the whole step
-// (m64n64k16) and keeps its 64 x 256 block of O in registers (m64n256k16); the scores
-// become P in registers and P is the A operand of P V (no shared-memory round trip).
+// Head dims 64, 128 and 256 (DW = D): each warpgroup computes the scores of its 64 rows
+// over the whole step (m64n64k16) and keeps its 64 x D block of O in registers
+// (m64nDk16); the scores become P in registers and P is the A operand of P V (no
+// shared-memory round trip).
 // K, V and the mask tile are double-buffered: the next step loads during this one.
+// The products in T: half, or bfloat16 with BF16 K/V (common.cuh).
 // Head dim 512: O (64 x 512) needs both warpgroups: each takes 256 of the output columns
 // and 32 of the 64 score columns of the step (m64n32k16), the row maxima are exchanged
 // through shared memory, and each warpgroup's half of P goes through shared memory to the
@@ -26,15 +28,22 @@ namespace hopper {
 
 template <int D>
 struct HCfg {
-    static constexpr int G = D / 256;          // warpgroups per row group
+    static_assert(D == 64 || D == 128 || D == 256 || D == 512, "the wgmma form's head dims");
+    static constexpr int G = D > 256 ? D / 256 : 1;  // warpgroups per row group
     static constexpr int RG = 2 / G;           // row groups of 64 rows
     static constexpr int ROWS = RG * 64;       // (query, head) rows of a CTA
     static constexpr int JW = STEP / G;        // score columns of a warpgroup
     static constexpr int NS = JW / 2;          // score registers per thread
     static constexpr int NB = JW / 8;          // 8-column blocks of the scores
-    static constexpr int DW = 256;             // O columns of a warpgroup
-    static constexpr int NSTAGE = G == 1 ? 2 : 1;
-    static constexpr int BQ = D == 256 ? 32 : 16;
+    static constexpr int DW = D / G;           // O columns of a warpgroup
+    // Two CTAs share an SM at head dims 64 and 128 (MINB; the softmax and products of one
+    // overlap the other's): double-buffered at 64, single-buffered at 128 (two such CTAs
+    // fit in shared memory; measured 308 against 221 TFLOP/s for one double-buffered CTA,
+    // causal 16k, 32/8 heads, though ptxas spills a little at 128 registers); 256:
+    // double-buffered, one CTA; 512: single-buffered.
+    static constexpr int NSTAGE = G == 1 && D != 128 ? 2 : 1;
+    static constexpr int MINB = D <= 128 ? 2 : 1;
+    static constexpr int BQ = D <= 256 ? 32 : 16;  // the table's rows (the op's mask_tile_rows)
     static constexpr int Q_BYTES = ROWS * D * 2;
     static constexpr int KV_BYTES = STEP * D * 2;
     static constexpr int MASK_BYTES = ROWS * STEP * 2;
@@ -74,7 +83,7 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ sr
 #define PAIR_NONE 0
 #define PAIR_HEADS 1
 #define PAIR_QUERIES 2
-template <int D, int PAIR = PAIR_NONE>
+template <int D, int PAIR = PAIR_NONE, class T = ElemF16>
 __device__ __forceinline__ void attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
                                           const u16* __restrict__ k, const u16* __restrict__ v,
                                           const u16* __restrict__ mask, const u8* __restrict__ blk,
@@ -116,7 +125,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int group = p.n_heads / p.n_kv_heads;
     const int kvh = ((int)blockIdx.y * hpc) / group;
 
-    // ---- Q: qh = half(scale * q) in the atom layout; rows past lq zero.
+    // ---- Q: qh = T(scale * q) in the atom layout; rows past lq zero.
     {
         constexpr int CH = D / 8;
         for (int i = tid; i < C::ROWS * CH; i += NTHREADS) {
@@ -124,7 +133,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             const int qr = q_cta + r % qpc;
             const int h = (int)blockIdx.y * hpc + r / qpc;
             u32 w[4];
-            load_q_chunk(w, p, L, sq, q, qr, h, c);
+            load_q_chunk<T>(w, p, L, sq, q, qr, h, c);
             st_shared_v4(s_q + atom_off(C::ROWS, r, c), w[0], w[1], w[2], w[3]);
         }
     }
@@ -143,6 +152,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             }
         }
     }
+    const bool by_distance = alibi_by_distance(p);
     Walk walk;
     walk.blk = (p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr;
     walk.steps = p.blk_steps;
@@ -157,7 +167,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             return 0;
         }
         table = walk.blk ? (int)walk.blk[(i64)(ra / C::BQ) * walk.steps + t] : 2;
-        return combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
+        const int c = combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
+        return c == 2 && by_distance ? 1 : c;  // ALiBi by distance: a bias on every pair
     };
     auto next_active = [&](int t, bool& need_mask) -> int { return walk.next(t, lane, need_mask); };
 
@@ -178,10 +189,10 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         load_mask_tile(s_mask + stage * C::MASK_BYTES, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);
     };
 
-    // ---- State: this warp's 16 rows x 256 columns of O, running max and partial sums.
-    float o[128];
+    // ---- State: this warp's 16 rows x DW columns of O, running max and partial sums.
+    float o[C::DW / 2];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    for (int i = 0; i < C::DW / 2; ++i) o[i] = 0.f;
     float m_run[2] = {NEG_FLT_MAX_HALF, NEG_FLT_MAX_HALF};
     float l_run[2] = {0.f, 0.f};
     u32 pk[C::NB][2];  // P of this warpgroup's score columns, half2 pairs (mma A-fragment halves)
@@ -209,14 +220,20 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             for (int kc = 0; kc < D / 16; ++kc) {
                 const u64 da = da0 + (u64)(((kc >> 2) * C::ROWS * 128 + (kc & 3) * 32) >> 4);
                 const u64 db = db0 + (u64)(((kc >> 2) * STEP * 128 + (kc & 3) * 32) >> 4);
-                if constexpr (C::JW == 64) wgmma_ss_n64(s, da, db, kc > 0);
-                else wgmma_ss_n32(s, da, db, kc > 0);
+                if constexpr (C::JW == 64) wgmma_ss_n64<T>(s, da, db, kc > 0);
+                else wgmma_ss_n32<T>(s, da, db, kc > 0);
             }
             wgmma_commit();
             wgmma_wait0();
             fence_regs(s);
+            if (p.softcap > 0.f) {
+                const float inv = 1.f / p.softcap;
+#pragma unroll
+                for (int i = 0; i < C::NS; ++i) s[i] = softcap_score(s[i], p.softcap, inv);
+            }
             if (b == 1) {
-                // -inf where a pair is not visible, the mask where the table's byte is 1.
+                // -inf where a pair is not visible, the mask (times ALiBi's slope) where the
+                // table's byte is 1, or ALiBi's distance bias.
                 const u32 m_tile = s_mask + stage * C::MASK_BYTES;
                 const float ninf = -__int_as_float(0x7f800000);
 #pragma unroll
@@ -226,12 +243,22 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                     // The row's visible columns, relative to this thread's first one.
                     int vlo, vhi;
                     visible_range(p, lk, off, q_cta + rr, vlo, vhi);
-                    vlo -= t * STEP + ch * C::JW + tig * 2;
-                    vhi -= t * STEP + ch * C::JW + tig * 2;
+                    const int j0 = t * STEP + ch * C::JW + tig * 2;  // this thread's first column
+                    vlo -= j0;
+                    vhi -= j0;
+                    const float d0 = (float)(j0 - (q_cta + rr + off));  // ALiBi: j0 - p_r
+                    const float slope = alibi_slope(p, head);
 #pragma unroll
                     for (int nb = 0; nb < C::NB; ++nb) {
                         float lo = 0.f, hi = 0.f;
-                        if (tb == 1) unpack_half2(ld_shared_u32(row_addr + swz(ch * C::NB + nb, g8)), lo, hi);
+                        if (tb == 1) {
+                            unpack_half2(ld_shared_u32(row_addr + swz(ch * C::NB + nb, g8)), lo, hi);
+                            lo *= slope;
+                            hi *= slope;
+                        } else if (by_distance) {
+                            lo = slope * (d0 + (float)(nb * 8));
+                            hi = slope * (d0 + (float)(nb * 8 + 1));
+                        }
                         const int j = nb * 8;
                         s[nb * 4 + hh * 2] = (j >= vlo && j <= vhi) ? s[nb * 4 + hh * 2] + lo : ninf;
                         s[nb * 4 + hh * 2 + 1] = (j + 1 >= vlo && j + 1 <= vhi) ? s[nb * 4 + hh * 2 + 1] + hi : ninf;
@@ -278,12 +305,12 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                 const float mr = m_run[hh];
                 float sum = 0.f;
 #pragma unroll
-                for (int nb = 0; nb < C::NB; ++nb) pk[nb][hh] = softmax_p2(s[nb * 4 + hh * 2], s[nb * 4 + hh * 2 + 1], mr, sum);
+                for (int nb = 0; nb < C::NB; ++nb) pk[nb][hh] = softmax_p2<T>(s[nb * 4 + hh * 2], s[nb * 4 + hh * 2 + 1], mr, sum);
                 l_run[hh] = l_run[hh] * ms[hh] + sum;
             }
             if (__any_sync(0xffffffffu, any_rescale)) {
 #pragma unroll
-                for (int i = 0; i < 128; ++i) o[i] *= ms[(i >> 1) & 1];
+                for (int i = 0; i < C::DW / 2; ++i) o[i] *= ms[(i >> 1) & 1];
             }
             if constexpr (C::G > 1) {
                 // This warpgroup's P (its 32 columns = 2 k-chunks) for the other one.
@@ -314,7 +341,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         const u64 dv0 = desc_sw128(v_tile, STEP * 128, 1024);
         wgmma_fence();
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wgmma_rs_n256(o, a[kc], dv0 + (u64)((kc * 16 * 128) >> 4));
+        for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, C::DW>(o, a[kc], dv0 + (u64)((kc * 16 * 128) >> 4));
         wgmma_commit();
         wgmma_wait0();
         fence_regs(o);
@@ -454,8 +481,10 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             bool nm = false;
             const int tn = next_active(t, nm);
             const bool act = scores_and_softmax(t, 0);
-            // Every warpgroup's Q K^T finished before the exchange barrier inside: K is
-            // free. K of the next step loads while P V runs and the next step starts.
+            // Every warpgroup's Q K^T finished before the exchange barrier inside (at 512;
+            // one warpgroup per row group has none, so a barrier here): K is free. K of the
+            // next step loads while P V runs and the next step starts.
+            if constexpr (C::G == 1) __syncthreads();
             if (tn < steps) load_k(0, tn);
             cp_async_commit();
             cp_async_wait_group1();  // V_t (the next K may still be in flight)
@@ -498,7 +527,9 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     for (int hh = 0; hh < 2; ++hh) {
         const int r = q0 + hh * 8 + g8;
         if (r >= lq) continue;
-        const float inv = lt[hh] > 0.f ? 1.f / lt[hh] : 0.f;
+        float o_scale;
+        softmax_sink(p, sinks, head, m_run[hh], lt[hh], o_scale);
+        const float inv = lt[hh] > 0.f ? o_scale / lt[hh] : 0.f;
         const i64 dst = sq.o + (i64)r * p.o_row_stride + (i64)head * p.o_head_stride + wd0 + tig * 2;
 #pragma unroll
         for (int nb = 0; nb < C::DW / 8; ++nb)
@@ -508,6 +539,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     }
 }
 
+static_assert(HCfg<64>::SMEM == 83008, "Hopper d64 shared memory changed: update the CUDA backend");
+static_assert(HCfg<128>::SMEM == 83008, "Hopper d128 shared memory changed: update the CUDA backend");
 static_assert(HCfg<256>::SMEM == 230464, "Hopper d256 shared memory changed: update the CUDA backend");
 static_assert(HCfg<512>::SMEM == 214592, "Hopper d512 shared memory changed: update the CUDA backend");
 

@@ -1,9 +1,10 @@
 // Part of shaders/flash_attn_prefill_tensor.cu: the online softmax of SPEC section 2, steps
 // 4 and 5, as both forms run it on the rows their threads hold: the lazy rescale and P =
-// half(exp(s - M)) with the row sums of the rounded values.
+// half(exp(s - M)) with the row sums of the rounded values; and section 10's transforms of
+// the scores (softcap, ALiBi) and start of the softmax (sinks).
 #pragma once
 
-#include "flash_attn_prefill/common.cuh"
+#include "flash_attn_prefill/params.cuh"
 
 // A running max moves only when a step's max exceeds it by more than this, so every
 // exp(s - M) stays below e^8 and fits in half.
@@ -21,14 +22,62 @@ __device__ __forceinline__ bool softmax_rescale(float mx, float& m, float& ms) {
     return false;
 }
 
-// P of two scores of one row, half(exp(s - m)), as a half2 (s0 in the low half), and their
-// rounded values added to `sum`.
+// P of two scores of one row, T(exp(s - m)) (half or bfloat16) as a pair (s0 in the low
+// half), and their rounded values added to `sum`.
+template <class T>
 __device__ __forceinline__ u32 softmax_p2(float s0, float s1, float m, float& sum) {
     const float e0 = exp2_approx((s0 - m) * LOG2E);
     const float e1 = exp2_approx((s1 - m) * LOG2E);
-    const u32 h2 = pack_half2(e0, e1);
+    const u32 h2 = T::pack2(e0, e1);
     float r0, r1;
-    unpack_half2(h2, r0, r1);
+    T::unpack2(h2, r0, r1);
     sum += r0 + r1;
     return h2;
+}
+
+// ------------------------------------------------------------------ SPEC 10's score transforms
+
+// softcap * tanh(s / softcap), with tanh(x) = 1 - 2 / (e^2x + 1): its absolute error stays
+// near float's epsilon at every x (tanh.approx's relative 2^-11 would move the scores by
+// up to softcap * 5e-4), and e^2x = inf gives 1, e^2x = 0 gives -1. The reciprocal is the
+// approximate one (relative error 2^-23; an IEEE division costs a subroutine per score).
+__device__ __forceinline__ float softcap_score(float s, float softcap, float inv_softcap) {
+    const float e = exp2_approx(2.f * LOG2E * inv_softcap * s);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(e + 1.f));
+    return fmaf(-2.f * softcap, r, softcap);
+}
+
+// ALiBi's slope of head h (SPEC 10): 1 when max_bias is 0; m0^(h + 1) = 2^(-(h + 1) b / n2)
+// and m1^(2 (h - n2) + 1) = 2^(-(2 (h - n2) + 1) b / (2 n2)). Cheap enough to compute where
+// it is used (the forms keep no register for it).
+__device__ __forceinline__ float alibi_slope(const Params& p, int h) {
+    if (!(p.max_bias > 0.f)) return 1.f;
+    const int n2 = 1 << (31 - __clz(p.n_heads));  // 2^floor(log2(n_heads))
+    const float e = h < n2 ? (float)(h + 1) : 0.5f * (float)(2 * (h - n2) + 1);
+    return exp2f(-e * p.max_bias / (float)n2);
+}
+
+// Whether ALiBi biases by distance: with max_bias and a described mask but no explicit one,
+// the described mask's value on a visible pair is -(p_r - j), p_r the row's place in the
+// cache (what llama.cpp writes into its mask for ALiBi models; docs/spec.md, 10). Every
+// computed tile then takes the per-element path.
+__device__ __forceinline__ bool alibi_by_distance(const Params& p) {
+    return p.max_bias > 0.f && !(p.flags & PREFILL_MASK) && (p.flags & PREFILL_CAUSAL);
+}
+
+// The sink logit sigma of head h (SPEC 10), one more score with no value, taken once the
+// row's sum S is whole (so the walk keeps no register for it): with M' = max(M, sigma), S
+// becomes S e^(M - M') + e^(sigma - M'), O is scaled by e^(M - M') (`o_scale`) and M becomes
+// M'. The same softmax as starting from M = sigma, S = 1; sigma = -inf changes nothing, and
+// a row that sees nothing gets O = 0, lse = sigma.
+__device__ __forceinline__ void softmax_sink(const Params& p, const float* __restrict__ sinks, int h, float& m,
+                                             float& l, float& o_scale) {
+    o_scale = 1.f;
+    if (!(p.flags & PREFILL_SINKS)) return;
+    const float sigma = sinks[h];
+    const float mn = fmaxf(m, sigma);
+    o_scale = exp2_approx((m - mn) * LOG2E);
+    l = l * o_scale + exp2_approx((sigma - mn) * LOG2E);
+    m = mn;
 }

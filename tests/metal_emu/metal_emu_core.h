@@ -326,14 +326,17 @@ inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
 inline float exp(float x) { return std::exp(x); }
 inline float exp2(float x) { return std::exp2(x); }
 inline float log(float x) { return std::log(x); }
+inline float tanh(float x) { return std::tanh(x); }
+// Leading zero bits of a 32-bit value (32 for 0), as MSL's clz.
+inline uint clz(uint x) { return x == 0 ? 32u : uint(__builtin_clz(x)); }
 inline float sqrt(float x) { return std::sqrt(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline float fabs(float x) { return std::fabs(x); }
 inline bool isinf(float x) { return std::isinf(x); }
 inline bool isnan(float x) { return std::isnan(x); }
 inline bool isfinite(float x) { return std::isfinite(x); }
-namespace fast { using metal::exp; using metal::exp2; using metal::log; }
-namespace precise { using metal::exp; using metal::exp2; using metal::log; }
+namespace fast { using metal::exp; using metal::exp2; using metal::log; using metal::tanh; }
+namespace precise { using metal::exp; using metal::exp2; using metal::log; using metal::tanh; }
 
 template <class To, class From>
 inline To as_type(From f) {

@@ -38,6 +38,9 @@ CASES: Dict[str, Case] = {
         Case("dense", "dense", 16, 8, 256, "zero"),
         Case("causal-8h", "causal 8h", 8, 8, 256, "causal"),
         Case("dense-8h", "dense 8h", 8, 8, 256, "zero"),
+        # Most LLMs' head dims (issue: head dims 64 to 576), 32 query heads over 8 KV heads.
+        Case("causal-128", "causal d128", 32, 8, 128, "causal"),
+        Case("causal-64", "causal d64", 32, 8, 64, "causal"),
     )
 }
 #: Rows and cases run when none are named, by device kind: the CPU at the sizes a CPU user

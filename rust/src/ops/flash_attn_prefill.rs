@@ -18,13 +18,15 @@
 //! problem, and nothing is dispatched.
 
 use super::flash_attn_prefill_blk::{FLASH_ATTN_PREFILL_BLK_CUDA, FLASH_ATTN_PREFILL_BLK_METAL};
-use super::flash_attn_prefill_tensor::{FLASH_ATTN_PREFILL_TENSOR_CUDA, FLASH_ATTN_PREFILL_TENSOR_METAL};
+use super::flash_attn_prefill_tensor::{
+    FLASH_ATTN_PREFILL_CUDA_PARTS, FLASH_ATTN_PREFILL_TENSOR_CUDA, FLASH_ATTN_PREFILL_TENSOR_METAL,
+};
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
 use crate::error::{MlxError, Result};
-use crate::kernel_registry::{KernelRegistry, KernelSource};
+use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 pub use crate::params::PrefillExtents;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK,
@@ -59,13 +61,28 @@ pub const HEAD_DIMS: [((u32, u32), &str, &str); 9] = [
     ((576, 512), "flash_attn_prefill_d576_512", "flash_attn_prefill_d576_512_bf16"),
 ];
 
-/// Whether every backend's kernels apply SPEC 10's score transforms (softcap, ALiBi, sinks);
-/// until they do, the op refuses them rather than compute without them.
-const SCORE_TRANSFORMS: bool = false;
-
-/// The kernels of the head dims and K/V dtypes every backend runs today; the op refuses the
-/// others of [`HEAD_DIMS`] when validating, with the dims it takes.
-pub const REGISTERED_KERNELS: &[&str] = &[K_PREFILL_D256, K_PREFILL_D512];
+/// The kernels of the head dims and K/V dtypes every backend runs: all of [`HEAD_DIMS`], F16
+/// and BF16 (a name outside this list is refused when validating, with the dims it takes).
+pub const REGISTERED_KERNELS: &[&str] = &[
+    "flash_attn_prefill_d64",
+    "flash_attn_prefill_d64_bf16",
+    "flash_attn_prefill_d80",
+    "flash_attn_prefill_d80_bf16",
+    "flash_attn_prefill_d96",
+    "flash_attn_prefill_d96_bf16",
+    "flash_attn_prefill_d112",
+    "flash_attn_prefill_d112_bf16",
+    "flash_attn_prefill_d128",
+    "flash_attn_prefill_d128_bf16",
+    "flash_attn_prefill_d192",
+    "flash_attn_prefill_d192_bf16",
+    K_PREFILL_D256,
+    "flash_attn_prefill_d256_bf16",
+    K_PREFILL_D512,
+    "flash_attn_prefill_d512_bf16",
+    "flash_attn_prefill_d576_512",
+    "flash_attn_prefill_d576_512_bf16",
+];
 /// The explicit mask's classifier.
 pub const K_PREFILL_MASK_BLK: &str = "flash_attn_prefill_mask_blk";
 
@@ -73,10 +90,54 @@ pub const K_PREFILL_MASK_BLK: &str = "flash_attn_prefill_mask_blk";
 pub const CACHE_ROWS_PER_STEP: u32 = 64;
 const SIMDGROUPS: u64 = 8;
 
-/// Register the entry points against their sources.
+/// A CUDA instantiation file of the attention (`shaders/flash_attn_prefill_*.cu`) with the
+/// kernel's parts, and the Metal file every head dim shares.
+macro_rules! prefill_source {
+    ($file:literal) => {
+        KernelSource {
+            metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL),
+            cuda: Some(SourceFile {
+                name: $file,
+                text: include_str!(concat!("../../../shaders/", $file)),
+                headers: FLASH_ATTN_PREFILL_CUDA_PARTS,
+            }),
+        }
+    };
+}
+
+static PREFILL_BF16_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_bf16.cu");
+static PREFILL_D64_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d64.cu");
+static PREFILL_D80_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d80.cu");
+static PREFILL_D96_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d96.cu");
+static PREFILL_D112_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d112.cu");
+static PREFILL_D128_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d128.cu");
+static PREFILL_D192_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d192.cu");
+static PREFILL_D576_512_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d576_512.cu");
+
+/// The device sources of each kernel of [`HEAD_DIMS`]: one CUDA file per head-dim pair (its
+/// F16 and BF16 kernels; at 256 and 512, the origin's file for F16 and one file for BF16),
+/// so a device compiles only the head dims it runs.
+fn prefill_kernel_source(name: &str) -> &'static KernelSource {
+    let dims =
+        HEAD_DIMS.iter().find(|(_, f16, bf16)| *f16 == name || *bf16 == name).map(|(d, f16, _)| (*d, *f16 == name));
+    match dims {
+        Some(((256 | 512, _), true)) => &FLASH_ATTN_PREFILL_SHADER_SOURCE,
+        Some(((256 | 512, _), false)) => &PREFILL_BF16_SOURCE,
+        Some(((64, _), _)) => &PREFILL_D64_SOURCE,
+        Some(((80, _), _)) => &PREFILL_D80_SOURCE,
+        Some(((96, _), _)) => &PREFILL_D96_SOURCE,
+        Some(((112, _), _)) => &PREFILL_D112_SOURCE,
+        Some(((128, _), _)) => &PREFILL_D128_SOURCE,
+        Some(((192, _), _)) => &PREFILL_D192_SOURCE,
+        _ => &PREFILL_D576_512_SOURCE,
+    }
+}
+
+/// Register the entry points against their sources: every kernel of [`HEAD_DIMS`] (the op
+/// refuses those a backend of this build lacks, [`REGISTERED_KERNELS`]) and the classifier.
 pub fn register(registry: &mut KernelRegistry) {
-    for name in REGISTERED_KERNELS {
-        registry.register_source(name, FLASH_ATTN_PREFILL_SHADER_SOURCE);
+    for name in HEAD_DIMS.iter().flat_map(|(_, f16, bf16)| [*f16, *bf16]) {
+        registry.register_source(name, *prefill_kernel_source(name));
     }
     registry.register_source(K_PREFILL_MASK_BLK, FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE);
 }
@@ -381,9 +442,11 @@ pub fn validate_shapes(
     if !p.max_bias.is_finite() || p.max_bias < 0.0 {
         return Err(invalid(format!("max_bias {} must be a finite number >= 0 (0: no ALiBi)", p.max_bias)));
     }
-    if !SCORE_TRANSFORMS && (p.softcap != 0.0 || p.max_bias != 0.0 || o.sinks) {
+    if p.max_bias > 0.0 && !o.mask && p.causal == 0 {
         return Err(invalid(
-            "softcap, ALiBi (max_bias) and attention sinks are not implemented by the kernels of this build yet".into(),
+            "ALiBi needs positions: pass causal=True, a window, or an explicit mask holding -|i-j| (max_bias > 0 \
+             scales the mask by each head's slope; with neither there is nothing to scale)"
+                .into(),
         ));
     }
     let dims = [p.batch, p.rows, p.kv_len, p.n_heads, p.n_kv_heads, p.window];

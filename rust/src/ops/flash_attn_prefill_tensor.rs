@@ -42,22 +42,27 @@ use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 
 pub use crate::params::FlashAttnPrefillTensorParamsGpu;
 
-/// The CUDA kernel, in parts: the entry points and the headers they include
-/// (`shaders/flash_attn_prefill/`). The front door's op runs the same file.
+/// The parts of the CUDA attention (`shaders/flash_attn_prefill/`), which every
+/// instantiation file of the kernel includes.
+pub const FLASH_ATTN_PREFILL_CUDA_PARTS: &[(&str, &str)] = &[
+    ("flash_attn_prefill/common.cuh", include_str!("../../../shaders/flash_attn_prefill/common.cuh")),
+    ("flash_attn_prefill/params.cuh", include_str!("../../../shaders/flash_attn_prefill/params.cuh")),
+    ("flash_attn_prefill/block_range.cuh", include_str!("../../../shaders/flash_attn_prefill/block_range.cuh")),
+    ("flash_attn_prefill/loaders.cuh", include_str!("../../../shaders/flash_attn_prefill/loaders.cuh")),
+    ("flash_attn_prefill/softmax.cuh", include_str!("../../../shaders/flash_attn_prefill/softmax.cuh")),
+    ("flash_attn_prefill/epilogue.cuh", include_str!("../../../shaders/flash_attn_prefill/epilogue.cuh")),
+    ("flash_attn_prefill/mainloop_sm80.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm80.cuh")),
+    ("flash_attn_prefill/sm90_ptx.cuh", include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh")),
+    ("flash_attn_prefill/mainloop_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90.cuh")),
+    ("flash_attn_prefill/entry.cuh", include_str!("../../../shaders/flash_attn_prefill/entry.cuh")),
+];
+
+/// The CUDA kernel at F16 K/V and head dims 256 and 512: the entry points, instantiated
+/// from the parts. The front door's op runs the same file.
 pub const FLASH_ATTN_PREFILL_TENSOR_CUDA: SourceFile = SourceFile {
     name: "flash_attn_prefill_tensor.cu",
     text: include_str!("../../../shaders/flash_attn_prefill_tensor.cu"),
-    headers: &[
-        ("flash_attn_prefill/common.cuh", include_str!("../../../shaders/flash_attn_prefill/common.cuh")),
-        ("flash_attn_prefill/params.cuh", include_str!("../../../shaders/flash_attn_prefill/params.cuh")),
-        ("flash_attn_prefill/block_range.cuh", include_str!("../../../shaders/flash_attn_prefill/block_range.cuh")),
-        ("flash_attn_prefill/loaders.cuh", include_str!("../../../shaders/flash_attn_prefill/loaders.cuh")),
-        ("flash_attn_prefill/softmax.cuh", include_str!("../../../shaders/flash_attn_prefill/softmax.cuh")),
-        ("flash_attn_prefill/epilogue.cuh", include_str!("../../../shaders/flash_attn_prefill/epilogue.cuh")),
-        ("flash_attn_prefill/mainloop_sm80.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm80.cuh")),
-        ("flash_attn_prefill/sm90_ptx.cuh", include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh")),
-        ("flash_attn_prefill/mainloop_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90.cuh")),
-    ],
+    headers: FLASH_ATTN_PREFILL_CUDA_PARTS,
 };
 
 /// The Metal kernel (the origin's file, whose entry points the front door's op shares).

@@ -1,4 +1,4 @@
-//! Helpers of the `flash_attn_prefill` tests (SPEC 6-9): a strided case over a batch (fixed
+//! Helpers of the `flash_attn_prefill` tests (SPEC 6-10): a strided case over a batch (fixed
 //! or variable length), its float64 reference, and a harness that runs it through the op
 //! and reads the outputs back into one logical layout, checking on the way that nothing
 //! outside the outputs' rows was written.
@@ -25,7 +25,7 @@ pub struct Mask {
 }
 
 /// One prefill problem with its host data. Q holds values already representable in
-/// `q_dtype`.
+/// `q_dtype`; K and V are the bits of `kv_dtype` (F16 or BF16).
 #[derive(Clone, Debug)]
 pub struct Prefill {
     /// (query rows, cache rows) of every sequence.
@@ -33,7 +33,17 @@ pub struct Prefill {
     pub varlen: bool,
     pub n_heads: usize,
     pub n_kv_heads: usize,
+    /// Columns of Q and K.
     pub head_dim: usize,
+    /// Columns of V and O.
+    pub head_dim_v: usize,
+    pub kv_dtype: DType,
+    /// V is a view of K's first `head_dim_v` columns (the same buffer, K's strides).
+    pub v_in_k: bool,
+    /// SPEC 10: softcap (0: none), ALiBi's max_bias (0: none), one sink logit per head.
+    pub softcap: f32,
+    pub max_bias: f32,
+    pub sinks: Option<Vec<f32>>,
     pub causal: bool,
     pub window: usize,
     /// Where query row r of every sequence sits in its cache (`r + offset`); `None`: the
@@ -125,6 +135,50 @@ impl Prefill {
         c
     }
 
+    /// The same shapes with other head dims, K/V dtype or V as a view of K (for Q/K columns
+    /// `dims.0`, V/O columns `dims.1`), filled afresh from `seed`: strides for the new widths.
+    pub fn with_kv(mut self, seed: u64, dims: (usize, usize), kv_dtype: DType, v_in_k: bool) -> Prefill {
+        let pad = self.q_strides[2] - self.head_dim;
+        let mut c = Prefill::layout(self.lens.clone(), self.varlen, self.n_heads, self.n_kv_heads, dims.0, pad);
+        (c.head_dim_v, c.kv_dtype, c.v_in_k) = (dims.1, kv_dtype, v_in_k);
+        let (_, rows, kv) = c.shape();
+        c.v_strides = if v_in_k { c.k_strides } else { strides(kv, c.n_kv_heads, dims.1, pad, !c.varlen) };
+        c.out_strides = strides(rows, c.n_heads, dims.1, pad * 3, !c.varlen);
+        (c.causal, c.window, c.offset, c.scale) = (self.causal, self.window, self.offset, self.scale);
+        (c.q_dtype, c.out_dtype) = (self.q_dtype, self.out_dtype);
+        (c.softcap, c.max_bias, c.sinks) = (self.softcap, self.max_bias, self.sinks.take());
+        let lse = self.lse_strides.is_some();
+        c.fill(seed);
+        if lse {
+            c = c.with_lse();
+        }
+        c
+    }
+
+    /// SPEC 10's score transforms.
+    pub fn with_transforms(mut self, softcap: f32, max_bias: f32, sinks: Option<Vec<f32>>) -> Prefill {
+        (self.softcap, self.max_bias, self.sinks) = (softcap, max_bias, sinks);
+        self
+    }
+
+    /// The value of K/V bits `x` in `kv_dtype`.
+    pub fn kv_value(&self, x: u16) -> f64 {
+        if self.kv_dtype == DType::BF16 {
+            bf16::from_bits(x).to_f64()
+        } else {
+            f16::from_bits(x).to_f64()
+        }
+    }
+
+    /// The bits of `kv_dtype` nearest `x`.
+    pub fn kv_bits(&self, x: f32) -> u16 {
+        if self.kv_dtype == DType::BF16 {
+            bf16::from_f32(x).to_bits()
+        } else {
+            f16::from_f32(x).to_bits()
+        }
+    }
+
     fn layout(lens: Vec<(usize, usize)>, varlen: bool, nh: usize, nkv: usize, hd: usize, pad: usize) -> Prefill {
         let (rows, kv) =
             if varlen { (lens.iter().map(|l| l.0).sum(), lens.iter().map(|l| l.1).sum()) } else { lens[0] };
@@ -134,6 +188,12 @@ impl Prefill {
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
+            head_dim_v: hd,
+            kv_dtype: DType::F16,
+            v_in_k: false,
+            softcap: 0.0,
+            max_bias: 0.0,
+            sinks: None,
             causal: false,
             window: 0,
             offset: None,
@@ -158,11 +218,12 @@ impl Prefill {
     pub fn fill(&mut self, seed: u64) {
         let mut rng = Rng::new(seed);
         let (seqs, rows, kv) = self.shape();
-        let (nh, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let (nh, nkv, hd, hdv) = (self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim_v);
         let past = |s: [usize; 3]| 2 * s[1];
+        let nan = self.kv_bits(f32::NAN);
         self.q = vec![f32::NAN; span([seqs, rows, nh], self.q_strides, hd) + past(self.q_strides)];
-        self.k = vec![f16::NAN.to_bits(); span([seqs, kv, nkv], self.k_strides, hd) + past(self.k_strides)];
-        self.v = vec![f16::NAN.to_bits(); span([seqs, kv, nkv], self.v_strides, hd) + past(self.v_strides)];
+        self.k = vec![nan; span([seqs, kv, nkv], self.k_strides, hd) + past(self.k_strides)];
+        self.v = vec![nan; span([seqs, kv, nkv], self.v_strides, hdv) + past(self.v_strides)];
         for (b, &(lq, lk)) in self.lens.clone().iter().enumerate() {
             for r in 0..lq {
                 for h in 0..nh {
@@ -175,14 +236,18 @@ impl Prefill {
             for j in 0..lk {
                 for g in 0..nkv {
                     let (ka, va) = (self.k_at(b, j, g), self.v_at(b, j, g));
-                    for x in &mut self.k[ka..ka + hd] {
-                        *x = f16::from_f32(rng.uniform(-1.0, 1.0)).to_bits();
+                    for d in 0..hd {
+                        self.k[ka + d] = self.kv_bits(rng.uniform(-1.0, 1.0));
                     }
-                    for x in &mut self.v[va..va + hd] {
-                        *x = f16::from_f32(rng.uniform(-1.0, 1.0)).to_bits();
+                    for d in 0..hdv {
+                        self.v[va + d] = self.kv_bits(rng.uniform(-1.0, 1.0));
                     }
                 }
             }
+        }
+        if self.v_in_k {
+            // One buffer: V reads K's first head_dim_v columns.
+            self.v = self.k.clone();
         }
     }
 
@@ -336,19 +401,38 @@ impl Prefill {
             scale: self.scale,
             offset: self.offset.unwrap_or(0) as i32,
             has_offset: self.offset.is_some() as u32,
-            ..Default::default()
+            head_dim_v: self.head_dim_v as u32,
+            softcap: self.softcap,
+            max_bias: self.max_bias,
         }
     }
 
-    /// The float64 reference of SPEC 6-9: `qh = half(scale * q)`, F16 K/V, the visible pairs
-    /// with the explicit mask added, the exact softmax. Returns O `[logical row][head][dim]`
-    /// and lse `[logical row][head]` (`ln(sum_j exp(s_j))`; -inf and O = 0 where a row sees
-    /// nothing).
+    /// SPEC 10's ALiBi slope of head `h` in f64 (1 without ALiBi).
+    pub fn slope(&self, h: usize) -> f64 {
+        if self.max_bias <= 0.0 {
+            return 1.0;
+        }
+        let n2 = 1usize << (usize::BITS - 1 - self.n_heads.leading_zeros());
+        let (mb, n2f) = (self.max_bias as f64, n2 as f64);
+        let (m0, m1) = (2f64.powf(-mb / n2f), 2f64.powf(-mb / 2.0 / n2f));
+        if h < n2 {
+            m0.powi(h as i32 + 1)
+        } else {
+            m1.powi(2 * (h - n2) as i32 + 1)
+        }
+    }
+
+    /// The float64 reference of SPEC 6-10: `qh = half(scale * q)`, F16 or BF16 K/V, on the
+    /// visible pairs `s = dot(qh, k)`, softcapped, plus the head's ALiBi slope times the
+    /// explicit mask (or, ALiBi without one, times the described mask's `-(p - j)`), the exact
+    /// softmax with the head's sink logit as one more score. Returns O
+    /// `[logical row][head][dim_v]` and lse `[logical row][head]` (`ln(e^sigma + sum_j
+    /// exp(s_j))`; without a sink -inf and O = 0 where a row sees nothing).
     pub fn reference(&self) -> (Vec<f64>, Vec<f64>) {
-        let (nh, hd) = (self.n_heads, self.head_dim);
+        let (nh, hd, hdv) = (self.n_heads, self.head_dim, self.head_dim_v);
         let group = nh / self.n_kv_heads;
         let n = self.logical_rows();
-        let (mut out, mut lse) = (vec![0f64; n * nh * hd], vec![f64::NEG_INFINITY; n * nh]);
+        let (mut out, mut lse) = (vec![0f64; n * nh * hdv], vec![f64::NEG_INFINITY; n * nh]);
         for (b, &(lq, lk)) in self.lens.iter().enumerate() {
             let mut s = vec![f64::NEG_INFINITY; lk];
             for r in 0..lq {
@@ -356,16 +440,25 @@ impl Prefill {
                     let g = h / group;
                     let qa = self.q_at(b, r, h);
                     let qh: Vec<f64> = (0..hd).map(|d| f16::from_f32(self.scale * self.q[qa + d]).to_f64()).collect();
-                    let mut mx = f64::NEG_INFINITY;
+                    let sigma = self.sinks.as_ref().map_or(f64::NEG_INFINITY, |s| s[h] as f64);
+                    let slope = self.slope(h);
+                    let mut mx = sigma;
                     for (j, sj) in s.iter_mut().enumerate() {
                         *sj = f64::NEG_INFINITY;
                         if !self.visible(b, r, j) {
                             continue;
                         }
                         let ka = self.k_at(b, j, g);
-                        let mut dot: f64 = (0..hd).map(|d| qh[d] * f16::from_bits(self.k[ka + d]).to_f64()).sum();
+                        let mut dot: f64 = (0..hd).map(|d| qh[d] * self.kv_value(self.k[ka + d])).sum();
+                        if self.softcap > 0.0 {
+                            let cap = self.softcap as f64;
+                            dot = cap * (dot / cap).tanh();
+                        }
                         if let Some(m) = &self.mask {
-                            dot += f16::from_bits(m.data[self.mask_at(b, r, j)]).to_f64();
+                            dot += slope * f16::from_bits(m.data[self.mask_at(b, r, j)]).to_f64();
+                        } else if self.max_bias > 0.0 {
+                            // ALiBi on the described mask: llama.cpp's mask value -(p - j).
+                            dot += slope * (j as f64 - (r as i64 + self.query_offset(b)) as f64);
                         }
                         *sj = dot;
                         mx = mx.max(dot);
@@ -374,8 +467,8 @@ impl Prefill {
                     if mx == f64::NEG_INFINITY {
                         continue;
                     }
-                    let o = &mut out[(row * nh + h) * hd..(row * nh + h + 1) * hd];
-                    let mut denom = 0.0;
+                    let o = &mut out[(row * nh + h) * hdv..(row * nh + h + 1) * hdv];
+                    let mut denom = if sigma == f64::NEG_INFINITY { 0.0 } else { (sigma - mx).exp() };
                     for (j, &sj) in s.iter().enumerate() {
                         if sj == f64::NEG_INFINITY {
                             continue;
@@ -384,7 +477,7 @@ impl Prefill {
                         denom += p;
                         let va = self.v_at(b, j, g);
                         for (d, x) in o.iter_mut().enumerate() {
-                            *x += p * f16::from_bits(self.v[va + d]).to_f64();
+                            *x += p * self.kv_value(self.v[va + d]);
                         }
                     }
                     for x in o.iter_mut() {
@@ -433,6 +526,103 @@ impl Prefill {
     }
 }
 
+/// What each buffer of a prefill must hold, counted here from the case's own layout (not
+/// from the op): elements of Q, K, V, O, lse (0 without) and the mask (0 without), bytes of
+/// the mask's tables (0 without).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Needs {
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub out: usize,
+    pub lse: usize,
+    pub mask: usize,
+    pub blk: usize,
+}
+
+/// A case's buffers, each exactly as large as [`Prefill::needs`] says: Q, K, V and the mask
+/// with the case's data, O and lse filled with [`SENTINEL`], the table zero.
+pub struct Buffers {
+    pub q: MlxBuffer,
+    pub k: MlxBuffer,
+    pub v: MlxBuffer,
+    pub out: MlxBuffer,
+    pub lse: Option<MlxBuffer>,
+    pub mask: Option<MlxBuffer>,
+    pub blk: Option<MlxBuffer>,
+    pub cu: Option<(MlxBuffer, MlxBuffer)>,
+    pub sinks: Option<MlxBuffer>,
+}
+
+impl Buffers {
+    pub fn view(&self) -> FlashAttnPrefillBuffers<'_> {
+        FlashAttnPrefillBuffers {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            out: &self.out,
+            mask: self.mask.as_ref(),
+            blk: self.blk.as_ref(),
+            cu_seqlens_q: self.cu.as_ref().map(|c| &c.0),
+            cu_seqlens_k: self.cu.as_ref().map(|c| &c.1),
+            lse: self.lse.as_ref(),
+            sinks: self.sinks.as_ref(),
+        }
+    }
+}
+
+impl Prefill {
+    /// `cu_seqlens_q` and `cu_seqlens_k` of the sequences (variable length).
+    pub fn cu_seqlens(&self) -> (Vec<i32>, Vec<i32>) {
+        let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
+        for &(lq, lk) in &self.lens {
+            cq.push(cq.last().unwrap() + lq as i32);
+            ck.push(ck.last().unwrap() + lk as i32);
+        }
+        (cq, ck)
+    }
+
+    pub fn needs(&self) -> Needs {
+        let (seqs, rows, kv) = self.shape();
+        let (nh, nkv, hd, dv) = (self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim_v);
+        // The table's query rows per tile (docs/spec.md 10a).
+        let bq = if hd <= 256 { 32 } else { 16 };
+        let mask_seqs = |m: &Mask| if m.strides[0] == 0 { 1 } else { seqs };
+        Needs {
+            q: span([seqs, rows, nh], self.q_strides, hd),
+            k: span([seqs, kv, nkv], self.k_strides, hd),
+            v: if self.v_in_k { 0 } else { span([seqs, kv, nkv], self.v_strides, dv) },
+            out: span([seqs, rows, nh], self.out_strides, dv),
+            lse: self.lse_strides.map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows)),
+            mask: self.mask.as_ref().map_or(0, |m| span([mask_seqs(m), rows, 1], [m.strides[0], m.strides[1], 0], kv)),
+            blk: self.mask.as_ref().map_or(0, |m| mask_seqs(m) * rows.div_ceil(bq) * kv.div_ceil(64)),
+        }
+    }
+
+    /// The case's buffers on `dev` ([`Buffers`]).
+    pub fn buffers(&self, dev: &MlxDevice) -> Buffers {
+        let n = self.needs();
+        let q = dev.alloc_buffer(self.q_dtype, &[n.q]).unwrap();
+        q.write_bytes(0, &encode(self.q_dtype, &self.q[..n.q])).unwrap();
+        let cu = self.varlen.then(|| {
+            let (cq, ck) = self.cu_seqlens();
+            (upload(dev, DType::I32, &cq), upload(dev, DType::I32, &ck))
+        });
+        let k = upload(dev, self.kv_dtype, &self.k[..n.k]);
+        Buffers {
+            q,
+            k: k.clone(),
+            v: if self.v_in_k { k } else { upload(dev, self.kv_dtype, &self.v[..n.v]) },
+            out: sentinel_buffer(dev, self.out_dtype, n.out),
+            lse: self.lse_strides.map(|_| sentinel_buffer(dev, DType::F32, n.lse)),
+            mask: self.mask.as_ref().map(|m| upload(dev, DType::F16, &m.data[..n.mask])),
+            blk: self.mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[n.blk]).unwrap()),
+            cu,
+            sinks: self.sinks.as_ref().map(|s| upload(dev, DType::F32, s)),
+        }
+    }
+}
+
 /// What a run gives back: O `[logical row][head][dim]` and lse `[logical row][head]` as read
 /// from the buffers (f64), their raw bits, and the explicit mask's table.
 pub struct Output {
@@ -458,21 +648,122 @@ fn sentinel_buffer(dev: &MlxDevice, dtype: DType, elems: usize) -> MlxBuffer {
     b
 }
 
+/// Where a run's inputs (Q, K, V and the explicit mask) live.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Placement {
+    /// Library buffers holding the case's data (NaN past each sequence and in the padding).
+    Buffers,
+    /// The caller's memory (wrapped in place), each tensor ending at its last element, right
+    /// before a page that faults on any access: a read past a tensor kills the process.
+    #[cfg(unix)]
+    Guarded,
+}
+
+/// `len` bytes that end where an inaccessible page begins (mmap, then mprotect PROT_NONE).
+#[cfg(unix)]
+pub struct Guarded {
+    base: *mut libc::c_void,
+    total: usize,
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+#[cfg(unix)]
+impl Guarded {
+    pub fn new(bytes: &[u8]) -> Guarded {
+        // SAFETY: plain anonymous mappings, checked; `ptr..ptr + len` lies in the readable part.
+        unsafe {
+            let page = libc::sysconf(libc::_SC_PAGESIZE) as usize;
+            let body = bytes.len().div_ceil(page).max(1) * page;
+            let total = body + page;
+            let prot = libc::PROT_READ | libc::PROT_WRITE;
+            let base = libc::mmap(std::ptr::null_mut(), total, prot, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+            assert!(base != libc::MAP_FAILED, "mmap failed");
+            assert_eq!(libc::mprotect((base as *mut u8).add(body) as *mut libc::c_void, page, libc::PROT_NONE), 0);
+            let ptr = (base as *mut u8).add(body - bytes.len());
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len());
+            Guarded { base, total, ptr, len: bytes.len() }
+        }
+    }
+}
+
+#[cfg(unix)]
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `new` with this length.
+        unsafe { libc::munmap(self.base, self.total) };
+    }
+}
+
+/// Elements of `data` up to the last one the tensor uses (`last(b)`: one past the last
+/// element of sequence b's last row, None for an empty sequence).
+fn used(data_len: usize, seqs: usize, last: impl Fn(usize) -> Option<usize>) -> usize {
+    (0..seqs).filter_map(last).max().unwrap_or(0).min(data_len)
+}
+
 /// Run `c` through the op on `dev`. Asserts that no byte of the output buffers outside the
 /// rows of O and lse was written.
 pub fn run(dev: &MlxDevice, reg: &mut KernelRegistry, c: &Prefill, table: Table) -> Output {
+    run_placed(dev, reg, c, table, Placement::Buffers)
+}
+
+/// [`run`] with the inputs placed as `placement` says.
+pub fn run_placed(
+    dev: &MlxDevice,
+    reg: &mut KernelRegistry,
+    c: &Prefill,
+    table: Table,
+    placement: Placement,
+) -> Output {
     let (seqs, rows, _) = c.shape();
-    let (nh, hd) = (c.n_heads, c.head_dim);
+    let (nh, hd) = (c.n_heads, c.head_dim_v);
     let p = c.params();
-    let q = dev.alloc_buffer(c.q_dtype, &[c.q.len()]).unwrap();
-    q.write_bytes(0, &encode(c.q_dtype, &c.q)).unwrap();
-    let k = upload(dev, DType::F16, &c.k);
-    let v = upload(dev, DType::F16, &c.v);
+    let nkv = c.n_kv_heads;
+    let seq_len = |b: usize| c.lens[b];
+    // One past the last element each tensor uses.
+    let dk = c.head_dim;
+    let q_end = used(c.q.len(), c.lens.len(), |b| (seq_len(b).0 > 0).then(|| c.q_at(b, seq_len(b).0 - 1, nh - 1) + dk));
+    let k_end =
+        used(c.k.len(), c.lens.len(), |b| (seq_len(b).1 > 0).then(|| c.k_at(b, seq_len(b).1 - 1, nkv - 1) + dk));
+    let v_end =
+        used(c.v.len(), c.lens.len(), |b| (seq_len(b).1 > 0).then(|| c.v_at(b, seq_len(b).1 - 1, nkv - 1) + hd));
+    let m_end = c.mask.as_ref().map(|m| {
+        let n = if m.strides[0] == 0 { 1 } else { c.lens.len() };
+        used(m.data.len(), n, |b| (rows > 0 && c.lens[b].1 > 0).then(|| c.mask_at(b, rows - 1, c.lens[b].1 - 1) + 1))
+    });
+    let q_bytes = encode(c.q_dtype, &c.q);
+    let k_bytes: &[u8] = bytemuck::cast_slice(&c.k);
+    let v_bytes: &[u8] = bytemuck::cast_slice(&c.v);
+    let m_bytes: Option<&[u8]> = c.mask.as_ref().map(|m| bytemuck::cast_slice(&m.data[..]));
+    #[cfg(unix)]
+    let mut guards: Vec<Guarded> = Vec::new();
+    let mut place = |bytes: &[u8], end: usize, dtype: DType| -> MlxBuffer {
+        match placement {
+            Placement::Buffers => {
+                let b = dev.alloc_buffer(dtype, &[bytes.len() / dtype.size_of()]).unwrap();
+                b.write_bytes(0, bytes).unwrap();
+                b
+            }
+            #[cfg(unix)]
+            Placement::Guarded => {
+                let g = Guarded::new(&bytes[..end * dtype.size_of()]);
+                // SAFETY: the mapping outlives the run (`guards` is dropped after it).
+                let b = unsafe { dev.wrap_host(g.ptr, g.len, dtype, &[end]) }.unwrap();
+                guards.push(g);
+                b
+            }
+        }
+    };
+    let q = place(&q_bytes, q_end, c.q_dtype);
+    let k = place(k_bytes, k_end, c.kv_dtype);
+    // V a view of K (576/512): the same buffer, read at K's rows.
+    let v = if c.v_in_k { k.clone() } else { place(v_bytes, v_end, c.kv_dtype) };
+    let sinks = c.sinks.as_ref().map(|s| upload(dev, DType::F32, s));
+    let mask = m_bytes.map(|m| place(m, m_end.unwrap(), DType::F16));
     let out_elems = span([seqs, rows, nh], c.out_strides, hd) + 2 * c.out_strides[1] + 17;
     let out = sentinel_buffer(dev, c.out_dtype, out_elems);
     let lse_elems = c.lse_strides.map_or(0, |s| span([seqs, nh, 1], [s[0], s[1], 0], rows) + 2 * s[1] + 9);
     let lse = c.lse_strides.map(|_| sentinel_buffer(dev, DType::F32, lse_elems));
-    let mask = c.mask.as_ref().map(|m| upload(dev, DType::F16, &m.data));
     let blk =
         mask.as_ref().map(|_| dev.alloc_buffer(DType::U8, &[mask_table_bytes(&p).unwrap().max(1) as usize]).unwrap());
     let cu = c.varlen.then(|| {
@@ -500,7 +791,7 @@ pub fn run(dev: &MlxDevice, reg: &mut KernelRegistry, c: &Prefill, table: Table)
         cu_seqlens_q: cu.as_ref().map(|x| &x.0),
         cu_seqlens_k: cu.as_ref().map(|x| &x.1),
         lse: lse.as_ref(),
-        sinks: None,
+        sinks: sinks.as_ref(),
     };
     dispatch_flash_attn_prefill(&mut enc, reg, dev, &bufs, &p).unwrap();
     enc.commit_and_wait().unwrap();

@@ -1,11 +1,17 @@
-//! CPU form of `flash_attn_prefill_d256` / `_d512` (SPEC sections 2 and 6-9) and of
-//! `flash_attn_prefill_mask_blk` (SPEC 1 over a batch).
+//! CPU form of `flash_attn_prefill_d*` (SPEC sections 2 and 6-10: every head dim of the op's
+//! table, F16 and BF16 K/V) and of `flash_attn_prefill_mask_blk` (SPEC 1 over a batch).
 //!
 //! The attention: one work item is one sequence, one KV head and up to four consecutive
 //! query tiles (`prefill_tile`), with every query head that shares that KV head. Items run
 //! in parallel on all cores (rayon, work stealing) in sequence-major, then KV-head-major
 //! order, so a thread takes consecutive query tiles of one KV head of one sequence. The
 //! origin's kernels (`flash_attn_prefill_tensor`) are this one with a fixed layout.
+//!
+//! Tiles per head dim: `bq` query rows (the op's `mask_tile_rows`: 32 up to 256, 16 at 512
+//! and 576) by 64 cache rows, `tiles_per_item` query tiles per work item. One function per
+//! (Q/K, V) head dim pair serves both K/V dtypes: the dtype only changes how a tile is
+//! widened to f32, so the kernel name's dtype is checked against the block's and the load
+//! picks the conversion.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -18,13 +24,33 @@ use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu as MaskBlkParams, FlashAttnPrefillParamsGpu as Params, PREFILL_CAUSAL,
-    PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
+    PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN,
 };
 
-/// This op's kernels, by name.
+/// `DType` codes of K and V.
+const KV_F16: i32 = 1;
+const KV_BF16: i32 = 2;
+
+/// This op's kernels, by name: every (Q/K, V) head dim with F16 and BF16 K/V.
 pub const KERNELS: &[(&str, CpuKernelFn)] = &[
-    ("flash_attn_prefill_d256", run_d256),
-    ("flash_attn_prefill_d512", run_d512),
+    ("flash_attn_prefill_d64", entry::<64, 64, KV_F16>),
+    ("flash_attn_prefill_d64_bf16", entry::<64, 64, KV_BF16>),
+    ("flash_attn_prefill_d80", entry::<80, 80, KV_F16>),
+    ("flash_attn_prefill_d80_bf16", entry::<80, 80, KV_BF16>),
+    ("flash_attn_prefill_d96", entry::<96, 96, KV_F16>),
+    ("flash_attn_prefill_d96_bf16", entry::<96, 96, KV_BF16>),
+    ("flash_attn_prefill_d112", entry::<112, 112, KV_F16>),
+    ("flash_attn_prefill_d112_bf16", entry::<112, 112, KV_BF16>),
+    ("flash_attn_prefill_d128", entry::<128, 128, KV_F16>),
+    ("flash_attn_prefill_d128_bf16", entry::<128, 128, KV_BF16>),
+    ("flash_attn_prefill_d192", entry::<192, 192, KV_F16>),
+    ("flash_attn_prefill_d192_bf16", entry::<192, 192, KV_BF16>),
+    ("flash_attn_prefill_d256", entry::<256, 256, KV_F16>),
+    ("flash_attn_prefill_d256_bf16", entry::<256, 256, KV_BF16>),
+    ("flash_attn_prefill_d512", entry::<512, 512, KV_F16>),
+    ("flash_attn_prefill_d512_bf16", entry::<512, 512, KV_BF16>),
+    ("flash_attn_prefill_d576_512", entry::<576, 512, KV_F16>),
+    ("flash_attn_prefill_d576_512_bf16", entry::<576, 512, KV_BF16>),
     ("flash_attn_prefill_mask_blk", run_mask_blk),
 ];
 
@@ -37,23 +63,22 @@ pub fn set_column_skipping(on: bool) {
     COLUMN_SKIP.store(on, Ordering::Relaxed);
 }
 
-/// Query rows of one tile at head dim `d`: the op's table tiles (`mask_tile_rows`).
+/// Query rows of one tile at Q/K head dim `d`: the op's table tiles (`mask_tile_rows`).
 pub(super) const fn bq_of(d: usize) -> usize {
-    if d == 256 {
+    if d <= 256 {
         32
     } else {
         16
     }
 }
 
-/// Entry point of `flash_attn_prefill_d256`.
-pub fn run_d256(d: &Dispatch) -> Result<()> {
-    run::<256>(d, &d.constant(0)?)
-}
-
-/// Entry point of `flash_attn_prefill_d512`.
-pub fn run_d512(d: &Dispatch) -> Result<()> {
-    run::<512>(d, &d.constant(0)?)
+/// Entry point of `flash_attn_prefill_d<DK>[_<DV>][_bf16]`: K/V of dtype code `KV`.
+fn entry<const DK: usize, const DV: usize, const KV: i32>(d: &Dispatch) -> Result<()> {
+    let p: Params = d.constant(0)?;
+    if p.kv_dtype != KV {
+        return Err(bad("the block's K/V dtype is not the kernel's"));
+    }
+    run::<DK, DV>(d, &p)
 }
 
 fn bad(what: &str) -> MlxError {
@@ -70,9 +95,9 @@ unsafe fn read_cu(ptr: *const u8, batch: usize, total: usize) -> Result<Vec<usiz
     Ok(cu.into_iter().map(|x| x as usize).collect())
 }
 
-/// Run one prefill dispatch at head dim `D` with the params block `p` (the op's, or the
-/// origin's converted), the buffers bound at the op's indices.
-pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
+/// Run one prefill dispatch at head dims (`DK`, `DV`) with the params block `p` (the op's,
+/// or the origin's converted), the buffers bound at the op's indices.
+pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) -> Result<()> {
     // The op validated the dispatch; a kernel that writes memory checks what it relies on:
     // the block's own consistency, then every buffer against its extents.
     let e = p.extents().ok_or_else(|| bad("params break the op's contract"))?;
@@ -81,9 +106,23 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
     let (Some(q_dtype), Some(o_dtype)) = (q_dtype, o_dtype) else {
         return Err(bad("a Q or O dtype code that is not F32, F16 or BF16"));
     };
-    if p.head_dim as usize != D || p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 || p.window < 0
+    if p.head_dim as usize != DK
+        || p.head_dim_v as usize != DV
+        || p.n_heads <= 0
+        || p.n_kv_heads <= 0
+        || p.n_heads % p.n_kv_heads != 0
+        || p.window < 0
     {
-        return Err(bad("head_dim is not the kernel's, the heads do not group, or a negative window"));
+        return Err(bad("a head dim is not the kernel's, the heads do not group, or a negative window"));
+    }
+    if p.kv_dtype != KV_F16 && p.kv_dtype != KV_BF16 {
+        return Err(bad("a K/V dtype code that is not F16 or BF16"));
+    }
+    if !(p.softcap >= 0.0 && p.softcap.is_finite() && p.max_bias >= 0.0 && p.max_bias.is_finite()) {
+        return Err(bad("softcap or max_bias is negative or not finite"));
+    }
+    if p.max_bias > 0.0 && !has(PREFILL_MASK) && !has(PREFILL_CAUSAL) {
+        return Err(bad("ALiBi without an explicit mask or a causal description"));
     }
     let u = |x: i32| x as usize;
     let z = |x: i64| x as usize;
@@ -116,6 +155,9 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
     let (v, out) = (buf(3, bytes(e.v, 2))?, buf(6, bytes(e.out, esize(o_dtype)))?);
     let (mask, blk) = if has(PREFILL_MASK) { (buf(4, bytes(e.mask, 2))?, buf(5, blk_need)?) } else { (q, q) };
     let lse = if has(PREFILL_LSE) { buf(7, bytes(e.lse, 4))? } else { q };
+    let sinks = if has(PREFILL_SINKS) { buf(10, bytes(e.sinks, 4))? as *const f32 } else { std::ptr::null() };
+    // Each query head's ALiBi slope (1 without ALiBi), read by the items through `slopes`.
+    let slopes: Vec<f32> = (0..p.n_heads).map(|h| p.alibi_slope(h)).collect();
     let cu = if has(PREFILL_VARLEN) {
         let need = (batch as u64 + 1) * 4;
         // SAFETY: both hold batch + 1 int32 (checked by `buf`).
@@ -123,12 +165,12 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
     } else {
         None
     };
-    let (nh, nkv, bq) = (u(p.n_heads), u(p.n_kv_heads), bq_of(D));
+    let (nh, nkv, bq) = (u(p.n_heads), u(p.n_kv_heads), bq_of(DK));
     let group = nh / nkv;
     let pb = Problem {
         group,
         bq,
-        nt: prefill_tile::tiles_per_item(bq * group, D),
+        nt: prefill_tile::tiles_per_item(bq * group, DK),
         q_rs: z(p.q_row_stride),
         q_hs: z(p.q_head_stride),
         k_rs: z(p.k_row_stride),
@@ -145,6 +187,11 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
         window: u(p.window),
         has_mask: has(PREFILL_MASK),
         has_lse: has(PREFILL_LSE),
+        kv_bf16: p.kv_dtype == KV_BF16,
+        softcap: p.softcap,
+        alibi_distance: p.max_bias > 0.0 && !has(PREFILL_MASK),
+        slopes: slopes.as_ptr(),
+        sinks,
         q_dtype,
         o_dtype,
         blk_steps: u(p.blk_steps),
@@ -199,7 +246,7 @@ pub(super) fn run<const D: usize>(d: &Dispatch, p: &Params) -> Result<()> {
         }
     };
     let groups = |lq: usize| lq.div_ceil(bq).div_ceil(pb.nt);
-    let item: prefill_tile::ItemFn = prefill_tile::pick::<D>();
+    let item: prefill_tile::ItemFn = prefill_tile::pick::<DK, DV>();
     let run_item = |w: usize, s: &Seq| {
         let gs = groups(s.lq);
         SCRATCH.with(|sc| {

@@ -35,5 +35,5 @@ fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
     // origin checked it; the general kernel then checks every buffer against its strides.
     p.extents(D as u64, bq as u64)
         .ok_or_else(|| MlxError::Internal("flash_attn_prefill_tensor (cpu): shape breaks the op's contract".into()))?;
-    run::<D>(d, &p.as_prefill(D as i32, bq as i32))
+    run::<D, D>(d, &p.as_prefill(D as i32, bq as i32))
 }

@@ -1,6 +1,7 @@
 //! The work item of the CPU prefill kernels (`flash_attn_prefill_d*`, and through them the
-//! origin's `flash_attn_prefill_tensor_f16_d*`): SPEC sections 2 and 6-9 for one sequence,
-//! one KV head and up to four consecutive query tiles.
+//! origin's `flash_attn_prefill_tensor_f16_d*`): SPEC sections 2 and 6-10 for one sequence,
+//! one KV head and up to four consecutive query tiles, at Q/K head dim `DK` and V/O head dim
+//! `DV` (they differ only at (576, 512)).
 //!
 //! The K/V tile of a step is converted to f32 once and used by every query head of the KV
 //! head and every query tile of the item, while each query tile follows its own class: the
@@ -10,6 +11,13 @@
 //! visible step a tile computes only the cache rows some of its rows can see (from the
 //! description arithmetically, from the explicit mask by its -inf columns). Scratch is per
 //! thread and reused, so the hot loop allocates nothing.
+//!
+//! SPEC 10's score transforms sit between the scores and the softmax: softcap on every
+//! computed score, ALiBi as each head's slope on the explicit mask (or, without one, on the
+//! described mask's distance `j - (r + offset)`), and the sinks once per row at the end (the
+//! running max and sum of the cache's scores are combined with the sink's logit then, which
+//! is exact and keeps P relative to the scores' own max, where half rounds it finest).
+//! K and V are F16 or BF16 (`Problem::kv_bf16`), widened to f32 where each tile is loaded.
 
 use std::cell::RefCell;
 
@@ -76,6 +84,16 @@ pub(super) struct Problem {
     /// An explicit mask and its table are bound.
     pub has_mask: bool,
     pub has_lse: bool,
+    /// K and V are BF16 (else F16).
+    pub kv_bf16: bool,
+    /// SPEC 10: `s = softcap * tanh(s / softcap)` when above 0.
+    pub softcap: f32,
+    /// SPEC 10: the described mask's ALiBi distance is added (ALiBi without an explicit mask).
+    pub alibi_distance: bool,
+    /// `[n_heads]`: each head's ALiBi slope (1 without ALiBi), scaling the explicit mask.
+    pub slopes: *const f32,
+    /// `[n_heads]` F32 sink logits, or null for none.
+    pub sinks: *const f32,
     pub q_dtype: Elem,
     pub o_dtype: Elem,
     /// The table's columns per row and query rows per row.
@@ -115,45 +133,57 @@ pub(super) struct Seq {
 /// The work-item function for the instruction set in use.
 pub(super) type ItemFn = unsafe fn(&Problem, &Seq, usize, usize, &mut Scratch);
 
-/// The work item for the instruction set in use.
-pub(super) fn pick<const D: usize>() -> ItemFn {
+/// The work item at head dims (`DK`, `DV`) for the instruction set in use.
+pub(super) fn pick<const DK: usize, const DV: usize>() -> ItemFn {
     #[cfg(target_arch = "x86_64")]
     {
         match super::simd::selected_isa() {
-            "avx512" => return item_avx512::<D>,
-            "avx2+fma+f16c" => return item_avx2::<D>,
+            "avx512" => return item_avx512::<DK, DV>,
+            "avx2+fma+f16c" => return item_avx2::<DK, DV>,
             _ => {}
         }
     }
-    item_portable::<D>
+    item_portable::<DK, DV>
 }
 
-unsafe fn item_portable<const D: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
-    work_item::<Portable, D>(pb, seq, grp, g, s)
+unsafe fn item_portable<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    work_item::<Portable, DK, DV>(pb, seq, grp, g, s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn item_avx512<const D: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
-    work_item::<super::simd::Avx512, D>(pb, seq, grp, g, s)
+unsafe fn item_avx512<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    work_item::<super::simd::Avx512, DK, DV>(pb, seq, grp, g, s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn item_avx2<const D: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
-    work_item::<super::simd::Avx2, D>(pb, seq, grp, g, s)
+unsafe fn item_avx2<const DK: usize, const DV: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
+    work_item::<super::simd::Avx2, DK, DV>(pb, seq, grp, g, s)
 }
 
 /// Per-thread working memory of a work item, grown on demand and reused.
 #[derive(Default)]
 pub(super) struct Scratch {
-    /// Q^T, `[D][R]`: the item's query rows, scaled and rounded to half.
+    /// Q^T, `[DK][R]`: the item's query rows, scaled and rounded to half.
     qt: Vec<f32>,
-    /// O, `[R][D]`: unnormalised output accumulators.
+    /// O, `[R][DV]`: unnormalised output accumulators.
     o: Vec<f32>,
     /// Scores then probabilities, transposed: `[C][R]`.
     st: Vec<f32>,
-    /// K of one step in f32, `[C][D]`.
+    /// K of one step in f32, `[C][DK]`.
     kf: Vec<f32>,
     /// One slice of V's columns of one step in f32, `[C][V_SPAN]`.
     vf: Vec<f32>,
@@ -190,9 +220,10 @@ struct Sub {
     /// The item's rows of this tile: `[ib, ie)`.
     ib: usize,
     ie: usize,
-    /// This step: add the explicit mask; hide the pairs the description does not see;
-    /// the cache rows `[lo, hi)` it computes (empty: none).
+    /// This step: add the explicit mask; add the ALiBi distance; hide the pairs the
+    /// description does not see; the cache rows `[lo, hi)` it computes (empty: none).
     add: bool,
+    distance: bool,
     hide: bool,
     lo: usize,
     hi: usize,
@@ -240,16 +271,22 @@ unsafe fn table_class(pb: &Problem, seq: &Seq, r0: usize, nr: usize, step: usize
 /// `g`, all `group` query heads of that KV head. Row `i` of the item is tile
 /// `i / (group * bq)`, head `i / bq % group`, query row `i % bq` of the tile.
 #[inline(always)]
-unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, sc: &mut Scratch) {
+unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    sc: &mut Scratch,
+) {
     let (bq, nt) = (pb.bq, pb.nt);
     let per = bq * pb.group; // rows of one tile, a multiple of W
     let r = per * nt; // rows of the item
     let steps = seq.lk.div_ceil(C);
     let q_tiles = seq.lq.div_ceil(bq);
-    grow(&mut sc.qt, D * r);
-    grow(&mut sc.o, r * D);
+    grow(&mut sc.qt, DK * r);
+    grow(&mut sc.o, r * DV);
     grow(&mut sc.st, C * r);
-    grow(&mut sc.kf, C * D);
+    grow(&mut sc.kf, C * DK);
     grow(&mut sc.vf, C * V_SPAN);
     grow(&mut sc.mrow, bq * C);
     grow(&mut sc.mt, nt * C * bq);
@@ -270,12 +307,12 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, grp: usize
     }
     let subs = &mut subs[..nt];
 
-    load_q::<S, D>(pb, seq, g, subs, qt_b, r);
+    load_q::<S, DK>(pb, seq, g, subs, qt_b, r);
     for i in 0..r {
         *m_b.add(i) = -f32::MAX / 2.0;
         *l_b.add(i) = 0.0;
     }
-    std::ptr::write_bytes(o_b, 0, r * D);
+    std::ptr::write_bytes(o_b, 0, r * DV);
 
     let (k_base, v_base) = (pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs));
     for step in 0..steps {
@@ -289,7 +326,7 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, grp: usize
         // causal mask and at the edge of a window this skips up to three quarters of a step.
         let (mut lo_all, mut hi_all) = (C, 0);
         for (k, sub) in subs.iter_mut().enumerate() {
-            (sub.add, sub.hide, sub.lo, sub.hi) = (false, false, C, 0);
+            (sub.add, sub.distance, sub.hide, sub.lo, sub.hi) = (false, false, false, C, 0);
             if sub.nr == 0 {
                 continue;
             }
@@ -311,6 +348,8 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, grp: usize
                 (lo, hi) = (0, C);
             }
             (sub.add, sub.hide, sub.lo, sub.hi) = (tc == PARTIAL, dc == PARTIAL, lo, hi);
+            // ALiBi on the description: every computed pair has its own distance.
+            sub.distance = pb.alibi_distance;
             if lo < hi {
                 lo_all = lo_all.min(lo);
                 hi_all = hi_all.max(hi);
@@ -319,24 +358,31 @@ unsafe fn work_item<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, grp: usize
         if lo_all >= hi_all {
             continue;
         }
-        load_tile::<S, D>(kf, k_base.add(c0 * pb.k_rs), pb.k_rs, lo_all, hi_all, n);
+        load_tile::<S, DK>(kf, k_base.add(c0 * pb.k_rs), pb.k_rs, lo_all, hi_all, n, pb.kv_bf16);
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
             }
-            scores::<S, D>(kf, qt_b, st_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
+            scores::<S, DK>(kf, qt_b, st_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
+            if pb.softcap > 0.0 {
+                softcap::<S>(pb.softcap, st_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
+            }
             if sub.add {
-                add_mask::<S>(pb, mt.add(k * C * bq), st_b, r, sub.ib, sub.lo, sub.hi);
+                add_mask::<S>(pb, g, mt.add(k * C * bq), st_b, r, sub.ib, sub.lo, sub.hi);
+            }
+            if sub.distance {
+                add_distance::<S>(pb, seq, g, st_b, r, sub, c0);
             }
             if sub.hide {
                 hide::<S>(pb, seq, st_b, r, sub, c0);
             }
             softmax_step::<S>(st_b, m_b, l_b, ms_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
         }
-        accumulate::<S, D>(st_b, v_base.add(c0 * pb.v_rs), pb.v_rs, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
+        let v_step = v_base.add(c0 * pb.v_rs);
+        accumulate::<S, DV>(st_b, v_step, pb.v_rs, pb.kv_bf16, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
     }
 
-    store_out::<S, D>(pb, seq, g, subs, o_b, m_b, l_b);
+    store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b);
 }
 
 /// Q of the item's rows: `qh = half(scale * q)`, transposed into Q^T (`[D][r]`); rows past
@@ -377,8 +423,24 @@ unsafe fn load_q<S: Simd, const D: usize>(pb: &Problem, seq: &Seq, g: usize, sub
     }
 }
 
+/// The sink logit `sigma` joins a row's running max `m` and sum `l` (SPEC 10): the max
+/// becomes `mf = max(m, sigma)`, the sum `l * e^(m - mf) + e^(sigma - mf)`. Returns what O
+/// is divided by (the new sum over `e^(m - mf)`, which rescales O to the new max; infinite
+/// when that factor underflows, giving zeros) and the new max and sum, in f64 (one row's
+/// scalars).
+#[inline(always)]
+fn with_sink(m: f32, l: f32, sigma: f32) -> (f32, f64, f64) {
+    let (m, l, sigma) = (m as f64, l as f64, sigma as f64);
+    let mf = if sigma > m { sigma } else { m };
+    let f = (m - mf).exp();
+    let sum = l * f + (sigma - mf).exp();
+    ((sum / f) as f32, mf, sum)
+}
+
 /// O / S, or zeros where S == 0 (a row that saw no visible cache row), in O's dtype (rounded
-/// to nearest even from f32); lse = M + ln(S), or -inf where S == 0.
+/// to nearest even from f32); lse = M + ln(S), or -inf where S == 0. With sinks, M and S
+/// take the head's sink logit first ([`with_sink`]): a row that saw nothing is then zeros
+/// with lse = sigma.
 #[inline(always)]
 unsafe fn store_out<S: Simd, const D: usize>(
     pb: &Problem,
@@ -395,7 +457,13 @@ unsafe fn store_out<S: Simd, const D: usize>(
             for rr in 0..sub.nr {
                 let i = sub.ib + hh * pb.bq + rr;
                 let at = seq.o + (sub.r0 + rr) * pb.o_rs + h * pb.o_hs;
-                let l = *l_b.add(i);
+                let (m, mut l) = (*m_b.add(i), *l_b.add(i));
+                let mut lse = if l == 0.0 { f32::NEG_INFINITY } else { m + l.ln() };
+                if !pb.sinks.is_null() {
+                    let (div, mf, sum) = with_sink(m, l, *pb.sinks.add(h));
+                    l = div;
+                    lse = if sum == 0.0 { f32::NEG_INFINITY } else { (mf + sum.ln()) as f32 };
+                }
                 let lv = S::splat(l);
                 for dv in (0..D).step_by(W) {
                     let o = if l == 0.0 { S::splat(0.0) } else { S::div(S::load(o_b.add(i * D + dv)), lv) };
@@ -417,7 +485,6 @@ unsafe fn store_out<S: Simd, const D: usize>(
                     }
                 }
                 if pb.has_lse {
-                    let lse = if l == 0.0 { f32::NEG_INFINITY } else { *m_b.add(i) + l.ln() };
                     *pb.lse.0.add(seq.lse + h * pb.lse_hs + sub.r0 + rr) = lse;
                 }
             }
@@ -425,8 +492,18 @@ unsafe fn store_out<S: Simd, const D: usize>(
     }
 }
 
-/// Rows `lo..hi` of `C` rows of `D` halves (row stride `rs` elements) widened to f32 `[C][D]`;
-/// rows at or past `n` (past the cache's end) are zeros, never read.
+/// 16 elements of K or V, widened to f32 from BF16 or F16.
+#[inline(always)]
+unsafe fn load_kv<S: Simd>(p: *const u16, bf16: bool) -> S::V {
+    if bf16 {
+        S::load_bf16(p)
+    } else {
+        S::load_f16(p)
+    }
+}
+
+/// Rows `lo..hi` of `C` rows of `D` halves or bfloat16 values (row stride `rs` elements)
+/// widened to f32 `[C][D]`; rows at or past `n` (past the cache's end) are zeros, never read.
 #[inline(always)]
 unsafe fn load_tile<S: Simd, const D: usize>(
     dst: *mut f32,
@@ -435,12 +512,26 @@ unsafe fn load_tile<S: Simd, const D: usize>(
     lo: usize,
     hi: usize,
     n: usize,
+    bf16: bool,
 ) {
     for j in lo..hi {
         let s = src.add(j * rs);
         for dv in (0..D).step_by(W) {
-            let x = if j < n { S::load_f16(s.add(dv)) } else { S::splat(0.0) };
+            let x = if j < n { load_kv::<S>(s.add(dv), bf16) } else { S::splat(0.0) };
             S::store(dst.add(j * D + dv), x);
+        }
+    }
+}
+
+/// SPEC 10: `s = cap * tanh(s / cap)` on the scores of cache rows `lo..hi`, rows `ib..ie`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn softcap<S: Simd>(cap: f32, st: *mut f32, r: usize, ib: usize, ie: usize, lo: usize, hi: usize) {
+    let (c, inv) = (S::splat(cap), S::splat(1.0 / cap));
+    for j in lo..hi {
+        for i0 in (ib..ie).step_by(W) {
+            let p = st.add(j * r + i0);
+            S::store(p, S::mul(c, S::tanh(S::mul(S::load(p), inv))));
         }
     }
 }
@@ -565,16 +656,54 @@ unsafe fn load_mask<S: Simd>(
     (lo & !3, (hi + 3) & !3)
 }
 
-/// Add the mask (`mt`, `[C][bq]`) of cache rows `lo..hi` to the scores of every head of
-/// the tile whose rows start at `ib`.
+/// Add the mask (`mt`, `[C][bq]`) of cache rows `lo..hi`, times each head's ALiBi slope, to
+/// the scores of every head (of KV head `g`) of the tile whose rows start at `ib`. Without
+/// ALiBi the slope is 1, and `fma(1, m, s)` is `s + m` to the bit.
 #[inline(always)]
-unsafe fn add_mask<S: Simd>(pb: &Problem, mt: *const f32, st: *mut f32, r: usize, ib: usize, lo: usize, hi: usize) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn add_mask<S: Simd>(
+    pb: &Problem,
+    g: usize,
+    mt: *const f32,
+    st: *mut f32,
+    r: usize,
+    ib: usize,
+    lo: usize,
+    hi: usize,
+) {
     let bq = pb.bq;
-    for j in lo..hi {
-        for hh in 0..pb.group {
+    for hh in 0..pb.group {
+        let slope = S::splat(*pb.slopes.add(g * pb.group + hh));
+        for j in lo..hi {
             for rv in (0..bq).step_by(W) {
                 let p = st.add(j * r + ib + hh * bq + rv);
-                S::store(p, S::add(S::load(p), S::load(mt.add(j * bq + rv))));
+                S::store(p, S::fma(slope, S::load(mt.add(j * bq + rv)), S::load(p)));
+            }
+        }
+    }
+}
+
+/// ALiBi on the described mask (no explicit mask): the mask llama.cpp writes for ALiBi
+/// models holds `-(p - j)` on a visible pair, `p = r + offset` the query's position, so each
+/// score of cache rows `lo..hi` (step at `c0`) gains `slope_h * (j - p)`. Pairs the
+/// description hides are set to -inf afterwards, whatever this adds to them. The distance is
+/// an integer, exact in f32 below 2^24.
+#[inline(always)]
+unsafe fn add_distance<S: Simd>(pb: &Problem, seq: &Seq, g: usize, st: *mut f32, r: usize, sub: &Sub, c0: usize) {
+    let mut lane = [0f32; W];
+    for (x, l) in lane.iter_mut().enumerate() {
+        *l = x as f32;
+    }
+    let lane = S::load(lane.as_ptr());
+    for hh in 0..pb.group {
+        let slope = S::splat(*pb.slopes.add(g * pb.group + hh));
+        for j in sub.lo..sub.hi {
+            // Row r0 + rv + x of the tile: j - p = (c0 + j - off - r0 - rv) - x.
+            let base = (c0 + j) as i64 - seq.off - sub.r0 as i64;
+            for rv in (0..pb.bq).step_by(W) {
+                let dist = S::sub(S::splat((base - rv as i64) as f32), lane);
+                let p = st.add(j * r + sub.ib + hh * pb.bq + rv);
+                S::store(p, S::fma(slope, dist, S::load(p)));
             }
         }
     }
@@ -665,19 +794,21 @@ unsafe fn softmax_step<S: Simd>(
 }
 
 /// Columns of V that one P.V pass covers: a slice of V widened to f32 (`C * V_SPAN * 4` =
-/// 8 KiB) stays in L1 while every row block of the item uses it.
+/// 8 KiB) stays in L1 while every row block of the item uses it. A head dim that is an odd
+/// multiple of W (80, 112) ends with a slice of one vector.
 const V_SPAN: usize = 2 * W;
 
 /// `o[i] = o[i] * ms[i] + sum_j p[j][i] * v[j]` for the rows of every tile in `subs` that
-/// computes this step, over its cache rows, with V at `v` (halves, row stride `rs`), slice
-/// by slice of `V_SPAN` columns (rows `lo..hi` of each slice widened once for all tiles;
-/// rows at or past `n` are zeros, never read).
+/// computes this step, over its cache rows, with V at `v` (F16 or BF16, row stride `rs`),
+/// slice by slice of `V_SPAN` columns (rows `lo..hi` of each slice widened once for all
+/// tiles; rows at or past `n` are zeros, never read).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn accumulate<S: Simd, const D: usize>(
     p: *const f32,
     v: *const u16,
     rs: usize,
+    bf16: bool,
     vc: *mut f32,
     o: *mut f32,
     ms: *const f32,
@@ -693,26 +824,42 @@ unsafe fn accumulate<S: Simd, const D: usize>(
         rescale[k] = (sub.ib..sub.ie).any(|i| *ms.add(i) != 1.0);
     }
     for d0 in (0..D).step_by(V_SPAN) {
+        // The slice's vectors: 2, or 1 for the last slice of an odd multiple of W.
+        let nv = (D - d0).min(V_SPAN) / W;
         for j in lo..hi {
-            for x in (0..V_SPAN).step_by(W) {
-                let val = if j < n { S::load_f16(v.add(j * rs + d0 + x)) } else { S::splat(0.0) };
-                S::store(vc.add(j * V_SPAN + x), val);
+            for x in 0..nv {
+                let val = if j < n { load_kv::<S>(v.add(j * rs + d0 + x * W), bf16) } else { S::splat(0.0) };
+                S::store(vc.add(j * nv * W + x * W), val);
             }
         }
         // Row blocks: 8 rows x 2 vectors (16 accumulators) where 32 registers allow it,
         // 2 x 2 on AVX2's 16 ymm (a vector is two of them there; 4 x 1 and 6 x 1 measured
-        // slower).
+        // slower); a one-vector slice takes twice the rows.
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
             }
-            if S::WIDE_BLOCKS {
-                for i0 in (sub.ib..sub.ie).step_by(8) {
-                    accumulate_block::<S, D, 8, 2>(p, vc, o, ms, rescale[k], r, i0, d0, sub.lo, sub.hi);
+            let (resc, lo, hi) = (rescale[k], sub.lo, sub.hi);
+            match (S::WIDE_BLOCKS, nv) {
+                (true, 2) => {
+                    for i0 in (sub.ib..sub.ie).step_by(8) {
+                        accumulate_block::<S, D, 8, 2>(p, vc, o, ms, resc, r, i0, d0, lo, hi);
+                    }
                 }
-            } else {
-                for i0 in (sub.ib..sub.ie).step_by(2) {
-                    accumulate_block::<S, D, 2, 2>(p, vc, o, ms, rescale[k], r, i0, d0, sub.lo, sub.hi);
+                (true, _) => {
+                    for i0 in (sub.ib..sub.ie).step_by(16) {
+                        accumulate_block::<S, D, 16, 1>(p, vc, o, ms, resc, r, i0, d0, lo, hi);
+                    }
+                }
+                (false, 2) => {
+                    for i0 in (sub.ib..sub.ie).step_by(2) {
+                        accumulate_block::<S, D, 2, 2>(p, vc, o, ms, resc, r, i0, d0, lo, hi);
+                    }
+                }
+                (false, _) => {
+                    for i0 in (sub.ib..sub.ie).step_by(4) {
+                        accumulate_block::<S, D, 4, 1>(p, vc, o, ms, resc, r, i0, d0, lo, hi);
+                    }
                 }
             }
         }
@@ -721,7 +868,7 @@ unsafe fn accumulate<S: Simd, const D: usize>(
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, const DV: usize>(
+unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, const NV: usize>(
     p: *const f32,
     vc: *const f32,
     o: *mut f32,
@@ -733,7 +880,7 @@ unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, const DV: u
     lo: usize,
     hi: usize,
 ) {
-    let mut acc = [[S::splat(0.0); DV]; IB];
+    let mut acc = [[S::splat(0.0); NV]; IB];
     for (ii, row) in acc.iter_mut().enumerate() {
         let s = S::splat(*ms.add(i0 + ii));
         for (dv, a) in row.iter_mut().enumerate() {
@@ -742,9 +889,9 @@ unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, const DV: u
         }
     }
     for j in lo..hi {
-        let mut vv = [S::splat(0.0); DV];
+        let mut vv = [S::splat(0.0); NV];
         for (dv, x) in vv.iter_mut().enumerate() {
-            *x = S::load(vc.add(j * DV * W + dv * W));
+            *x = S::load(vc.add(j * NV * W + dv * W));
         }
         for (ii, row) in acc.iter_mut().enumerate() {
             let pb = S::splat(*p.add(j * r + i0 + ii));
@@ -785,6 +932,11 @@ mod tests {
             window,
             has_mask: false,
             has_lse: false,
+            kv_bf16: false,
+            softcap: 0.0,
+            alibi_distance: false,
+            slopes: std::ptr::null(),
+            sinks: std::ptr::null(),
             q_dtype: Elem::F32,
             o_dtype: Elem::F32,
             blk_steps: 0,

@@ -67,6 +67,27 @@ pub trait Simd: Copy + Send + Sync + 'static {
         // Below the clamp the true value rounds to 0 in half anyway; make it exactly 0.
         Self::select_gt(lo, x, Self::splat(0.0), e)
     }
+
+    /// tanh(x) to a few ulp (SPEC 10's softcap); NaN stays NaN, +-1 beyond +-9.
+    #[inline(always)]
+    unsafe fn tanh(x: Self::V) -> Self::V {
+        let zero = Self::splat(0.0);
+        // |x|; NaN is the second operand, so it survives.
+        let a = Self::max(x, Self::sub(zero, x));
+        // Away from 0: (1 - e^(-2a)) / (1 + e^(-2a)), where 1 - e^(-2a) loses no digits.
+        let t = Self::exp(Self::mul(a, Self::splat(-2.0)));
+        let one = Self::splat(1.0);
+        let big = Self::div(Self::sub(one, t), Self::add(one, t));
+        let big = Self::select_gt(x, zero, big, Self::sub(zero, big));
+        // Near 0 the series (its next term is below 1e-7 of tanh at the switch).
+        let x2 = Self::mul(x, x);
+        let mut p = Self::splat(62.0 / 2835.0);
+        p = Self::fma(p, x2, Self::splat(-17.0 / 315.0));
+        p = Self::fma(p, x2, Self::splat(2.0 / 15.0));
+        p = Self::fma(p, x2, Self::splat(-1.0 / 3.0));
+        let small = Self::fma(Self::mul(p, x2), x, x);
+        Self::select_gt(Self::splat(0.3125), a, small, big)
+    }
 }
 
 /// Plain Rust, 16 lanes as an array; correct everywhere, vectorised where LLVM can.
@@ -438,6 +459,29 @@ mod tests {
         }
     }
 
+    fn check_tanh<S: Simd>() {
+        let xs: Vec<f32> =
+            (-400..=400).map(|i| i as f32 * 0.0271).chain([1e-6, -3e-5, 0.3124, 0.3126, 20.0, -90.0]).collect();
+        unsafe {
+            for chunk in xs.chunks(W) {
+                let mut v = [0f32; W];
+                v[..chunk.len()].copy_from_slice(chunk);
+                let mut out = [0f32; W];
+                S::store(out.as_mut_ptr(), S::tanh(S::load(v.as_ptr())));
+                for (i, &x) in chunk.iter().enumerate() {
+                    let want = (x as f64).tanh();
+                    let err = (out[i] as f64 - want).abs();
+                    assert!(err <= 3e-7 * want.abs().max(1e-30), "{} tanh({x}) = {}, want {want}", S::NAME, out[i]);
+                }
+            }
+            let mut out = [0f32; W];
+            S::store(out.as_mut_ptr(), S::tanh(S::splat(f32::NAN)));
+            assert!(out[0].is_nan(), "{}: NaN must survive tanh", S::NAME);
+            S::store(out.as_mut_ptr(), S::tanh(S::splat(f32::NEG_INFINITY)));
+            assert_eq!(out[0], -1.0);
+        }
+    }
+
     fn check_round_half<S: Simd>() {
         let vals: Vec<f32> = (0..W)
             .map(|i| {
@@ -498,6 +542,7 @@ mod tests {
     #[test]
     fn every_detected_isa_matches_the_reference_math() {
         check_exp::<Portable>();
+        check_tanh::<Portable>();
         check_round_half::<Portable>();
         check_max_min::<Portable>();
         check_bf16::<Portable>();
@@ -505,12 +550,14 @@ mod tests {
         {
             if has_avx2() {
                 check_exp::<Avx2>();
+                check_tanh::<Avx2>();
                 check_round_half::<Avx2>();
                 check_max_min::<Avx2>();
                 check_bf16::<Avx2>();
             }
             if has_avx512() {
                 check_exp::<Avx512>();
+                check_tanh::<Avx512>();
                 check_round_half::<Avx512>();
                 check_max_min::<Avx512>();
                 check_bf16::<Avx512>();

@@ -21,33 +21,74 @@ use crate::params::{
     PREFILL_SINKS, PREFILL_VARLEN,
 };
 
-/// This op's kernels, by name: the attention runs the entry points it shares with the
-/// origin op.
+/// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
+/// has the wgmma form on sm_90a and its CTA-pair variants (`<entry>_pair_heads`,
+/// `_pair_queries`; head dims 256 and 512); `hopper`: the wgmma form without pairs (64,
+/// 128); else it runs the portable form everywhere. Where it runs the portable form,
+/// `<entry>_xf` is the one with SPEC 10's score transforms.
+macro_rules! attention_kernel {
+    ($name:literal, $entry:literal, $dk:literal, $dv:literal, pairs) => {
+        CudaKernel {
+            name: $name,
+            entry: $entry,
+            hopper_variants: &[concat!($entry, "_pair_heads"), concat!($entry, "_pair_queries")],
+            hopper_form: true,
+            portable_variants: &[concat!($entry, "_xf")],
+            shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
+            prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
+        }
+    };
+    ($name:literal, $dk:literal, $dv:literal, hopper) => {
+        CudaKernel {
+            name: $name,
+            entry: $name,
+            hopper_variants: &[],
+            hopper_form: true,
+            portable_variants: &[concat!($name, "_xf")],
+            shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
+            prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
+        }
+    };
+    ($name:literal, $dk:literal, $dv:literal) => {
+        CudaKernel {
+            name: $name,
+            entry: $name,
+            hopper_variants: &[],
+            hopper_form: false,
+            portable_variants: &[concat!($name, "_xf")],
+            shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
+            prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
+        }
+    };
+}
+
+/// This op's kernels, by name (the op's `HEAD_DIMS`): at F16 K/V and head dims 256 and 512
+/// the attention runs the entry points it shares with the origin op.
 pub const KERNELS: &[CudaKernel] = &[
-    CudaKernel {
-        name: "flash_attn_prefill_d256",
-        entry: "flash_attn_prefill_tensor_f16_d256",
-        hopper_variants: &[
-            "flash_attn_prefill_tensor_f16_d256_pair_heads",
-            "flash_attn_prefill_tensor_f16_d256_pair_queries",
-        ],
-        shared_bytes: |hopper| attention_shared_bytes(256, hopper),
-        prepare: |pc, d, variants| prepare(pc, 256, d, variants),
-    },
-    CudaKernel {
-        name: "flash_attn_prefill_d512",
-        entry: "flash_attn_prefill_tensor_f16_d512",
-        hopper_variants: &[
-            "flash_attn_prefill_tensor_f16_d512_pair_heads",
-            "flash_attn_prefill_tensor_f16_d512_pair_queries",
-        ],
-        shared_bytes: |hopper| attention_shared_bytes(512, hopper),
-        prepare: |pc, d, variants| prepare(pc, 512, d, variants),
-    },
+    attention_kernel!("flash_attn_prefill_d256", "flash_attn_prefill_tensor_f16_d256", 256, 256, pairs),
+    attention_kernel!("flash_attn_prefill_d512", "flash_attn_prefill_tensor_f16_d512", 512, 512, pairs),
+    attention_kernel!("flash_attn_prefill_d256_bf16", "flash_attn_prefill_d256_bf16", 256, 256, pairs),
+    attention_kernel!("flash_attn_prefill_d512_bf16", "flash_attn_prefill_d512_bf16", 512, 512, pairs),
+    attention_kernel!("flash_attn_prefill_d64", 64, 64, hopper),
+    attention_kernel!("flash_attn_prefill_d64_bf16", 64, 64, hopper),
+    attention_kernel!("flash_attn_prefill_d80", 80, 80),
+    attention_kernel!("flash_attn_prefill_d80_bf16", 80, 80),
+    attention_kernel!("flash_attn_prefill_d96", 96, 96),
+    attention_kernel!("flash_attn_prefill_d96_bf16", 96, 96),
+    attention_kernel!("flash_attn_prefill_d112", 112, 112),
+    attention_kernel!("flash_attn_prefill_d112_bf16", 112, 112),
+    attention_kernel!("flash_attn_prefill_d128", 128, 128, hopper),
+    attention_kernel!("flash_attn_prefill_d128_bf16", 128, 128, hopper),
+    attention_kernel!("flash_attn_prefill_d192", 192, 192),
+    attention_kernel!("flash_attn_prefill_d192_bf16", 192, 192),
+    attention_kernel!("flash_attn_prefill_d576_512", 576, 512),
+    attention_kernel!("flash_attn_prefill_d576_512_bf16", 576, 512),
     CudaKernel {
         name: "flash_attn_prefill_mask_blk",
         entry: "flash_attn_prefill_mask_blk",
         hopper_variants: &[],
+        hopper_form: false,
+        portable_variants: &[],
         shared_bytes: |_| None,
         prepare: |pc, d, _| prepare_mask_blk(pc, d),
     },
@@ -58,16 +99,63 @@ pub const ATTENTION_THREADS: u32 = 256;
 /// Query rows of one warp's row group (the mma.sync form).
 const ROWS_PER_GROUP: u32 = 32;
 
-/// Dynamic shared memory of one attention CTA: the kernel's `Cfg<D>::SMEM`, or
-/// `hopper::HCfg<D>::SMEM` for the wgmma form (the kernel checks both against these
-/// numbers at compile time).
-pub fn attention_shared_bytes(head_dim: u32, hopper: bool) -> Option<u32> {
-    match (head_dim, hopper) {
-        (256, false) => Some(164_896),
-        (512, false) => Some(214_048),
-        (256, true) => Some(230_464),
-        (512, true) => Some(214_592),
-        _ => None,
+/// The portable form's CTA at head dims (dk, dv), as the kernel's `Cfg<DK, DV>` has it:
+/// warps per row group of 32 query rows, and V's columns padded to whole warp widths.
+const fn portable_cfg(dv: u32) -> (u32, u32) {
+    let g = if dv <= 64 {
+        1
+    } else if dv <= 256 {
+        2
+    } else {
+        4
+    };
+    let dvp = if dv <= 64 {
+        64
+    } else if dv <= 96 {
+        96
+    } else if dv <= 128 {
+        128
+    } else {
+        dv
+    };
+    (g, dvp)
+}
+
+/// (Query, head) rows of one CTA: the portable form's `Cfg::ROWS`, the wgmma form's
+/// `HCfg::ROWS` (`hopper`).
+pub fn attention_cta_rows(dk: u32, dv: u32, hopper: bool) -> u32 {
+    if hopper {
+        return if dk == 512 { 64 } else { 128 };
+    }
+    let _ = dk;
+    (8 / portable_cfg(dv).0) * ROWS_PER_GROUP
+}
+
+/// Dynamic shared memory of one attention CTA: the kernel's `Cfg<DK, DV>::SMEM`, or
+/// `hopper::HCfg<D>::SMEM` for the wgmma form (the kernel checks each against these numbers
+/// at compile time, and a test reads its checks).
+pub fn attention_shared_bytes(dk: u32, dv: u32, hopper: bool) -> Option<u32> {
+    match (dk, dv, hopper) {
+        (64, 64, true) => Some(83_008),
+        (128, 128, true) => Some(83_008),
+        (256, 256, true) => Some(230_464),
+        (512, 512, true) => Some(214_592),
+        (_, _, true) => None,
+        _ => {
+            let (g, dvp) = portable_cfg(dv);
+            let rows = (8 / g) * ROWS_PER_GROUP;
+            let (sw_k, sw_v) = (dk.div_ceil(64) * 64, dvp.div_ceil(64) * 64);
+            let kl = 64 / g / 16;
+            Some(
+                rows * sw_k * 2
+                    + 64 * sw_k * 2
+                    + 64 * sw_v * 2
+                    + rows * 64 * 2
+                    + 8 * 2 * kl * 32 * 16
+                    + 8 * 32 * 4
+                    + 32,
+            )
+        }
     }
 }
 
@@ -90,17 +178,13 @@ pub struct AttentionGeometry {
 /// heads of one KV group as divide both the group and the number of blocks (a power of
 /// two), so those heads share each K/V tile and the query tiles stay short.
 pub fn attention_geometry(
-    head_dim: u32,
+    dims: (u32, u32),
     rows: u32,
     n_heads: u32,
     n_kv_heads: u32,
     hopper: bool,
 ) -> Result<AttentionGeometry> {
-    let cta_rows = match head_dim {
-        256 => 128,
-        512 => 64,
-        _ => return Err(MlxError::InvalidArgument(format!("no CUDA attention kernel for head_dim {head_dim}"))),
-    };
+    let cta_rows = attention_cta_rows(dims.0, dims.1, hopper);
     let row_groups = cta_rows / if hopper { 16 } else { ROWS_PER_GROUP };
     if rows == 0 || n_heads == 0 || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
         return Err(MlxError::Internal(format!(
@@ -128,7 +212,7 @@ pub fn pair_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) ->
     if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || !(n_heads / n_kv_heads).is_multiple_of(2) {
         return None;
     }
-    attention_geometry(head_dim, rows, n_heads, n_kv_heads * 2, true).ok()
+    attention_geometry((head_dim, head_dim), rows, n_heads, n_kv_heads * 2, true).ok()
 }
 
 /// The kernel's `Launch` block.
@@ -246,19 +330,21 @@ pub struct AttentionPointers {
     pub sinks: u64,
 }
 
-/// The launch of one attention with the params block `p` (the front door's, or the
-/// origin's turned into it); `variants`: the CTA-pair forms may be chosen (Hopper).
+/// The launch of one attention at head dims `dims` (Q/K, V/O) with the params block `p` (the
+/// front door's, or the origin's turned into it); `variants`: the CTA-pair forms may be
+/// chosen (Hopper). In the portable form, softcap or ALiBi launch the form with the score
+/// transforms (the kernel's first portable variant).
 pub fn attention_launch(
     pc: &PrepareContext<'_>,
     name: &str,
-    head_dim: u32,
+    dims: (u32, u32),
     p: &FlashAttnPrefillParamsGpu,
     b: &AttentionPointers,
     variants: bool,
 ) -> Result<Launch> {
     let hopper = pc.hopper;
-    let mut geo =
-        attention_geometry(head_dim, p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
+    let head_dim = dims.0;
+    let mut geo = attention_geometry(dims, p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32, hopper)?;
     let aligned = |base: u64, strides: &[i64], elems: i64, bytes: u64| {
         base.is_multiple_of(bytes) && strides.iter().all(|&s| s % elems == 0)
     };
@@ -308,7 +394,8 @@ pub fn attention_launch(
         q_tiles: geo.q_tiles as i32,
         flags,
     };
-    let shared = attention_shared_bytes(head_dim, hopper).ok_or_else(|| contract(name, "no shared memory size"))?;
+    let shared =
+        attention_shared_bytes(dims.0, dims.1, hopper).ok_or_else(|| contract(name, "no shared memory size"))?;
     // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
     let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
     if p.batch as u64 > 65_535 {
@@ -328,6 +415,9 @@ pub fn attention_launch(
         l.push_bytes(bytemuck::cast_slice(&vm.0));
         l.variant = mode.map(PairMode::variant);
     }
+    if !hopper && (p.softcap > 0.0 || p.max_bias > 0.0) {
+        l.variant = Some(0); // `<entry>_xf`
+    }
     Ok(l)
 }
 
@@ -344,14 +434,14 @@ fn sized_buffer(pc: &PrepareContext<'_>, d: &Dispatch, index: u64, need: u64, pr
     Ok(addr)
 }
 
-fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool) -> Result<Launch> {
+fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bool) -> Result<Launch> {
     let name = d.pipeline.name();
     let p: FlashAttnPrefillParamsGpu = d.constant(0)?;
     // The op validated the dispatch; a kernel that writes device memory checks what it
     // relies on, from the same extents.
     let e: PrefillExtents = p.extents().ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
-    if p.head_dim as u32 != head_dim {
-        return Err(contract(name, "the params block's head dim is not the kernel's"));
+    if (p.head_dim as u32, p.head_dim_v as u32) != dims {
+        return Err(contract(name, "the params block's head dims are not the kernel's"));
     }
     let esz = |code: i32| if code == 0 { 4 } else { 2 };
     let (mask, lse, varlen) = (p.flags & PREFILL_MASK != 0, p.flags & PREFILL_LSE != 0, p.flags & PREFILL_VARLEN != 0);
@@ -368,7 +458,7 @@ fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool)
         cu_k: sized_buffer(pc, d, 9, cu, varlen)?,
         sinks: sized_buffer(pc, d, 10, e.sinks * 4, p.flags & PREFILL_SINKS != 0)?,
     };
-    attention_launch(pc, name, head_dim, &p, &b, variants)
+    attention_launch(pc, name, dims, &p, &b, variants)
 }
 
 fn prepare_mask_blk(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
@@ -413,23 +503,24 @@ mod tests {
     fn ctas_take_the_heads_of_one_kv_group() {
         // Gemma 4 26B global: 16 heads over 2 KV heads, head dim 512 -> 2 heads x 32 queries
         // (mma.sync), 4 heads x 16 queries (wgmma).
-        let g = attention_geometry(512, 8192, 16, 2, false).unwrap();
+        let g = attention_geometry((512, 512), 8192, 16, 2, false).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 256, 8));
-        let g = attention_geometry(512, 8192, 16, 2, true).unwrap();
+        let g = attention_geometry((512, 512), 8192, 16, 2, true).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
         // Sliding: 16 over 8 at 256 -> 2 heads x 64 queries.
-        let g = attention_geometry(256, 8192, 16, 8, false).unwrap();
+        let g = attention_geometry((256, 256), 8192, 16, 8, false).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 64, 128, 8));
-        assert_eq!(attention_geometry(256, 8192, 16, 8, true).unwrap(), g);
+        assert_eq!(attention_geometry((256, 256), 8192, 16, 8, true).unwrap(), g);
         // Group of 8 at 256 -> 4 heads x 32 queries (8 x 16 with wgmma); none -> 1 x 128.
-        assert_eq!(attention_geometry(256, 100, 8, 1, false).unwrap().heads_per_cta, 4);
-        assert_eq!(attention_geometry(256, 100, 8, 1, true).unwrap().heads_per_cta, 8);
-        let g = attention_geometry(256, 129, 8, 8, true).unwrap();
+        assert_eq!(attention_geometry((256, 256), 100, 8, 1, false).unwrap().heads_per_cta, 4);
+        assert_eq!(attention_geometry((256, 256), 100, 8, 1, true).unwrap().heads_per_cta, 8);
+        let g = attention_geometry((256, 256), 129, 8, 8, true).unwrap();
         assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles), (1, 128, 2));
         // A group of 3 shares nothing; of 6, two heads.
-        assert_eq!(attention_geometry(256, 10, 6, 2, true).unwrap().heads_per_cta, 1);
-        assert_eq!(attention_geometry(512, 10, 6, 1, false).unwrap().heads_per_cta, 2);
-        assert!(attention_geometry(128, 10, 6, 1, false).is_err());
+        assert_eq!(attention_geometry((256, 256), 10, 6, 2, true).unwrap().heads_per_cta, 1);
+        assert_eq!(attention_geometry((512, 512), 10, 6, 1, false).unwrap().heads_per_cta, 2);
+        // The portable form at head dim 64 holds 256 rows (one warp per row group).
+        assert_eq!(attention_geometry((64, 64), 10, 8, 1, false).unwrap().heads_per_cta, 8);
     }
 
     #[test]
@@ -488,6 +579,38 @@ mod tests {
             for m in PairMode::ALL {
                 assert_eq!(k.hopper_variants[m.variant()], m.entry(hd));
             }
+        }
+    }
+
+    /// The shared memory the host reserves is what each instantiation file's compile-time
+    /// check states for its `Cfg<DK, DV>` (the portable form).
+    #[test]
+    fn the_host_reserves_the_shared_memory_each_instantiation_checks() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "cu") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for line in text.lines().filter(|l| l.starts_with("static_assert(Cfg<")) {
+                let inner = &line["static_assert(Cfg<".len()..];
+                let (dims, rest) = inner.split_once(">::SMEM == ").unwrap();
+                let (dk, dv) = dims.split_once(", ").unwrap();
+                let bytes: u32 = rest.split(',').next().unwrap().trim().parse().unwrap();
+                let (dk, dv) = (dk.parse().unwrap(), dv.parse().unwrap());
+                assert_eq!(attention_shared_bytes(dk, dv, false), Some(bytes), "{}: {line}", path.display());
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 9, "one check per head-dim pair of the portable form");
+        // Each kernel of a head-dim pair without the wgmma form reserves the portable bytes.
+        for k in KERNELS.iter().filter(|k| k.name != "flash_attn_prefill_mask_blk") {
+            let wgmma = ["_d64", "_d128", "_d256", "_d512"]
+                .iter()
+                .any(|d| k.name.ends_with(d) || k.name.contains(&format!("{d}_bf16")));
+            assert_eq!((k.shared_bytes)(true) != (k.shared_bytes)(false), wgmma, "{}", k.name);
         }
     }
 }

@@ -12,6 +12,8 @@ pub const KERNELS: &[CudaKernel] = &[CudaKernel {
     name: "flash_attn_prefill_blk",
     entry: "flash_attn_prefill_blk",
     hopper_variants: &[],
+    hopper_form: false,
+    portable_variants: &[],
     shared_bytes: |_| None,
     prepare: |pc, d, _| prepare(pc, d),
 }];

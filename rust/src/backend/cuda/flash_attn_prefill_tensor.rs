@@ -18,7 +18,9 @@ pub const KERNELS: &[CudaKernel] = &[
             "flash_attn_prefill_tensor_f16_d256_pair_heads",
             "flash_attn_prefill_tensor_f16_d256_pair_queries",
         ],
-        shared_bytes: |hopper| attention_shared_bytes(256, hopper),
+        hopper_form: true,
+        portable_variants: &[],
+        shared_bytes: |hopper| attention_shared_bytes(256, 256, hopper),
         prepare: |pc, d, variants| prepare(pc, 256, d, variants),
     },
     CudaKernel {
@@ -28,7 +30,9 @@ pub const KERNELS: &[CudaKernel] = &[
             "flash_attn_prefill_tensor_f16_d512_pair_heads",
             "flash_attn_prefill_tensor_f16_d512_pair_queries",
         ],
-        shared_bytes: |hopper| attention_shared_bytes(512, hopper),
+        hopper_form: true,
+        portable_variants: &[],
+        shared_bytes: |hopper| attention_shared_bytes(512, 512, hopper),
         prepare: |pc, d, variants| prepare(pc, 512, d, variants),
     },
 ];
@@ -50,5 +54,5 @@ fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool)
     }
     let [q, k, v, mask, blk, out] = b;
     let ptrs = AttentionPointers { q, k, v, mask, blk, out, lse: 0, cu_q: 0, cu_k: 0, sinks: 0 };
-    attention_launch(pc, name, head_dim, &p.as_prefill(head_dim as i32, bq as i32), &ptrs, variants)
+    attention_launch(pc, name, (head_dim, head_dim), &p.as_prefill(head_dim as i32, bq as i32), &ptrs, variants)
 }

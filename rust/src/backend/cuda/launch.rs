@@ -22,8 +22,14 @@ pub struct CudaKernel {
     /// Other entry points of the same source this kernel may launch instead, on Hopper
     /// builds (the CTA-pair forms), in the order [`Launch::variant`] counts them.
     pub hopper_variants: &'static [&'static str],
-    /// Dynamic shared memory one CTA needs beyond the default 48 KiB; `hopper`: the source
-    /// was compiled with its sm_90a forms.
+    /// Whether it has a Hopper form (wgmma) that runs where the module is built for sm_90a;
+    /// without one it runs its portable form there too.
+    pub hopper_form: bool,
+    /// Entry points it may launch instead where it runs its portable form (the form with
+    /// SPEC 10's score transforms), in the order [`Launch::variant`] counts them there.
+    pub portable_variants: &'static [&'static str],
+    /// Dynamic shared memory one CTA needs beyond the default 48 KiB; `hopper`: it runs its
+    /// Hopper form.
     pub shared_bytes: fn(hopper: bool) -> Option<u32>,
     /// The launch of a dispatch; with `variants` false, the plain entry point only.
     pub prepare: fn(&PrepareContext<'_>, &Dispatch, bool) -> Result<Launch>,
@@ -32,7 +38,8 @@ pub struct CudaKernel {
 /// What [`CudaKernel::prepare`] may consult besides the dispatch.
 pub struct PrepareContext<'a> {
     pub ctx: &'a Arc<CudaContext>,
-    /// The module was built with the sm_90a (wgmma) forms.
+    /// The kernel runs its Hopper (wgmma) form: the module was built for sm_90a and the
+    /// kernel has one.
     pub hopper: bool,
 }
 
@@ -43,7 +50,9 @@ pub struct Launch {
     pub shared_bytes: u32,
     /// Each parameter's value, 8-byte aligned storage.
     params: Vec<Vec<u64>>,
-    /// Which of [`CudaKernel::hopper_variants`] to launch instead of the plain entry point.
+    /// Which of the pipeline's variants ([`CudaKernel::hopper_variants`] in the Hopper form,
+    /// [`CudaKernel::portable_variants`] in the portable one) to launch instead of the plain
+    /// entry point.
     pub variant: Option<usize>,
 }
 

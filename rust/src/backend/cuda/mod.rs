@@ -39,11 +39,12 @@ pub use memory::CudaMemory;
 /// The launcher of the kernel `name`, from the op host files' tables; `None` for a kernel
 /// launched as its op encoded it.
 pub fn kernel(name: &str) -> Option<&'static CudaKernel> {
-    flash_attn_prefill_tensor::KERNELS
-        .iter()
-        .chain(flash_attn_prefill_blk::KERNELS)
-        .chain(flash_attn_prefill::KERNELS)
-        .find(|k| k.name == name)
+    kernels().find(|k| k.name == name)
+}
+
+/// Every kernel the CUDA backend knows, by op.
+pub fn kernels() -> impl Iterator<Item = &'static CudaKernel> {
+    flash_attn_prefill_tensor::KERNELS.iter().chain(flash_attn_prefill_blk::KERNELS).chain(flash_attn_prefill::KERNELS)
 }
 
 /// One device: its primary context, stream and loaded modules. Lives for the process.
@@ -246,7 +247,8 @@ fn load_module(d: &Driver, cubin: &[u8]) -> Result<CuModule> {
 pub struct CudaPipeline {
     ctx: Arc<CudaContext>,
     function: CuFunction,
-    /// The functions of [`CudaKernel::hopper_variants`] where the module has them (Hopper).
+    /// The functions of the kernel's variants in the form it runs ([`CudaKernel::hopper_variants`]
+    /// or [`CudaKernel::portable_variants`]).
     variants: Vec<CuFunction>,
     kernel: Option<&'static CudaKernel>,
     /// Built with the Hopper (sm_90a, wgmma) forms of the kernels.
@@ -345,14 +347,16 @@ impl Backend for CudaBackend {
             source.cuda.ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
         let kernel = kernel(name);
         let arch = self.ctx.arch();
-        let hopper = arch == "sm_90a";
+        // The Hopper form runs where the module is built for sm_90a and the kernel has one.
+        let hopper = arch == "sm_90a" && kernel.is_some_and(|k| k.hopper_form);
         let function = self.ctx.function(src, kernel.map_or(name, |k| k.entry), &arch)?;
         let d = self.ctx.bind()?;
         let variants = match kernel {
-            Some(k) if hopper => {
-                k.hopper_variants.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<_>>()?
+            Some(k) => {
+                let names = if hopper { k.hopper_variants } else { k.portable_variants };
+                names.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<_>>()?
             }
-            _ => Vec::new(),
+            None => Vec::new(),
         };
         if let Some(smem) = kernel.and_then(|k| (k.shared_bytes)(hopper)) {
             if smem > self.ctx.max_shared_per_block as u32 {
@@ -434,6 +438,13 @@ impl CudaBackend {
                 None => launch::launch_as_encoded(&self.ctx, dispatch),
             };
             let mut launch = prepare(true)?;
+            if launch.variant.is_some_and(|i| i >= p.variants.len()) {
+                // Never the plain entry point in its place: it would compute something else.
+                return Err(MlxError::Internal(format!(
+                    "{}: the launch asks for a variant the module has not loaded",
+                    dispatch.pipeline.name()
+                )));
+            }
             if launch::tracing() {
                 eprintln!(
                     "mlx_native cuda: {} variant {:?} grid {:?} block {:?} shared {}",

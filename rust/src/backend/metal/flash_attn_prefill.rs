@@ -1,4 +1,4 @@
-//! Metal host side of `flash_attn_prefill_d256` / `_d512`
+//! Metal host side of `flash_attn_prefill_d*` (every head dim of the op's table, F16 and BF16 K/V)
 //! (`shaders/flash_attn_prefill_tensor.metal`) and of the explicit mask's classifier
 //! `flash_attn_prefill_mask_blk` (`shaders/flash_attn_prefill_blk.metal`): the MSL functions,
 //! launched as the op encodes them (`ceil(max_rows / bq) x n_heads x batch` threadgroups of
@@ -9,7 +9,23 @@ use super::MetalKernel;
 
 /// This op's kernels, by name.
 pub const KERNELS: &[MetalKernel] = &[
+    MetalKernel { name: "flash_attn_prefill_d64", function: "flash_attn_prefill_d64" },
+    MetalKernel { name: "flash_attn_prefill_d64_bf16", function: "flash_attn_prefill_d64_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d80", function: "flash_attn_prefill_d80" },
+    MetalKernel { name: "flash_attn_prefill_d80_bf16", function: "flash_attn_prefill_d80_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d96", function: "flash_attn_prefill_d96" },
+    MetalKernel { name: "flash_attn_prefill_d96_bf16", function: "flash_attn_prefill_d96_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d112", function: "flash_attn_prefill_d112" },
+    MetalKernel { name: "flash_attn_prefill_d112_bf16", function: "flash_attn_prefill_d112_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d128", function: "flash_attn_prefill_d128" },
+    MetalKernel { name: "flash_attn_prefill_d128_bf16", function: "flash_attn_prefill_d128_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d192", function: "flash_attn_prefill_d192" },
+    MetalKernel { name: "flash_attn_prefill_d192_bf16", function: "flash_attn_prefill_d192_bf16" },
     MetalKernel { name: "flash_attn_prefill_d256", function: "flash_attn_prefill_d256" },
+    MetalKernel { name: "flash_attn_prefill_d256_bf16", function: "flash_attn_prefill_d256_bf16" },
     MetalKernel { name: "flash_attn_prefill_d512", function: "flash_attn_prefill_d512" },
+    MetalKernel { name: "flash_attn_prefill_d512_bf16", function: "flash_attn_prefill_d512_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d576_512", function: "flash_attn_prefill_d576_512" },
+    MetalKernel { name: "flash_attn_prefill_d576_512_bf16", function: "flash_attn_prefill_d576_512_bf16" },
     MetalKernel { name: "flash_attn_prefill_mask_blk", function: "flash_attn_prefill_mask_blk" },
 ];

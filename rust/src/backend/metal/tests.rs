@@ -518,6 +518,51 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
     }
 }
 
+/// The prefill's limit on a pipeline's threads: 8 simdgroups of 32. One thread short is
+/// refused before anything runs (nothing recorded); exactly 256 runs.
+#[test]
+fn a_prefill_pipeline_too_narrow_for_eight_simdgroups_is_refused_before_anything_runs() {
+    for (max_threads, refused) in [(128u64, true), (255, true), (256, false)] {
+        let mut api = FakeMetal::new();
+        api.max_threads = max_threads;
+        let (dev, be) = fake_device(api);
+        let mut reg = prefill_registry();
+        let p = FlashAttnPrefillParams { mask_strides: [0, 0], lse_strides: [0, 0], ..prefill_params(256) };
+        let n = |x: u64| x as usize;
+        let q = dev.alloc_buffer(DType::F32, &[n(3 * 45 * 4 * 256)]).unwrap();
+        let k = dev.alloc_buffer(DType::F16, &[n(3 * 130 * 2 * 256)]).unwrap();
+        let v = dev.alloc_buffer(DType::F16, &[n(3 * 130 * 2 * 256)]).unwrap();
+        let out = dev.alloc_buffer(DType::F32, &[n(3 * 45 * 4 * 256)]).unwrap();
+        let bufs = FlashAttnPrefillBuffers {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            mask: None,
+            blk: None,
+            cu_seqlens_q: None,
+            cu_seqlens_k: None,
+            lse: None,
+            sinks: None,
+        };
+        let mut enc = dev.command_encoder();
+        let r = dispatch_flash_attn_prefill(&mut enc, &mut reg, &dev, &bufs, &p);
+        if refused {
+            match r {
+                Err(MlxError::InvalidArgument(m)) => {
+                    assert!(m.contains(&format!("allows {max_threads} threads per threadgroup, needs 256")), "{m}")
+                }
+                other => panic!("{max_threads} threads: expected InvalidArgument, got {other:?}"),
+            }
+            assert!(enc.pending().is_empty(), "{max_threads} threads: something was encoded");
+        } else {
+            r.unwrap();
+            enc.commit_and_wait().unwrap();
+        }
+        assert_eq!(be.api().runs.lock().unwrap().is_empty(), refused, "{max_threads} threads");
+    }
+}
+
 #[test]
 fn prefill_of_variable_length_binds_the_cu_seqlens_and_covers_the_longest_sequence() {
     let (dev, be) = fake_device(FakeMetal::new());

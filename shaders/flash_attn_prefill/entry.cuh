@@ -1,0 +1,53 @@
+// Part of the CUDA attention's instantiation files (shaders/flash_attn_prefill*.cu): the
+// entry points' parameters and the macros that instantiate them. The forms it includes: the
+// portable one (mma.sync) and, where the compiler targets sm_90a, the Hopper one (wgmma).
+#pragma once
+
+#include "flash_attn_prefill/mainloop_sm80.cuh"
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MLXN_HOPPER 1
+#include "flash_attn_prefill/mainloop_sm90.cuh"
+#endif
+
+// Parameters of every attention entry point: the params block, the launch block, Q, K, V,
+// the explicit mask, its table, O, lse, cu_seqlens_q, cu_seqlens_k, the sinks (pointers the
+// flags say are absent are never read).
+#define MLXN_ARGS                                                                                          \
+    const Params p, const Launch L, const unsigned char* __restrict__ q, const u16* __restrict__ k,         \
+        const u16* __restrict__ v, const u16* __restrict__ mask, const u8* __restrict__ blk,               \
+        void* __restrict__ out, float* __restrict__ lse, const int* __restrict__ cu_q,                     \
+        const int* __restrict__ cu_k, const float* __restrict__ sinks
+#define MLXN_PASS p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks
+
+// The portable form only, at (Q/K, V/O) head dims (DK, DV), products in T: NAME without
+// softcap and ALiBi, NAME_xf with them (the host picks by the params block).
+#define MLXN_PORTABLE_ENTRY(NAME, DK, DV, T)                                                  \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME(MLXN_ARGS) {               \
+        attention<DK, DV, T, false>(MLXN_PASS);                                               \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_xf(MLXN_ARGS) {          \
+        attention<DK, DV, T, true>(MLXN_PASS);                                                \
+    }
+
+// The Hopper form where the compiler targets sm_90a (head dims 64, 128, 256 and 512; the
+// transforms are branches there, which cost its registers nothing), else the portable one.
+#ifdef MLXN_HOPPER
+#define MLXN_ENTRY(NAME, D, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, hopper::HCfg<D>::MINB) NAME(MLXN_ARGS) { \
+        hopper::attention<D, PAIR_NONE, T>(MLXN_PASS);                                        \
+    }
+#else
+#define MLXN_ENTRY(NAME, D, T) MLXN_PORTABLE_ENTRY(NAME, D, D, T)
+#endif
+
+#ifdef MLXN_HOPPER
+// The CTA-pair forms (`hopper::attention<D, PAIR_HEADS | PAIR_QUERIES>`), launched in
+// clusters of two along y (heads) or x (query tiles). K and V come through tensor maps
+// (4-d: head dim, KV heads, cache rows, sequences; boxes of 64 x 1 x 64 x 1 with the
+// 128-byte swizzle), made by the host when the strides allow it.
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T)                                                         \
+    extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(NTHREADS, 1)                 \
+    NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) { \
+        hopper::attention<DIM, MODE, T>(MLXN_PASS, &kmap, &vmap);                                           \
+    }
+#endif
