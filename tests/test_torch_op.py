@@ -7,7 +7,6 @@ torch is a test extra: without it this module fails, not skips. The CUDA tests n
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 
@@ -217,28 +216,18 @@ def test_bad_arguments_give_the_librarys_errors_not_the_schemas(rng):
     assert torch.equal(out, attention.flash_attn_prefill(q, k, v, causal=True, window=3, scale=0.5))
 
 
-@pytest.mark.parametrize("name", ["softcap", "max_bias", "sinks"])
-def test_score_transforms_are_passed_on_or_refused_by_name(rng, name):
-    """SPEC 10's keywords: where the array call takes one, the operator gives what it
-    gives (its result or its error); where it does not, a non-default one is refused by
-    name (never computed without)."""
-    q, k, v = _qkv(rng, (10, 2, 256), (10, 1, 256))
-    value = {"softcap": 50.0, "max_bias": 8.0, "sinks": torch.zeros(2)}[name]
-    if name in inspect.signature(attention.flash_attn_prefill).parameters:
-        try:
-            want = attention.flash_attn_prefill(q, k, v, causal=True, **{name: value})
-        except mn.MlxError as e:
-            with pytest.raises(type(e)):
-                mn.flash_attn_prefill(q, k, v, causal=True, **{name: value})
-        else:
-            assert torch.equal(mn.flash_attn_prefill(q, k, v, causal=True, **{name: value}), want)
-    else:
-        for args in ((q, k, v), (q.numpy(), k.numpy(), v.numpy())):
-            with pytest.raises(mn.UnsupportedFeatureError, match=name) as e:
-                mn.flash_attn_prefill(*args, causal=True, **{name: value if name != "sinks" else np.zeros(2)})
-            assert isinstance(e.value, NotImplementedError)
-    # At their defaults they change nothing, in either build.
-    assert torch.equal(mn.flash_attn_prefill(q, k, v, causal=True, softcap=0.0, max_bias=0.0, sinks=None),
+@pytest.mark.parametrize("name", ["softcap", "max_bias", "sinks", "offset"])
+def test_score_transforms_and_offset_are_passed_on(rng, name):
+    """SPEC 10's keywords and the query offset: the operator gives the array call's result
+    with them, which differs from the result without (each one is applied, not dropped)."""
+    q, k, v = _qkv(rng, (10, 2, 256), (14, 1, 256))
+    value = {"softcap": 5.0, "max_bias": 8.0, "sinks": torch.tensor([0.5, 2.0]), "offset": 1}[name]
+    want = attention.flash_attn_prefill(q, k, v, causal=True, **{name: value})
+    assert torch.equal(mn.flash_attn_prefill(q, k, v, causal=True, **{name: value}), want)
+    assert torch.equal(torch.ops.mlx_native.flash_attn_prefill(q, k, v, causal=True, **{name: value}), want)
+    assert not torch.equal(want, attention.flash_attn_prefill(q, k, v, causal=True))
+    # At their defaults they change nothing.
+    assert torch.equal(mn.flash_attn_prefill(q, k, v, causal=True, softcap=0.0, max_bias=0.0, sinks=None, offset=None),
                        attention.flash_attn_prefill(q, k, v, causal=True))  # fmt: skip
 
 

@@ -9,7 +9,6 @@ module fails, not skips. The CUDA tests need a GPU (the lead runs them on an H20
 from __future__ import annotations
 
 import copy
-import inspect
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM  # noqa: E402
 from transformers import masking_utils as hf_masks  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
-from mlx_native import attention  # noqa: E402
+from mlx_native.reference import reference_prefill  # noqa: E402
 from mlx_native.integrations import transformers as mn_hf  # noqa: E402
 from mlx_native.integrations.transformers_masks import PrefillMask, describe_mask_function, prefill_mask  # noqa: E402
 
@@ -338,17 +337,13 @@ def test_an_unsupported_head_dim_is_refused_by_name():
     assert isinstance(e.value, NotImplementedError) and "256" in str(e.value)  # it names the dims it takes
 
 
-def test_gemma2s_softcap_is_computed_or_refused_by_name():
+def test_gemma2s_softcap_is_computed():
     cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=256, sliding_window=WINDOW,
                                     attn_logit_softcapping=50.0)  # fmt: skip
     ms = models(cfg)
     ids, mask = inputs(2)
     with torch.no_grad():
-        if "softcap" not in inspect.signature(attention.flash_attn_prefill).parameters:
-            with pytest.raises(mn.UnsupportedFeatureError, match="softcap"):
-                ms[NAME](ids, attention_mask=mask)
-            return
         logits = {k: m(ids, attention_mask=mask).logits for k, m in ms.items()}
     keep = mask.bool()
     assert rel(logits[NAME], logits[REFERENCE], keep) <= 2e-3
@@ -370,13 +365,25 @@ def test_what_the_kernels_do_not_take_is_refused_at_the_attention_function():
             mn_hf.attention_forward(module, q, k, v, torch.zeros(1, 4, 6, 6))
         with pytest.raises(mn.UnsupportedFeatureError, match="position bias"):
             mn_hf.attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 4, 6, 6))
-        with pytest.raises(mn.UnsupportedFeatureError, match="head dim 256 and values of head dim 128"):
+        with pytest.raises(mn.UnsupportedFeatureError, match=r"head dim 256 \(values 128\)"):
             mn_hf.attention_forward(module, q, k, v[..., :128], None)
         with pytest.raises(mn.UnsupportedFeatureError, match="batch 1 against keys of batch 2"):
             mn_hf.attention_forward(module, q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), None)
-        if "sinks" not in inspect.signature(attention.flash_attn_prefill).parameters:
-            with pytest.raises(mn.UnsupportedFeatureError, match="sinks"):
-                mn_hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
+
+
+def test_sinks_s_aux_are_computed():
+    """gpt-oss's sinks (``s_aux``, one per head) join each row's softmax (SPEC 10)."""
+    module, q, k, v = _layer_inputs()
+    s_aux = torch.tensor([0.0, 1.5, -2.0, 4.0])
+    with torch.no_grad():
+        out, _ = mn_hf.attention_forward(module, q, k, v, None, scaling=0.1, s_aux=s_aux)
+        plain, _ = mn_hf.attention_forward(module, q, k, v, None, scaling=0.1)
+    f16 = lambda x: x[0].transpose(0, 1).to(torch.float16).numpy()  # noqa: E731
+    want, _ = reference_prefill(q[0].transpose(0, 1).numpy(), f16(k), f16(v), causal=True, scale=0.1,
+                                sinks=s_aux.numpy())  # fmt: skip
+    got = out[0].double().numpy()
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
+    assert not torch.allclose(out, plain, atol=1e-3)  # the sinks changed it
 
 
 def test_the_attention_function_returns_sdpas_layout():

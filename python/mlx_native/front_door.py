@@ -33,17 +33,18 @@ def flash_attn_prefill(
     softcap: float = 0.0,
     max_bias: float = 0.0,
     sinks: Any = None,
+    offset: Optional[int] = None,
 ) -> Any:
     if _through_torch_op(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, sinks) and not isinstance(device, Device):
         ops = _torch_ops or _import_torch_ops()
         return ops.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks,
+            check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks, offset=offset,
         )  # fmt: skip
     return attention.flash_attn_prefill(
         q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        return_lse=return_lse, out_dtype=out_dtype, device=device, check_finite=check_finite,
+        return_lse=return_lse, out_dtype=out_dtype, device=device, check_finite=check_finite, offset=offset,
         **score_transforms(softcap, max_bias, sinks),
     )  # fmt: skip
 
@@ -81,5 +82,5 @@ flash_attn_prefill.__doc__ = (attention.flash_attn_prefill.__doc__ or "") + """
     ``torch.ops.mlx_native.flash_attn_prefill`` (``flash_attn_prefill_lse`` with
     ``return_lse``), so ``torch.compile(fn, fullgraph=True)`` traces a function that calls
     this without a graph break; ``device`` as a ``mlx_native.Device`` object runs outside it.
-    ``softcap``, ``max_bias`` and ``sinks`` (SPEC 10) are passed on when not their defaults,
-    and refused with ``UnsupportedFeatureError`` while this build does not compute them."""
+    ``softcap``, ``max_bias``, ``sinks`` (SPEC 10) and ``offset`` are passed on when not
+    their defaults."""

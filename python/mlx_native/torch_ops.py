@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import attention
 from .arrays import _torch_dtype
-from .checks import OUT_DTYPES, check_bool, check_device, check_scale, check_window
+from .checks import OUT_DTYPES, check_bool, check_device, check_offset, check_scale, check_window
 from .dtypes import dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 from .score_transforms import check_transform_scalar, score_transforms
@@ -33,7 +33,7 @@ _LIB = torch.library.Library("mlx_native", "DEF")
 _ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor? mask=None, bool causal=False, SymInt? window=None, float? scale=None, "
     "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, ScalarType? out_dtype=None, str? device=None, "
-    "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None"
+    "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None, SymInt? offset=None"
 )
 # Defined with a schema and plain kernels rather than torch.library.custom_op: the same
 # operator to the tracers, at a fraction of custom_op's dispatch cost per eager call (about
@@ -44,12 +44,13 @@ _LIB.define(f"flash_attn_prefill_lse({_ARGS}) -> (Tensor, Tensor)")
 
 def _kernel(return_lse: bool):
     def kernel(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
-               out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None):  # fmt: skip
+               out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
+               offset=None):  # fmt: skip
         # The array call itself, never the public front door (which would come back here).
         return attention.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite, **score_transforms(softcap, max_bias, sinks),
+            check_finite=check_finite, offset=offset, **score_transforms(softcap, max_bias, sinks),
         )  # fmt: skip
 
     return kernel
@@ -107,7 +108,7 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
                        window: Any = None, scale: Any = None, cu_seqlens_q: Optional[Tensor] = None,
                        cu_seqlens_k: Optional[Tensor] = None, return_lse: Any = False, out_dtype: Any = None,
                        device: Optional[str] = None, check_finite: Any = False, softcap: Any = 0.0, max_bias: Any = 0.0,
-                       sinks: Optional[Tensor] = None):  # fmt: skip
+                       sinks: Optional[Tensor] = None, offset: Any = None):  # fmt: skip
     """``mlx_native.flash_attn_prefill`` on torch tensors, through the operators: the
     arguments are checked here (the library's typed errors, not the schema's), then one
     operator runs."""
@@ -132,11 +133,13 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
             softcap = check_transform_scalar(softcap, "softcap")
         if type(max_bias) is not float:
             max_bias = check_transform_scalar(max_bias, "max_bias")
+        if offset is not None:
+            offset = check_offset(offset, causal or window is not None)
     _refuse_grad(q=q, k=k, v=v, mask=mask, sinks=sinks)
     # The overloads, called by position: no name look-up, no keyword parsing.
     op = _LSE_OP if return_lse else _OP
     return op(q, k, v, mask, causal, window, scale, cu_seqlens_q, cu_seqlens_k, _torch_out_dtype(out_dtype), device,
-              check_finite, softcap, max_bias, sinks)  # fmt: skip
+              check_finite, softcap, max_bias, sinks, offset)  # fmt: skip
 
 
 _OP = torch.ops.mlx_native.flash_attn_prefill.default

@@ -105,9 +105,9 @@ def attention_forward(
 
 
 def _kv(x: torch.Tensor) -> torch.Tensor:
-    # The one conversion the kernels need: K and V in float16 (strides kept: a cast, not a
-    # layout copy).
-    return x if x.dtype == KV_DTYPE else x.to(KV_DTYPE)
+    # The one conversion the kernels need: K and V in float16 or bfloat16 (a bfloat16 model's
+    # stay as they are; others are cast to float16, strides kept: a cast, not a layout copy).
+    return x if x.dtype in (KV_DTYPE, torch.bfloat16) else x.to(KV_DTYPE)
 
 
 def _explicit_mask(mask: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -145,20 +145,15 @@ def _refuse_what_is_not_computed(query, key, value, dropout, kwargs) -> None:
         raise UnsupportedFeatureError(
             f"queries of batch {query.shape[0]} against keys of batch {key.shape[0]}: pass one batch"
         )
-    if key.shape[-1] != value.shape[-1]:
-        raise UnsupportedFeatureError(
-            f"keys of head dim {key.shape[-1]} and values of head dim {value.shape[-1]}: mlx_native's prefill takes "
-            "one head dim for both"
-        )
-    refusal = _head_dim_refusal(int(query.shape[-1]))
+    refusal = _head_dim_refusal(int(query.shape[-1]), int(value.shape[-1]))
     if refusal is not None:
         raise UnsupportedFeatureError(refusal)
 
 
 @lru_cache(maxsize=None)
-def _head_dim_refusal(head_dim: int) -> Optional[str]:
+def _head_dim_refusal(head_dim: int, head_dim_v: int) -> Optional[str]:
     try:
-        check_head_dims(head_dim)
+        check_head_dims(head_dim, head_dim_v)
     except MlxError as e:
-        return f"head dim {head_dim}: {e}"
+        return f"head dim {head_dim} (values {head_dim_v}): {e}"
     return None
