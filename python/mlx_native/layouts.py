@@ -11,7 +11,7 @@ import numpy as np
 from ._lib import check, ffi, lib
 from .arrays import Operand, _contiguous_strides
 from .device import Device, shared_device
-from .dtypes import DTYPE_CODES, dtype_name, numpy_dtype_of_name
+from .dtypes import DTYPE_CODES, dtype_code, dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 
 __all__ = ["ArraySpec", "check_head_dims", "check_qkv", "layout", "norm_strides", "operand", "pick_device", "span"]
