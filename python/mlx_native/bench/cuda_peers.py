@@ -207,7 +207,7 @@ class FlashAttention4(Peer):
     cases one of those describes. Head dims up to 256 on Hopper."""
 
     name = "fa4"
-    install_hint = "the flash-attn-4 wheels (../shared/tools/fa4-wheels.sh prepares them for a GPU machine)"
+    install_hint = "pip install flash-attn-4 (on a machine without network: its wheels, downloaded elsewhere)"
 
     def missing(self) -> Optional[str]:
         try:
