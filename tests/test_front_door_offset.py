@@ -11,6 +11,7 @@ import pytest
 
 import mlx_native as mn
 from mlx_native.reference import merge_reference, nmse, reference_prefill, visible_mask
+from helpers import import_test_extra
 
 BAR = 1e-5
 LSE_TOL = 2e-3  # SPEC 8
@@ -155,7 +156,7 @@ def test_the_call_keeps_one_plan_per_offset(rng):
 
 
 def test_offset_with_torch_tensors(rng):
-    torch = pytest.importorskip("torch")
+    torch = import_test_extra("torch")
     q, k, v = _qkv(rng, (33, 4, 256), (50, 2, 256))
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     out, lse = mn.flash_attn_prefill(tq, tk, tv, causal=True, window=11, offset=-3, return_lse=True)

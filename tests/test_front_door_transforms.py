@@ -11,6 +11,7 @@ import pytest
 import mlx_native as mn
 from mlx_native.dtypes import bfloat16_dtype
 from mlx_native.reference import alibi_slopes, nmse, reference_prefill
+from helpers import import_test_extra
 
 BF16 = bfloat16_dtype()
 DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
@@ -98,7 +99,7 @@ def test_a_plan_takes_its_sinks_at_each_run(rng):
 
 
 def test_torch_bf16_kv_and_torch_sinks_in_place(rng):
-    torch = pytest.importorskip("torch")
+    torch = import_test_extra("torch")
     q, k, v = _qkv(rng, 25, 33, 4, 4, 112, 112)
     qt, kt, vt = torch.from_numpy(q), torch.from_numpy(k.astype(np.float32)).bfloat16(), torch.from_numpy(v).bfloat16()
     st = torch.tensor([1.0, 0.0, -1.0, 2.0])
