@@ -139,7 +139,7 @@ MUTATIONS: List[Mutation] = [
       "dextents<int32_t, 2>(DK, kn), array<int32_t, 2>({1, int32_t(p.v_row_stride)}));", "K rows at V's row stride"),
     M("metal-v-head-stride", "metal", T_METAL, "v + v_at + ulong(g) * ulong(p.v_head_stride)",
       "v + v_at + ulong(g) * ulong(p.k_head_stride)", "V heads at K's head stride"),
-    M("metal-q-head-stride", "metal", T_METAL, "ulong(h) * ulong(p.q_head_stride)", "ulong(h) * ulong(D)",
+    M("metal-q-head-stride", "metal", T_METAL, "ulong(h) * ulong(p.q_head_stride)", "ulong(h) * ulong(DK)",
       "Q heads assumed contiguous"),
     M("metal-q-batch-stride", "metal", T_METAL, "ulong(b) * ulong(p.q_batch_stride)",
       "ulong(b) * ulong(p.rows) * ulong(p.q_row_stride)", "Q's batch stride taken as rows x row stride"),
