@@ -131,6 +131,15 @@ def test_fake_tensors_get_the_output_shapes(q_shape, kv_shape, kw, shapes):
         assert all(r.is_contiguous() for r in res)
 
 
+def test_fake_tensors_get_v_s_head_dim():
+    # MLA: q/k 576, v 512 (a view of k's first 512 columns); the output has v's head dim.
+    with FakeTensorMode():
+        q = torch.empty(7, 4, 576)
+        k = torch.empty(9, 1, 576, dtype=torch.float16)
+        out, lse = mn.flash_attn_prefill(q, k, k[..., :512], causal=True, return_lse=True)
+        assert (tuple(out.shape), tuple(lse.shape)) == ((7, 4, 512), (4, 7))
+
+
 def test_the_fake_refuses_a_rank_it_cannot_shape():
     with FakeTensorMode():
         q = torch.empty(7, 4, 4, 4, 256)
@@ -143,10 +152,12 @@ def test_opcheck(rng):
     q, k, v = _qkv(rng, (2, 9, 4, 256), (2, 11, 2, 256))
     m = torch.rand(2, 1, 9, 11) < 0.7
     cq, ck = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 5, 11], dtype=torch.int32)
+    q576, k576, _ = _qkv(rng, (9, 4, 576), (11, 1, 576))
     for op, args, kw in [
         (ops.flash_attn_prefill.default, (q, k, v), dict(causal=True, window=4)),
         (ops.flash_attn_prefill_lse.default, (q, k, v, m), dict(out_dtype=torch.bfloat16)),
         (ops.flash_attn_prefill.default, (q[0], k[0], v[0]), dict(causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck)),
+        (ops.flash_attn_prefill_lse.default, (q576, k576, k576[..., :512]), dict(causal=True)),
     ]:
         result = torch.library.opcheck(op, args, kw)
         assert set(result.values()) == {"SUCCESS"}, result

@@ -56,20 +56,20 @@ def _kernel(return_lse: bool):
     return kernel
 
 
-def _fake_out(q: Tensor, out_dtype: Optional[torch.dtype]) -> Tensor:
+def _fake_out(q: Tensor, v: Tensor, out_dtype: Optional[torch.dtype]) -> Tensor:
     if q.dim() not in (3, 4):
         raise InvalidArgumentError(
             f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim], got {q.dim()} axes "
             f"(a [batch, heads, rows, head_dim] tensor passes as q.transpose(1, 2), without a copy)"
         )
-    # Shaped like q, contiguous, as the real call returns it.
-    return q.new_empty(q.shape, dtype=q.dtype if out_dtype is None else out_dtype)
+    # Shaped like q with v's head dim (576/512: MLA), contiguous, as the real call returns it.
+    return q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype if out_dtype is None else out_dtype)
 
 
 def _fake(return_lse: bool):
     def fake(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
              out_dtype=None, *_, **__):  # fmt: skip
-        out = _fake_out(q, out_dtype)
+        out = _fake_out(q, v, out_dtype)
         if not return_lse:
             return out
         shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
