@@ -10,7 +10,6 @@ from typing import Any, Optional, Union
 
 from . import attention
 from .device import Device
-from .score_transforms import score_transforms
 
 __all__ = ["flash_attn_prefill"]
 
@@ -45,8 +44,14 @@ def flash_attn_prefill(
     return attention.flash_attn_prefill(
         q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         return_lse=return_lse, out_dtype=out_dtype, device=device, check_finite=check_finite, offset=offset,
-        **score_transforms(softcap, max_bias, sinks),
+        softcap=_off_if_none(softcap), max_bias=_off_if_none(max_bias), sinks=sinks,
     )  # fmt: skip
+
+
+def _off_if_none(x: Any) -> Any:
+    """``softcap`` or ``max_bias`` None (as transformers passes "no softcap") is 0.0: off;
+    anything else goes to the array call's own check."""
+    return 0.0 if x is None else x
 
 
 #: ``torch_ops`` once imported (an import statement per call would cost more than the

@@ -19,10 +19,9 @@ from torch import Tensor
 
 from . import attention
 from .arrays import _torch_dtype
-from .checks import OUT_DTYPES, check_bool, check_device, check_offset, check_scale, check_window
+from .checks import OUT_DTYPES, check_bool, check_device, check_max_bias, check_offset, check_scale, check_softcap, check_window
 from .dtypes import dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
-from .score_transforms import check_transform_scalar, score_transforms
 
 __all__ = ["flash_attn_prefill"]
 
@@ -50,7 +49,7 @@ def _kernel(return_lse: bool):
         return attention.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite, offset=offset, **score_transforms(softcap, max_bias, sinks),
+            check_finite=check_finite, offset=offset, softcap=softcap, max_bias=max_bias, sinks=sinks,
         )  # fmt: skip
 
     return kernel
@@ -130,9 +129,9 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
         if device is not None:
             device = check_device(device)
         if type(softcap) is not float:
-            softcap = check_transform_scalar(softcap, "softcap")
+            softcap = check_softcap(0.0 if softcap is None else softcap)
         if type(max_bias) is not float:
-            max_bias = check_transform_scalar(max_bias, "max_bias")
+            max_bias = check_max_bias(0.0 if max_bias is None else max_bias)
         if offset is not None:
             offset = check_offset(offset, causal or window is not None)
     _refuse_grad(q=q, k=k, v=v, mask=mask, sinks=sinks)
