@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mlx_native as mx
-from mlx_native.reference import nmse, reference_attention
+from mlx_native.reference import nmse, peer_mask, reference_attention
 
 from helpers import CASES, case_id, make_case, run_low_level
 from planted_cases import (
@@ -110,6 +110,59 @@ def test_blk_negative_nan_minus_zero_and_single_rows(device, rng, bq, bk):
     assert np.array_equal(spec_blk(mask, rows, bq, bk), want), "the test's own table is wrong"
     got = mx.flash_attn_prefill_blk(mask, bq, bk, device=device)
     assert np.array_equal(got, want), f"\n{got}\n!=\n{want}"
+
+
+def front_door_table(device, full: np.ndarray, kv: int, head_dim: int) -> np.ndarray:
+    """The front door's classification of the masks full[:, :, :kv] (contiguous `full`, so
+    a row stride past kv), dispatched through the C ABI as PrefillPlan does; returns the
+    table as [n, table rows, steps]."""
+    from mlx_native._lib import check, ffi, lib
+
+    n, rows, stride = full.shape
+    p = ffi.new("MlxnFlashAttnPrefillParams *")
+    p.batch, p.rows, p.kv_len, p.n_heads, p.n_kv_heads, p.head_dim = n, rows, kv, 1, 1, head_dim
+    p.scale = 1.0
+    p.mask_strides = [rows * stride, stride]
+    nbytes = ffi.new("uint64_t *")
+    check(lib.mlxn_flash_attn_prefill_mask_table_bytes(p, nbytes))
+    steps = -(-kv // 64)
+    tiles = int(nbytes[0]) // (n * steps)
+    assert tiles * n * steps == int(nbytes[0]), "the table is not [n, tile rows, steps]"
+    mbuf = device.buffer(full)
+    blk = device.buffer(np.full(int(nbytes[0]), 0xEE, np.uint8), copy=True)
+    with device.encoder() as enc:
+        check(lib.mlxn_dispatch_flash_attn_prefill_mask_blk(enc.handle, mbuf.handle, blk.handle, p))
+    return blk.numpy().reshape(n, tiles, steps)
+
+
+@pytest.mark.parametrize("rows,kv,hd", [(45, 130, 256), (33, 200, 512), (70, 100, 128)])
+def test_front_door_mask_table_follows_spec_1(device, rng, rows, kv, hd):
+    """The front door's table of an explicit mask (flash_attn_prefill_mask_blk) on every
+    backend: SPEC 1 per tile of mask_tile_rows x 64, columns at or past kv_len counted as
+    masked, so a tile of zeros cut by the cache's end is 1 and one of -inf is 0; -65504 and
+    every negative NaN of a tile of -inf decide as SPEC 1 says."""
+    n = 2
+    full = np.full((n, rows, kv + 6), np.nan, np.float16)  # NaN columns past kv: never read
+    m = full[:, :, :kv]
+    for i in range(n):
+        m[i] = peer_mask(rows, kv, rng)
+    bq = 16 if hd == 512 else 32
+    m[:, :bq, :64] = -65504.0
+    m[0, bq : 2 * bq, :64] = np.where(rng.random((min(bq, rows - bq), 64)) < 0.5, 0.0, -0.0)
+    tail = slice((kv // 64) * 64, kv)
+    m[0, :, tail] = 0.0  # zeros in a cut tile: 1, never 2
+    m[1, :, tail] = -np.inf  # -inf in a cut tile: 0
+    m[1, -1, kv - 1] = np.frombuffer(np.uint16(0xFE00).tobytes(), np.float16)[0]  # negative NaN: kept
+    got = front_door_table(device, full, kv, hd)
+    assert got.shape[1] == -(-rows // bq), "the table's tile rows are not mask_tile_rows(head_dim)"
+    pad = -(-kv // 64) * 64
+    for i in range(n):
+        padded = np.full((rows, pad), -np.inf, np.float16)
+        padded[:, :kv] = m[i]
+        want = spec_blk(padded, rows, bq)
+        assert np.array_equal(got[i], want), f"mask {i}:\n{got[i]}\n!=\n{want}"
+    assert (got[0, :, -1] == 1).all() and got[1, -2 if rows > bq else -1, -1] == 0
+    assert got[1, -1, -1] == 1  # the negative NaN row
 
 
 # -- every field of the params block is honoured ----------------------------------------------
