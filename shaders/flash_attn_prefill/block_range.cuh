@@ -94,36 +94,86 @@ __device__ __forceinline__ int combine_class(int described, int table) {
 
 // The walk over the steps a CTA's query rows compute: by the description, the steps
 // [lo, hi] (visible_steps); with an explicit mask, those of them some byte of table rows
-// [tr_first, tr_last] does not skip (each lane looks at one step of a 32-step window).
+// [tr_first, tr_last] does not skip.
+//
+// The table is read a window of 32 steps at a time (lane l: step win + l), the bytes of
+// the CTA's table rows packed in one word per lane (byte i: table row tr_first + i), so a
+// step costs two ballots and a shuffle, not a load whose latency each step would wait on
+// before its first product. CAP: the table rows a CTA's rows can span, 4 (a u32) or 8 (a
+// u64, a query pair's rows); the smaller word keeps registers for the products. A CTA's
+// first query row is a multiple of its queries_per_cta, a power of two like the table's
+// tile rows, so its rows span at most max(1, rows / bq) table rows; the mainloops assert
+// that this is at most CAP.
+template <int CAP> struct PackedBytes;
+template <> struct PackedBytes<4> { typedef u32 T; };
+template <> struct PackedBytes<8> { typedef u64 T; };
+
+template <int CAP>
 struct Walk {
+    typedef typename PackedBytes<CAP>::T W;
     const u8* blk;  // the sequence's table, or null without a mask
     int steps;      // the table's row stride (its columns)
     int lo, hi, tr_first, tr_last;
+    int bq;                 // the table's rows per tile
+    int win = -0x40000000;  // the window's first step (none read yet)
+    W bytes = 0;            // this lane's bytes of step win + lane
 
-    // The first step after `t` that is walked (past hi: none), and in `need_mask` whether
-    // some byte of it is 1 (its mask tile is read).
-    __device__ __forceinline__ int next(int t, int lane, bool& need_mask) const {
+    __device__ __forceinline__ void init(const u8* table, int table_steps, int rows_per_tile, int ra, int rb) {
+        blk = table;
+        steps = table_steps;
+        bq = rows_per_tile;
+        tr_first = ra / bq;
+        tr_last = (rb - 1) / bq;
+    }
+
+    __device__ __forceinline__ void read_window(int base, int lane) {
+        win = base;
+        const int s = base + lane;
+        W b = 0;
+#pragma unroll
+        for (int i = 0; i < CAP; ++i) {
+            // Independent loads, issued together.
+            if (s <= hi && tr_first + i <= tr_last) b |= (W)blk[(i64)(tr_first + i) * steps + s] << (8 * i);
+        }
+        bytes = b;
+    }
+
+    // The first step after `t` that is walked (past hi: none); in `need_mask` whether some
+    // byte of it is 1 (its mask tile is read), in `step_bytes` its packed bytes (for
+    // table_byte).
+    __device__ __forceinline__ int next(int t, int lane, bool& need_mask, W& step_bytes) {
         const int start = max(t + 1, lo);
         need_mask = false;
+        step_bytes = 0;
         if (blk == nullptr) return start <= hi ? start : hi + 1;
-        for (int base = start; base <= hi; base += 32) {
-            const int s = base + lane;
+        for (int base = start; base <= hi;) {
+            if (base >= win + 32) read_window(base, lane);  // base is the same in every lane
+            const int s = win + lane;
             bool act = false, nm = false;
-            if (s <= hi) {
-                for (int tr = tr_first; tr <= tr_last; ++tr) {
-                    const u8 b = blk[(i64)tr * steps + s];
-                    act |= b != 0;
-                    nm |= b == 1;
-                }
+#pragma unroll
+            for (int i = 0; i < CAP; ++i) {
+                const u32 b = (u32)(bytes >> (8 * i)) & 0xffu;
+                act |= b != 0;
+                nm |= b == 1;
             }
-            const u32 ba = __ballot_sync(0xffffffffu, act);
-            const u32 bm = __ballot_sync(0xffffffffu, nm);
+            const bool in = s >= base && s <= hi;
+            const u32 ba = __ballot_sync(0xffffffffu, in && act);
+            const u32 bm = __ballot_sync(0xffffffffu, in && nm);
             if (ba) {
                 const int f = __ffs(ba) - 1;
                 need_mask = (bm >> f) & 1u;
-                return base + f;
+                step_bytes = __shfl_sync(0xffffffffu, bytes, f);
+                return win + f;
             }
+            base = win + 32;
         }
         return hi + 1;
+    }
+
+    // The table byte of query rows from `ra` (below lq, among the CTA's rows) in a step
+    // that next() returned with `step_bytes`; 2 without a mask.
+    __device__ __forceinline__ int table_byte(int ra, W step_bytes) const {
+        if (blk == nullptr) return 2;
+        return (int)(step_bytes >> (8 * (ra / bq - tr_first))) & 0xff;
     }
 };

@@ -99,23 +99,23 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     // ---- The steps walked (the description's, and the table's), and the class of each of
     // this warp's two 16-row m-tiles in a step.
     const int q_end = min(q_cta + qpc, lq);
-    Walk walk;
-    walk.blk = (p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr;
-    walk.steps = p.blk_steps;
-    walk.tr_first = q_cta / C::BQ;
-    walk.tr_last = (q_end - 1) / C::BQ;
+    constexpr int CAP = C::ROWS / C::BQ > 4 ? 8 : 4;
+    static_assert(C::ROWS / C::BQ <= CAP, "the table rows a walk can span");
+    Walk<CAP> walk;
+    typedef typename Walk<CAP>::W TB;  // a step's packed table bytes
+    walk.init((p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr, p.blk_steps, C::BQ, q_cta, q_end);
     visible_steps(p, lk, off, q_cta, q_end, walk.lo, walk.hi);
     const int t_end = walk.hi + 1;
-    auto mtile_class = [&](int mt, int t, int& table) -> int {
+    auto mtile_class = [&](int mt, int t, TB sb, int& table) -> int {
         const int ra = q0 + mt * 16;
         if (ra >= lq) {
             table = 0;
             return 0;
         }
-        table = walk.blk ? (int)walk.blk[(i64)(ra / C::BQ) * walk.steps + t] : 2;
+        table = walk.table_byte(ra, sb);
         return combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
     };
-    auto next_active = [&](int t, bool& need_mask) -> int { return walk.next(t, lane, need_mask); };
+    auto next_active = [&](int t, bool& need_mask, TB& sb) -> int { return walk.next(t, lane, need_mask, sb); };
 
     const u16* k_base = k + sq.k + (i64)kvh * p.k_head_stride;
     const u16* v_base = v + sq.v + (i64)kvh * p.v_head_stride;
@@ -165,7 +165,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const u32 p_me = s_p + (u32)(warp * 2 * C::KL * 32 * 16);
 
     bool need_mask = false;
-    int t = next_active(-1, need_mask);
+    TB sb = 0;  // step t's table bytes
+    int t = next_active(-1, need_mask, sb);
     if (t < t_end) {
         load_rows_f16<DK, C::SW_K>(s_k, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, lk - t * STEP, k_al);
         if (need_mask) load_mask_tile(s_mask, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);
@@ -179,8 +180,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         cp_async_commit();
 
         int tb0, tb1;
-        const int b0 = mtile_class(0, t, tb0);
-        const int b1 = mtile_class(1, t, tb1);
+        const int b0 = mtile_class(0, t, sb, tb0);
+        const int b1 = mtile_class(1, t, sb, tb1);
         const bool active = (b0 | b1) != 0;  // the same for every warp of the row group
 
         if (active) {
@@ -356,7 +357,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         }
 
         bool need_mask_next = false;
-        const int tn = next_active(t, need_mask_next);
+        TB sbn;
+        const int tn = next_active(t, need_mask_next, sbn);
         cp_async_wait_all();
         __syncthreads();  // V_t is in, P of the step is visible, K and the mask tile are free
         if (tn < t_end) {
@@ -387,6 +389,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             }
         }
         t = tn;
+        sb = sbn;
     }
 
     // ---- Row sums: the quad's, then the row group's (in a fixed order), and O / S.

@@ -153,24 +153,25 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         }
     }
     const bool by_distance = alibi_by_distance(p);
-    Walk walk;
-    walk.blk = (p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr;
-    walk.steps = p.blk_steps;
-    walk.tr_first = wa / C::BQ;
-    walk.tr_last = (we - 1) / C::BQ;
+    constexpr int CAP = PAIR == PAIR_QUERIES ? 8 : 4;
+    static_assert(C::ROWS / C::BQ * (PAIR == PAIR_QUERIES ? 2 : 1) <= CAP, "the table rows a walk can span");
+    Walk<CAP> walk;
+    typedef typename decltype(walk)::W TB;  // a step's packed table bytes
+    walk.init((p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr, p.blk_steps, C::BQ, wa, we);
     visible_steps(p, lk, off, wa, we, walk.lo, walk.hi);
     const int steps = walk.hi + 1;  // the loops below walk t < steps
-    // The class of 16 rows from `ra` in step t (and its table byte): 0 where no row is.
-    auto rows_class = [&](int ra, int t, int& table) -> int {
+    // The class of 16 rows from `ra` in step t (and its table byte; `sb`: the step's packed
+    // bytes, from next_active): 0 where no row is.
+    auto rows_class = [&](int ra, int t, TB sb, int& table) -> int {
         if (ra >= lq) {
             table = 0;
             return 0;
         }
-        table = walk.blk ? (int)walk.blk[(i64)(ra / C::BQ) * walk.steps + t] : 2;
+        table = walk.table_byte(ra, sb);
         const int c = combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
         return c == 2 && by_distance ? 1 : c;  // ALiBi by distance: a bias on every pair
     };
-    auto next_active = [&](int t, bool& need_mask) -> int { return walk.next(t, lane, need_mask); };
+    auto next_active = [&](int t, bool& need_mask, TB& sb) -> int { return walk.next(t, lane, need_mask, sb); };
 
     const u16* k_base = k + sq.k + (i64)kvh * p.k_head_stride;
     const u16* v_base = v + sq.v + (i64)kvh * p.v_head_stride;
@@ -199,14 +200,14 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 
     // Scores of step t from stage `stage`; P left in pk. Returns whether the warpgroup
     // computed (it skips when every one of its 64 rows skips the step).
-    auto scores_and_softmax = [&](int t, int stage) -> bool {
+    auto scores_and_softmax = [&](int t, int stage, TB sb) -> bool {
         int tb;
-        const int b = rows_class(q0, t, tb);
+        const int b = rows_class(q0, t, sb, tb);
         bool wg_active = false;
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
             int tw;
-            wg_active |= rows_class(q_cta + (rg * 64 + w * 16) % qpc, t, tw) != 0;
+            wg_active |= rows_class(q_cta + (rg * 64 + w * 16) % qpc, t, sb, tw) != 0;
         }
         float mx[2] = {0.f, 0.f};
         float s[C::NS];
@@ -368,7 +369,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     }
 
     bool need_mask = false;
-    int t = next_active(-1, need_mask);
+    TB sb = 0;  // step t's table bytes
+    int t = next_active(-1, need_mask, sb);
     if constexpr (C::NSTAGE == 2 && PAIR != PAIR_NONE) {
         // Stage i's K and V complete on the mbarrier at s_bar + 8 i.
         auto issue = [&](int st, int t) {
@@ -392,16 +394,18 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             __syncthreads();  // step t's mask tile is in; this CTA is done with the other stage
             cluster_wait();   // and so is the partner
             bool nm = false;
-            const int tn = next_active(t, nm);
+            TB sbn;
+            const int tn = next_active(t, nm, sbn);
             if (tn < steps) {
                 if (tid == 0) issue(stage ^ 1, tn);
                 if (nm) load_mask(stage ^ 1, tn);
                 cp_async_commit();
             }
-            if (scores_and_softmax(t, stage)) pv(stage);
+            if (scores_and_softmax(t, stage, sb)) pv(stage);
             cluster_arrive();  // done with this stage
             stage ^= 1;
             t = tn;
+            sb = sbn;
         }
         cluster_wait();  // the partner no longer touches this CTA's shared memory
     } else if constexpr (C::NSTAGE == 2) {
@@ -417,16 +421,18 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             fence_proxy_async();
             __syncthreads();  // step t's tiles are in; the other stage is free
             bool nm = false;
-            const int tn = next_active(t, nm);
+            TB sbn;
+            const int tn = next_active(t, nm, sbn);
             if (tn < steps) {
                 load_k(stage ^ 1, tn);
                 load_v(stage ^ 1, tn);
                 if (nm) load_mask(stage ^ 1, tn);
                 cp_async_commit();
             }
-            if (scores_and_softmax(t, stage)) pv(stage);
+            if (scores_and_softmax(t, stage, sb)) pv(stage);
             stage ^= 1;
             t = tn;
+            sb = sbn;
         }
     } else if constexpr (PAIR != PAIR_NONE) {
         const u32 bar_k = s_bar, bar_v = s_bar + 8;
@@ -450,8 +456,9 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             cluster_wait();   // both CTAs are done with the last V
             if (tid == 0) issue(vmap, s_v, bar_v, t);
             bool nm = false;
-            const int tn = next_active(t, nm);
-            const bool act = scores_and_softmax(t, 0);  // arrives once its Q K^T is done
+            TB sbn;
+            const int tn = next_active(t, nm, sbn);
+            const bool act = scores_and_softmax(t, 0, sb);  // arrives once its Q K^T is done
             cluster_wait();  // both CTAs are done with K
             if (tn < steps && tid == 0) issue(kmap, s_k, bar_k, tn);
             mbar_wait(bar_v, ph_v);
@@ -464,6 +471,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             if (act) pv(0);
             cluster_arrive();  // done with V
             t = tn;
+            sb = sbn;
         }
         cluster_wait();  // the partner no longer touches this CTA's shared memory
     } else {
@@ -479,8 +487,9 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             load_v(0, t);
             cp_async_commit();
             bool nm = false;
-            const int tn = next_active(t, nm);
-            const bool act = scores_and_softmax(t, 0);
+            TB sbn;
+            const int tn = next_active(t, nm, sbn);
+            const bool act = scores_and_softmax(t, 0, sb);
             // Every warpgroup's Q K^T finished before the exchange barrier inside (at 512;
             // one warpgroup per row group has none, so a barrier here): K is free. K of the
             // next step loads while P V runs and the next step starts.
@@ -496,6 +505,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             }
             if (act) pv(0);
             t = tn;
+            sb = sbn;
         }
     }
 
