@@ -20,6 +20,7 @@ for rows, nh, nkv, hd, kv, mask, pad in [
     (33, 4, 2, 512, 130, "peer", (0, 0, 0)),
     (20, 2, 2, 512, 77, "causal", (4, 1, 2)),
     (50, 16, 2, 512, 200, "peer", (0, 0, 0)),  # CTA pairs (Hopper): TMA multicast, clusters
+    (40, 4, 2, 256, 2300, "peer", (0, 0, 0)),  # 36 steps: the walk reads a second table window
 ]:
     c = make_case(rng, rows, nh, nkv, hd, kv, mask=mask, pad=pad)
     out, blk = run_low_level(dev, c)

@@ -273,6 +273,8 @@ MUTATIONS: List[Mutation] = [
     M("cuda-window-lane", "cuda", CU_RANGE, "step_bytes = __shfl_sync(0xffffffffu, bytes, f);",
       "step_bytes = __shfl_sync(0xffffffffu, bytes, 0);",
       "both forms: a step's table bytes taken from the window's first step"),
+    M("cuda-window-skip", "cuda", CU_RANGE, "base = win + 32;", "base = win + 64;",
+      "both forms: the walk past a window with no step to compute skips the next window too"),
     M("cuda-window-row", "cuda", CU_RANGE, "(8 * (ra / bq - tr_first))", "(8 * (ra / bq - tr_first) + 8)",
       "both forms: a row's table byte taken from the next table row"),
     M("cuda-mask-add", "cuda", CU_SM90, "            if (b == 1) {\n                // -inf where a pair",

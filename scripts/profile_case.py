@@ -1,18 +1,37 @@
 #!/usr/bin/env python3
-"""One launch of each attention kernel at a moderate size, for Nsight Compute:
-dense head dim 256 (8/8 heads, 8192 rows) and the global layer (head dim 512, 16/2, causal,
-4096 rows)."""
+"""One launch of each attention kernel at a moderate size, for Nsight Compute (through
+scripts/gpu_check.sh or scripts/gpu_profile.sh):
+
+- dense head dim 256 (8/8 heads, 8192 rows), described;
+- causal head dim 256 (8/8 heads, 16384 rows), described: the FlashAttention-4 comparison;
+- the global layer (head dim 512, 16/2 heads, 8192 rows, causal): described, then as an
+  explicit additive mask (the classifier's launch, then the attention's).
+
+    python3 scripts/profile_case.py [--quick]   # --quick: 4096 rows for the global layer, no causal 16k
+"""
+
+import sys
 
 import numpy as np
 
 import mlx_native as mx
 
+quick = "--quick" in sys.argv[1:]
 dev = mx.Device("cuda")
 rng = np.random.default_rng(0)
-for rows, nh, nkv, hd, causal in [(8192, 8, 8, 256, False), (4096, 16, 2, 512, True)]:
+cases = [(8192, 8, 8, 256, "dense")]
+if not quick:
+    cases.append((16384, 8, 8, 256, "causal"))
+g = 4096 if quick else 8192
+cases += [(g, 16, 2, 512, "causal"), (g, 16, 2, 512, "explicit")]
+for rows, nh, nkv, hd, form in cases:
     q = rng.uniform(-1, 1, (rows, nh, hd)).astype(np.float32)
     k = rng.uniform(-1, 1, (rows, nkv, hd)).astype(np.float16)
     v = rng.uniform(-1, 1, (rows, nkv, hd)).astype(np.float16)
-    plan = mx.PrefillPlan(q, k, v, causal=causal, scale=1.0, device=dev)
+    if form == "explicit":
+        mask = np.triu(np.full((rows, rows), -np.inf, np.float16), 1)
+        plan = mx.PrefillPlan(q, k, v, mask, scale=1.0, device=dev)
+    else:
+        plan = mx.PrefillPlan(q, k, v, causal=form == "causal", scale=1.0, device=dev)
     plan.run()
-    print(rows, nh, nkv, hd, "causal" if causal else "dense", "ran")
+    print(rows, nh, nkv, hd, form, "ran", flush=True)

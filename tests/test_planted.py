@@ -165,6 +165,33 @@ def test_front_door_mask_table_follows_spec_1(device, rng, rows, kv, hd):
     assert got[1, -1, -1] == 1  # the negative NaN row
 
 
+@pytest.mark.parametrize("hd", [128, 256, 512])
+def test_a_long_walk_over_skipped_windows(device, rng, hd):
+    """An explicit mask over 75 steps with two runs of all -inf steps (table byte 0 for
+    every row), 3-39 and 45-69, so that the walk, which the GPU kernels do over the table
+    32 steps at a time, must leave the first window (steps 0-31) with nothing left in it,
+    compute steps 40-44 of the second and leave it again; a step of zeros (2), random
+    steps (1), a last step cut by the cache's end and varying by row. Against the float64
+    reference, and a fully masked row is +0."""
+    from mlx_native.reference import reference_prefill
+
+    rows, nh, nkv, steps = 40, 4, 2, 75
+    kv = steps * 64 - 9
+    q = rng.uniform(-1, 1, (rows, nh, hd)).astype(np.float32)
+    k = rng.uniform(-1, 1, (kv, nkv, hd)).astype(np.float16)
+    v = rng.uniform(-1, 1, (kv, nkv, hd)).astype(np.float16)
+    m = rng.uniform(-1, 1, (rows, kv)).astype(np.float16)
+    m[:, 3 * 64 : 40 * 64] = -np.inf
+    m[:, 45 * 64 : 70 * 64] = -np.inf
+    m[:, 64:128] = 0.0  # step 1: class 2
+    m[5, :] = -np.inf  # a row that sees nothing
+    m[17:, 72 * 64 :] = -np.inf  # the last steps vary by row
+    out = np.asarray(mx.flash_attn_prefill(q, k, v, m, scale=0.125, device=device))
+    ref, _ = reference_prefill(q, k, v, m, scale=0.125)
+    assert nmse(out.astype(np.float64), ref) < 1e-6
+    assert (out[5] == 0).all() and not np.signbit(out[5]).any(), "a fully masked row must be +0"
+
+
 # -- every field of the params block is honoured ----------------------------------------------
 
 
