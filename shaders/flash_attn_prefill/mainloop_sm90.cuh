@@ -200,15 +200,29 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 
     // Scores of step t from stage `stage`; P left in pk. Returns whether the warpgroup
     // computed (it skips when every one of its 64 rows skips the step).
+    // Whether the warpgroup computes step t: some pair of its rows is visible and some
+    // table byte of its rows is not 0. Its warps' rows are queries [ua, ub) of the CTA's
+    // heads (qpc queries when they are at most 64, else this row group's 64). Both tests
+    // over the union are "some warp's" tests: a pair visible to the union is visible to
+    // one of its 16-row parts (their visible cache rows are overlapping intervals), but
+    // the byte that is not 0 may be another part's; a warp whose own class is 0 then sets
+    // its scores to -inf, as it does when another warp of the warpgroup computes.
+    auto wg_computes = [&](int t, TB sb) -> bool {
+        const int ua = q_cta + (rg * 64) % qpc;
+        if (ua >= lq) return false;
+        const int ub = min(ua + min(64, qpc), lq);
+        if (described_class(p, lk, off, ua, ub, t) == 0) return false;
+        if (walk.blk == nullptr) return true;
+        const int i0 = ua / C::BQ - walk.tr_first, n = (ub - 1) / C::BQ - ua / C::BQ + 1;
+        TB bytes = sb >> (8 * i0);
+        if (n < CAP) bytes &= ((TB)1 << (8 * n)) - 1;
+        return bytes != 0;
+    };
+
     auto scores_and_softmax = [&](int t, int stage, TB sb) -> bool {
         int tb;
         const int b = rows_class(q0, t, sb, tb);
-        bool wg_active = false;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            int tw;
-            wg_active |= rows_class(q_cta + (rg * 64 + w * 16) % qpc, t, sb, tw) != 0;
-        }
+        const bool wg_active = wg_computes(t, sb);
         float mx[2] = {0.f, 0.f};
         float s[C::NS];
         if (wg_active) {
