@@ -207,20 +207,28 @@ fn the_probe_reports_other_compile_errors_as_errors_and_success_as_available() {
     assert!(flash_attn_prefill_tensor_available(&mut reg, &dev, 512).unwrap());
 }
 
+/// The origin op's limit on a pipeline's threads: 8 simdgroups of 32. One thread short is
+/// refused before anything runs; exactly 256 runs.
 #[test]
 fn a_pipeline_too_narrow_for_eight_simdgroups_is_refused_before_anything_runs() {
-    let mut api = FakeMetal::new();
-    api.max_threads = 128;
-    let (dev, be) = fake_device(api);
-    let mut reg = default_registry();
-    let a = attention(&dev, 256);
-    match dispatch(&dev, &mut reg, &a) {
-        Err(MlxError::InvalidArgument(m)) => {
-            assert!(m.contains("allows 128 threads per threadgroup, needs 256"), "{m}")
+    for (max_threads, refused) in [(128u64, true), (255, true), (256, false)] {
+        let mut api = FakeMetal::new();
+        api.max_threads = max_threads;
+        let (dev, be) = fake_device(api);
+        let mut reg = default_registry();
+        let a = attention(&dev, 256);
+        match dispatch(&dev, &mut reg, &a) {
+            Err(MlxError::InvalidArgument(m)) if refused => {
+                assert!(m.contains(&format!("allows {max_threads} threads per threadgroup, needs 256")), "{m}")
+            }
+            Ok(()) if !refused => {}
+            other => panic!(
+                "{max_threads} threads: expected {}, got {other:?}",
+                if refused { "InvalidArgument" } else { "a run" }
+            ),
         }
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        assert_eq!(be.api().runs.lock().unwrap().is_empty(), refused, "{max_threads} threads");
     }
-    assert!(be.api().runs.lock().unwrap().is_empty());
 }
 
 /// Encode the blk kernel with the given sizes and arguments by hand and commit.
