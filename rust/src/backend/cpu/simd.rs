@@ -435,6 +435,34 @@ pub fn selected_isa() -> &'static str {
 mod tests {
     use super::*;
 
+    /// The instruction sets listed (and offered to `force_isa`) are this CPU's, best
+    /// first, the portable one always last; a name not listed is refused.
+    #[test]
+    fn the_listed_instruction_sets_are_this_cpus() {
+        let v = detected_isas();
+        assert_eq!(v.last(), Some(&"portable"), "{v:?}");
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f = |s: &str| match s {
+                "avx512f" => std::is_x86_feature_detected!("avx512f"),
+                "avx2" => std::is_x86_feature_detected!("avx2"),
+                "fma" => std::is_x86_feature_detected!("fma"),
+                _ => std::is_x86_feature_detected!("f16c"),
+            };
+            let avx2 = f("avx2") && f("fma") && f("f16c");
+            let mut want = Vec::new();
+            if avx2 && f("avx512f") {
+                want.push("avx512");
+            }
+            if avx2 {
+                want.push("avx2+fma+f16c");
+            }
+            want.push("portable");
+            assert_eq!(v, want);
+        }
+        assert!(force_isa(Some("xyzzy")).is_err()); // refused before the setting changes
+    }
+
     fn check_exp<S: Simd>() {
         unsafe {
             for &x in &[-100.0f32, -87.0, -20.0, -1.5, -0.3, 0.0, 0.25, 1.0, 3.0, 8.0, 30.0] {
