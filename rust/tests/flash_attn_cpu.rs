@@ -145,3 +145,46 @@ fn instruction_sets_agree_closely() {
         assert!(e < 1e-9, "{isa} differs from {}: {e:e}", outs[0].0);
     }
 }
+
+/// The CPU classifier's own guard, under the op's validation: a dispatch built by hand
+/// whose mask or table buffer is short of what its params say is an internal error (the
+/// op's contract broken), and nothing is written; either buffer alone short is refused.
+#[test]
+fn a_hand_built_classifier_dispatch_with_short_buffers_is_refused() {
+    use mlx_native::ops::flash_attn_prefill_blk::K_BLK_F16;
+    use mlx_native::params::FlashAttnPrefillBlkParamsGpu;
+    use mlx_native::{as_bytes, DType, GridSize, KernelArg, MlxError};
+    let dev = MlxDevice::cpu();
+    let mut reg = default_registry();
+    let pipeline = reg.get_pipeline(K_BLK_F16, &dev).unwrap().clone();
+    let p = FlashAttnPrefillBlkParamsGpu { rows: 64, kv_pad: 128, bq: 32, bk: 64 };
+    let full_mask = dev.alloc_buffer(DType::F16, &[64 * 128]).unwrap();
+    let short_mask = dev.alloc_buffer(DType::F16, &[64 * 128 - 1]).unwrap();
+    let full_blk = dev.alloc_buffer(DType::U8, &[4]).unwrap();
+    let short_blk = dev.alloc_buffer(DType::U8, &[3]).unwrap();
+    for (what, mask, blk, refused) in [
+        ("both whole", &full_mask, &full_blk, false),
+        ("mask short", &short_mask, &full_blk, true),
+        ("table short", &full_mask, &short_blk, true),
+    ] {
+        blk.write_bytes(0, &[0xEE; 3]).unwrap();
+        let args = [(0, KernelArg::Bytes(as_bytes(&p))), (1, KernelArg::Buffer(mask)), (2, KernelArg::Buffer(blk))];
+        let mut enc = dev.command_encoder();
+        enc.encode_threadgroups_with_args_and_shared(
+            &pipeline,
+            &args,
+            &[],
+            GridSize::new(1, 1, 1),
+            GridSize::new(32, 1, 1),
+        )
+        .unwrap();
+        match (enc.commit_and_wait(), refused) {
+            (Err(MlxError::Internal(m)), true) => assert!(m.contains("buffers smaller than validated"), "{what}: {m}"),
+            (Ok(()), false) => {}
+            (other, _) => panic!("{what}: got {other:?}"),
+        }
+        let mut got = [0u8; 3];
+        blk.read_bytes(0, &mut got).unwrap();
+        assert_eq!(got == [0xEE; 3], refused, "{what}: the table was {}written", if refused { "" } else { "not " });
+    }
+}
