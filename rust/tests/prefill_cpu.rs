@@ -36,6 +36,7 @@ fn setup() -> (MutexGuard<'static, ()>, MlxDevice, KernelRegistry) {
 fn for_each_isa(mut f: impl FnMut(&str)) {
     for isa in simd::detected_isas() {
         simd::force_isa(Some(isa)).unwrap();
+        assert_eq!(simd::selected_isa(), isa, "the forced instruction set is not the one the kernels pick");
         f(isa);
     }
     simd::force_isa(None).unwrap();
