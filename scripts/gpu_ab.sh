@@ -6,13 +6,14 @@
 #
 #   bash scripts/gpu_ab.sh WHEEL_DIR_A WHEEL_DIR_B [bench arguments, e.g. --rows 8192 --cases global sliding]
 set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
 OUT=${OUT:-/tmp/gpu-ab}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 A=$1 B=$2
 shift 2
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ab-A "$A"/*.whl || exit 2
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ab-B "$B"/*.whl || exit 2
+install_wheels "$A" /tmp/ab-A
+install_wheels "$B" /tmp/ab-B
 status=0
 for run in A1 B1 A2 B2; do
   side=${run:0:1}

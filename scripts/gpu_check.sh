@@ -13,6 +13,7 @@
 # profile at its smaller sizes). ONLY="sanitizer ncu" (say) runs only the stages named
 # (pytest pytest-portable sass bench sanitizer ncu).
 set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -29,7 +30,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total 
 
 if [ -n "$WHEELS" ]; then
   stage install
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl || exit 2
+  install_wheels "$WHEELS" /tmp/site
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -c "import mlx_native as mx, os; print(mx.version(), mx.backends(), mx.Device('cuda'), os.environ.get('MLX_NATIVE_NVRTC'))" 2>&1 | tee -a "$OUT/device.txt" || exit 3

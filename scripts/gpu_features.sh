@@ -6,11 +6,12 @@
 #
 #   bash scripts/gpu_features.sh WHEEL_DIR
 set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/gpu-features}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$1"/*.whl || exit 2
+install_wheels "$1" /tmp/site
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 status=0
 echo "==== SPEC 10 check, Hopper form ($(date +%T))"

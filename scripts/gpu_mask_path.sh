@@ -8,15 +8,15 @@
 #
 #   bash scripts/gpu_mask_path.sh WHEEL_DIR [CHECKOUT_WHEEL_DIR] [ROWS]
 set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/gpu-mask-path}
 ROWS=${3:-8192}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$1"/*.whl || exit 2
+install_wheels "$1" /tmp/site
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 status=0
-step() { echo "==== $1 ($(date +%T))"; }
 bench() {  # NAME [ENV=VALUE ...]: ours alone, the explicit-mask layers
   local name=$1
   shift
@@ -49,7 +49,7 @@ step "installed again"
 bench installed2
 if [ -n "${2:-}" ]; then
   step "kernel mutations, this checkout's build"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-src "$2"/*.whl || exit 2
+  install_wheels "$2" /tmp/site-src
   PYTHONPATH=/tmp/site-src timeout 200 python3 "$HERE/scripts/mutate_kernels.py" --family cuda --gpu-jobs 6 \
     --scratch /tmp/mut-src --json "$OUT/mut-cuda.json" > "$OUT/mut-cuda.log" 2>&1 || status=$((status + 1000))
   grep -E "survived|no-compile|timeout|^cuda:" "$OUT/mut-cuda.log"

@@ -9,14 +9,14 @@
 #
 #   bash scripts/gpu_release.sh WHEEL_DIR
 set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/gpu-release}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$1"/*.whl || exit 2
+install_wheels "$1" /tmp/site
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 status=0
-step() { echo "==== $1 ($(date +%T))"; }
 step "SPEC 10, Hopper form"
 timeout "${T_FEATURES:-130}" python3 "$HERE/scripts/prefill_check_features.py" --device cuda --quick --time \
   > "$OUT/features-sm90a.log" 2>&1 || status=1

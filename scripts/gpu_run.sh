@@ -8,12 +8,13 @@
 #
 # --quick: the benchmark at 2048 rows, global and sliding layers only.
 set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/gpu-run}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # the bench runs in another folder
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$1"/*.whl || exit 2
+install_wheels "$1" /tmp/site
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import mlx_native as mx; print(mx.version(), mx.backends(), mx.Device('auto'))" | tee -a "$OUT/device.txt" || exit 3

@@ -15,6 +15,7 @@
 #     --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64
 #   rm gpu-wheels/numpy-*.whl
 set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 WHEELS=$(cd "$1" && pwd)
 OUT=${OUT:-/tmp/gpu-transformers}
@@ -24,7 +25,7 @@ export PYTHONUNBUFFERED=1
 # Into a folder on PYTHONPATH, not a virtual environment: the machine's python is itself a
 # virtual environment's (its CUDA build of torch), which a new one would not see.
 rm -rf /tmp/hfsite
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hfsite "$WHEELS"/*.whl || exit 2
+install_wheels "$WHEELS" /tmp/hfsite
 export PYTHONPATH=/tmp/hfsite${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import mlx_native as mn, torch, transformers; print(mn.version(), mn.backends(), torch.__version__, \
