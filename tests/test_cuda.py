@@ -52,7 +52,11 @@ def test_kernels_compile_with_nvrtc_through_the_c_abi():
             # The Hopper form at head dim 128 runs two CTAs an SM within 128 registers and
             # spills a little there (still the faster form: mainloop_sm90.cuh, HCfg).
             allowed = function.endswith("_xf") or function in ("flash_attn_prefill_d128", "flash_attn_prefill_d128_bf16")
-            assert stores <= (128 if allowed else 0), line
+            # The warp-specialised pair forms at head dim 256 hold O, S and P in the
+            # consumers' 240 registers and spill up to about 60 words (measured faster:
+            # docs/benchmarks.md, 2026-12-01 18:05).
+            ws = "d256" in function and "_pair_" in function
+            assert stores <= (256 if ws else 128 if allowed else 0), line
 
 
 def test_bad_architecture_names_are_refused():

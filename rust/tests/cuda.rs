@@ -64,7 +64,18 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                         let two_ctas = arch == "sm_90a"
                             && (function.starts_with("flash_attn_prefill_d128'")
                                 || function.starts_with("flash_attn_prefill_d128_bf16'"));
-                        let allowed = if function.contains("_xf'") || two_ctas { 128 } else { 0 };
+                        // The warp-specialised pair forms at head dim 256: the consumers have
+                        // 240 registers (the producer warpgroup releases the rest to them), and
+                        // ptxas spills up to about 60 words there; measured faster than the
+                        // form that spills nothing (docs/benchmarks.md, 2026-12-01 18:05).
+                        let ws = arch == "sm_90a" && function.contains("d256") && function.contains("_pair_");
+                        let allowed = if function.contains("_xf'") || two_ctas {
+                            128
+                        } else if ws {
+                            256
+                        } else {
+                            0
+                        };
                         assert!(stores <= allowed, "{arch}: {function} spills registers: {line}");
                     }
                 }

@@ -44,10 +44,12 @@
 // The CTA-pair forms (`hopper::attention<D, PAIR_HEADS | PAIR_QUERIES>`), launched in
 // clusters of two along y (heads) or x (query tiles). K and V come through tensor maps
 // (4-d: head dim, KV heads, cache rows, sequences; boxes of 64 x 1 x 64 x 1 with the
-// 128-byte swizzle), made by the host when the strides allow it.
-#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T)                                                         \
-    extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(NTHREADS, 1)                 \
-    NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) { \
-        hopper::attention<DIM, MODE, T>(MLXN_PASS, &kmap, &vmap);                                           \
+// 128-byte swizzle), made by the host when the strides allow it. Head dim 256 is the
+// warp-specialised form (WS_THREADS threads: a producer warpgroup beside the two consumers).
+#define MLXN_PAIR_THREADS(DIM) ((DIM) == 256 ? WS_THREADS : NTHREADS)
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T)                                                           \
+    extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
+    NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) {   \
+        hopper::attention<DIM, MODE, T, (DIM) == 256>(MLXN_PASS, &kmap, &vmap);                               \
     }
 #endif

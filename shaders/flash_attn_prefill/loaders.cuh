@@ -97,11 +97,13 @@ __device__ __forceinline__ void load_rows_f16(u32 dst, const u16* __restrict__ s
 // The mask tile of cache step `t` for the CTA's `qpc` query rows (`mask`: the
 // sequence's): [qpc][64] halves,
 // 128 bytes per row, swizzled. Rows at or past lq and columns at or past lk are zeros
-// and are never read (the kernel makes those scores -inf by visibility).
+// and are never read (the kernel makes those scores -inf by visibility). Thread `first` of
+// `threads` (the CTA's, or one producer warp's lanes) copies every threads-th chunk.
 __device__ __forceinline__ void load_mask_tile(u32 dst, const u16* __restrict__ mask, const Params& p, int lq, int lk,
-                                               int q_cta, int qpc, int t, bool aligned) {
+                                               int q_cta, int qpc, int t, bool aligned, int first = threadIdx.x,
+                                               int threads = NTHREADS) {
     const int total = qpc * 8;
-    for (int i = threadIdx.x; i < total; i += NTHREADS) {
+    for (int i = first; i < total; i += threads) {
         const int r = i >> 3, c = i & 7;
         const int qr = q_cta + r;
         const int j0 = t * STEP + c * 8;

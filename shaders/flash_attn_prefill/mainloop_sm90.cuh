@@ -4,6 +4,7 @@
 #include "flash_attn_prefill/epilogue.cuh"
 #include "flash_attn_prefill/loaders.cuh"
 #include "flash_attn_prefill/softmax.cuh"
+#include "flash_attn_prefill/mainloop_sm90_ws.cuh"
 #include "flash_attn_prefill/sm90_ptx.cuh"
 
 // ================================================================== Hopper (sm_90a): wgmma
@@ -24,6 +25,9 @@
 // and 32 of the 64 score columns of the step (m64n32k16), the row maxima are exchanged
 // through shared memory, and each warpgroup's half of P goes through shared memory to the
 // other. Single-buffered (the tiles take 192 KB).
+// Head dim 256 in CTA pairs (fixed-length K/V the TMA can address): the warp-specialised
+// pipeline of mainloop_sm90_ws.cuh (a producer warpgroup; the two consumer warpgroups
+// synchronise on mbarriers, not on CTA barriers, and take turns at the tensor cores).
 namespace hopper {
 
 template <int D>
@@ -49,7 +53,7 @@ struct HCfg {
     static constexpr int MASK_BYTES = ROWS * STEP * 2;
     static constexpr int P_BYTES = G > 1 ? 2 * 4 * 2 * 32 * 16 : 0;  // [warpgroup][warp][k-chunk][lane]
     static constexpr int RED_BYTES = G > 1 ? 2 * 64 * 4 : 0;          // [warpgroup][row]
-    static constexpr int BAR_BYTES = 64;                              // the CTA-pair forms' mbarriers
+    static constexpr int BAR_BYTES = D == 256 ? 128 : 64;  // the CTA-pair forms' mbarriers (WS_BAR_BYTES at 256)
     static constexpr int SMEM = 1024 + Q_BYTES + NSTAGE * (2 * KV_BYTES + MASK_BYTES) + P_BYTES + RED_BYTES + BAR_BYTES;
 };
 
@@ -83,7 +87,8 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ sr
 #define PAIR_NONE 0
 #define PAIR_HEADS 1
 #define PAIR_QUERIES 2
-template <int D, int PAIR = PAIR_NONE, class T = ElemF16>
+// WS: the warp-specialised pipeline (mainloop_sm90_ws.cuh) instead of the loops below.
+template <int D, int PAIR = PAIR_NONE, class T = ElemF16, bool WS = false>
 __device__ __forceinline__ void attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
                                           const u16* __restrict__ k, const u16* __restrict__ v,
                                           const u16* __restrict__ mask, const u8* __restrict__ blk,
@@ -92,6 +97,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                                           const float* __restrict__ sinks,
                                           const TMap* kmap = nullptr, const TMap* vmap = nullptr) {
     typedef HCfg<D> C;
+    static_assert(!WS || (PAIR != PAIR_NONE && C::G == 1 && C::NSTAGE == 2), "the warp-specialised form: pairs, double-buffered");
+    static_assert(WS || PAIR == PAIR_NONE || C::NSTAGE == 1, "double-buffered pairs are the warp-specialised form");
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_base = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
     const u32 s_q = s_base;
@@ -99,7 +106,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const u32 s_mask = s_kv + C::NSTAGE * 2 * C::KV_BYTES;  // stage i
     const u32 s_p = s_mask + C::NSTAGE * C::MASK_BYTES;
     const u32 s_red = s_p + C::P_BYTES;
-    const u32 s_bar = s_red + C::RED_BYTES;  // PAIR: two mbarriers (K, V at 512; stage 0, 1 at 256)
+    const u32 s_bar = s_red + C::RED_BYTES;  // PAIR: the mbarriers (K and V at 512; the WS pipeline's at 256)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g8 = lane >> 2, tig = lane & 3;
@@ -125,8 +132,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int group = p.n_heads / p.n_kv_heads;
     const int kvh = ((int)blockIdx.y * hpc) / group;
 
-    // ---- Q: qh = T(scale * q) in the atom layout; rows past lq zero.
-    {
+    // ---- Q: qh = T(scale * q) in the atom layout; rows past lq zero (by the consumers).
+    if (!WS || tid < NTHREADS) {
         constexpr int CH = D / 8;
         for (int i = tid; i < C::ROWS * CH; i += NTHREADS) {
             const int r = i / CH, c = i % CH;
@@ -219,28 +226,38 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         return bytes != 0;
     };
 
+    // S = Q K^T of the step in `stage`, into s (this thread's scores): issued and
+    // committed; the caller waits.
+    auto qk_issue = [&](int stage, float (&s)[C::NS]) {
+        // Descriptors of k-chunk kc = the tile's descriptor + the chunk's offset / 16
+        // (addresses stay below 2^18, so the 14-bit address field never carries).
+        const u64 db0 = desc_sw128(s_kv + stage * 2 * C::KV_BYTES + (u32)(ch * C::JW * 128), 16, 1024);
+        const u64 da0 = desc_sw128(s_q + (u32)(rg * 64 * 128), 16, 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            const u64 da = da0 + (u64)(((kc >> 2) * C::ROWS * 128 + (kc & 3) * 32) >> 4);
+            const u64 db = db0 + (u64)(((kc >> 2) * STEP * 128 + (kc & 3) * 32) >> 4);
+            if constexpr (C::JW == 64) wgmma_ss_n64<T>(s, da, db, kc > 0);
+            else wgmma_ss_n32<T>(s, da, db, kc > 0);
+        }
+        wgmma_commit();
+    };
+    // WS: the scores, written by the Q K^T its pipeline issues before this step's softmax.
+    float s_ws[WS ? C::NS : 1];
     auto scores_and_softmax = [&](int t, int stage, TB sb) -> bool {
         int tb;
         const int b = rows_class(q0, t, sb, tb);
         const bool wg_active = wg_computes(t, sb);
         float mx[2] = {0.f, 0.f};
-        float s[C::NS];
+        float s_own[C::NS];
+        float(&s)[C::NS] = *(WS ? reinterpret_cast<float(*)[C::NS]>(s_ws) : &s_own);
         if (wg_active) {
-            // Descriptors of k-chunk kc = the tile's descriptor + the chunk's offset / 16
-            // (addresses stay below 2^18, so the 14-bit address field never carries).
-            const u64 db0 = desc_sw128(s_kv + stage * 2 * C::KV_BYTES + (u32)(ch * C::JW * 128), 16, 1024);
-            const u64 da0 = desc_sw128(s_q + (u32)(rg * 64 * 128), 16, 1024);
-            wgmma_fence();
-#pragma unroll
-            for (int kc = 0; kc < D / 16; ++kc) {
-                const u64 da = da0 + (u64)(((kc >> 2) * C::ROWS * 128 + (kc & 3) * 32) >> 4);
-                const u64 db = db0 + (u64)(((kc >> 2) * STEP * 128 + (kc & 3) * 32) >> 4);
-                if constexpr (C::JW == 64) wgmma_ss_n64<T>(s, da, db, kc > 0);
-                else wgmma_ss_n32<T>(s, da, db, kc > 0);
+            if constexpr (!WS) {
+                qk_issue(stage, s);
+                wgmma_wait0();
+                fence_regs(s);
             }
-            wgmma_commit();
-            wgmma_wait0();
-            fence_regs(s);
             if (p.softcap > 0.f) {
                 const float inv = 1.f / p.softcap;
 #pragma unroll
@@ -338,8 +355,9 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         return wg_active;
     };
 
-    // O += P V for the step, from stage `stage` (P in pk, or in shared memory at 512).
-    auto pv = [&](int stage) {
+    // O += P V for the step, from stage `stage` (P in pk, or in shared memory at 512):
+    // issued and committed; pk and o stay the product's until the caller waits.
+    auto pv_issue = [&](int stage) {
         const u32 v_tile = s_kv + stage * 2 * C::KV_BYTES + C::KV_BYTES + (u32)(ch * (C::DW / 64) * STEP * 128);
         u32 a[4][4];
 #pragma unroll
@@ -358,6 +376,9 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) wgmma_rs<T, C::DW>(o, a[kc], dv0 + (u64)((kc * 16 * 128) >> 4));
         wgmma_commit();
+    };
+    auto pv = [&](int stage) {
+        pv_issue(stage);
         wgmma_wait0();
         fence_regs(o);
     };
@@ -371,7 +392,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             tma_load_4d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, (int)blockIdx.z, bar, 3);
         }
     };
-    if constexpr (PAIR != PAIR_NONE) {
+    if constexpr (PAIR != PAIR_NONE && !WS) {
         if (tid == 0) {
             mbar_init(s_bar, 1);
             mbar_init(s_bar + 8, 1);
@@ -385,43 +406,16 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     bool need_mask = false;
     TB sb = 0;  // step t's table bytes
     int t = next_active(-1, need_mask, sb);
-    if constexpr (C::NSTAGE == 2 && PAIR != PAIR_NONE) {
-        // Stage i's K and V complete on the mbarrier at s_bar + 8 i.
-        auto issue = [&](int st, int t) {
-            const u32 bar = s_bar + 8 * st, dst = s_kv + st * 2 * C::KV_BYTES;
-            mbar_expect_tx(bar, 2 * C::KV_BYTES);
-            tma_half(kmap, dst, bar, t);
-            tma_half(vmap, dst + C::KV_BYTES, bar, t);
+    if constexpr (WS) {
+        auto qk_ws = [&](int st) { qk_issue(st, *reinterpret_cast<float(*)[C::NS]>(s_ws)); };
+        auto issue_k = [&](int st, int t, u32 bar) { tma_half(kmap, s_kv + st * 2 * C::KV_BYTES, bar, t); };
+        auto issue_v = [&](int st, int t, u32 bar) { tma_half(vmap, s_kv + st * 2 * C::KV_BYTES + C::KV_BYTES, bar, t); };
+        auto load_mask_warp = [&](int st, int t, int lane) {
+            load_mask_tile(s_mask + st * C::MASK_BYTES, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al, lane, 32);
         };
-        if (t < steps) {
-            if (tid == 0) issue(0, t);
-            if (need_mask) load_mask(0, t);
-            cp_async_commit();
-        }
-        cluster_arrive();  // stage 1 is free (the first wait below)
-        int stage = 0;
-        u32 phases = 0;
-        while (t < steps) {
-            cp_async_wait_all();
-            mbar_wait(s_bar + 8 * stage, (phases >> stage) & 1u);
-            phases ^= 1u << stage;
-            __syncthreads();  // step t's mask tile is in; this CTA is done with the other stage
-            cluster_wait();   // and so is the partner
-            bool nm = false;
-            TB sbn;
-            const int tn = next_active(t, nm, sbn);
-            if (tn < steps) {
-                if (tid == 0) issue(stage ^ 1, tn);
-                if (nm) load_mask(stage ^ 1, tn);
-                cp_async_commit();
-            }
-            if (scores_and_softmax(t, stage, sb)) pv(stage);
-            cluster_arrive();  // done with this stage
-            stage ^= 1;
-            t = tn;
-            sb = sbn;
-        }
-        cluster_wait();  // the partner no longer touches this CTA's shared memory
+        if (!ws_pipeline(s_bar, C::KV_BYTES, steps, t, need_mask, sb, s_ws, o, next_active, wg_computes, qk_ws, pv_issue,
+                         scores_and_softmax, issue_k, issue_v, load_mask_warp))
+            return;  // the producer warpgroup
     } else if constexpr (C::NSTAGE == 2) {
         if (t < steps) {
             load_k(0, t);
@@ -561,11 +555,12 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         if ((p.flags & PREFILL_LSE) && ch == 0 && tig == 0)
             lse[sq.lse + (i64)head * p.lse_head_stride + r] = lse_of(m_run[hh], lt[hh]);
     }
+    if constexpr (WS) cluster_wait();  // the partner no longer touches this CTA's shared memory
 }
 
 static_assert(HCfg<64>::SMEM == 83008, "Hopper d64 shared memory changed: update the CUDA backend");
 static_assert(HCfg<128>::SMEM == 83008, "Hopper d128 shared memory changed: update the CUDA backend");
-static_assert(HCfg<256>::SMEM == 230464, "Hopper d256 shared memory changed: update the CUDA backend");
+static_assert(HCfg<256>::SMEM == 230528, "Hopper d256 shared memory changed: update the CUDA backend");
 static_assert(HCfg<512>::SMEM == 214592, "Hopper d512 shared memory changed: update the CUDA backend");
 
 }  // namespace hopper

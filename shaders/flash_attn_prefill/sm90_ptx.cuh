@@ -51,6 +51,35 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
             : "memory");
     } while (!done);
 }
+// This thread's arrival on `bar` (of this CTA).
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// This thread's arrival on the mbarrier at the same offset as `bar` in CTA `rank` of the
+// cluster (this one or the partner). It releases at the CTA's scope (the default): a
+// consumer's arrival says its products are done reading a tile (wgmma's wait saw them
+// complete), which needs no cluster-wide fence; one with .release.cluster made every
+// consumer warp stall on a memory barrier each step (Nsight Compute, 2026-12-01).
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
+    asm volatile(
+        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar), "r"(rank)
+        : "memory");
+}
+// Half of a named barrier: arrive on `id` (of `threads`) without waiting for it.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// The register budget of this warpgroup's threads, moved down (a producer's) or up (a
+// consumer's); every warp of the warpgroup executes it.
+template <int N>
+__device__ __forceinline__ void regs_release() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_claim() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
 // One box of a 4-d tensor map into shared memory at `dst` of every CTA in `cta_mask`
 // (the same offset in each), completing bytes on the mbarrier at `bar` in each. Rows past
 // the map's extent (the sequence's cache) land as zeros.

@@ -54,6 +54,10 @@ pub const FLASH_ATTN_PREFILL_CUDA_PARTS: &[(&str, &str)] = &[
     ("flash_attn_prefill/mainloop_sm80.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm80.cuh")),
     ("flash_attn_prefill/sm90_ptx.cuh", include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh")),
     ("flash_attn_prefill/mainloop_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90.cuh")),
+    (
+        "flash_attn_prefill/mainloop_sm90_ws.cuh",
+        include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90_ws.cuh"),
+    ),
     ("flash_attn_prefill/entry.cuh", include_str!("../../../shaders/flash_attn_prefill/entry.cuh")),
 ];
 

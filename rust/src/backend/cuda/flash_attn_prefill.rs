@@ -96,6 +96,9 @@ pub const KERNELS: &[CudaKernel] = &[
 
 /// Threads of an attention CTA (8 warps).
 pub const ATTENTION_THREADS: u32 = 256;
+/// Threads of the warp-specialised CTA (the pair forms at head dim 256: a producer
+/// warpgroup beside the two consumers; the kernel's `WS_THREADS`).
+pub const WS_THREADS: u32 = 384;
 /// Query rows of one warp's row group (the mma.sync form).
 const ROWS_PER_GROUP: u32 = 32;
 
@@ -138,7 +141,7 @@ pub fn attention_shared_bytes(dk: u32, dv: u32, hopper: bool) -> Option<u32> {
     match (dk, dv, hopper) {
         (64, 64, true) => Some(83_008),
         (128, 128, true) => Some(83_008),
-        (256, 256, true) => Some(230_464),
+        (256, 256, true) => Some(230_528),
         (512, 512, true) => Some(214_592),
         (_, _, true) => None,
         _ => {
@@ -404,7 +407,8 @@ pub fn attention_launch(
             p.batch
         )));
     }
-    let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32], [ATTENTION_THREADS, 1, 1], shared);
+    let threads = if maps.is_some() && head_dim == 256 { WS_THREADS } else { ATTENTION_THREADS };
+    let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32], [threads, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(p));
     l.push_bytes(bytemuck::bytes_of(&launch));
     for ptr in [b.q, b.k, b.v, b.mask, b.blk, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
@@ -571,7 +575,7 @@ mod tests {
     #[test]
     fn each_kernel_states_its_shared_memory_and_pair_forms() {
         assert_eq!((KERNELS[0].shared_bytes)(false), Some(164_896));
-        assert_eq!((KERNELS[0].shared_bytes)(true), Some(230_464));
+        assert_eq!((KERNELS[0].shared_bytes)(true), Some(230_528));
         assert_eq!((KERNELS[1].shared_bytes)(true), Some(214_592));
         for (k, hd) in KERNELS.iter().zip([256, 512]) {
             let names: Vec<String> = PairMode::ALL.iter().map(|m| m.entry(hd)).collect();
@@ -580,6 +584,21 @@ mod tests {
                 assert_eq!(k.hopper_variants[m.variant()], m.entry(hd));
             }
         }
+    }
+
+    /// The threads the host launches the warp-specialised pair forms with are the kernel's
+    /// (`WS_THREADS`: the consumers' NTHREADS and a producer warpgroup), and the entry
+    /// macro gives them at head dim 256 only.
+    #[test]
+    fn the_warp_specialised_form_launches_the_kernels_threads() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders/flash_attn_prefill");
+        let ws = std::fs::read_to_string(dir.join("mainloop_sm90_ws.cuh")).unwrap();
+        assert!(ws.contains("#define WS_THREADS (NTHREADS + 128)"), "the kernel's thread count changed");
+        let common = std::fs::read_to_string(dir.join("common.cuh")).unwrap();
+        assert!(common.contains(&format!("#define NTHREADS {ATTENTION_THREADS}")));
+        assert_eq!(WS_THREADS, ATTENTION_THREADS + 128);
+        let entry = std::fs::read_to_string(dir.join("entry.cuh")).unwrap();
+        assert!(entry.contains("#define MLXN_PAIR_THREADS(DIM) ((DIM) == 256 ? WS_THREADS : NTHREADS)"));
     }
 
     /// The shared memory the host reserves is what each instantiation file's compile-time
