@@ -82,6 +82,7 @@ CU_EPILOGUE = "shaders/flash_attn_prefill/epilogue.cuh"
 CU_SM80 = "shaders/flash_attn_prefill/mainloop_sm80.cuh"
 CU_SM90 = "shaders/flash_attn_prefill/mainloop_sm90.cuh"
 CU_SM90_PTX = "shaders/flash_attn_prefill/sm90_ptx.cuh"
+CU_SM90_WS = "shaders/flash_attn_prefill/mainloop_sm90_ws.cuh"
 T_CU = "shaders/flash_attn_prefill_tensor.cu"
 B_CU = "shaders/flash_attn_prefill_blk.cu"
 P_RS = "rust/src/backend/cpu/prefill_tile.rs"
@@ -277,6 +278,13 @@ MUTATIONS: List[Mutation] = [
       "both forms: the walk past a window with no step to compute skips the next window too"),
     M("cuda-window-row", "cuda", CU_RANGE, "(8 * (ra / bq - tr_first))", "(8 * (ra / bq - tr_first) + 8)",
       "both forms: a row's table byte taken from the next table row"),
+    M("cuda-ws-v-step", "cuda", CU_SM90_WS, "issue_v(st ^ 1, tp, bars.full_v(st ^ 1));\n                    }\n                }\n                if (j >= 2)",
+      "issue_v(st ^ 1, t, bars.full_v(st ^ 1));\n                    }\n                }\n                if (j >= 2)",
+      "Hopper d256 pairs: the producer loads the V of this step where the last one's belongs"),
+    M("cuda-ws-pv-stage", "cuda", CU_SM90_WS, "if (act_prev) pv_issue(st ^ 1);", "if (act_prev) pv_issue(st);",
+      "Hopper d256 pairs: the last step's P V reads V from this step's stage"),
+    M("cuda-ws-act-prev", "cuda", CU_SM90_WS, "act_prev = act;", "act_prev = more;",
+      "Hopper d256 pairs: a warpgroup that skipped a step still adds P V (its stale P) after it"),
     M("cuda-mask-add", "cuda", CU_SM90, "            if (b == 1) {\n                // -inf where a pair",
       "            if (b == 2) {\n                // -inf where a pair", "Hopper: class-1 work done for class 2"),
     M("cuda-mask-byte", "cuda", CU_SM90, "if (tb == 1) {\n                            unpack_half2",
