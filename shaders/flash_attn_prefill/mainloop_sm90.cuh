@@ -99,6 +99,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     typedef HCfg<D> C;
     static_assert(!WS || (PAIR != PAIR_NONE && C::G == 1 && C::NSTAGE == 2), "the warp-specialised form: pairs, double-buffered");
     static_assert(WS || PAIR == PAIR_NONE || C::NSTAGE == 1, "double-buffered pairs are the warp-specialised form");
+    static_assert(!WS || C::BAR_BYTES >= WS_BAR_BYTES, "the pipeline's mbarriers fit HCfg::BAR_BYTES");
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_base = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
     const u32 s_q = s_base;
