@@ -12,6 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cargo-mutants}
 JOBS=${JOBS:-1}
+mkdir -p "$OUT"
 export CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_TEST_DEBUG=0
 TARGETS="--lib --test validation --test flash_attn_cpu --test planted --test fuzz --test prefill_cpu --test prefill_score_transforms"
 ARGS=()
@@ -22,5 +23,5 @@ for f in "${FILES[@]}"; do
   name=$(basename "$(dirname "$f")")_$(basename "$f" .rs)
   echo "=== $f ($(date +%T))"
   cargo mutants -d . -j "$JOBS" --timeout 120 --build-timeout 300 -f "$f" -o "$OUT/$name" --no-shuffle "${ARGS[@]}" 2>&1 |
-    grep -E "^(MISSED|TIMEOUT|Found|ok|[0-9]+ mutants)" || true
+    grep -E "^(MISSED|TIMEOUT|Found|ok|[0-9]+ mutants|Error)" || true
 done
