@@ -22,6 +22,8 @@ FILES=("$@")
 for f in "${FILES[@]}"; do
   name=$(basename "$(dirname "$f")")_$(basename "$f" .rs)
   echo "=== $f ($(date +%T))"
-  cargo mutants -d . -j "$JOBS" --timeout 120 --build-timeout 300 -f "$f" -o "$OUT/$name" --no-shuffle "${ARGS[@]}" 2>&1 |
+  # --gitignore true: the copies leave out the virtual environments and build outputs (GBs each).
+  cargo mutants -d . -j "$JOBS" --gitignore true --timeout 120 --build-timeout 300 -f "$f" -o "$OUT/$name" \
+    --no-shuffle "${ARGS[@]}" 2>&1 |
     grep -E "^(MISSED|TIMEOUT|Found|ok|[0-9]+ mutants|Error)" || true
 done
