@@ -2,8 +2,9 @@
 # cargo mutants over the op layer and the CPU backend, one source file at a time, so a run
 # cut short keeps what it finished (docs/reliability.md, "cargo mutants"). Each mutant is
 # built with only the test targets that judge it (the lib's unit tests, validation, the CPU
-# kernels' tests, the planted cases, the property tests), without debug info: 15-45 s a
-# mutant on a 2-core machine instead of minutes. Results: OUT/<dir>_<file>/mutants.out
+# kernels' tests, the planted cases, the property tests, the host allocations), without
+# debug info: 15-45 s a mutant on a 2-core machine instead of minutes. Results:
+# OUT/<dir>_<file>/mutants.out
 # (caught.txt, missed.txt, timeout.txt, unviable.txt).
 #
 #   bash scripts/cargo_mutants.sh [FILE ...]   # default: every file of rust/src/ops and rust/src/backend/cpu
@@ -14,7 +15,7 @@ OUT=${OUT:-/tmp/cargo-mutants}
 JOBS=${JOBS:-1}
 mkdir -p "$OUT"
 export CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_TEST_DEBUG=0
-TARGETS="--lib --test validation --test flash_attn_cpu --test planted --test fuzz --test prefill_cpu --test prefill_score_transforms"
+TARGETS="--lib --test validation --test flash_attn_cpu --test planted --test fuzz --test prefill_cpu --test prefill_score_transforms --test host_memory"
 ARGS=()
 for t in $TARGETS; do ARGS+=("--cargo-arg=$t"); done
 FILES=("$@")
