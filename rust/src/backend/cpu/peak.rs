@@ -14,6 +14,13 @@ use crate::error::{MlxError, Result};
 /// Independent accumulators: 12 vectors (24 ymm for AVX2 is too many for 16 registers, so
 /// that path uses 6 pairs = 12 ymm); enough to cover a 4-cycle latency on 2 ports.
 const CHAINS: usize = 12;
+/// The AVX2 loop's chains: each of its vectors is a pair of ymm registers.
+const AVX2_CHAINS: usize = CHAINS / 2;
+
+/// FLOP of one iteration of a loop of `chains` vectors: an FMA (2 FLOP) per f32 lane.
+fn iteration_flop(chains: usize) -> f64 {
+    (chains * W * 2) as f64
+}
 
 /// Inner iterations per timed call, each `CHAINS` FMAs of `W` lanes.
 #[inline(always)]
@@ -52,7 +59,7 @@ unsafe fn run_avx512(iters: u64, seed: f32) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run_avx2(iters: u64, seed: f32) -> f32 {
-    chains::<super::simd::Avx2, { CHAINS / 2 }>(iters, seed)
+    chains::<super::simd::Avx2, AVX2_CHAINS>(iters, seed)
 }
 
 /// The loop for the instruction set in use, and the FLOP of one iteration.
@@ -60,12 +67,12 @@ fn pick() -> (unsafe fn(u64, f32) -> f32, f64) {
     #[cfg(target_arch = "x86_64")]
     {
         match super::simd::selected_isa() {
-            "avx512" => return (run_avx512, (CHAINS * W * 2) as f64),
-            "avx2+fma+f16c" => return (run_avx2, (CHAINS / 2 * W * 2) as f64),
+            "avx512" => return (run_avx512, iteration_flop(CHAINS)),
+            "avx2+fma+f16c" => return (run_avx2, iteration_flop(AVX2_CHAINS)),
             _ => {}
         }
     }
-    (run_portable, (CHAINS * W * 2) as f64)
+    (run_portable, iteration_flop(CHAINS))
 }
 
 /// Wall time of `iters` iterations on each of `threads` threads started together.
@@ -128,6 +135,24 @@ mod tests {
         let one = fma_peak_gflops(1).unwrap();
         assert!(one.is_finite() && one > 0.1, "one-core peak {one}");
         assert!(fma_peak_gflops(MAX_THREADS + 1).is_err());
+    }
+
+    /// The peak runs the loop of the instruction set the kernels use, and counts its FLOP
+    /// from its own number of chains (a chain is one vector of W f32 lanes).
+    #[test]
+    fn the_peak_loop_is_the_kernels_instruction_set_and_counts_its_flop() {
+        type Loop = unsafe fn(u64, f32) -> f32;
+        let (f, flop) = pick();
+        let (want, chains): (Loop, usize) = match super::super::simd::selected_isa() {
+            #[cfg(target_arch = "x86_64")]
+            "avx512" => (run_avx512, 12),
+            #[cfg(target_arch = "x86_64")]
+            "avx2+fma+f16c" => (run_avx2, 6),
+            _ => (run_portable, 12),
+        };
+        assert_eq!(f as usize, want as usize, "the loop of another instruction set");
+        assert_eq!(flop, (chains * W) as f64 * 2.0);
+        assert_eq!(iteration_flop(1), 2.0 * W as f64);
     }
 
     #[test]
