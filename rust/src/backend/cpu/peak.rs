@@ -135,6 +135,9 @@ mod tests {
         let one = fma_peak_gflops(1).unwrap();
         assert!(one.is_finite() && one > 0.1, "one-core peak {one}");
         assert!(fma_peak_gflops(MAX_THREADS + 1).is_err());
+        // The limit itself is accepted (1024 short-lived threads; about a second here).
+        let most = fma_peak_gflops(MAX_THREADS).unwrap();
+        assert!(most.is_finite() && most > 0.1, "peak of {MAX_THREADS} threads {most}");
     }
 
     /// The peak runs the loop of the instruction set the kernels use, and counts its FLOP
