@@ -158,6 +158,27 @@ mod tests {
         assert_eq!(iteration_flop(1), 2.0 * W as f64);
     }
 
+    /// The reported rate is the loop's FLOP over its time, in GFLOP/s: timed here
+    /// independently on one thread, the two agree within a factor of 3 (a wrong unit or
+    /// count is off by orders of magnitude).
+    #[test]
+    fn the_peak_is_the_loops_flop_over_its_time() {
+        let (f, flop) = pick();
+        let iters: u64 = 1 << 20;
+        let best = (0..3)
+            .map(|_| {
+                let t0 = Instant::now();
+                // SAFETY: `pick` chose an instruction set this CPU has.
+                black_box(unsafe { f(iters, 1.0) });
+                t0.elapsed()
+            })
+            .min()
+            .unwrap();
+        let direct = iters as f64 * flop / best.as_secs_f64() / 1e9;
+        let peak = fma_peak_gflops(1).unwrap();
+        assert!(peak > direct / 3.0 && peak < direct * 3.0, "peak {peak} GFLOP/s, the loop timed here {direct}");
+    }
+
     #[test]
     fn the_loop_computes_what_it_says() {
         // x <- x * a + b with a = 0.999999, b = 1e-7 stays finite and near its start.
