@@ -138,6 +138,9 @@ mod tests {
         // The limit itself is accepted (1024 short-lived threads; about a second here).
         let most = fma_peak_gflops(MAX_THREADS).unwrap();
         assert!(most.is_finite() && most > 0.1, "peak of {MAX_THREADS} threads {most}");
+        // They share the cores: together they run at least as fast as a quarter of one
+        // thread alone (a rate not multiplied by the threads is about 1000x below).
+        assert!(most > one / 4.0, "{MAX_THREADS} threads {most} GFLOP/s, one thread {one}");
     }
 
     /// The peak runs the loop of the instruction set the kernels use, and counts its FLOP
