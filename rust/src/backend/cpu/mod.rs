@@ -141,3 +141,18 @@ pub(crate) struct SendPtr<T>(pub *mut T);
 // SAFETY: see the type's comment; every use writes a range no other task touches.
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The thread count the kernels and the description report is the pool's the kernels
+    /// run on, and the description names it and the instruction set in use.
+    #[test]
+    fn the_description_names_the_kernels_threads_and_instruction_set() {
+        assert_eq!(threads(), rayon::current_num_threads());
+        assert!(threads() >= 1);
+        let d = CpuBackend::new().description();
+        assert_eq!(d, format!("cpu ({} threads, {})", rayon::current_num_threads(), simd::selected_isa()));
+    }
+}
