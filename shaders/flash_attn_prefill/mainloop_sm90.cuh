@@ -245,14 +245,14 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         wgmma_commit();
     };
     // WS: the scores, written by the Q K^T its pipeline issues before this step's softmax.
-    float s_ws[WS ? C::NS : 1];
+    float s_ws[C::NS];  // unused (and dropped by the compiler) in the other forms
     auto scores_and_softmax = [&](int t, int stage, TB sb) -> bool {
         int tb;
         const int b = rows_class(q0, t, sb, tb);
         const bool wg_active = wg_computes(t, sb);
         float mx[2] = {0.f, 0.f};
         float s_own[C::NS];
-        float(&s)[C::NS] = *(WS ? reinterpret_cast<float(*)[C::NS]>(s_ws) : &s_own);
+        float(&s)[C::NS] = WS ? s_ws : s_own;
         if (wg_active) {
             if constexpr (!WS) {
                 qk_issue(stage, s);
@@ -408,7 +408,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     TB sb = 0;  // step t's table bytes
     int t = next_active(-1, need_mask, sb);
     if constexpr (WS) {
-        auto qk_ws = [&](int st) { qk_issue(st, *reinterpret_cast<float(*)[C::NS]>(s_ws)); };
+        auto qk_ws = [&](int st) { qk_issue(st, s_ws); };
         auto issue_k = [&](int st, int t, u32 bar) { tma_half(kmap, s_kv + st * 2 * C::KV_BYTES, bar, t); };
         auto issue_v = [&](int st, int t, u32 bar) { tma_half(vmap, s_kv + st * 2 * C::KV_BYTES + C::KV_BYTES, bar, t); };
         auto load_mask_warp = [&](int st, int t, int lane) {

@@ -75,6 +75,15 @@ __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, 
     if (tid >= NTHREADS) {
         regs_release<WS_PRODUCER_REGS>();
         if (warp == NTHREADS / 32) {
+            // V of the jv-th step walked (cache step tv) into stage sv, once its last
+            // occupant (step jv - 2's) is released.
+            auto fill_v = [&](int jv, int sv, int tv) {
+                if (jv >= 2) mbar_wait(bars.empty_v(sv), ws_parity(jv) ^ 1u);
+                if (lane == 0) {
+                    mbar_expect_tx(bars.full_v(sv), (u32)kv_bytes);
+                    issue_v(sv, tv, bars.full_v(sv));
+                }
+            };
             // Step j: K_j and the mask tile into stage j % 2, and V_{j-1} into the other.
             int st = 0, j = 0, tp = 0;
             while (t < steps) {
@@ -83,13 +92,7 @@ __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, 
                     mbar_expect_tx(bars.full_k(st), (u32)kv_bytes);
                     issue_k(st, t, bars.full_k(st));
                 }
-                if (j >= 1) {
-                    if (j >= 3) mbar_wait(bars.empty_v(st ^ 1), ws_parity(j - 1) ^ 1u);
-                    if (lane == 0) {
-                        mbar_expect_tx(bars.full_v(st ^ 1), (u32)kv_bytes);
-                        issue_v(st ^ 1, tp, bars.full_v(st ^ 1));
-                    }
-                }
+                if (j >= 1) fill_v(j - 1, st ^ 1, tp);
                 if (j >= 2) mbar_wait(bars.empty_m(st), ws_parity(j) ^ 1u);
                 if (nm) {
                     load_mask(st, t, lane);
@@ -103,13 +106,7 @@ __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, 
                 TB sbn;
                 t = next_active(t, nm, sbn);
             }
-            if (j >= 1) {
-                if (j >= 3) mbar_wait(bars.empty_v(st ^ 1), ws_parity(j - 1) ^ 1u);
-                if (lane == 0) {
-                    mbar_expect_tx(bars.full_v(st ^ 1), (u32)kv_bytes);
-                    issue_v(st ^ 1, tp, bars.full_v(st ^ 1));
-                }
-            }
+            if (j >= 1) fill_v(j - 1, st ^ 1, tp);  // the last step's V
         }
         cluster_arrive();
         cluster_wait();  // the partner's consumers no longer arrive on this CTA's barriers
