@@ -22,6 +22,10 @@ else
   shift 2
 fi
 letters=(A B C D E F G H)
+if [ ${#builds[@]} -lt 1 ] || [ ${#builds[@]} -gt ${#letters[@]} ]; then
+  echo "gpu_ab.sh: give 1 to ${#letters[@]} builds (got ${#builds[@]})" >&2
+  exit 2
+fi
 for i in "${!builds[@]}"; do
   install_wheels "${builds[$i]%%:*}" "/tmp/ab-${letters[$i]}"
 done
