@@ -244,12 +244,14 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         }
         wgmma_commit();
     };
-    // WS: the scores, written by the Q K^T its pipeline issues before this step's softmax.
+    // WS: the scores, written by the Q K^T its pipeline issues before this step's softmax;
+    // `act` is the step's wg_computes, which its pipeline already has (computing it
+    // again here cost 8% at causal 16k: it lengthens the softmax's critical path and spills).
     float s_ws[C::NS];  // unused (and dropped by the compiler) in the other forms
-    auto scores_and_softmax = [&](int t, int stage, TB sb) -> bool {
+    auto scores_and_softmax = [&](int t, int stage, TB sb, bool act = false) -> bool {
         int tb;
         const int b = rows_class(q0, t, sb, tb);
-        const bool wg_active = wg_computes(t, sb);
+        const bool wg_active = WS ? act : wg_computes(t, sb);
         float mx[2] = {0.f, 0.f};
         float s_own[C::NS];
         float(&s)[C::NS] = WS ? s_ws : s_own;

@@ -44,8 +44,8 @@ __device__ __forceinline__ u32 ws_parity(int j) { return (u32)(j >> 1) & 1u; }
 // tile `nm` and table bytes `sb`). Returns true in the consumers (their O, m_run and l_run
 // hold the rows; they wait on the cluster after their epilogue), false in the producer
 // warpgroup (done). The callbacks are the mainloop's: next_active(t, nm, sb),
-// wg_computes(t, sb), qk_issue(stage) (into s), pv_issue(stage), scores_and_softmax(t, stage, sb)
-// (the step's softmax once s holds its scores),
+// wg_computes(t, sb), qk_issue(stage) (into s), pv_issue(stage), scores_and_softmax(t, stage, sb,
+// act) (the step's softmax once s holds its scores; act is wg_computes(t, sb), computed once),
 // issue_k(stage, t, bar) and issue_v(stage, t, bar) (this CTA's half of the boxes, for
 // both), load_mask(stage, t, lane) (the producer warp's share of a mask tile).
 template <class TB, int NS, int NO, class Next, class Computes, class QK, class PV, class Softmax, class IssueK,
@@ -145,7 +145,7 @@ __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, 
         TB sbn;
         const int tn = next_active(t, nm, sbn);
         mbar_wait(bars.full_m(st), ws_parity(j));
-        scores_and_softmax(t, st, sb);  // its Q K^T is in s (it computes act again)
+        scores_and_softmax(t, st, sb, act);  // its Q K^T is in s
         mbar_arrive(bars.empty_m(st));  // each thread after its own reads of the mask tile
         act_prev = act;
         ++j;
