@@ -221,9 +221,14 @@ pub fn mask_tile_rows(head_dim: u32) -> Result<u32> {
 }
 
 fn unsupported_head_dim(head_dim: u32, head_dim_v: u32) -> MlxError {
+    unsupported_head_dim_among(REGISTERED_KERNELS, head_dim, head_dim_v)
+}
+
+/// The error for a head dim pair without a kernel among `registered`, with the dims it has.
+fn unsupported_head_dim_among(registered: &[&str], head_dim: u32, head_dim_v: u32) -> MlxError {
     let dims: Vec<String> = HEAD_DIMS
         .iter()
-        .filter(|(_, f16, bf16)| REGISTERED_KERNELS.contains(f16) || REGISTERED_KERNELS.contains(bf16))
+        .filter(|(_, f16, bf16)| registered.contains(f16) || registered.contains(bf16))
         .map(|((k, v), _, _)| if k == v { k.to_string() } else { format!("{k} with v {v}") })
         .collect();
     MlxError::InvalidArgument(format!(
@@ -234,10 +239,14 @@ fn unsupported_head_dim(head_dim: u32, head_dim_v: u32) -> MlxError {
 
 /// The kernel of a (Q/K, V) head dim pair and K/V dtype.
 pub fn kernel_name(head_dim: u32, head_dim_v: u32, kv_dtype: DType) -> Result<&'static str> {
-    let (_, f16, bf16) = HEAD_DIMS
-        .iter()
-        .find(|(d, _, _)| *d == (head_dim, head_dim_v))
-        .ok_or_else(|| unsupported_head_dim(head_dim, head_dim_v))?;
+    kernel_name_among(REGISTERED_KERNELS, head_dim, head_dim_v, kv_dtype)
+}
+
+/// [`kernel_name`] in a build whose kernels are `registered` (a test gives a list that
+/// lacks some, as a build without a backend's form of them would).
+fn kernel_name_among(registered: &[&str], head_dim: u32, head_dim_v: u32, kv_dtype: DType) -> Result<&'static str> {
+    let unsupported = || unsupported_head_dim_among(registered, head_dim, head_dim_v);
+    let (_, f16, bf16) = HEAD_DIMS.iter().find(|(d, _, _)| *d == (head_dim, head_dim_v)).ok_or_else(unsupported)?;
     let name = match kv_dtype {
         DType::F16 => f16,
         DType::BF16 => bf16,
@@ -247,14 +256,14 @@ pub fn kernel_name(head_dim: u32, head_dim_v: u32, kv_dtype: DType) -> Result<&'
             )))
         }
     };
-    if REGISTERED_KERNELS.contains(name) {
+    if registered.contains(name) {
         Ok(name)
-    } else if kv_dtype == DType::BF16 && REGISTERED_KERNELS.contains(f16) {
+    } else if kv_dtype == DType::BF16 && registered.contains(f16) {
         Err(MlxError::UnsupportedDtype(format!(
             "flash_attn_prefill: this build has no BF16 K/V kernel at head dim {head_dim}; convert k and v to F16"
         )))
     } else {
-        Err(unsupported_head_dim(head_dim, head_dim_v))
+        Err(unsupported())
     }
 }
 
@@ -818,6 +827,46 @@ mod tests {
             assert_eq!(kernel_name(*dk, *dv, dtype).is_ok(), REGISTERED_KERNELS.contains(&name), "{name}");
         }
         assert!(matches!(kernel_name(256, 256, DType::F32), Err(MlxError::UnsupportedDtype(_))));
+    }
+
+    #[test]
+    fn a_build_without_some_kernels_refuses_them_and_names_what_it_has() {
+        // Without the BF16 kernel at 128: BF16 K/V there is a dtype error that says what to
+        // do; F16 still runs, and 128 is still among the dims the build takes.
+        let some: Vec<&str> =
+            REGISTERED_KERNELS.iter().copied().filter(|n| *n != "flash_attn_prefill_d128_bf16").collect();
+        assert_eq!(kernel_name_among(&some, 128, 128, DType::F16).unwrap(), "flash_attn_prefill_d128");
+        let e = kernel_name_among(&some, 128, 128, DType::BF16).unwrap_err();
+        assert!(matches!(&e, MlxError::UnsupportedDtype(m) if m.contains("convert k and v to F16")), "{e}");
+        let e = kernel_name_among(&some, 100, 100, DType::F16).unwrap_err().to_string();
+        assert!(e.contains("128, 192"), "{e}");
+        // Without either kernel at 128: an unsupported head dim, 128 gone from the list.
+        let fewer: Vec<&str> = some.iter().copied().filter(|n| *n != "flash_attn_prefill_d128").collect();
+        for dtype in [DType::F16, DType::BF16] {
+            let e = kernel_name_among(&fewer, 128, 128, dtype).unwrap_err();
+            assert!(matches!(&e, MlxError::InvalidArgument(_)), "{e}");
+            let e = e.to_string();
+            assert!(e.contains("unsupported head_dim 128") && e.contains("112, 192"), "{e}");
+        }
+        // Without the F16 kernel alone: BF16 runs, F16 is an unsupported head dim.
+        let no_f16: Vec<&str> = REGISTERED_KERNELS.iter().copied().filter(|n| *n != "flash_attn_prefill_d64").collect();
+        assert_eq!(kernel_name_among(&no_f16, 64, 64, DType::BF16).unwrap(), "flash_attn_prefill_d64_bf16");
+        let e = kernel_name_among(&no_f16, 64, 64, DType::F16).unwrap_err().to_string();
+        assert!(e.contains("unsupported head_dim 64") && e.contains("take 64, 80"), "{e}");
+    }
+
+    #[test]
+    fn every_kernel_is_registered_against_the_cuda_file_that_defines_it() {
+        // The entry macros name the head dims and the K/V element type: `(name, DK, Elem)`
+        // for the tensor-core forms, `(name, DK, DV, Elem)` for the portable ones.
+        for ((dk, dv), f16, bf16) in HEAD_DIMS {
+            for (name, elem) in [(f16, "ElemF16"), (bf16, "ElemBF16")] {
+                let text = prefill_kernel_source(name).cuda.expect("every prefill kernel has a CUDA source").text;
+                let tensor = format!(", {dk}, {elem})");
+                let portable = format!(", {dk}, {dv}, {elem})");
+                assert!(text.contains(&tensor) || text.contains(&portable), "{name}: its file lacks {tensor}");
+            }
+        }
     }
 
     #[test]

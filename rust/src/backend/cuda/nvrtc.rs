@@ -640,7 +640,12 @@ impl DiskCache {
     pub fn remove(&self, _name: &str) {}
 }
 
+/// `MLX_NATIVE_CUDA_CUBIN_DIR`: where [`compile_report`] also writes each file's cubin
+/// (`<file>.<arch>.cubin`), for nvdisasm.
+pub const CUBIN_DIR_ENV: &str = "MLX_NATIVE_CUDA_CUBIN_DIR";
+
 /// Compile `source` for `arch` without a device, with ptxas's resource report: the log.
+
 pub fn compile_report(file: &str, source: &str, arch: &str) -> Result<String> {
     let nv = nvrtc()?;
     let mut opts = options(arch);
@@ -648,6 +653,13 @@ pub fn compile_report(file: &str, source: &str, arch: &str) -> Result<String> {
     let (cubin, log) = nv.compile(file, source, &opts)?;
     let (maj, min) = nv.version();
     let mut report = format!("nvrtc {maj}.{min} ({})\n", nv.origin);
+    // A developer reading the machine code (nvdisasm) asks for the cubin itself.
+    if let Some(dir) = std::env::var_os(CUBIN_DIR_ENV).filter(|d| !d.is_empty()) {
+        let path = Path::new(&dir).join(format!("{}.{arch}.cubin", file.replace('/', "_")));
+        std::fs::write(&path, &cubin)
+            .map_err(|e| MlxError::Internal(format!("cannot write {}: {e}", path.display())))?;
+        report.push_str(&format!("cubin {}\n", path.display()));
+    }
     for name in entry_points(&cubin) {
         report.push_str(&format!("entry point {name}\n"));
     }
