@@ -645,7 +645,6 @@ impl DiskCache {
 pub const CUBIN_DIR_ENV: &str = "MLX_NATIVE_CUDA_CUBIN_DIR";
 
 /// Compile `source` for `arch` without a device, with ptxas's resource report: the log.
-
 pub fn compile_report(file: &str, source: &str, arch: &str) -> Result<String> {
     let nv = nvrtc()?;
     let mut opts = options(arch);
