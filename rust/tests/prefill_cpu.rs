@@ -458,8 +458,10 @@ fn leaving_out_unseen_cache_rows_changes_no_bit() {
     for (name, c) in cases {
         let skipping = run(&dev, &mut reg, &c, Table::Computed);
         flash_attn_prefill::set_column_skipping(false);
+        assert!(!flash_attn_prefill::column_skipping(), "the switch did not turn column skipping off");
         let full = run(&dev, &mut reg, &c, Table::Computed);
         flash_attn_prefill::set_column_skipping(true);
+        assert!(flash_attn_prefill::column_skipping(), "the switch did not turn column skipping back on");
         assert!(same_bits(&skipping, &full), "{name}: skipping unseen cache rows changes the output");
     }
 }
@@ -706,6 +708,9 @@ fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
     };
     let blocks: Vec<(&str, FlashAttnPrefillParamsGpu)> = vec![
         ("head dim 512 on the d256 kernel", f(|x| x.head_dim = 512)),
+        // Each dim alone, smaller than the kernel's (the buffers still hold the block).
+        ("Q/K head dim 128 on the d256 kernel", f(|x| x.head_dim = 128)),
+        ("V head dim 128 on the d256 kernel", f(|x| x.head_dim_v = 128)),
         ("no heads", f(|x| x.n_heads = 0)),
         ("no KV heads", f(|x| x.n_kv_heads = 0)),
         ("heads that do not group", f(|x| x.n_heads = 3)),

@@ -63,6 +63,12 @@ pub fn set_column_skipping(on: bool) {
     COLUMN_SKIP.store(on, Ordering::Relaxed);
 }
 
+/// The switch [`set_column_skipping`] sets (a test comparing the two ways checks that the
+/// second run really took the other one).
+pub fn column_skipping() -> bool {
+    COLUMN_SKIP.load(Ordering::Relaxed)
+}
+
 /// Query rows of one tile at Q/K head dim `d`: the op's table tiles (`mask_tile_rows`).
 pub(super) const fn bq_of(d: usize) -> usize {
     if d <= 256 {
@@ -182,7 +188,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
         mask_rs: z(p.mask_row_stride),
         lse_hs: z(p.lse_head_stride),
         scale: p.scale,
-        column_skip: COLUMN_SKIP.load(Ordering::Relaxed),
+        column_skip: column_skipping(),
         causal: has(PREFILL_CAUSAL),
         window: u(p.window),
         has_mask: has(PREFILL_MASK),

@@ -12,7 +12,7 @@ use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::FlashAttnPrefillTensorParamsGpu as Params;
 
-pub use super::flash_attn_prefill::set_column_skipping;
+pub use super::flash_attn_prefill::{column_skipping, set_column_skipping};
 
 /// This op's kernels, by name.
 pub const KERNELS: &[(&str, CpuKernelFn)] =
