@@ -711,6 +711,18 @@ fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
         // Each dim alone, smaller than the kernel's (the buffers still hold the block).
         ("Q/K head dim 128 on the d256 kernel", f(|x| x.head_dim = 128)),
         ("V head dim 128 on the d256 kernel", f(|x| x.head_dim_v = 128)),
+        ("a negative softcap", f(|x| x.softcap = -1.0)),
+        ("an infinite softcap", f(|x| x.softcap = f32::INFINITY)),
+        ("a NaN softcap", f(|x| x.softcap = f32::NAN)),
+        ("a negative max_bias", f(|x| x.max_bias = -1.0)),
+        ("an infinite max_bias", f(|x| x.max_bias = f32::INFINITY)),
+        (
+            "ALiBi with neither a mask nor causal",
+            f(|x| {
+                x.max_bias = 1.0;
+                x.flags &= !(mlx_native::params::PREFILL_MASK | mlx_native::params::PREFILL_CAUSAL);
+            }),
+        ),
         ("no heads", f(|x| x.n_heads = 0)),
         ("no KV heads", f(|x| x.n_kv_heads = 0)),
         ("heads that do not group", f(|x| x.n_heads = 3)),
