@@ -790,6 +790,10 @@ fn the_cpu_kernels_refuse_blocks_and_buffers_no_op_makes() {
             matches!(&err, mlx_native::MlxError::Internal(m) if m.starts_with("flash_attn_prefill (cpu): ")),
             "{what}: {err:?}"
         );
+        // A short cu_seqlens is refused for its size, before a value of it is read.
+        if what.ends_with("of batch entries") {
+            assert!(err.to_string().contains("smaller than its strides need"), "{what}: {err:?}");
+        }
     }
     // A shorter total is fine (the tensors hold more rows than the sequences use).
     vgo(&[0, 20, 20, 36], &[0, 30, 40, 79]).unwrap();
