@@ -287,7 +287,11 @@ MUTATIONS: List[Mutation] = [
       "Hopper d256 pairs: a warpgroup that skipped a step still adds P V (its stale P) after it"),
     M("cuda-ws-act-true", "cuda", CU_SM90_WS, "scores_and_softmax(t, st, sb, act);",
       "scores_and_softmax(t, st, sb, true);",
-      "Hopper d256 pairs: a warpgroup that issued no Q K^T this step runs its softmax on the last step's scores"),
+      "Hopper d256 pairs: a warpgroup that issued no Q K^T this step runs its softmax on the last step's scores",
+      equivalent="act is the union test of the warpgroup's rows (wg_computes), so when it is false every warp's own "
+      "class is 0 and the softmax sets all its scores to -inf before reading them: the step's max is -inf, "
+      "nothing rescales, P is 0 and the sums gain 0; P V is not issued (act_prev keeps the true act). Survived the "
+      "H200 run of 2026-12-02 as this predicts; the bug it stands for, P V after a skipped step, is cuda-ws-act-prev"),
     M("cuda-mask-add", "cuda", CU_SM90, "            if (b == 1) {\n                // -inf where a pair",
       "            if (b == 2) {\n                // -inf where a pair", "Hopper: class-1 work done for class 2"),
     M("cuda-mask-byte", "cuda", CU_SM90, "if (tb == 1) {\n                            unpack_half2",
