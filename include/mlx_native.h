@@ -97,7 +97,8 @@ typedef struct MlxnFlashAttnPrefillParams {
   uint32_t has_offset;
 } MlxnFlashAttnPrefillParams;
 
-// Elements each operand of a prefill plan must hold (bytes for `blk`, which the plan owns).
+// Elements each operand of a prefill plan must hold (bytes for `blk`, which the plan owns,
+// and for `workspace`).
 typedef struct MlxnPrefillExtents {
   uint64_t q;
   uint64_t k;
@@ -107,6 +108,10 @@ typedef struct MlxnPrefillExtents {
   uint64_t blk;
   uint64_t lse;
   uint64_t sinks;
+  // Bytes of scratch a run can use to go faster (0: none helps): the CUDA attention
+  // splits its walk over the cache when the shape leaves the GPU idle. Pass a buffer
+  // of this size to each run (one per run in flight), or 0 to run unsplit.
+  uint64_t workspace;
 } MlxnPrefillExtents;
 
 #ifdef __cplusplus
@@ -336,7 +341,10 @@ int32_t mlxn_kv_pad(uint32_t kv_len, uint32_t *out);
 uint32_t mlxn_cache_rows_per_step(void);
 
 // `dispatch_flash_attn_prefill`: record one prefill over a batch (SPEC 6-10). `mask`,
-// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse` and `sinks` are optional: 0 for none.
+// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse`, `sinks` and `workspace` are optional: 0
+// for none. `workspace`: scratch for this dispatch alone, of at least the bytes a plan of
+// the same prefill reports (`MlxnPrefillExtents::workspace`), with which the CUDA
+// attention may split its walk over the cache; without one it does not.
 //
 // # Safety
 // `params` must be valid.
@@ -351,6 +359,7 @@ int32_t mlxn_dispatch_flash_attn_prefill(uint64_t enc,
                                          uint64_t cu_seqlens_k,
                                          uint64_t lse,
                                          uint64_t sinks,
+                                         uint64_t workspace,
                                          const struct MlxnFlashAttnPrefillParams *params);
 
 // `dispatch_flash_attn_prefill_mask_blk`: record the classification of an explicit mask
@@ -398,9 +407,10 @@ int32_t mlxn_prefill_plan_extents(uint64_t plan_handle, struct MlxnPrefillExtent
 
 // Run a plan on data (FlashInfer's `run`): each operand by address (a host pointer on the
 // CPU and Metal, a device address on CUDA), holding what [`mlxn_prefill_plan_extents`]
-// says; `mask`, `lse` and `sinks` 0 when the plan has none. `stream`: 0 runs on the library's
-// stream and waits; a CUDA stream (`cudaStream_t`) enqueues the run on it and returns at
-// once (CUDA devices; elsewhere the run happens now).
+// says; `mask`, `lse` and `sinks` 0 when the plan has none. `workspace`: 0, or scratch of
+// the extents' `workspace` bytes for this run alone (it may then run faster). `stream`: 0
+// runs on the library's stream and waits; a CUDA stream (`cudaStream_t`) enqueues the run
+// on it and returns at once (CUDA devices; elsewhere the run happens now).
 //
 // # Safety
 // Every address must point to memory of the plan's device holding its operand's extent,
@@ -413,6 +423,7 @@ int32_t mlxn_prefill_plan_run(uint64_t plan_handle,
                               uint64_t out,
                               uint64_t lse,
                               uint64_t sinks,
+                              uint64_t workspace,
                               uint64_t stream);
 
 // Free a prefill plan.

@@ -29,7 +29,8 @@ How each family runs a mutant (the repository's sources are never touched):
 - cuda: the mutated .cu goes into a scratch folder named by MLX_NATIVE_CUDA_SOURCE_DIR (read
   by the installed library; no Rust needed). On a GPU: every mutant is compiled in parallel
   processes into a private cubin cache, then the CUDA tests run against each, a few at a
-  time (`pytest -x -k cuda` over test_planted.py, test_correctness.py, test_cuda.py).
+  time (`pytest -x -k cuda` over test_planted.py, test_correctness.py, test_cuda.py,
+  test_cuda_split_kv.py).
   Mutations of the portable (mma.sync) form run with MLX_NATIVE_CUDA_ARCH=sm_90.
   `--compile-only` (no GPU): each mutant applies and compiles with NVRTC for its
   architecture (`cuda_compile_check`, which honours the knob).
@@ -83,6 +84,7 @@ CU_SM80 = "shaders/flash_attn_prefill/mainloop_sm80.cuh"
 CU_SM90 = "shaders/flash_attn_prefill/mainloop_sm90.cuh"
 CU_SM90_PTX = "shaders/flash_attn_prefill/sm90_ptx.cuh"
 CU_SM90_WS = "shaders/flash_attn_prefill/mainloop_sm90_ws.cuh"
+CU_MERGE = "shaders/flash_attn_prefill/split_merge.cuh"
 T_CU = "shaders/flash_attn_prefill_tensor.cu"
 B_CU = "shaders/flash_attn_prefill_blk.cu"
 P_RS = "rust/src/backend/cpu/prefill_tile.rs"
@@ -292,6 +294,16 @@ MUTATIONS: List[Mutation] = [
       "class is 0 and the softmax sets all its scores to -inf before reading them: the step's max is -inf, "
       "nothing rescales, P is 0 and the sums gain 0; P V is not issued (act_prev keeps the true act). Survived the "
       "H200 run of 2026-12-02 as this predicts; the bug it stands for, P V after a skipped step, is cuda-ws-act-prev"),
+    M("cuda-split-share", "cuda", CU_RANGE, "const int share = ((hi - lo) >> log2) + 1;",
+      "const int share = (hi - lo) >> log2;", "split-KV: each part's share of the steps one short (steps dropped)"),
+    M("cuda-split-part-out", "cuda", CU_RANGE, "    s.o += (i64)part * L.o_split_stride;\n", "",
+      "split-KV: every part writes its O to the first part's place in the workspace"),
+    M("cuda-merge-sink", "cuda", CU_MERGE, "if (seen && (p.flags & PREFILL_SINKS)) den = expf(sinks[h] - m);", "",
+      "split-KV merge: the sink left out of the denominator"),
+    M("cuda-merge-seen", "cuda", CU_MERGE, "const bool seen = m > ninf;", "const bool seen = true;",
+      "split-KV merge: a row no part saw weighs its parts by e^(-inf + inf)"),
+    M("cuda-merge-zero-guard", "cuda", CU_MERGE, "const float inv = den > 0.f ? 1.f / den : 0.f;",
+      "const float inv = 1.f / den;", "split-KV merge: a row that sees nothing divided by its zero sum"),
     M("cuda-mask-add", "cuda", CU_SM90, "            if (b == 1) {\n                // -inf where a pair",
       "            if (b == 2) {\n                // -inf where a pair", "Hopper: class-1 work done for class 2"),
     M("cuda-mask-byte", "cuda", CU_SM90, "if (tb == 1) {\n                            unpack_half2",
@@ -686,8 +698,8 @@ print("WARM OK")
 """
 
 CUDA_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_planted.py",
-              "tests/test_correctness.py", "tests/test_cuda.py",
-              "-k", "cuda and not source_dir and not compile and not torch and not cupy and not wrap"]  # fmt: skip
+              "tests/test_correctness.py", "tests/test_cuda.py", "tests/test_cuda_split_kv.py",
+              "-k", "cuda and not source_dir and not compile and not torch and not cupy and not wrap and not forced"]  # fmt: skip
 
 
 def _cuda_env(m: Optional[Mutation], d: Optional[Path], cache: Path) -> dict:

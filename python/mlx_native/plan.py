@@ -192,7 +192,7 @@ class PrefillPlan:
         self._finalizer = weakref.finalize(self, _free, self._handle)
         ext = ffi.new("MlxnPrefillExtents *")
         check(lib.mlxn_prefill_plan_extents(self._handle, ext))
-        self._extents = dict(out=int(ext.out), lse=int(ext.lse), blk=int(ext.blk))
+        self._extents = dict(out=int(ext.out), lse=int(ext.lse), blk=int(ext.blk), workspace=int(ext.workspace))
 
         # What a call of flash_attn_prefill on arrays of these very layouts (its cache's key)
         # may skip: building operands, checking layouts, converting or copying.
@@ -223,6 +223,14 @@ class PrefillPlan:
     @property
     def has_mask(self) -> bool:
         return self._mask_form is not None
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of scratch each run allocates (with q's library, on q's device, as the
+        outputs) to go faster: on CUDA, when the shape's tiles leave most of the GPU idle (a
+        few hundred rows against a long cache), the walk over the cache is split into parts
+        that run side by side and are merged (SPEC 8). 0 where the run is not split."""
+        return self._extents["workspace"]
 
     @property
     def visible_pairs(self) -> Optional[int]:
@@ -310,8 +318,10 @@ class PrefillPlan:
         oo = _output(out, qo, "out", self.shape, self.out_dtype)
         lo = _output(lse, qo, "lse", self.lse_shape, np.float32) if self._lse else None
         stream = qo.run_stream() if self._cuda else 0
+        # The split's scratch, for this run alone (q's library allocates it, as the outputs).
+        wo = qo.new_empty((self._extents["workspace"],), np.uint8) if self._cuda and self._extents["workspace"] else None
         _run(self._handle, qo.ptr, ko.ptr, vo.ptr, None if mo is None else mo.ptr, oo.ptr, None if lo is None else lo.ptr,
-             stream, None if so is None else so.ptr)  # fmt: skip
+             stream, None if so is None else so.ptr, None if wo is None else wo.ptr)  # fmt: skip
         return (oo.obj, lo.obj) if lo is not None else oo.obj
 
     __call__ = run
@@ -322,16 +332,18 @@ class PrefillPlan:
         d = self._direct
         if d is None:
             return self.run(q, k, v, mask, sinks=sinks)
-        new_out, new_lse, ptr = d
+        new_out, new_lse, new_workspace, ptr = d
         o = new_out(q)
         lse = new_lse(q) if self._lse else None
-        stream = 0
+        stream, ws = 0, None
         if self._cuda:
             import torch
 
             stream = torch.cuda.current_stream(q.device).cuda_stream or 1
+            if self._extents["workspace"]:
+                ws = new_workspace(q, self._extents["workspace"])
         _run(self._handle, ptr(q), ptr(k), ptr(v), None if mask is None else ptr(mask), ptr(o),
-             None if lse is None else ptr(lse), stream)  # fmt: skip
+             None if lse is None else ptr(lse), stream, None, None if ws is None else ptr(ws))  # fmt: skip
         return (o, lse) if lse is not None else o
 
     def _bind(self, x: Any, name: str, i: int) -> Operand:
@@ -417,7 +429,13 @@ class PrefillPlan:
             b["blk"] = dev.empty((max(1, self._extents["blk"]),), np.uint8) if mo is not None else None
             if self._cu is not None:
                 b["cu_q"], b["cu_k"] = dev.buffer(self._cu[0]), dev.buffer(self._cu[1])
+            b["workspace"] = self._workspace_buffer()
         return b
+
+    def _workspace_buffer(self):
+        """A device buffer for the split's scratch of encoder runs, or None."""
+        n = self._extents["workspace"]
+        return self.device.empty((n,), np.uint8) if n else None
 
     def encode(self, encoder: Encoder, *, classify: bool = True) -> None:
         """Record a run on the planned arrays on ``encoder`` (an encoder of the plan's
@@ -455,6 +473,7 @@ class PrefillPlan:
                 h(b["cu_k"]),
                 h(b["lse"]),
                 h(b.get("sinks")),
+                h(b.get("workspace")),
                 self._params,
             )
         )
@@ -484,6 +503,7 @@ class PrefillPlan:
             b["blk"] = dev.empty((max(1, self._extents["blk"]),), np.uint8)
         if self._cu is not None:
             b["cu_q"], b["cu_k"] = dev.buffer(self._cu[0]), dev.buffer(self._cu[1])
+        b["workspace"] = self._workspace_buffer()
         return b
 
     def _run_buffers(self, b: dict, out, lse, qo: Operand):
@@ -510,10 +530,12 @@ def _run(
     lse: Optional[int],
     stream: int,
     sinks: Optional[int] = None,
+    workspace: Optional[int] = None,
 ) -> None:
     """One ``mlxn_prefill_plan_run``. The C ABI reads address 0 of the mask, lse or sinks as
     "not given": an empty one (no element, so never read) takes the address of another
-    operand, and when every operand is empty there is nothing to run."""
+    operand, and when every operand is empty there is nothing to run. ``workspace`` None
+    runs unsplit."""
     if mask == 0 or lse == 0 or sinks == 0:
         some = k or q or v or out
         if not some:
@@ -521,7 +543,7 @@ def _run(
         mask = some if mask == 0 else mask
         lse = some if lse == 0 else lse
         sinks = some if sinks == 0 else sinks
-    check(lib.mlxn_prefill_plan_run(handle, q, k, v, mask or 0, out, lse or 0, sinks or 0, stream))
+    check(lib.mlxn_prefill_plan_run(handle, q, k, v, mask or 0, out, lse or 0, sinks or 0, workspace or 0, stream))
 
 
 def _numpy_ptr(a: np.ndarray) -> int:
@@ -548,6 +570,9 @@ def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
         def new_lse(q):
             return torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
+        def new_workspace(q, n):
+            return torch.empty((n,), dtype=torch.uint8, device=q.device)
+
         ptr = _torch_ptr
     else:
 
@@ -557,8 +582,11 @@ def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
         def new_lse(q):
             return np.empty(lse_shape, dtype=np.float32)
 
+        def new_workspace(q, n):
+            return np.empty((n,), dtype=np.uint8)
+
         ptr = _numpy_ptr
-    return new_out, new_lse, ptr
+    return new_out, new_lse, new_workspace, ptr
 
 
 def _check_inputs(qo: Operand, ko: Operand, vo: Operand, scale: float) -> None:

@@ -102,6 +102,7 @@ fn main() {
         cu_seqlens_k: None,
         lse: None,
         sinks: None,
+        workspace: None,
     };
     let with_mask = FlashAttnPrefillBuffers { mask: Some(&mask), blk: Some(&blk), ..plain };
     let flops = 4.0 * hd as f64 * nh as f64 * pairs as f64;

@@ -806,7 +806,10 @@ pub extern "C" fn mlxn_cache_rows_per_step() -> u32 {
 // ---------------------------------------------------------------- the front door's op
 
 /// `dispatch_flash_attn_prefill`: record one prefill over a batch (SPEC 6-10). `mask`,
-/// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse` and `sinks` are optional: 0 for none.
+/// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse`, `sinks` and `workspace` are optional: 0
+/// for none. `workspace`: scratch for this dispatch alone, of at least the bytes a plan of
+/// the same prefill reports (`MlxnPrefillExtents::workspace`), with which the CUDA
+/// attention may split its walk over the cache; without one it does not.
 ///
 /// # Safety
 /// `params` must be valid.
@@ -824,6 +827,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
     cu_seqlens_k: u64,
     lse: u64,
     sinks: u64,
+    workspace: u64,
     params: *const FlashAttnPrefillParams,
 ) -> i32 {
     guard(|| {
@@ -834,7 +838,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
         let e = encoder(enc)?;
         let (q, k, v, out) = (buffer(q)?, buffer(k)?, buffer(v)?, buffer(out)?);
         let (mask, blk, lse) = (optional_buffer(mask)?, optional_buffer(blk)?, optional_buffer(lse)?);
-        let sinks = optional_buffer(sinks)?;
+        let (sinks, workspace) = (optional_buffer(sinks)?, optional_buffer(workspace)?);
         let (cu_q, cu_k) = (optional_buffer(cu_seqlens_q)?, optional_buffer(cu_seqlens_k)?);
         let b = FlashAttnPrefillBuffers {
             q: &q,
@@ -847,6 +851,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
             cu_seqlens_k: cu_k.as_ref(),
             lse: lse.as_ref(),
             sinks: sinks.as_ref(),
+            workspace: workspace.as_ref(),
         };
         let mut encoder = lock(&e.encoder);
         let mut registry = lock(&e.ctx.registry);
@@ -898,7 +903,8 @@ pub unsafe extern "C" fn mlxn_flash_attn_prefill_mask_table_bytes(
     })
 }
 
-/// Elements each operand of a prefill plan must hold (bytes for `blk`, which the plan owns).
+/// Elements each operand of a prefill plan must hold (bytes for `blk`, which the plan owns,
+/// and for `workspace`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct MlxnPrefillExtents {
@@ -910,6 +916,10 @@ pub struct MlxnPrefillExtents {
     pub blk: u64,
     pub lse: u64,
     pub sinks: u64,
+    /// Bytes of scratch a run can use to go faster (0: none helps): the CUDA attention
+    /// splits its walk over the cache when the shape leaves the GPU idle. Pass a buffer
+    /// of this size to each run (one per run in flight), or 0 to run unsplit.
+    pub workspace: u64,
 }
 
 /// Plan a prefill on its shapes (FlashInfer's `plan`): checks `params` with the operands'
@@ -992,6 +1002,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_extents(plan_handle: u64, out: *mut M
             blk: e.blk,
             lse: e.lse,
             sinks: e.sinks,
+            workspace: pc.plan.workspace_bytes(),
         };
         Ok(())
     })
@@ -999,9 +1010,10 @@ pub unsafe extern "C" fn mlxn_prefill_plan_extents(plan_handle: u64, out: *mut M
 
 /// Run a plan on data (FlashInfer's `run`): each operand by address (a host pointer on the
 /// CPU and Metal, a device address on CUDA), holding what [`mlxn_prefill_plan_extents`]
-/// says; `mask`, `lse` and `sinks` 0 when the plan has none. `stream`: 0 runs on the library's
-/// stream and waits; a CUDA stream (`cudaStream_t`) enqueues the run on it and returns at
-/// once (CUDA devices; elsewhere the run happens now).
+/// says; `mask`, `lse` and `sinks` 0 when the plan has none. `workspace`: 0, or scratch of
+/// the extents' `workspace` bytes for this run alone (it may then run faster). `stream`: 0
+/// runs on the library's stream and waits; a CUDA stream (`cudaStream_t`) enqueues the run
+/// on it and returns at once (CUDA devices; elsewhere the run happens now).
 ///
 /// # Safety
 /// Every address must point to memory of the plan's device holding its operand's extent,
@@ -1017,6 +1029,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
     out: u64,
     lse: u64,
     sinks: u64,
+    workspace: u64,
     stream: u64,
 ) -> i32 {
     guard(|| {
@@ -1039,6 +1052,12 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
         let mb = optional("mask", mask, o.mask, e.mask, DType::F16)?;
         let lb = optional("lse", lse, o.lse, e.lse, DType::F32)?;
         let sb = optional("sinks", sinks, o.sinks, e.sinks, DType::F32)?;
+        let ws = p.workspace_bytes();
+        let wb = match workspace {
+            0 => None,
+            _ if ws == 0 => None, // nothing to split: the scratch goes unused
+            a => Some(p.wrap("workspace", a, ws, DType::U8)?),
+        };
         let b = PrefillRunBuffers {
             q: &qb,
             k: &kb,
@@ -1047,6 +1066,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
             mask: mb.as_ref(),
             lse: lb.as_ref(),
             sinks: sb.as_ref(),
+            workspace: wb.as_ref(),
         };
         let mut registry = lock(&pc.ctx.registry);
         p.run(&mut registry, &b, if stream == 0 { None } else { Some(stream) })

@@ -227,6 +227,13 @@ pub trait Backend: Send + Sync {
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline>;
     /// Run the dispatches in order; returns once they are complete.
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()>;
+    /// Bytes of workspace a dispatch of kernel `kernel_name` with the constant block
+    /// `params` (its index 0) can use to run faster (CUDA: the attention's split-KV parts);
+    /// 0 where it has no use for one. The op's plan hands it over as a buffer of its own.
+    fn workspace_bytes(&self, kernel_name: &str, params: &[u8]) -> u64 {
+        let _ = (kernel_name, params);
+        0
+    }
     /// Run the dispatches in order on the caller's stream (a CUDA stream handle) and return
     /// without waiting for them: the stream orders what the caller queues after. Backends
     /// without streams run them now and return once they are complete.

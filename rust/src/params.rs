@@ -338,6 +338,9 @@ pub const PREFILL_LSE: i32 = 8;
 pub const PREFILL_OFFSET: i32 = 16;
 /// Attention sinks (SPEC 10): one logit per query head, bound at index 10.
 pub const PREFILL_SINKS: i32 = 32;
+/// The dispatch index of a prefill's workspace (bound only when one is given; the
+/// backend that asked for it, `Backend::workspace_bytes`, reads it there).
+pub const PREFILL_WORKSPACE_INDEX: u64 = 11;
 
 /// `flash_attn_prefill_mask_blk`: the tile table of an explicit mask over a batch
 /// (`[batch][ceil(rows / bq)][ceil(kv_len / bk)]` bytes; columns at or past `kv_len` count as

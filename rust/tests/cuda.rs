@@ -24,7 +24,8 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                 for k in cuda::kernels() {
                     let variants =
                         if arch == "sm_90a" && k.hopper_form { k.hopper_variants } else { k.portable_variants };
-                    for e in std::iter::once(&k.entry).chain(variants) {
+                    // The split-KV merge, which every attention source holds.
+                    for e in std::iter::once(&k.entry).chain(variants).chain(k.merge_entry.iter()) {
                         if !entries.iter().any(|x| x == e) {
                             entries.push(e.to_string());
                         }
@@ -42,7 +43,16 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                 }
                 // The attention kernels keep O, S and P in registers: a spill is a bug.
                 let spills: Vec<&str> = report.lines().filter(|l| l.contains("spill stores")).collect();
-                assert_eq!(spills.len(), entries.len(), "{arch}: one resource line per entry point:\n{report}");
+                // The merge is one entry point of each attention source (all but the
+                // classifiers' file), listed once above.
+                let merges = report.matches("entry point flash_attn_prefill_split_merge\n").count();
+                let sources = mlx_native::default_registry().cuda_sources().len();
+                assert_eq!(merges, sources - 1, "{arch}: a split-KV merge in every attention source");
+                assert_eq!(
+                    spills.len(),
+                    entries.len() + merges - 1,
+                    "{arch}: one resource line per entry point:\n{report}"
+                );
                 let mut function = "";
                 for line in report.lines() {
                     if let Some(i) = line.find("Compiling entry function '") {

@@ -1181,6 +1181,7 @@ mod transforms {
             cu_seqlens_k: None,
             lse: Some(&lse),
             sinks: sinks.as_ref(),
+            workspace: None,
         };
         let mut enc = dev.command_encoder();
         let got = dispatch_flash_attn_prefill(&mut enc, reg, dev, &bufs, &p);

@@ -194,6 +194,7 @@ fn expect_refused(dev: &MlxDevice, reg: &mut KernelRegistry, c: &Prefill, edit: 
         cu_seqlens_k: None,
         lse: None,
         sinks: b.sinks.as_ref(),
+        workspace: None,
     };
     let err = dispatch_flash_attn_prefill(&mut enc, reg, dev, &bufs, &b.params).expect_err(needle);
     let msg = match &err {

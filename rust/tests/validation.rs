@@ -526,6 +526,29 @@ mod front_door {
             false,
             "lse overlaps out",
         );
+        // A workspace (the backend's scratch) overlapping any other buffer, inputs and
+        // outputs alike.
+        let ws_big = overlap(&big, DType::U8, 64);
+        for (name, other) in [
+            ("q", FlashAttnPrefillBuffers { q: &overlap(&big, DType::F32, n.q), ..b }),
+            ("v", FlashAttnPrefillBuffers { v: &overlap(&big, DType::F16, n.v), ..b }),
+            ("mask", FlashAttnPrefillBuffers { mask: Some(&overlap(&big, DType::F16, n.mask)), ..b }),
+            ("sinks", FlashAttnPrefillBuffers { sinks: Some(&overlap(&big, DType::F32, 4)), ..b }),
+            ("out", FlashAttnPrefillBuffers { out: &out_big, ..b }),
+            ("lse", FlashAttnPrefillBuffers { lse: Some(&lse_big), ..b }),
+        ] {
+            if other.sinks.is_some() != b.sinks.is_some() {
+                continue; // this prefill has no sinks to overlap
+            }
+            refused(
+                &format!("the workspace overlaps {name}"),
+                &dev,
+                &FlashAttnPrefillBuffers { workspace: Some(&ws_big), ..other },
+                &p,
+                false,
+                &format!("the workspace overlaps {name}"),
+            );
+        }
         // Side by side in one allocation is no overlap.
         let (ob, lb) = (n.out * 4, n.lse * 4);
         let out_side = big.view(0, ob, DType::F32, vec![n.out]).unwrap();
@@ -536,6 +559,11 @@ mod front_door {
             &FlashAttnPrefillBuffers { out: &out_side, lse: Some(&lse_side), ..b },
             &p,
         );
+        // A workspace of its own: the CPU has no use for one (no bytes asked), and the same
+        // output comes.
+        let ws_own = dev.alloc_buffer(DType::U8, &[64]).unwrap();
+        let with_ws = accepted("a workspace", &dev, &FlashAttnPrefillBuffers { workspace: Some(&ws_own), ..b }, &p);
+        assert_eq!(with_ws, accepted("no workspace", &dev, &b, &p));
         // No lse, no mask: the op without them.
         let p0 = FlashAttnPrefillParams { lse_strides: [0, 0], mask_strides: [0, 0], ..p };
         accepted("no lse, no mask", &dev, &FlashAttnPrefillBuffers { lse: None, mask: None, blk: None, ..b }, &p0);
@@ -716,6 +744,7 @@ mod front_door {
             mask: planned.mask.as_ref(),
             lse: planned.lse.as_ref(),
             sinks: None,
+            workspace: None,
         };
         plan.run(&mut reg, &run, None).unwrap();
         assert_eq!(read_u8(&planned.out), read_u8(&direct.out), "the plan's output differs from the dispatch's");
@@ -776,6 +805,7 @@ mod front_door {
                     mask: None,
                     lse: e.lse.as_ref(),
                     sinks: None,
+                    workspace: None,
                 },
                 None,
             )

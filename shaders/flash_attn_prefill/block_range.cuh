@@ -40,6 +40,33 @@ __device__ __forceinline__ Seq sequence(const Params& p, const int* __restrict__
     return s;
 }
 
+// The sequence of this CTA (grid z is batch x the launch's KV parts) and its part.
+__device__ __forceinline__ int cta_sequence(const Launch& L) { return (int)(blockIdx.z >> L.kv_split_log2); }
+__device__ __forceinline__ int cta_part(const Launch& L) { return (int)(blockIdx.z & ((1u << L.kv_split_log2) - 1u)); }
+
+// The sequence of this CTA, its out and lse moved to its part of a split launch's
+// workspace.
+__device__ __forceinline__ Seq cta_seq(const Params& p, const Launch& L, const int* __restrict__ cu_q,
+                                       const int* __restrict__ cu_k) {
+    Seq s = sequence(p, cu_q, cu_k, cta_sequence(L));
+    const int part = cta_part(L);
+    s.o += (i64)part * L.o_split_stride;
+    s.lse += (i64)part * L.lse_split_stride;
+    return s;
+}
+
+// A split launch's share of the steps [lo, hi] (non-empty or not): part `part` of the
+// 2^log2 equal shares, in order; past the end, empty. The shares depend on the
+// description alone (never on the table), so a computed table and an all-ones one split
+// alike.
+// Branch-free: with log2 = 0 (part 0) it keeps [lo, hi]; an empty range (lo > hi) gives
+// a share <= 0 and stays empty.
+__device__ __forceinline__ void narrow_to_part(int log2, int part, int& lo, int& hi) {
+    const int share = ((hi - lo) >> log2) + 1;  // ceil((hi - lo + 1) / 2^log2)
+    lo += part * share;
+    hi = min(hi, lo + share - 1);
+}
+
 // Where the sequence's query rows sit in its cache: row r at r + offset (SPEC 6: the prompt
 // is the cache's end, offset = lk - lq, unless the block gives one).
 __device__ __forceinline__ int query_offset(const Params& p, int lq, int lk) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "flash_attn_prefill/mainloop_sm80.cuh"
+#include "flash_attn_prefill/split_merge.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MLXN_HOPPER 1
 #include "flash_attn_prefill/mainloop_sm90.cuh"

@@ -65,7 +65,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int l7 = lane & 7;
     const int rg = warp / C::G, wg = warp % C::G;
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
-    const Seq sq = sequence(p, cu_q, cu_k, (int)blockIdx.z);
+    const Seq sq = cta_seq(p, L, cu_q, cu_k);  // split-KV: this part's out and lse
     const int lq = sq.lq, lk = sq.lk, off = query_offset(p, lq, lk);
     const int qt = (lq + qpc - 1) / qpc - 1 - (int)blockIdx.x;  // longest causal rows first
     if (qt < 0) return;  // a shorter sequence than the longest: no rows here (the whole CTA)
@@ -105,6 +105,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     typedef typename Walk<CAP>::W TB;  // a step's packed table bytes
     walk.init((p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr, p.blk_steps, C::BQ, q_cta, q_end);
     visible_steps(p, lk, off, q_cta, q_end, walk.lo, walk.hi);
+    narrow_to_part(L.kv_split_log2, cta_part(L), walk.lo, walk.hi);  // split-KV: this part's share
     const int t_end = walk.hi + 1;
     auto mtile_class = [&](int mt, int t, TB sb, int& table) -> int {
         const int ra = q0 + mt * 16;

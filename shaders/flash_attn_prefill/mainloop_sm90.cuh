@@ -116,7 +116,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int wgi = __shfl_sync(0xffffffffu, tid >> 7, 0), wq = warp & 3;
     const int rg = wgi / C::G, ch = wgi % C::G;    // row group, column half (head dim 512)
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
-    const Seq sq = sequence(p, cu_q, cu_k, (int)blockIdx.z);
+    const Seq sq = cta_seq(p, L, cu_q, cu_k);  // split-KV: this part's out and lse
     const int lq = sq.lq, lk = sq.lk, off = query_offset(p, lq, lk);
     const int q_tiles = (lq + qpc - 1) / qpc;       // this sequence's CTAs along the rows
     const int qt = q_tiles - 1 - (int)blockIdx.x;  // longest causal rows first
@@ -167,6 +167,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     typedef typename decltype(walk)::W TB;  // a step's packed table bytes
     walk.init((p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr, p.blk_steps, C::BQ, wa, we);
     visible_steps(p, lk, off, wa, we, walk.lo, walk.hi);
+    narrow_to_part(L.kv_split_log2, cta_part(L), walk.lo, walk.hi);  // split-KV: this part's share
     const int steps = walk.hi + 1;  // the loops below walk t < steps
     // The class of 16 rows from `ra` in step t (and its table byte; `sb`: the step's packed
     // bytes, from next_active): 0 where no row is.
@@ -392,7 +393,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #pragma unroll
         for (int i = 0; i < D / 128; ++i) {
             const int cb = rank * (D / 128) + i;
-            tma_load_4d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, (int)blockIdx.z, bar, 3);
+            tma_load_4d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, cta_sequence(L), bar, 3);
         }
     };
     if constexpr (PAIR != PAIR_NONE && !WS) {

@@ -42,6 +42,14 @@ struct Launch {
     int queries_per_cta;
     int q_tiles;  // CTAs along the query rows: of the longest sequence
     int flags;
+    // Split-KV (split_merge.cuh): grid z is batch x 2^kv_split_log2 parts (part in the low
+    // bits: a shift and a mask, no division), and the CTA of part i walks the i-th of the
+    // equal shares of its visible steps. Its out and lse are then the workspace's part i
+    // (F32 O over its own row sum, lse without the sinks), at i * o_split_stride and
+    // i * lse_split_stride elements. 0: no split.
+    int kv_split_log2;
+    int o_split_stride;
+    int lse_split_stride;
 };
 
 #define FLAG_Q_ALIGNED 1     // Q base and strides 16-byte aligned (8 elements of 16 bits, or 4 floats)

@@ -75,11 +75,13 @@ def case_mask(case: Case, rows: int, kv_len: int) -> np.ndarray:
     return causal_mask(rows, kv_len, case.window if case.mask == "window" else None)
 
 
-def case_inputs(case: Case, rows: int, rng: np.random.Generator):
+def case_inputs(case: Case, rows: int, rng: np.random.Generator, kv_len: Optional[int] = None):
     """Uniform random Q (float32), K, V (float16) and the mask of ``case`` at ``rows`` rows,
-    the cache as long as the prompt: ``(q, k, v, mask)``."""
-    q, k, v = random_qkv(rows, case.n_heads, case.n_kv_heads, case.head_dim, rows, rng)
-    return q, k, v, case_mask(case, rows, rows)
+    the cache as long as the prompt, or ``kv_len`` rows (a chunk of a prompt at the end of a
+    longer cache): ``(q, k, v, mask)``."""
+    kv = rows if kv_len is None else kv_len
+    q, k, v = random_qkv(rows, case.n_heads, case.n_kv_heads, case.head_dim, kv, rng)
+    return q, k, v, case_mask(case, rows, kv)
 
 
 #: The cases of the former ``scripts/gpu_bench.py``, by its names: bench cases at one size

@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options, added to ``p``."""
     p.add_argument("--device", default=None, help="device name for mlx_native.Device: auto (default), cpu, cuda, cuda:N, metal")
     p.add_argument("--rows", type=int, nargs="+", default=None, help="prompt lengths (kv_len = rows; default 1024 2048 4096 on the CPU, 2048 8192 16384 on a GPU)")
+    p.add_argument("--kv-len", type=int, default=None, help="cache rows (default: each prompt's own): every prompt a chunk at the end of a longer cache, as chunked prefill runs (peers with a built-in causal mode that aligns it to the cache's start are left out)")
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="shapes to run (default: sliding global dense on the CPU; sliding global causal-8h dense-8h on a GPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up, one run of each implementation per round (the best is kept)")
     p.add_argument("--peers", nargs="*", default=None, help="peers to run (on a CPU device: torch, mlx, reference; on a CUDA device: torch, fa4, flex; default: every one installed; --peers alone: none)")
@@ -73,6 +74,7 @@ def main_from_args(args) -> int:
             progress=not args.no_progress,
             threads=args.threads,
             on_size=checkpoint,
+            kv_len=args.kv_len,
         )
     except (ValueError, MlxError) as e:
         print(f"bench: {e}", file=sys.stderr)

@@ -43,6 +43,7 @@ def run_bench(
     quiet: bool = False,
     threads: Optional[int] = None,
     on_size: Optional[Callable[[dict], None]] = None,
+    kv_len: Optional[int] = None,
 ) -> dict:
     """Run the benchmark and return its report (what ``--json`` writes); prints the table
     to ``out`` (default stdout) unless ``quiet``.
@@ -51,13 +52,17 @@ def run_bench(
     kind); ``peer_budget_s``: a peer whose runs at a size would take longer than this (as
     predicted from its rate at a smaller size, or from its warm-up) is timed fewer times, or
     skipped at the larger sizes. ``rows`` and ``cases`` default by device kind (see
-    ``DEFAULT_ROWS`` and ``DEFAULT_CASES``). ``on_size``: called with the report so far
-    after each (case, rows)."""
+    ``DEFAULT_ROWS`` and ``DEFAULT_CASES``). ``kv_len``: the cache's rows (default: each
+    prompt's own), so that each prompt is a chunk at the end of a longer cache (it must be
+    at least the largest of ``rows``). ``on_size``: called with the report so far after
+    each (case, rows)."""
     if threads is not None:
         use_threads(threads)  # before anything starts the CPU backend's thread pool
     dev = Device(device or "auto")
     kind = dev.backend
     rows, cases = select(kind, rows, cases)
+    if kv_len is not None and kv_len < rows[-1]:
+        raise ValueError(f"kv_len {kv_len} is shorter than the prompt of {rows[-1]} rows: a chunk is the end of its cache")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     out = None if quiet else (out or sys.stdout)
@@ -107,7 +112,8 @@ def run_bench(
             case = CASES[cname]
             for r in rows:
                 report["results"].extend(
-                    _one_size(case, r, r == rows[0], dev, available, repeats, sample_heads, peer_budget_s, rate, rng, bar)
+                    _one_size(case, r, r == rows[0], dev, available, repeats, sample_heads, peer_budget_s, rate, rng, bar,
+                              kv_len)
                 )
                 if on_size is not None:
                     report["summary"] = summarize(report["results"])
@@ -127,14 +133,15 @@ def run_bench(
     return report
 
 
-def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, budget, rate, rng, bar) -> List[dict]:
+def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, budget, rate, rng, bar, kv_len=None) -> List[dict]:
     """Every implementation on one problem, timed round-robin (one warm-up each, then
     ``repeats`` rounds of one run each, the best kept), so that a load that comes and goes
     on the machine falls on all of them alike."""
     nh, nkv, hd = case.n_heads, case.n_kv_heads, case.head_dim
-    q, k, v, mask = case_inputs(case, r, rng)
+    q, k, v, mask = case_inputs(case, r, rng, kv_len)
+    kv = k.shape[0]
     heads = sorted({0, nh - 1} | set(rng.choice(nh, size=min(sample_heads, nh), replace=False).tolist()))
-    base = dict(case=case.name, title=case.title, rows=r, kv_len=r, n_heads=nh, n_kv_heads=nkv, head_dim=hd, mask=case.mask, window=case.window)
+    base = dict(case=case.name, title=case.title, rows=r, kv_len=kv, n_heads=nh, n_kv_heads=nkv, head_dim=hd, mask=case.mask, window=case.window)
 
     bar.step(f"{case.name} {r}: preparing {OURS}")
     plan = PrefillPlan(q, k, v, mask, scale=1.0, device=dev)  # SPEC 4: Gemma 4 runs at scale 1
@@ -177,7 +184,7 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
     best, runs, live = round_robin(runners, repeats, budget, notes, bar, f"{case.name} {r}")
     # The float64 reference on the sampled heads, and on a sample of rows when the problem
     # is large (a row's output depends only on its own Q row and mask row).
-    if r * r > REFERENCE_FULL_PAIRS:
+    if r * kv > REFERENCE_FULL_PAIRS:
         ref_rows = np.unique(np.linspace(0, r - 1, REFERENCE_SAMPLE_ROWS).astype(int))
     else:
         ref_rows = np.arange(r)

@@ -65,7 +65,7 @@ class TorchCpuSdpa(Peer):
             return Variant(label, run, output, mode=mode)
 
         out = [make("torch sdpa, same mask", "mask", attn_mask=mask)]
-        if problem.causal:
+        if problem.causal and problem.q.shape[0] == problem.k.shape[0]:  # is_causal: the prompt at the cache's start
             out.append(make("torch sdpa, is_causal", "causal", is_causal=True))
         if problem.dense:
             out.append(make("torch sdpa, no mask", "none"))

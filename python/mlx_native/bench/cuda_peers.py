@@ -113,7 +113,9 @@ class TorchCudaSdpa(Peer):
             q, k, v, m = to_torch_inputs(problem.q, problem.k, problem.v, problem.mask, expand_kv=expand)
             extra = {} if expand else {"enable_gqa": True}
             modes = [("same mask", "mask", dict(attn_mask=m))]
-            if problem.causal:
+            # is_causal aligns the prompt to the cache's start: the same mask only without
+            # a longer cache.
+            if problem.causal and problem.q.shape[0] == problem.k.shape[0]:
                 modes.append(("is_causal", "causal", dict(is_causal=True)))
             for backend, member_name in BACKENDS.items():
                 member = getattr(SDPBackend, member_name)

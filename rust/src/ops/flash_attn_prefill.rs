@@ -30,7 +30,7 @@ use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 pub use crate::params::PrefillExtents;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK,
-    PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN,
+    PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WORKSPACE_INDEX,
 };
 
 /// The attention's device sources (MSL, CUDA): the same files as the origin op's, whose
@@ -207,6 +207,34 @@ pub struct FlashAttnPrefillBuffers<'a> {
     pub lse: Option<&'a MlxBuffer>,
     /// SPEC 10: F32 `[n_heads]`, each head's sink logit.
     pub sinks: Option<&'a MlxBuffer>,
+    /// Scratch memory the backend may use to run faster ([`workspace_bytes`]: the CUDA
+    /// attention's split-KV parts when the shape leaves the GPU idle); `None`, or fewer
+    /// bytes than that, runs without. It must overlap no other buffer.
+    pub workspace: Option<&'a MlxBuffer>,
+}
+
+/// Bytes of workspace a prefill [`validate`]d as `v` can use on `device` (0: none). Give
+/// a buffer of at least this many bytes as [`FlashAttnPrefillBuffers::workspace`] to let
+/// the backend split the cache's walk (the plan's extents report it).
+pub fn workspace_bytes(device: &MlxDevice, v: &ValidatedPrefill) -> u64 {
+    if v.empty {
+        return 0;
+    }
+    device.backend().workspace_bytes(v.kernel, as_bytes(&v.gpu))
+}
+
+/// A given workspace must hold [`workspace_bytes`] (a smaller one is a mistake, not a
+/// quiet fall-back: the caller asked for the split).
+pub fn check_workspace(device: &MlxDevice, b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -> Result<()> {
+    let Some(ws) = b.workspace else { return Ok(()) };
+    let need = workspace_bytes(device, v);
+    if (ws.data_byte_len() as u64) < need {
+        return Err(invalid(format!(
+            "the workspace holds {} bytes; this prefill needs {need} (mlxn_prefill_plan_extents gives it), or none",
+            ws.data_byte_len()
+        )));
+    }
+    Ok(())
 }
 
 /// Query rows of one row of the explicit mask's tile table (its `bq`), per head dim (of Q
@@ -640,6 +668,12 @@ pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -
     if b.lse.is_some_and(|l| l.overlaps(b.out)) {
         return Err(invalid("lse overlaps out".into()));
     }
+    if let Some(ws) = b.workspace {
+        let others = inputs.into_iter().chain([("out", Some(b.out)), ("lse", b.lse)]);
+        if let Some((name, _)) = others.filter_map(|(n, x)| x.map(|x| (n, x))).find(|(_, x)| ws.overlaps(x)) {
+            return Err(invalid(format!("the workspace overlaps {name}")));
+        }
+    }
     Ok(())
 }
 
@@ -686,6 +720,7 @@ pub fn dispatch_flash_attn_prefill(
     p: &FlashAttnPrefillParams,
 ) -> Result<()> {
     let v = validate(b, p)?;
+    check_workspace(device, b, &v)?;
     encode_validated(encoder, registry, device, b, &v)
 }
 
@@ -712,6 +747,7 @@ pub fn encode_validated<'a>(
     let smem = threadgroup_memory_bytes(v.gpu.head_dim as u32)?;
     let q = b.q;
     let or_q = |x: Option<&'a MlxBuffer>| KernelArg::Buffer(x.unwrap_or(q));
+    let workspace = b.workspace.map(|w| (PREFILL_WORKSPACE_INDEX, KernelArg::Buffer(w)));
     encoder.encode_threadgroups_with_args_and_shared(
         pipeline,
         &[
@@ -726,7 +762,10 @@ pub fn encode_validated<'a>(
             (8, or_q(b.cu_seqlens_q)),
             (9, or_q(b.cu_seqlens_k)),
             (10, or_q(b.sinks)),
-        ],
+        ]
+        .into_iter()
+        .chain(workspace)
+        .collect::<Vec<_>>(),
         &[(0, smem)],
         v.grid,
         GridSize::new(32, SIMDGROUPS, 1),

@@ -4,7 +4,10 @@
 //! batch's `cu_seqlens` to the device (checked once, on the host), and allocates the
 //! explicit mask's tile table; each run checks only its buffers, classifies the mask (when
 //! there is one) and encodes the attention. On CUDA a run on the caller's stream neither
-//! waits nor allocates device memory, so it can be captured in a CUDA graph.
+//! waits nor allocates device memory, so it can be captured in a CUDA graph. Where the
+//! backend can use a workspace for the shape ([`FlashAttnPrefillPlan::workspace_bytes`]: the
+//! CUDA attention's split-KV parts), each run may bring one (allocated by the caller, as
+//! the outputs are, so runs on different streams never share it).
 
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
@@ -15,8 +18,9 @@ use crate::interface::BackendKind;
 use crate::kernel_registry::KernelRegistry;
 
 use super::flash_attn_prefill::{
-    dispatch_flash_attn_prefill_mask_blk, encode_validated, sequence_lengths, validate_buffers, validate_shapes,
-    FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents, PrefillOperands, ValidatedPrefill,
+    check_workspace, dispatch_flash_attn_prefill_mask_blk, encode_validated, sequence_lengths, validate_buffers,
+    validate_shapes, workspace_bytes, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents, PrefillOperands,
+    ValidatedPrefill,
 };
 
 /// One planned prefill on one device.
@@ -28,6 +32,8 @@ pub struct FlashAttnPrefillPlan {
     blk: Option<MlxBuffer>,
     /// A variable-length batch's `cu_seqlens_q` and `cu_seqlens_k`, on the device.
     cu_seqlens: Option<(MlxBuffer, MlxBuffer)>,
+    /// Bytes of workspace a run can use (0: none).
+    workspace: u64,
 }
 
 /// The data of one run: the plan's operands (the mask only if the plan has one, lse only
@@ -41,6 +47,9 @@ pub struct PrefillRunBuffers<'a> {
     pub mask: Option<&'a MlxBuffer>,
     pub lse: Option<&'a MlxBuffer>,
     pub sinks: Option<&'a MlxBuffer>,
+    /// At least [`FlashAttnPrefillPlan::workspace_bytes`] bytes of scratch (U8) for this run
+    /// alone, or `None` (the run is then not split).
+    pub workspace: Option<&'a MlxBuffer>,
 }
 
 impl FlashAttnPrefillPlan {
@@ -71,7 +80,8 @@ impl FlashAttnPrefillPlan {
             }
             None => None,
         };
-        Ok(FlashAttnPrefillPlan { device: device.clone(), params: *params, validated, blk, cu_seqlens })
+        let workspace = workspace_bytes(device, &validated);
+        Ok(FlashAttnPrefillPlan { device: device.clone(), params: *params, validated, blk, cu_seqlens, workspace })
     }
 
     /// The device the plan runs on.
@@ -83,6 +93,12 @@ impl FlashAttnPrefillPlan {
     /// table, which the plan owns).
     pub fn extents(&self) -> &PrefillExtents {
         &self.validated.extents
+    }
+
+    /// Bytes of workspace a run can use to go faster (the CUDA attention splits each CTA's
+    /// walk over the cache when the shape leaves the GPU idle); 0 where none helps.
+    pub fn workspace_bytes(&self) -> u64 {
+        self.workspace
     }
 
     /// The operands' dtypes and which are given.
@@ -114,8 +130,10 @@ impl FlashAttnPrefillPlan {
             cu_seqlens_k: self.cu_seqlens.as_ref().map(|c| &c.1),
             lse: b.lse,
             sinks: b.sinks,
+            workspace: b.workspace,
         };
         validate_buffers(&bufs, &self.validated)?;
+        check_workspace(&self.device, &bufs, &self.validated)?;
         if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {
             dispatch_flash_attn_prefill_mask_blk(encoder, registry, &self.device, mask, blk, &self.params)?;
         }

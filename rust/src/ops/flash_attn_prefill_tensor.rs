@@ -58,6 +58,7 @@ pub const FLASH_ATTN_PREFILL_CUDA_PARTS: &[(&str, &str)] = &[
         "flash_attn_prefill/mainloop_sm90_ws.cuh",
         include_str!("../../../shaders/flash_attn_prefill/mainloop_sm90_ws.cuh"),
     ),
+    ("flash_attn_prefill/split_merge.cuh", include_str!("../../../shaders/flash_attn_prefill/split_merge.cuh")),
     ("flash_attn_prefill/entry.cuh", include_str!("../../../shaders/flash_attn_prefill/entry.cuh")),
 ];
 

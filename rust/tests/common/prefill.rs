@@ -567,6 +567,7 @@ impl Buffers {
             cu_seqlens_k: self.cu.as_ref().map(|c| &c.1),
             lse: self.lse.as_ref(),
             sinks: self.sinks.as_ref(),
+            workspace: None,
         }
     }
 }
@@ -792,6 +793,7 @@ pub fn run_placed(
         cu_seqlens_k: cu.as_ref().map(|x| &x.1),
         lse: lse.as_ref(),
         sinks: sinks.as_ref(),
+        workspace: None,
     };
     dispatch_flash_attn_prefill(&mut enc, reg, dev, &bufs, &p).unwrap();
     enc.commit_and_wait().unwrap();

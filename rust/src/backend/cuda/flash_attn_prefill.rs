@@ -13,12 +13,15 @@ use std::ffi::c_void;
 use std::sync::OnceLock;
 
 use super::driver::{self, TensorMap};
-use super::launch::{contract, device_buffer, CudaKernel, Launch, PrepareContext};
+use super::kv_split::{self, KvSplit};
+use super::launch::{
+    contract, device_buffer, no_workspace, optional_device_buffer, CudaKernel, Launch, PrepareContext,
+};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_LSE, PREFILL_MASK,
-    PREFILL_SINKS, PREFILL_VARLEN,
+    PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WORKSPACE_INDEX,
 };
 
 /// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
@@ -36,6 +39,8 @@ macro_rules! attention_kernel {
             portable_variants: &[concat!($entry, "_xf")],
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
+            merge_entry: Some(MERGE_ENTRY),
+            workspace_bytes: |hopper, sms, params| kv_split::workspace_bytes(($dk, $dv), hopper, sms, params),
         }
     };
     ($name:literal, $dk:literal, $dv:literal, hopper) => {
@@ -47,6 +52,8 @@ macro_rules! attention_kernel {
             portable_variants: &[concat!($name, "_xf")],
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
+            merge_entry: Some(MERGE_ENTRY),
+            workspace_bytes: |hopper, sms, params| kv_split::workspace_bytes(($dk, $dv), hopper, sms, params),
         }
     };
     ($name:literal, $dk:literal, $dv:literal) => {
@@ -58,6 +65,8 @@ macro_rules! attention_kernel {
             portable_variants: &[concat!($name, "_xf")],
             shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
+            merge_entry: Some(MERGE_ENTRY),
+            workspace_bytes: |_, sms, params| kv_split::workspace_bytes(($dk, $dv), false, sms, params),
         }
     };
 }
@@ -91,8 +100,16 @@ pub const KERNELS: &[CudaKernel] = &[
         portable_variants: &[],
         shared_bytes: |_| None,
         prepare: |pc, d, _| prepare_mask_blk(pc, d),
+        merge_entry: None,
+        workspace_bytes: no_workspace,
     },
 ];
+
+/// The entry point of every attention source that merges a split launch's parts
+/// (`shaders/flash_attn_prefill/split_merge.cuh`).
+pub const MERGE_ENTRY: &str = "flash_attn_prefill_split_merge";
+/// Threads of a merge CTA (the kernel's `MERGE_ROWS` warps, a row each).
+const MERGE_ROWS: u32 = 8;
 
 /// Threads of an attention CTA (8 warps).
 pub const ATTENTION_THREADS: u32 = 256;
@@ -226,6 +243,11 @@ struct AttentionLaunch {
     queries_per_cta: i32,
     q_tiles: i32,
     flags: i32,
+    /// Split-KV: log2 of the parts of each walk (0: none) and the workspace strides between
+    /// parts.
+    kv_split_log2: i32,
+    o_split_stride: i32,
+    lse_split_stride: i32,
 }
 
 const FLAG_Q_ALIGNED: i32 = 1;
@@ -320,6 +342,7 @@ fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_len: u32, batch: u32, s
 }
 
 /// Device addresses of an attention launch's buffers (0 for one the flags say is absent).
+#[derive(Debug, Clone, Copy)]
 pub struct AttentionPointers {
     pub q: u64,
     pub k: u64,
@@ -333,10 +356,17 @@ pub struct AttentionPointers {
     pub sinks: u64,
 }
 
+/// Whether O's base and strides allow its two-element stores (`FLAG_OUT_ALIGNED`).
+fn out_aligned(p: &FlashAttnPrefillParamsGpu, out: u64) -> bool {
+    let (elems, bytes) = if p.o_dtype == 0 { (2, 8) } else { (2, 4) };
+    out.is_multiple_of(bytes) && [p.o_batch_stride, p.o_row_stride, p.o_head_stride].iter().all(|&s| s % elems == 0)
+}
+
 /// The launch of one attention at head dims `dims` (Q/K, V/O) with the params block `p` (the
 /// front door's, or the origin's turned into it); `variants`: the CTA-pair forms may be
 /// chosen (Hopper). In the portable form, softcap or ALiBi launch the form with the score
-/// transforms (the kernel's first portable variant).
+/// transforms (the kernel's first portable variant). `workspace` (address, bytes): where
+/// the shape splits its walks ([`kv_split`]), the parts go there and a merge follows.
 pub fn attention_launch(
     pc: &PrepareContext<'_>,
     name: &str,
@@ -344,6 +374,64 @@ pub fn attention_launch(
     p: &FlashAttnPrefillParamsGpu,
     b: &AttentionPointers,
     variants: bool,
+    workspace: Option<(u64, usize)>,
+) -> Result<Launch> {
+    let split = match workspace {
+        Some((addr, len)) => match kv_split::kv_split(p, dims, pc.ctx.multiprocessors.max(0) as u32, pc.hopper) {
+            Some(s) if s.bytes() <= len as u64 && addr.is_multiple_of(16) => Some((s, addr)),
+            Some(_) => return Err(contract(name, "the workspace is smaller than the split needs, or unaligned")),
+            None => None,
+        },
+        None => None,
+    };
+    let Some((s, addr)) = split else {
+        return part_launch(pc, name, dims, p, b, variants, None);
+    };
+    let pw = s.part_params(p);
+    let bw = AttentionPointers { out: addr, lse: addr + s.lse_offset(), sinks: 0, ..*b };
+    let mut l = part_launch(pc, name, dims, &pw, &bw, variants, Some(&s))?;
+    l.merge = Some(Box::new(merge_launch(p, &pw, &s, b, &bw)));
+    Ok(l)
+}
+
+/// The merge of a split launch's parts (`split_merge.cuh`): a warp per (row, head).
+fn merge_launch(
+    p: &FlashAttnPrefillParamsGpu,
+    pw: &FlashAttnPrefillParamsGpu,
+    s: &KvSplit,
+    b: &AttentionPointers,
+    bw: &AttentionPointers,
+) -> Launch {
+    let block = AttentionLaunch {
+        heads_per_cta: 0,
+        queries_per_cta: 0,
+        q_tiles: 0,
+        flags: if out_aligned(p, b.out) { FLAG_OUT_ALIGNED } else { 0 },
+        kv_split_log2: s.log2() as i32,
+        o_split_stride: s.o_elems as i32,
+        lse_split_stride: s.lse_elems as i32,
+    };
+    let grid = [(p.max_rows.max(1) as u32).div_ceil(MERGE_ROWS), p.n_heads as u32, p.batch as u32];
+    let mut l = Launch::new(grid, [MERGE_ROWS * 32, 1, 1], 0);
+    l.push_bytes(bytemuck::bytes_of(p));
+    l.push_bytes(bytemuck::bytes_of(pw));
+    l.push_bytes(bytemuck::bytes_of(&block));
+    for ptr in [bw.out, bw.lse, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
+        l.push_ptr(ptr);
+    }
+    l
+}
+
+/// The attention's own launch: of the whole walk (`split` None), or of a split launch's
+/// parts (`p` and `b` then the parts' block and workspace).
+fn part_launch(
+    pc: &PrepareContext<'_>,
+    name: &str,
+    dims: (u32, u32),
+    p: &FlashAttnPrefillParamsGpu,
+    b: &AttentionPointers,
+    variants: bool,
+    split: Option<&KvSplit>,
 ) -> Result<Launch> {
     let hopper = pc.hopper;
     let head_dim = dims.0;
@@ -352,7 +440,6 @@ pub fn attention_launch(
         base.is_multiple_of(bytes) && strides.iter().all(|&s| s % elems == 0)
     };
     let q_elems = if p.q_dtype == 0 { 4 } else { 8 }; // 16 bytes of Q
-    let o_bytes = if p.o_dtype == 0 { 8 } else { 4 }; // two elements of O
     let mut flags = 0;
     if aligned(b.q, &[p.q_batch_stride, p.q_row_stride, p.q_head_stride], q_elems, 16) {
         flags |= FLAG_Q_ALIGNED;
@@ -366,7 +453,7 @@ pub fn attention_launch(
     if aligned(b.mask, &[p.mask_batch_stride, p.mask_row_stride], 8, 16) {
         flags |= FLAG_MASK_ALIGNED;
     }
-    if aligned(b.out, &[p.o_batch_stride, p.o_row_stride, p.o_head_stride], 2, o_bytes) {
+    if out_aligned(p, b.out) {
         flags |= FLAG_OUT_ALIGNED;
     }
     // CTA pairs sharing each K/V tile (Hopper): where TMA can address K and V (fixed
@@ -391,24 +478,28 @@ pub fn attention_launch(
             maps = Some((km, vm));
         }
     }
+    let parts = split.map_or(1, |s| s.parts);
     let launch = AttentionLaunch {
         heads_per_cta: geo.heads_per_cta as i32,
         queries_per_cta: geo.queries_per_cta as i32,
         q_tiles: geo.q_tiles as i32,
         flags,
+        kv_split_log2: split.map_or(0, |s| s.log2() as i32),
+        o_split_stride: split.map_or(0, |s| s.o_elems as i32),
+        lse_split_stride: split.map_or(0, |s| s.lse_elems as i32),
     };
     let shared =
         attention_shared_bytes(dims.0, dims.1, hopper).ok_or_else(|| contract(name, "no shared memory size"))?;
     // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
     let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
-    if p.batch as u64 > 65_535 {
+    if p.batch as u64 * parts as u64 > 65_535 {
         return Err(MlxError::InvalidArgument(format!(
             "{name}: a batch of {} is more than one CUDA launch takes (65535)",
             p.batch
         )));
     }
     let threads = if maps.is_some() && head_dim == 256 { WS_THREADS } else { ATTENTION_THREADS };
-    let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32], [threads, 1, 1], shared);
+    let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32 * parts], [threads, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(p));
     l.push_bytes(bytemuck::bytes_of(&launch));
     for ptr in [b.q, b.k, b.v, b.mask, b.blk, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
@@ -462,7 +553,8 @@ fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bo
         cu_k: sized_buffer(pc, d, 9, cu, varlen)?,
         sinks: sized_buffer(pc, d, 10, e.sinks * 4, p.flags & PREFILL_SINKS != 0)?,
     };
-    attention_launch(pc, name, dims, &p, &b, variants)
+    let workspace = optional_device_buffer(pc.ctx, d, PREFILL_WORKSPACE_INDEX)?;
+    attention_launch(pc, name, dims, &p, &b, variants, workspace)
 }
 
 fn prepare_mask_blk(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
@@ -569,7 +661,7 @@ mod tests {
     #[test]
     fn the_kernel_blocks_have_their_sizes() {
         assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 216);
-        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 16);
+        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 28);
     }
 
     #[test]

@@ -16,6 +16,8 @@ pub const KERNELS: &[CudaKernel] = &[CudaKernel {
     portable_variants: &[],
     shared_bytes: |_| None,
     prepare: |pc, d, _| prepare(pc, d),
+    merge_entry: None,
+    workspace_bytes: super::launch::no_workspace,
 }];
 
 fn prepare(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {

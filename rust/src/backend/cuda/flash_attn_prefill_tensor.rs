@@ -4,7 +4,7 @@
 //! points, geometry and CTA-pair forms).
 
 use super::flash_attn_prefill::{attention_launch, attention_shared_bytes, AttentionPointers};
-use super::launch::{contract, device_buffer, CudaKernel, Launch, PrepareContext};
+use super::launch::{contract, device_buffer, no_workspace, CudaKernel, Launch, PrepareContext};
 use crate::error::Result;
 use crate::interface::Dispatch;
 use crate::params::FlashAttnPrefillTensorParamsGpu as Params;
@@ -22,6 +22,8 @@ pub const KERNELS: &[CudaKernel] = &[
         portable_variants: &[],
         shared_bytes: |hopper| attention_shared_bytes(256, 256, hopper),
         prepare: |pc, d, variants| prepare(pc, 256, d, variants),
+        merge_entry: None,
+        workspace_bytes: no_workspace,
     },
     CudaKernel {
         name: "flash_attn_prefill_tensor_f16_d512",
@@ -34,6 +36,8 @@ pub const KERNELS: &[CudaKernel] = &[
         portable_variants: &[],
         shared_bytes: |hopper| attention_shared_bytes(512, 512, hopper),
         prepare: |pc, d, variants| prepare(pc, 512, d, variants),
+        merge_entry: None,
+        workspace_bytes: no_workspace,
     },
 ];
 
@@ -54,5 +58,5 @@ fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool)
     }
     let [q, k, v, mask, blk, out] = b;
     let ptrs = AttentionPointers { q, k, v, mask, blk, out, lse: 0, cu_q: 0, cu_k: 0, sinks: 0 };
-    attention_launch(pc, name, (head_dim, head_dim), &p.as_prefill(head_dim as i32, bq as i32), &ptrs, variants)
+    attention_launch(pc, name, (head_dim, head_dim), &p.as_prefill(head_dim as i32, bq as i32), &ptrs, variants, None)
 }

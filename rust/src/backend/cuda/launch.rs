@@ -33,6 +33,18 @@ pub struct CudaKernel {
     pub shared_bytes: fn(hopper: bool) -> Option<u32>,
     /// The launch of a dispatch; with `variants` false, the plain entry point only.
     pub prepare: fn(&PrepareContext<'_>, &Dispatch, bool) -> Result<Launch>,
+    /// The entry point of the same source that a [`Launch::merge`] launches (the
+    /// attention's split-KV merge), if the kernel has one.
+    pub merge_entry: Option<&'static str>,
+    /// Bytes of workspace a dispatch with this constant block (index 0) can use (the
+    /// attention's split-KV parts; 0: none), on a device of `multiprocessors` running the
+    /// kernel's Hopper form or not. The op's plan allocates it once per run.
+    pub workspace_bytes: fn(hopper: bool, multiprocessors: u32, params: &[u8]) -> u64,
+}
+
+/// The workspace of a kernel that has no use for one.
+pub fn no_workspace(_: bool, _: u32, _: &[u8]) -> u64 {
+    0
 }
 
 /// What [`CudaKernel::prepare`] may consult besides the dispatch.
@@ -54,11 +66,14 @@ pub struct Launch {
     /// [`CudaKernel::portable_variants`] in the portable one) to launch instead of the plain
     /// entry point.
     pub variant: Option<usize>,
+    /// A launch of the kernel's [`CudaKernel::merge_entry`] right after this one, on the same
+    /// stream (it reads what this one wrote).
+    pub merge: Option<Box<Launch>>,
 }
 
 impl Launch {
     pub fn new(grid: [u32; 3], block: [u32; 3], shared_bytes: u32) -> Self {
-        Launch { grid, block, shared_bytes, params: Vec::new(), variant: None }
+        Launch { grid, block, shared_bytes, params: Vec::new(), variant: None, merge: None }
     }
 
     /// One pointer per kernel parameter, valid while `self` lives.
@@ -76,6 +91,16 @@ impl Launch {
     /// The next parameter: a device pointer.
     pub fn push_ptr(&mut self, p: u64) {
         self.params.push(vec![p]);
+    }
+}
+
+/// Device address and length of the dispatch's buffer at `index` if one is bound there
+/// (an optional buffer the op binds only when it has one).
+pub fn optional_device_buffer(ctx: &Arc<CudaContext>, d: &Dispatch, index: u64) -> Result<Option<(u64, usize)>> {
+    match d.args.iter().find(|(i, _)| *i == index) {
+        Some((_, BoundArg::Buffer(b))) => device_address(ctx, b, d.pipeline.name(), index).map(Some),
+        Some(_) => Err(contract(d.pipeline.name(), "a constant where a buffer belongs")),
+        None => Ok(None),
     }
 }
 

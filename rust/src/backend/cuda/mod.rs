@@ -27,6 +27,7 @@ pub mod driver;
 pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
+pub mod kv_split;
 pub mod launch;
 pub mod memory;
 pub mod nvrtc;
@@ -250,6 +251,8 @@ pub struct CudaPipeline {
     /// The functions of the kernel's variants in the form it runs ([`CudaKernel::hopper_variants`]
     /// or [`CudaKernel::portable_variants`]).
     variants: Vec<CuFunction>,
+    /// The function of [`CudaKernel::merge_entry`], for launches that split.
+    merge: Option<CuFunction>,
     kernel: Option<&'static CudaKernel>,
     /// Built with the Hopper (sm_90a, wgmma) forms of the kernels.
     hopper: bool,
@@ -358,6 +361,10 @@ impl Backend for CudaBackend {
             }
             None => Vec::new(),
         };
+        let merge = match kernel.and_then(|k| k.merge_entry) {
+            Some(entry) => Some(self.ctx.function(src, entry, &arch)?),
+            None => None,
+        };
         if let Some(smem) = kernel.and_then(|k| (k.shared_bytes)(hopper)) {
             if smem > self.ctx.max_shared_per_block as u32 {
                 return Err(MlxError::KernelNotFound(format!(
@@ -378,8 +385,14 @@ impl Backend for CudaBackend {
         Ok(Pipeline::new(
             name,
             max_threads.max(0) as u64,
-            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, variants, kernel, hopper }),
+            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, variants, merge, kernel, hopper }),
         ))
+    }
+
+    fn workspace_bytes(&self, kernel_name: &str, params: &[u8]) -> u64 {
+        let Some(k) = kernel(kernel_name) else { return 0 };
+        let hopper = self.ctx.arch() == "sm_90a" && k.hopper_form;
+        (k.workspace_bytes)(hopper, self.ctx.multiprocessors.max(0) as u32, params)
     }
 
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {
@@ -411,8 +424,7 @@ impl CudaBackend {
                     dispatch.pipeline.name()
                 )));
             }
-            let launch_one = |launch: &mut Launch| {
-                let function = launch.variant.and_then(|i| p.variants.get(i).copied()).unwrap_or(p.function);
+            let launch_with = |function: CuFunction, launch: &mut Launch| {
                 let mut params = launch.param_pointers();
                 // SAFETY: a function of this context, launch dimensions checked by `prepare`,
                 // and one pointer per kernel parameter to storage that outlives the call.
@@ -431,6 +443,10 @@ impl CudaBackend {
                         std::ptr::null_mut(),
                     )
                 }
+            };
+            let launch_one = |launch: &mut Launch| {
+                let function = launch.variant.and_then(|i| p.variants.get(i).copied()).unwrap_or(p.function);
+                launch_with(function, launch)
             };
             let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper };
             let prepare = |variants: bool| match p.kernel {
@@ -455,13 +471,25 @@ impl CudaBackend {
                     launch.shared_bytes
                 );
             }
+            if launch.merge.is_some() && p.merge.is_none() {
+                return Err(MlxError::Internal(format!(
+                    "{}: a split launch of a kernel without a merge entry",
+                    dispatch.pipeline.name()
+                )));
+            }
             let mut r = launch_one(&mut launch);
             if r != driver::CUDA_SUCCESS && launch.variant.is_some() {
                 // A GPU that cannot place the cluster (a launch-configuration error, which
-                // leaves the context usable): the plain form, which computes the same bits.
-                r = launch_one(&mut prepare(false)?);
+                // leaves the context usable): the plain form, which computes the same bits
+                // (and splits alike: the split depends on the shape alone).
+                launch = prepare(false)?;
+                r = launch_one(&mut launch);
             }
             d.check(r, &format!("launching {}", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
+            if let (Some(merge), Some(f)) = (launch.merge.as_mut(), p.merge) {
+                let r = launch_with(f, merge);
+                d.check(r, &format!("launching {}'s merge", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
+            }
         }
         Ok(())
     }

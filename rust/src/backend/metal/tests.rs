@@ -491,6 +491,7 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
             cu_seqlens_k: None,
             lse: Some(&lse),
             sinks: None,
+            workspace: None,
         };
         let gpu = validate(&bufs, &p).unwrap().gpu;
         let mut enc = dev.command_encoder();
@@ -552,6 +553,7 @@ fn a_prefill_pipeline_too_narrow_for_eight_simdgroups_is_refused_before_anything
             cu_seqlens_k: None,
             lse: None,
             sinks: None,
+            workspace: None,
         };
         let mut enc = dev.command_encoder();
         let r = dispatch_flash_attn_prefill(&mut enc, &mut reg, &dev, &bufs, &p);
@@ -616,6 +618,7 @@ fn prefill_of_variable_length_binds_the_cu_seqlens_and_covers_the_longest_sequen
         cu_seqlens_k: Some(&cu_k),
         lse: None,
         sinks: None,
+        workspace: None,
     };
     let mut enc = dev.command_encoder();
     dispatch_flash_attn_prefill(&mut enc, &mut reg, &dev, &bufs, &p).unwrap();
