@@ -18,25 +18,25 @@ install_wheels "$1" /tmp/site
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 status=0
 step "SPEC 10, Hopper form"
-timeout "${T_FEATURES:-130}" python3 "$HERE/scripts/prefill_check_features.py" --device cuda --quick --time \
+timeout "${T_FEATURES:-120}" python3 "$HERE/scripts/prefill_check_features.py" --device cuda --quick --time \
   > "$OUT/features-sm90a.log" 2>&1 || status=1
 tail -n 30 "$OUT/features-sm90a.log"
 step "SPEC 10, portable form"
-MLX_NATIVE_CUDA_ARCH=sm_90 timeout "${T_PORTABLE:-80}" python3 "$HERE/scripts/prefill_check_features.py" \
+MLX_NATIVE_CUDA_ARCH=sm_90 timeout "${T_PORTABLE:-70}" python3 "$HERE/scripts/prefill_check_features.py" \
   --device cuda --quick > "$OUT/features-sm90.log" 2>&1 || status=$((status + 2))
 tail -n 6 "$OUT/features-sm90.log"
 step "pytest, CUDA tests"
-timeout "${T_PYTEST:-130}" python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda" "$HERE/tests/test_cuda.py" \
+timeout "${T_PYTEST:-220}" python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda" "$HERE/tests/test_cuda.py" \
   "$HERE/tests/test_correctness.py" "$HERE/tests/test_front_door_offset.py" "$HERE/tests/test_front_door_transforms.py" \
-  "$HERE/tests/test_front_door.py" "$HERE/tests/test_torch_op.py" > "$OUT/pytest.log" 2>&1 || status=$((status + 4))
+  "$HERE/tests/test_front_door.py" "$HERE/tests/test_torch_op.py" "$HERE/tests/test_cuda_split_kv.py" > "$OUT/pytest.log" 2>&1 || status=$((status + 4))
 tail -n 12 "$OUT/pytest.log"
 step "bench, head dims"
-(cd /tmp && timeout "${T_BENCH:-150}" python3 -m mlx_native bench --device cuda --no-progress --rows 16384 \
+(cd /tmp && timeout "${T_BENCH:-120}" python3 -m mlx_native bench --device cuda --no-progress --rows 16384 \
   --cases causal-128 causal-64 causal-8h --json "$OUT/bench-dims.json" > "$OUT/bench-dims.log" 2>&1) ||
   status=$((status + 8))
 if grep -q '^summary:' "$OUT/bench-dims.log"; then sed -n '/^summary:/,$p' "$OUT/bench-dims.log"; else tail -n 30 "$OUT/bench-dims.log"; fi
 step "context-parallel pieces"
-timeout "${T_CP:-80}" python3 "$HERE/scripts/cp_pieces.py" --quick --json "$OUT/cp-pieces.json" \
+timeout "${T_CP:-60}" python3 "$HERE/scripts/cp_pieces.py" --quick --json "$OUT/cp-pieces.json" \
   > "$OUT/cp-pieces.log" 2>&1 || status=$((status + 16))
 tail -n 20 "$OUT/cp-pieces.log"
 echo "gpu_release status $status ($(date +%T))"

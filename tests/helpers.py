@@ -48,3 +48,15 @@ def import_test_extra(name: str):
         raise ImportError(f"{e}: the tests need the test extras, pip install '.[test]'") from e
 
 
+
+
+def whole_walk_output(plan):
+    """The output of ``plan`` (a plan of host arrays on a CUDA device) run on its planned
+    arrays without a workspace, so that CUDA walks each tile's cache whole instead of in
+    split-KV parts: float32, of the output's shape."""
+    import numpy as np
+
+    b = dict(plan._buffers, workspace=None)
+    with plan.device.encoder() as enc:
+        plan._record(enc, b, True)
+    return b["out"].numpy().astype(np.float32).reshape(plan.shape)

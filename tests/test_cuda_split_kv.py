@@ -80,7 +80,9 @@ def test_a_chunk_against_a_long_cache_splits_and_matches(rng, dk, dv):
     # With BF16 K/V the products take Q and P in bfloat16 (8 significant bits: 2^-8
     # relative), so the scores of these long rows move by several 1e-3 and lse with them,
     # split or whole alike: the bars are the whole walk's error plus a little.
-    for kv_dtype, bar, lse_bar in ((np.float16, 1e-5, 2e-3), (BF16, 5e-5, 1e-2)):
+    # A part's row sum rounds its own P: lse may move by up to the unit roundoff of P's
+    # type either way (half 2^-11, bfloat16 2^-8) against the whole walk's.
+    for kv_dtype, bar, lse_bar, u in ((np.float16, 1e-5, 2e-3, 2.0**-11), (BF16, 5e-5, 1e-2, 2.0**-8)):
         q, k, v = _qkv(rng, 40, 4096, 4, 2, dk, dv, kv_dtype)
         out, lse, plan = _run(q, k, v, causal=True, scale=0.3)
         _splits(plan)
@@ -90,7 +92,7 @@ def test_a_chunk_against_a_long_cache_splits_and_matches(rng, dk, dv):
         (split, split_lse), (whole, whole_lse) = _split_and_whole(plan)
         errors = [nmse(split, ref), nmse(whole, ref), np.abs(split_lse - ref_lse).max(), np.abs(whole_lse - ref_lse).max()]
         assert errors[0] <= 1.5 * errors[1] + 1e-8, errors
-        assert errors[2] <= errors[3] + 1e-3, errors
+        assert errors[2] <= errors[3] + max(1e-3, u), errors
 
 
 @needs_gpu
