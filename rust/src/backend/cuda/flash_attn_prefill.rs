@@ -12,6 +12,9 @@
 use std::ffi::c_void;
 use std::sync::OnceLock;
 
+pub use super::attention_geometry::{
+    attention_cta_rows, attention_geometry, attention_shared_bytes, pair_geometry, AttentionGeometry,
+};
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
 use super::launch::{
@@ -116,125 +119,6 @@ pub const ATTENTION_THREADS: u32 = 256;
 /// Threads of the warp-specialised CTA (the pair forms at head dim 256: a producer
 /// warpgroup beside the two consumers; the kernel's `WS_THREADS`).
 pub const WS_THREADS: u32 = 384;
-/// Query rows of one warp's row group (the mma.sync form).
-const ROWS_PER_GROUP: u32 = 32;
-
-/// The portable form's CTA at head dims (dk, dv), as the kernel's `Cfg<DK, DV>` has it:
-/// warps per row group of 32 query rows, and V's columns padded to whole warp widths.
-const fn portable_cfg(dv: u32) -> (u32, u32) {
-    let g = if dv <= 64 {
-        1
-    } else if dv <= 256 {
-        2
-    } else {
-        4
-    };
-    let dvp = if dv <= 64 {
-        64
-    } else if dv <= 96 {
-        96
-    } else if dv <= 128 {
-        128
-    } else {
-        dv
-    };
-    (g, dvp)
-}
-
-/// (Query, head) rows of one CTA: the portable form's `Cfg::ROWS`, the wgmma form's
-/// `HCfg::ROWS` (`hopper`).
-pub fn attention_cta_rows(dk: u32, dv: u32, hopper: bool) -> u32 {
-    if hopper {
-        return if dk == 512 { 64 } else { 128 };
-    }
-    let _ = dk;
-    (8 / portable_cfg(dv).0) * ROWS_PER_GROUP
-}
-
-/// Dynamic shared memory of one attention CTA: the kernel's `Cfg<DK, DV>::SMEM`, or
-/// `hopper::HCfg<D>::SMEM` for the wgmma form (the kernel checks each against these numbers
-/// at compile time, and a test reads its checks).
-pub fn attention_shared_bytes(dk: u32, dv: u32, hopper: bool) -> Option<u32> {
-    match (dk, dv, hopper) {
-        (64, 64, true) => Some(83_008),
-        (128, 128, true) => Some(83_008),
-        (256, 256, true) => Some(230_528),
-        (512, 512, true) => Some(214_592),
-        (_, _, true) => None,
-        _ => {
-            let (g, dvp) = portable_cfg(dv);
-            let rows = (8 / g) * ROWS_PER_GROUP;
-            let (sw_k, sw_v) = (dk.div_ceil(64) * 64, dvp.div_ceil(64) * 64);
-            let kl = 64 / g / 16;
-            Some(
-                rows * sw_k * 2
-                    + 64 * sw_k * 2
-                    + 64 * sw_v * 2
-                    + rows * 64 * 2
-                    + 8 * 2 * kl * 32 * 16
-                    + 8 * 32 * 4
-                    + 32,
-            )
-        }
-    }
-}
-
-/// Geometry of one attention launch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttentionGeometry {
-    /// Query heads of one CTA (they share one KV head).
-    pub heads_per_cta: u32,
-    /// Query rows of one CTA.
-    pub queries_per_cta: u32,
-    /// CTAs along the query rows.
-    pub q_tiles: u32,
-    /// CTAs along the heads.
-    pub head_groups: u32,
-}
-
-/// The CTA shape for a problem. A CTA holds 128 (query, head) rows at head dim 256 and 64
-/// at 512, in blocks of 32 consecutive queries of one head (the mma.sync form: a warp
-/// pair's rows) or of 16 (the wgmma form, `hopper`: a warp's rows). It takes as many
-/// heads of one KV group as divide both the group and the number of blocks (a power of
-/// two), so those heads share each K/V tile and the query tiles stay short.
-pub fn attention_geometry(
-    dims: (u32, u32),
-    rows: u32,
-    n_heads: u32,
-    n_kv_heads: u32,
-    hopper: bool,
-) -> Result<AttentionGeometry> {
-    let cta_rows = attention_cta_rows(dims.0, dims.1, hopper);
-    let row_groups = cta_rows / if hopper { 16 } else { ROWS_PER_GROUP };
-    if rows == 0 || n_heads == 0 || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
-        return Err(MlxError::Internal(format!(
-            "attention shape {rows} x {n_heads}/{n_kv_heads} breaks the op's contract"
-        )));
-    }
-    let group = n_heads / n_kv_heads;
-    let mut hpc = row_groups;
-    while !group.is_multiple_of(hpc) {
-        hpc /= 2;
-    }
-    let qpc = cta_rows / hpc;
-    Ok(AttentionGeometry {
-        heads_per_cta: hpc,
-        queries_per_cta: qpc,
-        q_tiles: rows.div_ceil(qpc),
-        head_groups: n_heads / hpc,
-    })
-}
-
-/// The CTA shape of the head-pair form (Hopper): the wgmma form's shape for groups of half
-/// the query heads per KV head, so that the two CTAs of a cluster (y = 2j, 2j + 1) split
-/// one KV head's heads. `None` when that group is odd.
-pub fn pair_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<AttentionGeometry> {
-    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || !(n_heads / n_kv_heads).is_multiple_of(2) {
-        return None;
-    }
-    attention_geometry((head_dim, head_dim), rows, n_heads, n_kv_heads * 2, true).ok()
-}
-
 /// The kernel's `Launch` block.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -594,69 +478,6 @@ fn prepare_mask_blk(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn ctas_take_the_heads_of_one_kv_group() {
-        // Gemma 4 26B global: 16 heads over 2 KV heads, head dim 512 -> 2 heads x 32 queries
-        // (mma.sync), 4 heads x 16 queries (wgmma).
-        let g = attention_geometry((512, 512), 8192, 16, 2, false).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 256, 8));
-        let g = attention_geometry((512, 512), 8192, 16, 2, true).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
-        // Sliding: 16 over 8 at 256 -> 2 heads x 64 queries.
-        let g = attention_geometry((256, 256), 8192, 16, 8, false).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 64, 128, 8));
-        assert_eq!(attention_geometry((256, 256), 8192, 16, 8, true).unwrap(), g);
-        // Group of 8 at 256 -> 4 heads x 32 queries (8 x 16 with wgmma); none -> 1 x 128.
-        assert_eq!(attention_geometry((256, 256), 100, 8, 1, false).unwrap().heads_per_cta, 4);
-        assert_eq!(attention_geometry((256, 256), 100, 8, 1, true).unwrap().heads_per_cta, 8);
-        let g = attention_geometry((256, 256), 129, 8, 8, true).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles), (1, 128, 2));
-        // A group of 3 shares nothing; of 6, two heads.
-        assert_eq!(attention_geometry((256, 256), 10, 6, 2, true).unwrap().heads_per_cta, 1);
-        assert_eq!(attention_geometry((512, 512), 10, 6, 1, false).unwrap().heads_per_cta, 2);
-        // The portable form at head dim 64 holds 256 rows (one warp per row group).
-        assert_eq!(attention_geometry((64, 64), 10, 8, 1, false).unwrap().heads_per_cta, 8);
-    }
-
-    #[test]
-    fn cta_pairs_split_each_kv_group_in_two() {
-        // Global layer: 16 / 2 -> 4 heads x 16 queries; the pair (y = 2j, 2j + 1) is the 8.
-        let g = pair_geometry(512, 8192, 16, 2).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 16, 512, 4));
-        // Groups of 4 and 2: 2 heads x 32 queries, 1 head x 64; groups of 16: 4 x 16.
-        let g = pair_geometry(512, 100, 8, 2).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 32, 4, 4));
-        let g = pair_geometry(512, 100, 4, 2).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 64, 2, 4));
-        assert_eq!(pair_geometry(512, 100, 32, 2).unwrap().heads_per_cta, 4);
-        // Head dim 256 (128 rows): sliding 16 / 8 -> 1 head x 128 queries; 16 / 1 -> 8 x 16.
-        let g = pair_geometry(256, 8192, 16, 8).unwrap();
-        assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (1, 128, 64, 16));
-        assert_eq!(pair_geometry(256, 100, 16, 1).unwrap().heads_per_cta, 8);
-        // Every pair stays inside one KV group.
-        for (hd, nh, nkv) in [
-            (512, 16, 2),
-            (512, 8, 2),
-            (512, 4, 2),
-            (512, 32, 2),
-            (512, 24, 2),
-            (512, 12, 1),
-            (256, 2, 1),
-            (256, 24, 1),
-            (256, 16, 8),
-        ] {
-            let g = pair_geometry(hd, 10, nh, nkv).unwrap();
-            let group = nh / nkv;
-            assert_eq!(g.head_groups % 2, 0);
-            for j in 0..g.head_groups / 2 {
-                assert_eq!((2 * j * g.heads_per_cta) / group, ((2 * j + 1) * g.heads_per_cta) / group);
-            }
-        }
-        // Odd groups (and no sharing) have no pairs.
-        assert!(pair_geometry(512, 10, 3, 1).is_none());
-        assert!(pair_geometry(256, 10, 4, 4).is_none());
-    }
 
     #[test]
     fn the_kernel_blocks_have_their_sizes() {

@@ -12,7 +12,7 @@
 
 use std::sync::OnceLock;
 
-use super::flash_attn_prefill::attention_geometry;
+use super::attention_geometry::attention_geometry;
 use crate::params::{FlashAttnPrefillParamsGpu, PREFILL_LSE, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN};
 
 /// Most parts a walk is cut into (the merge reads each part's lse per row).

@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::error::{MlxError, Result};
 use crate::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline, SourceFile};
 
+pub mod attention_geometry;
 pub mod driver;
 pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
