@@ -50,13 +50,21 @@ def import_test_extra(name: str):
 
 
 
-def whole_walk_output(plan):
-    """The output of ``plan`` (a plan of host arrays on a CUDA device) run on its planned
-    arrays without a workspace, so that CUDA walks each tile's cache whole instead of in
-    split-KV parts: float32, of the output's shape."""
+def planned_run(plan, split=True):
+    """``plan`` (a plan of host arrays on a device) run on its planned arrays through an
+    encoder, with its workspace (``split``: on CUDA a shape that splits its walk over the
+    cache does) or without (CUDA walks each tile's cache whole): ``(out, lse)``, out as
+    float32 of the output's shape, lse None when the plan returns none."""
     import numpy as np
 
-    b = dict(plan._buffers, workspace=None)
+    b = plan._buffers
+    b = b if split else dict(b, workspace=None)
     with plan.device.encoder() as enc:
         plan._record(enc, b, True)
-    return b["out"].numpy().astype(np.float32).reshape(plan.shape)
+    out = b["out"].numpy().astype(np.float32).reshape(plan.shape)
+    return out, None if b["lse"] is None else b["lse"].numpy().reshape(plan.lse_shape)
+
+
+def whole_walk_output(plan):
+    """The output of ``plan`` run without a workspace (:func:`planned_run`)."""
+    return planned_run(plan, split=False)[0]

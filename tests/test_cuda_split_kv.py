@@ -22,7 +22,7 @@ import mlx_native as mn
 from mlx_native.dtypes import bfloat16_dtype
 from mlx_native.reference import nmse, reference_prefill
 
-from helpers import import_test_extra
+from helpers import import_test_extra, planned_run
 
 HAS_CUDA = "cuda" in mn.backends()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")
@@ -55,18 +55,6 @@ def _check(out, lse, ref, ref_lse, bar=1e-5, lse_bar=2e-3):
     assert np.abs(lse[seen] - ref_lse[seen]).max() < lse_bar
 
 
-def _split_and_whole(plan):
-    """The plan's planned arrays run split (with its workspace) and whole (without): the
-    (output, lse) of each, the output as float32 of its shape."""
-    b = plan._buffers
-    runs = []
-    for ws in (b["workspace"], None):
-        with plan.device.encoder() as enc:
-            plan._record(enc, dict(b, workspace=ws), True)
-        runs.append((b["out"].numpy().astype(np.float32).reshape(plan.shape), b["lse"].numpy().reshape(plan.lse_shape)))
-    return runs
-
-
 def _splits(plan):
     if FORCED is None or int(FORCED) >= 2:
         assert plan.workspace_bytes > 0, "this shape should split"
@@ -89,7 +77,7 @@ def test_a_chunk_against_a_long_cache_splits_and_matches(rng, dk, dv):
         ref, ref_lse = reference_prefill(q, k, v, causal=True, scale=0.3)
         _check(out, lse, ref, ref_lse, bar, lse_bar)
         plan = mn.PrefillPlan(q, k, v, device="cuda", causal=True, scale=0.3, return_lse=True)
-        (split, split_lse), (whole, whole_lse) = _split_and_whole(plan)
+        (split, split_lse), (whole, whole_lse) = planned_run(plan), planned_run(plan, split=False)
         errors = [nmse(split, ref), nmse(whole, ref), np.abs(split_lse - ref_lse).max(), np.abs(whole_lse - ref_lse).max()]
         assert errors[0] <= 1.5 * errors[1] + 1e-8, errors
         assert errors[2] <= errors[3] + max(1e-3, u), errors
