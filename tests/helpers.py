@@ -68,3 +68,17 @@ def planned_run(plan, split=True):
 def whole_walk_output(plan):
     """The output of ``plan`` run without a workspace (:func:`planned_run`)."""
     return planned_run(plan, split=False)[0]
+
+
+def random_qkv_dims(rng, rows, kv, nh, nkv, dk, dv, kv_dtype=None, batch=None):
+    """Uniform random q (float32 ``[rows, nh, dk]``), k (``[kv, nkv, dk]``) and v (``[kv,
+    nkv, dv]``) of ``kv_dtype`` (float16 by default), with a leading batch axis when
+    ``batch`` is given."""
+    import numpy as np
+
+    kv_dtype = np.float16 if kv_dtype is None else kv_dtype
+    lead = () if batch is None else (batch,)
+    q = rng.uniform(-1, 1, (*lead, rows, nh, dk)).astype(np.float32)
+    k = rng.uniform(-1, 1, (*lead, kv, nkv, dk)).astype(kv_dtype)
+    v = rng.uniform(-1, 1, (*lead, kv, nkv, dv)).astype(kv_dtype)
+    return q, k, v

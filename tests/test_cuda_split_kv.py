@@ -22,20 +22,12 @@ import mlx_native as mn
 from mlx_native.dtypes import bfloat16_dtype
 from mlx_native.reference import nmse, reference_prefill
 
-from helpers import import_test_extra, planned_run
+from helpers import import_test_extra, planned_run, random_qkv_dims as _qkv
 
 HAS_CUDA = "cuda" in mn.backends()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")
 FORCED = os.environ.get("MLX_NATIVE_CUDA_KV_SPLITS")
 BF16 = bfloat16_dtype()
-
-
-def _qkv(rng, rows, kv, nh, nkv, dk, dv, kv_dtype=np.float16, batch=None):
-    lead = () if batch is None else (batch,)
-    q = rng.uniform(-1, 1, (*lead, rows, nh, dk)).astype(np.float32)
-    k = rng.uniform(-1, 1, (*lead, kv, nkv, dk)).astype(kv_dtype)
-    v = rng.uniform(-1, 1, (*lead, kv, nkv, dv)).astype(kv_dtype)
-    return q, k, v
 
 
 def _run(q, k, v, mask=None, **kw):

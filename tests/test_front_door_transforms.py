@@ -11,18 +11,10 @@ import pytest
 import mlx_native as mn
 from mlx_native.dtypes import bfloat16_dtype
 from mlx_native.reference import alibi_slopes, nmse, reference_prefill
-from helpers import import_test_extra
+from helpers import import_test_extra, random_qkv_dims as _qkv
 
 BF16 = bfloat16_dtype()
 DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
-
-
-def _qkv(rng, rows, kv, nh, nkv, dk, dv, kv_dtype=np.float16, batch=None):
-    lead = () if batch is None else (batch,)
-    q = rng.uniform(-1, 1, (*lead, rows, nh, dk)).astype(np.float32)
-    k = rng.uniform(-1, 1, (*lead, kv, nkv, dk)).astype(kv_dtype)
-    v = rng.uniform(-1, 1, (*lead, kv, nkv, dv)).astype(kv_dtype)
-    return q, k, v
 
 
 def _close(out, lse, ref, ref_lse):
