@@ -66,9 +66,10 @@ class PrefillPlan:
     - On CUDA a run is enqueued on the caller's current stream (PyTorch's for tensors,
       CuPy's for CuPy arrays) and returns at once, with no host synchronisation and no
       allocation but the outputs' (by the caller's library; none when ``out`` and ``lse``
-      are given): it can be captured in a ``torch.cuda.CUDAGraph`` and replayed. The
-      plan owns the explicit mask's tile table, so runs of one plan with a mask must not
-      overlap on different streams.
+      are given) and, where the shape splits its walk over the cache, the run's workspace
+      (:attr:`workspace_bytes`, the same way): it can be captured in a
+      ``torch.cuda.CUDAGraph`` and replayed. The plan owns the explicit mask's tile table,
+      so runs of one plan with a mask must not overlap on different streams.
     - ``encode(encoder, classify=True)`` records the planned arrays' run on an encoder
       (the benchmarks record many and commit once); ``encoded_result()`` is its output.
     - ``visible_pairs``: the (query row, cache row) pairs the mask leaves visible, the
