@@ -262,8 +262,17 @@ pub fn attention_launch(
 ) -> Result<Launch> {
     let split = match workspace {
         Some((addr, len)) => match kv_split::kv_split(p, dims, pc.ctx.multiprocessors.max(0) as u32, pc.hopper) {
-            Some(s) if s.bytes() <= len as u64 && addr.is_multiple_of(16) => Some((s, addr)),
-            Some(_) => return Err(contract(name, "the workspace is smaller than the split needs, or unaligned")),
+            Some(_) if !addr.is_multiple_of(16) => {
+                return Err(MlxError::InvalidArgument(format!(
+                    "{name}: the workspace's address {addr:#x} is not a multiple of 16 bytes: allocate it on its own \
+                     (cudaMalloc, torch.empty) or pass 0 to run unsplit"
+                )))
+            }
+            // The op checked the size against the same plan.
+            Some(s) if s.bytes() > len as u64 => {
+                return Err(contract(name, "the workspace is smaller than the split needs"))
+            }
+            Some(s) => Some((s, addr)),
             None => None,
         },
         None => None,
