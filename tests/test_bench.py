@@ -67,6 +67,19 @@ def test_bench_api_with_no_peers_and_the_table(capsys):
     assert "dense" in text and "GFLOP/s" in text and "%peak" in text
 
 
+def test_bench_runs_chunks_against_a_longer_cache():
+    # --kv-len: the prompt is the end of a longer cache; the visible pairs are the causal
+    # chunk's (row r sees r + kv - rows + 1 cache rows), and the output is checked.
+    report = bench.run_bench(rows=[16], cases=["causal-8h"], repeats=1, device="cpu", peers=[], progress=False,
+                             quiet=True, kv_len=200)  # fmt: skip
+    (ours,) = report["results"]
+    assert ours["kv_len"] == 200 and ours["rows"] == 16
+    assert ours["visible_pairs"] == sum(r + 200 - 16 + 1 for r in range(16))
+    assert ours["nmse"] is not None and ours["nmse"] < 1e-5
+    with pytest.raises(ValueError, match="shorter than the prompt"):
+        bench.run_bench(rows=[16, 300], cases=["causal-8h"], peers=[], quiet=True, progress=False, kv_len=200)
+
+
 def test_bench_says_which_peers_are_missing(monkeypatch, capsys):
     class Absent(peers.Peer):
         name = "absent-peer"
