@@ -892,3 +892,116 @@ mod front_door {
         assert_eq!(read_u8(&small), read_u8(blk)[..4].to_vec(), "the shared table is the first sequence's");
     }
 }
+
+/// A backend that asks for a workspace: the CPU's, with `workspace_bytes` answering 1000,
+/// so that the op's handling of a workspace (the plan's extents, a given buffer's size) is
+/// tried on a machine without the GPU whose attention uses one.
+mod workspace {
+    use std::sync::Arc;
+
+    use super::common::prefill::Prefill;
+    use super::common::read_u8;
+    use mlx_native::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline};
+    use mlx_native::ops::flash_attn_prefill::{dispatch_flash_attn_prefill, FlashAttnPrefillBuffers, PrefillOperands};
+    use mlx_native::ops::flash_attn_prefill_plan::{FlashAttnPrefillPlan, PrefillRunBuffers};
+    use mlx_native::{default_registry, DType, MlxDevice, MlxError, Result};
+
+    const ASKED: u64 = 1000;
+
+    struct AsksForWorkspace(Arc<dyn Backend>);
+
+    impl Backend for AsksForWorkspace {
+        fn kind(&self) -> BackendKind {
+            self.0.kind()
+        }
+        fn description(&self) -> String {
+            self.0.description()
+        }
+        fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
+            self.0.alloc(bytes)
+        }
+        unsafe fn wrap_host(&self, ptr: *mut u8, bytes: usize) -> Result<Arc<dyn Memory>> {
+            // SAFETY: the caller's promise, passed on.
+            unsafe { self.0.wrap_host(ptr, bytes) }
+        }
+        fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
+            self.0.compile(name, source)
+        }
+        fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {
+            self.0.execute(dispatches)
+        }
+        fn workspace_bytes(&self, kernel_name: &str, params: &[u8]) -> u64 {
+            assert!(kernel_name.starts_with("flash_attn_prefill_d"), "{kernel_name}");
+            assert!(!params.is_empty());
+            ASKED
+        }
+    }
+
+    #[test]
+    fn a_workspace_smaller_than_the_backend_asks_is_refused_and_the_plan_reports_its_size() {
+        let dev = MlxDevice::from_backend(Arc::new(AsksForWorkspace(MlxDevice::cpu().backend().clone())));
+        let mut reg = default_registry();
+        let mut c = Prefill::fixed(301, 1, 20, 60, 4, 2, 128, 1).with_lse();
+        c.causal = true;
+        let p = c.params();
+        let bufs = c.buffers(&dev);
+        let b = bufs.view();
+        let ws = |n: usize| dev.alloc_buffer(DType::U8, &[n]).unwrap();
+        let run = |b: &FlashAttnPrefillBuffers<'_>| {
+            let mut enc = dev.command_encoder();
+            let r = dispatch_flash_attn_prefill(&mut enc, &mut default_registry(), &dev, b, &p);
+            if r.is_ok() {
+                enc.commit_and_wait().unwrap();
+            } else {
+                assert!(enc.pending().is_empty(), "nothing is encoded on a refusal");
+            }
+            r
+        };
+        // Without one, or with enough, it runs (the CPU kernels do not read it), alike.
+        run(&b).unwrap();
+        let plain = read_u8(b.out);
+        let enough = ws(ASKED as usize);
+        run(&FlashAttnPrefillBuffers { workspace: Some(&enough), ..b }).unwrap();
+        assert_eq!(read_u8(b.out), plain);
+        // One byte short, or far short: a typed error that names both sizes.
+        for n in [ASKED as usize - 1, 64] {
+            let small = ws(n);
+            let before = read_u8(b.out);
+            match run(&FlashAttnPrefillBuffers { workspace: Some(&small), ..b }) {
+                Err(MlxError::InvalidArgument(m)) => {
+                    assert!(m.contains(&format!("the workspace holds {n} bytes; this prefill needs {ASKED}")), "{m}")
+                }
+                other => panic!("a workspace of {n} bytes: {other:?}"),
+            }
+            assert_eq!(read_u8(b.out), before, "out was written");
+        }
+        // The plan reports what the backend asks, and checks each run's workspace.
+        let o = PrefillOperands {
+            q_dtype: DType::F32,
+            kv_dtype: DType::F16,
+            out_dtype: DType::F32,
+            mask: false,
+            lse: true,
+            sinks: false,
+        };
+        let plan = FlashAttnPrefillPlan::new(&dev, &p, &o, None).unwrap();
+        assert_eq!(plan.workspace_bytes(), ASKED);
+        let rb = PrefillRunBuffers {
+            q: b.q,
+            k: b.k,
+            v: b.v,
+            out: b.out,
+            mask: None,
+            lse: b.lse,
+            sinks: None,
+            workspace: Some(&enough),
+        };
+        plan.run(&mut reg, &rb, None).unwrap();
+        assert_eq!(read_u8(b.out), plain);
+        let small = ws(10);
+        let err = plan.run(&mut reg, &PrefillRunBuffers { workspace: Some(&small), ..rb }, None).unwrap_err();
+        assert!(err.to_string().contains("this prefill needs 1000"), "{err}");
+        // The CPU itself asks for none.
+        assert_eq!(FlashAttnPrefillPlan::new(&MlxDevice::cpu(), &p, &o, None).unwrap().workspace_bytes(), 0);
+    }
+}
