@@ -333,7 +333,7 @@ class PrefillPlan:
         d = self._direct
         if d is None:
             return self.run(q, k, v, mask, sinks=sinks)
-        new_out, new_lse, new_workspace, ptr = d
+        new_out, new_lse, ptr = d
         o = new_out(q)
         lse = new_lse(q) if self._lse else None
         stream, ws = 0, None
@@ -341,8 +341,8 @@ class PrefillPlan:
             import torch
 
             stream = torch.cuda.current_stream(q.device).cuda_stream or 1
-            if self._extents["workspace"]:
-                ws = new_workspace(q, self._extents["workspace"])
+            if self._extents["workspace"]:  # the split's scratch, for this run alone
+                ws = torch.empty((self._extents["workspace"],), dtype=torch.uint8, device=q.device)
         _run(self._handle, ptr(q), ptr(k), ptr(v), None if mask is None else ptr(mask), ptr(o),
              None if lse is None else ptr(lse), stream, None, None if ws is None else ptr(ws))  # fmt: skip
         return (o, lse) if lse is not None else o
@@ -571,9 +571,6 @@ def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
         def new_lse(q):
             return torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
-        def new_workspace(q, n):
-            return torch.empty((n,), dtype=torch.uint8, device=q.device)
-
         ptr = _torch_ptr
     else:
 
@@ -583,11 +580,8 @@ def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
         def new_lse(q):
             return np.empty(lse_shape, dtype=np.float32)
 
-        def new_workspace(q, n):
-            return np.empty((n,), dtype=np.uint8)
-
         ptr = _numpy_ptr
-    return new_out, new_lse, new_workspace, ptr
+    return new_out, new_lse, ptr
 
 
 def _check_inputs(qo: Operand, ko: Operand, vo: Operand, scale: float) -> None:

@@ -208,8 +208,8 @@ pub struct FlashAttnPrefillBuffers<'a> {
     /// SPEC 10: F32 `[n_heads]`, each head's sink logit.
     pub sinks: Option<&'a MlxBuffer>,
     /// Scratch memory the backend may use to run faster ([`workspace_bytes`]: the CUDA
-    /// attention's split-KV parts when the shape leaves the GPU idle); `None`, or fewer
-    /// bytes than that, runs without. It must overlap no other buffer.
+    /// attention's split-KV parts when the shape leaves the GPU idle); `None` runs without.
+    /// It must hold at least that many bytes and overlap no other buffer.
     pub workspace: Option<&'a MlxBuffer>,
 }
 
@@ -223,11 +223,10 @@ pub fn workspace_bytes(device: &MlxDevice, v: &ValidatedPrefill) -> u64 {
     device.backend().workspace_bytes(v.kernel, as_bytes(&v.gpu))
 }
 
-/// A given workspace must hold [`workspace_bytes`] (a smaller one is a mistake, not a
-/// quiet fall-back: the caller asked for the split).
-pub fn check_workspace(device: &MlxDevice, b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -> Result<()> {
+/// A given workspace must hold `need` bytes, the prefill's [`workspace_bytes`] (a smaller
+/// one is a mistake, not a quiet fall-back: the caller asked for the split).
+pub fn check_workspace(b: &FlashAttnPrefillBuffers<'_>, need: u64) -> Result<()> {
     let Some(ws) = b.workspace else { return Ok(()) };
-    let need = workspace_bytes(device, v);
     if (ws.data_byte_len() as u64) < need {
         return Err(invalid(format!(
             "the workspace holds {} bytes; this prefill needs {need} (mlxn_prefill_plan_extents gives it), or none",
@@ -720,7 +719,9 @@ pub fn dispatch_flash_attn_prefill(
     p: &FlashAttnPrefillParams,
 ) -> Result<()> {
     let v = validate(b, p)?;
-    check_workspace(device, b, &v)?;
+    if b.workspace.is_some() {
+        check_workspace(b, workspace_bytes(device, &v))?;
+    }
     encode_validated(encoder, registry, device, b, &v)
 }
 

@@ -133,7 +133,7 @@ impl FlashAttnPrefillPlan {
             workspace: b.workspace,
         };
         validate_buffers(&bufs, &self.validated)?;
-        check_workspace(&self.device, &bufs, &self.validated)?;
+        check_workspace(&bufs, self.workspace)?;
         if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {
             dispatch_flash_attn_prefill_mask_blk(encoder, registry, &self.device, mask, blk, &self.params)?;
         }

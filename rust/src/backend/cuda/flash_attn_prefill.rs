@@ -242,8 +242,8 @@ pub struct AttentionPointers {
 
 /// Whether O's base and strides allow its two-element stores (`FLAG_OUT_ALIGNED`).
 fn out_aligned(p: &FlashAttnPrefillParamsGpu, out: u64) -> bool {
-    let (elems, bytes) = if p.o_dtype == 0 { (2, 8) } else { (2, 4) };
-    out.is_multiple_of(bytes) && [p.o_batch_stride, p.o_row_stride, p.o_head_stride].iter().all(|&s| s % elems == 0)
+    let pair_bytes = if p.o_dtype == 0 { 8 } else { 4 };
+    out.is_multiple_of(pair_bytes) && [p.o_batch_stride, p.o_row_stride, p.o_head_stride].iter().all(|&s| s % 2 == 0)
 }
 
 /// The launch of one attention at head dims `dims` (Q/K, V/O) with the params block `p` (the

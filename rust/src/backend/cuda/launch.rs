@@ -38,7 +38,7 @@ pub struct CudaKernel {
     pub merge_entry: Option<&'static str>,
     /// Bytes of workspace a dispatch with this constant block (index 0) can use (the
     /// attention's split-KV parts; 0: none), on a device of `multiprocessors` running the
-    /// kernel's Hopper form or not. The op's plan allocates it once per run.
+    /// kernel's Hopper form or not. The op's plan reports it; the caller brings one per run.
     pub workspace_bytes: fn(hopper: bool, multiprocessors: u32, params: &[u8]) -> u64,
 }
 
