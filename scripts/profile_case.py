@@ -7,7 +7,9 @@ scripts/gpu_check.sh or scripts/gpu_profile.sh):
 - the global layer (head dim 512, 16/2 heads, 8192 rows, causal): described, then as an
   explicit additive mask (the classifier's launch, then the attention's).
 
-    python3 scripts/profile_case.py [--quick]   # --quick: 4096 rows for the global layer, no causal 16k
+    python3 scripts/profile_case.py [--quick] [--case FORM ...]
+    # --quick: 4096 rows for the global layer, no causal 16k; --case: only the cases of these
+    # forms (dense, causal: head dim 256; global, explicit: head dim 512)
 """
 
 import sys
@@ -16,7 +18,9 @@ import numpy as np
 
 import mlx_native as mx
 
-quick = "--quick" in sys.argv[1:]
+args = sys.argv[1:]
+quick = "--quick" in args
+only = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--case"}
 dev = mx.Device("cuda")
 rng = np.random.default_rng(0)
 cases = [(8192, 8, 8, 256, "dense")]
@@ -24,6 +28,9 @@ if not quick:
     cases.append((16384, 8, 8, 256, "causal"))
 g = 4096 if quick else 8192
 cases += [(g, 16, 2, 512, "causal"), (g, 16, 2, 512, "explicit")]
+names = {(256, "dense"): "dense", (256, "causal"): "causal", (512, "causal"): "global", (512, "explicit"): "explicit"}
+if only:
+    cases = [c for c in cases if names[(c[3], c[4])] in only]
 for rows, nh, nkv, hd, form in cases:
     q = rng.uniform(-1, 1, (rows, nh, hd)).astype(np.float32)
     k = rng.uniform(-1, 1, (rows, nkv, hd)).astype(np.float16)
