@@ -77,6 +77,11 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ sr
     }
 }
 
+// The class of a warp's 16 rows in a step (0 skip, 1 masked, 2 full) and their table byte.
+struct RowsClass {
+    int cls = 0, table = 0;
+};
+
 // PAIR: the CTA is one of a cluster of two that read the same K/V tiles: PAIR_HEADS, the
 // two take the two halves of one KV head's query heads for the same queries (clusters
 // along y); PAIR_QUERIES, neighbouring query tiles of the same heads (clusters along x;
@@ -181,6 +186,12 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         return c == 2 && by_distance ? 1 : c;  // ALiBi by distance: a bias on every pair
     };
     auto next_active = [&](int t, bool& need_mask, TB& sb) -> int { return walk.next(t, lane, need_mask, sb); };
+    // WS: rows_class of this warp's rows, taken while the step's products run.
+    auto step_class = [&](int t, TB sb) -> RowsClass {
+        RowsClass c;
+        c.cls = rows_class(q0, t, sb, c.table);
+        return c;
+    };
 
     const u16* k_base = k + sq.k + (i64)kvh * p.k_head_stride;
     const u16* v_base = v + sq.v + (i64)kvh * p.v_head_stride;
@@ -216,10 +227,12 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     // one of its 16-row parts (their visible cache rows are overlapping intervals), but
     // the byte that is not 0 may be another part's; a warp whose own class is 0 then sets
     // its scores to -inf, as it does when another warp of the warpgroup computes.
+    // The union's bounds are the same at every step: computed once, here (inside the lambda
+    // the compiler left a division by qpc in every step, 11% of a consumer's samples).
+    const int wg_ua = q_cta + (rg * 64) % qpc, wg_ub = min(wg_ua + min(64, qpc), lq);
     auto wg_computes = [&](int t, TB sb) -> bool {
-        const int ua = q_cta + (rg * 64) % qpc;
+        const int ua = wg_ua, ub = wg_ub;
         if (ua >= lq) return false;
-        const int ub = min(ua + min(64, qpc), lq);
         if (described_class(p, lk, off, ua, ub, t) == 0) return false;
         if (walk.blk == nullptr) return true;
         const int i0 = ua / C::BQ - walk.tr_first, n = (ub - 1) / C::BQ - ua / C::BQ + 1;
@@ -231,6 +244,9 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     // S = Q K^T of the step in `stage`, into s (this thread's scores): issued and
     // committed; the caller waits.
     auto qk_issue = [&](int stage, float (&s)[C::NS]) {
+        // WS: the stage broadcast, so the compiler knows it is warp-uniform and keeps the
+        // descriptors in uniform registers (else each product's costs 64-bit adds and moves).
+        if constexpr (WS) stage = __shfl_sync(0xffffffffu, stage, 0);
         // Descriptors of k-chunk kc = the tile's descriptor + the chunk's offset / 16
         // (addresses stay below 2^18, so the 14-bit address field never carries).
         const u64 db0 = desc_sw128(s_kv + stage * 2 * C::KV_BYTES + (u32)(ch * C::JW * 128), 16, 1024);
@@ -246,12 +262,13 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         wgmma_commit();
     };
     // WS: the scores, written by the Q K^T its pipeline issues before this step's softmax;
-    // `act` is the step's wg_computes, which its pipeline already has (computing it
-    // again here cost 8% at causal 16k: it lengthens the softmax's critical path and spills).
+    // `act` and `rc` are the step's wg_computes and step_class, which its pipeline computes
+    // while the products run (computing them here, after the products, lengthens the
+    // softmax's critical path: 8% at causal 16k for wg_computes alone).
     float s_ws[C::NS];  // unused (and dropped by the compiler) in the other forms
-    auto scores_and_softmax = [&](int t, int stage, TB sb, bool act = false) -> bool {
-        int tb;
-        const int b = rows_class(q0, t, sb, tb);
+    auto scores_and_softmax = [&](int t, int stage, TB sb, bool act = false, RowsClass rc = {}) -> bool {
+        int tb = rc.table, b = rc.cls;
+        if constexpr (!WS) b = rows_class(q0, t, sb, tb);
         const bool wg_active = WS ? act : wg_computes(t, sb);
         float mx[2] = {0.f, 0.f};
         float s_own[C::NS];
@@ -362,6 +379,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     // O += P V for the step, from stage `stage` (P in pk, or in shared memory at 512):
     // issued and committed; pk and o stay the product's until the caller waits.
     auto pv_issue = [&](int stage) {
+        if constexpr (WS) stage = __shfl_sync(0xffffffffu, stage, 0);  // as in qk_issue
         const u32 v_tile = s_kv + stage * 2 * C::KV_BYTES + C::KV_BYTES + (u32)(ch * (C::DW / 64) * STEP * 128);
         u32 a[4][4];
 #pragma unroll
@@ -417,8 +435,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         auto load_mask_warp = [&](int st, int t, int lane) {
             load_mask_tile(s_mask + st * C::MASK_BYTES, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al, lane, 32);
         };
-        if (!ws_pipeline(s_bar, C::KV_BYTES, steps, t, need_mask, sb, s_ws, o, next_active, wg_computes, qk_ws, pv_issue,
-                         scores_and_softmax, issue_k, issue_v, load_mask_warp))
+        if (!ws_pipeline(s_bar, C::KV_BYTES, steps, t, need_mask, sb, s_ws, o, next_active, wg_computes, step_class, qk_ws,
+                         pv_issue, scores_and_softmax, issue_k, issue_v, load_mask_warp))
             return;  // the producer warpgroup
     } else if constexpr (C::NSTAGE == 2) {
         if (t < steps) {

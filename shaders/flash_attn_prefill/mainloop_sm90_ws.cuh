@@ -44,16 +44,17 @@ __device__ __forceinline__ u32 ws_parity(int j) { return (u32)(j >> 1) & 1u; }
 // tile `nm` and table bytes `sb`). Returns true in the consumers (their O, m_run and l_run
 // hold the rows; they wait on the cluster after their epilogue), false in the producer
 // warpgroup (done). The callbacks are the mainloop's: next_active(t, nm, sb),
-// wg_computes(t, sb), qk_issue(stage) (into s), pv_issue(stage), scores_and_softmax(t, stage, sb,
-// act) (the step's softmax once s holds its scores; act is wg_computes(t, sb), computed once),
+// wg_computes(t, sb), step_class(t, sb) (the classes of the thread's rows), qk_issue(stage)
+// (into s), pv_issue(stage), scores_and_softmax(t, stage, sb, act, cls) (the step's softmax once
+// s holds its scores; act and cls are wg_computes and step_class, computed beforehand),
 // issue_k(stage, t, bar) and issue_v(stage, t, bar) (this CTA's half of the boxes, for
 // both), load_mask(stage, t, lane) (the producer warp's share of a mask tile).
-template <class TB, int NS, int NO, class Next, class Computes, class QK, class PV, class Softmax, class IssueK,
-          class IssueV, class LoadMask>
+template <class TB, int NS, int NO, class Next, class Computes, class Class, class QK, class PV, class Softmax,
+          class IssueK, class IssueV, class LoadMask>
 __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, int t, bool nm, TB sb, float (&s)[NS],
-                                            float (&o)[NO], Next& next_active, Computes& wg_computes, QK& qk_issue,
-                                            PV& pv_issue, Softmax& scores_and_softmax, IssueK& issue_k, IssueV& issue_v,
-                                            LoadMask& load_mask) {
+                                            float (&o)[NO], Next& next_active, Computes& wg_computes, Class& step_class,
+                                            QK& qk_issue, PV& pv_issue, Softmax& scores_and_softmax, IssueK& issue_k,
+                                            IssueV& issue_v, LoadMask& load_mask) {
     const WsBars bars{s_bar};
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
@@ -120,15 +121,22 @@ __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, 
     if (wgi == 1) named_barrier_arrive(1, NTHREADS);
     int st = 0, j = 0;
     bool act_prev = false;
+    bool act = t < steps && wg_computes(t, sb);  // then each step's, while the last one's products run
     while (true) {
         const bool more = t < steps;
         if (more) mbar_wait(bars.full_k(st), ws_parity(j));
         if (j >= 1) mbar_wait(bars.full_v(st ^ 1), ws_parity(j - 1));
-        const bool act = more && wg_computes(t, sb);
         named_barrier(1 + wgi, NTHREADS);
         if (act_prev) pv_issue(st ^ 1);  // O += P V of the last step
         if (act) qk_issue(st);
         named_barrier_arrive(2 - wgi, NTHREADS);
+        // While the products run: the next step walked, whether this warpgroup computes it,
+        // and this step's row classes (what the softmax needs besides the scores), so none of
+        // them waits behind the products.
+        TB sbn = 0;
+        const int tn = more ? next_active(t, nm, sbn) : steps;
+        const auto cls = more ? step_class(t, sb) : decltype(step_class(t, sb)){};
+        const bool act_next = tn < steps && wg_computes(tn, sbn);
         wgmma_wait0();
         fence_regs(s);
         fence_regs(o);
@@ -142,12 +150,11 @@ __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, 
             }
         }
         if (!more) break;
-        TB sbn;
-        const int tn = next_active(t, nm, sbn);
         mbar_wait(bars.full_m(st), ws_parity(j));
-        scores_and_softmax(t, st, sb, act);  // its Q K^T is in s
+        scores_and_softmax(t, st, sb, act, cls);  // its Q K^T is in s
         mbar_arrive(bars.empty_m(st));  // each thread after its own reads of the mask tile
         act_prev = act;
+        act = act_next;
         ++j;
         st ^= 1;
         t = tn;

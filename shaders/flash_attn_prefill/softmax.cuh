@@ -26,8 +26,9 @@ __device__ __forceinline__ bool softmax_rescale(float mx, float& m, float& ms) {
 // half), and their rounded values added to `sum`.
 template <class T>
 __device__ __forceinline__ u32 softmax_p2(float s0, float s1, float m, float& sum) {
-    const float e0 = exp2_approx((s0 - m) * LOG2E);
-    const float e1 = exp2_approx((s1 - m) * LOG2E);
+    const float ml = m * LOG2E;  // the same for every pair of the row: computed once
+    const float e0 = exp2_approx(fmaf(s0, LOG2E, -ml));
+    const float e1 = exp2_approx(fmaf(s1, LOG2E, -ml));
     const u32 h2 = T::pack2(e0, e1);
     float r0, r1;
     T::unpack2(h2, r0, r1);
