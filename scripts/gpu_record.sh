@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The run of record of the Hopper kernel against its peers (one device-machine call): every
+# row of issue 12's table, with FlashAttention-4 and FlexAttention in the same process, and
+# PyTorch SDPA's backends where a whole-prompt case lets them run. Logs and JSON go to $OUT
+# (record-<part>.log / .json); each part has its own time limit, so the whole fits in one
+# 10-minute call.
+#
+#   bash scripts/gpu_record.sh WHEEL_DIR [FA4_B_DIR]
+#
+# FA4_B_DIR: the second half of FlashAttention-4's wheels (../shared/tools/fa4-wheels.sh),
+# joined here with the first half an earlier call copied to /root/fa4. Without it, FA4 runs
+# only where it is already on PYTHONPATH.
+set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
+OUT=${OUT:-/tmp/gpu-record}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1
+if [ -n "${2:-}" ] && [ -f /root/fa4/big.part.aa ]; then
+  step "FlashAttention-4"
+  cat /root/fa4/big.part.aa "$2/big.part.ab" > "/root/fa4/$(cat "$2/big.name")" && rm /root/fa4/big.part.aa &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4 /root/fa4/*.whl
+fi
+[ -d /tmp/fa4 ] && export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+install_wheels "$1" /tmp/site
+export PYTHONPATH=/tmp/site:$PYTHONPATH
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+status=0
+# part LIMIT NAME BENCH-ARGS...: one bench run, its summary printed.
+part() {
+  local limit=$1 name=$2
+  shift 2
+  step "$name: $*"
+  (cd /tmp && timeout "$limit" python3 -m mlx_native bench --device cuda --no-progress --json "$OUT/record-$name.json" \
+    "$@" > "$OUT/record-$name.log" 2>&1) || status=1
+  if grep -q '^summary:' "$OUT/record-$name.log"; then sed -n '/^summary:/,$p' "$OUT/record-$name.log"; else tail -n 20 "$OUT/record-$name.log"; fi
+}
+part "${T_WHOLE:-180}" whole --rows 16384 --cases causal-8h dense-8h --peers fa4 flex torch
+part "${T_SLIDING:-120}" sliding --rows 8192 32768 --cases sliding --peers fa4 flex
+part "${T_CHUNK:-90}" chunk-32k --rows 2048 --kv-len 32768 --cases sliding global --peers fa4 flex
+part "${T_CHUNK:-90}" chunk-64k --rows 512 --kv-len 65536 --cases causal-8h --peers fa4 flex
+part "${T_GLOBAL:-70}" global --rows 8192 --cases global --peers flex
+echo "gpu_record status $status ($(date +%T))"
+exit $status
