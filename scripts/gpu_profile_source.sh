@@ -4,7 +4,7 @@
 # kernel's summary metrics, and the SASS instructions with the most stall samples (with
 # their reasons). Logs go to $OUT (ncu-details.txt, ncu-source.csv, ncu-top.txt).
 #
-#   bash scripts/gpu_profile_source.sh [CASE]    # CASE: dense, causal (default), global, explicit
+#   bash scripts/gpu_profile_source.sh [CASE]    # CASE: dense, causal (default), sliding, global, explicit
 #
 # Uses the installed mlx_native (PYTHONPATH) and MLX_NATIVE_CUDA_SOURCE_DIR if set.
 set -uo pipefail

@@ -5,11 +5,12 @@ scripts/gpu_check.sh or scripts/gpu_profile.sh):
 - dense head dim 256 (8/8 heads, 8192 rows), described;
 - causal head dim 256 (8/8 heads, 16384 rows), described: the FlashAttention-4 comparison;
 - the global layer (head dim 512, 16/2 heads, 8192 rows, causal): described, then as an
-  explicit additive mask (the classifier's launch, then the attention's).
+  explicit additive mask (the classifier's launch, then the attention's);
+- the sliding layer (head dim 256, 16/8 heads, window 1024, 8192 rows), described.
 
     python3 scripts/profile_case.py [--quick] [--case FORM ...]
     # --quick: 4096 rows for the global layer, no causal 16k; --case: only the cases of these
-    # forms (dense, causal: head dim 256; global, explicit: head dim 512)
+    # forms (dense, causal, sliding: head dim 256; global, explicit: head dim 512)
 """
 
 import sys
@@ -27,8 +28,9 @@ cases = [(8192, 8, 8, 256, "dense")]
 if not quick:
     cases.append((16384, 8, 8, 256, "causal"))
 g = 4096 if quick else 8192
-cases += [(g, 16, 2, 512, "causal"), (g, 16, 2, 512, "explicit")]
+cases += [(g, 16, 2, 512, "causal"), (g, 16, 2, 512, "explicit"), (8192, 16, 8, 256, "sliding")]
 names = {(256, "dense"): "dense", (256, "causal"): "causal", (512, "causal"): "global", (512, "explicit"): "explicit"}
+names[(256, "sliding")] = "sliding"
 if only:
     cases = [c for c in cases if names[(c[3], c[4])] in only]
 for rows, nh, nkv, hd, form in cases:
@@ -38,6 +40,8 @@ for rows, nh, nkv, hd, form in cases:
     if form == "explicit":
         mask = np.triu(np.full((rows, rows), -np.inf, np.float16), 1)
         plan = mx.PrefillPlan(q, k, v, mask, scale=1.0, device=dev)
+    elif form == "sliding":  # the Gemma sliding layer, window 1024, described
+        plan = mx.PrefillPlan(q, k, v, causal=True, window=1024, scale=1.0, device=dev)
     else:
         plan = mx.PrefillPlan(q, k, v, causal=form == "causal", scale=1.0, device=dev)
     plan.run()
