@@ -24,39 +24,48 @@ __device__ __forceinline__ void copy8_f16(u32 dst, const u16* __restrict__ src, 
 
 __device__ __forceinline__ float bf16_bits_to_float(u32 h) { return __uint_as_float(h << 16); }
 
-// 8 elements of Q at `src` (dtype `dt`: F32, F16 or BF16), read as float, scaled and
-// rounded to the products' type T: qh = T(scale * q), as 4 pairs. `aligned`: 16-byte loads.
-template <class T>
-__device__ __forceinline__ void load_q8(u32 (&w)[4], const void* __restrict__ src, int dt, float scale, bool aligned) {
-    float f[8];
+// The bits of 8 elements of Q at `src` (dtype `dt`): 32 bytes of F32 in r[0..7], or 16 of
+// F16 / BF16 in r[0..3]. Loaded only, never used here, so a caller can have several chunks'
+// loads in flight before it converts any (q_from_raw). `aligned`: 16-byte loads.
+__device__ __forceinline__ void load_q_raw(u32 (&r)[8], const void* __restrict__ src, int dt, bool aligned) {
+    const u32* q = reinterpret_cast<const u32*>(src);
     if (dt == DT_F32) {
-        const float* q = reinterpret_cast<const float*>(src);
-        if (aligned) {
-            const float4 a = *reinterpret_cast<const float4*>(q);
-            const float4 b = *reinterpret_cast<const float4*>(q + 4);
-            f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-            f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) f[e] = q[e];
-        }
-    } else {
-        const u16* q = reinterpret_cast<const u16*>(src);
-        u32 h[4];
         if (aligned) {
             const uint4 a = *reinterpret_cast<const uint4*>(q);
-            h[0] = a.x; h[1] = a.y; h[2] = a.z; h[3] = a.w;
+            const uint4 b = *reinterpret_cast<const uint4*>(q + 4);
+            r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
+            r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
         } else {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) h[e] = (u32)q[2 * e] | ((u32)q[2 * e + 1] << 16);
+            for (int e = 0; e < 8; ++e) r[e] = q[e];
         }
+    } else {
+        const u16* h = reinterpret_cast<const u16*>(src);
+        if (aligned) {
+            const uint4 a = *reinterpret_cast<const uint4*>(h);
+            r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) r[e] = (u32)h[2 * e] | ((u32)h[2 * e + 1] << 16);
+        }
+    }
+}
+
+// The chunk of load_q_raw's bits as the products' type T: qh = T(scale * q), as 4 pairs.
+template <class T>
+__device__ __forceinline__ void q_from_raw(u32 (&w)[4], const u32 (&r)[8], int dt, float scale) {
+    float f[8];
+    if (dt == DT_F32) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = __uint_as_float(r[e]);
+    } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             if (dt == DT_F16) {
-                unpack_half2(h[e], f[2 * e], f[2 * e + 1]);
+                unpack_half2(r[e], f[2 * e], f[2 * e + 1]);
             } else {
-                f[2 * e] = bf16_bits_to_float(h[e] & 0xffffu);
-                f[2 * e + 1] = bf16_bits_to_float(h[e] >> 16);
+                f[2 * e] = bf16_bits_to_float(r[e] & 0xffffu);
+                f[2 * e + 1] = bf16_bits_to_float(r[e] >> 16);
             }
         }
     }
@@ -64,16 +73,25 @@ __device__ __forceinline__ void load_q8(u32 (&w)[4], const void* __restrict__ sr
     for (int e = 0; e < 4; ++e) w[e] = T::pack2(scale * f[2 * e], scale * f[2 * e + 1]);
 }
 
+// The bits of Q row `qr` of sequence `sq` (rows past lq zero), head h, chunk c (8 elements).
+__device__ __forceinline__ void load_q_chunk_raw(u32 (&r)[8], const Params& p, const Launch& L, const Seq& sq,
+                                                 const unsigned char* __restrict__ q, int qr, int h, int c) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r[e] = 0u;
+    if (qr < sq.lq) {
+        const int esz = p.q_dtype == DT_F32 ? 4 : 2;
+        const i64 e = sq.q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8;
+        load_q_raw(r, q + e * esz, p.q_dtype, (L.flags & FLAG_Q_ALIGNED) != 0);
+    }
+}
+
 // Q row `qr` of sequence `sq` (rows past lq zero), head h, chunk c (8 elements), as T.
 template <class T>
 __device__ __forceinline__ void load_q_chunk(u32 (&w)[4], const Params& p, const Launch& L, const Seq& sq,
                                              const unsigned char* __restrict__ q, int qr, int h, int c) {
-    w[0] = w[1] = w[2] = w[3] = 0u;
-    if (qr < sq.lq) {
-        const int esz = p.q_dtype == DT_F32 ? 4 : 2;
-        const i64 e = sq.q + (i64)qr * p.q_row_stride + (i64)h * p.q_head_stride + c * 8;
-        load_q8<T>(w, q + e * esz, p.q_dtype, p.scale, (L.flags & FLAG_Q_ALIGNED) != 0);
-    }
+    u32 r[8];
+    load_q_chunk_raw(r, p, L, sq, q, qr, h, c);
+    q_from_raw<T>(w, r, p.q_dtype, p.scale);
 }
 
 // `STEP` rows of `D` 16-bit elements at `src + row * row_stride` into shared memory rows of

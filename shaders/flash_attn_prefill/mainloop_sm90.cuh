@@ -139,15 +139,26 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int kvh = ((int)blockIdx.y * hpc) / group;
 
     // ---- Q: qh = T(scale * q) in the atom layout; rows past lq zero (by the consumers).
+    // QB chunks a thread at a time, all loaded before any is converted: loading and
+    // converting one chunk at a time waited on each load in turn (16 in a row at head dim
+    // 256: a fifth of a short walk's samples, the sliding layer's).
     if (!WS || tid < NTHREADS) {
-        constexpr int CH = D / 8;
-        for (int i = tid; i < C::ROWS * CH; i += NTHREADS) {
-            const int r = i / CH, c = i % CH;
-            const int qr = q_cta + r % qpc;
-            const int h = (int)blockIdx.y * hpc + r / qpc;
-            u32 w[4];
-            load_q_chunk<T>(w, p, L, sq, q, qr, h, c);
-            st_shared_v4(s_q + atom_off(C::ROWS, r, c), w[0], w[1], w[2], w[3]);
+        constexpr int CH = D / 8, QB = 4;
+        static_assert(C::ROWS * CH % (NTHREADS * QB) == 0, "whole batches of Q chunks");
+        for (int i0 = tid; i0 < C::ROWS * CH; i0 += NTHREADS * QB) {
+            u32 raw[QB][8];
+#pragma unroll
+            for (int b = 0; b < QB; ++b) {
+                const int i = i0 + b * NTHREADS, r = i / CH;
+                load_q_chunk_raw(raw[b], p, L, sq, q, q_cta + r % qpc, (int)blockIdx.y * hpc + r / qpc, i % CH);
+            }
+#pragma unroll
+            for (int b = 0; b < QB; ++b) {
+                const int i = i0 + b * NTHREADS;
+                u32 w[4];
+                q_from_raw<T>(w, raw[b], p.q_dtype, p.scale);
+                st_shared_v4(s_q + atom_off(C::ROWS, i / CH, i % CH), w[0], w[1], w[2], w[3]);
+            }
         }
     }
 
