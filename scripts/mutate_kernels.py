@@ -287,8 +287,8 @@ MUTATIONS: List[Mutation] = [
       "Hopper d256 pairs: the last step's P V reads V from this step's stage"),
     M("cuda-ws-act-prev", "cuda", CU_SM90_WS, "act_prev = act;", "act_prev = more;",
       "Hopper d256 pairs: a warpgroup that skipped a step still adds P V (its stale P) after it"),
-    M("cuda-ws-act-true", "cuda", CU_SM90_WS, "scores_and_softmax(t, st, sb, act);",
-      "scores_and_softmax(t, st, sb, true);",
+    M("cuda-ws-act-true", "cuda", CU_SM90_WS, "scores_and_softmax(t, st, sb, act, cls);",
+      "scores_and_softmax(t, st, sb, true, cls);",
       "Hopper d256 pairs: a warpgroup that issued no Q K^T this step runs its softmax on the last step's scores",
       equivalent="act is the union test of the warpgroup's rows (wg_computes), so when it is false every warp's own "
       "class is 0 and the softmax sets all its scores to -inf before reading them: the step's max is -inf, "
