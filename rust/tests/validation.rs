@@ -169,7 +169,7 @@ fn the_cpu_always_offers_both_head_dims() {
 // -- flash_attn_prefill (SPEC 6-9): the front door's op -------------------------------------
 
 mod front_door {
-    use super::common::prefill::{Buffers, Prefill};
+    use super::common::prefill::{f32_lse_operands, Buffers, Prefill};
     use super::common::{read_u8, upload};
     use mlx_native::ops::flash_attn_prefill::{
         dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_table_bytes, sequence_lengths,
@@ -670,14 +670,7 @@ mod front_door {
         accepted("offset", &dev, &longer, &FlashAttnPrefillParams { has_offset: 1, offset: 0, ..p });
         accepted("not causal", &dev, &longer, &FlashAttnPrefillParams { causal: 0, ..p });
         // The checks without buffers: lengths of another batch, and cu_seqlens values.
-        let o = PrefillOperands {
-            q_dtype: DType::F32,
-            kv_dtype: DType::F16,
-            out_dtype: DType::F32,
-            mask: false,
-            lse: true,
-            sinks: false,
-        };
+        let o = f32_lse_operands(false);
         let lens = sequence_lengths(&p, &cq, &ck).unwrap();
         assert_eq!(lens, vec![(20, 30), (0, 10), (17, 40)]);
         let v = validate_shapes(&p, &o, Some(&lens)).unwrap();
@@ -715,14 +708,7 @@ mod front_door {
         let mut reg = default_registry();
         let c = fixed();
         let p = c.params();
-        let o = PrefillOperands {
-            q_dtype: DType::F32,
-            kv_dtype: DType::F16,
-            out_dtype: DType::F32,
-            mask: true,
-            lse: true,
-            sinks: false,
-        };
+        let o = f32_lse_operands(true);
         let plan = FlashAttnPrefillPlan::new(&dev, &p, &o, None).unwrap();
         assert_eq!(plan.params(), &p);
         assert_eq!(plan.operands(), &o);
@@ -899,10 +885,10 @@ mod front_door {
 mod workspace {
     use std::sync::Arc;
 
-    use super::common::prefill::Prefill;
+    use super::common::prefill::{f32_lse_operands, Prefill};
     use super::common::read_u8;
     use mlx_native::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline};
-    use mlx_native::ops::flash_attn_prefill::{dispatch_flash_attn_prefill, FlashAttnPrefillBuffers, PrefillOperands};
+    use mlx_native::ops::flash_attn_prefill::{dispatch_flash_attn_prefill, FlashAttnPrefillBuffers};
     use mlx_native::ops::flash_attn_prefill_plan::{FlashAttnPrefillPlan, PrefillRunBuffers};
     use mlx_native::{default_registry, DType, MlxDevice, MlxError, Result};
 
@@ -976,14 +962,7 @@ mod workspace {
             assert_eq!(read_u8(b.out), before, "out was written");
         }
         // The plan reports what the backend asks, and checks each run's workspace.
-        let o = PrefillOperands {
-            q_dtype: DType::F32,
-            kv_dtype: DType::F16,
-            out_dtype: DType::F32,
-            mask: false,
-            lse: true,
-            sinks: false,
-        };
+        let o = f32_lse_operands(false);
         let plan = FlashAttnPrefillPlan::new(&dev, &p, &o, None).unwrap();
         assert_eq!(plan.workspace_bytes(), ASKED);
         let rb = PrefillRunBuffers {

@@ -6,11 +6,17 @@
 use half::{bf16, f16};
 use mlx_native::ops::flash_attn_prefill::{
     dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_table_bytes, FlashAttnPrefillBuffers,
-    FlashAttnPrefillParams,
+    FlashAttnPrefillParams, PrefillOperands,
 };
 use mlx_native::{DType, KernelRegistry, MlxBuffer, MlxDevice};
 
 use super::{read_u8, upload, Rng};
+
+/// The operands the plan tests use: F32 Q and output, F16 K/V, an lse, no sinks; `mask`:
+/// whether an explicit mask is given.
+pub fn f32_lse_operands(mask: bool) -> PrefillOperands {
+    PrefillOperands { q_dtype: DType::F32, kv_dtype: DType::F16, out_dtype: DType::F32, mask, lse: true, sinks: false }
+}
 
 /// The byte every output buffer is filled with before a run: all-ones is a NaN in F32, F16
 /// and BF16 that no kernel writes from finite inputs.
