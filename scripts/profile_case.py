@@ -29,8 +29,13 @@ if not quick:
     cases.append((16384, 8, 8, 256, "causal"))
 g = 4096 if quick else 8192
 cases += [(g, 16, 2, 512, "causal"), (g, 16, 2, 512, "explicit"), (8192, 16, 8, 256, "sliding")]
-names = {(256, "dense"): "dense", (256, "causal"): "causal", (512, "causal"): "global", (512, "explicit"): "explicit"}
-names[(256, "sliding")] = "sliding"
+names = {
+    (256, "dense"): "dense",
+    (256, "causal"): "causal",
+    (256, "sliding"): "sliding",
+    (512, "causal"): "global",
+    (512, "explicit"): "explicit",
+}
 if only:
     cases = [c for c in cases if names[(c[3], c[4])] in only]
 for rows, nh, nkv, hd, form in cases:
