@@ -217,11 +217,14 @@ def test_closing_objects_under_another_threads_feet(device, rng):
                 # a new plan lives long enough to run before another thread frees it.
                 what = (0, 0, 1, 2, 3, 3, 4, 4, 5, 5)[r.integers(10)]
                 plan = shared["plan"]
-                b = plan._buffers
+                # Only the calls that use the buffers reach for them: a plan whose device was
+                # closed before its buffers were made refuses them for good, and the rebuild
+                # (3) must not depend on it, or every thread fails from then on (seen on the
+                # 2-core CI machine: 33 successes in the whole 90 s).
                 if what == 0:
                     plan.run()
                 elif what == 1:
-                    b[("q", "k", "v", "mask", "blk", "out")[r.integers(6)]].free()
+                    plan._buffers[("q", "k", "v", "mask", "blk", "out")[r.integers(6)]].free()
                 elif what == 2:
                     shared["dev"].close()
                 elif what == 3:
@@ -236,7 +239,7 @@ def test_closing_objects_under_another_threads_feet(device, rng):
                     else:
                         enc.commit()
                 else:
-                    b["out"].numpy()
+                    plan._buffers["out"].numpy()
                 with lock:
                     counts["ok"] += 1
             except (mx.InvalidHandleError, mx.InvalidArgumentError) as e:
