@@ -145,6 +145,26 @@ int32_t mlxn_cpu_info(char *buf, size_t cap, size_t *needed);
 // `name` must be null or a NUL-terminated string.
 int32_t mlxn_cpu_force_isa(const char *name);
 
+// Make the CPU kernels run on `threads` threads from the next run on (0: back to the
+// default: `RAYON_NUM_THREADS`, else every core the process may use). Process-wide.
+int32_t mlxn_cpu_set_threads(uint32_t threads);
+
+// Make every CUDA launch use the CTA-pair choice `mode` (`"0"`: the one-CTA forms,
+// `"queries"`: query pairs only, `"1"`: head pairs where they fit), or go back to
+// `MLX_NATIVE_CUDA_PAIR`'s with null or `""`. Process-wide; for tests and benchmarks.
+//
+// # Safety
+// `mode` must be null or a NUL-terminated string.
+int32_t mlxn_cuda_force_pair(const char *mode);
+
+// The settings read from the environment (each once, the first time any is asked for:
+// this call reads them) whose values were not understood and were ignored: one message a
+// line, each naming the variable and its value; empty when there are none.
+//
+// # Safety
+// As for [`mlxn_backends`].
+int32_t mlxn_settings_report(char *buf, size_t cap, size_t *needed);
+
 // The measured FMA peak of the CPU in GFLOP/s (f32, an FMA counting 2 FLOP per lane) on
 // `threads` threads (0: all the threads the kernels use), with the instruction set the
 // kernels use now. Runs a calibrated register-only loop for about a quarter of a second.

@@ -317,6 +317,55 @@ pub unsafe extern "C" fn mlxn_cpu_force_isa(name: *const c_char) -> i32 {
     })
 }
 
+/// Make the CPU kernels run on `threads` threads from the next run on (0: back to the
+/// default: `RAYON_NUM_THREADS`, else every core the process may use). Process-wide.
+#[no_mangle]
+pub extern "C" fn mlxn_cpu_set_threads(threads: u32) -> i32 {
+    guard(|| crate::backend::cpu::pool::set_threads(threads as usize))
+}
+
+/// Make every CUDA launch use the CTA-pair choice `mode` (`"0"`: the one-CTA forms,
+/// `"queries"`: query pairs only, `"1"`: head pairs where they fit), or go back to
+/// `MLX_NATIVE_CUDA_PAIR`'s with null or `""`. Process-wide; for tests and benchmarks.
+///
+/// # Safety
+/// `mode` must be null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_cuda_force_pair(mode: *const c_char) -> i32 {
+    guard(|| {
+        use crate::settings::CudaPair;
+        let mode = if mode.is_null() { "" } else { c_str(mode, "mode")? };
+        let pair = match mode {
+            "" => None,
+            "0" => Some(CudaPair::Off),
+            "queries" => Some(CudaPair::Queries),
+            "1" => Some(CudaPair::Auto),
+            _ => {
+                return Err(MlxError::InvalidArgument(format!(
+                    "CTA-pair mode {mode:?} is not one of \"0\", \"queries\", \"1\" (or \"\" for the default)"
+                )))
+            }
+        };
+        crate::backend::cuda::flash_attn_prefill::force_pair(pair);
+        Ok(())
+    })
+}
+
+/// The settings read from the environment (each once, the first time any is asked for:
+/// this call reads them) whose values were not understood and were ignored: one message a
+/// line, each naming the variable and its value; empty when there are none.
+///
+/// # Safety
+/// As for [`mlxn_backends`].
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_settings_report(buf: *mut c_char, cap: usize, needed: *mut usize) -> i32 {
+    guard(|| {
+        // The CPU's instruction set is checked against the CPU where it is first chosen.
+        crate::backend::cpu::simd::default_isa();
+        write_string(&crate::settings::complaints().join("\n"), buf, cap, needed)
+    })
+}
+
 /// The measured FMA peak of the CPU in GFLOP/s (f32, an FMA counting 2 FLOP per lane) on
 /// `threads` threads (0: all the threads the kernels use), with the instruction set the
 /// kernels use now. Runs a calibrated register-only loop for about a quarter of a second.

@@ -7,7 +7,8 @@
 //! place that speaks C; [`ops`] validate and encode named kernels; the runtime
 //! ([`device`], [`buffer`], [`encoder`], [`kernel_registry`]) hands their dispatches to a
 //! [`backend`]; every layer stands on [`interface`], the leaf of value types and backend
-//! traits, and the ops and backends share [`params`], the params blocks of the dispatches.
+//! traits, and the ops and backends share [`params`], the params blocks of the dispatches;
+//! [`settings`] (the environment variables, read once) is a leaf the backends read.
 //! Nothing lower imports anything higher.
 
 pub mod backend;
@@ -21,6 +22,7 @@ pub mod interface;
 pub mod kernel_registry;
 pub mod ops;
 pub mod params;
+pub mod settings;
 
 pub use buffer::MlxBuffer;
 pub use device::MlxDevice;

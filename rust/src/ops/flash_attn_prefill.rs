@@ -437,6 +437,10 @@ pub struct ValidatedPrefill {
     pub extents: PrefillExtents,
 }
 
+/// The largest `max_bias` taken: every ALiBi slope (the smallest is `2^-max_bias`) stays a
+/// normal f32.
+pub const MAX_BIAS_LIMIT: f32 = 126.0;
+
 /// Check `p` with its operands' dtypes (SPEC 6-9), and, for a variable-length batch, the
 /// sequence lengths (`lens`, from [`sequence_lengths`]; `None` for fixed length). Every
 /// check that needs no buffer.
@@ -477,6 +481,14 @@ pub fn validate_shapes(
     }
     if !p.max_bias.is_finite() || p.max_bias < 0.0 {
         return Err(invalid(format!("max_bias {} must be a finite number >= 0 (0: no ALiBi)", p.max_bias)));
+    }
+    // The smallest slope is head n2 - 1's, 2^-max_bias: past 2^-126 it is no normal f32, and at
+    // 0 a masked (-inf) entry would become 0 * -inf = NaN.
+    if p.max_bias > MAX_BIAS_LIMIT {
+        return Err(invalid(format!(
+            "max_bias {} is above {MAX_BIAS_LIMIT}: the smallest ALiBi slope, 2^-max_bias, would underflow float32",
+            p.max_bias
+        )));
     }
     if p.max_bias > 0.0 && !o.mask && p.causal == 0 {
         return Err(invalid(

@@ -164,6 +164,13 @@ impl FlashAttnPrefillPlan {
         if addr == 0 && bytes > 0 {
             return Err(MlxError::InvalidArgument(format!("flash_attn_prefill: {name} is a null address")));
         }
+        if !addr.is_multiple_of(dtype.size_of() as u64) {
+            return Err(MlxError::InvalidArgument(format!(
+                "flash_attn_prefill: {name} at address {addr:#x} is not aligned to its {dtype} elements: pass an \
+                 array whose data starts at a multiple of {} bytes (a copy of it is)",
+                dtype.size_of()
+            )));
+        }
         match self.device.backend_kind() {
             BackendKind::Cuda => self.device.wrap_device(addr, bytes, dtype, &[]),
             _ => self.device.wrap_host(addr as usize as *mut u8, bytes, dtype, &[]),

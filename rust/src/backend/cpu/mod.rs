@@ -1,5 +1,6 @@
 //! The CPU backend: always present. A kernel is a Rust function that runs a whole dispatch,
-//! spreading its tiles over all cores (rayon) with SIMD inner loops chosen at run time.
+//! spreading its tiles over the library's thread pool (`pool`: rayon, every core unless the
+//! caller sets a number) with SIMD inner loops chosen at run time.
 //! Each op's host file (`flash_attn_prefill.rs`, `flash_attn_prefill_tensor.rs`,
 //! `flash_attn_prefill_blk.rs`) lists its kernels by name in a `KERNELS` table; [`kernel`]
 //! looks a name up in all of them. The attention of both prefill ops is one kernel body,
@@ -15,6 +16,7 @@ pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
 pub mod memory;
 pub mod peak;
+pub mod pool;
 mod prefill_tile;
 pub mod simd;
 
@@ -55,7 +57,7 @@ pub struct CpuPipeline {
 
 /// Threads the kernels use.
 pub fn threads() -> usize {
-    rayon::current_num_threads()
+    pool::threads()
 }
 
 impl Backend for CpuBackend {
@@ -87,13 +89,15 @@ impl Backend for CpuBackend {
     }
 
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {
+        let mut kernels = Vec::with_capacity(dispatches.len());
         for d in dispatches {
             let state = d.pipeline.inner::<CpuPipeline>().ok_or_else(|| {
                 MlxError::InvalidArgument(format!("pipeline {} was not built by the CPU backend", d.pipeline.name()))
             })?;
-            (state.kernel)(d)?;
+            kernels.push(state.kernel);
         }
-        Ok(())
+        // The kernels' parallel loops run on the library's pool, not rayon's global one.
+        pool::run(|| dispatches.iter().zip(kernels).try_for_each(|(d, kernel)| kernel(d)))?
     }
 }
 
@@ -150,9 +154,10 @@ mod tests {
     /// run on, and the description names it and the instruction set in use.
     #[test]
     fn the_description_names_the_kernels_threads_and_instruction_set() {
-        assert_eq!(threads(), rayon::current_num_threads());
+        let _serial = pool::TEST_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        assert_eq!(threads(), pool::run(rayon::current_num_threads).unwrap());
         assert!(threads() >= 1);
         let d = CpuBackend::new().description();
-        assert_eq!(d, format!("cpu ({} threads, {})", rayon::current_num_threads(), simd::selected_isa()));
+        assert_eq!(d, format!("cpu ({} threads, {})", threads(), simd::selected_isa()));
     }
 }

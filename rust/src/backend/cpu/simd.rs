@@ -422,13 +422,30 @@ pub fn selected_isa() -> &'static str {
     if let Some(n) = *FORCED.lock().unwrap_or_else(|e| e.into_inner()) {
         return n;
     }
-    let detected = detected_isas();
-    if let Ok(want) = std::env::var("MLX_NATIVE_CPU_ISA") {
-        if let Some(name) = detected.iter().find(|n| **n == want) {
-            return name;
+    default_isa()
+}
+
+/// The instruction set without [`force_isa`]: `MLX_NATIVE_CPU_ISA`'s (read once, by
+/// `settings`) if this CPU has it, else the best detected. A name this CPU lacks is
+/// ignored with a complaint that names it and the ones it has.
+pub fn default_isa() -> &'static str {
+    static DEFAULT: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+    DEFAULT.get_or_init(|| {
+        let detected = detected_isas();
+        let Some(want) = crate::settings::get().cpu_isa.as_deref() else { return detected[0] };
+        if want == "auto" {
+            return detected[0];
         }
-    }
-    detected[0]
+        detected.iter().find(|n| **n == want).copied().unwrap_or_else(|| {
+            crate::settings::complain(format!(
+                "{}={want:?} is not an instruction set of this CPU (it has: {}): ignored, {} is used",
+                crate::settings::CPU_ISA,
+                detected.join(", "),
+                detected[0]
+            ));
+            detected[0]
+        })
+    })
 }
 
 #[cfg(test)]

@@ -139,10 +139,22 @@ unsafe impl Sync for Driver {}
 const LIBRARY_NAMES: &[&str] = &["libcuda.so.1", "libcuda.so", "nvcuda.dll"];
 
 static DRIVER: OnceLock<std::result::Result<Driver, String>> = OnceLock::new();
+/// The process that initialised the driver.
+static INIT_PID: OnceLock<u32> = OnceLock::new();
 
 /// The driver, loaded and initialised (`cuInit`) once; `BackendUnavailable` with the
-/// reason when this machine has none.
+/// reason when this machine has none, or when this process is a `fork()` child of the one
+/// that initialised it (CUDA's rule: a child cannot use its parent's CUDA state, and calls
+/// into it fail or hang).
 pub fn driver() -> Result<&'static Driver> {
+    if INIT_PID.get().is_some_and(|&pid| pid != std::process::id()) {
+        return Err(MlxError::BackendUnavailable(
+            "CUDA was initialised in this process's parent before it forked, and a forked child cannot use \
+             CUDA: start worker processes with the 'spawn' method (multiprocessing.set_start_method('spawn'), \
+             or torch.multiprocessing), or use the CPU backend (device='cpu') in the child"
+                .into(),
+        ));
+    }
     DRIVER
         .get_or_init(|| {
             let mut tried = Vec::new();
@@ -157,6 +169,7 @@ pub fn driver() -> Result<&'static Driver> {
                         if r != CUDA_SUCCESS {
                             return Err(format!("cuInit failed: {}", d.error_text(r)));
                         }
+                        let _ = INIT_PID.set(std::process::id());
                         return Ok(d);
                     }
                     Err(e) => tried.push(format!("{name}: {e}")),

@@ -10,7 +10,6 @@
 //! query tiles).
 
 use std::ffi::c_void;
-use std::sync::OnceLock;
 
 pub use super::attention_geometry::{
     attention_cta_rows, attention_geometry, attention_shared_bytes, pair_geometry, AttentionGeometry,
@@ -21,6 +20,7 @@ use super::launch::{
     contract, device_buffer, no_workspace, optional_device_buffer, CudaKernel, Launch, PrepareContext,
 };
 use crate::error::{MlxError, Result};
+pub use crate::settings::CudaPair;
 use crate::interface::Dispatch;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_LSE, PREFILL_MASK,
@@ -167,19 +167,36 @@ impl PairMode {
     }
 }
 
-/// `MLX_NATIVE_CUDA_PAIR`: `0` keeps the one-CTA forms (to compare or test them), `queries`
-/// uses query pairs only; unset (or anything else), head pairs where the group of query
-/// heads splits in two, else query pairs.
-pub const PAIR_ENV: &str = "MLX_NATIVE_CUDA_PAIR";
+/// [`force_pair`]'s choice (0: none; 1 + the `CudaPair` as below).
+static FORCED_PAIR: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
-/// `None`: no pairs; `Some(heads)`: pairs, head pairs allowed or not. Read once.
+/// Make every launch use the CTA-pair choice `pair` (the one-CTA forms, query pairs only, or
+/// head pairs where they fit), or go back to `MLX_NATIVE_CUDA_PAIR`'s with `None`.
+/// Process-wide; for the tests and benchmarks that compare the forms.
+pub fn force_pair(pair: Option<CudaPair>) {
+    let v = match pair {
+        None => 0,
+        Some(CudaPair::Off) => 1,
+        Some(CudaPair::Queries) => 2,
+        Some(CudaPair::Auto) => 3,
+    };
+    FORCED_PAIR.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// `None`: no pairs; `Some(heads)`: pairs, head pairs allowed or not: [`force_pair`]'s
+/// choice, else `MLX_NATIVE_CUDA_PAIR`'s (read once, by `settings`).
 fn pair_setting() -> Option<bool> {
-    static SETTING: OnceLock<Option<bool>> = OnceLock::new();
-    *SETTING.get_or_init(|| match std::env::var(PAIR_ENV).as_deref() {
-        Ok("0") => None,
-        Ok("queries") => Some(false),
-        _ => Some(true),
-    })
+    let pair = match FORCED_PAIR.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => CudaPair::Off,
+        2 => CudaPair::Queries,
+        3 => CudaPair::Auto,
+        _ => crate::settings::get().cuda_pair,
+    };
+    match pair {
+        CudaPair::Off => None,
+        CudaPair::Queries => Some(false),
+        CudaPair::Auto => Some(true),
+    }
 }
 
 /// The tensor map of K or V for the CTA-pair form: dims (head dim, KV heads, cache rows,

@@ -10,7 +10,6 @@
 //! 11), so a launch on another library's stream never allocates; without it (or with a
 //! smaller one) nothing is split.
 
-use std::sync::OnceLock;
 
 use super::attention_geometry::attention_geometry;
 use crate::params::{FlashAttnPrefillParamsGpu, PREFILL_LSE, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN};
@@ -21,16 +20,12 @@ pub const MAX_PARTS: u32 = 16;
 /// partial epilogues cost more than the parallelism gives.
 pub const MIN_PART_STEPS: u32 = 16;
 
-/// `MLX_NATIVE_CUDA_KV_SPLITS`: `N` >= 2 cuts every walk into N parts (the power of two at
-/// or below it, at most [`MAX_PARTS`]) whatever the shape, `0` or `1` never splits; unset,
-/// the shape decides. A
-/// development and test knob, read once per process (a plan's workspace and its runs must
-/// agree).
-pub const SPLITS_ENV: &str = "MLX_NATIVE_CUDA_KV_SPLITS";
-
+/// `MLX_NATIVE_CUDA_KV_SPLITS` (`settings`): `N` (a power of two up to [`MAX_PARTS`]) cuts
+/// every walk into N parts whatever the shape, `0` or `1` never splits; unset, the shape
+/// decides. A development and test knob, read once per process (a plan's workspace and its
+/// runs must agree).
 fn forced_parts() -> Option<u32> {
-    static FORCED: OnceLock<Option<u32>> = OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var(SPLITS_ENV).ok().and_then(|v| v.trim().parse::<u32>().ok()))
+    crate::settings::get().cuda_kv_splits
 }
 
 /// How one launch splits: `parts` (a power of two from 2 to [`MAX_PARTS`]) and the

@@ -121,14 +121,11 @@ fn device_address(ctx: &Arc<CudaContext>, b: &BufferBinding, name: &str, index: 
     Ok((mem.device_ptr() + b.byte_offset as u64, b.byte_len))
 }
 
-/// `MLX_NATIVE_CUDA_TRACE=1`: print each launch (kernel, entry variant, grid, block, shared
-/// memory) and each refused tensor map to stderr. A development knob, read once.
-pub const TRACE_ENV: &str = "MLX_NATIVE_CUDA_TRACE";
-
-/// Whether launches are traced.
+/// Whether (`MLX_NATIVE_CUDA_TRACE=1`, a development knob read once by `settings`) each
+/// launch (kernel, entry variant, grid, block, shared memory) and each refused tensor map is
+/// printed to stderr.
 pub fn tracing() -> bool {
-    static TRACE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *TRACE.get_or_init(|| std::env::var(TRACE_ENV).is_ok_and(|v| v == "1"))
+    crate::settings::get().cuda_trace
 }
 
 /// An internal error of a kernel's launch preparation: the op's contract was broken.

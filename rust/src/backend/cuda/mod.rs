@@ -76,9 +76,6 @@ unsafe impl Send for Module {}
 
 static CONTEXTS: OnceLock<Mutex<HashMap<i32, Arc<CudaContext>>>> = OnceLock::new();
 
-/// Environment variable that overrides the architecture kernels are compiled for.
-pub const ARCH_ENV: &str = "MLX_NATIVE_CUDA_ARCH";
-
 /// Number of CUDA devices, or why there are none to use.
 pub fn device_count() -> Result<i32> {
     let d = driver()?;
@@ -167,10 +164,8 @@ impl CudaContext {
     /// the wgmma form of the attention), `sm_XY` elsewhere. `MLX_NATIVE_CUDA_ARCH`
     /// overrides it (`sm_90` on a Hopper GPU runs the portable mma.sync form).
     pub fn arch(&self) -> String {
-        if let Ok(a) = std::env::var(ARCH_ENV) {
-            if !a.is_empty() && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-                return a;
-            }
+        if let Some(a) = &crate::settings::get().cuda_arch {
+            return a.clone();
         }
         let (maj, min) = self.compute_capability;
         if (maj, min) == (9, 0) {
@@ -498,7 +493,7 @@ impl CudaBackend {
 
 /// Compile the CUDA sources `files` for `arch` (no device needed): the compiler's report
 /// (ptxas resource usage per entry point), or the first compile error. A file that
-/// [`sources::SOURCE_DIR_ENV`] replaces is compiled in its replaced form, as a device would run it.
+/// [`crate::settings::CUDA_SOURCE_DIR`] replaces is compiled in its replaced form, as a device would run it.
 pub fn compile_check(arch: &str, files: &[SourceFile]) -> Result<String> {
     let mut report = String::new();
     for &f in files {

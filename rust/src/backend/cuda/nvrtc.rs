@@ -74,13 +74,6 @@ unsafe impl Sync for Nvrtc {}
 
 const FILE_NAMES: &[&str] = &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"];
 
-/// Environment variable naming the NVRTC library file to use.
-pub const NVRTC_ENV: &str = "MLX_NATIVE_NVRTC";
-/// Environment variable naming the cubin cache folder (`0` or `off`: no disk cache).
-pub const CACHE_ENV: &str = "MLX_NATIVE_CUDA_CACHE";
-/// Extra `-D` options for NVRTC (development: timing variants of a kernel).
-pub const DEFINES_ENV: &str = "MLX_NATIVE_CUDA_DEFINES";
-
 static NVRTC: OnceLock<std::result::Result<Nvrtc, String>> = OnceLock::new();
 
 /// NVRTC, loaded once; `BackendUnavailable` with every place tried when it is missing.
@@ -90,13 +83,11 @@ pub fn nvrtc() -> Result<&'static Nvrtc> {
 
 fn candidates() -> Vec<PathBuf> {
     let mut out = Vec::new();
-    if let Some(p) = std::env::var_os(NVRTC_ENV).filter(|p| !p.is_empty()) {
-        out.push(PathBuf::from(p));
+    let settings = crate::settings::get();
+    if let Some(p) = &settings.nvrtc {
+        out.push(p.clone());
     }
-    let mut dirs: Vec<PathBuf> = ["CUDA_HOME", "CUDA_PATH"]
-        .iter()
-        .filter_map(|v| std::env::var_os(v).map(|p| PathBuf::from(p).join("lib64")))
-        .collect();
+    let mut dirs: Vec<PathBuf> = settings.cuda_lib_dirs.clone();
     dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
     for d in dirs {
         for f in FILE_NAMES {
@@ -149,7 +140,8 @@ fn load() -> std::result::Result<Nvrtc, String> {
     }
     Err(format!(
         "NVRTC (the CUDA run-time compiler) could not be loaded; install the nvidia-cuda-nvrtc \
-         wheel or the CUDA toolkit, or set {NVRTC_ENV} to libnvrtc.so's path (tried {})",
+         wheel or the CUDA toolkit, or set {} to libnvrtc.so's path (tried {})",
+        crate::settings::NVRTC,
         tried.join("; ")
     ))
 }
@@ -241,9 +233,7 @@ impl Nvrtc {
 /// a kernel; anything else in it is ignored).
 pub fn options(arch: &str) -> Vec<String> {
     let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-lineinfo".into()];
-    if let Ok(extra) = std::env::var(DEFINES_ENV) {
-        o.extend(extra.split_whitespace().filter(|d| d.starts_with("-D") && d.len() > 2).map(String::from));
-    }
+    o.extend(crate::settings::get().cuda_defines.iter().cloned());
     o
 }
 
@@ -268,16 +258,10 @@ fn cache_dir() -> Option<PathBuf> {
     if !cfg!(unix) {
         return None;
     }
-    match std::env::var_os(CACHE_ENV) {
-        Some(v) if v == "0" || v == "off" => None,
-        Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
-        _ => {
-            let base = std::env::var_os("XDG_CACHE_HOME")
-                .filter(|p| !p.is_empty())
-                .map(PathBuf::from)
-                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-            Some(base.join("mlx_native").join("cuda"))
-        }
+    match &crate::settings::get().cuda_cache {
+        crate::settings::CudaCache::Off => None,
+        crate::settings::CudaCache::Folder(p) => Some(p.clone()),
+        crate::settings::CudaCache::Default(p) => p.clone(),
     }
 }
 
@@ -640,10 +624,6 @@ impl DiskCache {
     pub fn remove(&self, _name: &str) {}
 }
 
-/// `MLX_NATIVE_CUDA_CUBIN_DIR`: where [`compile_report`] also writes each file's cubin
-/// (`<file>.<arch>.cubin`), for nvdisasm.
-pub const CUBIN_DIR_ENV: &str = "MLX_NATIVE_CUDA_CUBIN_DIR";
-
 /// Compile `source` for `arch` without a device, with ptxas's resource report: the log.
 pub fn compile_report(file: &str, source: &str, arch: &str) -> Result<String> {
     let nv = nvrtc()?;
@@ -653,8 +633,8 @@ pub fn compile_report(file: &str, source: &str, arch: &str) -> Result<String> {
     let (maj, min) = nv.version();
     let mut report = format!("nvrtc {maj}.{min} ({})\n", nv.origin);
     // A developer reading the machine code (nvdisasm) asks for the cubin itself.
-    if let Some(dir) = std::env::var_os(CUBIN_DIR_ENV).filter(|d| !d.is_empty()) {
-        let path = Path::new(&dir).join(format!("{}.{arch}.cubin", file.replace('/', "_")));
+    if let Some(dir) = &crate::settings::get().cuda_cubin_dir {
+        let path = Path::new(dir).join(format!("{}.{arch}.cubin", file.replace('/', "_")));
         std::fs::write(&path, &cubin)
             .map_err(|e| MlxError::Internal(format!("cannot write {}: {e}", path.display())))?;
         report.push_str(&format!("cubin {}\n", path.display()));

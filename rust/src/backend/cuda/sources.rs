@@ -12,22 +12,16 @@ use std::sync::{Mutex, OnceLock};
 use crate::error::{MlxError, Result};
 use crate::interface::SourceFile;
 
-/// Environment variable naming a folder whose files replace the built-in CUDA sources of the
-/// same names: `<dir>/flash_attn_prefill_tensor.cu`, `<dir>/flash_attn_prefill/common.cuh`,
-/// ... (a development knob: mutation testing, trying a kernel change on a machine without
-/// Rust). Read once per process, as is each file it supplies.
-pub const SOURCE_DIR_ENV: &str = "MLX_NATIVE_CUDA_SOURCE_DIR";
-
 /// The text of the file `name` whose built-in text is `text`: the copy of the same name in
-/// the folder [`SOURCE_DIR_ENV`] names where it has one, else `text`. The variable is read
+/// the folder `MLX_NATIVE_CUDA_SOURCE_DIR` names (`settings`; a development knob: mutation
+/// testing, trying a kernel change on a machine without Rust) where it has one, else
+/// `text`. The variable is read
 /// once, and each file once (its text then stays for the process), so a process compiles
 /// one version of each file. A variable that names no folder is an error, not a silent
 /// fall-back to the built-in source.
 pub fn effective_text(name: &'static str, text: &'static str) -> Result<&'static str> {
-    static DIR: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
     static FILES: OnceLock<Mutex<HashMap<&'static str, Option<&'static str>>>> = OnceLock::new();
-    let Some(dir) = DIR.get_or_init(|| std::env::var_os(SOURCE_DIR_ENV).filter(|v| !v.is_empty()).map(Into::into))
-    else {
+    let Some(dir) = &crate::settings::get().cuda_source_dir else {
         return Ok(text);
     };
     let mut files = FILES.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner());
@@ -37,8 +31,9 @@ pub fn effective_text(name: &'static str, text: &'static str) -> Result<&'static
             let t = read_override(dir, name)?.map(|t| &*Box::leak(t.into_boxed_str()));
             if t.is_some() {
                 eprintln!(
-                    "mlx_native: warning: compiling {} in place of the built-in {name} ({SOURCE_DIR_ENV})",
-                    dir.join(name).display()
+                    "mlx_native: warning: compiling {} in place of the built-in {name} ({})",
+                    dir.join(name).display(),
+                    crate::settings::CUDA_SOURCE_DIR
                 );
             }
             files.insert(name, t);
@@ -52,13 +47,13 @@ pub fn effective_text(name: &'static str, text: &'static str) -> Result<&'static
 /// is not a folder or the file cannot be read as UTF-8 text.
 pub(crate) fn read_override(dir: &std::path::Path, name: &str) -> Result<Option<String>> {
     if !dir.is_dir() {
-        return Err(MlxError::InvalidArgument(format!("{SOURCE_DIR_ENV}={} is not a folder", dir.display())));
+        return Err(MlxError::InvalidArgument(format!("{}={} is not a folder", crate::settings::CUDA_SOURCE_DIR, dir.display())));
     }
     let path = dir.join(name);
     match std::fs::read_to_string(&path) {
         Ok(t) => Ok(Some(t)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(MlxError::InvalidArgument(format!("{SOURCE_DIR_ENV}: cannot read {}: {e}", path.display()))),
+        Err(e) => Err(MlxError::InvalidArgument(format!("{}: cannot read {}: {e}", crate::settings::CUDA_SOURCE_DIR, path.display()))),
     }
 }
 

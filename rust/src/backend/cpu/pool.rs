@@ -1,0 +1,163 @@
+//! The CPU kernels' threads: a rayon pool of the library's own (not rayon's global one),
+//! made the first time a kernel runs, with the number [`set_threads`] gives, else
+//! `RAYON_NUM_THREADS` (read once, by `settings`), else one thread per core the process may
+//! use.
+//!
+//! After `fork()` the child has only the thread that forked: a pool made before the fork
+//! would wait for ever for workers that do not exist there (Python's default start method
+//! on Linux, DataLoader workers and pre-forking servers all fork). So the pool remembers the
+//! process that made it, and a child makes its own the first time it runs a kernel. The
+//! parent's pool is leaked in the child, never dropped: its threads and locks are not the
+//! child's. The slot that holds the pool is guarded by a spin lock that `pthread_atfork`
+//! holds across the fork, so a fork can never copy it half-updated or locked.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Once};
+
+use rayon::ThreadPool;
+
+use crate::error::{MlxError, Result};
+
+/// Most threads [`set_threads`] takes.
+pub const MAX_THREADS: usize = 1024;
+
+/// The pool and the process that made it.
+struct Slot {
+    pid: u32,
+    pool: Arc<ThreadPool>,
+}
+
+/// The slot, behind [`LOCK`]. A `static mut` rather than a `Mutex` so that the fork handlers
+/// can take and release the lock from different callbacks.
+static mut SLOT: Option<Slot> = None;
+static LOCK: AtomicBool = AtomicBool::new(false);
+/// The number [`set_threads`] gave (0: none).
+static WANTED: AtomicUsize = AtomicUsize::new(0);
+
+fn lock() {
+    while LOCK.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        std::hint::spin_loop();
+    }
+}
+
+fn unlock() {
+    LOCK.store(false, Ordering::Release);
+}
+
+/// Run `f` with the slot, under the lock.
+fn with_slot<R>(f: impl FnOnce(&mut Option<Slot>) -> R) -> R {
+    install_fork_handlers();
+    lock();
+    // SAFETY: the lock gives this thread the slot alone until `unlock`.
+    let r = f(unsafe { &mut *std::ptr::addr_of_mut!(SLOT) });
+    unlock();
+    r
+}
+
+#[cfg(unix)]
+fn install_fork_handlers() {
+    static ONCE: Once = Once::new();
+    extern "C" fn prepare() {
+        lock();
+    }
+    extern "C" fn parent() {
+        unlock();
+    }
+    extern "C" fn child() {
+        // The child's only thread owns nothing of the parent's pool: it forgets it, and
+        // the next kernel makes a pool of its own.
+        // SAFETY: the lock is held (taken in `prepare` by this very thread).
+        if let Some(old) = unsafe { (*std::ptr::addr_of_mut!(SLOT)).take() } {
+            std::mem::forget(old);
+        }
+        unlock();
+    }
+    ONCE.call_once(|| {
+        // SAFETY: three extern "C" functions with no arguments, as pthread_atfork takes.
+        unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) };
+    });
+}
+
+#[cfg(not(unix))]
+fn install_fork_handlers() {}
+
+/// The thread count a new pool gets: [`set_threads`]'s, `RAYON_NUM_THREADS`'s, else the
+/// cores this process may run on.
+fn wanted_threads() -> usize {
+    match WANTED.load(Ordering::Relaxed) {
+        0 => crate::settings::get()
+            .cpu_threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+            .min(MAX_THREADS),
+        n => n,
+    }
+}
+
+/// The pool the kernels run on (made here the first time, and again after a fork or a
+/// change of [`set_threads`]).
+pub fn pool() -> Result<Arc<ThreadPool>> {
+    let pid = std::process::id();
+    let threads = wanted_threads();
+    with_slot(|slot| {
+        if let Some(s) = slot {
+            if s.pid == pid && s.pool.current_num_threads() == threads {
+                return Ok(s.pool.clone());
+            }
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("mlx_native-cpu-{i}"))
+            .build()
+            .map_err(|e| MlxError::Internal(format!("cannot start {threads} CPU threads: {e}")))?;
+        let pool = Arc::new(pool);
+        // A pool replaced in the same process ends when its last run does (the Arc); one
+        // of the parent's was taken out by the fork handler already.
+        *slot = Some(Slot { pid, pool: pool.clone() });
+        Ok(pool)
+    })
+}
+
+/// Run `f` on the kernels' pool (its `par_iter`s spread over the pool's threads).
+pub fn run<R: Send>(f: impl FnOnce() -> R + Send) -> Result<R> {
+    Ok(pool()?.install(f))
+}
+
+/// Make the kernels use `n` threads from the next run on (0: back to the default,
+/// `RAYON_NUM_THREADS` or every core).
+pub fn set_threads(n: usize) -> Result<()> {
+    if n > MAX_THREADS {
+        return Err(MlxError::InvalidArgument(format!(
+            "threads must be at most {MAX_THREADS} (0: every core), got {n}"
+        )));
+    }
+    WANTED.store(n, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The threads the next kernel runs on.
+pub fn threads() -> usize {
+    wanted_threads()
+}
+
+/// Held by the unit tests that change or read the thread count (they run side by side).
+#[cfg(test)]
+pub(crate) static TEST_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pool has the threads asked for, and runs the work on them.
+    #[test]
+    fn the_pool_follows_set_threads() {
+        let _serial = TEST_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        set_threads(3).unwrap();
+        assert_eq!(threads(), 3);
+        let n = run(rayon::current_num_threads).unwrap();
+        assert_eq!(n, 3);
+        set_threads(0).unwrap();
+        assert!(threads() >= 1);
+        assert!(set_threads(MAX_THREADS + 1).is_err());
+        assert_eq!(run(rayon::current_num_threads).unwrap(), threads());
+    }
+}
