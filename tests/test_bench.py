@@ -147,13 +147,19 @@ def test_cli_bench_threads(tmp_path):
     assert "on the 1 threads in use" in r.stdout
 
 
-def test_bench_threads_cannot_change_a_running_pool():
-    mx.cpu_info()  # the pool runs now, with every core
+def test_bench_threads_change_a_running_pool():
+    # The pool is the library's own (set_num_threads): a bench in a process that already ran
+    # the kernels still runs on the threads it asks for.
+    mx.flash_attn_prefill(*(np.ones((16, 1, 64), dt) for dt in (np.float32, np.float16, np.float16)))
     n = mx.cpu_info()["threads"]
-    before = os.environ.get("RAYON_NUM_THREADS")
-    with pytest.raises(ValueError, match="already runs"):
-        bench.run_bench(rows=[16], threads=n + 1, quiet=True, progress=False)
-    assert os.environ.get("RAYON_NUM_THREADS") == before
+    try:
+        report = bench.run_bench(rows=[16], cases=["dense"], threads=n + 1, quiet=True, progress=False, repeats=1,
+                                 peers=[])
+        assert report["machine"]["threads_used"] == n + 1
+    finally:
+        mx.set_num_threads(None)
+    with pytest.raises(ValueError, match="positive integer"):
+        bench.run_bench(rows=[16], threads=0, quiet=True, progress=False)
 
 
 # ---------------------------------------------------------------- the GPU report, without a GPU

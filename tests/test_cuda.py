@@ -112,8 +112,9 @@ def test_larger_shapes_match_on_every_row_and_skipping_changes_no_bit(rng, case)
 
 # On Hopper, two CTAs (a cluster) receive each K/V tile once, through TMA multicast: the
 # two halves of a KV head's query heads where their number is even ("heads"), else two
-# neighbouring query tiles ("queries"; MLX_NATIVE_CUDA_PAIR=queries forces it). The output
-# must be the one-CTA form's bit for bit.
+# neighbouring query tiles ("queries"; mx.force_cuda_pair("queries") forces it). The output
+# must be the one-CTA form's bit for bit. (Until 2026-12-03 this test set MLX_NATIVE_CUDA_PAIR
+# in the process, which the library had read already: it compared the pair form with itself.)
 # (rows, n_heads, n_kv_heads, head_dim, kv_len, mask, window, scale)
 PAIR_CASES = [
     (300, 16, 2, 512, 300, "peer", None, 1.0),  # the global layer's heads, every tile class
@@ -132,21 +133,24 @@ PAIR_CASES = [
 @needs_gpu
 @pytest.mark.parametrize("mode", ["auto", "queries"])
 @pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"r{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-kv{c[4]}-{c[5]}")
-def test_cta_pair_forms_match_the_one_cta_form_bit_for_bit(rng, case, mode, monkeypatch):
+def test_cta_pair_forms_match_the_one_cta_form_bit_for_bit(rng, case, mode):
     rows, nh, nkv, hd, kv_len, mask, window, scale = case
     dev = mx.Device("cuda")
     c = make_case(rng, rows, nh, nkv, hd, kv_len, scale=scale, mask=mask, window=window, pad=ALIGNED)
-    monkeypatch.setenv("MLX_NATIVE_CUDA_PAIR", "1" if mode == "auto" else mode)
-    pair, blk = run_low_level(dev, c)
-    worst = _row_nmse(pair, reference_attention(c.q, c.k, c.v, c.mask, scale=scale)).max()
-    assert worst < 1e-5, f"worst row nmse {worst:.3e}"
-    # K stored head-major ([KV head][row][dim]): other strides for the tensor map.
-    k_hm = np.ascontiguousarray(c.k.transpose(1, 0, 2)).transpose(1, 0, 2)
-    pair_hm, _ = run_low_level(dev, dataclasses.replace(c, k=k_hm, k_base=k_hm))
-    # Every step computed (all-ones table): still the same bits.
-    pair_ones, _ = run_low_level(dev, c, blk_override=np.ones_like(blk))
-    monkeypatch.setenv("MLX_NATIVE_CUDA_PAIR", "0")
-    single, _ = run_low_level(dev, c)
+    try:
+        mx.force_cuda_pair("1" if mode == "auto" else mode)
+        pair, blk = run_low_level(dev, c)
+        worst = _row_nmse(pair, reference_attention(c.q, c.k, c.v, c.mask, scale=scale)).max()
+        assert worst < 1e-5, f"worst row nmse {worst:.3e}"
+        # K stored head-major ([KV head][row][dim]): other strides for the tensor map.
+        k_hm = np.ascontiguousarray(c.k.transpose(1, 0, 2)).transpose(1, 0, 2)
+        pair_hm, _ = run_low_level(dev, dataclasses.replace(c, k=k_hm, k_base=k_hm))
+        # Every step computed (all-ones table): still the same bits.
+        pair_ones, _ = run_low_level(dev, c, blk_override=np.ones_like(blk))
+        mx.force_cuda_pair("0")
+        single, _ = run_low_level(dev, c)
+    finally:
+        mx.force_cuda_pair(None)
     for got in (pair, pair_hm, pair_ones):
         assert np.array_equal(got.view(np.uint32), single.view(np.uint32))
 

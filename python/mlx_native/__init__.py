@@ -41,6 +41,9 @@ from .device import (
     cuda_compile_check,
     default_device,
     force_cpu_isa,
+    force_cuda_pair,
+    get_num_threads,
+    set_num_threads,
     version,
 )
 from .errors import (
@@ -92,6 +95,9 @@ __all__ = [
     "cpu_fma_peak",
     "cuda_compile_check",
     "force_cpu_isa",
+    "force_cuda_pair",
+    "set_num_threads",
+    "get_num_threads",
     "version",
     # Errors.
     "MlxError",

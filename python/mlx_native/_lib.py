@@ -28,3 +28,16 @@ def get_string(fn, *args) -> str:
     buf = ffi.new("char[]", needed[0])
     check(fn(*args, buf, needed[0], needed))
     return ffi.string(buf).decode("utf-8", "replace")
+
+
+def _warn_about_settings() -> None:
+    """The library reads its environment variables once, now (at import, before the
+    caller's threads can write the environment under it); each value it did not understand
+    becomes a warning that names it."""
+    import warnings
+
+    for line in get_string(lib.mlxn_settings_report).splitlines():
+        warnings.warn(f"mlx_native: {line}", RuntimeWarning, stacklevel=3)
+
+
+_warn_about_settings()

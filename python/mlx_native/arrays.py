@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .dtypes import bfloat16_dtype, numpy_dtype_of_name
-from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedDtypeError
+from .errors import ArgumentTypeError, BufferAllocationError, InvalidArgumentError, UnsupportedDtypeError
 
 
 def _library(x: Any) -> str:
@@ -50,6 +50,11 @@ class Operand:
     dtype: np.dtype
     ptr: int
     readonly: bool
+    #: Why the elements are a copy of the caller's array, not the array itself (a numpy
+    #: array in the other byte order, or not aligned to its elements: the kernels read
+    #: native, aligned elements); None where they are the array's own. Such an operand is
+    #: read-only: writing it would not reach the caller.
+    converted: Optional[str] = None
 
     # ------------------------------------------------------------------ making one
 
@@ -73,6 +78,16 @@ class Operand:
 
     @classmethod
     def _of_numpy(cls, a: np.ndarray, name: str, obj: Any = None) -> "Operand":
+        converted = None
+        if not a.dtype.isnative:
+            converted = "its byte order is not this machine's"
+        elif a.size and not a.flags.aligned:
+            converted = f"its data is not aligned to its {a.dtype.itemsize}-byte elements"
+        if converted is not None:
+            # The kernels read native, aligned elements: a copy holds them (as a copy holds a
+            # view whose last axis is not contiguous).
+            a = np.array(a, dtype=a.dtype.newbyteorder("="), order="C", copy=True)
+            obj = None
         item = a.itemsize
         if any(s % item for s in a.strides):
             raise InvalidArgumentError(f"{name} has strides {a.strides} that are not whole elements")
@@ -84,7 +99,8 @@ class Operand:
             strides=tuple(s // item for s in a.strides),
             dtype=a.dtype,
             ptr=int(a.ctypes.data) if a.size else 0,
-            readonly=not a.flags.writeable,
+            readonly=converted is not None or not a.flags.writeable,
+            converted=converted,
         )
 
     @classmethod
@@ -236,7 +252,13 @@ class Operand:
 
     def new_empty(self, shape: Sequence[int], dtype: Any) -> "Operand":
         """A new C-contiguous array of this operand's library on its device (numpy for
-        arrays of other libraries)."""
+        arrays of other libraries); a ``BufferAllocationError`` when it does not fit."""
+        try:
+            return self._new_empty(shape, dtype)
+        except ALLOCATION_FAILURES as e:
+            raise allocation_error(shape, dtype, self.device, e) from e
+
+    def _new_empty(self, shape: Sequence[int], dtype: Any) -> "Operand":
         dt = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
         if self.library == "torch":
@@ -306,13 +328,28 @@ class Operand:
         return Operand.of(np.array(self.host_array(), copy=True, order="C"))
 
 
+#: What the libraries raise when an array does not fit: numpy's MemoryError (and ValueError
+#: for a size past its index type), torch's RuntimeError (its OutOfMemoryError is one).
+ALLOCATION_FAILURES = (MemoryError, ValueError, RuntimeError)
+
+
+def allocation_error(shape: Sequence[int], dtype: Any, device: str, cause: BaseException) -> BufferAllocationError:
+    """The library's error for an output that could not be allocated, with its size."""
+    n = math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
+    return BufferAllocationError(
+        f"cannot allocate an output of shape {tuple(shape)} ({n / 2**30:.3g} GiB of {np.dtype(dtype).name}) on "
+        f"{device}: {type(cause).__name__}: {cause}. Free memory, pass a smaller batch, or give out= arrays"
+    )
+
+
 def layout_key(x: Any) -> Optional[tuple]:
     """A hashable summary of an array's layout (type, shape, strides, dtype, device, and
     for a tensor whether it requires grad) read without building an :class:`Operand`, for
     caches keyed by layout; None for an object of another kind (not cached)."""
     t = type(x)
     if t is np.ndarray:
-        return (t, x.shape, x.strides, x.dtype)
+        # Alignment too: a plan made on aligned arrays passes addresses as they are.
+        return (t, x.shape, x.strides, x.dtype, x.flags.aligned)
     mod = t.__module__
     if mod == "torch":
         return (t, x.shape, x.stride(), x.dtype, x.device, x.requires_grad)

@@ -16,6 +16,7 @@ from .arrays import Operand
 from .device import Device
 from .dtypes import dtype_name
 from .errors import ArgumentTypeError, InvalidArgumentError, InvalidHandleError, UnsupportedDtypeError
+from .scalars import is_integer
 
 #: Output dtypes the kernels write.
 OUT_DTYPES = ("float32", "float16", "bfloat16")
@@ -24,10 +25,6 @@ _DEVICE_NAME = re.compile(r"^(auto|cpu|metal|cuda(:\d+)?)$")
 
 #: Rows of a host array checked at a time (bounds the temporary memory of huge inputs).
 _CHUNK_ROWS = 1024
-
-
-def _is_integer(x: Any) -> bool:
-    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def check_bool(x: Any, name: str) -> bool:
@@ -43,7 +40,7 @@ def check_window(window: Any, name: str = "window") -> Optional[int]:
     ``InvalidArgumentError``."""
     if window is None:
         return None
-    if not _is_integer(window):
+    if not is_integer(window):
         raise ArgumentTypeError(
             f"{name} must be an integer >= 1 (the number of cache rows each query row sees) or None, "
             f"got {window!r} ({type(window).__name__})"
@@ -66,7 +63,7 @@ def check_offset(offset: Any, causal: bool) -> Optional[int]:
     the queries for a described mask only, so it needs ``causal`` (or ``window``)."""
     if offset is None:
         return None
-    if not _is_integer(offset):
+    if not is_integer(offset):
         raise ArgumentTypeError(
             f"offset must be an integer (query row r sits at cache position r + offset) or None, "
             f"got {offset!r} ({type(offset).__name__})"
@@ -82,19 +79,41 @@ def check_offset(offset: Any, causal: bool) -> Optional[int]:
     return off
 
 
+#: The smallest positive normal float32: a parameter the kernels compare with 0 must not be
+#: a subnormal, which a GPU flushes to 0 ("off").
+_F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+
+
+def check_real_f32(x: Any, name: str, what: str, kind: str = "a finite number", type_kind: str = "a real number") -> float:
+    """``x`` as a float that is finite in float32, the kernels' precision (an integer too
+    large for a float, a value that overflows float32, NaN and inf are refused); a non-zero
+    value that float32 would flush to zero or to a subnormal is refused too, since it would
+    silently mean 0 to the kernel. ``kind`` and ``type_kind`` say in the messages what is
+    taken."""
+    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be {type_kind} ({what}), got {x!r} ({type(x).__name__})")
+    try:
+        v = float(x)
+    except OverflowError:
+        raise InvalidArgumentError(f"{name} must be {kind} (in float32), got {x!r}, beyond any float ({what})") from None
+    with np.errstate(over="ignore"):
+        in_f32 = float(np.float32(v)) if math.isfinite(v) else v
+    if not math.isfinite(in_f32):
+        raise InvalidArgumentError(f"{name} must be {kind} (in float32), got {x!r} ({what})")
+    if v != 0 and abs(in_f32) < _F32_MIN_NORMAL:
+        raise InvalidArgumentError(
+            f"{name} {x!r} is too small for float32, the kernels' precision: it would become 0 (or a subnormal the "
+            f"GPU flushes to 0); pass 0 for none or a magnitude of at least {_F32_MIN_NORMAL:.4g} ({what})"
+        )
+    return v
+
+
 def check_scale(scale: Any) -> Optional[float]:
-    """``None`` (1/sqrt(head_dim), decided where the head dim is known) or a finite real
-    number that is finite in float32."""
+    """``None`` (1/sqrt(head_dim), decided where the head dim is known) or a real number that
+    is finite in float32 (and not a non-zero value float32 flushes to 0)."""
     if scale is None:
         return None
-    if not isinstance(scale, numbers.Real) or isinstance(scale, (bool, np.bool_)):
-        raise ArgumentTypeError(f"scale must be a real number or None (1/sqrt(head_dim)), got {scale!r} ({type(scale).__name__})")
-    s = float(scale)
-    with np.errstate(over="ignore"):
-        in_f32 = float(np.float32(s)) if math.isfinite(s) else s
-    if not math.isfinite(in_f32):
-        raise InvalidArgumentError(f"scale must be a finite number (in float32), got {scale!r}")
-    return s
+    return check_real_f32(scale, "scale", "folded into Q; None for 1/sqrt(head_dim)", type_kind="a real number or None")
 
 
 def check_softcap(softcap: Any) -> float:
@@ -102,19 +121,26 @@ def check_softcap(softcap: Any) -> float:
     return _non_negative(softcap, "softcap", "s = softcap * tanh(s / softcap) on every score; 0 for none")
 
 
+#: The largest ``max_bias``: the smallest ALiBi slope, ``2^-max_bias``, stays a normal
+#: float32 (at 0, a masked entry's ``0 * -inf`` would be NaN). The op checks the same.
+MAX_BIAS_LIMIT = 126.0
+
+
 def check_max_bias(max_bias: Any) -> float:
-    """SPEC 10's ALiBi ``max_bias``: a finite real number >= 0 (0: no ALiBi; 8 for the
-    models trained with it)."""
-    return _non_negative(max_bias, "max_bias", "ALiBi's slopes are 2^(-max_bias * ...) per head; 0 for none")
+    """SPEC 10's ALiBi ``max_bias``: a finite real number from 0 to 126 (0: no ALiBi; 8 for
+    the models trained with it)."""
+    v = _non_negative(max_bias, "max_bias", "ALiBi's slopes are 2^(-max_bias * ...) per head; 0 for none")
+    if v > MAX_BIAS_LIMIT:
+        raise InvalidArgumentError(
+            f"max_bias {max_bias!r} is above {MAX_BIAS_LIMIT:g}: the smallest ALiBi slope, 2^-max_bias, would "
+            f"underflow float32 (models use 8)"
+        )
+    return v
 
 
 def _non_negative(x: Any, name: str, what: str) -> float:
-    if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} must be a real number >= 0 ({what}), got {x!r} ({type(x).__name__})")
-    v = float(x)
-    with np.errstate(over="ignore"):
-        in_f32 = float(np.float32(v)) if math.isfinite(v) else v
-    if not math.isfinite(in_f32) or v < 0:
+    v = check_real_f32(x, name, what, kind="a finite number >= 0", type_kind="a real number >= 0")
+    if v < 0:
         raise InvalidArgumentError(f"{name} must be a finite number >= 0 (in float32), got {x!r} ({what})")
     return v
 

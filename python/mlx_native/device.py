@@ -12,7 +12,8 @@ from ._lib import check, ffi, get_string, lib
 from .arrays import Operand
 from .dtypes import dtype_code as _dtype_code
 from .dtypes import numpy_dtype as _numpy_dtype
-from .errors import InvalidArgumentError, UnsupportedDtypeError
+from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedDtypeError, not_picklable
+from .scalars import check_int, check_shape
 
 BACKEND_NAMES = {0: "cpu", 1: "cuda", 2: "metal"}
 
@@ -71,7 +72,58 @@ def force_cpu_isa(name: Optional[str]) -> None:
     """Make the CPU kernels use one instruction set (``avx512``, ``avx2+fma+f16c``,
     ``portable``), or the best available with ``None``. Process-wide; for tests and
     benchmarks that compare code paths."""
+    if name is not None and not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"name must be an instruction set's name (one of cpu_info()['detected']) or None, got {type(name).__name__}"
+        )
     check(lib.mlxn_cpu_force_isa(ffi.NULL if name is None else name.encode()))
+
+
+def force_cuda_pair(mode: Optional[str]) -> None:
+    """Make every CUDA launch use one CTA-pair choice: ``"0"`` the one-CTA forms,
+    ``"queries"`` query pairs only, ``"1"`` head pairs where the group of query heads splits
+    in two (the default's rule); ``None``: back to ``MLX_NATIVE_CUDA_PAIR``'s. Process-wide;
+    for tests and benchmarks that compare the forms (the output is the same to the bit)."""
+    if mode is not None and not isinstance(mode, str):
+        raise ArgumentTypeError(f"mode must be '0', 'queries', '1' or None, got {type(mode).__name__}")
+    check(lib.mlxn_cuda_force_pair(ffi.NULL if mode is None else mode.encode()))
+
+
+#: Whether the caller chose the CPU kernels' threads (set_num_threads); until then the
+#: torch operators follow torch.get_num_threads().
+_threads_chosen = False
+_threads_applied = 0
+
+
+def set_num_threads(n: Optional[int]) -> None:
+    """Run the CPU kernels on ``n`` threads from the next call on (``None`` or 0: back to
+    the default, ``RAYON_NUM_THREADS`` or else every core this process may use).
+    Process-wide. Until it is called, calls on torch CPU tensors use
+    ``torch.get_num_threads()`` threads, as PyTorch's own operators do."""
+    global _threads_chosen, _threads_applied
+    if n is None:
+        n = 0
+    if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)):
+        raise ArgumentTypeError(f"n must be an integer >= 0 or None, got {n!r} ({type(n).__name__})")
+    if not 0 <= n <= 1024:
+        raise InvalidArgumentError(f"n must be between 1 and 1024 threads (0 or None: the default), got {n}")
+    check(lib.mlxn_cpu_set_threads(int(n)))
+    _threads_chosen, _threads_applied = n != 0, int(n)
+
+
+def get_num_threads() -> int:
+    """The threads the CPU kernels run on."""
+    return cpu_info()["threads"]
+
+
+def follow_torch_threads(n: int) -> None:
+    """Use ``n`` (``torch.get_num_threads()``) threads unless the caller chose a number with
+    :func:`set_num_threads`; the torch operators call this before each CPU run (one
+    comparison when nothing changed)."""
+    global _threads_applied
+    if not _threads_chosen and n != _threads_applied:
+        check(lib.mlxn_cpu_set_threads(max(0, min(int(n), 1024))))
+        _threads_applied = n
 
 
 _shared_lock = threading.Lock()
@@ -140,6 +192,9 @@ class Device:
     def __repr__(self) -> str:
         return f"Device({self.backend!r}: {self.description})"
 
+    def __reduce__(self):
+        raise not_picklable(self, "a handle of this process's native library", "Open Device(name) in the other process")
+
     def __enter__(self) -> "Device":
         return self
 
@@ -151,9 +206,7 @@ class Device:
 
     def empty(self, shape: Sequence[int] | int, dtype: Any = np.float32) -> "Buffer":
         """A zero-filled buffer of ``shape`` elements of ``dtype`` on this device."""
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        if any(int(d) < 0 for d in shape):
-            raise InvalidArgumentError(f"negative dimension in shape {shape}")
+        shape = check_shape(shape)
         code = _dtype_code(dtype)
         dims = ffi.new("uint64_t[]", [int(d) for d in shape] or [0])
         out = ffi.new("uint64_t *")
@@ -278,12 +331,18 @@ class Buffer:
         return out
 
     def write(self, array: Any) -> None:
-        """Copy ``array`` (same dtype and size) into the buffer."""
+        """Copy ``array`` (same dtype and number of elements) into the buffer."""
         arr = np.ascontiguousarray(_as_numpy(array))
         if arr.dtype != self.dtype:
             raise UnsupportedDtypeError(f"buffer holds {self.dtype.name}, got {arr.dtype.name}")
         if not self.writable:
             raise InvalidArgumentError("the buffer wraps a read-only array")
+        want = int(np.prod(self.shape, dtype=object))
+        if arr.size != want:
+            raise InvalidArgumentError(
+                f"the buffer holds {want} elements {self.shape} and the array {arr.size} {arr.shape}: write an array "
+                f"of the buffer's size (a part of the buffer: write into buffer.view(byte_offset, shape))"
+            )
         if arr.nbytes:
             check(lib.mlxn_buffer_write(self._handle, 0, ffi.cast("void *", arr.ctypes.data), arr.nbytes))
 
@@ -291,11 +350,10 @@ class Buffer:
         """A buffer over the bytes of ``shape`` elements of ``dtype`` (default: this
         buffer's) starting ``byte_offset`` bytes in: the same memory, no copy. It keeps
         this buffer's memory (and the array it wraps) alive."""
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        shape = check_shape(shape)
+        byte_offset = check_int(byte_offset, "byte_offset")
         dt = self.dtype if dtype is None else np.dtype(dtype)
         code = _dtype_code(dt)
-        if int(byte_offset) < 0 or any(int(d) < 0 for d in shape):
-            raise InvalidArgumentError(f"negative offset or dimension: {byte_offset}, {shape}")
         nbytes = int(np.prod(shape, dtype=object)) * dt.itemsize
         if nbytes >= 2**63 or int(byte_offset) >= 2**63:
             raise InvalidArgumentError(f"a view of {nbytes} bytes at {byte_offset} exceeds any buffer")
@@ -315,6 +373,9 @@ class Buffer:
     def __repr__(self) -> str:
         return f"Buffer({self.dtype.name}, shape={self.shape}, device={self.device.backend})"
 
+    def __reduce__(self):
+        raise not_picklable(self, "a handle of this process's native library", "Pickle buffer.numpy() instead")
+
 
 class Encoder:
     """Records dispatches; ``commit()`` runs them and waits. As a context manager it
@@ -333,6 +394,9 @@ class Encoder:
     @property
     def handle(self) -> int:
         return self._handle
+
+    def __reduce__(self):
+        raise not_picklable(self, "a handle of this process's native library", "Make an encoder in the other process")
 
     def _hold(self, *buffers: "Buffer") -> None:
         with self._lock:

@@ -85,6 +85,11 @@ class InternalError(MlxError, RuntimeError):
     code = 10
 
 
+def not_picklable(obj: object, holds: str, instead: str) -> ArgumentTypeError:
+    """The error for pickling (or copying) an object that holds native state of this process."""
+    return ArgumentTypeError(f"a {type(obj).__name__} cannot be pickled or copied: it holds {holds}. {instead}")
+
+
 BY_CODE = {
     cls.code: cls
     for cls in (

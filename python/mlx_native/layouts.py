@@ -4,6 +4,7 @@ of q, k and v against each other, and where a prefill runs."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
@@ -13,10 +14,12 @@ from .arrays import Operand, _contiguous_strides
 from .device import Device, shared_device
 from .dtypes import DTYPE_CODES, dtype_code, dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
+from .scalars import check_shape, check_strides
 
 __all__ = ["ArraySpec", "check_head_dims", "check_qkv", "layout", "norm_strides", "operand", "pick_device", "span"]
 
 _Q_DTYPES = ("float32", "float16", "bfloat16")
+_SPEC_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _KV_DTYPES = ("float16", "bfloat16")
 
 
@@ -26,12 +29,13 @@ class ArraySpec:
     (``"cpu"``, ``"cuda"``, ``"cuda:N"``). ``ArraySpec.like(x)`` takes an array's."""
 
     def __init__(self, shape: Sequence[int], dtype: Any, strides: Optional[Sequence[int]] = None, device: str = "cpu"):
-        self.shape = tuple(int(d) for d in shape)
+        self.shape = check_shape(shape, "ArraySpec shape")
         self.dtype = numpy_dtype_of_name(dtype_name(dtype))
-        self.strides = _contiguous_strides(self.shape) if strides is None else tuple(int(s) for s in strides)
-        if len(self.strides) != len(self.shape):
-            raise InvalidArgumentError(f"ArraySpec: {len(self.strides)} strides for a shape of {len(self.shape)} axes")
-        if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+        if strides is None:
+            self.strides = _contiguous_strides(self.shape)
+        else:
+            self.strides = check_strides(strides, len(self.shape), "ArraySpec strides")
+        if not isinstance(device, str) or not _SPEC_DEVICE.match(device):
             raise InvalidArgumentError(f"ArraySpec: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
         self.device = "cuda:0" if device == "cuda" else device
 
@@ -78,6 +82,9 @@ def span(op: Operand) -> np.ndarray:
 def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
     """Dtypes, ranks and shapes of q, k, v against each other, and that this build has a
     kernel for the head dims (q and k's, v's) and the K/V dtype."""
+    for name, op in (("k", ko), ("v", vo)):
+        if op.device != qo.device:
+            raise InvalidArgumentError(f"{name} is on {op.device} and q on {qo.device}: put q, k and v on one device")
     if qo.dtype.name not in _Q_DTYPES:
         raise UnsupportedDtypeError(f"q must be float32, float16 or bfloat16, got {qo.dtype.name}")
     for name, op in (("k", ko), ("v", vo)):

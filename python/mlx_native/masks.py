@@ -9,6 +9,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from .scalars import U32_MAX, check_int
 from .arrays import Operand, _contiguous_strides
 from .checks import check_window
 from .device import Device, default_device
@@ -241,8 +242,7 @@ def flash_attn_prefill_blk(mask: Any, bq: int, bk: int = CACHE_ROWS_PER_STEP, *,
     if m.dtype != np.float16:
         raise UnsupportedDtypeError(f"mask must be float16, got {m.dtype.name}")
     rows, kvp = m.shape
-    if bq <= 0 or bk <= 0:
-        raise InvalidArgumentError(f"bq and bk must be positive, got {bq} and {bk}")
+    bq, bk = check_int(bq, "bq", 1, U32_MAX), check_int(bk, "bk", 1, U32_MAX)
     blk = np.empty((-(-rows // bq), kvp // bk), dtype=np.uint8)
     mbuf = dev.buffer(np.ascontiguousarray(m))
     bbuf = dev.buffer(blk) if dev.backend == "cpu" else dev.empty(blk.shape, np.uint8)

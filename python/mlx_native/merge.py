@@ -24,7 +24,8 @@ def merge_attention_states(o1: Any, lse1: Any, o2: Any, lse2: Any) -> Tuple[Any,
     or ``[batch, heads, rows]`` (its ``return_lse=True``). numpy arrays or torch tensors
     (CPU or CUDA), computed in float32 (float64 for float64 inputs) with the inputs' library
     on their device. Returns ``(out, lse)``: out in o1's dtype, lse float32. Exact for rows
-    that see nothing: where both lse are -inf the output is 0 and the lse -inf."""
+    that see nothing: where both lse are -inf the output is 0 and the lse -inf. A NaN in
+    either lse makes that row's lse and output NaN (never "saw nothing")."""
     ops = [Operand.of(x, n) for x, n in ((o1, "o1"), (lse1, "lse1"), (o2, "o2"), (lse2, "lse2"))]
     a1, l1, a2, l2 = ops
     libs = {op.library for op in ops}
@@ -58,13 +59,14 @@ def merge_attention_states(o1: Any, lse1: Any, o2: Any, lse2: Any) -> Tuple[Any,
 def _merge_xp(xp, o1, lse1, o2, lse2):
     wide = xp.float64 if xp.float64 in (o1.dtype, o2.dtype, lse1.dtype, lse2.dtype) else xp.float32
     l1, l2 = lse1.astype(wide), lse2.astype(wide)
-    top = xp.maximum(l1, l2)
-    seen = top > -xp.inf
+    top = xp.maximum(l1, l2)  # NaN where either is NaN
+    seen = top != -xp.inf  # NaN counts as seen: it must reach the output, not hide as -inf
     base = xp.where(seen, top, 0)
     w1, w2 = xp.exp(l1 - base), xp.exp(l2 - base)  # both 0 where nothing is seen
     total = w1 + w2
     denom = xp.where(seen, total, 1)
-    lse = xp.where(seen, base + xp.log(denom), -xp.inf).astype(xp.float32)
+    lse = xp.where(seen, base + xp.log(denom), -xp.inf)
+    lse = xp.where(top == xp.inf, xp.inf, lse).astype(xp.float32)  # ln(e^inf + e^x) (its output is NaN)
     c1 = xp.swapaxes(w1 / denom, -1, -2)[..., None]
     c2 = xp.swapaxes(w2 / denom, -1, -2)[..., None]
     out = (c1 * o1.astype(wide) + c2 * o2.astype(wide)).astype(o1.dtype)
@@ -76,12 +78,13 @@ def _merge_torch(o1, lse1, o2, lse2):
 
     wide = torch.float64 if torch.float64 in (o1.dtype, o2.dtype, lse1.dtype, lse2.dtype) else torch.float32
     l1, l2 = lse1.to(wide), lse2.to(wide)
-    top = torch.maximum(l1, l2)
-    seen = top > float("-inf")
+    top = torch.maximum(l1, l2)  # NaN where either is NaN
+    seen = top != float("-inf")  # NaN counts as seen: it must reach the output, not hide as -inf
     base = torch.where(seen, top, torch.zeros_like(top))
     w1, w2 = torch.exp(l1 - base), torch.exp(l2 - base)
     denom = torch.where(seen, w1 + w2, torch.ones_like(top))
-    lse = torch.where(seen, base + torch.log(denom), torch.full_like(top, float("-inf"))).to(torch.float32)
+    lse = torch.where(seen, base + torch.log(denom), torch.full_like(top, float("-inf")))
+    lse = torch.where(top == float("inf"), top, lse).to(torch.float32)  # ln(e^inf + e^x) (its output is NaN)
     c1 = (w1 / denom).transpose(-1, -2).unsqueeze(-1)
     c2 = (w2 / denom).transpose(-1, -2).unsqueeze(-1)
     out = (c1 * o1.to(wide) + c2 * o2.to(wide)).to(o1.dtype)

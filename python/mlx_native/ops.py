@@ -7,7 +7,9 @@ from dataclasses import asdict, dataclass
 
 from ._lib import check, ffi, lib
 from .device import Buffer, Device, Encoder
+from .checks import check_real_f32
 from .errors import InvalidArgumentError
+from .scalars import U32_MAX, check_int
 
 #: Cache rows per step (the kernel's ``C``, the blk ``bk``).
 CACHE_ROWS_PER_STEP: int = int(lib.mlxn_cache_rows_per_step())
@@ -40,14 +42,9 @@ class FlashAttnPrefillTensorParams:
         c = ffi.new("MlxnFlashAttnPrefillTensorParams *")
         for name, value in asdict(self).items():
             if name == "scale":
-                c.scale = float(value)
+                c.scale = check_real_f32(value, "scale", "the pre-softmax scale folded into Q")
                 continue
-            v = int(value)
-            if not 0 <= v <= 0xFFFFFFFF:
-                raise InvalidArgumentError(
-                    f"flash_attn_prefill_tensor: {name} {value} does not fit in 32 unsigned bits"
-                )
-            setattr(c, name, v)
+            setattr(c, name, check_int(value, f"flash_attn_prefill_tensor: {name}", 0, U32_MAX, "does not fit in 32 unsigned bits"))
         return c
 
 
@@ -136,10 +133,4 @@ def _check_buffers(**buffers) -> None:
 
 
 def _u32(value, name: str) -> int:
-    try:
-        v = int(value)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from e
-    if v != value or not 0 <= v <= 0xFFFFFFFF:
-        raise InvalidArgumentError(f"{name} {value!r} is not an integer in [0, 2^32)")
-    return v
+    return check_int(value, name, 0, U32_MAX, "is not an integer in [0, 2^32)")

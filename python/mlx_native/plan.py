@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from ._lib import check, ffi, lib
-from .arrays import Operand
+from .arrays import ALLOCATION_FAILURES, Operand, allocation_error
 from .checks import (
     check_bool,
     check_cu_seqlens,
@@ -32,7 +32,7 @@ from .checks import (
 )
 from .device import Device, Encoder
 from .dtypes import DTYPE_CODES, numpy_dtype_of_name
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, not_picklable
 from .layouts import ArraySpec, check_qkv, layout, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
 
@@ -161,7 +161,10 @@ class PrefillPlan:
         if mask is not None:
             mo = operand(mask, "mask")
             core, bs, rs = prepare_mask(mo, batch=batch, rows=rows, kv_len=kv_len, like=qo)
-            mask_in_place = core.obj is not None and core.ptr == mo.ptr and core.library == mo.library
+            mask_in_place = (
+                core.obj is not None and core.ptr == mo.ptr and core.library == mo.library == qo.library
+                and mo.converted is None
+            )  # fmt: skip
             self._mask_form = (core.shape, bs, rs)
             mask_strides = (bs, rs)
 
@@ -197,9 +200,11 @@ class PrefillPlan:
 
         # What a call of flash_attn_prefill on arrays of these very layouts (its cache's key)
         # may skip: building operands, checking layouts, converting or copying.
+        # (Every array of q's library: the path takes each one's address with q's library's function.)
         direct = (
-            qo.library in ("numpy", "torch")
+            qo.library in ("numpy", "torch") and ko.library == vo.library == qo.library
             and qo.in_place and ko.in_place and vo.in_place and mask_in_place
+            and qo.converted is None and ko.converted is None and vo.converted is None
             and not self._upload and not self._check_finite and not self._has_sinks
         )  # fmt: skip
         self._direct = _direct_outputs(qo, self.shape, self.lse_shape, self.out_dtype) if direct else None
@@ -270,6 +275,13 @@ class PrefillPlan:
             f"scale {self.scale:g}, out {self.out_dtype.name}{', lse' if self._lse else ''}, on {self.device.backend})"
         )
 
+    def __reduce__(self):
+        raise not_picklable(
+            self,
+            "a plan of this process's native library (and, on CUDA, device state)",
+            "Pickle the arrays (or ArraySpec layouts) and arguments, and make the plan in the other process",
+        )
+
     # ------------------------------------------------------------------ running
 
     def run(
@@ -287,6 +299,8 @@ class PrefillPlan:
         has sinks) of the planned layouts, or with no arrays on the planned ones. Returns
         ``out``, or ``(out, lse)`` when the plan returns lse. With ``check_finite`` the
         inputs are checked first."""
+        if lse is not None and not self._lse:
+            raise InvalidArgumentError("this plan returns no lse: make one with return_lse=True to pass lse=")
         if q is None and k is None and v is None:
             if self._planned is None:
                 raise InvalidArgumentError("this plan was made from layouts (ArraySpec): pass the arrays, run(q, k, v, ...)")
@@ -334,8 +348,11 @@ class PrefillPlan:
         if d is None:
             return self.run(q, k, v, mask, sinks=sinks)
         new_out, new_lse, ptr = d
-        o = new_out(q)
-        lse = new_lse(q) if self._lse else None
+        try:
+            o = new_out(q)
+            lse = new_lse(q) if self._lse else None
+        except ALLOCATION_FAILURES as e:
+            raise allocation_error(self.shape, self.out_dtype, self._array_device, e) from e
         stream, ws = 0, None
         if self._cuda:
             import torch
@@ -599,6 +616,11 @@ def _output(given: Any, like: Operand, name: str, shape: tuple, dtype, fill: Opt
             return like.from_host(fill)
         return like.new_empty(shape, dtype)
     op = Operand.of(given, name)
+    if op.converted is not None:
+        raise InvalidArgumentError(
+            f"{name} cannot be written in place: {op.converted}. Pass a new array "
+            f"(numpy.empty({tuple(shape)}, dtype={np.dtype(dtype).name})), or none to get one"
+        )
     if op.shape != tuple(shape) or op.dtype != np.dtype(dtype) or not op.contiguous or op.readonly or op.device != like.device:
         raise InvalidArgumentError(
             f"{name} must be a writable contiguous {np.dtype(dtype).name} array of shape {tuple(shape)} on {like.device}, "

@@ -31,7 +31,8 @@ def reference_attention(
         if m is not None:
             s = s + m
         mx = s.max(axis=1, keepdims=True)
-        seen = np.isfinite(mx[:, 0])
+        # -inf: the row sees nothing (zeros). NaN (a NaN or infinite input) stays NaN.
+        seen = ~np.isneginf(mx[:, 0])
         p = np.zeros_like(s)
         p[seen] = np.exp(s[seen] - mx[seen])
         denom = p.sum(axis=1, keepdims=True)
@@ -208,7 +209,8 @@ def _one_sequence(q, k, v, mask, causal, window, scale, tr, offset=None):
         s = np.where(seen, s, -np.inf)
         sigma = -np.inf if tr.sinks is None else tr.sinks[h]
         mx = np.maximum(s.max(axis=1, keepdims=True), sigma)
-        ok = np.isfinite(mx[:, 0])
+        # -inf: the row sees nothing (zeros). NaN (a NaN or infinite input) stays NaN.
+        ok = ~np.isneginf(mx[:, 0])
         p = np.zeros_like(s)
         p[ok] = np.exp(s[ok] - mx[ok])
         denom = p.sum(axis=1) + (np.exp(sigma - mx[:, 0]) if tr.sinks is not None else 0.0)

@@ -20,6 +20,7 @@ from torch import Tensor
 from . import attention
 from .arrays import _torch_dtype
 from .checks import OUT_DTYPES, check_bool, check_device, check_max_bias, check_offset, check_scale, check_softcap, check_window
+from .device import follow_torch_threads
 from .dtypes import dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 
@@ -41,10 +42,12 @@ _LIB.define(f"flash_attn_prefill({_ARGS}) -> Tensor")
 _LIB.define(f"flash_attn_prefill_lse({_ARGS}) -> (Tensor, Tensor)")
 
 
-def _kernel(return_lse: bool):
+def _kernel(return_lse: bool, cpu: bool):
     def kernel(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
                offset=None):  # fmt: skip
+        if cpu:  # as many threads as PyTorch's own CPU operators, unless the caller chose
+            follow_torch_threads(torch.get_num_threads())
         # The array call itself, never the public front door (which would come back here).
         return attention.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
@@ -65,9 +68,72 @@ def _fake_out(q: Tensor, v: Tensor, out_dtype: Optional[torch.dtype]) -> Tensor:
     return q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype if out_dtype is None else out_dtype)
 
 
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _check_fake_operands(named: dict) -> None:
+    """The fake implementation runs for FakeTensors (tracing) and for meta tensors. A meta
+    tensor among tensors with data would make torch run it on those too, and return an
+    uninitialised output for them: that mix is refused, naming the operands."""
+    real = [n for n, t in named.items() if t is not None and not _is_fake(t) and t.device.type != "meta"]
+    meta = [n for n, t in named.items() if t is not None and not _is_fake(t) and t.device.type == "meta"]
+    if real and meta:
+        raise InvalidArgumentError(
+            f"{', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device (no data) and "
+            f"{', '.join(real)} {'holds' if len(real) == 1 else 'hold'} data on "
+            f"{named[real[0]].device}: pass every operand with its data on one device"
+        )
+    # The arrays the kernel reads sit on q's device (the sequence offsets are read on the
+    # host, and a host mask is copied to q's device, as the real call does).
+    for name in ("k", "v", "mask", "sinks"):
+        t = named[name]
+        if t is not None and t.device != named["q"].device and not (name == "mask" and t.device.type == "cpu"):
+            raise InvalidArgumentError(f"{name} is on {t.device} and q on {named['q'].device}: they must be on one device")
+
+
+def _concrete(t: Optional[Tensor]) -> bool:
+    """Whether a tensor's shape and strides are plain ints (not symbols of a dynamic trace)."""
+    return t is None or all(type(d) is int for d in tuple(t.shape) + tuple(t.stride()))
+
+
+def _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw) -> None:
+    """Every check the real call makes that needs no data: a plan made on the operands'
+    layouts (ArraySpecs on the CPU backend, which checks what every backend does); the
+    sequence offsets' values are data, so with them only their presence is planned."""
+    from .plan import ArraySpec, PrefillPlan
+
+    def spec(t):
+        return None if t is None else ArraySpec(tuple(t.shape), t.dtype, tuple(t.stride()))
+
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise InvalidArgumentError("cu_seqlens_q and cu_seqlens_k go together: pass both (variable length) or neither")
+    if cu_seqlens_q is not None:
+        if mask is not None:
+            raise InvalidArgumentError(
+                "an explicit mask cannot go with cu_seqlens: describe the mask (causal, window) or pad the batch "
+                "to a fixed length ([B, rows, heads, head_dim]) and pass a [B, 1, rows, kv] mask"
+            )
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
+                raise InvalidArgumentError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 offsets")
+        # A causal prompt shorter than its cache is checked per sequence, on the values.
+        kw = dict(kw, offset=kw["offset"] if kw["offset"] is not None else (0 if kw["causal"] or kw["window"] else None))
+    PrefillPlan(spec(q), spec(k), spec(v), spec(mask), sinks=spec(sinks), device="cpu", **kw)
+
+
 def _fake(return_lse: bool):
     def fake(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
-             out_dtype=None, *_, **__):  # fmt: skip
+             out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
+             offset=None):  # fmt: skip
+        named = dict(q=q, k=k, v=v, mask=mask, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        _check_fake_operands(named)
+        if all(_concrete(t) for t in (q, k, v, mask, sinks)):
+            kw = dict(causal=causal, window=window, scale=scale, out_dtype=out_dtype, softcap=softcap,
+                      max_bias=max_bias, offset=offset)  # fmt: skip
+            _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw)
         out = _fake_out(q, v, out_dtype)
         if not return_lse:
             return out
@@ -79,7 +145,7 @@ def _fake(return_lse: bool):
 
 for _name, _lse in (("flash_attn_prefill", False), ("flash_attn_prefill_lse", True)):
     for _key in ("CPU", "CUDA"):
-        _LIB.impl(_name, _kernel(_lse), _key)
+        _LIB.impl(_name, _kernel(_lse, _key == "CPU"), _key)
     torch.library.register_fake(f"mlx_native::{_name}", _fake(_lse), lib=_LIB)
 
 

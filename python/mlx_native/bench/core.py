@@ -57,7 +57,7 @@ def run_bench(
     at least the largest of ``rows``). ``on_size``: called with the report so far after
     each (case, rows)."""
     if threads is not None:
-        use_threads(threads)  # before anything starts the CPU backend's thread pool
+        use_threads(threads)
     dev = Device(device or "auto")
     kind = dev.backend
     rows, cases = select(kind, rows, cases)

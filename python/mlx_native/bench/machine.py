@@ -5,26 +5,14 @@ from __future__ import annotations
 import os
 import platform
 
-from .. import Device, cpu_info
+from .. import Device, cpu_info, set_num_threads
 
 
 def use_threads(n: int) -> None:
-    """Make the CPU backend use ``n`` threads: only possible before its thread pool starts
-    (the first kernel or ``cpu_info()`` starts it), through ``RAYON_NUM_THREADS``."""
+    """Make the CPU backend use ``n`` threads from its next run on."""
     if int(n) != n or n < 1:
         raise ValueError(f"threads must be a positive integer, got {n!r}")
-    before = os.environ.get("RAYON_NUM_THREADS")
-    os.environ["RAYON_NUM_THREADS"] = str(int(n))
-    got = cpu_info()["threads"]
-    if got != n:
-        if before is None:
-            del os.environ["RAYON_NUM_THREADS"]
-        else:
-            os.environ["RAYON_NUM_THREADS"] = before
-        raise ValueError(
-            f"the CPU backend already runs {got} threads in this process (set RAYON_NUM_THREADS={n} "
-            "before the library first runs, or use the command line)"
-        )
+    set_num_threads(int(n))
 
 
 def machine_info(device: Device) -> dict:

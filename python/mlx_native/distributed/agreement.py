@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from ..checks import _is_integer, check_bool, check_out_dtype, check_scale, check_window
+from ..checks import check_bool, check_out_dtype, check_scale, check_window
+from ..scalars import is_integer
 from ..errors import ArgumentTypeError, InvalidArgumentError, MlxError
 from ..layouts import check_qkv, operand
 from .chunks import LAYOUTS, check_layout, local_rows
@@ -106,7 +107,7 @@ def check_local(q, k, v, *, causal, window, scale, layout, seq_len, return_lse, 
     scale = check_scale(scale)
     layout = check_layout(layout)
     if seq_len is not None:
-        if not _is_integer(seq_len):
+        if not is_integer(seq_len):
             raise ArgumentTypeError(f"seq_len must be an integer or None, got {seq_len!r} ({type(seq_len).__name__})")
         if int(seq_len) < 0:
             raise InvalidArgumentError(f"seq_len must be at least 0, got {int(seq_len)}")
