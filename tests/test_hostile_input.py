@@ -65,6 +65,50 @@ def test_a_forked_child_runs_the_cpu_kernels_after_its_parent_did():
     assert r.returncode == 0 and "child 0" in r.stdout, (r.stdout, r.stderr)
 
 
+def test_a_forked_child_of_a_torch_program_runs_the_kernels():
+    # The parent's torch calls ran on PyTorch's OpenMP threads; the child has none of them
+    # (nor of the pool): its calls run on a pool of its own. (PyTorch's own parallel
+    # operators hang in such a child unless torch.set_num_threads(1), as DataLoader workers
+    # do: the comparison is made with numpy.)
+    r = _run_python(
+        """
+        import os, numpy as np, torch, mlx_native as mn
+        q, k = torch.rand(512, 8, 128), torch.rand(512, 2, 128).half()
+        want = mn.flash_attn_prefill(q, k, k, causal=True).numpy().copy()
+        assert mn.cpu_info()["runtime"].startswith("openmp"), mn.cpu_info()
+        pid = os.fork()
+        if pid == 0:
+            a = mn.flash_attn_prefill(q, k, k, causal=True).numpy()
+            b = mn.flash_attn_prefill(q.numpy(), k.numpy(), k.numpy(), causal=True)
+            os._exit(0 if np.array_equal(a, want) and np.array_equal(b, want) else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        """,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "child 0" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_the_torch_operator_runs_on_torch_s_openmp_threads(rng):
+    # A job above the serial threshold, on the library's pool and on PyTorch's OpenMP
+    # threads: the same bits (each work item is computed whole by one thread either way).
+    from mlx_native._lib import ffi, lib
+
+    q = torch.from_numpy(rng.uniform(-1, 1, (512, 8, 128)).astype(np.float32))
+    k = torch.from_numpy(rng.uniform(-1, 1, (512, 2, 128)).astype(np.float16))
+    got = mn.flash_attn_prefill(q, k, k, causal=True)
+    assert mn.cpu_info()["runtime"].startswith("openmp"), mn.cpu_info()
+    found = ffi.new("int32_t *")
+    try:
+        lib.mlxn_cpu_use_openmp(0, found)
+        assert mn.cpu_info()["runtime"] == "rayon"
+        want = mn.flash_attn_prefill(q.numpy(), k.numpy(), k.numpy(), causal=True)
+    finally:
+        lib.mlxn_cpu_use_openmp(1, found)
+    assert found[0] == 1
+    assert np.array_equal(got.numpy(), want)
+
+
 def test_calls_under_environment_writes_of_other_threads_do_not_crash():
     # Two threads call while a third writes and deletes environment variables: the
     # library reads its settings once, so no call reads the environment under a writer.

@@ -37,6 +37,8 @@ def cpu_info() -> dict:
         "threads": int(fields["threads"]),
         # The most one buffer may take (RAM plus swap within the cgroup limit); 0 unknown.
         "memory": int(fields.get("memory", 0)),
+        # What runs the kernels' parallel jobs: "rayon" (the library's pool) or "openmp (path)".
+        "runtime": fields.get("runtime", "rayon"),
     }
 
 
@@ -116,11 +118,20 @@ def get_num_threads() -> int:
     return cpu_info()["threads"]
 
 
+#: Whether the torch operators have asked for PyTorch's OpenMP threads (once per process).
+_openmp_asked = False
+
+
 def follow_torch_threads(n: int) -> None:
-    """Use ``n`` (``torch.get_num_threads()``) threads unless the caller chose a number with
-    :func:`set_num_threads`; the torch operators call this before each CPU run (one
-    comparison when nothing changed)."""
-    global _threads_applied
+    """Run the CPU kernels as PyTorch's own operators run: on ``n``
+    (``torch.get_num_threads()``) threads unless the caller chose a number with
+    :func:`set_num_threads`, and on PyTorch's OpenMP threads (which spin after each of its
+    operators, and would fight a pool of ours for the cores). The torch operators call this
+    before each CPU run: one comparison when nothing changed."""
+    global _threads_applied, _openmp_asked
+    if not _openmp_asked:
+        check(lib.mlxn_cpu_use_openmp(1, ffi.NULL))
+        _openmp_asked = True
     if not _threads_chosen and n != _threads_applied:
         check(lib.mlxn_cpu_set_threads(max(0, min(int(n), 1024))))
         _threads_applied = n

@@ -284,8 +284,9 @@ pub unsafe extern "C" fn mlxn_backends(buf: *mut c_char, cap: usize, needed: *mu
     guard(|| write_string(&crate::backend::available_backends().join(","), buf, cap, needed))
 }
 
-/// The CPU backend's facts: `isa=<in use>;detected=<a,b,..>;threads=<n>;memory=<bytes>`
-/// (memory: the most a buffer may take, RAM plus swap within the cgroup limit; 0 unknown).
+/// The CPU backend's facts: `isa=<in use>;detected=<a,b,..>;threads=<n>;memory=<bytes>;
+/// runtime=<rayon | openmp (path)>` (memory: the most a buffer may take, RAM plus swap within
+/// the cgroup limit, 0 unknown; runtime: what runs the kernels' parallel jobs).
 ///
 /// # Safety
 /// As for [`mlxn_backends`].
@@ -294,11 +295,12 @@ pub unsafe extern "C" fn mlxn_cpu_info(buf: *mut c_char, cap: usize, needed: *mu
     guard(|| {
         use crate::backend::cpu::simd;
         let s = format!(
-            "isa={};detected={};threads={};memory={}",
+            "isa={};detected={};threads={};memory={};runtime={}",
             simd::selected_isa(),
             simd::detected_isas().join(","),
             crate::backend::cpu::threads(),
-            crate::backend::cpu::memory_limit().unwrap_or(0)
+            crate::backend::cpu::memory_limit().unwrap_or(0),
+            crate::backend::cpu::pool::runtime()
         );
         write_string(&s, buf, cap, needed)
     })
@@ -322,6 +324,23 @@ pub unsafe extern "C" fn mlxn_cpu_force_isa(name: *const c_char) -> i32 {
 #[no_mangle]
 pub extern "C" fn mlxn_cpu_set_threads(threads: u32) -> i32 {
     guard(|| crate::backend::cpu::pool::set_threads(threads as usize))
+}
+
+/// Run the CPU kernels' parallel jobs on the OpenMP runtime already loaded in this process
+/// (PyTorch's libgomp; `on` 1), or on the library's own pool (`on` 0). `found` (may be null)
+/// gets 1 where such a runtime was found and is used now. Process-wide.
+///
+/// # Safety
+/// `found` must be null or valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_cpu_use_openmp(on: i32, found: *mut i32) -> i32 {
+    guard(|| {
+        let f = crate::backend::cpu::pool::use_openmp(on != 0);
+        if !found.is_null() {
+            *found = f as i32;
+        }
+        Ok(())
+    })
 }
 
 /// Make every CUDA launch use the CTA-pair choice `mode` (`"0"`: the one-CTA forms,

@@ -15,11 +15,9 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use rayon::prelude::*;
-
 use super::flash_attn_prefill_blk::{classify_rows, MIXED, SKIP, ZERO};
 use super::prefill_tile::{self, Elem, Problem, Seq, C, SCRATCH};
-use super::{host_slice, CpuKernelFn, SendPtr};
+use super::{host_slice, pool, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
@@ -266,15 +264,17 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
     // runs of items, so a thread walks consecutive query tiles of one KV head, whose K/V
     // rows (the same cache rows, or a window sliding by one tile) are still in its L2 from
     // the item before.
+    // The job's work for `pool::for_each`: the products' FLOP, were every pair visible.
+    let flop = |lq: usize, lk: usize| (lq as u64) * (lk as u64) * (pb.group * nkv) as u64 * 2 * (DK + DV) as u64;
     match &cu {
         None => {
             let per_seq = groups(rows) * nkv;
-            (0..batch * per_seq).into_par_iter().for_each(|w| {
+            pool::for_each(batch * per_seq, batch as u64 * flop(rows, kv_len), |w| {
                 let b = w / per_seq;
                 run_item(w % per_seq, &seq(b));
-            });
+            })?;
         }
-        Some((cq, _)) => {
+        Some((cq, ck)) => {
             // First item of each sequence; sequences without query rows have none.
             let mut starts = Vec::with_capacity(batch + 1);
             let mut total = 0usize;
@@ -283,10 +283,11 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
                 total += groups(cq[b + 1] - cq[b]) * nkv;
             }
             starts.push(total);
-            (0..total).into_par_iter().for_each(|w| {
+            let work = (0..batch).map(|b| flop(cq[b + 1] - cq[b], ck[b + 1] - ck[b])).sum();
+            pool::for_each(total, work, |w| {
                 let b = starts.partition_point(|&s| s <= w) - 1;
                 run_item(w - starts[b], &seq(b));
-            });
+            })?;
         }
     }
     Ok(())
@@ -320,7 +321,7 @@ pub fn run_mask_blk(d: &Dispatch) -> Result<()> {
         return Err(bad("buffers smaller than validated"));
     }
     let (mask, blk) = (SendPtr(mask as *mut u16), SendPtr(blk));
-    (0..batch * table_rows).into_par_iter().for_each(|row| {
+    pool::for_each(batch * table_rows, mask_need, |row| {
         let (m, t) = (mask, blk);
         let (b, qt) = (row / table_rows, row % table_rows);
         let r0 = qt * bq;
@@ -344,6 +345,5 @@ pub fn run_mask_blk(d: &Dispatch) -> Result<()> {
             // SAFETY: the byte lies in table b, row qt: below table_bytes() <= blk_len; one task per row.
             unsafe { *t.0.add(row * steps + kt) = class };
         }
-    });
-    Ok(())
+    })
 }

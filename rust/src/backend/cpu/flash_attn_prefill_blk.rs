@@ -1,6 +1,5 @@
 //! CPU form of `flash_attn_prefill_blk`: classify each (bq x bk) tile of the F16 mask.
 
-use rayon::prelude::*;
 
 use super::{host_slice, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
@@ -90,7 +89,8 @@ pub fn run(d: &Dispatch) -> Result<()> {
     }
     let mask = SendPtr(mask as *mut u16);
     let blk = SendPtr(blk);
-    (0..q_tiles).into_par_iter().for_each(|qt| {
+    // Work: a pass over the mask's bytes.
+    super::pool::for_each(q_tiles, mask_need, |qt| {
         let (m, b) = (mask, blk);
         let r0 = qt * bq;
         let r1 = (r0 + bq).min(rows);
@@ -102,8 +102,7 @@ pub fn run(d: &Dispatch) -> Result<()> {
             // SAFETY: qt * k_tiles + kt < q_tiles * k_tiles <= blk_len; one task per row of tiles.
             unsafe { *b.0.add(qt * k_tiles + kt) = classify_rows(tile_rows) };
         }
-    });
-    Ok(())
+    })
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;
 pub mod memory;
+mod openmp;
 pub mod peak;
 pub mod pool;
 mod prefill_tile;
@@ -96,8 +97,9 @@ impl Backend for CpuBackend {
             })?;
             kernels.push(state.kernel);
         }
-        // The kernels' parallel loops run on the library's pool, not rayon's global one.
-        pool::run(|| dispatches.iter().zip(kernels).try_for_each(|(d, kernel)| kernel(d)))?
+        // Each kernel spreads its items with `pool::for_each` (the library's pool, or the
+        // caller's thread for a small job), never through rayon's global pool.
+        dispatches.iter().zip(kernels).try_for_each(|(d, kernel)| kernel(d))
     }
 }
 
