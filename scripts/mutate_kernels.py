@@ -549,6 +549,22 @@ MUTATIONS += [
     M("metal-q-bf16-via-half", "metal", T_METAL, "return float4(float(x[0]), float(x[1]), float(x[2]), float(x[3]));",
       "return float4(half4(float(x[0]), float(x[1]), float(x[2]), float(x[3])));",
       "BF16 Q widened through half before the scale (inf past 65504, subnormals below 2^-14)"),
+    # The same classes in the CUDA kernels (killed by tests/test_kernel_coverage.py on a GPU):
+    # the slope and Q's load are shared by every form; the entry points are those of head
+    # dims that only that file's tests dispatch (96, 112, 192: the portable form everywhere).
+    M("cuda-alibi-past-n2", "cuda", CU_SOFTMAX, "0.5f * (float)(2 * (h - n2) + 1)", "0.5f * (float)(h - n2 + 1)",
+      "both forms: ALiBi's heads past n2 with slope m1^(h - n2 + 1) (the same at 3 heads)"),
+    M("cuda-q-bf16-via-half", "cuda", CU_LOADERS,
+      "                f[2 * e + 1] = bf16_bits_to_float(r[e] >> 16);\n",
+      "                f[2 * e + 1] = bf16_bits_to_float(r[e] >> 16);\n"
+      "                unpack_half2(pack_half2(f[2 * e], f[2 * e + 1]), f[2 * e], f[2 * e + 1]);\n",
+      "both forms: BF16 Q widened through half before the scale"),
+    M("cuda-entry-d96", "cuda", "shaders/flash_attn_prefill_d96.cu", "(flash_attn_prefill_d96, 96, 96, ElemF16)",
+      "(flash_attn_prefill_d96, 96, 96, ElemBF16)", "flash_attn_prefill_d96 (and _xf): F16 K/V read as BF16"),
+    M("cuda-entry-d112-bf16", "cuda", "shaders/flash_attn_prefill_d112.cu", "(flash_attn_prefill_d112_bf16, 112, 112, ElemBF16)",
+      "(flash_attn_prefill_d112_bf16, 112, 112, ElemF16)", "flash_attn_prefill_d112_bf16 (and _xf): BF16 K/V read as F16"),
+    M("cuda-entry-d192", "cuda", "shaders/flash_attn_prefill_d192.cu", "(flash_attn_prefill_d192, 192, 192, ElemF16)",
+      "(flash_attn_prefill_d192, 192, 192, ElemBF16)", "flash_attn_prefill_d192 (and _xf): F16 K/V read as BF16"),
 ]
 
 
