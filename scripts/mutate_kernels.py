@@ -18,9 +18,11 @@ appears exactly as often as recorded, and refuses to run until the list is updat
 How each family runs a mutant (the repository's sources are never touched):
 - metal: the mutated .metal file goes into a scratch folder named by MLXN_METAL_SHADER_DIR;
   the emulator is built from it (a mutant that does not compile is reported, not counted),
-  then `pytest -x tests/test_metal_emulator_prefill.py tests/test_metal_emulator.py` (the
-  front door's kernels first, then the origin's entry points; the tests that plant bugs of
-  their own and the emulator's self-tests left out).
+  then `pytest -x tests/test_metal_emulator_prefill.py tests/test_metal_emulator.py
+  tests/test_metal_emulator_transforms.py tests/test_metal_emulator_coverage.py` (the
+  front door's kernels first, then the origin's entry points, the score transforms and
+  issue 27's coverage gaps; the tests that plant bugs of their own and the emulator's
+  self-tests left out).
 - cpu: a scratch copy of the crate (Cargo.toml, rust/, shaders/) with the mutated file, its
   own target folder kept between runs; `cargo test --test prefill_cpu --test planted --test
   flash_attn_cpu` (the front door's op, then the origin's through the same work item), then,
@@ -30,7 +32,7 @@ How each family runs a mutant (the repository's sources are never touched):
   by the installed library; no Rust needed). On a GPU: every mutant is compiled in parallel
   processes into a private cubin cache, then the CUDA tests run against each, a few at a
   time (`pytest -x -k cuda` over test_planted.py, test_correctness.py, test_cuda.py,
-  test_cuda_split_kv.py).
+  test_cuda_split_kv.py, test_kernel_coverage.py).
   Mutations of the portable (mma.sync) form run with MLX_NATIVE_CUDA_ARCH=sm_90.
   `--compile-only` (no GPU): each mutant applies and compiles with NVRTC for its
   architecture (`cuda_compile_check`, which honours the knob).
@@ -520,6 +522,52 @@ MUTATIONS += [
 ]
 
 
+# ---------------------------------------------------------------- issue 27's coverage gaps
+# Each a plausible one-line slip in code that no test reached before (the four classes of
+# issue 27); killed by tests/test_metal_emulator_coverage.py. The entry-point slips sit in
+# the six prefill kernels no test dispatched: one per kernel, each a template argument of
+# its neighbour's (query rows per threadgroup, or a head dim).
+_ENTRY = "flash_attn_prefill_tile"
+MUTATIONS += [
+    M("metal-alibi-past-n2", "metal", T_METAL, "float(2 * (h - n2) + 1)", "float(h - n2 + 1)",
+      "ALiBi: heads past n2 with slope m1^(h - n2 + 1), not m1^(2 (h - n2) + 1) (the same at 3 heads)"),
+    M("metal-entry-d80", "metal", T_METAL, f"{_ENTRY}<80, 80, 32, half>", f"{_ENTRY}<80, 80, 16, half>",
+      "flash_attn_prefill_d80: 16 query rows per threadgroup where the op's tiles have 32"),
+    M("metal-entry-d112", "metal", T_METAL, f"{_ENTRY}<112, 112, 32, half>", f"{_ENTRY}<112, 96, 32, half>",
+      "flash_attn_prefill_d112: V and O of 96 columns (d96's)"),
+    M("metal-entry-d192", "metal", T_METAL, f"{_ENTRY}<192, 192, 32, half>", f"{_ENTRY}<128, 192, 32, half>",
+      "flash_attn_prefill_d192: Q and K of 128 columns (d128's)"),
+    M("metal-entry-d96-bf16", "metal", T_METAL, f"{_ENTRY}<96, 96, 32, bfloat>", f"{_ENTRY}<80, 80, 32, bfloat>",
+      "flash_attn_prefill_d96_bf16: the body of d80"),
+    M("metal-entry-d256-bf16", "metal", T_METAL, f"{_ENTRY}<256, 256, 32, bfloat>", f"{_ENTRY}<256, 256, 16, bfloat>",
+      "flash_attn_prefill_d256_bf16: 16 query rows per threadgroup (d512's) where the op's tiles have 32"),
+    M("metal-entry-d576-bf16", "metal", T_METAL, f"{_ENTRY}<576, 512, 16, bfloat>", f"{_ENTRY}<512, 512, 16, bfloat>",
+      "flash_attn_prefill_d576_512_bf16: Q and K of 512 columns (d512's)"),
+    M("metal-o-bf16-nan", "metal", T_METAL,
+      "    if ((u & 0x7fffffffu) > 0x7f800000u) {\n        return ushort((u >> 16) | 0x0040u);\n    }\n", "",
+      "BF16 output: NaN rounded like a number (a full payload carries into the sign: -0 or +0)"),
+    M("metal-q-bf16-via-half", "metal", T_METAL, "return float4(float(x[0]), float(x[1]), float(x[2]), float(x[3]));",
+      "return float4(half4(float(x[0]), float(x[1]), float(x[2]), float(x[3])));",
+      "BF16 Q widened through half before the scale (inf past 65504, subnormals below 2^-14)"),
+    # The same classes in the CUDA kernels (killed by tests/test_kernel_coverage.py on a GPU):
+    # the slope and Q's load are shared by every form; the entry points are those of head
+    # dims that only that file's tests dispatch (96, 112, 192: the portable form everywhere).
+    M("cuda-alibi-past-n2", "cuda", CU_SOFTMAX, "0.5f * (float)(2 * (h - n2) + 1)", "0.5f * (float)(h - n2 + 1)",
+      "both forms: ALiBi's heads past n2 with slope m1^(h - n2 + 1) (the same at 3 heads)"),
+    M("cuda-q-bf16-via-half", "cuda", CU_LOADERS,
+      "                f[2 * e + 1] = bf16_bits_to_float(r[e] >> 16);\n",
+      "                f[2 * e + 1] = bf16_bits_to_float(r[e] >> 16);\n"
+      "                unpack_half2(pack_half2(f[2 * e], f[2 * e + 1]), f[2 * e], f[2 * e + 1]);\n",
+      "both forms: BF16 Q widened through half before the scale"),
+    M("cuda-entry-d96", "cuda", "shaders/flash_attn_prefill_d96.cu", "(flash_attn_prefill_d96, 96, 96, ElemF16)",
+      "(flash_attn_prefill_d96, 96, 96, ElemBF16)", "flash_attn_prefill_d96 (and _xf): F16 K/V read as BF16"),
+    M("cuda-entry-d112-bf16", "cuda", "shaders/flash_attn_prefill_d112.cu", "(flash_attn_prefill_d112_bf16, 112, 112, ElemBF16)",
+      "(flash_attn_prefill_d112_bf16, 112, 112, ElemF16)", "flash_attn_prefill_d112_bf16 (and _xf): BF16 K/V read as F16"),
+    M("cuda-entry-d192", "cuda", "shaders/flash_attn_prefill_d192.cu", "(flash_attn_prefill_d192, 192, 192, ElemF16)",
+      "(flash_attn_prefill_d192, 192, 192, ElemBF16)", "flash_attn_prefill_d192 (and _xf): F16 K/V read as BF16"),
+]
+
+
 # ---------------------------------------------------------------------------- applying
 
 
@@ -584,7 +632,7 @@ def _cargo_killer(out: str) -> str:
 
 METAL_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_metal_emulator_prefill.py",
                "tests/test_metal_emulator.py", "tests/test_metal_emulator_transforms.py",
-               "-k", "not caught and not test_emulator_"]  # fmt: skip
+               "tests/test_metal_emulator_coverage.py", "-k", "not caught and not test_emulator_"]  # fmt: skip
 
 
 def _select(cmd: List[str], args) -> List[str]:
@@ -699,7 +747,9 @@ print("WARM OK")
 
 CUDA_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_planted.py",
               "tests/test_correctness.py", "tests/test_cuda.py", "tests/test_cuda_split_kv.py",
-              "-k", "cuda and not source_dir and not compile and not torch and not cupy and not wrap and not forced"]  # fmt: skip
+              "tests/test_kernel_coverage.py",
+              "-k", "cuda and not source_dir and not compile and not torch and not cupy and not wrap and not forced"
+              " and not entry_point_is_launched"]  # fmt: skip
 
 
 def _cuda_env(m: Optional[Mutation], d: Optional[Path], cache: Path) -> dict:

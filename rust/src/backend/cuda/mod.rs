@@ -252,6 +252,11 @@ pub struct CudaPipeline {
     kernel: Option<&'static CudaKernel>,
     /// Built with the Hopper (sm_90a, wgmma) forms of the kernels.
     hopper: bool,
+    /// For the trace ([`launch::tracing`]): the entry points of `function` then of each
+    /// variant, of `merge`, and the architecture the module was built for.
+    entries: Vec<String>,
+    merge_entry: Option<&'static str>,
+    arch: String,
 }
 
 // SAFETY: function handles of a module that lives as long as its context.
@@ -350,13 +355,14 @@ impl Backend for CudaBackend {
         let hopper = arch == "sm_90a" && kernel.is_some_and(|k| k.hopper_form);
         let function = self.ctx.function(src, kernel.map_or(name, |k| k.entry), &arch)?;
         let d = self.ctx.bind()?;
-        let variants = match kernel {
-            Some(k) => {
-                let names = if hopper { k.hopper_variants } else { k.portable_variants };
-                names.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<_>>()?
-            }
-            None => Vec::new(),
+        let variant_names: &[&str] = match kernel {
+            Some(k) if hopper => k.hopper_variants,
+            Some(k) => k.portable_variants,
+            None => &[],
         };
+        let variants = variant_names.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<Vec<_>>>()?;
+        let entries = std::iter::once(kernel.map_or(name, |k| k.entry)).chain(variant_names.iter().copied());
+        let entries = entries.map(String::from).collect();
         let merge = match kernel.and_then(|k| k.merge_entry) {
             Some(entry) => Some(self.ctx.function(src, entry, &arch)?),
             None => None,
@@ -381,7 +387,17 @@ impl Backend for CudaBackend {
         Ok(Pipeline::new(
             name,
             max_threads.max(0) as u64,
-            Arc::new(CudaPipeline { ctx: self.ctx.clone(), function, variants, merge, kernel, hopper }),
+            Arc::new(CudaPipeline {
+                ctx: self.ctx.clone(),
+                function,
+                variants,
+                merge,
+                kernel,
+                hopper,
+                entries,
+                merge_entry: kernel.and_then(|k| k.merge_entry),
+                arch,
+            }),
         ))
     }
 
@@ -457,16 +473,23 @@ impl CudaBackend {
                     dispatch.pipeline.name()
                 )));
             }
-            if launch::tracing() {
-                eprintln!(
-                    "mlx_native cuda: {} variant {:?} grid {:?} block {:?} shared {}",
-                    dispatch.pipeline.name(),
-                    launch.variant,
-                    launch.grid,
-                    launch.block,
-                    launch.shared_bytes
-                );
-            }
+            // The trace names the entry point each launch runs and the module's architecture
+            // (tests/test_kernel_coverage.py reads them: every entry point of the form a
+            // device runs must be launched by some test).
+            let trace = |launch: &Launch| {
+                if launch::tracing() {
+                    let entry = launch.variant.and_then(|i| p.entries.get(i + 1)).unwrap_or(&p.entries[0]);
+                    eprintln!(
+                        "mlx_native cuda: {} variant {:?} grid {:?} block {:?} shared {} entry {entry} arch {}",
+                        dispatch.pipeline.name(),
+                        launch.variant,
+                        launch.grid,
+                        launch.block,
+                        launch.shared_bytes,
+                        p.arch
+                    );
+                }
+            };
             if launch.merge.is_some() && p.merge.is_none() {
                 return Err(MlxError::Internal(format!(
                     "{}: a split launch of a kernel without a merge entry",
@@ -482,7 +505,16 @@ impl CudaBackend {
                 r = launch_one(&mut launch);
             }
             d.check(r, &format!("launching {}", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
+            trace(&launch);
             if let (Some(merge), Some(f)) = (launch.merge.as_mut(), p.merge) {
+                if launch::tracing() {
+                    eprintln!(
+                        "mlx_native cuda: {} merge entry {} arch {}",
+                        dispatch.pipeline.name(),
+                        p.merge_entry.unwrap_or("?"),
+                        p.arch
+                    );
+                }
                 let r = launch_with(f, merge);
                 d.check(r, &format!("launching {}'s merge", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
             }
