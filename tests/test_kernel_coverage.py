@@ -339,7 +339,9 @@ def test_bf16_q_outside_f16s_range(device, rng, magnitude, scale, hd, kv_dtype):
     _close(device, kv_dtype, out, lse, ref, ref_lse, "bf16 q")
     # Q widened through half before the scale gives inf (big: that row's output is lost) or
     # keeps a few bits of each element (tiny; zeros where half flushes subnormals).
-    assert nmse(near, ref) > 30 * _bar(device, kv_dtype), "the case cannot tell Q widened through half"
+    # (Non-finite rows are as far as it gets: the reference keeps a NaN row NaN, and the
+    # output is held to be finite above.)
+    assert not np.isfinite(near).all() or nmse(near, ref) > 30 * _bar(device, kv_dtype), "the case cannot tell Q widened through half"
 
 
 def _bf16_q_case(rng, magnitude, scale, hd, kv_dtype, call):

@@ -193,4 +193,6 @@ def test_bf16_q_outside_f16s_range(emu, rng, magnitude, scale, hd, kv_dtype):
     assert nmse(out, ref) < EXPECTED[F32]
     seen = np.isfinite(ref_lse)
     assert np.abs(lse[seen] - ref_lse[seen]).max() < 2e-3
-    assert nmse(near, ref) > 30 * EXPECTED[F32], "the case cannot tell Q widened through half"
+    # (Non-finite rows are as far as it gets: the reference keeps a NaN row NaN, and the
+    # output is held to be finite above.)
+    assert not np.isfinite(near).all() or nmse(near, ref) > 30 * EXPECTED[F32], "the case cannot tell Q widened through half"
