@@ -145,11 +145,13 @@ __device__ __forceinline__ void pipe_producer(const PipeBars<PipeCfg<D>::S>& bar
     const u32 s_kv = s_q + PC::Q_BYTES, s_mask = s_kv + PC::S * 2 * PC::KV_BYTES;
     if (warp == 0) {
         const int kvh = ((int)blockIdx.y * L.heads_per_cta) / (p.n_heads / p.n_kv_heads), seq = cta_sequence(L);
+        const int last = (r.lk - 1) / STEP * STEP;  // the cache's last 64-row block (a walked tile has r.lk > 0)
         auto issue_k = [&](int st, int u, u32 bar) {
-            tma_tile<D, PC::N>(kmap, s_kv + (u32)(st * 2 * PC::KV_BYTES), bar, kvh, u * PC::N, seq);
+            tma_tile<D, PC::N>(kmap, s_kv + (u32)(st * 2 * PC::KV_BYTES), bar, kvh, u * PC::N, last, seq);
         };
         auto issue_v = [&](int st, int u, u32 bar) {
-            tma_tile<D, PC::N>(vmap, s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES), bar, kvh, u * PC::N, seq);
+            tma_tile<D, PC::N>(vmap, s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES), bar, kvh, u * PC::N, last,
+                               seq);
         };
         pipe_produce_kv<PC>(bars, tw, lane, issue_k, issue_v);
     } else {

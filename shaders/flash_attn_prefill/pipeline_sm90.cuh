@@ -102,15 +102,19 @@ struct Ring {
 // This CTA's share of a tile's boxes (64 rows x 64 columns of a tensor map, 8 KB each), for
 // both CTAs: box i of the tile's (D / 64) x NH is column block i / NH and row block i % NH;
 // CTA r issues boxes r, r + 2, ... (at head dim 64 with tiles of 64 rows, CTA 0 the one box).
+// A row block past the cache (the last tile's second step, never walked: its scores are
+// -inf and its P zero) is read from the cache's last block, `last_row`, instead: finite rows
+// that change nothing, where a box wholly outside the tensor is something the pipeline need
+// not rely on (the rows of a partial block past the cache are zeros, as in the other forms).
 template <int D, int N>
-__device__ __forceinline__ void tma_tile(const TMap* map, u32 dst, u32 bar, int kvh, int row0, int seq) {
+__device__ __forceinline__ void tma_tile(const TMap* map, u32 dst, u32 bar, int kvh, int row0, int last_row, int seq) {
     constexpr int NH = N / STEP, NBOX = (D / 64) * NH;
     const int rank = (int)cluster_rank();
 #pragma unroll
     for (int i = 0; i < NBOX; ++i) {
         if ((i & 1) == rank)
             tma_load_4d_mc(dst + (u32)((i / NH) * N * 128 + (i % NH) * 64 * 128), map, (i / NH) * 64, kvh,
-                           row0 + (i % NH) * 64, seq, bar, 3);
+                           min(row0 + (i % NH) * 64, last_row), seq, bar, 3);
     }
 }
 

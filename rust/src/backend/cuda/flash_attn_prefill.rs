@@ -497,9 +497,12 @@ mod tests {
         }
         // Head dims 64 and 128: pair forms named after the kernel, launched with the
         // warp-specialised reserve; the plain forms keep two CTAs an SM.
-        for name in ["flash_attn_prefill_d64", "flash_attn_prefill_d64_bf16", "flash_attn_prefill_d128",
-            "flash_attn_prefill_d128_bf16"]
-        {
+        for name in [
+            "flash_attn_prefill_d64",
+            "flash_attn_prefill_d64_bf16",
+            "flash_attn_prefill_d128",
+            "flash_attn_prefill_d128_bf16",
+        ] {
             let k = KERNELS.iter().find(|k| k.name == name).unwrap();
             assert!(k.hopper_form, "{name}");
             let want = [format!("{name}_pair_heads"), format!("{name}_pair_queries")];
