@@ -235,11 +235,11 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
         mbar_wait(bars.full_k(q.st), q.ph);
         return get_tile<PC::NH, TB>(bars.tile(q.st));
     };
-    // The softmax of the tile in stage r once its scores are in; then its P as P V's operand.
-    auto scores = [&](float (&s)[PC::NS], const Tile<PC::NH, TB>& tl) {
-        const auto tc = tile_classes(tl, classes);
+    // The softmax of the tile in stage r once its scores are in (tc: its steps' classes, taken
+    // while the products ran: after them, they lengthen the softmax's critical path).
+    auto scores = [&](float (&s)[PC::NS], const TileClasses<PC::NH>& tc, int u) {
         mbar_wait(bars.full_m(r.st), r.ph);
-        softmax(s, ms, tc, r.st, tl.u);
+        softmax(s, ms, tc, r.st, u);
         mbar_arrive(bars.empty_m(r.st));  // each thread after its own reads of the mask tiles
     };
     auto cur = tile_at(r);
@@ -250,10 +250,11 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
         qk(r.st, s);
         wgmma_commit();
         hand_over();
+        const auto tc = tile_classes(cur, classes);
         wgmma_wait<0>();
         fence_regs(s);
         release(bars.empty_k(r.st));
-        scores(s, cur);
+        scores(s, tc, cur.u);
         take_p<T>(s, pk);
         fence_regs(pk);
     }
@@ -271,11 +272,12 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
         pv(rp.st, pk);
         wgmma_commit();
         hand_over();
+        const auto tc = tile_classes(cur, classes);
         if constexpr (PC::OVERLAP) wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
         else wgmma_wait<0>();
         fence_regs(s);
         release(bars.empty_k(r.st));
-        scores(s, cur);
+        scores(s, tc, cur.u);
         wgmma_wait<0>();
         fence_regs(o);
         release(bars.empty_v(rp.st));
