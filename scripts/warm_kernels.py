@@ -5,9 +5,10 @@ timed processes find them there instead of compiling while they are timed. Honou
 MLX_NATIVE_CUDA_DEFINES and MLX_NATIVE_CUDA_SOURCE_DIR as any run does (the cache is keyed on
 the source and the options), so each variant of a kernel is warmed by its own process.
 
-    python3 scripts/warm_kernels.py [HEAD_DIM ...]        # default: 64 128 256
+    python3 scripts/warm_kernels.py [--device cuda] [HEAD_DIM ...]        # default: 64 128 256
 """
 
+import argparse
 import sys
 
 import numpy as np
@@ -16,8 +17,11 @@ import mlx_native as mx
 
 
 def main() -> int:
-    dims = [int(d) for d in sys.argv[1:]] or [64, 128, 256]
-    dev = mx.Device("cuda")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("dims", nargs="*", type=int, default=[64, 128, 256])
+    a = ap.parse_args()
+    dims, dev = a.dims, mx.Device(a.device)
     rng = np.random.default_rng(0)
     rows, heads, kv_heads = 256, 8, 2
     for d in dims:
