@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# The run of record of the Hopper kernel against its peers (one device-machine call): every
-# row of issue 12's table, with FlashAttention-4 and FlexAttention in the same process, and
-# PyTorch SDPA's backends where a whole-prompt case lets them run. Logs and JSON go to $OUT
-# (record-<part>.log / .json); each part has its own time limit, so the whole fits in one
-# 10-minute call.
+# The run of record of the Hopper kernel against its peers: every row of issues 12 and 25,
+# with FlashAttention-4 and FlexAttention in the same process, and PyTorch SDPA's backends
+# where a whole-prompt case lets them run. Logs and JSON go to $OUT (record-<part>.log /
+# .json); each part has its own time limit. PARTS names the parts to run (default: all);
+# the issue-12 parts fit one 10-minute call, issue 25's rows another:
 #
-#   bash scripts/gpu_record.sh WHEEL_DIR [FA4_B_DIR]
+#   PARTS="whole sliding chunk-32k chunk-64k global" bash scripts/gpu_record.sh WHEEL_DIR [FA4_B_DIR]
+#   PARTS="dims dims-described dims-f16 latency" bash scripts/gpu_record.sh WHEEL_DIR [FA4_B_DIR]
+#
+# Issue 25's parts: the head-dim 128 and 64 rows (32/8 heads, 16k) with the explicit additive
+# mask (ours with and without its classification; FA4, SDPA); the same and the d256 8/8 rows
+# with ours given the described mask (causal=True, or none for the dense rows), F32 Q, then
+# F16 Q and output (what a half-precision model hands over); the 512-row latency row
+# (causal d256 16/8) against cuDNN.
 #
 # FA4_B_DIR: the second half of FlashAttention-4's wheels (../shared/tools/fa4-wheels.sh),
 # joined here with the first half an earlier call copied to /root/fa4. Without it, FA4 runs
@@ -26,10 +33,11 @@ install_wheels "$1" /tmp/site
 export PYTHONPATH=/tmp/site:$PYTHONPATH
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 status=0
-# part LIMIT NAME BENCH-ARGS...: one bench run, its summary printed.
+# part LIMIT NAME BENCH-ARGS...: one bench run, its summary printed (when PARTS names it).
 part() {
   local limit=$1 name=$2
   shift 2
+  [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $name "* ]] || return 0
   step "$name: $*"
   (cd /tmp && timeout "$limit" python3 -m mlx_native bench --device cuda --no-progress --json "$OUT/record-$name.json" \
     "$@" > "$OUT/record-$name.log" 2>&1) || status=1
@@ -40,5 +48,9 @@ part "${T_SLIDING:-120}" sliding --rows 8192 32768 --cases sliding --peers fa4 f
 part "${T_CHUNK:-90}" chunk-32k --rows 2048 --kv-len 32768 --cases sliding global --peers fa4 flex
 part "${T_CHUNK:-90}" chunk-64k --rows 512 --kv-len 65536 --cases causal-8h --peers fa4 flex
 part "${T_GLOBAL:-70}" global --rows 8192 --cases global --peers flex
+part "${T_DIMS:-150}" dims --rows 16384 --cases dense-128 causal-128 causal-64 --peers fa4 torch
+part "${T_DIMS:-150}" dims-described --rows 16384 --cases dense-128 causal-128 causal-64 causal-8h dense-8h --described --peers fa4
+part "${T_DIMS:-150}" dims-f16 --rows 16384 --cases dense-128 causal-128 causal-64 causal-8h dense-8h --described --q-dtype float16 --peers fa4
+part "${T_LATENCY:-60}" latency --rows 512 --cases sliding --described --peers fa4 torch
 echo "gpu_record status $status ($(date +%T))"
 exit $status

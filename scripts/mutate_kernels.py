@@ -87,6 +87,10 @@ CU_SM90 = "shaders/flash_attn_prefill/mainloop_sm90.cuh"
 CU_SM90_PTX = "shaders/flash_attn_prefill/sm90_ptx.cuh"
 CU_SM90_WS = "shaders/flash_attn_prefill/mainloop_sm90_ws.cuh"
 CU_MERGE = "shaders/flash_attn_prefill/split_merge.cuh"
+CU_PIPE = "shaders/flash_attn_prefill/pipeline_sm90.cuh"
+CU_PIPE_MAIN = "shaders/flash_attn_prefill/mainloop_sm90_pipe.cuh"
+CU_TILE_WALK = "shaders/flash_attn_prefill/tile_walk.cuh"
+CU_TILE_SOFTMAX = "shaders/flash_attn_prefill/tile_softmax.cuh"
 T_CU = "shaders/flash_attn_prefill_tensor.cu"
 B_CU = "shaders/flash_attn_prefill_blk.cu"
 P_RS = "rust/src/backend/cpu/prefill_tile.rs"
@@ -296,6 +300,30 @@ MUTATIONS: List[Mutation] = [
       "class is 0 and the softmax sets all its scores to -inf before reading them: the step's max is -inf, "
       "nothing rescales, P is 0 and the sums gain 0; P V is not issued (act_prev keeps the true act). Survived the "
       "H200 run of 2026-12-02 as this predicts; the bug it stands for, P V after a skipped step, is cuda-ws-act-prev"),
+    # Hopper d64/d128 pairs: the tiled pipeline (mainloop_sm90_pipe.cuh, pipeline_sm90.cuh).
+    M("cuda-pipe-pv-stage", "cuda", CU_PIPE,
+      "rescale_o(o, ms);  // while Q K^T runs (O is no product's until P V below)\n        pv(rp.st, pk);",
+      "rescale_o(o, ms);  // while Q K^T runs (O is no product's until P V below)\n        pv(r.st, pk);",
+      "Hopper d64/d128 pairs: a tile's P V reads V from the next tile's stage"),
+    M("cuda-pipe-rescale", "cuda", CU_PIPE,
+      "        rescale_o(o, ms);  // while Q K^T runs (O is no product's until P V below)\n", "",
+      "Hopper d64/d128 pairs: O not rescaled when a tile moves the running maxima"),
+    M("cuda-pipe-last-pv", "cuda", CU_PIPE, "    rescale_o(o, ms);\n    pv(rp.st, pk);\n", "    rescale_o(o, ms);\n",
+      "Hopper d64/d128 pairs: the last tile's P V dropped"),
+    M("cuda-pipe-tile-bytes", "cuda", CU_PIPE, "tl.sb[h] = (TB)ld_shared_i64(addr + 8 + 8 * h);",
+      "tl.sb[h] = (TB)ld_shared_i64(addr + 8);",
+      "Hopper d64/d128 pairs: the consumers take a tile's second step's table bytes from its first (the producer's tile hand-over)"),
+    M("cuda-pipe-mask-slot", "cuda", CU_PIPE, "load_mask(r.st * PC::NH + h, tl.step(h), lane);",
+      "load_mask(r.st * PC::NH, tl.step(h), lane);",
+      "Hopper d64/d128 pairs: both steps' mask tiles loaded into the first step's slot (producer-side mask tiles)"),
+    M("cuda-pipe-step-class", "cuda", CU_TILE_WALK, "r.cls[h] = rows_class(tl.step(h), tl.sb[h], r.table[h]);",
+      "r.cls[h] = rows_class(tl.step(0), tl.sb[h], r.table[h]);",
+      "Hopper d64/d128 pairs: a tile's second step takes the description's class of its first"),
+    M("cuda-pipe-mask-column", "cuda", CU_TILE_SOFTMAX, "const int j0 = t * STEP + g.tig * 2;",
+      "const int j0 = t * STEP;", "Hopper d64/d128 pairs: visibility tested at each quad's first column"),
+    M("cuda-pipe-walk-union", "cuda", CU_PIPE_MAIN, "r.we = max(r.we, min(qm * qpc + qpc, r.lq));",
+      "r.we = min(qm * qpc + qpc, r.lq);",
+      "Hopper d64/d128 query pairs: the walk covers the lower CTA's rows only (the upper one's last steps skipped)"),
     M("cuda-split-share", "cuda", CU_RANGE, "const int share = ((hi - lo) >> log2) + 1;",
       "const int share = (hi - lo) >> log2;", "split-KV: each part's share of the steps one short (steps dropped)"),
     M("cuda-split-part-out", "cuda", CU_RANGE, "    s.o += (i64)part * L.o_split_stride;\n", "",

@@ -1,11 +1,18 @@
 // CUDA form of flash_attn_prefill_d128 and _d128_bf16 (SPEC 6-10) at head dim 128:
-// the Hopper form (wgmma) where the compiler targets sm_90a, else the portable one; the parts are
-// flash_attn_prefill_tensor.cu's.
+// the Hopper form (wgmma) where the compiler targets sm_90a, with its CTA-pair forms, else the
+// portable one; the parts are flash_attn_prefill_tensor.cu's.
 
 #include "flash_attn_prefill/entry.cuh"
 
 MLXN_ENTRY(flash_attn_prefill_d128, 128, ElemF16)
 MLXN_ENTRY(flash_attn_prefill_d128_bf16, 128, ElemBF16)
+#ifdef MLXN_HOPPER
+// The CTA-pair forms: the warp-specialised pipeline (pipeline_sm90.cuh), where the host
+// can address K and V by TMA (fixed length); else the forms above.
+MLXN_PAIR_ENTRIES(flash_attn_prefill_d128, 128, ElemF16)
+MLXN_PAIR_ENTRIES(flash_attn_prefill_d128_bf16, 128, ElemBF16)
+static_assert(hopper::PipeCfg<128>::SMEM <= PIPE_SMEM_RESERVED, "the d128 pipeline's shared memory: update the CUDA backend");
+#endif
 
 // Shared memory of one CTA, for the host (rust/src/backend/cuda/flash_attn_prefill.rs).
 static_assert(Cfg<128, 128>::SMEM == 99360, "d128 shared memory changed: update the CUDA backend");

@@ -80,6 +80,31 @@ def test_bench_runs_chunks_against_a_longer_cache():
         bench.run_bench(rows=[16, 300], cases=["causal-8h"], peers=[], quiet=True, progress=False, kv_len=200)
 
 
+def test_bench_runs_ours_with_a_described_mask_and_a_half_precision_q():
+    # --described --q-dtype float16: ours plans causal=True (no mask array) on a float16 Q and
+    # returns float16; the visible pairs are the explicit mask's, and the output still
+    # matches the float64 reference on the same rounded inputs.
+    kw = dict(rows=[40], cases=["causal-64", "dense-128"], repeats=1, device="cpu", peers=[], progress=False, quiet=True)
+    explicit = bench.run_bench(**kw)
+    described = bench.run_bench(described=True, q_dtype="float16", **kw)
+    assert (explicit["ours_mask"], explicit["ours_q_dtype"]) == ("explicit", "float32")
+    assert (described["ours_mask"], described["ours_q_dtype"]) == ("described", "float16")
+    for a, b in zip(explicit["results"], described["results"]):
+        assert (a["case"], a["impl"]) == (b["case"], b["impl"]) and b["impl"] == bench.OURS
+        assert a["visible_pairs"] == b["visible_pairs"]
+        assert b["nmse"] is not None and b["nmse"] < 1e-5
+    assert [d["visible_pairs"] for d in described["results"]] == [40 * 41 // 2, 40 * 40]
+    with pytest.raises(ValueError, match="q_dtype"):
+        bench.run_bench(q_dtype="float64", **kw)
+
+
+def test_the_issue_rows_have_their_cases():
+    # The speed issue's head-dim 128 and 64 rows: 32 query heads over 8 KV heads.
+    for name, dim, mask in [("dense-128", 128, "zero"), ("causal-128", 128, "causal"), ("causal-64", 64, "causal")]:
+        c = bench.CASES[name]
+        assert (c.n_heads, c.n_kv_heads, c.head_dim, c.mask) == (32, 8, dim, mask)
+
+
 def test_bench_says_which_peers_are_missing(monkeypatch, capsys):
     class Absent(peers.Peer):
         name = "absent-peer"

@@ -37,6 +37,8 @@ def test_kernels_compile_with_nvrtc_through_the_c_abi():
         pytest.skip(f"NVRTC not found: {e}")
     pairs = [f"flash_attn_prefill{t}_d{d}{b}_pair_{m}" for d in (256, 512) for m in ("heads", "queries")
              for t, b in (("_tensor_f16", ""), ("", "_bf16"))]
+    # Head dims 64 and 128: the tiled pipeline's pair forms (mainloop_sm90_pipe.cuh).
+    pairs += [f"flash_attn_prefill_d{d}{b}_pair_{m}" for d in (64, 128) for b in ("", "_bf16") for m in ("heads", "queries")]
     dims = [f"flash_attn_prefill_{d}{b}" for d in OTHER_DIMS for b in ("", "_bf16")]
     for entry in ENTRY_POINTS + tuple(pairs) + tuple(dims):
         assert f"entry point {entry}" in report, report
@@ -153,6 +155,51 @@ def test_cta_pair_forms_match_the_one_cta_form_bit_for_bit(rng, case, mode):
         mx.force_cuda_pair(None)
     for got in (pair, pair_hm, pair_ones):
         assert np.array_equal(got.view(np.uint32), single.view(np.uint32))
+
+
+# Head dims 64 and 128: the pair forms run the tiled pipeline (mainloop_sm90_pipe.cuh: tiles of
+# 128 cache rows, two table steps each, so its running maxima move at other points than the
+# one-CTA form's). They match the reference and the one-CTA form to rounding, not bit for
+# bit; the skip table and K's layout still change no bit of their output.
+# (rows, n_heads, n_kv_heads, head_dim, kv_len, mask, window, scale)
+TILED_PAIR_CASES = [
+    (300, 32, 8, 128, 300, "peer", None, 1.0),  # the heads (groups of 4): every tile class; a half tile at the end
+    (77, 8, 8, 128, 130, "causal", None, 0.7),  # no sharing: query pairs; the last tile's second step past the cache
+    (257, 16, 8, 64, 700, "causal", 128, 1.0),  # window: tiles whose first step the walk skips
+    (200, 8, 1, 64, 333, "peer", None, 4.0),  # groups of 8: 4 heads x 32 queries a CTA; big scores: rescales
+    (131, 6, 2, 128, 129, "zero", None, 1.0),  # group of 3: query pairs; a partial last step
+    (300, 4, 4, 64, 300, "causal", None, 1.0),  # 3 query tiles: the last pair has an empty CTA
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["auto", "queries"])
+@pytest.mark.parametrize("case", TILED_PAIR_CASES, ids=lambda c: f"r{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-kv{c[4]}-{c[5]}")
+def test_tiled_pair_forms_match_the_reference_and_skipping_changes_no_bit(rng, case, mode):
+    rows, nh, nkv, hd, kv_len, mask, window, scale = case
+    dev = mx.Device("cuda")
+    c = make_case(rng, rows, nh, nkv, hd, kv_len, scale=scale, mask=mask, window=window, pad=ALIGNED)
+    try:
+        mx.force_cuda_pair("1" if mode == "auto" else mode)
+        pair, blk = run_low_level(dev, c)
+        ref = reference_attention(c.q, c.k, c.v, c.mask, scale=scale)
+        assert np.isfinite(pair).all()
+        worst = _row_nmse(pair, ref).max()
+        assert worst < 1e-5, f"worst row nmse {worst:.3e}"
+        k_hm = np.ascontiguousarray(c.k.transpose(1, 0, 2)).transpose(1, 0, 2)
+        pair_hm, _ = run_low_level(dev, dataclasses.replace(c, k=k_hm, k_base=k_hm))
+        pair_ones, _ = run_low_level(dev, c, blk_override=np.ones_like(blk))
+        for got in (pair_hm, pair_ones):
+            assert np.array_equal(got.view(np.uint32), pair.view(np.uint32))
+        mx.force_cuda_pair("0")
+        single, _ = run_low_level(dev, c)
+    finally:
+        mx.force_cuda_pair(None)
+    # Its first tile's maxima are over 128 cache rows, the one-CTA form's over 64: some row
+    # rounds its P differently. The same bits would mean the launch fell back to the one-CTA
+    # form (it does where a cluster cannot be placed), and nothing above tested the pipeline.
+    assert not np.array_equal(single.view(np.uint32), pair.view(np.uint32)), "the tiled pipeline did not run"
+    assert _row_nmse(pair, single).max() < 1e-5
 
 
 @needs_gpu

@@ -135,7 +135,9 @@ template <int CAP> struct PackedBytes;
 template <> struct PackedBytes<4> { typedef u32 T; };
 template <> struct PackedBytes<8> { typedef u64 T; };
 
-template <int CAP>
+// LOADS: the table loads a lane has in flight when it reads a window (all CAP by default; a
+// warp short of registers, the pipeline's producer, reads fewer at a time).
+template <int CAP, int LOADS = CAP>
 struct Walk {
     typedef typename PackedBytes<CAP>::T W;
     const u8* blk;  // the sequence's table, or null without a mask
@@ -157,7 +159,7 @@ struct Walk {
         win = base;
         const int s = base + lane;
         W b = 0;
-#pragma unroll
+#pragma unroll LOADS
         for (int i = 0; i < CAP; ++i) {
             // Independent loads, issued together.
             if (s <= hi && tr_first + i <= tr_last) b |= (W)blk[(i64)(tr_first + i) * steps + s] << (8 * i);

@@ -7,7 +7,7 @@
 #include "flash_attn_prefill/split_merge.cuh"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MLXN_HOPPER 1
-#include "flash_attn_prefill/mainloop_sm90.cuh"
+#include "flash_attn_prefill/mainloop_sm90_pipe.cuh"
 #endif
 
 // Parameters of every attention entry point: the params block, the launch block, Q, K, V,
@@ -45,12 +45,19 @@
 // The CTA-pair forms (`hopper::attention<D, PAIR_HEADS | PAIR_QUERIES>`), launched in
 // clusters of two along y (heads) or x (query tiles). K and V come through tensor maps
 // (4-d: head dim, KV heads, cache rows, sequences; boxes of 64 x 1 x 64 x 1 with the
-// 128-byte swizzle), made by the host when the strides allow it. Head dim 256 is the
-// warp-specialised form (WS_THREADS threads: a producer warpgroup beside the two consumers).
-#define MLXN_PAIR_THREADS(DIM) ((DIM) == 256 ? WS_THREADS : NTHREADS)
+// 128-byte swizzle), made by the host when the strides allow it. Head dims 64, 128 and 256
+// are warp-specialised forms (tiles_sm90.cuh's PIPE; WS_THREADS threads: a producer
+// warpgroup beside the two consumers).
+#define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)
+#define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? WS_THREADS : NTHREADS)
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T)                                                           \
     extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
     NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) {   \
-        hopper::attention<DIM, MODE, T, (DIM) == 256>(MLXN_PASS, &kmap, &vmap);                               \
+        hopper::pair_attention<DIM, MODE, T>(MLXN_PASS, &kmap, &vmap);                                        \
     }
+// Both pair forms of one kernel: NAME_pair_heads (clusters along y) and NAME_pair_queries
+// (along x).
+#define MLXN_PAIR_ENTRIES(NAME, DIM, T)                                    \
+    MLXN_PAIR_ENTRY(NAME##_pair_heads, DIM, PAIR_HEADS, 1, 2, T)           \
+    MLXN_PAIR_ENTRY(NAME##_pair_queries, DIM, PAIR_QUERIES, 2, 1, T)
 #endif

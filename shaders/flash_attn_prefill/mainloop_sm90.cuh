@@ -6,6 +6,7 @@
 #include "flash_attn_prefill/softmax.cuh"
 #include "flash_attn_prefill/mainloop_sm90_ws.cuh"
 #include "flash_attn_prefill/sm90_ptx.cuh"
+#include "flash_attn_prefill/tiles_sm90.cuh"
 
 // ================================================================== Hopper (sm_90a): wgmma
 //
@@ -28,6 +29,8 @@
 // Head dim 256 in CTA pairs (fixed-length K/V the TMA can address): the warp-specialised
 // pipeline of mainloop_sm90_ws.cuh (a producer warpgroup; the two consumer warpgroups
 // synchronise on mbarriers, not on CTA barriers, and take turns at the tensor cores).
+// Head dims 64 and 128 in CTA pairs: mainloop_sm90_pipe.cuh (tiles of 128 cache rows). The
+// shapes of every form: tiles_sm90.cuh.
 namespace hopper {
 
 template <int D>
@@ -41,12 +44,10 @@ struct HCfg {
     static constexpr int NB = JW / 8;          // 8-column blocks of the scores
     static constexpr int DW = D / G;           // O columns of a warpgroup
     // Two CTAs share an SM at head dims 64 and 128 (MINB; the softmax and products of one
-    // overlap the other's): double-buffered at 64, single-buffered at 128 (two such CTAs
-    // fit in shared memory; measured 308 against 221 TFLOP/s for one double-buffered CTA,
-    // causal 16k, 32/8 heads, though ptxas spills a little at 128 registers); 256:
-    // double-buffered, one CTA; 512: single-buffered.
-    static constexpr int NSTAGE = G == 1 && D != 128 ? 2 : 1;
-    static constexpr int MINB = D <= 128 ? 2 : 1;
+    // overlap the other's), though ptxas spills a little at 128 registers; the K/V buffers
+    // (NSTAGE) and the reasons: tiles_sm90.cuh.
+    static constexpr int NSTAGE = Tiles<D>::NSTAGE;
+    static constexpr int MINB = Tiles<D>::MINB;
     static constexpr int BQ = D <= 256 ? 32 : 16;  // the table's rows (the op's mask_tile_rows)
     static constexpr int Q_BYTES = ROWS * D * 2;
     static constexpr int KV_BYTES = STEP * D * 2;

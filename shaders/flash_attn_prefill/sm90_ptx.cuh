@@ -10,6 +10,17 @@ namespace hopper {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Wait until at most N of this warpgroup's committed groups of products are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// The dynamic shared memory this CTA was launched with, in bytes.
+__device__ __forceinline__ u32 dynamic_smem_bytes() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
+    return r;
+}
 // Ordinary and cp.async stores to shared memory, made visible to wgmma (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keep the compiler from moving reads of wgmma results above the wait (or writes below).
@@ -17,6 +28,15 @@ template <int N>
 __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The same for a product's register operand (P of P V): written here, before any later
+// product is issued (else the compiler may sink the writes past the next Q K^T, between
+// products, where ptxas must wait for that product before it can run them).
+template <int N>
+__device__ __forceinline__ void fence_regs(u32 (&a)[N][2]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i][0]), "+r"(a[i][1])::"memory");
 }
 
 // ---- CTA pairs (thread-block clusters of 2) and the tensor memory accelerator (TMA).
@@ -134,6 +154,61 @@ __device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], u64 a, u64 b, int s
         MLXN_WGMMA_SS_N32("bf16");
     } else {
         MLXN_WGMMA_SS_N32("f16");
+    }
+}
+
+// D (m64 x n128, f32) (+)= A (64 x 16, smem) * B (n128 x 16, smem)^T; both K-major, 128-byte swizzle.
+#define MLXN_WGMMA_SS_N128(TY) \
+    asm volatile( \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+    : "l"(a), "l"(b), "r"(scale_d));
+template <class T>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 a, u64 b, int scale_d) {
+    if constexpr (T::BF16) {
+        MLXN_WGMMA_SS_N128("bf16");
+    } else {
+        MLXN_WGMMA_SS_N128("f16");
+    }
+}
+
+// S (m64 x nN) = Q K^T of one k-chunk: the product of the scores' width N (64 or 128).
+template <class T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 a, u64 b, int scale_d) {
+    if constexpr (N == 64) wgmma_ss_n64<T>(d, a, b, scale_d);
+    else wgmma_ss_n128<T>(d, a, b, scale_d);
+}
+
+// The first k-chunk of S = Q K^T (m64 x n64 or n128, f32): D = A * B^T, D not read (scale-d
+// false), and written only ("=f"): the scores of the last tile are not an input, so the
+// compiler carries nothing from one tile's scores to the next tile's products.
+#define MLXN_WGMMA_SS_N64_Z(TY) \
+    asm volatile( \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+    : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]) \
+    : "l"(a), "l"(b), "r"(0));
+#define MLXN_WGMMA_SS_N128_Z(TY) \
+    asm volatile( \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+    : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]) \
+    : "l"(a), "l"(b), "r"(0));
+template <class T, int N>
+__device__ __forceinline__ void wgmma_ss_zero(float (&d)[N / 2], u64 a, u64 b) {
+    if constexpr (N == 64) {
+        if constexpr (T::BF16) {
+            MLXN_WGMMA_SS_N64_Z("bf16");
+        } else {
+            MLXN_WGMMA_SS_N64_Z("f16");
+        }
+    } else {
+        if constexpr (T::BF16) {
+            MLXN_WGMMA_SS_N128_Z("bf16");
+        } else {
+            MLXN_WGMMA_SS_N128_Z("f16");
+        }
     }
 }
 

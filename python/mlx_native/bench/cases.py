@@ -40,6 +40,7 @@ CASES: Dict[str, Case] = {
         Case("dense-8h", "dense 8h", 8, 8, 256, "zero"),
         # Most LLMs' head dims (issue: head dims 64 to 576), 32 query heads over 8 KV heads.
         Case("causal-128", "causal d128", 32, 8, 128, "causal"),
+        Case("dense-128", "dense d128", 32, 8, 128, "zero"),
         Case("causal-64", "causal d64", 32, 8, 64, "causal"),
     )
 }

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=None, help="prompt lengths (kv_len = rows; default 1024 2048 4096 on the CPU, 2048 8192 16384 on a GPU)")
     p.add_argument("--kv-len", type=int, default=None, help="cache rows (default: each prompt's own): every prompt a chunk at the end of a longer cache, as chunked prefill runs (peers with a built-in causal mode that aligns it to the cache's start are left out)")
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="shapes to run (default: sliding global dense on the CPU; sliding global causal-8h dense-8h on a GPU)")
+    p.add_argument("--described", action="store_true", help="ours takes each case's mask as its description (causal / window; none for the zero mask: SPEC 6), as a model hands it over, not as an explicit additive mask; the peers keep theirs")
+    p.add_argument("--q-dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="Q's dtype and our output's (default float32; float16: what a half-precision model hands over)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up, one run of each implementation per round (the best is kept)")
     p.add_argument("--peers", nargs="*", default=None, help="peers to run (on a CPU device: torch, mlx, reference; on a CUDA device: torch, fa4, flex; default: every one installed; --peers alone: none)")
     p.add_argument("--peer-budget", type=float, default=20.0, help="seconds one peer may spend at one size (slow peers are skipped at larger sizes)")
@@ -75,6 +77,8 @@ def main_from_args(args) -> int:
             threads=args.threads,
             on_size=checkpoint,
             kv_len=args.kv_len,
+            described=getattr(args, "described", False),
+            q_dtype=getattr(args, "q_dtype", "float32"),
         )
     except (ValueError, MlxError) as e:
         print(f"bench: {e}", file=sys.stderr)

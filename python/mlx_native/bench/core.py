@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -44,6 +45,8 @@ def run_bench(
     threads: Optional[int] = None,
     on_size: Optional[Callable[[dict], None]] = None,
     kv_len: Optional[int] = None,
+    described: bool = False,
+    q_dtype: str = "float32",
 ) -> dict:
     """Run the benchmark and return its report (what ``--json`` writes); prints the table
     to ``out`` (default stdout) unless ``quiet``.
@@ -55,7 +58,11 @@ def run_bench(
     ``DEFAULT_ROWS`` and ``DEFAULT_CASES``). ``kv_len``: the cache's rows (default: each
     prompt's own), so that each prompt is a chunk at the end of a longer cache (it must be
     at least the largest of ``rows``). ``on_size``: called with the report so far after
-    each (case, rows)."""
+    each (case, rows). Ours: ``described`` plans the case's mask as its description
+    (``causal=True``, ``window=``; none for the zero mask: SPEC 6) instead of the explicit
+    additive mask, as a model hands it over (the peers keep theirs); ``q_dtype`` is Q's
+    dtype and our output's (``float16`` or ``bfloat16``: what a half-precision model hands
+    over and takes back)."""
     if threads is not None:
         use_threads(threads)
     dev = Device(device or "auto")
@@ -65,6 +72,8 @@ def run_bench(
         raise ValueError(f"kv_len {kv_len} is shorter than the prompt of {rows[-1]} rows: a chunk is the end of its cache")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if q_dtype not in Q_DTYPES:
+        raise ValueError(f"q_dtype must be one of {', '.join(Q_DTYPES)}, got {q_dtype!r}")
     out = None if quiet else (out or sys.stdout)
 
     registered = peers_for(kind)
@@ -95,6 +104,8 @@ def run_bench(
         peers=[p.name for p in available],
         peer_versions={p.name: _version(p) for p in available},
         missing_peers=missing,
+        ours_mask="described" if described else "explicit",
+        ours_q_dtype=q_dtype,
         results=[],
     )
     # The peak is measured before and after the runs and the higher kept: a load on the
@@ -113,7 +124,7 @@ def run_bench(
             for r in rows:
                 report["results"].extend(
                     _one_size(case, r, r == rows[0], dev, available, repeats, sample_heads, peer_budget_s, rate, rng, bar,
-                              kv_len)
+                              kv_len, Ours(described, q_dtype))
                 )
                 if on_size is not None:
                     report["summary"] = summarize(report["results"])
@@ -133,7 +144,42 @@ def run_bench(
     return report
 
 
-def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, budget, rate, rng, bar, kv_len=None) -> List[dict]:
+#: Q's dtypes ours may take in the benchmark (the output takes the same).
+Q_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Ours:
+    """How ours takes a case: the mask described or explicit, and Q's (and O's) dtype."""
+
+    described: bool = False
+    q_dtype: str = "float32"
+
+    def plan(self, case: Case, q, k, v, mask, dev) -> PrefillPlan:
+        """Our plan of the case on ``dev`` (scale 1, as Gemma 4 runs: SPEC 4)."""
+        if self.q_dtype != "float32":
+            dt = _np_dtype(self.q_dtype)
+            q = q.astype(dt)
+        else:
+            dt = None
+        if not self.described:
+            return PrefillPlan(q, k, v, mask, scale=1.0, device=dev, out_dtype=dt)
+        # The prompt is the end of its cache (SPEC 6's default offset), as case_mask has it.
+        causal = case.mask in ("causal", "window")
+        window = case.window if case.mask == "window" else None
+        return PrefillPlan(q, k, v, None, causal=causal, window=window, scale=1.0, device=dev, out_dtype=dt)
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, budget, rate, rng, bar, kv_len=None,
+              ours: Ours = Ours()) -> List[dict]:
     """Every implementation on one problem, timed round-robin (one warm-up each, then
     ``repeats`` rounds of one run each, the best kept), so that a load that comes and goes
     on the machine falls on all of them alike."""
@@ -144,7 +190,7 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
     base = dict(case=case.name, title=case.title, rows=r, kv_len=kv, n_heads=nh, n_kv_heads=nkv, head_dim=hd, mask=case.mask, window=case.window)
 
     bar.step(f"{case.name} {r}: preparing {OURS}")
-    plan = PrefillPlan(q, k, v, mask, scale=1.0, device=dev)  # SPEC 4: Gemma 4 runs at scale 1
+    plan = ours.plan(case, q, k, v, mask, dev)
     flops = useful_flops(hd, nh, plan.visible_pairs)
     base.update(visible_pairs=plan.visible_pairs, useful_gflop=flops / 1e9)
     runners: List[Variant] = ours_variants(plan, dev)

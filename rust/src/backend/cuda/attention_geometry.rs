@@ -40,10 +40,24 @@ pub fn attention_cta_rows(dk: u32, dv: u32, hopper: bool) -> u32 {
     (8 / portable_cfg(dv).0) * ROWS_PER_GROUP
 }
 
-/// Dynamic shared memory of one attention CTA: the kernel's `Cfg<DK, DV>::SMEM`, or
-/// `hopper::HCfg<D>::SMEM` for the wgmma form (the kernel checks each against these numbers
-/// at compile time, and a test reads its checks).
-pub fn attention_shared_bytes(dk: u32, dv: u32, hopper: bool) -> Option<u32> {
+/// Shared memory the host reserves for a CTA of the tiled pipeline (the Hopper pair forms at
+/// head dims 64 and 128, `pipeline_sm90.cuh`): the kernel's `PIPE_SMEM_RESERVED`, at least
+/// what any row of its tile table (`tiles_sm90.cuh`) lays out, or a variant of it (each
+/// instantiation checks its own at compile time, and the kernel stops where a launch gives
+/// it less). Such a CTA is alone on its SM (its 384 threads hold the registers), so
+/// reserving more costs nothing; 1 KiB under the H100's and H200's 227 KiB a block.
+pub const WS_SHARED_BYTES: u32 = 231_424;
+
+/// Whether the Hopper CTA-pair form at `head_dim` is warp-specialised (384 threads: a
+/// producer warpgroup beside the two consumers; the kernel's `Tiles<D>::PIPE`).
+pub fn ws_form(head_dim: u32) -> bool {
+    matches!(head_dim, 64 | 128 | 256)
+}
+
+/// Dynamic shared memory of one attention CTA of the plain forms: the kernel's
+/// `Cfg<DK, DV>::SMEM`, or `hopper::HCfg<D>::SMEM` for the wgmma form (the kernel checks each
+/// against these numbers at compile time, and a test reads its checks).
+pub fn plain_shared_bytes(dk: u32, dv: u32, hopper: bool) -> Option<u32> {
     match (dk, dv, hopper) {
         (64, 64, true) => Some(83_008),
         (128, 128, true) => Some(83_008),
@@ -66,6 +80,29 @@ pub fn attention_shared_bytes(dk: u32, dv: u32, hopper: bool) -> Option<u32> {
             )
         }
     }
+}
+
+/// Dynamic shared memory of one CTA of the Hopper CTA-pair form at `head_dim`: the tiled
+/// pipeline's reserve at 64 and 128, else the one-CTA form's bytes (the same layout at 256
+/// and 512).
+pub fn pair_shared_bytes(head_dim: u32) -> Option<u32> {
+    if matches!(head_dim, 64 | 128) {
+        Some(WS_SHARED_BYTES)
+    } else {
+        plain_shared_bytes(head_dim, head_dim, true)
+    }
+}
+
+/// The most dynamic shared memory any form of the kernel at (dk, dv) launches with (the
+/// limit the backend raises for each of its entry points): the pair forms' where it has them.
+pub fn attention_shared_bytes(dk: u32, dv: u32, hopper: bool) -> Option<u32> {
+    let plain = plain_shared_bytes(dk, dv, hopper)?;
+    if hopper && dk == dv {
+        if let Some(pair) = pair_shared_bytes(dk) {
+            return Some(plain.max(pair));
+        }
+    }
+    Some(plain)
 }
 
 /// Geometry of one attention launch.

@@ -12,7 +12,8 @@
 use std::ffi::c_void;
 
 pub use super::attention_geometry::{
-    attention_cta_rows, attention_geometry, attention_shared_bytes, pair_geometry, AttentionGeometry,
+    attention_cta_rows, attention_geometry, attention_shared_bytes, pair_geometry, pair_shared_bytes,
+    plain_shared_bytes, ws_form, AttentionGeometry, WS_SHARED_BYTES,
 };
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
@@ -29,8 +30,8 @@ use crate::params::{
 
 /// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
 /// has the wgmma form on sm_90a and its CTA-pair variants (`<entry>_pair_heads`,
-/// `_pair_queries`; head dims 256 and 512); `hopper`: the wgmma form without pairs (64,
-/// 128); else it runs the portable form everywhere. Where it runs the portable form,
+/// `_pair_queries`; head dims 64, 128, 256 and 512); else it runs the portable form
+/// everywhere. Where it runs the portable form,
 /// `<entry>_xf` is the one with SPEC 10's score transforms.
 macro_rules! attention_kernel {
     ($name:literal, $entry:literal, $dk:literal, $dv:literal, pairs) => {
@@ -42,19 +43,6 @@ macro_rules! attention_kernel {
             portable_variants: &[concat!($entry, "_xf")],
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
-            merge_entry: Some(MERGE_ENTRY),
-            workspace_bytes: |hopper, sms, params| kv_split::workspace_bytes(($dk, $dv), hopper, sms, params),
-        }
-    };
-    ($name:literal, $dk:literal, $dv:literal, hopper) => {
-        CudaKernel {
-            name: $name,
-            entry: $name,
-            hopper_variants: &[],
-            hopper_form: true,
-            portable_variants: &[concat!($name, "_xf")],
-            shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
-            prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
             merge_entry: Some(MERGE_ENTRY),
             workspace_bytes: |hopper, sms, params| kv_split::workspace_bytes(($dk, $dv), hopper, sms, params),
         }
@@ -81,16 +69,16 @@ pub const KERNELS: &[CudaKernel] = &[
     attention_kernel!("flash_attn_prefill_d512", "flash_attn_prefill_tensor_f16_d512", 512, 512, pairs),
     attention_kernel!("flash_attn_prefill_d256_bf16", "flash_attn_prefill_d256_bf16", 256, 256, pairs),
     attention_kernel!("flash_attn_prefill_d512_bf16", "flash_attn_prefill_d512_bf16", 512, 512, pairs),
-    attention_kernel!("flash_attn_prefill_d64", 64, 64, hopper),
-    attention_kernel!("flash_attn_prefill_d64_bf16", 64, 64, hopper),
+    attention_kernel!("flash_attn_prefill_d64", "flash_attn_prefill_d64", 64, 64, pairs),
+    attention_kernel!("flash_attn_prefill_d64_bf16", "flash_attn_prefill_d64_bf16", 64, 64, pairs),
     attention_kernel!("flash_attn_prefill_d80", 80, 80),
     attention_kernel!("flash_attn_prefill_d80_bf16", 80, 80),
     attention_kernel!("flash_attn_prefill_d96", 96, 96),
     attention_kernel!("flash_attn_prefill_d96_bf16", 96, 96),
     attention_kernel!("flash_attn_prefill_d112", 112, 112),
     attention_kernel!("flash_attn_prefill_d112_bf16", 112, 112),
-    attention_kernel!("flash_attn_prefill_d128", 128, 128, hopper),
-    attention_kernel!("flash_attn_prefill_d128_bf16", 128, 128, hopper),
+    attention_kernel!("flash_attn_prefill_d128", "flash_attn_prefill_d128", 128, 128, pairs),
+    attention_kernel!("flash_attn_prefill_d128_bf16", "flash_attn_prefill_d128_bf16", 128, 128, pairs),
     attention_kernel!("flash_attn_prefill_d192", 192, 192),
     attention_kernel!("flash_attn_prefill_d192_bf16", 192, 192),
     attention_kernel!("flash_attn_prefill_d576_512", 576, 512),
@@ -116,8 +104,8 @@ const MERGE_ROWS: u32 = 8;
 
 /// Threads of an attention CTA (8 warps).
 pub const ATTENTION_THREADS: u32 = 256;
-/// Threads of the warp-specialised CTA (the pair forms at head dim 256: a producer
-/// warpgroup beside the two consumers; the kernel's `WS_THREADS`).
+/// Threads of the warp-specialised CTA (the pair forms at head dims 64, 128 and 256: a
+/// producer warpgroup beside the two consumers; the kernel's `WS_THREADS`).
 pub const WS_THREADS: u32 = 384;
 /// The kernel's `Launch` block.
 #[repr(C)]
@@ -398,8 +386,8 @@ fn part_launch(
         o_split_stride: split.map_or(0, |s| s.o_elems as i32),
         lse_split_stride: split.map_or(0, |s| s.lse_elems as i32),
     };
-    let shared =
-        attention_shared_bytes(dims.0, dims.1, hopper).ok_or_else(|| contract(name, "no shared memory size"))?;
+    let shared = if maps.is_some() { pair_shared_bytes(head_dim) } else { plain_shared_bytes(dims.0, dims.1, hopper) }
+        .ok_or_else(|| contract(name, "no shared memory size"))?;
     // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
     let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
     if p.batch as u64 * parts as u64 > 65_535 {
@@ -408,7 +396,7 @@ fn part_launch(
             p.batch
         )));
     }
-    let threads = if maps.is_some() && head_dim == 256 { WS_THREADS } else { ATTENTION_THREADS };
+    let threads = if maps.is_some() && ws_form(head_dim) { WS_THREADS } else { ATTENTION_THREADS };
     let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32 * parts], [threads, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(p));
     l.push_bytes(bytemuck::bytes_of(&launch));
@@ -523,11 +511,32 @@ mod tests {
                 assert_eq!(k.hopper_variants[m.variant()], m.entry(hd));
             }
         }
+        // Head dims 64 and 128: pair forms named after the kernel, launched with the
+        // warp-specialised reserve; the plain forms keep two CTAs an SM.
+        for name in [
+            "flash_attn_prefill_d64",
+            "flash_attn_prefill_d64_bf16",
+            "flash_attn_prefill_d128",
+            "flash_attn_prefill_d128_bf16",
+        ] {
+            let k = KERNELS.iter().find(|k| k.name == name).unwrap();
+            assert!(k.hopper_form, "{name}");
+            let want = [format!("{name}_pair_heads"), format!("{name}_pair_queries")];
+            assert_eq!(k.hopper_variants, want.as_slice());
+            assert_eq!((k.shared_bytes)(true), Some(WS_SHARED_BYTES), "{name}: the limit covers the pair forms");
+        }
+        for hd in [64, 128] {
+            assert_eq!(pair_shared_bytes(hd), Some(WS_SHARED_BYTES));
+            assert_eq!(plain_shared_bytes(hd, hd, true), Some(83_008));
+            assert!(2 * (83_008 + 1024) <= 232_448, "two plain CTAs an SM at head dim {hd}");
+        }
+        assert_eq!(pair_shared_bytes(512), Some(214_592));
     }
 
     /// The threads the host launches the warp-specialised pair forms with are the kernel's
-    /// (`WS_THREADS`: the consumers' NTHREADS and a producer warpgroup), and the entry
-    /// macro gives them at head dim 256 only.
+    /// (`WS_THREADS`: the consumers' NTHREADS and a producer warpgroup), the head dims it
+    /// launches them at are those whose row of the kernel's tile table names a pipeline
+    /// (`PIPE` not 0), and the shared memory it reserves for them is the kernel's.
     #[test]
     fn the_warp_specialised_form_launches_the_kernels_threads() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders/flash_attn_prefill");
@@ -537,7 +546,17 @@ mod tests {
         assert!(common.contains(&format!("#define NTHREADS {ATTENTION_THREADS}")));
         assert_eq!(WS_THREADS, ATTENTION_THREADS + 128);
         let entry = std::fs::read_to_string(dir.join("entry.cuh")).unwrap();
-        assert!(entry.contains("#define MLXN_PAIR_THREADS(DIM) ((DIM) == 256 ? WS_THREADS : NTHREADS)"));
+        assert!(entry.contains("#define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)"));
+        assert!(entry.contains("#define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? WS_THREADS : NTHREADS)"));
+        let tiles = std::fs::read_to_string(dir.join("tiles_sm90.cuh")).unwrap();
+        for hd in [64u32, 128, 256, 512] {
+            let row = tiles.split(&format!("struct Tiles<{hd}> {{")).nth(1).expect("a row per head dim");
+            let row = row.split("};").next().unwrap();
+            let pipe = row.split("PIPE = ").nth(1).and_then(|r| r.split(',').next()).expect("PIPE in the row");
+            assert_eq!(pipe.trim() != "0", ws_form(hd), "head dim {hd}: PIPE = {pipe}");
+        }
+        let pipe = std::fs::read_to_string(dir.join("pipeline_sm90.cuh")).unwrap();
+        assert!(pipe.contains(&format!("#define PIPE_SMEM_RESERVED {WS_SHARED_BYTES}\n")));
     }
 
     /// The shared memory the host reserves is what each instantiation file's compile-time

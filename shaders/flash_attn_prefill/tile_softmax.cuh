@@ -1,0 +1,158 @@
+// Part of shaders/flash_attn_prefill_tensor.cu (Hopper form, pipeline_sm90.cuh): a consumer
+// thread's work on the scores of one tile of NH 64-row steps, once its Q K^T is in: SPEC 10's
+// softcap, each step's class (-inf where nothing is visible, visibility, the explicit mask
+// and ALiBi where the class is 1), the row maxima, the lazy rescale and P in registers with
+// the row sums (SPEC 2, steps 4 and 5). O's rescale is the caller's (rescale_o), at the
+// point where O is not on the tensor cores.
+//
+// Scores: a warpgroup's m64nN accumulator, this thread's part: rows g8 and g8 + 8 of its
+// warp's 16, columns nb * 8 + tig * 2 + {0, 1} of each 8-column block nb, at
+// s[nb * 4 + hh * 2 + {0, 1}] (hh: the row). Step h of the tile is blocks h * 8 .. h * 8 + 7.
+#pragma once
+
+#include "flash_attn_prefill/softmax.cuh"
+#include "flash_attn_prefill/tile_walk.cuh"
+
+namespace hopper {
+
+// What a consumer thread's masks need of its rows, the same for the whole walk.
+struct RowGeom {
+    int q_loc;  // the warp's first query inside the CTA (a multiple of 16)
+    int q_cta;  // the CTA's first query of the sequence
+    int lk, off, head;
+    int g8, tig;       // the thread's rows (g8, g8 + 8) and column pair (tig) in an 8 x 8 block
+    bool by_distance;  // ALiBi by distance (softmax.cuh)
+};
+
+// Step H of a tile (cache step t, this warp's class cls and table byte tb; its mask tile at
+// m_tile, [queries][64] halves, swizzled) applied to the scores: class 0, -inf; class 1,
+// -inf where a pair is not visible, else the mask times ALiBi's slope (table byte 1) or
+// ALiBi's distance bias; class 2, nothing.
+template <int H, int NS>
+__device__ __forceinline__ void mask_step(float (&s)[NS], int cls, int tb, int t, u32 m_tile, const RowGeom& g,
+                                          const Params& p) {
+    const float ninf = -__int_as_float(0x7f800000);
+    if (cls == 0) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[H * 32 + i] = ninf;
+        return;
+    }
+    if (cls != 1) return;
+    const float slope = alibi_slope(p, g.head);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int rr = g.q_loc + hh * 8 + g.g8;  // the row's query inside the CTA (its mask row)
+        const u32 row_addr = m_tile + (u32)(rr * 128) + (u32)(g.tig * 4);
+        // The row's visible columns, relative to this thread's first one of the step.
+        int vlo, vhi;
+        visible_range(p, g.lk, g.off, g.q_cta + rr, vlo, vhi);
+        const int j0 = t * STEP + g.tig * 2;
+        vlo -= j0;
+        vhi -= j0;
+        const float d0 = (float)(j0 - (g.q_cta + rr + g.off));  // ALiBi: j0 - p_r
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) {
+            float lo = 0.f, hi = 0.f;
+            if (tb == 1) {
+                unpack_half2(ld_shared_u32(row_addr + swz(nb, g.g8)), lo, hi);
+                lo *= slope;
+                hi *= slope;
+            } else if (g.by_distance) {
+                lo = slope * (d0 + (float)(nb * 8));
+                hi = slope * (d0 + (float)(nb * 8 + 1));
+            }
+            const int j = nb * 8, i = (H * 8 + nb) * 4 + hh * 2;
+            s[i] = (j >= vlo && j <= vhi) ? s[i] + lo : ninf;
+            s[i + 1] = (j + 1 >= vlo && j + 1 <= vhi) ? s[i + 1] + hi : ninf;
+        }
+    }
+}
+
+// Steps H .. NH - 1 of tile u (mask tiles of the stage from m_stage, MASK_BYTES apart).
+template <int H, int NH, int MASK_BYTES, int NS>
+__device__ __forceinline__ void mask_steps(float (&s)[NS], const TileClasses<NH>& tc, int u, u32 m_stage,
+                                           const RowGeom& g, const Params& p) {
+    mask_step<H>(s, tc.cls[H], tc.table[H], u * NH + H, m_stage + (u32)(H * MASK_BYTES), g, p);
+    if constexpr (H + 1 < NH) mask_steps<H + 1, NH, MASK_BYTES>(s, tc, u, m_stage, g, p);
+}
+
+// The maxima of this thread's two rows over the tile, across the quad that holds them.
+template <int NS>
+__device__ __forceinline__ void tile_row_max(const float (&s)[NS], float (&mx)[2]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float m = s[hh * 2];
+#pragma unroll
+        for (int nb = 0; nb < NS / 4; ++nb) m = fmaxf(m, fmaxf(s[nb * 4 + hh * 2], s[nb * 4 + hh * 2 + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        mx[hh] = m;
+    }
+}
+
+// The lazy rescale of both rows (the factors in ms), P = T(exp(s - M)) and the row sums of
+// the rounded P. P is left in s, each value rounded to T and kept as a float (so the sums
+// are of the rounded values, SPEC 2 step 5), for take_p to pack once the last tile's P V
+// no longer reads the fragments: a second set of P registers made the consumers spill at
+// head dim 128, and P packed into the scores' own registers let the compiler merge them
+// with the next Q K^T's accumulators. Returns whether a row of the warp rescaled (then O
+// must be scaled by ms before this tile's P V adds to it).
+template <class T, int NS>
+__device__ __forceinline__ bool tile_exp(float (&s)[NS], const float (&mx)[2], float (&m_run)[2], float (&l_run)[2],
+                                         float (&ms)[2]) {
+    bool any = false;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) any |= softmax_rescale(mx[hh], m_run[hh], ms[hh]);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const float ml = m_run[hh] * LOG2E;  // the same for every pair of the row
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < NS / 4; ++nb) {
+            const int i = nb * 4 + hh * 2;
+            T::unpack2(T::pack2(exp2_approx(fmaf(s[i], LOG2E, -ml)), exp2_approx(fmaf(s[i + 1], LOG2E, -ml))), s[i],
+                       s[i + 1]);
+            sum += s[i] + s[i + 1];
+        }
+        l_run[hh] = l_run[hh] * ms[hh] + sum;
+    }
+    return __any_sync(0xffffffffu, any);
+}
+
+// P of tile_exp as P V's A fragments: rows g8 and g8 + 8 (hh) of 8-column block nb (the
+// values are T's already: packing them again is exact).
+template <class T, int NS>
+__device__ __forceinline__ void take_p(const float (&s)[NS], u32 (&pk)[NS / 4][2]) {
+#pragma unroll
+    for (int nb = 0; nb < NS / 4; ++nb) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) pk[nb][hh] = T::pack2(s[nb * 4 + hh * 2], s[nb * 4 + hh * 2 + 1]);
+    }
+}
+
+// The whole of a tile's softmax for a warpgroup that computes it: scores in s, P left in s
+// (tile_exp).
+template <class T, int NH, int MASK_BYTES, int NS>
+__device__ __forceinline__ bool tile_softmax(float (&s)[NS], float (&m_run)[2], float (&l_run)[2], float (&ms)[2],
+                                             const TileClasses<NH>& tc, int u, u32 m_stage, const RowGeom& g,
+                                             const Params& p) {
+    static_assert(NS == NH * 32, "32 scores a thread per 64-row step");
+    if (p.softcap > 0.f) {
+        const float inv = 1.f / p.softcap;
+#pragma unroll
+        for (int i = 0; i < NS; ++i) s[i] = softcap_score(s[i], p.softcap, inv);
+    }
+    mask_steps<0, NH, MASK_BYTES>(s, tc, u, m_stage, g, p);
+    float mx[2];
+    tile_row_max(s, mx);
+    return tile_exp<T>(s, mx, m_run, l_run, ms);
+}
+
+// O scaled by the rows' factors (after a rescale), where no product holds it.
+template <int NO>
+__device__ __forceinline__ void rescale_o(float (&o)[NO], const float (&ms)[2]) {
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o[i] *= ms[(i >> 1) & 1];
+}
+
+}  // namespace hopper

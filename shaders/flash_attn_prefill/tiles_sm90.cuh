@@ -1,0 +1,80 @@
+// Part of shaders/flash_attn_prefill_tensor.cu: the Hopper form's tile shapes, one row per
+// head dim. Every choice of shape, depth and register split of the Hopper form is made
+// here, so a variant to time is this file changed (or a -D of MLX_NATIVE_CUDA_DEFINES).
+//
+// Two kinds of CTA run the Hopper form:
+// - the plain forms (one CTA, cp.async loads; any strides, variable length): HCfg of
+//   mainloop_sm90.cuh reads MINB (CTAs an SM) and NSTAGE (K/V buffers) from here;
+// - the pair forms (clusters of two CTAs that receive each K/V tile once, by TMA multicast;
+//   fixed-length K/V the TMA can address). PIPE says which loop runs them:
+//     0  the CTA-barrier loop of mainloop_sm90.cuh (head dim 512: O split over both
+//        warpgroups, which exchange maxima and P every step);
+//     1  the warp-specialised pipeline of mainloop_sm90_ws.cuh (head dim 256: 64 cache rows
+//        a stage, two stages);
+//     2  the warp-specialised pipeline of pipeline_sm90.cuh: N cache rows a stage (N / 64
+//        table steps, so SPEC 1's table is read as it is), STAGES stages, and OVERLAP: a
+//        consumer warpgroup's softmax of tile j runs while its own P V of tile j - 1 is on
+//        the tensor cores (FlashAttention-3's intra-warpgroup overlap).
+//   Both pipelines: a producer warpgroup of PRODUCER_REGS registers a thread and two
+//   consumer warpgroups of CONSUMER_REGS (setmaxnreg; 128 x PRODUCER_REGS + 256 x
+//   CONSUMER_REGS must fit the 384 x 168 the launch gives, or the claim never completes).
+//
+// Why these shapes (docs/benchmarks.md, 2026-12-03): at head dims 64 and 128 a 64-row step
+// is too little work for what each step costs besides its products (the walk, the mbarrier
+// waits, the turn, the row maxima), and m64n64 products read as many bytes of shared memory
+// as they compute; 128-row tiles halve both. O (64 or 32 registers) leaves room in the
+// consumers' registers for the next tile's scores beside the last tile's P, which at head
+// dim 256 (O: 128 registers) spilled (2026-12-01).
+#pragma once
+
+namespace hopper {
+
+// Overrides for timing variants (one value each; the defaults are the table's).
+#ifndef MLXN_WS_N_D64
+#define MLXN_WS_N_D64 128
+#endif
+#ifndef MLXN_WS_N_D128
+#define MLXN_WS_N_D128 128
+#endif
+#ifndef MLXN_WS_STAGES_D64
+#define MLXN_WS_STAGES_D64 2
+#endif
+#ifndef MLXN_WS_OVERLAP
+#define MLXN_WS_OVERLAP 1
+#endif
+
+template <int D>
+struct Tiles;
+
+template <>
+struct Tiles<64> {
+    static constexpr int MINB = 2, NSTAGE = 2;  // plain: two CTAs an SM, double-buffered
+    static constexpr int PIPE = 2, N = MLXN_WS_N_D64, STAGES = MLXN_WS_STAGES_D64;
+    static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+    static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
+};
+template <>
+struct Tiles<128> {
+    // Plain: two CTAs an SM, single-buffered (two such CTAs fit in shared memory; measured
+    // 308 against 221 TFLOP/s for one double-buffered CTA, causal 16k, 32/8 heads).
+    static constexpr int MINB = 2, NSTAGE = 1;
+    static constexpr int PIPE = 2, N = MLXN_WS_N_D128, STAGES = 2;
+    static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+    static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
+};
+template <>
+struct Tiles<256> {
+    static constexpr int MINB = 1, NSTAGE = 2;
+    static constexpr int PIPE = 1, N = 64, STAGES = 2;
+    static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+    static constexpr bool OVERLAP = false;  // spilled at 240 registers (2026-12-01 18:05)
+};
+template <>
+struct Tiles<512> {
+    static constexpr int MINB = 1, NSTAGE = 1;  // the tiles take 192 KB
+    static constexpr int PIPE = 0, N = 64, STAGES = 1;
+    static constexpr int PRODUCER_REGS = 0, CONSUMER_REGS = 0;
+    static constexpr bool OVERLAP = false;
+};
+
+}  // namespace hopper
