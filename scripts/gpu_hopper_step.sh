@@ -21,6 +21,7 @@
 #   6. the table: every build's best time per case, its useful TFLOP/s and main's time over it.
 #
 #   bash scripts/gpu_hopper_step.sh MAIN_WHEEL_DIR BRANCH_WHEEL_DIR
+#   MAIN_PAIR=0 bash scripts/gpu_hopper_step.sh BRANCH_WHEEL_DIR BRANCH_WHEEL_DIR   (main = the one-CTA forms)
 #
 # Logs and JSON go to $OUT (default /tmp/gpu-hopper-step): bench-<build><round>.json.
 set -uo pipefail
@@ -40,15 +41,20 @@ install_wheels "$MAIN" /tmp/hs-main
 install_wheels "$BRANCH" /tmp/hs-branch
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 
-# A build: the wheel's folder and the kernel defines it runs with.
+# A build: the wheel's folder, the kernel defines it runs with, and its CTA-pair setting.
+# MAIN may be the branch's own wheel: with MLX_NATIVE_CUDA_PAIR=0 it runs the one-CTA forms,
+# whose machine code at 64 and 128 is main's (ptxas and the disassembly compared), with the
+# branch's bench (main's has no --described); d256 then runs its one-CTA form too.
 declare -A SITE=([A]=/tmp/hs-main [B]=/tmp/hs-branch [C]=/tmp/hs-branch [D]=/tmp/hs-branch)
 declare -A DEFS=([A]="" [B]="" [C]="-DMLXN_WS_N_D64=64 -DMLXN_WS_N_D128=64" [D]="-DMLXN_WS_OVERLAP=0")
-declare -A NAME=([A]="main" [B]="branch" [C]="branch, 64-row tiles" [D]="branch, no overlap")
-# run_build BUILD CMD...: CMD in /tmp with the build's package and defines.
+declare -A PAIR=([A]="${MAIN_PAIR:-}" [B]="" [C]="" [D]="")
+declare -A NAME=([A]="main${MAIN_PAIR:+ (one-CTA forms)}" [B]="branch" [C]="branch, 64-row tiles" [D]="branch, no overlap")
+# run_build BUILD CMD...: CMD in /tmp with the build's package, defines and pair setting.
 run_build() {
   local b=$1
   shift
-  (cd /tmp && MLX_NATIVE_CUDA_DEFINES="${DEFS[$b]}" PYTHONPATH=${SITE[$b]}${PYTHONPATH:+:$PYTHONPATH} "$@")
+  (cd /tmp && MLX_NATIVE_CUDA_PAIR="${PAIR[$b]}" MLX_NATIVE_CUDA_DEFINES="${DEFS[$b]}" \
+    PYTHONPATH=${SITE[$b]}${PYTHONPATH:+:$PYTHONPATH} "$@")
 }
 
 step "warm the kernel caches (background)"
