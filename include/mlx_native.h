@@ -131,8 +131,9 @@ const char *mlxn_last_error(void);
 // `buf` must hold `cap` bytes (or be null); `needed` must be null or valid.
 int32_t mlxn_backends(char *buf, size_t cap, size_t *needed);
 
-// The CPU backend's facts: `isa=<in use>;detected=<a,b,..>;threads=<n>;memory=<bytes>`
-// (memory: the most a buffer may take, RAM plus swap within the cgroup limit; 0 unknown).
+// The CPU backend's facts: `isa=<in use>;detected=<a,b,..>;threads=<n>;memory=<bytes>;
+// runtime=<rayon | openmp (path)>` (memory: the most a buffer may take, RAM plus swap within
+// the cgroup limit, 0 unknown; runtime: what runs the kernels' parallel jobs).
 //
 // # Safety
 // As for [`mlxn_backends`].
@@ -148,6 +149,14 @@ int32_t mlxn_cpu_force_isa(const char *name);
 // Make the CPU kernels run on `threads` threads from the next run on (0: back to the
 // default: `RAYON_NUM_THREADS`, else every core the process may use). Process-wide.
 int32_t mlxn_cpu_set_threads(uint32_t threads);
+
+// Run the CPU kernels' parallel jobs on the OpenMP runtime already loaded in this process
+// (PyTorch's libgomp; `on` 1), or on the library's own pool (`on` 0). `found` (may be null)
+// gets 1 where such a runtime was found and is used now. Process-wide.
+//
+// # Safety
+// `found` must be null or valid.
+int32_t mlxn_cpu_use_openmp(int32_t on, int32_t *found);
 
 // Make every CUDA launch use the CTA-pair choice `mode` (`"0"`: the one-CTA forms,
 // `"queries"`: query pairs only, `"1"`: head pairs where they fit), or go back to
