@@ -43,6 +43,14 @@ pub trait Simd: Copy + Send + Sync + 'static {
     unsafe fn round(v: Self::V) -> Self::V;
     /// `p * 2^n` for integral `n` in [-126, 127].
     unsafe fn ldexp(p: Self::V, n: Self::V) -> Self::V;
+    /// Round every lane to the nearest bfloat16 (ties to even), kept as f32; NaN stays NaN.
+    unsafe fn round_bf16(v: Self::V) -> Self::V;
+    /// Store the 16 lanes as bfloat16 by keeping their top 16 bits: exact for values that
+    /// are bfloat16 already (what [`Simd::round_bf16`] returns, or the parts of a split).
+    unsafe fn store_bf16(p: *mut u16, v: Self::V);
+    /// Store 32 bfloat16 interleaved, `p[2x] = even[x]`, `p[2x + 1] = odd[x]` (top 16 bits
+    /// of each lane, as [`Simd::store_bf16`]): the pairs of the AMX tiles' VNNI layout.
+    unsafe fn store_bf16_pairs(p: *mut u16, even: Self::V, odd: Self::V);
 
     /// e^x to about 2 ulp; 0 below -87.3, e^88.3 above 88.3, NaN stays NaN.
     #[inline(always)]
@@ -175,6 +183,23 @@ impl Simd for Portable {
     unsafe fn ldexp(p: Self::V, n: Self::V) -> Self::V {
         lanes!(|i| p[i] * f32::from_bits((((n[i] as i32) + 127) as u32) << 23))
     }
+    #[inline(always)]
+    unsafe fn round_bf16(v: Self::V) -> Self::V {
+        lanes!(|i| half::bf16::from_f32(v[i]).to_f32())
+    }
+    #[inline(always)]
+    unsafe fn store_bf16(p: *mut u16, v: Self::V) {
+        for (i, x) in v.iter().enumerate() {
+            *p.add(i) = (x.to_bits() >> 16) as u16;
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16_pairs(p: *mut u16, even: Self::V, odd: Self::V) {
+        for i in 0..W {
+            *p.add(2 * i) = (even[i].to_bits() >> 16) as u16;
+            *p.add(2 * i + 1) = (odd[i].to_bits() >> 16) as u16;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -262,6 +287,29 @@ mod x86 {
         #[inline(always)]
         unsafe fn ldexp(p: __m512, n: __m512) -> __m512 {
             _mm512_scalef_ps(p, n)
+        }
+        #[inline(always)]
+        unsafe fn round_bf16(v: __m512) -> __m512 {
+            // Add 0x7fff plus the kept part's lowest bit, then clear the low half: ties go to
+            // even and a carry moves into the exponent as it should (to inf past the top).
+            let bits = _mm512_castps_si512(v);
+            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+            let up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+            let r = _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(-65536)));
+            // A NaN could carry into the sign bit: keep it as it came.
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            _mm512_mask_blend_ps(nan, r, v)
+        }
+        #[inline(always)]
+        unsafe fn store_bf16(p: *mut u16, v: __m512) {
+            let top = _mm512_srli_epi32::<16>(_mm512_castps_si512(v));
+            _mm256_storeu_si256(p as *mut __m256i, _mm512_cvtepi32_epi16(top));
+        }
+        #[inline(always)]
+        unsafe fn store_bf16_pairs(p: *mut u16, even: __m512, odd: __m512) {
+            let lo = _mm512_srli_epi32::<16>(_mm512_castps_si512(even));
+            let hi = _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(-65536));
+            _mm512_storeu_si512(p as *mut __m512i, _mm512_or_si512(lo, hi));
         }
     }
 
@@ -363,6 +411,37 @@ mod x86 {
             let e0 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n.0), bias));
             let e1 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n.1), bias));
             Pair(_mm256_mul_ps(p.0, _mm256_castsi256_ps(e0)), _mm256_mul_ps(p.1, _mm256_castsi256_ps(e1)))
+        }
+        #[inline(always)]
+        unsafe fn round_bf16(v: Pair) -> Pair {
+            // As the AVX-512 form: add 0x7fff plus the kept part's lowest bit, clear the low
+            // half, keep NaNs as they came.
+            let half = |x: __m256| {
+                let bits = _mm256_castps_si256(x);
+                let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+                let up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+                let r = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(-65536)));
+                _mm256_blendv_ps(r, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
+            };
+            Pair(half(v.0), half(v.1))
+        }
+        #[inline(always)]
+        unsafe fn store_bf16(p: *mut u16, v: Pair) {
+            let a = _mm256_srli_epi32::<16>(_mm256_castps_si256(v.0));
+            let b = _mm256_srli_epi32::<16>(_mm256_castps_si256(v.1));
+            // packus works within 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7]; put them in order.
+            let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(a, b));
+            _mm256_storeu_si256(p as *mut __m256i, packed);
+        }
+        #[inline(always)]
+        unsafe fn store_bf16_pairs(p: *mut u16, even: Pair, odd: Pair) {
+            let top = _mm256_set1_epi32(-65536);
+            let pair = |e: __m256, o: __m256| {
+                let lo = _mm256_srli_epi32::<16>(_mm256_castps_si256(e));
+                _mm256_or_si256(lo, _mm256_and_si256(_mm256_castps_si256(o), top))
+            };
+            _mm256_storeu_si256(p as *mut __m256i, pair(even.0, odd.0));
+            _mm256_storeu_si256(p.add(W) as *mut __m256i, pair(even.1, odd.1));
         }
     }
 }
@@ -567,6 +646,53 @@ mod tests {
         }
     }
 
+    /// bfloat16 rounding is `half::bf16`'s (nearest, ties to even; NaN kept, carries into
+    /// the exponent and to inf), and the stores keep each lane's top 16 bits, the pairs
+    /// interleaved even/odd.
+    fn check_bf16_rounding_and_stores<S: Simd>() {
+        let vals: [f32; W] = [
+            1.0,
+            1.0 + 1.0 / 256.0, // a tie: to even (1.0)
+            1.0 + 3.0 / 256.0, // a tie: to even (1 + 4/256)
+            -3.141_592_7,
+            f32::from_bits(0x3f80_8001), // just above a tie: up
+            f32::from_bits(0x7f7f_ffff), // the largest f32: rounds to inf
+            f32::NAN,
+            f32::from_bits(0x7fff_ffff), // a NaN whose rounding would carry into the sign
+            f32::NEG_INFINITY,
+            -0.0,
+            1e-40, // subnormal
+            65504.0,
+            2.5e-5,
+            -7.123_45,
+            0.333_333_34,
+            1e30,
+        ];
+        unsafe {
+            let mut out = [0f32; W];
+            S::store(out.as_mut_ptr(), S::round_bf16(S::load(vals.as_ptr())));
+            for i in 0..W {
+                let want = half::bf16::from_f32(vals[i]).to_f32();
+                if want.is_nan() {
+                    assert!(out[i].is_nan(), "{} lane {i}: NaN lost", S::NAME);
+                } else {
+                    assert_eq!(out[i].to_bits(), want.to_bits(), "{} lane {i} ({})", S::NAME, vals[i]);
+                }
+            }
+            let even: [f32; W] = std::array::from_fn(|i| f32::from_bits(0x3f80_0000 + ((i as u32) << 16)));
+            let odd: [f32; W] = std::array::from_fn(|i| f32::from_bits(0xc100_0000 + ((i as u32) << 16) + 0x1234));
+            let mut one = [0u16; W];
+            S::store_bf16(one.as_mut_ptr(), S::load(even.as_ptr()));
+            let mut pairs = [0u16; 2 * W];
+            S::store_bf16_pairs(pairs.as_mut_ptr(), S::load(even.as_ptr()), S::load(odd.as_ptr()));
+            for i in 0..W {
+                assert_eq!(one[i], (even[i].to_bits() >> 16) as u16, "{} store_bf16 lane {i}", S::NAME);
+                assert_eq!(pairs[2 * i], (even[i].to_bits() >> 16) as u16, "{} pair {i} even", S::NAME);
+                assert_eq!(pairs[2 * i + 1], (odd[i].to_bits() >> 16) as u16, "{} pair {i} odd", S::NAME);
+            }
+        }
+    }
+
     #[test]
     fn every_detected_isa_matches_the_reference_math() {
         check_exp::<Portable>();
@@ -574,6 +700,7 @@ mod tests {
         check_round_half::<Portable>();
         check_max_min::<Portable>();
         check_bf16::<Portable>();
+        check_bf16_rounding_and_stores::<Portable>();
         #[cfg(target_arch = "x86_64")]
         {
             if has_avx2() {
@@ -582,6 +709,7 @@ mod tests {
                 check_round_half::<Avx2>();
                 check_max_min::<Avx2>();
                 check_bf16::<Avx2>();
+                check_bf16_rounding_and_stores::<Avx2>();
             }
             if has_avx512() {
                 check_exp::<Avx512>();
@@ -589,6 +717,7 @@ mod tests {
                 check_round_half::<Avx512>();
                 check_max_min::<Avx512>();
                 check_bf16::<Avx512>();
+                check_bf16_rounding_and_stores::<Avx512>();
             }
         }
     }
