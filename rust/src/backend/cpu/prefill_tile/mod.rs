@@ -24,6 +24,8 @@ use std::cell::RefCell;
 use super::simd::{Portable, Simd};
 use super::SendPtr;
 
+mod amx;
+mod amx_layout;
 mod fma;
 mod io;
 mod softmax;
@@ -114,6 +116,8 @@ pub(super) struct Problem {
     pub blk: *const u8,
     pub out: SendPtr<u8>,
     pub lse: SendPtr<f32>,
+    /// The bf16 products of the AMX item for this K/V dtype (`cpu::amx::products`).
+    pub amx: super::amx::Products,
 }
 
 // SAFETY: read-only inputs, and outputs every item writes a disjoint part of.
@@ -143,15 +147,79 @@ pub(super) type ItemFn = unsafe fn(&Problem, &Seq, usize, usize, &mut Scratch);
 
 /// The work item at head dims (`DK`, `DV`) for the instruction set in use.
 pub(super) fn pick<const DK: usize, const DV: usize>() -> ItemFn {
+    let isa = super::simd::selected_isa();
+    if isa == super::simd::AMX_EMULATED {
+        return pick_emulated::<DK, DV>();
+    }
     #[cfg(target_arch = "x86_64")]
     {
-        match super::simd::selected_isa() {
+        match isa {
+            super::simd::AMX => return item_amx::<DK, DV>,
             "avx512" => return item_avx512::<DK, DV>,
             "avx2+fma+f16c" => return item_avx2::<DK, DV>,
             _ => {}
         }
     }
     item_portable::<DK, DV>
+}
+
+/// The AMX item on the emulated tile unit, its vector work on the best instruction set
+/// here (so that on an AMX machine it runs the hardware item's code but for the tiles).
+fn pick_emulated<const DK: usize, const DV: usize>() -> ItemFn {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::simd::has_avx512() {
+            return item_amx_emulated_avx512::<DK, DV>;
+        }
+        if super::simd::has_avx2() {
+            return item_amx_emulated_avx2::<DK, DV>;
+        }
+    }
+    item_amx_emulated_portable::<DK, DV>
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn item_amx<const DK: usize, const DV: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
+    let mut tiles = super::amx::HwTiles;
+    amx::work_item::<super::simd::Avx512, _, DK, DV>(pb, seq, grp, g, s, &mut tiles)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn item_amx_emulated_avx512<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    let mut tiles = super::amx::EmulatedTiles::default();
+    amx::work_item::<super::simd::Avx512, _, DK, DV>(pb, seq, grp, g, s, &mut tiles)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn item_amx_emulated_avx2<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    let mut tiles = super::amx::EmulatedTiles::default();
+    amx::work_item::<super::simd::Avx2, _, DK, DV>(pb, seq, grp, g, s, &mut tiles)
+}
+
+unsafe fn item_amx_emulated_portable<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    let mut tiles = super::amx::EmulatedTiles::default();
+    amx::work_item::<Portable, _, DK, DV>(pb, seq, grp, g, s, &mut tiles)
 }
 
 unsafe fn item_portable<const DK: usize, const DV: usize>(
@@ -202,6 +270,8 @@ pub(super) struct Scratch {
     m: Vec<f32>,
     l: Vec<f32>,
     ms: Vec<f32>,
+    /// The AMX item's operands in the tiles' layouts.
+    amx: amx::Buffers,
 }
 
 thread_local! {
@@ -398,6 +468,7 @@ mod tests {
             blk: std::ptr::null(),
             out: SendPtr(std::ptr::null_mut()),
             lse: SendPtr(std::ptr::null_mut()),
+            amx: crate::backend::cpu::amx::DEFAULT_F16,
         }
     }
 

@@ -17,20 +17,8 @@ pub(super) unsafe fn softmax_step<S: Simd>(
     lo: usize,
     hi: usize,
 ) {
-    let one = S::splat(1.0);
     for i0 in (ib..ie).step_by(W) {
-        // As if the max had started at column 0: the -inf columns before `lo` leave -inf.
-        let first = S::load(st.add(lo * r + i0));
-        let mut mx = if lo == 0 { first } else { S::max(first, S::splat(f32::NEG_INFINITY)) };
-        for j in lo + 1..hi {
-            mx = S::max(S::load(st.add(j * r + i0)), mx);
-        }
-        let m_old = S::load(m.add(i0));
-        let thresh = S::add(m_old, S::splat(8.0));
-        let scale = S::select_gt(mx, thresh, S::exp(S::sub(m_old, mx)), one);
-        let m_new = S::select_gt(mx, thresh, mx, m_old);
-        S::store(m.add(i0), m_new);
-        S::store(ms.add(i0), scale);
+        let (m_new, scale) = step_max::<S>(st, m, ms, r, i0, lo, hi);
         let mut sum = S::splat(0.0);
         for j in lo..hi {
             let ptr = st.add(j * r + i0);
@@ -40,4 +28,32 @@ pub(super) unsafe fn softmax_step<S: Simd>(
         }
         S::store(l.add(i0), S::fma(S::load(l.add(i0)), scale, sum));
     }
+}
+
+/// The step's max of the W rows at `i0` over cache rows `lo..hi` and SPEC 2's lazy update:
+/// only where it exceeds the running max by more than 8 does the max move (to it) and the
+/// rescale factor `ms = exp(M_old - M_new)` differ from 1. Stores M and ms; returns them.
+#[inline(always)]
+pub(super) unsafe fn step_max<S: Simd>(
+    st: *const f32,
+    m: *mut f32,
+    ms: *mut f32,
+    r: usize,
+    i0: usize,
+    lo: usize,
+    hi: usize,
+) -> (S::V, S::V) {
+    // As if the max had started at column 0: the -inf columns before `lo` leave -inf.
+    let first = S::load(st.add(lo * r + i0));
+    let mut mx = if lo == 0 { first } else { S::max(first, S::splat(f32::NEG_INFINITY)) };
+    for j in lo + 1..hi {
+        mx = S::max(S::load(st.add(j * r + i0)), mx);
+    }
+    let m_old = S::load(m.add(i0));
+    let thresh = S::add(m_old, S::splat(8.0));
+    let scale = S::select_gt(mx, thresh, S::exp(S::sub(m_old, mx)), S::splat(1.0));
+    let m_new = S::select_gt(mx, thresh, mx, m_old);
+    S::store(m.add(i0), m_new);
+    S::store(ms.add(i0), scale);
+    (m_new, scale)
 }
