@@ -45,6 +45,9 @@ pub trait Simd: Copy + Send + Sync + 'static {
     unsafe fn ldexp(p: Self::V, n: Self::V) -> Self::V;
     /// Round every lane to the nearest bfloat16 (ties to even), kept as f32; NaN stays NaN.
     unsafe fn round_bf16(v: Self::V) -> Self::V;
+    /// Every lane's top 16 bits (a bfloat16 toward zero), kept as f32: one AND, for exact
+    /// splits `x = trunc + (x - trunc)` where both parts are used.
+    unsafe fn trunc_bf16(v: Self::V) -> Self::V;
     /// Store the 16 lanes as bfloat16 by keeping their top 16 bits: exact for values that
     /// are bfloat16 already (what [`Simd::round_bf16`] returns, or the parts of a split).
     unsafe fn store_bf16(p: *mut u16, v: Self::V);
@@ -211,6 +214,10 @@ impl Simd for Portable {
         lanes!(|i| half::bf16::from_f32(v[i]).to_f32())
     }
     #[inline(always)]
+    unsafe fn trunc_bf16(v: Self::V) -> Self::V {
+        lanes!(|i| f32::from_bits(v[i].to_bits() & 0xffff_0000))
+    }
+    #[inline(always)]
     unsafe fn store_bf16(p: *mut u16, v: Self::V) {
         for (i, x) in v.iter().enumerate() {
             *p.add(i) = (x.to_bits() >> 16) as u16;
@@ -319,6 +326,10 @@ mod x86 {
             // A NaN could carry into the sign bit: keep it as it came.
             let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
             _mm512_mask_blend_ps(nan, r, v)
+        }
+        #[inline(always)]
+        unsafe fn trunc_bf16(v: __m512) -> __m512 {
+            _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(-65536)))
         }
         #[inline(always)]
         unsafe fn store_bf16(p: *mut u16, v: __m512) {
@@ -474,6 +485,11 @@ mod x86 {
                 _mm256_blendv_ps(r, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
             };
             Pair(half(v.0), half(v.1))
+        }
+        #[inline(always)]
+        unsafe fn trunc_bf16(v: Pair) -> Pair {
+            let top = _mm256_castsi256_ps(_mm256_set1_epi32(-65536));
+            Pair(_mm256_and_ps(v.0, top), _mm256_and_ps(v.1, top))
         }
         #[inline(always)]
         unsafe fn store_bf16(p: *mut u16, v: Pair) {
@@ -751,6 +767,11 @@ mod tests {
             }
             let even: [f32; W] = std::array::from_fn(|i| f32::from_bits(0x3f80_0000 + ((i as u32) << 16)));
             let odd: [f32; W] = std::array::from_fn(|i| f32::from_bits(0xc100_0000 + ((i as u32) << 16) + 0x1234));
+            let mut cut = [0f32; W];
+            S::store(cut.as_mut_ptr(), S::trunc_bf16(S::load(vals.as_ptr())));
+            for i in 0..W {
+                assert_eq!(cut[i].to_bits(), vals[i].to_bits() & 0xffff_0000, "{} trunc lane {i}", S::NAME);
+            }
             let mut one = [0u16; W];
             S::store_bf16(one.as_mut_ptr(), S::load(even.as_ptr()));
             let mut pairs = [0u16; 2 * W];

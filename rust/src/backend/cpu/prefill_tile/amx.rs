@@ -280,8 +280,9 @@ unsafe fn softmax_pairs<S: Simd>(
             sum = S::add(S::add(sum, p0), p1);
             let at = (k * r + i0) * 2;
             if split_p {
-                let ((h0, l0), (h1, l1)) = (split::<S>(p0), split::<S>(p1));
-                S::store_bf16_pairs(p.hi.add(at), h0, h1);
+                // The pairs keep each lane's top half: the high parts of the split.
+                let ((_, l0), (_, l1)) = (split::<S>(p0), split::<S>(p1));
+                S::store_bf16_pairs(p.hi.add(at), p0, p1);
                 S::store_bf16_pairs(p.lo.add(at), l0, l1);
             } else {
                 S::store_bf16_pairs(p.hi.add(at), p0, p1);

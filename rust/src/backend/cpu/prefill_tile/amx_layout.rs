@@ -16,15 +16,30 @@ use super::fma::load_kv;
 use super::C;
 use crate::backend::cpu::simd::{Simd, W};
 
-/// `x = hi + lo`, `hi` the nearest bfloat16; exact (and `lo` a bfloat16) for half values.
+/// `x = hi + lo` exactly (both bfloat16) for half values: `hi` is x cut to bfloat16 (one
+/// AND; any exact split serves when both parts are multiplied), `lo` the remainder, of at
+/// most 3 significant bits and the same sign.
 #[inline(always)]
 pub(super) unsafe fn split<S: Simd>(x: S::V) -> (S::V, S::V) {
-    let hi = S::round_bf16(x);
+    let hi = S::trunc_bf16(x);
     (hi, S::sub(x, hi))
 }
 
+/// The parts of `x` an operand's products use: both ([`split`]) where its low part is
+/// multiplied (`both`), else the nearest bfloat16 alone (the low part is dropped, so the
+/// high one must be as close as can be).
+#[inline(always)]
+pub(super) unsafe fn parts<S: Simd>(x: S::V, both: bool) -> (S::V, S::V) {
+    if both {
+        split::<S>(x)
+    } else {
+        (S::round_bf16(x), S::splat(0.0))
+    }
+}
+
 /// Q^T (`qt`, f32 `[dk][r]`, half values) as B pairs: `hi[k][i] = (q[2k][i], q[2k+1][i])`
-/// (and `lo` likewise, when given); pairs past `dk` zero.
+/// (and `lo` likewise, when given: then `hi + lo` is Q exactly, else `hi` is Q rounded);
+/// pairs past `dk` zero.
 #[inline(always)]
 pub(super) unsafe fn pack_q<S: Simd>(qt: *const f32, dk: usize, dkp: usize, r: usize, hi: *mut u16, lo: *mut u16) {
     for k in 0..dkp / 2 {
@@ -34,7 +49,8 @@ pub(super) unsafe fn pack_q<S: Simd>(qt: *const f32, dk: usize, dkp: usize, r: u
             } else {
                 (S::splat(0.0), S::splat(0.0))
             };
-            let ((xh, xl), (yh, yl)) = (split::<S>(x), split::<S>(y));
+            let both = !lo.is_null();
+            let ((xh, xl), (yh, yl)) = (parts::<S>(x, both), parts::<S>(y, both));
             S::store_bf16_pairs(hi.add((k * r + i0) * 2), xh, yh);
             if !lo.is_null() {
                 S::store_bf16_pairs(lo.add((k * r + i0) * 2), xl, yl);
@@ -44,7 +60,8 @@ pub(super) unsafe fn pack_q<S: Simd>(qt: *const f32, dk: usize, dkp: usize, r: u
 }
 
 /// Rows `a..b` of a step's K (`src`, F16 or BF16, row stride `rs`; `n` rows exist) as A
-/// rows `[C][dkp]`: `hi` (and `lo` when given); columns past DK and rows past `n` zero.
+/// rows `[C][dkp]`: `hi` (and `lo` when given, as [`parts`]); columns past DK and rows past
+/// `n` zero.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn pack_k<S: Simd, const DK: usize>(
@@ -62,7 +79,7 @@ pub(super) unsafe fn pack_k<S: Simd, const DK: usize>(
     for j in a..b {
         for d0 in (0..dkp).step_by(W) {
             let x = if j < n && d0 < DK { load_kv::<S>(src.add(j * rs + d0), bf16) } else { zero };
-            let (xh, xl) = split::<S>(x);
+            let (xh, xl) = parts::<S>(x, !lo.is_null());
             S::store_bf16(hi.add(j * dkp + d0), xh);
             if !lo.is_null() {
                 S::store_bf16(lo.add(j * dkp + d0), xl);
@@ -72,7 +89,7 @@ pub(super) unsafe fn pack_k<S: Simd, const DK: usize>(
 }
 
 /// Rows `a..b` (multiples of 32) of a step's V (`src`, row stride `rs`; `n` rows exist) as
-/// A rows of V^T `[DV][C]`: `hi[d][j] = v[j][d]` (and `lo`). Per 32 rows and 16 columns:
+/// A rows of V^T `[DV][C]`: `hi[d][j] = v[j][d]` (and `lo`, as [`parts`]). Per 32 rows and 16 columns:
 /// sixteen vectors of row pairs (lane d: rows 2k and 2k + 1 of column d), transposed as
 /// 32-bit words so that each becomes one tile row (column d, rows 2k0 .. 2k0 + 32).
 #[inline(always)]
@@ -89,13 +106,14 @@ pub(super) unsafe fn pack_vt<S: Simd, const DV: usize>(
 ) {
     let zero = S::splat(0.0);
     let row = |j: usize, d0: usize| if j < n { load_kv::<S>(src.add(j * rs + d0), bf16) } else { zero };
+    let both = !lo.is_null();
     for k0 in (a / 2..b / 2).step_by(W) {
         for d0 in (0..DV).step_by(W) {
             let mut ph = [zero; W];
             let mut pl = [zero; W];
             for x in 0..W {
                 let j = 2 * (k0 + x);
-                let ((eh, el), (oh, ol)) = (split::<S>(row(j, d0)), split::<S>(row(j + 1, d0)));
+                let ((eh, el), (oh, ol)) = (parts::<S>(row(j, d0), both), parts::<S>(row(j + 1, d0), both));
                 ph[x] = S::bf16_pairs(eh, oh);
                 pl[x] = S::bf16_pairs(el, ol);
             }
@@ -148,7 +166,8 @@ mod tests {
     }
 
     /// Every half value, subnormals and the largest included, is exactly the sum of its two
-    /// bfloat16 parts, and the high part is the nearest bfloat16.
+    /// bfloat16 parts (both normal: the tiles read denormals as zero); alone, the high part
+    /// is the nearest bfloat16.
     #[test]
     fn a_half_is_the_exact_sum_of_its_two_bfloat16_parts() {
         for bits in 0..=0xffffu16 {
@@ -157,13 +176,15 @@ mod tests {
                 continue;
             }
             let v = unsafe { Portable::splat(x) };
-            let (hi, lo) = unsafe { split::<Portable>(v) };
+            let (hi, lo) = unsafe { parts::<Portable>(v, true) };
             let (hb, lb) = ((hi[0].to_bits() >> 16) as u16, (lo[0].to_bits() >> 16) as u16);
             assert_eq!(hi[0].to_bits() & 0xffff, 0, "hi of {x} is not a bfloat16");
             assert_eq!(lo[0].to_bits() & 0xffff, 0, "lo of {x} is not a bfloat16");
             assert_eq!(bf(hb) + bf(lb), x as f64, "{x} = hi + lo");
-            assert_eq!(hb, half::bf16::from_f32(x).to_bits(), "hi of {x} is the nearest bfloat16");
             assert!(x == 0.0 || lo[0] == 0.0 || lo[0].abs() >= f32::MIN_POSITIVE, "lo of {x} is a normal bfloat16");
+            let (near, none) = unsafe { parts::<Portable>(v, false) };
+            assert_eq!(near[0].to_bits(), half::bf16::from_f32(x).to_f32().to_bits(), "{x} alone: the nearest");
+            assert_eq!(none[0], 0.0);
         }
     }
 
@@ -183,6 +204,15 @@ mod tests {
                     let want = if 2 * k + e < dk { qt[(2 * k + e) * r + i] as f64 } else { 0.0 };
                     assert_eq!(bf(hi[at]) + bf(lo[at]), want, "pair {k} row {i} half {e}");
                 }
+            }
+        }
+        // Without a low part, Q rounded to the nearest bfloat16.
+        let mut near = vec![0u16; dkp * r];
+        unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, near.as_mut_ptr(), std::ptr::null_mut()) };
+        for k in 0..dk / 2 {
+            for i in 0..r {
+                let want = half::bf16::from_f32(qt[2 * k * r + i]).to_bits();
+                assert_eq!(near[(k * r + i) * 2], want, "pair {k} row {i} rounded");
             }
         }
     }
