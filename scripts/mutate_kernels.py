@@ -493,7 +493,7 @@ MUTATIONS: List[Mutation] = [
     M("amx-split-rounded", "cpu", P_LAYOUT, "    let hi = S::trunc_bf16(x);\n", "    let hi = S::round_bf16(x);\n",
       "both parts of a split taken with the nearest bfloat16 as the high part",
       equivalent="any exact split serves where both parts are multiplied: hi + lo is x either way, and "
-      "the products of the parts are exact; only the dropped lo.lo term moves, by under 2^-15 of a product"),
+      "with every product of the parts summed (the defaults) only the f32 additions' rounding moves"),
     M("amx-accumulate-never", "cpu", AMX_GEMM, "    if p.accumulate {\n", "    if false {\n",
       "the output tiles start from zero every step instead of O^T"),
     M("amx-gemm-block", "cpu", AMX_GEMM, "t.dot_bf16::<3, 5, 7>();", "t.dot_bf16::<3, 5, 6>();",
@@ -504,6 +504,9 @@ MUTATIONS: List[Mutation] = [
       "the emulation flushes infinities and NaN, not denormals"),
     M("amx-bf16-default", "cpu", AMX_MOD, "pub const DEFAULT_BF16: Products = Products { qk: 2, pv: 2 };",
       "pub const DEFAULT_BF16: Products = Products { qk: 1, pv: 1 };", "BF16 K/V with Q and P rounded to bfloat16 by default"),
+    M("amx-f16-default", "cpu", AMX_MOD, "pub const DEFAULT_F16: Products = Products { qk: 4, pv: 4 };",
+      "pub const DEFAULT_F16: Products = Products { qk: 3, pv: 3 };", "F16 K/V without lo.lo by default (scores off by "
+      "2^-14 of their size: P's half rounding differs from SPEC's)"),
     # ---------------------------------------------------------------- CPU (Rust): host side
     M("cpu-offset-dropped", "cpu", F_RS, "} else {\n            lk as i64 - lq as i64\n        }",
       "} else {\n            0\n        }",

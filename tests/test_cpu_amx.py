@@ -191,7 +191,7 @@ def test_sinks_on_rows_that_see_nothing(amx, rng):
 
 @pytest.mark.parametrize(
     "kv_dtype,choices,default",
-    [("float16", [(1, 1), (2, 3), (3, 3), (4, 4)], (3, 3)), ("bfloat16", [(1, 1), (2, 1), (1, 2), (2, 2)], (2, 2))],
+    [("float16", [(1, 1), (2, 3), (3, 3), (4, 4)], (4, 4)), ("bfloat16", [(1, 1), (2, 1), (1, 2), (2, 2)], (2, 2))],
 )
 def test_each_split_is_within_spec_and_the_default_is_exact_enough(amx, rng, kv_dtype, choices, default):
     q, k, v = _qkv(rng, 64, 64, 4, 2, 128, kv_dtype=NP[kv_dtype])

@@ -85,8 +85,8 @@ def set_cpu_amx_products(kv_dtype: str, qk: Optional[int] = None, pv: Optional[i
     products (AMX multiplies bfloat16 only): in the order ``A_hi.B_hi``, ``A_hi.B_lo``,
     ``A_lo.B_hi``, ``A_lo.B_lo`` the first ``qk`` (for Q.K^T, A = K) and ``pv`` (for P.V,
     A = V) are summed, 1 to 4 each (1 or 2 with bfloat16 K/V, which has no low part); one
-    rounds Q or P to bfloat16. ``None`` for both restores the default (float16: 3 and 3,
-    bfloat16: 2 and 2, the accuracy of the FMA kernels). Process-wide; for measurements."""
+    rounds Q or P to bfloat16. ``None`` for both restores the default (float16: 4 and 4,
+    bfloat16: 2 and 2, the exact products). Process-wide; for measurements."""
     if (qk is None) != (pv is None):
         raise InvalidArgumentError("give both qk and pv, or neither (the default)")
     code = _amx_kv_code(kv_dtype)

@@ -316,8 +316,8 @@ fn the_hardware_tiles_agree_with_the_emulation() {
 /// The accuracy of each split (products for Q.K^T, for P.V) against the FMA kernels' on the
 /// same cases, the error against the float64 reference itself (an output's rounding
 /// included), printed as a table with `--nocapture`: every choice within SPEC's bar; all
-/// products at least as accurate as one; the F16 default within 2x of the FMA kernels (the
-/// issue's bar) and the BF16 default, exact, at their accuracy.
+/// products at least as accurate as one; the defaults, exact, at the FMA kernels' accuracy.
+/// (How close each split's P rounding stays to SPEC's is the planted cases' bar, planted.rs.)
 #[test]
 fn the_accuracy_of_each_split_against_the_fma_kernels() {
     let (_l, dev, mut reg) = setup();
@@ -357,7 +357,7 @@ fn the_accuracy_of_each_split_against_the_fma_kernels() {
         assert!(of(most) <= of((1, 1)), "all products no more accurate than one");
         let default = amx::products(bf16);
         let d = of((default.qk, default.pv));
-        let within = if bf16 { 1.05 } else { 2.0 };
-        assert!(d <= within * fma, "{kv} default {default:?}: nmse {d:e}, the FMA kernels {fma:e}");
+        // The defaults are the exact products: the FMA kernels' error (to rounding noise).
+        assert!(d <= 1.05 * fma, "{kv} default {default:?}: nmse {d:e}, the FMA kernels {fma:e}");
     }
 }

@@ -13,9 +13,9 @@
 //!
 //! K and V of a step are converted once (bfloat16 parts, V transposed) for every query head
 //! and query tile of the item, as the FMA item widens them once. Each product is a sum of
-//! bf16 products of the operands' parts (`cpu::amx::Products`): with F16 K/V three each
-//! (today's accuracy), with BF16 one each (Q and P rounded to bfloat16, as PyTorch's AMX
-//! path does); docs/spec.md ("AMX") has the measured errors.
+//! bf16 products of the operands' parts (`cpu::amx::Products`): by default the exact
+//! products, four each with F16 K/V and two with BF16; docs/spec.md ("The CPU on AMX tiles")
+//! has the measured errors of every choice.
 
 use super::amx_layout::{pack_k, pack_q, pack_vt, split, transpose_out};
 use super::io::{load_q, store_out};
