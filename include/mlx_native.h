@@ -139,8 +139,9 @@ int32_t mlxn_backends(char *buf, size_t cap, size_t *needed);
 // As for [`mlxn_backends`].
 int32_t mlxn_cpu_info(char *buf, size_t cap, size_t *needed);
 
-// Make the CPU kernels use one instruction set (`avx512`, `avx2+fma+f16c`, `portable`),
-// or the best available with null, `""` or `auto`. Process-wide; for tests and benchmarks.
+// Make the CPU kernels use one instruction set (`amx`, `avx512`, `avx2+fma+f16c`,
+// `portable`, or `amx-emulated`: the AMX kernels on software tiles, on any CPU), or the best
+// available with null, `""` or `auto`. Process-wide; for tests and benchmarks.
 //
 // # Safety
 // `name` must be null or a NUL-terminated string.
@@ -181,6 +182,30 @@ int32_t mlxn_settings_report(char *buf, size_t cap, size_t *needed);
 // # Safety
 // `out_gflops` must be valid.
 int32_t mlxn_cpu_fma_peak(uint32_t threads, double *out_gflops);
+
+// The measured AMX-BF16 peak of the CPU in GFLOP/s (TDPBF16PS on tile registers, a
+// multiply-add counting 2 FLOP) on `threads` threads (0: all the threads the kernels use),
+// as [`mlxn_cpu_fma_peak`] measures the FMA peak. Status `BackendUnavailable` where the CPU
+// or its OS offers no AMX tiles.
+//
+// # Safety
+// `out_gflops` must be valid.
+int32_t mlxn_cpu_amx_peak(uint32_t threads, double *out_gflops);
+
+// The bf16 products the CPU's AMX kernels sum for each product of the attention with K/V of
+// `kv_dtype` (1 F16, 2 BF16): `qk` for Q.K^T and `pv` for P.V, each 1 to 4 (1 or 2 with
+// BF16), or 0 and 0 for the default (see docs/spec.md, "AMX"). Process-wide; for
+// measurements and tests that compare the splits.
+//
+// # Safety
+// None beyond the call itself.
+int32_t mlxn_cpu_set_amx_products(int32_t kv_dtype, uint32_t qk, uint32_t pv);
+
+// The bf16 products the AMX kernels use now with K/V of `kv_dtype` (1 F16, 2 BF16).
+//
+// # Safety
+// `qk` and `pv` must be valid.
+int32_t mlxn_cpu_amx_products(int32_t kv_dtype, uint32_t *qk, uint32_t *pv);
 
 // Handles (devices, buffers, encoders) open now, process-wide; for leak checks.
 //

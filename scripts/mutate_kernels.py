@@ -27,7 +27,8 @@ How each family runs a mutant (the repository's sources are never touched):
   own target folder kept between runs; `cargo test --test prefill_cpu --test planted --test
   flash_attn_cpu` (the front door's op, then the origin's through the same work item), then,
   for a survivor, `--test fuzz --test reliability --lib` (the crate's unit tests: the
-  description's classes pair by pair, the classifier's crafted tiles).
+  description's classes pair by pair, the classifier's crafted tiles), then `--test
+  prefill_amx` (the AMX item, on the emulated tiles where the CPU has no AMX).
 - cuda: the mutated .cu goes into a scratch folder named by MLX_NATIVE_CUDA_SOURCE_DIR (read
   by the installed library; no Rust needed). On a GPU: every mutant is compiled in parallel
   processes into a private cubin cache, then the CUDA tests run against each, a few at a
@@ -93,7 +94,15 @@ CU_TILE_WALK = "shaders/flash_attn_prefill/tile_walk.cuh"
 CU_TILE_SOFTMAX = "shaders/flash_attn_prefill/tile_softmax.cuh"
 T_CU = "shaders/flash_attn_prefill_tensor.cu"
 B_CU = "shaders/flash_attn_prefill_blk.cu"
-P_RS = "rust/src/backend/cpu/prefill_tile.rs"
+# The CPU work item, by responsibility (rust/src/backend/cpu/prefill_tile/): the step plan
+# and classes (mod.rs), the FMA item and its products (fma.rs), Q in and O out (io.rs), masks
+# and transforms (transforms.rs), the softmax (softmax.rs); the AMX item (amx.rs), its
+# operands' layouts (amx_layout.rs), and the tile unit (cpu/amx/).
+P_DIR = "rust/src/backend/cpu/prefill_tile"
+P_MOD, P_FMA, P_IO = f"{P_DIR}/mod.rs", f"{P_DIR}/fma.rs", f"{P_DIR}/io.rs"
+P_TR, P_SM = f"{P_DIR}/transforms.rs", f"{P_DIR}/softmax.rs"
+P_AMX, P_LAYOUT = f"{P_DIR}/amx.rs", f"{P_DIR}/amx_layout.rs"
+AMX_EMU, AMX_GEMM, AMX_MOD = "rust/src/backend/cpu/amx/emulated.rs", "rust/src/backend/cpu/amx/gemm.rs", "rust/src/backend/cpu/amx/mod.rs"
 F_RS = "rust/src/backend/cpu/flash_attn_prefill.rs"
 B_RS = "rust/src/backend/cpu/flash_attn_prefill_blk.rs"
 PORTABLE = {"MLX_NATIVE_CUDA_ARCH": "sm_90"}  # the mma.sync form on a Hopper GPU
@@ -386,110 +395,148 @@ MUTATIONS: List[Mutation] = [
     # prefill_tile.rs is the work item of both ops (the front door's flash_attn_prefill_d*
     # and, through the adapter flash_attn_prefill_tensor.rs, the origin's); the host side
     # (flash_attn_prefill.rs) places each sequence (base offsets, lengths, query offset).
-    M("cpu-threshold-ge", "cpu", P_RS, "let thresh = S::add(m_old, S::splat(8.0));",
+    M("cpu-threshold-ge", "cpu", P_SM, "let thresh = S::add(m_old, S::splat(8.0));",
       "let thresh = S::add(m_old, S::splat(8.0 - 1e-5));", "rescale at a step max of exactly M + 8"),
-    M("cpu-threshold-sign", "cpu", P_RS, "let thresh = S::add(m_old, S::splat(8.0));",
+    M("cpu-threshold-sign", "cpu", P_SM, "let thresh = S::add(m_old, S::splat(8.0));",
       "let thresh = S::sub(m_old, S::splat(8.0));", "rescale threshold of the wrong sign"),
-    M("cpu-sums-unzeroed", "cpu", P_RS, "        *l_b.add(i) = 0.0;\n", "", "row sums never zeroed"),
-    M("cpu-max-unset", "cpu", P_RS, "        *m_b.add(i) = -f32::MAX / 2.0;\n", "", "running max never reset"),
-    M("cpu-o-unzeroed", "cpu", P_RS, "    std::ptr::write_bytes(o_b, 0, r * DV);\n", "", "O accumulators never zeroed"),
+    M("cpu-sums-unzeroed", "cpu", P_MOD, "        *l.add(i) = 0.0;\n", "", "row sums never zeroed"),
+    M("cpu-max-unset", "cpu", P_MOD, "        *m.add(i) = -f32::MAX / 2.0;\n", "", "running max never reset"),
+    M("cpu-o-unzeroed", "cpu", P_FMA, "    std::ptr::write_bytes(o_b, 0, r * DV);\n", "", "O accumulators never zeroed"),
     # The old cpu-kv-head (heads g, g + n_kv_heads, ...: h % n_kv_heads) needs the head count,
     # which the work item no longer holds (its heads are the group's, consecutive, by
     # construction); the bug's new forms: the wrong KV head, and heads of a group mixed up.
-    M("cpu-kv-head", "cpu", P_RS, "(pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs))",
+    M("cpu-kv-head", "cpu", P_FMA, "(pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs))",
       "(pb.k.add(seq.k + g / 2 * pb.k_hs), pb.v.add(seq.v + g / 2 * pb.v_hs))",
       "wrong KV head: K/V head g / 2 for the query heads of KV head g"),
-    M("cpu-q-head-in-group", "cpu", P_RS, "let h = g * pb.group + hh;\n            for rb in (0..pb.bq).step_by(W) {",
+    M("cpu-q-head-in-group", "cpu", P_IO, "let h = g * pb.group + hh;\n            for rb in (0..pb.bq).step_by(W) {",
       "let h = g * pb.group + (hh + 1) % pb.group;\n            for rb in (0..pb.bq).step_by(W) {",
       "GQA: each query head's output from the next head of its group's Q"),
-    M("cpu-q-rounded-first", "cpu", P_RS, "S::round_half(S::mul(q, scale))", "S::mul(S::round_half(q), scale)",
+    M("cpu-q-rounded-first", "cpu", P_IO, "S::round_half(S::mul(q, scale))", "S::mul(S::round_half(q), scale)",
       "Q rounded to half before the scale"),
-    M("cpu-q-bf16-as-f16", "cpu", P_RS, "Elem::BF16 => S::load_bf16((pb.q as *const u16).add(at + dv)),",
+    M("cpu-q-bf16-as-f16", "cpu", P_IO, "Elem::BF16 => S::load_bf16((pb.q as *const u16).add(at + dv)),",
       "Elem::BF16 => S::load_f16((pb.q as *const u16).add(at + dv)),", "BF16 Q read as F16"),
-    M("cpu-last-step", "cpu", P_RS, "let steps = seq.lk.div_ceil(C);", "let steps = seq.lk.saturating_sub(1) / C;",
+    M("cpu-last-step", "cpu", P_FMA, "let steps = seq.lk.div_ceil(C);", "let steps = seq.lk.saturating_sub(1) / C;",
       "the last step dropped (whole or partial)"),
-    M("cpu-partial-step", "cpu", P_RS, "let steps = seq.lk.div_ceil(C);", "let steps = seq.lk / C;",
+    M("cpu-partial-step", "cpu", P_FMA, "let steps = seq.lk.div_ceil(C);", "let steps = seq.lk / C;",
       "a partial last step dropped (the cache's tail past a multiple of 64)"),
-    M("cpu-partial-n", "cpu", P_RS, "let n = C.min(seq.lk - c0);", "let n = C.min(seq.lk - c0 + 1);",
+    M("cpu-partial-n", "cpu", P_FMA, "let n = C.min(seq.lk - c0);", "let n = C.min(seq.lk - c0 + 1);",
       "a partial last step one cache row longer (the row at Lk read)"),
-    M("cpu-partial-whole", "cpu", P_RS, "let all = n == C && (", "let all = (",
+    M("cpu-partial-whole", "cpu", P_MOD, "let all = n == C && (", "let all = (",
       "a partial last step every row sees counted whole (columns past the cache's end computed)"),
-    M("cpu-k-tail", "cpu", P_RS, "let x = if j < n { load_kv::<S>(s.add(dv), bf16) } else { S::splat(0.0) };",
+    M("cpu-k-tail", "cpu", P_FMA, "let x = if j < n { load_kv::<S>(s.add(dv), bf16) } else { S::splat(0.0) };",
       "let x = load_kv::<S>(s.add(dv), bf16);", "K rows past the cache's end read in a partial last step (no value of "
       "them reaches the output: every partial step is hidden element by element; the read faults)"),
-    M("cpu-mask-tail", "cpu", P_RS,
+    M("cpu-mask-tail", "cpu", P_TR,
       "*dst.add(j) = if j < n { half::f16::from_bits(*src.add(j)).to_f32() } else { f32::NEG_INFINITY };",
       "*dst.add(j) = half::f16::from_bits(*src.add(j)).to_f32();",
       "mask columns past the cache's end read in a partial last step (hidden after; the read faults)"),
-    M("cpu-v-tail", "cpu", P_RS, "let val = if j < n { load_kv::<S>(v.add(j * rs + d0 + x * W), bf16) } else { S::splat(0.0) };",
+    M("cpu-v-tail", "cpu", P_FMA, "let val = if j < n { load_kv::<S>(v.add(j * rs + d0 + x * W), bf16) } else { S::splat(0.0) };",
       "let val = load_kv::<S>(v.add(j * rs + d0 + x * W), bf16);", "V rows past the cache's end read in a partial last step"),
-    M("cpu-row-bound", "cpu", P_RS, "bq.min(seq.lq - r0) } else { 0 };", "bq.min(seq.lq - r0 + 1) } else { 0 };",
+    M("cpu-row-bound", "cpu", P_MOD, "bq.min(seq.lq - r0) } else { 0 };", "bq.min(seq.lq - r0 + 1) } else { 0 };",
       "one row past the prompt read and written"),
     M("cpu-mask-stride", "cpu", F_RS, "mask_rs: z(p.mask_row_stride),", "mask_rs: u(p.kv_len),",
       "mask rows at kv_len (contiguous) instead of the mask's row stride"),
-    M("cpu-k-stride", "cpu", P_RS, "k_base.add(c0 * pb.k_rs), pb.k_rs, lo_all", "k_base.add(c0 * pb.k_rs), pb.v_rs, lo_all",
+    M("cpu-k-stride", "cpu", P_FMA, "k_base.add(c0 * pb.k_rs), pb.k_rs, lo_all", "k_base.add(c0 * pb.k_rs), pb.v_rs, lo_all",
       "K rows at V's row stride"),
-    M("cpu-v-head-stride", "cpu", P_RS, "pb.v.add(seq.v + g * pb.v_hs)", "pb.v.add(seq.v + g * pb.k_hs)",
+    M("cpu-v-head-stride", "cpu", P_FMA, "pb.v.add(seq.v + g * pb.v_hs)", "pb.v.add(seq.v + g * pb.k_hs)",
       "V heads at K's head stride"),
-    M("cpu-q-head-stride", "cpu", P_RS, "(sub.r0 + rr) * pb.q_rs + h * pb.q_hs", "(sub.r0 + rr) * pb.q_rs + h * D",
+    M("cpu-q-head-stride", "cpu", P_IO, "(sub.r0 + rr) * pb.q_rs + h * pb.q_hs", "(sub.r0 + rr) * pb.q_rs + h * D",
       "Q heads assumed contiguous"),
-    M("cpu-column-range", "cpu", P_RS, "(lo & !3, (hi + 3) & !3)", "(lo & !3, hi & !3)",
+    M("cpu-column-range", "cpu", P_TR, "(lo & !3, (hi + 3) & !3)", "(lo & !3, hi & !3)",
       "the last cache rows an explicit mask leaves visible in a step left out"),
-    M("cpu-describe-range", "cpu", P_RS, "(dlo & !3, ((dhi + 3) & !3).min(C))", "(dlo & !3, (dhi & !3).min(C))",
+    M("cpu-describe-range", "cpu", P_MOD, "(dlo & !3, ((dhi + 3) & !3).min(C))", "(dlo & !3, (dhi & !3).min(C))",
       "the last cache rows the description leaves visible in a step left out"),
-    M("cpu-max-column", "cpu", P_RS, "for j in lo + 1..hi {", "for j in lo + 2..hi {",
+    M("cpu-max-column", "cpu", P_SM, "for j in lo + 1..hi {", "for j in lo + 2..hi {",
       "one column left out of the step max"),
-    M("cpu-rescale-any", "cpu", P_RS, "rescale[k] = (sub.ib..sub.ie).any(|i| *ms.add(i) != 1.0);",
+    M("cpu-rescale-any", "cpu", P_FMA, "rescale[k] = (sub.ib..sub.ie).any(|i| *ms.add(i) != 1.0);",
       "rescale[k] = (sub.ib..sub.ie).all(|i| *ms.add(i) != 1.0);", "O rescaled only when every row moves its max"),
-    M("cpu-p-float", "cpu", P_RS, "let p = S::round_half(S::exp(S::sub(S::load(ptr), m_new)));",
+    M("cpu-p-float", "cpu", P_SM, "let p = S::round_half(S::exp(S::sub(S::load(ptr), m_new)));",
       "let p = S::exp(S::sub(S::load(ptr), m_new));", "P kept in float"),
-    M("cpu-sums-no-rescale", "cpu", P_RS, "S::fma(S::load(l.add(i0)), scale, sum)", "S::add(S::load(l.add(i0)), sum)",
+    M("cpu-sums-no-rescale", "cpu", P_SM, "S::fma(S::load(l.add(i0)), scale, sum)", "S::add(S::load(l.add(i0)), sum)",
       "row sums not rescaled"),
-    M("cpu-mask-first-head", "cpu", P_RS,
+    M("cpu-mask-first-head", "cpu", P_TR,
       "    for hh in 0..pb.group {\n        let slope = S::splat(*pb.slopes.add(g * pb.group + hh));\n"
       "        for j in lo..hi {",
       "    for hh in 0..pb.group.min(1) {\n        let slope = S::splat(*pb.slopes.add(g * pb.group + hh));\n"
       "        for j in lo..hi {",
       "the mask added to the first head of a group only"),
-    M("cpu-table-row", "cpu", P_RS, "*pb.blk.add(seq.blk + t * pb.blk_steps + step)", "*pb.blk.add(seq.blk + step)",
+    M("cpu-table-row", "cpu", P_MOD, "*pb.blk.add(seq.blk + t * pb.blk_steps + step)", "*pb.blk.add(seq.blk + step)",
       "every query tile reads the first row of the table"),
-    M("cpu-table-partial", "cpu", P_RS, "all_full &= b == FULL;", "all_full &= b != SKIP;",
+    M("cpu-table-partial", "cpu", P_MOD, "all_full &= b == FULL;", "all_full &= b != SKIP;",
       "a class-1 table byte taken as 2 (the mask not added)"),
-    M("cpu-describe-offset", "cpu", P_RS, "    let off = seq.off;\n    let (first, last, w)",
+    M("cpu-describe-offset", "cpu", P_MOD, "    let off = seq.off;\n    let (first, last, w)",
       "    let off = seq.lk as i64 - seq.lq as i64;\n    let (first, last, w)",
       "the step classes and ranges ignore an explicit offset (the per-element hiding does not)"),
-    M("cpu-describe-window", "cpu", P_RS, "let lo = if w > 0 { first - w + 1 } else { 0 }.max(c0i);",
+    M("cpu-describe-window", "cpu", P_MOD, "let lo = if w > 0 { first - w + 1 } else { 0 }.max(c0i);",
       "let lo = if w > 0 { first - w + 2 } else { 0 }.max(c0i);",
       "the first cache row a window shows the tile's first row left out of the step's range"),
-    M("cpu-describe-diagonal", "cpu", P_RS, "c0i + C as i64 - 1 <= first", "c0i + C as i64 - 1 <= last",
+    M("cpu-describe-diagonal", "cpu", P_MOD, "c0i + C as i64 - 1 <= first", "c0i + C as i64 - 1 <= last",
       "a step the diagonal cuts counted whole when the tile's last row sees all of it"),
-    M("cpu-hide-window", "cpu", P_RS, "(rel + pb.window as i64).clamp(0, bq)", "(rel + pb.window as i64 + 1).clamp(0, bq)",
+    M("cpu-hide-window", "cpu", P_TR, "(rel + pb.window as i64).clamp(0, bq)", "(rel + pb.window as i64 + 1).clamp(0, bq)",
       "the window one cache row wider"),
-    M("cpu-hide-diagonal", "cpu", P_RS, "let a = if pb.causal { rel.clamp(0, bq) } else { 0 };",
+    M("cpu-hide-diagonal", "cpu", P_TR, "let a = if pb.causal { rel.clamp(0, bq) } else { 0 };",
       "let a = if pb.causal { (rel + 1).clamp(0, bq) } else { 0 };", "causal: each row misses its own cache row"),
-    M("cpu-hide-cache-end", "cpu", P_RS, "let (a, b) = if ja >= seq.lk as i64 {", "let (a, b) = if ja > seq.lk as i64 {",
+    M("cpu-hide-cache-end", "cpu", P_TR, "let (a, b) = if ja >= seq.lk as i64 {", "let (a, b) = if ja > seq.lk as i64 {",
       "the cache row at Lk left visible in a partial last step"),
-    M("cpu-zero-guard", "cpu", P_RS, "let o = if l == 0.0 {", "let o = if l < 0.0 {",
+    M("cpu-zero-guard", "cpu", P_IO, "let o = if l == 0.0 {", "let o = if l < 0.0 {",
       "a fully masked row divides 0 by 0"),
-    M("cpu-out-row", "cpu", P_RS, "let at = seq.o + (sub.r0 + rr) * pb.o_rs + h * pb.o_hs;",
+    M("cpu-out-row", "cpu", P_IO, "let at = seq.o + (sub.r0 + rr) * pb.o_rs + h * pb.o_hs;",
       "let at = seq.o + (sub.r0 + rr + 1) * pb.o_rs + h * pb.o_hs;", "output rows written one row down"),
-    M("cpu-o-f16-trunc", "cpu", P_RS, "half::f16::from_f32(v).to_bits()",
+    M("cpu-o-f16-trunc", "cpu", P_IO, "half::f16::from_f32(v).to_bits()",
       "{ let t = half::f16::from_f32(v); t.to_bits() - u16::from(t.to_f32().abs() > v.abs()) }",
       "F16 output truncated toward zero, not rounded to nearest even"),
-    M("cpu-o-bf16-trunc", "cpu", P_RS, "half::bf16::from_f32(v).to_bits()", "(v.to_bits() >> 16) as u16",
+    M("cpu-o-bf16-trunc", "cpu", P_IO, "half::bf16::from_f32(v).to_bits()", "(v.to_bits() >> 16) as u16",
       "BF16 output truncated, not rounded to nearest even"),
-    M("cpu-lse-no-max", "cpu", P_RS, "{ m + l.ln() }", "{ l.ln() }", "lse without the running max"),
-    M("cpu-lse-log2", "cpu", P_RS, "{ m + l.ln() }", "{ m + l.log2() }", "lse with log2 of the row sum"),
-    M("cpu-lse-row", "cpu", P_RS, "seq.lse + h * pb.lse_hs + sub.r0 + rr", "seq.lse + h * pb.lse_hs + rr",
+    M("cpu-lse-no-max", "cpu", P_IO, "{ m + l.ln() }", "{ l.ln() }", "lse without the running max"),
+    M("cpu-lse-log2", "cpu", P_IO, "{ m + l.ln() }", "{ m + l.log2() }", "lse with log2 of the row sum"),
+    M("cpu-lse-row", "cpu", P_IO, "seq.lse + h * pb.lse_hs + sub.r0 + rr", "seq.lse + h * pb.lse_hs + rr",
       "lse rows of every query tile written at the first tile's"),
-    M("cpu-live-rows", "cpu", P_RS, "live |= rr < nr && x != f32::NEG_INFINITY;", "live |= x != f32::NEG_INFINITY;",
+    M("cpu-live-rows", "cpu", P_TR, "live |= rr < nr && x != f32::NEG_INFINITY;", "live |= x != f32::NEG_INFINITY;",
       "rows past the prompt count as seeing every cache row",
       equivalent="those rows' mask is filled with 0, so they widen a step's computed cache rows only; the "
       "rows left out are -inf for every real row (p = 0 exactly), and leaving them out changes no bit"),
-    M("cpu-skip-tile", "cpu", P_RS, "            if sub.nr == 0 {\n                continue;\n            }\n            let (dc, dlo, dhi)",
-      "            let (dc, dlo, dhi)", "query tiles past the prompt computed",
+    M("cpu-skip-tile", "cpu", P_MOD, "        if sub.nr == 0 {\n            continue;\n        }\n        let (dc, dlo, dhi)",
+      "        let (dc, dlo, dhi)", "query tiles past the prompt computed",
       equivalent="a tile past the prompt has no rows (nr = 0): its table range is empty (SKIP), without a "
       "mask its scores are computed over zero Q and never written"),
+    # ---------------------------------------------------------------- CPU (Rust): the AMX item
+    # Killed by rust/tests/prefill_amx.rs (the third CPU tier), which runs the AMX item on the
+    # emulated tiles (and on the hardware ones where the CPU has them).
+    M("amx-rescale-never", "cpu", P_AMX, "if (sub.ib..sub.ie).all(|i| *ms.add(i) == 1.0) {", "if true {",
+      "O^T never rescaled when a row's max moves"),
+    M("amx-sum-half-pair", "cpu", P_AMX, "sum = S::add(S::add(sum, p0), p1);", "sum = S::add(sum, p0);",
+      "the row sum leaves out every odd cache row"),
+    M("amx-p-below-range", "cpu", P_AMX, "let (p0, p1) = if j >= sub.lo && j < sub.hi {", "let (p0, p1) = if j < sub.hi {",
+      "P of the cache rows below the tile's range (rounding to a chunk of 32) taken from stale scores"),
+    M("amx-second-product", "cpu", P_AMX, "const TERMS: [(bool, bool); 4] = [(false, false), (false, true),",
+      "const TERMS: [(bool, bool); 4] = [(false, false), (false, false),",
+      "the second product repeats hi.hi instead of adding hi.lo"),
+    M("amx-score-blocks", "cpu", P_AMX, "let (a, b) = (sub.lo & !15, round_up(sub.hi, 16));",
+      "let (a, b) = (sub.lo & !15, sub.hi & !15);", "the last block of 16 scores left out where hi is not a multiple of 16"),
+    M("amx-output-chunks", "cpu", P_AMX, "let (a, b) = (sub.lo & !31, round_up(sub.hi, 32));\n    let operands",
+      "let (a, b) = (sub.lo & !31, (sub.hi & !31).max(a + 32));\n    let operands",
+      "P.V's last chunk of 32 cache rows left out where hi is not a multiple of 32"),
+    M("amx-v-tail", "cpu", P_LAYOUT, "let row = |j: usize, d0: usize| if j < n {", "let row = |j: usize, d0: usize| if true {",
+      "V rows past the cache's end read in a partial last step (0 x NaN)"),
+    M("amx-k-pad-columns", "cpu", P_LAYOUT, "let x = if j < n && d0 < DK {", "let x = if j < n && d0 < DK + 16 {",
+      "K's columns past DK (80, 112) read from the next head instead of zero"),
+    M("amx-split-rounded", "cpu", P_LAYOUT, "    let hi = S::trunc_bf16(x);\n", "    let hi = S::round_bf16(x);\n",
+      "both parts of a split taken with the nearest bfloat16 as the high part",
+      equivalent="any exact split serves where both parts are multiplied: hi + lo is x either way, and "
+      "with every product of the parts summed (the defaults) only the f32 additions' rounding moves"),
+    M("amx-accumulate-never", "cpu", AMX_GEMM, "    if p.accumulate {\n", "    if false {\n",
+      "the output tiles start from zero every step instead of O^T"),
+    M("amx-gemm-block", "cpu", AMX_GEMM, "t.dot_bf16::<3, 5, 7>();", "t.dot_bf16::<3, 5, 6>();",
+      "the fourth block of C takes the first B block"),
+    M("amx-emu-odd-b", "cpu", AMX_EMU, "temp[2 * n + 1] = fma_bf16(a1, half(bw, true), temp[2 * n + 1]);",
+      "temp[2 * n + 1] = fma_bf16(a1, half(bw, false), temp[2 * n + 1]);", "the emulated TDPBF16PS pairs an odd A with an even B"),
+    M("amx-emu-daz", "cpu", AMX_EMU, "    if b & 0x7f80_0000 == 0 {\n", "    if b & 0x7f80_0000 == 0x7f80_0000 {\n",
+      "the emulation flushes infinities and NaN, not denormals"),
+    M("amx-bf16-default", "cpu", AMX_MOD, "pub const DEFAULT_BF16: Products = Products { qk: 2, pv: 2 };",
+      "pub const DEFAULT_BF16: Products = Products { qk: 1, pv: 1 };", "BF16 K/V with Q and P rounded to bfloat16 by default"),
+    M("amx-f16-default", "cpu", AMX_MOD, "pub const DEFAULT_F16: Products = Products { qk: 4, pv: 4 };",
+      "pub const DEFAULT_F16: Products = Products { qk: 3, pv: 3 };", "F16 K/V without lo.lo by default (scores off by "
+      "2^-14 of their size: P's half rounding differs from SPEC's)"),
     # ---------------------------------------------------------------- CPU (Rust): host side
     M("cpu-offset-dropped", "cpu", F_RS, "} else {\n            lk as i64 - lq as i64\n        }",
       "} else {\n            0\n        }",
@@ -709,6 +756,8 @@ def run_metal(muts: List[Mutation], args) -> List[Result]:
 CPU_TIERS = [
     ["cargo", "test", "-q", "--test", "prefill_cpu", "--test", "planted", "--test", "flash_attn_cpu"],
     ["cargo", "test", "-q", "--test", "fuzz", "--test", "reliability", "--lib"],
+    # The AMX item, on the emulated tiles wherever the CPU has none.
+    ["cargo", "test", "-q", "--test", "prefill_amx"],
 ]
 
 

@@ -16,6 +16,8 @@ import mlx_native.reference  # noqa: F401  (mx.reference below)
 from mlx_native import bench
 from mlx_native.bench import peers, progress
 
+from helpers import import_test_extra
+
 
 def test_fma_peak_is_positive_for_every_instruction_set():
     for isa in mx.cpu_info()["detected"]:
@@ -67,15 +69,49 @@ def test_bench_api_with_no_peers_and_the_table(capsys):
     assert "dense" in text and "GFLOP/s" in text and "%peak" in text
 
 
+def test_bench_feeds_every_implementation_the_dtype_asked_for():
+    # bfloat16: Q, K, V and the output in bfloat16 for us (the mask as an array and as a
+    # description) and for PyTorch (same mask, is_causal, is_causal with enable_gqa), each
+    # checked against the float64 reference; the AMX peak where the CPU has the tiles.
+    import_test_extra("torch")
+    report = bench.run_bench(rows=[48], cases=["causal-128"], repeats=1, device="cpu", peers=["torch"],
+                             progress=False, quiet=True, dtype="bfloat16")  # fmt: skip
+    assert report["dtype"] == "bfloat16"
+    by = {d["impl"]: d for d in report["results"]}
+    assert set(by) == {bench.OURS, bench.OURS_DESCRIBED, "torch sdpa, same mask", "torch sdpa, is_causal",
+                       "torch sdpa, is_causal, enable_gqa"}  # fmt: skip
+    for d in by.values():
+        assert d["dtype"] == "bfloat16" and d["ms"] > 0
+        # bfloat16 outputs: about 2.5e-6 against the float64 reference (rounding included).
+        assert d["nmse"] < 2e-5, d
+    assert by["torch sdpa, is_causal, enable_gqa"]["kv_repeated"] is False
+    assert by["torch sdpa, is_causal"]["kv_repeated"] is True
+    assert by[bench.OURS_DESCRIBED]["speedup_vs"] is None  # ours: no ratio to itself
+    assert ("amx_peak_gflops" in report) == ("amx" in mx.cpu_info()["detected"])
+    with pytest.raises(ValueError, match="unknown dtype"):
+        bench.run_bench(rows=[16], cases=["dense"], peers=[], quiet=True, progress=False, dtype="float64")
+
+
+def test_bench_float16_runs_ours_on_float16_data():
+    report = bench.run_bench(rows=[40], cases=["sliding"], repeats=1, device="cpu", peers=["reference"],
+                             progress=False, quiet=True, dtype="float16")  # fmt: skip
+    by = {d["impl"]: d for d in report["results"]}
+    assert by[bench.OURS]["nmse"] < 1e-6 and by[bench.OURS_DESCRIBED]["nmse"] < 1e-6
+    assert by["numpy float64 reference"]["nmse"] < 1e-12
+
+
 def test_bench_runs_chunks_against_a_longer_cache():
     # --kv-len: the prompt is the end of a longer cache; the visible pairs are the causal
     # chunk's (row r sees r + kv - rows + 1 cache rows), and the output is checked.
+    # The described mask places the prompt at the cache's end as the array does.
     report = bench.run_bench(rows=[16], cases=["causal-8h"], repeats=1, device="cpu", peers=[], progress=False,
                              quiet=True, kv_len=200)  # fmt: skip
-    (ours,) = report["results"]
-    assert ours["kv_len"] == 200 and ours["rows"] == 16
-    assert ours["visible_pairs"] == sum(r + 200 - 16 + 1 for r in range(16))
-    assert ours["nmse"] is not None and ours["nmse"] < 1e-5
+    ours, described = report["results"]
+    assert (ours["impl"], described["impl"]) == (bench.OURS, bench.OURS_DESCRIBED)
+    for d in (ours, described):
+        assert d["kv_len"] == 200 and d["rows"] == 16
+        assert d["visible_pairs"] == sum(r + 200 - 16 + 1 for r in range(16))
+        assert d["nmse"] is not None and d["nmse"] < 1e-5
     with pytest.raises(ValueError, match="shorter than the prompt"):
         bench.run_bench(rows=[16, 300], cases=["causal-8h"], peers=[], quiet=True, progress=False, kv_len=200)
 
@@ -362,7 +398,8 @@ def test_a_gpu_style_run_end_to_end_on_the_cpu(monkeypatch, capsys):
     seen = []
     report = bench.run_bench(rows=[64], cases=["global"], repeats=2, device="cpu", progress=False, quiet=True,
                              on_size=lambda r: seen.append(len(r["results"])))
-    assert seen == [6] and report["peer_versions"] == {"fake": "1.0"}
+    # Six rows, and the described mask's (a CPU device runs ours on a causal case that way too).
+    assert seen == [7] and report["peer_versions"] == {"fake": "1.0"}
     by = {d["impl"]: d for d in report["results"]}
     assert by[bench.OURS]["nmse_worst_row"] < 1e-5 and by[bench.OURS]["calls"] >= 1
     assert by[bench.OURS_ATTENTION]["ms"] > 0 and by[bench.OURS_ATTENTION]["nmse"] is None

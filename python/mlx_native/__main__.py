@@ -16,6 +16,11 @@ def _info(args) -> int:
     print(f"cpu: {ci['threads']} threads, instruction set {ci['isa']} (detected: {', '.join(ci['detected'])})")
     one, allc = cpu_fma_peak(1), cpu_fma_peak(0)
     print(f"cpu FMA peak ({ci['isa']}, measured): {one:.1f} GFLOP/s one core, {allc:.1f} GFLOP/s all {ci['threads']} threads")
+    if "amx" in ci["detected"]:
+        from . import cpu_amx_peak
+
+        one, allc = cpu_amx_peak(1), cpu_amx_peak(0)
+        print(f"cpu AMX-BF16 peak (measured): {one:.1f} GFLOP/s one core, {allc:.1f} GFLOP/s all {ci['threads']} threads")
     print(f"default device: {Device('auto').description}")
     return 0
 

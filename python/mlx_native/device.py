@@ -53,6 +53,49 @@ def cpu_fma_peak(threads: int = 0) -> float:
     return float(out[0])
 
 
+def cpu_amx_peak(threads: int = 0) -> float:
+    """Measured AMX-BF16 peak of the CPU in GFLOP/s (TDPBF16PS on tile registers, a
+    multiply-add counting 2 FLOP) on ``threads`` threads (0: all the threads the kernels
+    use), measured as :func:`cpu_fma_peak` is. Raises ``BackendUnavailableError`` where the
+    CPU or its OS offers no AMX tiles (``"amx"`` not in ``cpu_info()["detected"]``)."""
+    if int(threads) != threads or threads < 0:
+        raise InvalidArgumentError(f"threads must be a non-negative integer, got {threads!r}")
+    out = ffi.new("double *")
+    check(lib.mlxn_cpu_amx_peak(int(threads), out))
+    return float(out[0])
+
+
+_AMX_KV = {"float16": 1, "bfloat16": 2}
+
+
+def _amx_kv_code(kv_dtype: str) -> int:
+    if kv_dtype not in _AMX_KV:
+        raise InvalidArgumentError(f"kv_dtype must be 'float16' or 'bfloat16', got {kv_dtype!r}")
+    return _AMX_KV[kv_dtype]
+
+
+def cpu_amx_products(kv_dtype: str) -> tuple:
+    """``(qk, pv)``: how many bfloat16 products the CPU's AMX kernels sum for Q.K^T and for
+    P.V with K/V of ``kv_dtype`` (``"float16"`` or ``"bfloat16"``); see
+    :func:`set_cpu_amx_products`."""
+    qk, pv = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+    check(lib.mlxn_cpu_amx_products(_amx_kv_code(kv_dtype), qk, pv))
+    return int(qk[0]), int(pv[0])
+
+
+def set_cpu_amx_products(kv_dtype: str, qk: Optional[int] = None, pv: Optional[int] = None) -> None:
+    """Choose how the AMX kernels split each product with K/V of ``kv_dtype`` into bfloat16
+    products (AMX multiplies bfloat16 only): in the order ``A_hi.B_hi``, ``A_hi.B_lo``,
+    ``A_lo.B_hi``, ``A_lo.B_lo`` the first ``qk`` (for Q.K^T, A = K) and ``pv`` (for P.V,
+    A = V) are summed, 1 to 4 each (1 or 2 with bfloat16 K/V, which has no low part); one
+    rounds Q or P to bfloat16. ``None`` for both restores the default (float16: 4 and 4,
+    bfloat16: 2 and 2, the exact products). Process-wide; for measurements."""
+    if (qk is None) != (pv is None):
+        raise InvalidArgumentError("give both qk and pv, or neither (the default)")
+    code = _amx_kv_code(kv_dtype)
+    check(lib.mlxn_cpu_set_amx_products(code, 0 if qk is None else int(qk), 0 if pv is None else int(pv)))
+
+
 def cuda_compile_check(arch: str = "sm_90a") -> str:
     """Compile every CUDA kernel of the library with NVRTC for ``arch`` (``sm_90a``,
     ``sm_80``, ...) without a GPU. Returns ptxas's report (registers and spills per entry
@@ -71,9 +114,10 @@ def live_handles() -> int:
 
 
 def force_cpu_isa(name: Optional[str]) -> None:
-    """Make the CPU kernels use one instruction set (``avx512``, ``avx2+fma+f16c``,
-    ``portable``), or the best available with ``None``. Process-wide; for tests and
-    benchmarks that compare code paths."""
+    """Make the CPU kernels use one instruction set (``amx``, ``avx512``, ``avx2+fma+f16c``,
+    ``portable``: those of ``cpu_info()["detected"]``; or ``amx-emulated``, the AMX kernels on
+    software tiles, which runs on any CPU and is never detected), or the best available with
+    ``None``. Process-wide; for tests and benchmarks that compare code paths."""
     if name is not None and not isinstance(name, str):
         raise ArgumentTypeError(
             f"name must be an instruction set's name (one of cpu_info()['detected']) or None, got {type(name).__name__}"

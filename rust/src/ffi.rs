@@ -306,8 +306,9 @@ pub unsafe extern "C" fn mlxn_cpu_info(buf: *mut c_char, cap: usize, needed: *mu
     })
 }
 
-/// Make the CPU kernels use one instruction set (`avx512`, `avx2+fma+f16c`, `portable`),
-/// or the best available with null, `""` or `auto`. Process-wide; for tests and benchmarks.
+/// Make the CPU kernels use one instruction set (`amx`, `avx512`, `avx2+fma+f16c`,
+/// `portable`, or `amx-emulated`: the AMX kernels on software tiles, on any CPU), or the best
+/// available with null, `""` or `auto`. Process-wide; for tests and benchmarks.
 ///
 /// # Safety
 /// `name` must be null or a NUL-terminated string.
@@ -396,6 +397,65 @@ pub unsafe extern "C" fn mlxn_cpu_fma_peak(threads: u32, out_gflops: *mut f64) -
     guard(|| {
         let out = out_ptr(out_gflops, "out_gflops")?;
         *out = crate::backend::cpu::peak::fma_peak_gflops(threads as usize)?;
+        Ok(())
+    })
+}
+
+/// The measured AMX-BF16 peak of the CPU in GFLOP/s (TDPBF16PS on tile registers, a
+/// multiply-add counting 2 FLOP) on `threads` threads (0: all the threads the kernels use),
+/// as [`mlxn_cpu_fma_peak`] measures the FMA peak. Status `BackendUnavailable` where the CPU
+/// or its OS offers no AMX tiles.
+///
+/// # Safety
+/// `out_gflops` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_cpu_amx_peak(threads: u32, out_gflops: *mut f64) -> i32 {
+    guard(|| {
+        let out = out_ptr(out_gflops, "out_gflops")?;
+        *out = crate::backend::cpu::peak::amx_peak_gflops(threads as usize)?;
+        Ok(())
+    })
+}
+
+/// Whether `kv_dtype` (a `DType` code: 1 F16, 2 BF16) names BF16 K/V, for the AMX settings.
+fn amx_kv_bf16(kv_dtype: i32) -> Result<bool> {
+    match kv_dtype {
+        1 => Ok(false),
+        2 => Ok(true),
+        d => Err(MlxError::InvalidArgument(format!("kv_dtype must be 1 (F16) or 2 (BF16), got {d}"))),
+    }
+}
+
+/// The bf16 products the CPU's AMX kernels sum for each product of the attention with K/V of
+/// `kv_dtype` (1 F16, 2 BF16): `qk` for Q.K^T and `pv` for P.V, each 1 to 4 (1 or 2 with
+/// BF16), or 0 and 0 for the default (see docs/spec.md, "AMX"). Process-wide; for
+/// measurements and tests that compare the splits.
+///
+/// # Safety
+/// None beyond the call itself.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_cpu_set_amx_products(kv_dtype: i32, qk: u32, pv: u32) -> i32 {
+    guard(|| {
+        use crate::backend::cpu::amx;
+        let bf16 = amx_kv_bf16(kv_dtype)?;
+        let p = match (qk, pv) {
+            (0, 0) => None,
+            _ => Some(amx::Products { qk: qk.min(255) as u8, pv: pv.min(255) as u8 }),
+        };
+        amx::set_products(bf16, p)
+    })
+}
+
+/// The bf16 products the AMX kernels use now with K/V of `kv_dtype` (1 F16, 2 BF16).
+///
+/// # Safety
+/// `qk` and `pv` must be valid.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_cpu_amx_products(kv_dtype: i32, qk: *mut u32, pv: *mut u32) -> i32 {
+    guard(|| {
+        let (qk, pv) = (out_ptr(qk, "qk")?, out_ptr(pv, "pv")?);
+        let p = crate::backend::cpu::amx::products(amx_kv_bf16(kv_dtype)?);
+        (*qk, *pv) = (p.qk as u32, p.pv as u32);
         Ok(())
     })
 }

@@ -1,4 +1,5 @@
-//! Cases that kill planted bugs in the CPU kernels, on every instruction set (the Rust side
+//! Cases that kill planted bugs in the CPU kernels, on every instruction set and the AMX
+//! kernels on emulated tiles (the Rust side
 //! of tests/planted_cases.py; docs/reliability.md, "Mutation testing"): exact ties at the
 //! rescale threshold, negative NaN and -0 in masks, masks that vary row by row inside a tile,
 //! inexact scales, GQA ratios 1 to 16, fully masked rows as +0.0 bit for bit, and every field
@@ -23,8 +24,10 @@ const BULK_TRIM: f64 = 0.1;
 const NEG_INF: u16 = 0xfc00;
 const NEGATIVE_NANS: [u16; 3] = [0xfe00, 0xfc01, 0xffff];
 
+/// Every instruction set this CPU has, and the AMX kernels on the emulated tiles (the same
+/// arithmetic as the hardware's, on any CPU).
 fn for_each_isa(mut f: impl FnMut(&str)) {
-    for isa in simd::detected_isas() {
+    for isa in simd::detected_isas().into_iter().chain([simd::AMX_EMULATED]) {
         simd::force_isa(Some(isa)).unwrap();
         f(isa);
     }

@@ -42,6 +42,8 @@ CASES: Dict[str, Case] = {
         Case("causal-128", "causal d128", 32, 8, 128, "causal"),
         Case("dense-128", "dense d128", 32, 8, 128, "zero"),
         Case("causal-64", "causal d64", 32, 8, 64, "causal"),
+        # Causal GQA at 256 (issue 26's table: 16/8 heads).
+        Case("causal-256", "causal d256", 16, 8, 256, "causal"),
     )
 }
 #: Rows and cases run when none are named, by device kind: the CPU at the sizes a CPU user
@@ -76,12 +78,26 @@ def case_mask(case: Case, rows: int, kv_len: int) -> np.ndarray:
     return causal_mask(rows, kv_len, case.window if case.mask == "window" else None)
 
 
-def case_inputs(case: Case, rows: int, rng: np.random.Generator, kv_len: Optional[int] = None):
+#: The data types a run feeds every implementation (``--dtype``): float32 is Q float32 with
+#: K/V float16 to us (our K/V are 16-bit) and float32 to the peers; float16 and bfloat16
+#: are Q, K and V all in that type, for us and the peers alike (the output too).
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def case_inputs(case: Case, rows: int, rng: np.random.Generator, kv_len: Optional[int] = None, dtype: str = "float32"):
     """Uniform random Q (float32), K, V (float16) and the mask of ``case`` at ``rows`` rows,
     the cache as long as the prompt, or ``kv_len`` rows (a chunk of a prompt at the end of a
-    longer cache): ``(q, k, v, mask)``."""
+    longer cache): ``(q, k, v, mask)``. With ``dtype`` float16 or bfloat16, Q, K and V are
+    that type (the same draws rounded to it)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     kv = rows if kv_len is None else kv_len
     q, k, v = random_qkv(rows, case.n_heads, case.n_kv_heads, case.head_dim, kv, rng)
+    if dtype != "float32":
+        from ..dtypes import bfloat16_dtype
+
+        to = np.float16 if dtype == "float16" else bfloat16_dtype()
+        q, k, v = q.astype(to), k.astype(np.float32).astype(to), v.astype(np.float32).astype(to)
     return q, k, v, case_mask(case, rows, kv)
 
 

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transformers", action="store_true", help="time instead the forward of Gemma 3 and Gemma 4 shaped transformers models (random weights) with eager, SDPA and mlx_native attention, and the attention's share (--rows default 1024 4096; --device cpu, cuda or cuda:N, default cuda when PyTorch has a GPU)")
     p.add_argument("--models", nargs="+", default=None, help="with --transformers: gemma3, gemma4 (default both)")
     p.add_argument("--layers", type=int, default=None, help="with --transformers: decoder layers, five sliding to one global, the last global (default 6 on CUDA, 2 on the CPU)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="with --transformers: the model's dtype (default bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="the data every implementation gets: float32 (default: Q float32 and K/V float16 to us, float32 to the peers), float16 or bfloat16 (Q, K, V and the output in that type, for us and the peers alike); with --transformers: the model's dtype (default bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--overhead", action="store_true", help="time instead one call of flash_attn_prefill, a plan's run and the kernels alone (causal, window and explicit masks; --rows default 2048) and the memory of a described-mask call")
 
 
@@ -79,6 +79,7 @@ def main_from_args(args) -> int:
             kv_len=args.kv_len,
             described=getattr(args, "described", False),
             q_dtype=getattr(args, "q_dtype", "float32"),
+            dtype=args.dtype or "float32",
         )
     except (ValueError, MlxError) as e:
         print(f"bench: {e}", file=sys.stderr)

@@ -11,12 +11,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .. import Device, PrefillPlan, cpu_fma_peak, cpu_info, version
+from .. import Device, PrefillPlan, cpu_amx_peak, cpu_fma_peak, cpu_info, version
 from ..reference import nmse, reference_attention, useful_flops
 from . import cpu_peers, cuda_peers  # noqa: F401  (each registers its peers)
-from .cases import CASES, Case, case_inputs, select
+from .cases import CASES, DTYPES, Case, case_inputs, select
 from .machine import machine_info, use_threads
-from .ours import OURS, OURS_ATTENTION, ours_variants
+from .ours import OURS, OURS_ATTENTION, OURS_DESCRIBED, described_variant, ours_variants
 from .peers import Problem, Refused, Variant, peers_for
 from .progress import Progress
 from .report import print_table, summarize
@@ -27,7 +27,7 @@ from .timing import run_seconds
 REFERENCE_FULL_PAIRS = 2048 * 4096
 REFERENCE_SAMPLE_ROWS = 192
 #: Our labels: never cut short by the peer budget, and no ratio to ours.
-OWN = (OURS, OURS_ATTENTION)
+OWN = (OURS, OURS_ATTENTION, OURS_DESCRIBED)
 
 
 def run_bench(
@@ -47,6 +47,7 @@ def run_bench(
     kv_len: Optional[int] = None,
     described: bool = False,
     q_dtype: str = "float32",
+    dtype: str = "float32",
 ) -> dict:
     """Run the benchmark and return its report (what ``--json`` writes); prints the table
     to ``out`` (default stdout) unless ``quiet``.
@@ -58,11 +59,13 @@ def run_bench(
     ``DEFAULT_ROWS`` and ``DEFAULT_CASES``). ``kv_len``: the cache's rows (default: each
     prompt's own), so that each prompt is a chunk at the end of a longer cache (it must be
     at least the largest of ``rows``). ``on_size``: called with the report so far after
-    each (case, rows). Ours: ``described`` plans the case's mask as its description
-    (``causal=True``, ``window=``; none for the zero mask: SPEC 6) instead of the explicit
-    additive mask, as a model hands it over (the peers keep theirs); ``q_dtype`` is Q's
-    dtype and our output's (``float16`` or ``bfloat16``: what a half-precision model hands
-    over and takes back)."""
+    each (case, rows). ``dtype``: the data every implementation gets (``cases.DTYPES``:
+    float32 is Q float32 with K/V float16 to us and float32 to the peers; float16 and
+    bfloat16 are Q, K, V and the output in that type for all). Ours: ``described`` plans
+    the case's mask as its description (``causal=True``, ``window=``; none for the zero
+    mask: SPEC 6) instead of the explicit additive mask, as a model hands it over (the peers
+    keep theirs); ``q_dtype`` (with ``dtype`` float32) is Q's dtype and our output's
+    (``float16`` or ``bfloat16``: what a half-precision model hands over and takes back)."""
     if threads is not None:
         use_threads(threads)
     dev = Device(device or "auto")
@@ -74,6 +77,8 @@ def run_bench(
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if q_dtype not in Q_DTYPES:
         raise ValueError(f"q_dtype must be one of {', '.join(Q_DTYPES)}, got {q_dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     out = None if quiet else (out or sys.stdout)
 
     registered = peers_for(kind)
@@ -100,6 +105,7 @@ def run_bench(
         else None,
         machine=machine_info(dev),
         device_kind=kind,
+        dtype=dtype,
         repeats=repeats,
         peers=[p.name for p in available],
         peer_versions={p.name: _version(p) for p in available},
@@ -109,8 +115,10 @@ def run_bench(
         results=[],
     )
     # The peak is measured before and after the runs and the higher kept: a load on the
-    # machine lowers a measurement, never raises it.
-    peaks = [dict(one_core=cpu_fma_peak(1), all_cores=cpu_fma_peak(0))] if kind == "cpu" else []
+    # machine lowers a measurement, never raises it. Where the CPU has AMX, its BF16 peak
+    # too: the limit of the AMX kernels' products.
+    amx = kind == "cpu" and "amx" in cpu_info()["detected"]
+    peaks = [_peaks(amx)] if kind == "cpu" else []
     report["machine"]["threads_used"] = cpu_info()["threads"]
 
     # Per (case, rows): preparing ours, preparing each peer, and the timed rounds.
@@ -124,7 +132,7 @@ def run_bench(
             for r in rows:
                 report["results"].extend(
                     _one_size(case, r, r == rows[0], dev, available, repeats, sample_heads, peer_budget_s, rate, rng, bar,
-                              kv_len, Ours(described, q_dtype))
+                              kv_len, Ours(described, q_dtype), dtype)
                 )
                 if on_size is not None:
                     report["summary"] = summarize(report["results"])
@@ -132,12 +140,17 @@ def run_bench(
     finally:
         bar.close()
     if peaks:
-        peaks.append(dict(one_core=cpu_fma_peak(1), all_cores=cpu_fma_peak(0)))
-        report["fma_peak_gflops"] = {k: max(p[k] for p in peaks) for k in peaks[0]}
+        peaks.append(_peaks(amx))
+        best = {k: max(p[k] for p in peaks) for k in peaks[0]}
+        report["fma_peak_gflops"] = dict(one_core=best["one_core"], all_cores=best["all_cores"])
+        if amx:
+            report["amx_peak_gflops"] = dict(one_core=best["amx_one_core"], all_cores=best["amx_all_cores"])
         for d in report["results"]:
             if d["gflops"] is not None:
                 # all_cores: the peak of the threads in use (as many as --threads says).
                 d["pct_peak"] = 100.0 * d["gflops"] / report["fma_peak_gflops"]["all_cores"]
+                if amx:
+                    d["pct_amx_peak"] = 100.0 * d["gflops"] / report["amx_peak_gflops"]["all_cores"]
     report["summary"] = summarize(report["results"])
     if out is not None:
         print_table(report, out)
@@ -178,22 +191,38 @@ def _np_dtype(name: str):
     return np.dtype(name)
 
 
+def _peaks(amx: bool) -> dict:
+    """The FMA peak of one core and of the threads in use, and the AMX-BF16 peak's too
+    (``amx_one_core``, ``amx_all_cores``) when ``amx``."""
+    p = dict(one_core=cpu_fma_peak(1), all_cores=cpu_fma_peak(0))
+    if amx:
+        p.update(amx_one_core=cpu_amx_peak(1), amx_all_cores=cpu_amx_peak(0))
+    return p
+
+
 def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, budget, rate, rng, bar, kv_len=None,
-              ours: Ours = Ours()) -> List[dict]:
+              ours: Ours = Ours(), dtype="float32") -> List[dict]:  # fmt: skip
     """Every implementation on one problem, timed round-robin (one warm-up each, then
     ``repeats`` rounds of one run each, the best kept), so that a load that comes and goes
     on the machine falls on all of them alike."""
     nh, nkv, hd = case.n_heads, case.n_kv_heads, case.head_dim
-    q, k, v, mask = case_inputs(case, r, rng, kv_len)
+    q, k, v, mask = case_inputs(case, r, rng, kv_len, dtype)
     kv = k.shape[0]
     heads = sorted({0, nh - 1} | set(rng.choice(nh, size=min(sample_heads, nh), replace=False).tolist()))
-    base = dict(case=case.name, title=case.title, rows=r, kv_len=kv, n_heads=nh, n_kv_heads=nkv, head_dim=hd, mask=case.mask, window=case.window)
+    base = dict(case=case.name, title=case.title, rows=r, kv_len=kv, n_heads=nh, n_kv_heads=nkv, head_dim=hd, mask=case.mask, window=case.window,
+                dtype=dtype)  # fmt: skip
 
     bar.step(f"{case.name} {r}: preparing {OURS}")
     plan = ours.plan(case, q, k, v, mask, dev)
     flops = useful_flops(hd, nh, plan.visible_pairs)
     base.update(visible_pairs=plan.visible_pairs, useful_gflop=flops / 1e9)
     runners: List[Variant] = ours_variants(plan, dev)
+    described = None
+    if dev.backend == "cpu" and case.mask in ("causal", "window") and not ours.described:
+        # The same mask as a description (the prompt at the end of its cache, as case_mask).
+        w = case.window if case.mask == "window" else None
+        described = PrefillPlan(q, k, v, causal=True, window=w, scale=1.0, device=dev)
+        runners.append(described_variant(described))
     notes: Dict[str, str] = {}
     labels = [vt.label for vt in runners]
     meta = {vt.label: dict(peer=None, mode=None, kv_repeated=None, calls=vt.calls) for vt in runners}
@@ -204,6 +233,7 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
         dense=case.mask == "zero",
         window=case.window if case.mask == "window" else None,
         threads=cpu_info()["threads"],
+        dtype=dtype,
     )
     for p in available:
         bar.step(f"{case.name} {r}: preparing {p.name}")
@@ -245,7 +275,7 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
                 errors[vt.label] = (nmse(o, ref), worst_row_nmse(o, ref))
             except Exception as e:
                 notes[vt.label] = f"failed: {type(e).__name__}: {e}"
-    del plan
+    del plan, described
     bar.advance()
     return result_rows(base, labels, flops, best, runs, notes, errors, rate, meta)
 

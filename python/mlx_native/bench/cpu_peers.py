@@ -15,10 +15,27 @@ from .peers import Peer, Problem, Variant, group, register_peer
 # ---------------------------------------------------------------- PyTorch on the CPU
 
 
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def _torch_heads_first(x: np.ndarray, dtype):
+    """``[rows, heads, dim]`` numpy (any float type, bfloat16 through ml_dtypes, which torch
+    cannot take directly) as a contiguous torch ``[heads, rows, dim]`` of ``dtype``; the
+    values are exact in it."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(x.astype(np.float32).transpose(1, 0, 2))).to(dtype)
+
+
 class TorchCpuSdpa(Peer):
-    """``torch.nn.functional.scaled_dot_product_attention`` on CPU float32 tensors
-    ``[1, heads, rows, dim]``; the KV heads are repeated to the query heads beforehand
-    (outside the timing), which measured at least as fast as ``enable_gqa``."""
+    """``torch.nn.functional.scaled_dot_product_attention`` on CPU tensors ``[1, heads, rows,
+    dim]`` in the run's data type (float32, float16 or bfloat16, where PyTorch takes its
+    AMX path on CPUs that have one); the KV heads are repeated to the query heads beforehand
+    (outside the timing), and for the built-in causal mode also given as they are with
+    ``enable_gqa`` (what a model calls)."""
 
     name = "torch"
     install_hint = "pip install torch"
@@ -46,27 +63,31 @@ class TorchCpuSdpa(Peer):
         if problem.threads:
             torch.set_num_threads(problem.threads)
         g = group(problem)
-        q = torch.from_numpy(np.ascontiguousarray(problem.q.transpose(1, 0, 2)))[None]
-        k = torch.from_numpy(problem.k.astype(np.float32).transpose(1, 0, 2))
-        v = torch.from_numpy(problem.v.astype(np.float32).transpose(1, 0, 2))
-        k = k.repeat_interleave(g, dim=0).contiguous()[None]
-        v = v.repeat_interleave(g, dim=0).contiguous()[None]
-        mask = torch.from_numpy(problem.mask.astype(np.float32))
+        dt = _torch_dtype(problem.dtype)
+        q = _torch_heads_first(problem.q, dt)[None]
+        kg = _torch_heads_first(problem.k, dt)[None]
+        vg = _torch_heads_first(problem.v, dt)[None]
+        k = kg[0].repeat_interleave(g, dim=0).contiguous()[None]
+        v = vg[0].repeat_interleave(g, dim=0).contiguous()[None]
+        # The additive mask in the inputs' type (-inf and 0 are exact in every one).
+        mask = torch.from_numpy(problem.mask.astype(np.float32)).to(dt)
         state = {}
 
-        def make(label, mode, **kw):
+        def make(label, mode, kk=k, vv=v, **kw):
             def run():
                 with torch.inference_mode():
-                    state[label] = F.scaled_dot_product_attention(q, k, v, scale=problem.scale, **kw)
+                    state[label] = F.scaled_dot_product_attention(q, kk, vv, scale=problem.scale, **kw)
 
             def output():
-                return state[label][0].permute(1, 0, 2).numpy()
+                return state[label][0].permute(1, 0, 2).float().numpy()
 
-            return Variant(label, run, output, mode=mode)
+            return Variant(label, run, output, mode=mode, kv_repeated=kk is k)
 
         out = [make("torch sdpa, same mask", "mask", attn_mask=mask)]
         if problem.causal and problem.q.shape[0] == problem.k.shape[0]:  # is_causal: the prompt at the cache's start
             out.append(make("torch sdpa, is_causal", "causal", is_causal=True))
+            if g > 1:
+                out.append(make("torch sdpa, is_causal, enable_gqa", "causal", kg, vg, is_causal=True, enable_gqa=True))
         if problem.dense:
             out.append(make("torch sdpa, no mask", "none"))
         return out
@@ -76,8 +97,8 @@ class TorchCpuSdpa(Peer):
 
 
 class MlxFastSdpa(Peer):
-    """MLX's ``mx.fast.scaled_dot_product_attention`` on float32 arrays ``[1, heads, rows,
-    dim]`` (MLX handles GQA itself) on the CPU stream."""
+    """MLX's ``mx.fast.scaled_dot_product_attention`` on arrays ``[1, heads, rows, dim]`` of
+    the run's data type (MLX handles GQA itself) on the CPU stream."""
 
     name = "mlx"
     install_hint = "pip install 'mlx[cpu]' (Linux) or mlx (macOS)"
@@ -104,10 +125,14 @@ class MlxFastSdpa(Peer):
         import mlx.core as mc
 
         dev = getattr(mc, self.stream)
-        q = mc.array(np.ascontiguousarray(problem.q.transpose(1, 0, 2))[None])
-        k = mc.array(problem.k.astype(np.float32).transpose(1, 0, 2)[None])
-        v = mc.array(problem.v.astype(np.float32).transpose(1, 0, 2)[None])
-        mask = mc.array(problem.mask.astype(np.float32))
+        dt = getattr(mc, problem.dtype)
+
+        def arr(x):
+            # Through float32: MLX takes no ml_dtypes bfloat16 array; the values are exact.
+            return mc.array(np.ascontiguousarray(x.astype(np.float32).transpose(1, 0, 2))[None]).astype(dt)
+
+        q, k, v = arr(problem.q), arr(problem.k), arr(problem.v)
+        mask = mc.array(problem.mask.astype(np.float32)).astype(dt)
         mc.eval(q, k, v, mask)
         state = {}
 
@@ -118,7 +143,7 @@ class MlxFastSdpa(Peer):
                 state[label] = o
 
             def output():
-                return np.array(state[label])[0].transpose(1, 0, 2)
+                return np.array(state[label].astype(mc.float32))[0].transpose(1, 0, 2)
 
             return Variant(label, run, output, mode=mode, kv_repeated=False)
 

@@ -14,10 +14,18 @@ OURS = "mlx-native"
 #: Ours without the mask classification: the attention alone, on the skip table an earlier
 #: run left (device runs only).
 OURS_ATTENTION = "mlx-native, attention only"
+#: Ours given the mask as a description (``causal=True``, ``window=w``) instead of the array,
+#: on a causal or sliding case: no mask to classify or read, as a model calls it (CPU runs).
+OURS_DESCRIBED = "mlx-native, described mask"
 #: A device run of ours repeats the prefill until about this long, then waits once.
 DEVICE_TARGET_S = 0.02
 #: The most prefills one device run records.
 DEVICE_MAX_CALLS = 50
+
+
+def described_variant(plan: PrefillPlan) -> Variant:
+    """``OURS_DESCRIBED`` on ``plan`` (a plan built from a description): one prefill a run."""
+    return Variant(OURS_DESCRIBED, plan.run, lambda: plan.run().copy())
 
 
 def ours_variants(plan: PrefillPlan, dev: Device, *, calls: Optional[int] = None, batched: Optional[bool] = None) -> List[Variant]:

@@ -22,7 +22,8 @@ import numpy as np
 @dataclass
 class Problem:
     """One benchmark problem, as the user's arrays: ``q`` float32 ``[rows, n_heads, dim]``,
-    ``k``/``v`` float16 ``[kv_len, n_kv_heads, dim]``, ``mask`` the additive float16 mask
+    ``k``/``v`` float16 ``[kv_len, n_kv_heads, dim]`` (all three float16 or bfloat16 when
+    ``dtype`` says so), ``mask`` the additive float16 mask
     ``[rows, kv_len]`` every implementation gets. ``causal``: the mask is exactly the causal
     one (no window), so a peer's built-in causal mode computes the same thing; ``dense``:
     the mask is all zeros, so a peer's no-mask mode does."""
@@ -39,6 +40,9 @@ class Problem:
     window: Optional[int] = None
     #: CPU threads the peer should use (as many as the library's backend uses).
     threads: Optional[int] = None
+    #: The data type of the run (``cases.DTYPES``): float32 (K/V given as float16, which the
+    #: peer takes in float32), or float16 / bfloat16 (Q, K, V in it; the peer computes in it).
+    dtype: str = "float32"
 
 
 #: What a variant computes with, as far as the summary of a run compares peers: the same

@@ -94,9 +94,15 @@ def print_table(report: dict, out=None) -> None:
     p = report.get("fma_peak_gflops")
     gpu = report.get("device_kind", "cpu") != "cpu"
     print(f"mlx-native {report['version']} bench on {m['device']}; CPU {m['cpu_model']}, {m['cores']} cores", file=out)
+    amx = report.get("amx_peak_gflops")
     if p:
         n = m.get("threads_used", m["threads"])
         print(f"measured FMA peak ({m['isa']}): {p['one_core']:.1f} GFLOP/s one core, {p['all_cores']:.1f} GFLOP/s on the {n} threads in use (%peak)", file=out)
+    if amx:
+        print(f"measured AMX-BF16 peak: {amx['one_core']:.1f} GFLOP/s one core, {amx['all_cores']:.1f} GFLOP/s on the {n} threads in use (%amx)", file=out)
+    dtype = report.get("dtype", "float32")
+    if dtype != "float32":
+        print(f"data: Q, K, V and the output in {dtype}, for every implementation", file=out)
     unit = "TFLOP/s" if gpu else "GFLOP/s"
     print(f"timing: best of {report['repeats']} rounds after a warm-up, implementations in turn; {unit} = useful FLOP (SPEC section 5) / time", file=out)
     if gpu:
@@ -114,7 +120,7 @@ def print_table(report: dict, out=None) -> None:
         print(f"no peer run (none asked for, or none registered for {report['device_kind']} devices)", file=out)
     iw = max([28] + [len(d["impl"]) for d in report["results"]])
     ms_f, rate_f, rate_scale = ("10.3f", "8.1f", 1e-3) if gpu else ("10.1f", "8.1f", 1.0)
-    peak = "" if gpu else f" {'%peak':>6}"
+    peak = "" if gpu else f" {'%peak':>6}" + (f" {'%amx':>5}" if amx else "")
     hdr = f"{'case':12} {'rows':>5} {'implementation':{iw}} {'ms':>10} {unit:>8}{peak} {'NMSE':>9} {'ours x':>7}"
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
@@ -126,6 +132,9 @@ def print_table(report: dict, out=None) -> None:
         ratio = "" if d["speedup_vs"] is None else f"{d['speedup_vs']:.2f}x"
         rate = None if d["gflops"] is None else d["gflops"] * rate_scale
         pct = "" if gpu else f" {_fmt(d['pct_peak'], '5.0f')}{'%' if d['pct_peak'] is not None else ' '}"
+        if amx:
+            pa = d.get("pct_amx_peak")
+            pct += f" {_fmt(pa, '4.0f')}{'%' if pa is not None else ' '}"
         line = f"{lead} {d['impl']:{iw}} {_fmt(d['ms'], ms_f)} {_fmt(rate, rate_f)}{pct} {_fmt(d['nmse'], '9.1e')} {ratio:>7}"
         if d.get("note"):
             line += f"  ({d['note']})"

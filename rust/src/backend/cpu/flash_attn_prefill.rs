@@ -207,6 +207,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
         blk,
         out: SendPtr(out),
         lse: SendPtr(lse as *mut f32),
+        amx: super::amx::products(p.kv_dtype == KV_BF16),
     };
     // Where query row r of a sequence sits in its cache: r + off.
     let place = |lq: usize, lk: usize| {

@@ -11,6 +11,7 @@ use std::sync::{Arc, OnceLock};
 use crate::error::{MlxError, Result};
 use crate::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline};
 
+pub mod amx;
 pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
 pub mod flash_attn_prefill_tensor;

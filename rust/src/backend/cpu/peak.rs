@@ -3,6 +3,10 @@
 //! latency times the FMA ports) run a calibrated number of iterations on each of `threads`
 //! threads; the best of a few runs is the peak. Reported in GFLOP/s (an FMA is 2 FLOP, per
 //! f32 lane), the unit of the kernels' useful FLOP/s, so "% of peak" is a plain ratio.
+//!
+//! Where the CPU has AMX, the same measurement of TDPBF16PS ([`amx_peak_gflops`]): four
+//! independent accumulator tiles (more than the instruction's latency over its issue
+//! interval), each product 16 x 16 x 32 multiply-adds, 2 FLOP each.
 
 use std::hint::black_box;
 use std::sync::Barrier;
@@ -62,17 +66,57 @@ unsafe fn run_avx2(iters: u64, seed: f32) -> f32 {
     chains::<super::simd::Avx2, AVX2_CHAINS>(iters, seed)
 }
 
-/// The loop for the instruction set in use, and the FLOP of one iteration.
+/// The loop for the instruction set in use, and the FLOP of one iteration. The AMX
+/// kernels' vector work is AVX-512's (the emulated tiles': the best set here), so theirs is
+/// the FMA peak that applies to it.
 fn pick() -> (unsafe fn(u64, f32) -> f32, f64) {
     #[cfg(target_arch = "x86_64")]
     {
+        use super::simd::{has_avx2, has_avx512, AMX, AMX_EMULATED};
         match super::simd::selected_isa() {
-            "avx512" => return (run_avx512, iteration_flop(CHAINS)),
+            "avx512" | AMX => return (run_avx512, iteration_flop(CHAINS)),
+            AMX_EMULATED if has_avx512() => return (run_avx512, iteration_flop(CHAINS)),
             "avx2+fma+f16c" => return (run_avx2, iteration_flop(AVX2_CHAINS)),
+            AMX_EMULATED if has_avx2() => return (run_avx2, iteration_flop(AVX2_CHAINS)),
             _ => {}
         }
     }
     (run_portable, iteration_flop(CHAINS))
+}
+
+/// FLOP of one iteration of the AMX loop: four TDPBF16PS of 16 x 16 x 32 multiply-adds.
+pub const AMX_ITERATION_FLOP: f64 = (4 * 16 * 16 * 32 * 2) as f64;
+
+/// `iters` iterations of four independent tile products on the hardware tiles.
+///
+/// # Safety
+/// Only where `amx::available()`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn run_amx(iters: u64, seed: f32) -> f32 {
+    use super::amx::{HwTiles, TileUnit};
+    // Small values: a billion products of 1e-3 * 1e-3 stay far from overflow, none denormal.
+    let a = [half::bf16::from_f32(1e-3).to_bits(); 512];
+    let mut c = [0f32; 256];
+    let mut t = HwTiles;
+    t.configure();
+    t.zero::<0>();
+    t.zero::<1>();
+    t.zero::<2>();
+    t.zero::<3>();
+    let (p, stride) = (a.as_ptr() as *const u8, 64);
+    t.load::<4>(p, stride);
+    t.load::<5>(p, stride);
+    t.load::<6>(p, stride);
+    t.load::<7>(p, stride);
+    for _ in 0..iters {
+        t.dot_bf16::<0, 4, 6>();
+        t.dot_bf16::<1, 4, 7>();
+        t.dot_bf16::<2, 5, 6>();
+        t.dot_bf16::<3, 5, 7>();
+    }
+    t.store::<0>(c.as_mut_ptr() as *mut u8, 64);
+    t.release();
+    c[0] + seed
 }
 
 /// Wall time of `iters` iterations on each of `threads` threads started together.
@@ -112,6 +156,30 @@ pub fn fma_peak_gflops(threads: usize) -> Result<f64> {
         return Err(MlxError::InvalidArgument(format!("threads must be at most {MAX_THREADS}, got {threads}")));
     }
     let (f, flop_per_iter) = pick();
+    measure(f, flop_per_iter, threads)
+}
+
+/// Measured AMX-BF16 peak of `threads` threads (0: the kernels' thread count), GFLOP/s:
+/// TDPBF16PS on registers, 2 FLOP per multiply-add. `BackendUnavailable` where the CPU or
+/// the OS offers no AMX tiles (`amx::available`).
+pub fn amx_peak_gflops(threads: usize) -> Result<f64> {
+    let threads = if threads == 0 { super::threads() } else { threads };
+    if threads > MAX_THREADS {
+        return Err(MlxError::InvalidArgument(format!("threads must be at most {MAX_THREADS}, got {threads}")));
+    }
+    if !super::amx::available() {
+        return Err(MlxError::BackendUnavailable("this CPU (or its OS) offers no AMX tiles".into()));
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        measure(run_amx, AMX_ITERATION_FLOP, threads)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("AMX is only available on x86-64")
+}
+
+/// The peak rate of loop `f` (`flop_per_iter` per iteration) on `threads` threads, GFLOP/s.
+fn measure(f: unsafe fn(u64, f32) -> f32, flop_per_iter: f64, threads: usize) -> Result<f64> {
     // Calibrate: grow the count until one run takes at least 20 ms (clock ramp-up included).
     let mut iters: u64 = 1 << 14;
     loop {
@@ -151,7 +219,7 @@ mod tests {
         let (f, flop) = pick();
         let (want, chains): (Loop, usize) = match super::super::simd::selected_isa() {
             #[cfg(target_arch = "x86_64")]
-            "avx512" => (run_avx512, 12),
+            "avx512" | "amx" => (run_avx512, 12),
             #[cfg(target_arch = "x86_64")]
             "avx2+fma+f16c" => (run_avx2, 6),
             _ => (run_portable, 12),
@@ -180,6 +248,26 @@ mod tests {
         let direct = iters as f64 * flop / best.as_secs_f64() / 1e9;
         let peak = fma_peak_gflops(1).unwrap();
         assert!(peak > direct / 3.0 && peak < direct * 3.0, "peak {peak} GFLOP/s, the loop timed here {direct}");
+    }
+
+    /// Without AMX the AMX peak is an error that says so; with it, a rate above the FMA
+    /// peak of the same threads (AMX-BF16 does several times the FMA units' work).
+    #[test]
+    fn the_amx_peak_needs_amx_and_exceeds_the_fma_peak() {
+        assert!(amx_peak_gflops(MAX_THREADS + 1).is_err());
+        match amx_peak_gflops(1) {
+            Err(MlxError::BackendUnavailable(m)) => {
+                assert!(!super::super::amx::available(), "AMX available, yet: {m}");
+                assert!(m.contains("AMX"), "{m}");
+            }
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(g) => {
+                assert!(super::super::amx::available());
+                let fma = fma_peak_gflops(1).unwrap();
+                assert!(g > fma, "AMX peak {g} GFLOP/s, FMA peak {fma}");
+            }
+        }
+        assert_eq!(AMX_ITERATION_FLOP, 65536.0);
     }
 
     #[test]

@@ -43,6 +43,40 @@ pub trait Simd: Copy + Send + Sync + 'static {
     unsafe fn round(v: Self::V) -> Self::V;
     /// `p * 2^n` for integral `n` in [-126, 127].
     unsafe fn ldexp(p: Self::V, n: Self::V) -> Self::V;
+    /// Round every lane to the nearest bfloat16 (ties to even), kept as f32; NaN stays NaN.
+    unsafe fn round_bf16(v: Self::V) -> Self::V;
+    /// Every lane's top 16 bits (a bfloat16 toward zero), kept as f32: one AND, for exact
+    /// splits `x = trunc + (x - trunc)` where both parts are used.
+    unsafe fn trunc_bf16(v: Self::V) -> Self::V;
+    /// Store the 16 lanes as bfloat16 by keeping their top 16 bits: exact for values that
+    /// are bfloat16 already (what [`Simd::round_bf16`] returns, or the parts of a split).
+    unsafe fn store_bf16(p: *mut u16, v: Self::V);
+    /// Pairs of bfloat16 in 32-bit lanes: lane x holds the top 16 bits of `even[x]` in its
+    /// low half and those of `odd[x]` in its high half (as [`Simd::store_bf16`] keeps them),
+    /// the pairs of the AMX tiles' VNNI layout; the lanes are bit patterns, not numbers.
+    unsafe fn bf16_pairs(even: Self::V, odd: Self::V) -> Self::V;
+
+    /// Store 32 bfloat16 interleaved, `p[2x] = even[x]`, `p[2x + 1] = odd[x]`
+    /// ([`Simd::bf16_pairs`]).
+    #[inline(always)]
+    unsafe fn store_bf16_pairs(p: *mut u16, even: Self::V, odd: Self::V) {
+        Self::store(p as *mut f32, Self::bf16_pairs(even, odd))
+    }
+
+    /// Transpose 16 vectors as a 16 x 16 matrix of 32-bit lanes (bit patterns kept): lane x
+    /// of vector y becomes lane y of vector x. Through memory here; an instruction set whose
+    /// speed matters for it has a register form.
+    #[inline(always)]
+    unsafe fn transpose16(rows: &mut [Self::V; W]) {
+        let mut m = [[0u32; W]; W];
+        for (y, row) in rows.iter().enumerate() {
+            Self::store(m[y].as_mut_ptr() as *mut f32, *row);
+        }
+        for (x, row) in rows.iter_mut().enumerate() {
+            let col: [u32; W] = std::array::from_fn(|y| m[y][x]);
+            *row = Self::load(col.as_ptr() as *const f32);
+        }
+    }
 
     /// e^x to about 2 ulp; 0 below -87.3, e^88.3 above 88.3, NaN stays NaN.
     #[inline(always)]
@@ -175,6 +209,24 @@ impl Simd for Portable {
     unsafe fn ldexp(p: Self::V, n: Self::V) -> Self::V {
         lanes!(|i| p[i] * f32::from_bits((((n[i] as i32) + 127) as u32) << 23))
     }
+    #[inline(always)]
+    unsafe fn round_bf16(v: Self::V) -> Self::V {
+        lanes!(|i| half::bf16::from_f32(v[i]).to_f32())
+    }
+    #[inline(always)]
+    unsafe fn trunc_bf16(v: Self::V) -> Self::V {
+        lanes!(|i| f32::from_bits(v[i].to_bits() & 0xffff_0000))
+    }
+    #[inline(always)]
+    unsafe fn store_bf16(p: *mut u16, v: Self::V) {
+        for (i, x) in v.iter().enumerate() {
+            *p.add(i) = (x.to_bits() >> 16) as u16;
+        }
+    }
+    #[inline(always)]
+    unsafe fn bf16_pairs(even: Self::V, odd: Self::V) -> Self::V {
+        lanes!(|i| f32::from_bits((even[i].to_bits() >> 16) | (odd[i].to_bits() & 0xffff_0000)))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -262,6 +314,63 @@ mod x86 {
         #[inline(always)]
         unsafe fn ldexp(p: __m512, n: __m512) -> __m512 {
             _mm512_scalef_ps(p, n)
+        }
+        #[inline(always)]
+        unsafe fn round_bf16(v: __m512) -> __m512 {
+            // Add 0x7fff plus the kept part's lowest bit, then clear the low half: ties go to
+            // even and a carry moves into the exponent as it should (to inf past the top).
+            let bits = _mm512_castps_si512(v);
+            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+            let up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+            let r = _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(-65536)));
+            // A NaN could carry into the sign bit: keep it as it came.
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            _mm512_mask_blend_ps(nan, r, v)
+        }
+        #[inline(always)]
+        unsafe fn trunc_bf16(v: __m512) -> __m512 {
+            _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(-65536)))
+        }
+        #[inline(always)]
+        unsafe fn store_bf16(p: *mut u16, v: __m512) {
+            let top = _mm512_srli_epi32::<16>(_mm512_castps_si512(v));
+            _mm256_storeu_si256(p as *mut __m256i, _mm512_cvtepi32_epi16(top));
+        }
+        #[inline(always)]
+        unsafe fn bf16_pairs(even: __m512, odd: __m512) -> __m512 {
+            let lo = _mm512_srli_epi32::<16>(_mm512_castps_si512(even));
+            let hi = _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(-65536));
+            _mm512_castsi512_ps(_mm512_or_si512(lo, hi))
+        }
+        #[inline(always)]
+        unsafe fn transpose16(r: &mut [__m512; W]) {
+            // Pairs of rows interleaved by 32 bits, then by 64 bits: t[4g + c] holds, in each
+            // 128-bit block q, column c + 4q of rows 4g .. 4g + 4.
+            let mut t = [_mm512_setzero_ps(); W];
+            for y in (0..W).step_by(2) {
+                t[y] = _mm512_unpacklo_ps(r[y], r[y + 1]);
+                t[y + 1] = _mm512_unpackhi_ps(r[y], r[y + 1]);
+            }
+            let mut u = [_mm512_setzero_ps(); W];
+            let pd = _mm512_castps_pd;
+            for g in (0..W).step_by(4) {
+                u[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[g]), pd(t[g + 2])));
+                u[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[g]), pd(t[g + 2])));
+                u[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[g + 1]), pd(t[g + 3])));
+                u[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[g + 1]), pd(t[g + 3])));
+            }
+            // Then the 128-bit blocks: even blocks (0x88) and odd ones (0xdd) of two groups,
+            // twice, gather column c's four blocks of rows in order.
+            for c in 0..4 {
+                let v0 = _mm512_shuffle_f32x4::<0x88>(u[c], u[4 + c]);
+                let v1 = _mm512_shuffle_f32x4::<0xdd>(u[c], u[4 + c]);
+                let w0 = _mm512_shuffle_f32x4::<0x88>(u[8 + c], u[12 + c]);
+                let w1 = _mm512_shuffle_f32x4::<0xdd>(u[8 + c], u[12 + c]);
+                r[c] = _mm512_shuffle_f32x4::<0x88>(v0, w0);
+                r[c + 8] = _mm512_shuffle_f32x4::<0xdd>(v0, w0);
+                r[c + 4] = _mm512_shuffle_f32x4::<0x88>(v1, w1);
+                r[c + 12] = _mm512_shuffle_f32x4::<0xdd>(v1, w1);
+            }
         }
     }
 
@@ -364,14 +473,58 @@ mod x86 {
             let e1 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n.1), bias));
             Pair(_mm256_mul_ps(p.0, _mm256_castsi256_ps(e0)), _mm256_mul_ps(p.1, _mm256_castsi256_ps(e1)))
         }
+        #[inline(always)]
+        unsafe fn round_bf16(v: Pair) -> Pair {
+            // As the AVX-512 form: add 0x7fff plus the kept part's lowest bit, clear the low
+            // half, keep NaNs as they came.
+            let half = |x: __m256| {
+                let bits = _mm256_castps_si256(x);
+                let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+                let up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+                let r = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(-65536)));
+                _mm256_blendv_ps(r, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
+            };
+            Pair(half(v.0), half(v.1))
+        }
+        #[inline(always)]
+        unsafe fn trunc_bf16(v: Pair) -> Pair {
+            let top = _mm256_castsi256_ps(_mm256_set1_epi32(-65536));
+            Pair(_mm256_and_ps(v.0, top), _mm256_and_ps(v.1, top))
+        }
+        #[inline(always)]
+        unsafe fn store_bf16(p: *mut u16, v: Pair) {
+            let a = _mm256_srli_epi32::<16>(_mm256_castps_si256(v.0));
+            let b = _mm256_srli_epi32::<16>(_mm256_castps_si256(v.1));
+            // packus works within 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7]; put them in order.
+            let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(a, b));
+            _mm256_storeu_si256(p as *mut __m256i, packed);
+        }
+        #[inline(always)]
+        unsafe fn bf16_pairs(even: Pair, odd: Pair) -> Pair {
+            let top = _mm256_set1_epi32(-65536);
+            let pair = |e: __m256, o: __m256| {
+                let lo = _mm256_srli_epi32::<16>(_mm256_castps_si256(e));
+                _mm256_castsi256_ps(_mm256_or_si256(lo, _mm256_and_si256(_mm256_castps_si256(o), top)))
+            };
+            Pair(pair(even.0, odd.0), pair(even.1, odd.1))
+        }
     }
 }
+
+/// The AMX kernels: tiles for both products, AVX-512 between them (where `amx::available`).
+pub const AMX: &str = "amx";
+/// The AMX kernels on the software tile unit (`amx::EmulatedTiles`): runs anywhere, for
+/// tests; never detected (so never picked by itself), only forced.
+pub const AMX_EMULATED: &str = "amx-emulated";
 
 /// The instruction sets this CPU offers that the kernels can use, best first.
 pub fn detected_isas() -> Vec<&'static str> {
     let mut v = Vec::new();
     #[cfg(target_arch = "x86_64")]
     {
+        if super::amx::available() {
+            v.push(AMX);
+        }
         if has_avx512() {
             v.push(<Avx512 as Simd>::NAME);
         }
@@ -400,15 +553,22 @@ pub fn has_avx2() -> bool {
 
 static FORCED: std::sync::Mutex<Option<&'static str>> = std::sync::Mutex::new(None);
 
-/// Make the kernels use the instruction set `name` (one of [`detected_isas`]), or go back to
-/// the best one with `None`. For tests and benchmarks that compare the code paths.
+/// What [`force_isa`] takes: the detected instruction sets and the emulated AMX kernels.
+pub fn forceable_isas() -> Vec<&'static str> {
+    let mut v = detected_isas();
+    v.push(AMX_EMULATED);
+    v
+}
+
+/// Make the kernels use the instruction set `name` (one of [`forceable_isas`]), or go back
+/// to the best one with `None`. For tests and benchmarks that compare the code paths.
 pub fn force_isa(name: Option<&str>) -> crate::error::Result<()> {
     let pick = match name {
         None | Some("") | Some("auto") => None,
-        Some(n) => Some(*detected_isas().iter().find(|d| **d == n).ok_or_else(|| {
+        Some(n) => Some(*forceable_isas().iter().find(|d| **d == n).ok_or_else(|| {
             crate::error::MlxError::InvalidArgument(format!(
                 "instruction set {n:?} is not available here (available: {})",
-                detected_isas().join(", ")
+                forceable_isas().join(", ")
             ))
         })?),
     };
@@ -468,6 +628,9 @@ mod tests {
             };
             let avx2 = f("avx2") && f("fma") && f("f16c");
             let mut want = Vec::new();
+            if super::super::amx::available() {
+                want.push("amx");
+            }
             if avx2 && f("avx512f") {
                 want.push("avx512");
             }
@@ -478,6 +641,8 @@ mod tests {
             assert_eq!(v, want);
         }
         assert!(force_isa(Some("xyzzy")).is_err()); // refused before the setting changes
+        assert!(!v.contains(&AMX_EMULATED), "the emulated tiles are never detected");
+        assert_eq!(forceable_isas().last(), Some(&AMX_EMULATED), "but can be forced");
     }
 
     fn check_exp<S: Simd>() {
@@ -584,6 +749,78 @@ mod tests {
         }
     }
 
+    /// bfloat16 rounding is `half::bf16`'s (nearest, ties to even; NaN kept, carries into
+    /// the exponent and to inf), and the stores keep each lane's top 16 bits, the pairs
+    /// interleaved even/odd.
+    fn check_bf16_rounding_and_stores<S: Simd>() {
+        let vals: [f32; W] = [
+            1.0,
+            1.0 + 1.0 / 256.0, // a tie: to even (1.0)
+            1.0 + 3.0 / 256.0, // a tie: to even (1 + 4/256)
+            -3.140_625_5,
+            f32::from_bits(0x3f80_8001), // just above a tie: up
+            f32::from_bits(0x7f7f_ffff), // the largest f32: rounds to inf
+            f32::NAN,
+            f32::from_bits(0x7fff_ffff), // a NaN whose rounding would carry into the sign
+            f32::NEG_INFINITY,
+            -0.0,
+            1e-40, // subnormal
+            65504.0,
+            2.5e-5,
+            -7.123_45,
+            0.333_333_34,
+            1e30,
+        ];
+        unsafe {
+            let mut out = [0f32; W];
+            S::store(out.as_mut_ptr(), S::round_bf16(S::load(vals.as_ptr())));
+            for i in 0..W {
+                let want = half::bf16::from_f32(vals[i]).to_f32();
+                if want.is_nan() {
+                    assert!(out[i].is_nan(), "{} lane {i}: NaN lost", S::NAME);
+                } else {
+                    assert_eq!(out[i].to_bits(), want.to_bits(), "{} lane {i} ({})", S::NAME, vals[i]);
+                }
+            }
+            let even: [f32; W] = std::array::from_fn(|i| f32::from_bits(0x3f80_0000 + ((i as u32) << 16)));
+            let odd: [f32; W] = std::array::from_fn(|i| f32::from_bits(0xc100_0000 + ((i as u32) << 16) + 0x1234));
+            let mut cut = [0f32; W];
+            S::store(cut.as_mut_ptr(), S::trunc_bf16(S::load(vals.as_ptr())));
+            for i in 0..W {
+                assert_eq!(cut[i].to_bits(), vals[i].to_bits() & 0xffff_0000, "{} trunc lane {i}", S::NAME);
+            }
+            let mut one = [0u16; W];
+            S::store_bf16(one.as_mut_ptr(), S::load(even.as_ptr()));
+            let mut pairs = [0u16; 2 * W];
+            S::store_bf16_pairs(pairs.as_mut_ptr(), S::load(even.as_ptr()), S::load(odd.as_ptr()));
+            for i in 0..W {
+                assert_eq!(one[i], (even[i].to_bits() >> 16) as u16, "{} store_bf16 lane {i}", S::NAME);
+                assert_eq!(pairs[2 * i], (even[i].to_bits() >> 16) as u16, "{} pair {i} even", S::NAME);
+                assert_eq!(pairs[2 * i + 1], (odd[i].to_bits() >> 16) as u16, "{} pair {i} odd", S::NAME);
+            }
+        }
+    }
+
+    /// The transpose moves lane x of vector y to lane y of vector x, bits as they were (NaN
+    /// patterns included: the lanes are data, not numbers).
+    fn check_transpose<S: Simd>() {
+        let bits = |y: usize, x: usize| 0x7f80_0001u32 + (y * 16 + x) as u32 * 0x0101;
+        unsafe {
+            let mut v: [S::V; W] = std::array::from_fn(|y| {
+                let row: [u32; W] = std::array::from_fn(|x| bits(y, x));
+                S::load(row.as_ptr() as *const f32)
+            });
+            S::transpose16(&mut v);
+            for (x, vec) in v.iter().enumerate() {
+                let mut out = [0u32; W];
+                S::store(out.as_mut_ptr() as *mut f32, *vec);
+                for (y, &b) in out.iter().enumerate() {
+                    assert_eq!(b, bits(y, x), "{} transpose: vector {x} lane {y}", S::NAME);
+                }
+            }
+        }
+    }
+
     #[test]
     fn every_detected_isa_matches_the_reference_math() {
         check_exp::<Portable>();
@@ -591,6 +828,8 @@ mod tests {
         check_round_half::<Portable>();
         check_max_min::<Portable>();
         check_bf16::<Portable>();
+        check_bf16_rounding_and_stores::<Portable>();
+        check_transpose::<Portable>();
         #[cfg(target_arch = "x86_64")]
         {
             if has_avx2() {
@@ -599,6 +838,8 @@ mod tests {
                 check_round_half::<Avx2>();
                 check_max_min::<Avx2>();
                 check_bf16::<Avx2>();
+                check_bf16_rounding_and_stores::<Avx2>();
+                check_transpose::<Avx2>();
             }
             if has_avx512() {
                 check_exp::<Avx512>();
@@ -606,6 +847,8 @@ mod tests {
                 check_round_half::<Avx512>();
                 check_max_min::<Avx512>();
                 check_bf16::<Avx512>();
+                check_bf16_rounding_and_stores::<Avx512>();
+                check_transpose::<Avx512>();
             }
         }
     }

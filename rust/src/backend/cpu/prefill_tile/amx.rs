@@ -1,0 +1,309 @@
+//! The work item on AMX tiles: the same item as the FMA one (one sequence, one KV head, up
+//! to four query tiles with every query head of the group; the same step plan, masks,
+//! score transforms, lazy online softmax and output), with both products on the tile unit
+//! in bfloat16 with f32 accumulation:
+//!
+//! - scores transposed, `S^T = K . Q^T` (16 cache rows x 16 query rows per tile), stored
+//!   into the FMA item's `[C][r]` layout, where the masks, transforms and softmax run across
+//!   lanes = query rows as before;
+//! - the softmax writes P^T directly as the VNNI pairs the tiles read (two cache rows
+//!   interleaved), with p = 0 outside the rows the tile computes;
+//! - `O^T += V^T . P^T` on f32 tiles loaded from and stored to `O^T` (`[DV][r]`) each step,
+//!   rescaled lazily in AVX-512 where a row's max moved; transposed to O at the end.
+//!
+//! K and V of a step are converted once (bfloat16 parts, V transposed) for every query head
+//! and query tile of the item, as the FMA item widens them once. Each product is a sum of
+//! bf16 products of the operands' parts (`cpu::amx::Products`): by default the exact
+//! products, four each with F16 K/V and two with BF16; docs/spec.md ("The CPU on AMX tiles")
+//! has the measured errors of every choice.
+
+use super::amx_layout::{pack_k, pack_q, pack_vt, split, transpose_out};
+use super::io::{load_q, store_out};
+use super::softmax::step_max;
+use super::transforms::transform_scores;
+use super::{grow, item_subs, plan_step, start_rows, Problem, Scratch, Seq, Sub, C};
+use crate::backend::cpu::amx::gemm::{self, Operand, Output, Product};
+use crate::backend::cpu::amx::TileUnit;
+use crate::backend::cpu::simd::{Simd, W};
+
+/// The AMX item's bfloat16 operands (each a high part, then a low part where used).
+#[derive(Default)]
+pub(super) struct Buffers {
+    /// Q^T pairs, `[dkp/2][r][2]` per part.
+    q: Vec<u16>,
+    /// K rows of a step, `[C][dkp]` per part.
+    k: Vec<u16>,
+    /// V^T of a step, `[DV][C]` per part.
+    vt: Vec<u16>,
+    /// P^T pairs of a step, `[C/2][r][2]` per part.
+    p: Vec<u16>,
+    /// O^T, `[DV][r]` f32.
+    ot: Vec<f32>,
+}
+
+fn grow16(v: &mut Vec<u16>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0);
+    }
+}
+
+/// The parts of one operand: `hi`, and `lo` or null when no product reads it.
+#[derive(Clone, Copy)]
+struct Parts {
+    hi: *mut u16,
+    lo: *mut u16,
+}
+
+impl Parts {
+    /// Two parts of `len` elements each at the start of `v` (the second only if `lo`).
+    fn of(v: &mut Vec<u16>, len: usize, lo: bool) -> Parts {
+        grow16(v, if lo { 2 * len } else { len });
+        let hi = v.as_mut_ptr();
+        // SAFETY: the vector holds 2 * len elements when lo is asked for.
+        Parts { hi, lo: if lo { unsafe { hi.add(len) } } else { std::ptr::null_mut() } }
+    }
+
+    fn part(&self, lo: bool) -> *const u8 {
+        (if lo { self.lo } else { self.hi }) as *const u8
+    }
+}
+
+/// The split products in their order (`cpu::amx::Products`): (A part, B part), true = lo.
+const TERMS: [(bool, bool); 4] = [(false, false), (false, true), (true, false), (true, true)];
+
+/// One work item on the tile unit `t` (see the module's comment): as `fma::work_item`, with
+/// `pb.amx` products per product.
+#[inline(always)]
+pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    sc: &mut Scratch,
+    t: &mut T,
+) {
+    let dkp = DK.next_multiple_of(32);
+    let (bq, nt) = (pb.bq, pb.nt);
+    let per = bq * pb.group; // rows of one tile, a multiple of 16
+    let r = per * nt;
+    let steps = seq.lk.div_ceil(C);
+    let (qk, pv) = (pb.amx.qk as usize, pb.amx.pv as usize);
+    grow(&mut sc.qt, DK * r);
+    grow(&mut sc.o, r * DV);
+    grow(&mut sc.st, C * r);
+    grow(&mut sc.mrow, bq * C);
+    grow(&mut sc.mt, nt * C * bq);
+    grow(&mut sc.m, r);
+    grow(&mut sc.l, r);
+    grow(&mut sc.ms, r);
+    let (qt_b, o_b, st_b) = (sc.qt.as_mut_ptr(), sc.o.as_mut_ptr(), sc.st.as_mut_ptr());
+    let (mrow, mt) = (sc.mrow.as_mut_ptr(), sc.mt.as_mut_ptr());
+    let (m_b, l_b, ms_b) = (sc.m.as_mut_ptr(), sc.l.as_mut_ptr(), sc.ms.as_mut_ptr());
+    let b = &mut sc.amx;
+    // Which low parts a product reads: Q's from the second product on, K's from the third;
+    // likewise P's and V's.
+    let qv = Parts::of(&mut b.q, dkp * r, qk >= 2);
+    let kb = Parts::of(&mut b.k, C * dkp, qk >= 3);
+    let vt = Parts::of(&mut b.vt, DV * C, pv >= 3);
+    let pp = Parts::of(&mut b.p, C * r, pv >= 2);
+    grow(&mut b.ot, DV * r);
+    let ot = b.ot.as_mut_ptr();
+
+    let mut subs = item_subs(pb, seq, grp);
+    let subs = &mut subs[..nt];
+    load_q::<S, DK>(pb, seq, g, subs, qt_b, r);
+    pack_q::<S>(qt_b, DK, dkp, r, qv.hi, qv.lo);
+    start_rows(m_b, l_b, r);
+    std::ptr::write_bytes(ot, 0, DV * r);
+
+    t.configure();
+    let (k_base, v_base) = (pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs));
+    for step in 0..steps {
+        let c0 = step * C;
+        let n = C.min(seq.lk - c0);
+        let (lo_all, hi_all) = plan_step::<S>(pb, seq, subs, mrow, mt, step, c0, n);
+        if lo_all >= hi_all {
+            continue;
+        }
+        // K in blocks of 16 rows (a score tile), V in chunks of 32 (a product's reduction).
+        let k_src = k_base.add(c0 * pb.k_rs);
+        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv_bf16, lo_all & !15, round_up(hi_all, 16), n, dkp, kb.hi, kb.lo);
+        for (k, sub) in subs.iter().enumerate() {
+            if sub.lo >= sub.hi {
+                continue;
+            }
+            scores(t, sub, &TERMS[..qk], kb, qv, st_b, r, dkp);
+            transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st_b, r, c0);
+        }
+        let v_src = v_base.add(c0 * pb.v_rs);
+        pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv_bf16, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
+        for sub in subs.iter() {
+            if sub.lo >= sub.hi {
+                continue;
+            }
+            softmax_pairs::<S>(st_b, m_b, l_b, ms_b, r, sub, pp);
+            rescale::<S>(ot, ms_b, r, DV, sub);
+            output(t, sub, &TERMS[..pv], vt, pp, ot, r, DV);
+        }
+    }
+    t.release();
+
+    transpose_out::<S, DV>(ot, o_b, r);
+    store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b);
+}
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+/// `S^T` of tile `sub`: cache rows `[lo, hi)` rounded out to blocks of 16, its query rows,
+/// as the sum of `terms` of K's and Q's parts, into `st` (`[C][r]`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores<T: TileUnit>(
+    t: &mut T,
+    sub: &Sub,
+    terms: &[(bool, bool)],
+    k: Parts,
+    q: Parts,
+    st: *mut f32,
+    r: usize,
+    dkp: usize,
+) {
+    let (a, b) = (sub.lo & !15, round_up(sub.hi, 16));
+    let operands = terms.map_pairs(|(kl, ql)| {
+        (
+            Operand {
+                base: k.part(kl).add(a * dkp * 2),
+                row_stride: dkp * 2,
+                chunk_step: 64,
+                block_step: 16 * dkp * 2,
+            },
+            Operand { base: q.part(ql).add(sub.ib * 4), row_stride: r * 4, chunk_step: 16 * r * 4, block_step: 64 },
+        )
+    });
+    let p = Product {
+        terms: &operands[..terms.len()],
+        chunks: dkp / 32,
+        m_blocks: (b - a) / 16,
+        n_blocks: (sub.ie - sub.ib) / 16,
+        c: Output { base: st.add(a * r + sub.ib) as *mut u8, row_stride: r * 4, m_step: 16 * r * 4, n_step: 64 },
+        accumulate: false,
+    };
+    gemm::run(t, &p);
+}
+
+/// `O^T += V^T . P^T` for tile `sub`: its query rows, cache rows `[lo, hi)` rounded out to
+/// chunks of 32 (P is zero on the rows added), the sum of `terms` of V's and P's parts.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn output<T: TileUnit>(
+    t: &mut T,
+    sub: &Sub,
+    terms: &[(bool, bool)],
+    vt: Parts,
+    p: Parts,
+    ot: *mut f32,
+    r: usize,
+    dv: usize,
+) {
+    let (a, b) = (sub.lo & !31, round_up(sub.hi, 32));
+    let operands = terms.map_pairs(|(vl, pl)| {
+        (
+            Operand { base: vt.part(vl).add(a * 2), row_stride: C * 2, chunk_step: 64, block_step: 16 * C * 2 },
+            Operand {
+                base: p.part(pl).add(((a / 2) * r + sub.ib) * 4),
+                row_stride: r * 4,
+                chunk_step: 16 * r * 4,
+                block_step: 64,
+            },
+        )
+    });
+    let prod = Product {
+        terms: &operands[..terms.len()],
+        chunks: (b - a) / 32,
+        m_blocks: dv / 16,
+        n_blocks: (sub.ie - sub.ib) / 16,
+        c: Output { base: ot.add(sub.ib) as *mut u8, row_stride: r * 4, m_step: 16 * r * 4, n_step: 64 },
+        accumulate: true,
+    };
+    gemm::run(t, &prod);
+}
+
+/// Up to four terms mapped to their operands, in a fixed array (no allocation per step).
+trait MapPairs {
+    fn map_pairs(&self, f: impl Fn((bool, bool)) -> (Operand, Operand)) -> [(Operand, Operand); 4];
+}
+
+impl MapPairs for [(bool, bool)] {
+    fn map_pairs(&self, f: impl Fn((bool, bool)) -> (Operand, Operand)) -> [(Operand, Operand); 4] {
+        let first = f(self[0]);
+        std::array::from_fn(|i| if i < self.len() { f(self[i]) } else { first })
+    }
+}
+
+/// The step's softmax of tile `sub` (SPEC 2 as `softmax_step`: the lazy max, `S = S * ms +
+/// sum p`), writing P^T as VNNI pairs for cache rows `[lo, hi)` rounded out to chunks of 32,
+/// p = 0 on the rows added. With a low part (`p.lo`), P is SPEC's half, stored as its two
+/// bfloat16 parts; without, P is rounded to bfloat16 and the sum is of those values.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn softmax_pairs<S: Simd>(
+    st: *const f32,
+    m: *mut f32,
+    l: *mut f32,
+    ms: *mut f32,
+    r: usize,
+    sub: &Sub,
+    p: Parts,
+) {
+    let (a, b) = (sub.lo & !31, round_up(sub.hi, 32));
+    let zero = S::splat(0.0);
+    let split_p = !p.lo.is_null();
+    for i0 in (sub.ib..sub.ie).step_by(W) {
+        let (m_new, scale) = step_max::<S>(st, m, ms, r, i0, sub.lo, sub.hi);
+        let mut sum = zero;
+        for k in a / 2..b / 2 {
+            let j = 2 * k;
+            // lo and hi are multiples of 4: both rows of a pair are in, or both out.
+            let (p0, p1) = if j >= sub.lo && j < sub.hi {
+                let e0 = S::exp(S::sub(S::load(st.add(j * r + i0)), m_new));
+                let e1 = S::exp(S::sub(S::load(st.add((j + 1) * r + i0)), m_new));
+                if split_p {
+                    (S::round_half(e0), S::round_half(e1))
+                } else {
+                    (S::round_bf16(e0), S::round_bf16(e1))
+                }
+            } else {
+                (zero, zero)
+            };
+            sum = S::add(S::add(sum, p0), p1);
+            let at = (k * r + i0) * 2;
+            if split_p {
+                // The pairs keep each lane's top half: the high parts of the split.
+                let ((_, l0), (_, l1)) = (split::<S>(p0), split::<S>(p1));
+                S::store_bf16_pairs(p.hi.add(at), p0, p1);
+                S::store_bf16_pairs(p.lo.add(at), l0, l1);
+            } else {
+                S::store_bf16_pairs(p.hi.add(at), p0, p1);
+            }
+        }
+        S::store(l.add(i0), S::fma(S::load(l.add(i0)), scale, sum));
+    }
+}
+
+/// `O^T[d][i] *= ms[i]` on tile `sub`'s rows where some row's max moved this step (with
+/// the lazy rescale most steps leave every factor at 1, and O is left as it is).
+#[inline(always)]
+unsafe fn rescale<S: Simd>(ot: *mut f32, ms: *const f32, r: usize, dv: usize, sub: &Sub) {
+    if (sub.ib..sub.ie).all(|i| *ms.add(i) == 1.0) {
+        return;
+    }
+    for i0 in (sub.ib..sub.ie).step_by(W) {
+        let s = S::load(ms.add(i0));
+        for d in 0..dv {
+            let at = ot.add(d * r + i0);
+            S::store(at, S::mul(S::load(at), s));
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! The AMX item's operands in the tiles' layouts, each as a bfloat16 high part and, where
+//! the products use it, a low part (`x = hi + lo` exactly, see `cpu::amx`):
+//!
+//! - scores, transposed (`S^T = K . Q^T`, the FMA item's `[C][r]` layout): A = K's rows
+//!   `[C][dkp]` (as stored: no transpose), B = Q^T as VNNI pairs `[dkp/2][r][2]` (pairs of
+//!   head-dim columns), built once per item;
+//! - output, transposed (`O^T += V^T . P^T`): A = V^T `[DV][C]` (pairs of cache rows made
+//!   with `bf16_pairs`, then transposed as 32-bit words, per step), B = P^T as VNNI pairs
+//!   `[C/2][r][2]` (pairs of cache rows: two rows of the transposed scores, interleaved, made
+//!   by the softmax that computes them).
+//!
+//! `dkp` is DK rounded up to a tile's 32 columns (80 and 112 pad with zeros); rows past the
+//! cache's end are zeros (never the caller's memory, never NaN).
+
+use super::fma::load_kv;
+use super::C;
+use crate::backend::cpu::simd::{Simd, W};
+
+/// `x = hi + lo` exactly (both bfloat16) for half values: `hi` is x cut to bfloat16 (one
+/// AND; any exact split serves when both parts are multiplied), `lo` the remainder, of at
+/// most 3 significant bits and the same sign.
+#[inline(always)]
+pub(super) unsafe fn split<S: Simd>(x: S::V) -> (S::V, S::V) {
+    let hi = S::trunc_bf16(x);
+    (hi, S::sub(x, hi))
+}
+
+/// The parts of `x` an operand's products use: both ([`split`]) where its low part is
+/// multiplied (`both`), else the nearest bfloat16 alone (the low part is dropped, so the
+/// high one must be as close as can be).
+#[inline(always)]
+pub(super) unsafe fn parts<S: Simd>(x: S::V, both: bool) -> (S::V, S::V) {
+    if both {
+        split::<S>(x)
+    } else {
+        (S::round_bf16(x), S::splat(0.0))
+    }
+}
+
+/// Q^T (`qt`, f32 `[dk][r]`, half values) as B pairs: `hi[k][i] = (q[2k][i], q[2k+1][i])`
+/// (and `lo` likewise, when given: then `hi + lo` is Q exactly, else `hi` is Q rounded);
+/// pairs past `dk` zero.
+#[inline(always)]
+pub(super) unsafe fn pack_q<S: Simd>(qt: *const f32, dk: usize, dkp: usize, r: usize, hi: *mut u16, lo: *mut u16) {
+    for k in 0..dkp / 2 {
+        for i0 in (0..r).step_by(W) {
+            let (x, y) = if 2 * k < dk {
+                (S::load(qt.add(2 * k * r + i0)), S::load(qt.add((2 * k + 1) * r + i0)))
+            } else {
+                (S::splat(0.0), S::splat(0.0))
+            };
+            let both = !lo.is_null();
+            let ((xh, xl), (yh, yl)) = (parts::<S>(x, both), parts::<S>(y, both));
+            S::store_bf16_pairs(hi.add((k * r + i0) * 2), xh, yh);
+            if !lo.is_null() {
+                S::store_bf16_pairs(lo.add((k * r + i0) * 2), xl, yl);
+            }
+        }
+    }
+}
+
+/// Rows `a..b` of a step's K (`src`, F16 or BF16, row stride `rs`; `n` rows exist) as A
+/// rows `[C][dkp]`: `hi` (and `lo` when given, as [`parts`]); columns past DK and rows past
+/// `n` zero.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pack_k<S: Simd, const DK: usize>(
+    src: *const u16,
+    rs: usize,
+    bf16: bool,
+    a: usize,
+    b: usize,
+    n: usize,
+    dkp: usize,
+    hi: *mut u16,
+    lo: *mut u16,
+) {
+    let zero = S::splat(0.0);
+    for j in a..b {
+        for d0 in (0..dkp).step_by(W) {
+            let x = if j < n && d0 < DK { load_kv::<S>(src.add(j * rs + d0), bf16) } else { zero };
+            let (xh, xl) = parts::<S>(x, !lo.is_null());
+            S::store_bf16(hi.add(j * dkp + d0), xh);
+            if !lo.is_null() {
+                S::store_bf16(lo.add(j * dkp + d0), xl);
+            }
+        }
+    }
+}
+
+/// Rows `a..b` (multiples of 32) of a step's V (`src`, row stride `rs`; `n` rows exist) as
+/// A rows of V^T `[DV][C]`: `hi[d][j] = v[j][d]` (and `lo`, as [`parts`]). Per 32 rows and 16 columns:
+/// sixteen vectors of row pairs (lane d: rows 2k and 2k + 1 of column d), transposed as
+/// 32-bit words so that each becomes one tile row (column d, rows 2k0 .. 2k0 + 32).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pack_vt<S: Simd, const DV: usize>(
+    src: *const u16,
+    rs: usize,
+    bf16: bool,
+    a: usize,
+    b: usize,
+    n: usize,
+    hi: *mut u16,
+    lo: *mut u16,
+) {
+    let zero = S::splat(0.0);
+    let row = |j: usize, d0: usize| if j < n { load_kv::<S>(src.add(j * rs + d0), bf16) } else { zero };
+    let both = !lo.is_null();
+    for k0 in (a / 2..b / 2).step_by(W) {
+        for d0 in (0..DV).step_by(W) {
+            let mut ph = [zero; W];
+            let mut pl = [zero; W];
+            for x in 0..W {
+                let j = 2 * (k0 + x);
+                let ((eh, el), (oh, ol)) = (parts::<S>(row(j, d0), both), parts::<S>(row(j + 1, d0), both));
+                ph[x] = S::bf16_pairs(eh, oh);
+                pl[x] = S::bf16_pairs(el, ol);
+            }
+            S::transpose16(&mut ph);
+            for (y, v) in ph.iter().enumerate() {
+                S::store(hi.add((d0 + y) * C + 2 * k0) as *mut f32, *v);
+            }
+            if !lo.is_null() {
+                S::transpose16(&mut pl);
+                for (y, v) in pl.iter().enumerate() {
+                    S::store(lo.add((d0 + y) * C + 2 * k0) as *mut f32, *v);
+                }
+            }
+        }
+    }
+}
+
+/// O^T (`ot`, f32 `[DV][r]`) into O (`o`, `[r][DV]`), by 16 x 16 blocks.
+#[inline(always)]
+pub(super) unsafe fn transpose_out<S: Simd, const DV: usize>(ot: *const f32, o: *mut f32, r: usize) {
+    for d0 in (0..DV).step_by(W) {
+        for i0 in (0..r).step_by(W) {
+            let mut v: [S::V; W] = std::array::from_fn(|y| S::load(ot.add((d0 + y) * r + i0)));
+            S::transpose16(&mut v);
+            for (x, row) in v.iter().enumerate() {
+                S::store(o.add((i0 + x) * DV + d0), *row);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::simd::Portable;
+
+    fn bf(bits: u16) -> f64 {
+        half::bf16::from_bits(bits).to_f64()
+    }
+
+    /// A pseudo-random half value (normal, subnormal, zero or large) for position `i`.
+    fn half_value(i: usize) -> f32 {
+        let bits = ((i as u32).wrapping_mul(2654435761) >> 7) as u16 & 0x7bff; // finite
+        let x = half::f16::from_bits(bits).to_f32();
+        if i.is_multiple_of(3) {
+            -x
+        } else {
+            x
+        }
+    }
+
+    /// Every half value, subnormals and the largest included, is exactly the sum of its two
+    /// bfloat16 parts (both normal: the tiles read denormals as zero); alone, the high part
+    /// is the nearest bfloat16.
+    #[test]
+    fn a_half_is_the_exact_sum_of_its_two_bfloat16_parts() {
+        for bits in 0..=0xffffu16 {
+            let x = half::f16::from_bits(bits).to_f32();
+            if !x.is_finite() {
+                continue;
+            }
+            let v = unsafe { Portable::splat(x) };
+            let (hi, lo) = unsafe { parts::<Portable>(v, true) };
+            let (hb, lb) = ((hi[0].to_bits() >> 16) as u16, (lo[0].to_bits() >> 16) as u16);
+            assert_eq!(hi[0].to_bits() & 0xffff, 0, "hi of {x} is not a bfloat16");
+            assert_eq!(lo[0].to_bits() & 0xffff, 0, "lo of {x} is not a bfloat16");
+            assert_eq!(bf(hb) + bf(lb), x as f64, "{x} = hi + lo");
+            assert!(x == 0.0 || lo[0] == 0.0 || lo[0].abs() >= f32::MIN_POSITIVE, "lo of {x} is a normal bfloat16");
+            let (near, none) = unsafe { parts::<Portable>(v, false) };
+            assert_eq!(near[0].to_bits(), half::bf16::from_f32(x).to_f32().to_bits(), "{x} alone: the nearest");
+            assert_eq!(none[0], 0.0);
+        }
+    }
+
+    /// Q^T pairs: `hi[k][i] + lo[k][i]` is the pair `(q[2k][i], q[2k+1][i])` exactly; padded
+    /// head-dim pairs are zero.
+    #[test]
+    fn q_pairs_hold_q_exactly_in_two_parts() {
+        let (dk, dkp, r) = (80, 96, 32);
+        let qt: Vec<f32> = (0..dk * r).map(half_value).collect();
+        let mut hi = vec![0xffffu16; dkp * r];
+        let mut lo = vec![0xffffu16; dkp * r];
+        unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, hi.as_mut_ptr(), lo.as_mut_ptr()) };
+        for k in 0..dkp / 2 {
+            for i in 0..r {
+                for e in 0..2 {
+                    let at = (k * r + i) * 2 + e;
+                    let want = if 2 * k + e < dk { qt[(2 * k + e) * r + i] as f64 } else { 0.0 };
+                    assert_eq!(bf(hi[at]) + bf(lo[at]), want, "pair {k} row {i} half {e}");
+                }
+            }
+        }
+        // Without a low part, Q rounded to the nearest bfloat16.
+        let mut near = vec![0u16; dkp * r];
+        unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, near.as_mut_ptr(), std::ptr::null_mut()) };
+        for k in 0..dk / 2 {
+            for i in 0..r {
+                let want = half::bf16::from_f32(qt[2 * k * r + i]).to_bits();
+                assert_eq!(near[(k * r + i) * 2], want, "pair {k} row {i} rounded");
+            }
+        }
+    }
+
+    /// K rows from F16 (hi + lo exact) and BF16 (hi exact, lo zero), columns past DK and
+    /// rows past the cache's end zero, rows outside `a..b` untouched.
+    #[test]
+    fn k_rows_hold_k_exactly_and_pad_with_zeros() {
+        const DK: usize = 112;
+        let (dkp, rs, n) = (128, 130, 37);
+        for bf16 in [false, true] {
+            let src: Vec<u16> = (0..C * rs)
+                .map(|i| {
+                    let x = half_value(i);
+                    if bf16 {
+                        half::bf16::from_f32(x).to_bits()
+                    } else {
+                        half::f16::from_f32(x).to_bits()
+                    }
+                })
+                .collect();
+            let mut hi = vec![0x7777u16; C * dkp];
+            let mut lo = vec![0x7777u16; C * dkp];
+            unsafe { pack_k::<Portable, DK>(src.as_ptr(), rs, bf16, 16, 48, n, dkp, hi.as_mut_ptr(), lo.as_mut_ptr()) };
+            for j in 0..C {
+                for d in 0..dkp {
+                    let at = j * dkp + d;
+                    if !(16..48).contains(&j) {
+                        assert_eq!((hi[at], lo[at]), (0x7777, 0x7777), "row {j} outside a..b was written");
+                        continue;
+                    }
+                    let want = if j < n && d < DK {
+                        let s = src[j * rs + d];
+                        if bf16 {
+                            bf(s)
+                        } else {
+                            half::f16::from_bits(s).to_f64()
+                        }
+                    } else {
+                        0.0
+                    };
+                    assert_eq!(bf(hi[at]) + bf(lo[at]), want, "bf16 {bf16} row {j} column {d}");
+                    if bf16 {
+                        assert_eq!(bf(lo[at]), 0.0, "a bfloat16 has no low part");
+                    }
+                }
+            }
+        }
+    }
+
+    /// V^T: `hi[d][j] + lo[d][j] = v[j][d]` for the rows packed, zero past the cache's end.
+    #[test]
+    fn v_transposed_holds_v_exactly() {
+        const DV: usize = 80;
+        let (rs, n) = (90, 45);
+        let src: Vec<u16> = (0..C * rs).map(|i| half::f16::from_f32(half_value(i)).to_bits()).collect();
+        let mut hi = vec![0x7777u16; DV * C];
+        let mut lo = vec![0x7777u16; DV * C];
+        unsafe { pack_vt::<Portable, DV>(src.as_ptr(), rs, false, 32, 64, n, hi.as_mut_ptr(), lo.as_mut_ptr()) };
+        for d in 0..DV {
+            for j in 0..C {
+                let at = d * C + j;
+                if j < 32 {
+                    assert_eq!((hi[at], lo[at]), (0x7777, 0x7777), "row {j} outside a..b was written");
+                    continue;
+                }
+                let want = if j < n { half::f16::from_bits(src[j * rs + d]).to_f64() } else { 0.0 };
+                assert_eq!(bf(hi[at]) + bf(lo[at]), want, "V^T[{d}][{j}]");
+            }
+        }
+    }
+
+    #[test]
+    fn the_output_transposes_back() {
+        const DV: usize = 48;
+        let r = 32;
+        let ot: Vec<f32> = (0..DV * r).map(|i| i as f32).collect();
+        let mut o = vec![0f32; r * DV];
+        unsafe { transpose_out::<Portable, DV>(ot.as_ptr(), o.as_mut_ptr(), r) };
+        for i in 0..r {
+            for d in 0..DV {
+                assert_eq!(o[i * DV + d], ot[d * r + i]);
+            }
+        }
+    }
+}

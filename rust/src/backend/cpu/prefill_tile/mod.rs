@@ -1,0 +1,551 @@
+//! The work item of the CPU prefill kernels (`flash_attn_prefill_d*`, and through them the
+//! origin's `flash_attn_prefill_tensor_f16_d*`): SPEC sections 2 and 6-10 for one sequence,
+//! one KV head and up to four consecutive query tiles, at Q/K head dim `DK` and V/O head dim
+//! `DV` (they differ only at (576, 512)).
+//!
+//! The K/V tile of a step is converted to f32 once and used by every query head of the KV
+//! head and every query tile of the item, while each query tile follows its own class: the
+//! description's (causal, window, the cache's end) combined with the explicit mask's table.
+//! Scores are kept transposed (`[cache row][query row]`) so the per-row max, exp, half
+//! rounding and sums run across SIMD lanes without horizontal reductions; in a partly
+//! visible step a tile computes only the cache rows some of its rows can see (from the
+//! description arithmetically, from the explicit mask by its -inf columns). Scratch is per
+//! thread and reused, so the hot loop allocates nothing.
+//!
+//! SPEC 10's score transforms sit between the scores and the softmax: softcap on every
+//! computed score, ALiBi as each head's slope on the explicit mask (or, without one, on the
+//! described mask's distance `j - (r + offset)`), and the sinks once per row at the end (the
+//! running max and sum of the cache's scores are combined with the sink's logit then, which
+//! is exact and keeps P relative to the scores' own max, where half rounds it finest).
+//! K and V are F16 or BF16 (`Problem::kv_bf16`), widened to f32 where each tile is loaded.
+
+use std::cell::RefCell;
+
+use super::simd::{Portable, Simd};
+use super::SendPtr;
+
+mod amx;
+mod amx_layout;
+mod fma;
+mod io;
+mod softmax;
+mod transforms;
+
+use fma::work_item;
+use transforms::load_mask;
+
+/// Cache rows per step (the tables' `bk`).
+pub(super) const C: usize = 64;
+
+/// Most query tiles one work item takes.
+pub(super) const MAX_NT: usize = 4;
+
+/// Query tiles per work item for `rows_per_tile` rows (bq times the heads sharing a KV
+/// head) at head dim `d`: enough for about 64K elements of Q (256 rows at 256, 128 at 512),
+/// so that the conversion of each K/V tile to f32 is shared by that many rows while Q^T
+/// and O stay within L2 (64-row items spent about 4% more than 256-row ones).
+pub(super) fn tiles_per_item(rows_per_tile: usize, d: usize) -> usize {
+    (65536 / d / rows_per_tile).clamp(1, MAX_NT)
+}
+
+/// Element types of Q and O, by their `DType` codes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Elem {
+    F32,
+    F16,
+    BF16,
+}
+
+impl Elem {
+    pub(super) fn from_code(code: i32) -> Option<Elem> {
+        match code {
+            0 => Some(Elem::F32),
+            1 => Some(Elem::F16),
+            2 => Some(Elem::BF16),
+            _ => None,
+        }
+    }
+}
+
+/// Everything a work item reads that is the same for every sequence, as plain numbers and
+/// pointers (strides in elements).
+#[derive(Clone, Copy)]
+pub(super) struct Problem {
+    pub group: usize,
+    /// Query rows of one tile.
+    pub bq: usize,
+    /// Query tiles per work item (they share each K/V tile's conversion).
+    pub nt: usize,
+    pub q_rs: usize,
+    pub q_hs: usize,
+    pub k_rs: usize,
+    pub k_hs: usize,
+    pub v_rs: usize,
+    pub v_hs: usize,
+    pub o_rs: usize,
+    pub o_hs: usize,
+    pub mask_rs: usize,
+    pub lse_hs: usize,
+    pub scale: f32,
+    pub column_skip: bool,
+    pub causal: bool,
+    /// `w` of a window-`w` mask, 0 for none.
+    pub window: usize,
+    /// An explicit mask and its table are bound.
+    pub has_mask: bool,
+    pub has_lse: bool,
+    /// K and V are BF16 (else F16).
+    pub kv_bf16: bool,
+    /// SPEC 10: `s = softcap * tanh(s / softcap)` when above 0.
+    pub softcap: f32,
+    /// SPEC 10: the described mask's ALiBi distance is added (ALiBi without an explicit mask).
+    pub alibi_distance: bool,
+    /// `[n_heads]`: each head's ALiBi slope (1 without ALiBi), scaling the explicit mask.
+    pub slopes: *const f32,
+    /// `[n_heads]` F32 sink logits, or null for none.
+    pub sinks: *const f32,
+    pub q_dtype: Elem,
+    pub o_dtype: Elem,
+    /// The table's columns per row and query rows per row.
+    pub blk_steps: usize,
+    pub blk_bq: usize,
+    pub q: *const u8,
+    pub k: *const u16,
+    pub v: *const u16,
+    pub mask: *const u16,
+    pub blk: *const u8,
+    pub out: SendPtr<u8>,
+    pub lse: SendPtr<f32>,
+    /// The bf16 products of the AMX item for this K/V dtype (`cpu::amx::products`).
+    pub amx: super::amx::Products,
+}
+
+// SAFETY: read-only inputs, and outputs every item writes a disjoint part of.
+unsafe impl Send for Problem {}
+unsafe impl Sync for Problem {}
+
+/// One sequence: its lengths, where its query rows sit in its cache, and where its data
+/// starts (element offsets; bytes for the table).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Seq {
+    pub lq: usize,
+    pub lk: usize,
+    /// Query row r is at position `r + off` of the cache (SPEC 6: `Lk - Lq`, the prompt at the
+    /// cache's end, unless the block gives an offset).
+    pub off: i64,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub o: usize,
+    pub lse: usize,
+    pub mask: usize,
+    pub blk: usize,
+}
+
+/// The work-item function for the instruction set in use.
+pub(super) type ItemFn = unsafe fn(&Problem, &Seq, usize, usize, &mut Scratch);
+
+/// The work item at head dims (`DK`, `DV`) for the instruction set in use.
+pub(super) fn pick<const DK: usize, const DV: usize>() -> ItemFn {
+    let isa = super::simd::selected_isa();
+    if isa == super::simd::AMX_EMULATED {
+        return pick_emulated::<DK, DV>();
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        match isa {
+            super::simd::AMX => return item_amx::<DK, DV>,
+            "avx512" => return item_avx512::<DK, DV>,
+            "avx2+fma+f16c" => return item_avx2::<DK, DV>,
+            _ => {}
+        }
+    }
+    item_portable::<DK, DV>
+}
+
+/// The AMX item on the emulated tile unit, its vector work on the best instruction set
+/// here (so that on an AMX machine it runs the hardware item's code but for the tiles).
+fn pick_emulated<const DK: usize, const DV: usize>() -> ItemFn {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::simd::has_avx512() {
+            return item_amx_emulated_avx512::<DK, DV>;
+        }
+        if super::simd::has_avx2() {
+            return item_amx_emulated_avx2::<DK, DV>;
+        }
+    }
+    item_amx_emulated_portable::<DK, DV>
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn item_amx<const DK: usize, const DV: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
+    let mut tiles = super::amx::HwTiles;
+    amx::work_item::<super::simd::Avx512, _, DK, DV>(pb, seq, grp, g, s, &mut tiles)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn item_amx_emulated_avx512<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    let mut tiles = super::amx::EmulatedTiles::default();
+    amx::work_item::<super::simd::Avx512, _, DK, DV>(pb, seq, grp, g, s, &mut tiles)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn item_amx_emulated_avx2<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    let mut tiles = super::amx::EmulatedTiles::default();
+    amx::work_item::<super::simd::Avx2, _, DK, DV>(pb, seq, grp, g, s, &mut tiles)
+}
+
+unsafe fn item_amx_emulated_portable<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    let mut tiles = super::amx::EmulatedTiles::default();
+    amx::work_item::<Portable, _, DK, DV>(pb, seq, grp, g, s, &mut tiles)
+}
+
+unsafe fn item_portable<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    work_item::<Portable, DK, DV>(pb, seq, grp, g, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn item_avx512<const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    grp: usize,
+    g: usize,
+    s: &mut Scratch,
+) {
+    work_item::<super::simd::Avx512, DK, DV>(pb, seq, grp, g, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn item_avx2<const DK: usize, const DV: usize>(pb: &Problem, seq: &Seq, grp: usize, g: usize, s: &mut Scratch) {
+    work_item::<super::simd::Avx2, DK, DV>(pb, seq, grp, g, s)
+}
+
+/// Per-thread working memory of a work item, grown on demand and reused.
+#[derive(Default)]
+pub(super) struct Scratch {
+    /// Q^T, `[DK][R]`: the item's query rows, scaled and rounded to half.
+    qt: Vec<f32>,
+    /// O, `[R][DV]`: unnormalised output accumulators.
+    o: Vec<f32>,
+    /// Scores then probabilities, transposed: `[C][R]`.
+    st: Vec<f32>,
+    /// K of one step in f32, `[C][DK]`.
+    kf: Vec<f32>,
+    /// One slice of V's columns of one step in f32, `[C][V_SPAN]`.
+    vf: Vec<f32>,
+    /// One step of mask rows, `[bq][C]`, then transposed to `[C][bq]` per tile.
+    mrow: Vec<f32>,
+    mt: Vec<f32>,
+    /// Running max, running sum, and this step's rescale factor, `[R]` each.
+    m: Vec<f32>,
+    l: Vec<f32>,
+    ms: Vec<f32>,
+    /// The AMX item's operands in the tiles' layouts.
+    amx: amx::Buffers,
+}
+
+thread_local! {
+    pub(super) static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+fn grow(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}
+
+/// Tile classes (SPEC 1 and 6): nothing visible, some visible or masked, all visible.
+const SKIP: u8 = 0;
+const PARTIAL: u8 = 1;
+const FULL: u8 = 2;
+
+/// One query tile of a work item, and what it does in the current step.
+#[derive(Clone, Copy, Default)]
+struct Sub {
+    /// First query row (of the sequence), and rows below the prompt's end (0 for a tile past it).
+    r0: usize,
+    nr: usize,
+    /// The item's rows of this tile: `[ib, ie)`.
+    ib: usize,
+    ie: usize,
+    /// This step: add the explicit mask; add the ALiBi distance; hide the pairs the
+    /// description does not see; the cache rows `[lo, hi)` it computes (empty: none).
+    add: bool,
+    distance: bool,
+    hide: bool,
+    lo: usize,
+    hi: usize,
+}
+
+/// The description's class of the step at `c0` (`n` cache rows of it exist) for query rows
+/// `r0 .. r0 + nr` of a sequence, and the range of the step's columns some of them see
+/// (relative to `c0`, unrounded).
+#[inline(always)]
+fn describe(pb: &Problem, seq: &Seq, r0: usize, nr: usize, c0: usize, n: usize) -> (u8, usize, usize) {
+    let off = seq.off;
+    let (first, last, w) = (r0 as i64 + off, (r0 + nr - 1) as i64 + off, pb.window as i64);
+    let (c0i, end) = (c0 as i64, (c0 + n) as i64);
+    // Row r sees [r + off - w + 1, r + off] (causal, window) within [0, Lk): the union over
+    // consecutive rows is one range.
+    let lo = if w > 0 { first - w + 1 } else { 0 }.max(c0i);
+    let hi = if pb.causal { last + 1 } else { end }.min(end);
+    if lo >= hi {
+        return (SKIP, C, 0);
+    }
+    let all = n == C && (!pb.causal || c0i + C as i64 - 1 <= first) && (w == 0 || c0i > last - w);
+    (if all { FULL } else { PARTIAL }, (lo - c0i) as usize, (hi - c0i) as usize)
+}
+
+/// The explicit mask's class of the step for query rows `r0 .. r0 + nr`: the bytes of every
+/// table row they cover (one where the table's tiles are as tall as ours).
+#[inline(always)]
+unsafe fn table_class(pb: &Problem, seq: &Seq, r0: usize, nr: usize, step: usize) -> u8 {
+    let (mut all_skip, mut all_full) = (true, true);
+    for t in r0 / pb.blk_bq..=(r0 + nr - 1) / pb.blk_bq {
+        let b = *pb.blk.add(seq.blk + t * pb.blk_steps + step);
+        all_skip &= b == SKIP;
+        all_full &= b == FULL;
+    }
+    if all_skip {
+        SKIP
+    } else if all_full {
+        FULL
+    } else {
+        PARTIAL
+    }
+}
+
+/// The item's query tiles: tile `k` is query tile `grp * nt + k` of the sequence, rows
+/// `[k * per, (k + 1) * per)` of the item (`per = bq * group`); a tile past the prompt has no rows.
+#[inline(always)]
+fn item_subs(pb: &Problem, seq: &Seq, grp: usize) -> [Sub; MAX_NT] {
+    let (bq, nt) = (pb.bq, pb.nt);
+    let per = bq * pb.group;
+    let q_tiles = seq.lq.div_ceil(bq);
+    let mut subs = [Sub::default(); MAX_NT];
+    for (k, sub) in subs.iter_mut().enumerate().take(nt) {
+        let qt = grp * nt + k;
+        let r0 = qt * bq;
+        let nr = if qt < q_tiles { bq.min(seq.lq - r0) } else { 0 };
+        *sub = Sub { r0, nr, ib: k * per, ie: (k + 1) * per, ..Sub::default() };
+    }
+    subs
+}
+
+/// The online softmax's starting state of `r` rows: max `-FLT_MAX / 2`, sum 0 (SPEC 2).
+#[inline(always)]
+unsafe fn start_rows(m: *mut f32, l: *mut f32, r: usize) {
+    for i in 0..r {
+        *m.add(i) = -f32::MAX / 2.0;
+        *l.add(i) = 0.0;
+    }
+}
+
+/// What each query tile of the item does in the step at `c0` (`n` of its cache rows exist):
+/// its class from the description and the explicit mask's table (the mask loaded into `mt`
+/// where partial), and the cache rows `[lo, hi)` it computes; returns the union of those
+/// ranges (empty: nothing to do).
+///
+/// Per tile, cache rows `[lo, hi)` (multiples of 4) hold every one the tile's rows may see;
+/// the others are -inf for all of them, so their p is exactly 0 and leaving them out changes
+/// no bit (K and V are finite). On the diagonal of a causal mask and at the edge of a window
+/// this skips up to three quarters of a step.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn plan_step<S: Simd>(
+    pb: &Problem,
+    seq: &Seq,
+    subs: &mut [Sub],
+    mrow: *mut f32,
+    mt: *mut f32,
+    step: usize,
+    c0: usize,
+    n: usize,
+) -> (usize, usize) {
+    let bq = pb.bq;
+    let (mut lo_all, mut hi_all) = (C, 0);
+    for (k, sub) in subs.iter_mut().enumerate() {
+        (sub.add, sub.distance, sub.hide, sub.lo, sub.hi) = (false, false, false, C, 0);
+        if sub.nr == 0 {
+            continue;
+        }
+        let (dc, dlo, dhi) = describe(pb, seq, sub.r0, sub.nr, c0, n);
+        if dc == SKIP {
+            continue;
+        }
+        let tc = if pb.has_mask { table_class(pb, seq, sub.r0, sub.nr, step) } else { FULL };
+        if tc == SKIP {
+            continue;
+        }
+        let (mut lo, mut hi) = if dc == FULL { (0, C) } else { (dlo & !3, ((dhi + 3) & !3).min(C)) };
+        if tc == PARTIAL {
+            let mask = pb.mask.add(seq.mask);
+            let (mlo, mhi) = load_mask::<S>(pb, mask, mrow, mt.add(k * C * bq), sub.r0, sub.nr, c0, n);
+            (lo, hi) = (lo.max(mlo), hi.min(mhi));
+        }
+        if !pb.column_skip {
+            (lo, hi) = (0, C);
+        }
+        (sub.add, sub.hide, sub.lo, sub.hi) = (tc == PARTIAL, dc == PARTIAL, lo, hi);
+        // ALiBi on the description: every computed pair has its own distance.
+        sub.distance = pb.alibi_distance;
+        if lo < hi {
+            lo_all = lo_all.min(lo);
+            hi_all = hi_all.max(hi);
+        }
+    }
+    (lo_all, hi_all)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problem(causal: bool, window: usize) -> Problem {
+        Problem {
+            group: 1,
+            bq: 32,
+            nt: 1,
+            q_rs: 0,
+            q_hs: 0,
+            k_rs: 0,
+            k_hs: 0,
+            v_rs: 0,
+            v_hs: 0,
+            o_rs: 0,
+            o_hs: 0,
+            mask_rs: 0,
+            lse_hs: 0,
+            scale: 1.0,
+            column_skip: true,
+            causal,
+            window,
+            has_mask: false,
+            has_lse: false,
+            kv_bf16: false,
+            softcap: 0.0,
+            alibi_distance: false,
+            slopes: std::ptr::null(),
+            sinks: std::ptr::null(),
+            q_dtype: Elem::F32,
+            o_dtype: Elem::F32,
+            blk_steps: 0,
+            blk_bq: 32,
+            q: std::ptr::null(),
+            k: std::ptr::null(),
+            v: std::ptr::null(),
+            mask: std::ptr::null(),
+            blk: std::ptr::null(),
+            out: SendPtr(std::ptr::null_mut()),
+            lse: SendPtr(std::ptr::null_mut()),
+            amx: crate::backend::cpu::amx::DEFAULT_F16,
+        }
+    }
+
+    /// The description's class and range against visibility pair by pair, for every
+    /// offset of the prompt in its cache up to 70 (so the diagonal and the window's edge
+    /// meet every alignment with the tiles), offsets a block gives (negative, past the
+    /// cache, with a cache shorter than the prompt) and windows on either side of tile sizes.
+    #[test]
+    fn the_description_classifies_as_its_pairs_say() {
+        let mut shapes = vec![(40usize, 20usize), (70, 3), (33, 64)]; // lk < lq: not causal only
+        for lq in [1, 5, 33, 70] {
+            shapes.extend((0..=70).map(|off| (lq, lq + off)));
+        }
+        let descriptions = [
+            (false, 0),
+            (true, 0),
+            (true, 1),
+            (true, 2),
+            (true, 15),
+            (true, 31),
+            (true, 32),
+            (true, 47),
+            (true, 63),
+            (true, 64),
+            (true, 79),
+            (true, 95),
+            (true, 100),
+        ];
+        for bq in [32, 16] {
+            for (causal, window) in descriptions {
+                let pb = Problem { bq, ..problem(causal, window) };
+                // The prompt at the cache's end, and offsets a block gives (context
+                // parallelism: a chunk of queries before, inside or past a chunk of the cache).
+                let placed = shapes
+                    .iter()
+                    .filter(|&&(lq, lk)| !causal || lk >= lq)
+                    .map(|&(lq, lk)| (lq, lk, lk as i64 - lq as i64));
+                let given = [(33usize, 100usize, -40i64), (33, 100, -1), (70, 20, 5), (5, 64, 200), (40, 130, 17)];
+                for (lq, lk, off) in placed.chain(given.into_iter().filter(|_| causal)) {
+                    let seq = Seq { lq, lk, off, ..Seq::default() };
+                    let visible = |r: usize, j: usize| {
+                        let (r, j) = (r as i64, j as i64);
+                        j < lk as i64 && (!causal || j <= r + off) && (window == 0 || j > r + off - window as i64)
+                    };
+                    for r0 in (0..lq).step_by(bq) {
+                        let nr = bq.min(lq - r0);
+                        for c0 in (0..lk).step_by(C) {
+                            let n = C.min(lk - c0);
+                            let (class, lo, hi) = describe(&pb, &seq, r0, nr, c0, n);
+                            let (mut seen, mut lo_want, mut hi_want) = (0, C, 0);
+                            for r in r0..r0 + nr {
+                                for j in c0..c0 + C {
+                                    if visible(r, j) {
+                                        seen += 1;
+                                        lo_want = lo_want.min(j - c0);
+                                        hi_want = hi_want.max(j - c0 + 1);
+                                    }
+                                }
+                            }
+                            let want = if seen == 0 {
+                                SKIP
+                            } else if seen == nr * C {
+                                FULL
+                            } else {
+                                PARTIAL
+                            };
+                            let at = format!(
+                                "bq {bq} causal {causal} window {window} lq {lq} lk {lk} off {off} r0 {r0} c0 {c0}"
+                            );
+                            assert_eq!(class, want, "{at}");
+                            if class != SKIP {
+                                assert_eq!((lo, hi), (lo_want, hi_want), "{at}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
