@@ -15,9 +15,28 @@ import pytest
 import mlx_native as mx
 from mlx_native.reference import nmse, reference_attention
 
+from conftest import TARGETS
+
 ROWS, NH, NKV, HD, KV_LEN, KVP = 70, 4, 2, 256, 150, 192
 BQ = 32
 GROUP = NH // NKV
+
+
+# Every target, and the AMX kernels on the emulated tiles where the CPU has no AMX (the same
+# arithmetic as the hardware's: an infinity in K or V meets the products' operand splits).
+EDGE_TARGETS = TARGETS + ([] if ("cpu", "amx") in TARGETS else [("cpu", "amx-emulated")])
+
+
+@pytest.fixture(params=EDGE_TARGETS, ids=[f"{b}-{i}" if i else b for b, i in EDGE_TARGETS])
+def device(request):
+    backend, isa = request.param
+    if isa is not None:
+        mx.force_cpu_isa(isa)
+    try:
+        yield mx.Device(backend)
+    finally:
+        if isa is not None:
+            mx.force_cpu_isa(None)
 
 
 def _problem(rng):

@@ -136,7 +136,9 @@ pub fn read(var: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> Settings {
     let cpu_threads = text(CPU_THREADS).and_then(|v| match v.parse::<usize>() {
         Ok(n) if n >= 1 => Some(n),
         _ => {
-            complain(format!("{CPU_THREADS}={v:?} is not a positive integer: ignored (the CPU kernels use every core)"));
+            complain(format!(
+                "{CPU_THREADS}={v:?} is not a positive integer: ignored (the CPU kernels use every core)"
+            ));
             None
         }
     });
@@ -186,7 +188,9 @@ pub fn read(var: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> Settings {
         Some(v) if v == "0" || v == "off" => CudaCache::Off,
         Some(v) => CudaCache::Folder(PathBuf::from(v)),
         None => CudaCache::Default(
-            path("XDG_CACHE_HOME").or_else(|| path("HOME").map(|h| h.join(".cache"))).map(|b| b.join("mlx_native").join("cuda")),
+            path("XDG_CACHE_HOME")
+                .or_else(|| path("HOME").map(|h| h.join(".cache")))
+                .map(|b| b.join("mlx_native").join("cuda")),
         ),
     };
     Settings {

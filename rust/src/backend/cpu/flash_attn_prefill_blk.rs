@@ -1,6 +1,5 @@
 //! CPU form of `flash_attn_prefill_blk`: classify each (bq x bk) tile of the F16 mask.
 
-
 use super::{host_slice, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;

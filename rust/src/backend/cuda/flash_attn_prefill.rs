@@ -21,12 +21,12 @@ use super::launch::{
     contract, device_buffer, no_workspace, optional_device_buffer, CudaKernel, Launch, PrepareContext,
 };
 use crate::error::{MlxError, Result};
-pub use crate::settings::CudaPair;
 use crate::interface::Dispatch;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_LSE, PREFILL_MASK,
     PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WORKSPACE_INDEX,
 };
+pub use crate::settings::CudaPair;
 
 /// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
 /// has the wgmma form on sm_90a and its CTA-pair variants (`<entry>_pair_heads`,

@@ -10,7 +10,6 @@
 //! 11), so a launch on another library's stream never allocates; without it (or with a
 //! smaller one) nothing is split.
 
-
 use super::attention_geometry::attention_geometry;
 use crate::params::{FlashAttnPrefillParamsGpu, PREFILL_LSE, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN};
 

@@ -47,13 +47,21 @@ pub fn effective_text(name: &'static str, text: &'static str) -> Result<&'static
 /// is not a folder or the file cannot be read as UTF-8 text.
 pub(crate) fn read_override(dir: &std::path::Path, name: &str) -> Result<Option<String>> {
     if !dir.is_dir() {
-        return Err(MlxError::InvalidArgument(format!("{}={} is not a folder", crate::settings::CUDA_SOURCE_DIR, dir.display())));
+        return Err(MlxError::InvalidArgument(format!(
+            "{}={} is not a folder",
+            crate::settings::CUDA_SOURCE_DIR,
+            dir.display()
+        )));
     }
     let path = dir.join(name);
     match std::fs::read_to_string(&path) {
         Ok(t) => Ok(Some(t)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(MlxError::InvalidArgument(format!("{}: cannot read {}: {e}", crate::settings::CUDA_SOURCE_DIR, path.display()))),
+        Err(e) => Err(MlxError::InvalidArgument(format!(
+            "{}: cannot read {}: {e}",
+            crate::settings::CUDA_SOURCE_DIR,
+            path.display()
+        ))),
     }
 }
 

@@ -113,6 +113,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     let subs = &mut subs[..nt];
     load_q::<S, DK>(pb, seq, g, subs, qt_b, r);
     pack_q::<S>(qt_b, DK, dkp, r, qv.hi, qv.lo);
+    let q_inf = holds_inf(qv.hi, dkp * r);
     start_rows(m_b, l_b, r);
     std::ptr::write_bytes(ot, 0, DV * r);
 
@@ -127,12 +128,17 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         }
         // K in blocks of 16 rows (a score tile), V in chunks of 32 (a product's reduction).
         let k_src = k_base.add(c0 * pb.k_rs);
-        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv_bf16, lo_all & !15, round_up(hi_all, 16), n, dkp, kb.hi, kb.lo);
+        let (ka, kb_end) = (lo_all & !15, round_up(hi_all, 16));
+        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv_bf16, ka, kb_end, n, dkp, kb.hi, kb.lo);
+        let inf = q_inf || holds_inf(kb.hi.add(ka * dkp), (kb_end - ka) * dkp);
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
             }
             scores(t, sub, &TERMS[..qk], kb, qv, st_b, r, dkp);
+            if inf && qk > 1 {
+                redo_nan_scores::<DK>(st_b, r, sub, k_src, pb.k_rs, pb.kv_bf16, qt_b);
+            }
             transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st_b, r, c0);
         }
         let v_src = v_base.add(c0 * pb.v_rs);
@@ -150,6 +156,43 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
 
     transpose_out::<S, DV>(ot, o_b, r);
     store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b);
+}
+
+/// Whether `n` bfloat16 values at `p` hold an infinity.
+unsafe fn holds_inf(p: *const u16, n: usize) -> bool {
+    std::slice::from_raw_parts(p, n).iter().any(|&x| x & 0x7fff == 0x7f80)
+}
+
+/// Where Q or K holds an infinity, a product of a high part and a low part can be inf . 0
+/// (the low part of most values is 0), a NaN where SPEC's f32 product has +-inf (a score of
+/// -inf masks its cache row). Such scores are computed again as one f32 dot product of the
+/// operands; a non-finite sum does not depend on the order of its terms, and a finite one
+/// never came out NaN. Rare (infinite inputs only), so plain scalar code.
+#[allow(clippy::too_many_arguments)]
+unsafe fn redo_nan_scores<const DK: usize>(
+    st: *mut f32,
+    r: usize,
+    sub: &Sub,
+    k: *const u16,
+    k_rs: usize,
+    bf16: bool,
+    qt: *const f32,
+) {
+    for j in sub.lo..sub.hi {
+        for i in sub.ib..sub.ie {
+            let s = st.add(j * r + i);
+            if !(*s).is_nan() {
+                continue;
+            }
+            let mut acc = 0.0f32;
+            for d in 0..DK {
+                let bits = *k.add(j * k_rs + d);
+                let kd = if bf16 { half::bf16::from_bits(bits).to_f32() } else { half::f16::from_bits(bits).to_f32() };
+                acc += kd * *qt.add(d * r + i);
+            }
+            *s = acc;
+        }
+    }
 }
 
 fn round_up(x: usize, to: usize) -> usize {

@@ -18,11 +18,15 @@ use crate::backend::cpu::simd::{Simd, W};
 
 /// `x = hi + lo` exactly (both bfloat16) for half values: `hi` is x cut to bfloat16 (one
 /// AND; any exact split serves when both parts are multiplied), `lo` the remainder, of at
-/// most 3 significant bits and the same sign.
+/// most 3 significant bits and the same sign. An infinity splits as (itself, 0): its
+/// remainder `inf - inf` would be NaN and turn a score of -inf (a cache row the products
+/// mask, SPEC 3's non-finite inputs) into NaN. A NaN stays NaN in both parts.
 #[inline(always)]
 pub(super) unsafe fn split<S: Simd>(x: S::V) -> (S::V, S::V) {
     let hi = S::trunc_bf16(x);
-    (hi, S::sub(x, hi))
+    let (zero, big) = (S::splat(0.0), S::splat(f32::MAX));
+    let lo = S::select_gt(x, big, zero, S::sub(x, hi));
+    (hi, S::select_gt(S::splat(-f32::MAX), x, zero, lo))
 }
 
 /// The parts of `x` an operand's products use: both ([`split`]) where its low part is
