@@ -33,18 +33,19 @@ def flash_attn_prefill(
     max_bias: float = 0.0,
     sinks: Any = None,
     offset: Optional[int] = None,
+    layout: str = "NHD",
 ) -> Any:
     if _through_torch_op(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, sinks) and not isinstance(device, Device):
         ops = _torch_ops or _import_torch_ops()
         return ops.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks, offset=offset,
+            check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks, offset=offset, layout=layout,
         )  # fmt: skip
     return attention.flash_attn_prefill(
         q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         return_lse=return_lse, out_dtype=out_dtype, device=device, check_finite=check_finite, offset=offset,
-        softcap=_off_if_none(softcap), max_bias=_off_if_none(max_bias), sinks=sinks,
+        softcap=_off_if_none(softcap), max_bias=_off_if_none(max_bias), sinks=sinks, layout=layout,
     )  # fmt: skip
 
 

@@ -19,7 +19,17 @@ from torch import Tensor
 
 from . import attention
 from .arrays import _torch_dtype
-from .checks import OUT_DTYPES, check_bool, check_device, check_max_bias, check_offset, check_scale, check_softcap, check_window
+from .checks import (
+    OUT_DTYPES,
+    check_bool,
+    check_device,
+    check_max_bias,
+    check_offset,
+    check_scale,
+    check_softcap,
+    check_tensor_layout,
+    check_window,
+)
 from .device import follow_torch_threads
 from .dtypes import dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
@@ -33,7 +43,8 @@ _LIB = torch.library.Library("mlx_native", "DEF")
 _ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor? mask=None, bool causal=False, SymInt? window=None, float? scale=None, "
     "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, ScalarType? out_dtype=None, str? device=None, "
-    "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None, SymInt? offset=None"
+    "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None, SymInt? offset=None, "
+    'str layout="NHD"'
 )
 # Defined with a schema and plain kernels rather than torch.library.custom_op: the same
 # operator to the tracers, at a fraction of custom_op's dispatch cost per eager call (about
@@ -45,14 +56,14 @@ _LIB.define(f"flash_attn_prefill_lse({_ARGS}) -> (Tensor, Tensor)")
 def _kernel(return_lse: bool, cpu: bool):
     def kernel(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
-               offset=None):  # fmt: skip
+               offset=None, layout="NHD"):  # fmt: skip
         if cpu:  # as many threads as PyTorch's own CPU operators, unless the caller chose
             follow_torch_threads(torch.get_num_threads())
         # The array call itself, never the public front door (which would come back here).
         return attention.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite, offset=offset, softcap=softcap, max_bias=max_bias, sinks=sinks,
+            check_finite=check_finite, offset=offset, softcap=softcap, max_bias=max_bias, sinks=sinks, layout=layout,
         )  # fmt: skip
 
     return kernel
@@ -61,10 +72,11 @@ def _kernel(return_lse: bool, cpu: bool):
 def _fake_out(q: Tensor, v: Tensor, out_dtype: Optional[torch.dtype]) -> Tensor:
     if q.dim() not in (3, 4):
         raise InvalidArgumentError(
-            f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim], got {q.dim()} axes "
-            f"(a [batch, heads, rows, head_dim] tensor passes as q.transpose(1, 2), without a copy)"
+            f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim] (layout=\"NHD\"), or "
+            f"[heads, rows, head_dim] / [batch, heads, rows, head_dim] (layout=\"HND\"), got {q.dim()} axes"
         )
-    # Shaped like q with v's head dim (576/512: MLA), contiguous, as the real call returns it.
+    # Shaped like q (in its layout) with v's head dim (576/512: MLA), contiguous, as the real
+    # call returns it.
     return q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype if out_dtype is None else out_dtype)
 
 
@@ -127,17 +139,21 @@ def _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, 
 def _fake(return_lse: bool):
     def fake(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
              out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
-             offset=None):  # fmt: skip
+             offset=None, layout="NHD"):  # fmt: skip
         named = dict(q=q, k=k, v=v, mask=mask, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         _check_fake_operands(named)
         if all(_concrete(t) for t in (q, k, v, mask, sinks)):
             kw = dict(causal=causal, window=window, scale=scale, out_dtype=out_dtype, softcap=softcap,
-                      max_bias=max_bias, offset=offset)  # fmt: skip
+                      max_bias=max_bias, offset=offset, layout=layout)  # fmt: skip
             _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw)
         out = _fake_out(q, v, out_dtype)
         if not return_lse:
             return out
-        shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
+        # lse is [batch, heads, rows] ([heads, rows] 3-D) in either layout.
+        if layout == "HND":
+            shape = tuple(q.shape[:-1])
+        else:
+            shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
         return out, q.new_empty(shape, dtype=torch.float32)
 
     return fake
@@ -173,7 +189,7 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
                        window: Any = None, scale: Any = None, cu_seqlens_q: Optional[Tensor] = None,
                        cu_seqlens_k: Optional[Tensor] = None, return_lse: Any = False, out_dtype: Any = None,
                        device: Optional[str] = None, check_finite: Any = False, softcap: Any = 0.0, max_bias: Any = 0.0,
-                       sinks: Optional[Tensor] = None, offset: Any = None):  # fmt: skip
+                       sinks: Optional[Tensor] = None, offset: Any = None, layout: Any = "NHD"):  # fmt: skip
     """``mlx_native.flash_attn_prefill`` on torch tensors, through the operators: the
     arguments are checked here (the library's typed errors, not the schema's), then one
     operator runs."""
@@ -200,11 +216,13 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
             max_bias = check_max_bias(0.0 if max_bias is None else max_bias)
         if offset is not None:
             offset = check_offset(offset, causal or window is not None)
+        if layout != "NHD":
+            layout = check_tensor_layout(layout)
     _refuse_grad(q=q, k=k, v=v, mask=mask, sinks=sinks)
     # The overloads, called by position: no name look-up, no keyword parsing.
     op = _LSE_OP if return_lse else _OP
     return op(q, k, v, mask, causal, window, scale, cu_seqlens_q, cu_seqlens_k, _torch_out_dtype(out_dtype), device,
-              check_finite, softcap, max_bias, sinks, offset)  # fmt: skip
+              check_finite, softcap, max_bias, sinks, offset, layout)  # fmt: skip
 
 
 _OP = torch.ops.mlx_native.flash_attn_prefill.default
