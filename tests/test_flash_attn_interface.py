@@ -222,3 +222,11 @@ def test_float32_kv_follow_the_stated_rule():
         assert torch.equal(out, fai.flash_attn_func(q, k.half(), v.half(), causal=True))
     ref, _ = attention(q, k, v, causal=True)
     assert (out.double() - ref).abs().max().item() < 2e-3
+
+
+def test_numpy_arrays_go_through_too():
+    # Not FlashAttention's (torch only), but the front door's: numpy in, numpy out, the same values.
+    q, k, v = _qkv(1, 10, 4, 2, 2, 59, torch.float16)
+    out, lse, _ = fai.flash_attn_func(q.numpy(), k.numpy(), v.numpy(), causal=True, return_attn_probs=True)
+    want, want_lse, _ = fai.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert isinstance(out, np.ndarray) and np.array_equal(out, want.numpy()) and np.array_equal(lse, want_lse.numpy())

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
+
+import numpy as np
 
 from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedFeatureError
 from .front_door import flash_attn_prefill
@@ -195,7 +197,7 @@ def flash_attn_varlen_kvpacked_func(
 def _fixed(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     kw = _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_probs)
     k, v = _kv(k, "k"), _kv(v, "v")
-    if (kw["causal"] or kw["window"] is not None) and q.dim() == 4 and k.dim() == 4 and k.shape[1] < q.shape[1]:
+    if (kw["causal"] or kw["window"] is not None) and len(q.shape) == 4 == len(k.shape) and k.shape[1] < q.shape[1]:
         # Bottom-right aligned with a cache shorter than the queries: the first rows see
         # nothing (our default refuses this shape as a mistake; FlashAttention allows it).
         kw["offset"] = int(k.shape[1]) - int(q.shape[1])
@@ -310,8 +312,10 @@ def _finish(result):
     if not isinstance(result, tuple):
         return result
     out, lse = result
-    if hasattr(lse, "masked_fill"):
+    if hasattr(lse, "masked_fill"):  # torch
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    else:  # numpy
+        lse = np.where(lse == -np.inf, np.float32(np.inf), lse)
     return out, lse, None
 
 
