@@ -214,11 +214,12 @@ torch.library.register_fake("mlx_native::_no_backward", _no_backward_fake, lib=_
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v = inputs[:3]
     ctx.shapes = (q.shape, k.shape, v.shape)  # shapes only: no tensor is kept for a backward that never runs
+    ctx.others = len(inputs) - 3
 
 
 def _backward(ctx, grad, *more):
     dq, dk, dv = torch.ops.mlx_native._no_backward(grad, *ctx.shapes)
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * ctx.others
 
 
 for _name in ("flash_attn_prefill_autograd", "flash_attn_prefill_lse_autograd"):
