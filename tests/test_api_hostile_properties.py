@@ -47,7 +47,7 @@ HOSTILE_SCALARS = [
     complex(1, 1),
 ]  # fmt: skip
 KEYWORDS = ("causal", "window", "offset", "scale", "return_lse", "out_dtype", "device", "check_finite", "softcap",
-            "max_bias")  # fmt: skip
+            "max_bias", "layout")  # fmt: skip
 ARRAY_MUTATIONS = (
     "float64", "int32", "bool", "bfloat16", "float16", "float32", "byteswap", "transpose", "drop_axis", "add_axis",
     "slice_last", "reversed", "strided_last", "empty", "list", "scalar", "meta", "other_library", "unaligned",

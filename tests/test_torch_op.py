@@ -183,29 +183,35 @@ def test_torch_compile_fullgraph_traces_the_front_door(rng, backend):
     assert explain.graph_break_count == 0 and explain.graph_count == 1
 
 
-def test_a_compiled_call_refuses_grad(rng):
+def test_a_compiled_call_runs_under_grad_and_refuses_a_backward(rng):
     q, k, v = _qkv(rng, (10, 2, 256), (10, 1, 256))
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: mn.flash_attn_prefill(q, k, v, causal=True), fullgraph=True,
                              backend="aot_eager")  # fmt: skip
-    with pytest.raises(Exception, match="requires grad"):
-        compiled(q.requires_grad_(True), k, v)
+    out = compiled(q.requires_grad_(True), k, v)
+    assert torch.equal(out.detach(), mn.flash_attn_prefill(q.detach(), k, v, causal=True))
+    with pytest.raises(mn.UnsupportedFeatureError, match="backward pass"):
+        out.sum().backward()
 
 
 # ------------------------------------------------------------------ refusals
 
 
-def test_requires_grad_is_refused_by_the_call_and_by_the_operator(rng):
+def test_requires_grad_runs_forward_and_refuses_backward(rng):
     ops = _op()
     q, k, v = _qkv(rng, (10, 2, 256), (10, 1, 256))
     k.requires_grad_(True)
-    with pytest.raises(mn.InvalidArgumentError, match="k requires grad.*no backward"):
-        mn.flash_attn_prefill(q, k, v)
+    want = mn.flash_attn_prefill(q, k.detach(), v)
+    out = mn.flash_attn_prefill(q, k, v)  # the operator with the autograd formula
+    assert out.requires_grad and torch.equal(out.detach(), want)
+    with pytest.raises(mn.UnsupportedFeatureError, match="backward pass"):
+        out.sum().backward()
+    # The plain operator has no formula: called directly under grad mode it refuses by name.
     with pytest.raises(mn.InvalidArgumentError, match="requires grad.*no backward"):
         ops.flash_attn_prefill(q, k, v)
-    with torch.no_grad():  # a leaf that requires grad is refused under no_grad too
-        with pytest.raises(mn.InvalidArgumentError, match="requires grad"):
-            mn.flash_attn_prefill(q, k, v)
+    with torch.no_grad():  # nothing records a graph: the leaf is read as it is
+        assert torch.equal(mn.flash_attn_prefill(q, k, v), want)
+        assert torch.equal(ops.flash_attn_prefill(q, k, v), want)
 
 
 def test_bad_arguments_give_the_librarys_errors_not_the_schemas(rng):

@@ -322,18 +322,31 @@ def test_dropout_in_training_is_refused():
         m(ids)  # dropout is 0 in eval
 
 
-def test_a_backward_pass_is_refused(built):
+def test_a_forward_under_grad_mode_runs_and_a_backward_is_refused(built):
     ids, _ = inputs(1)
+    logits = built["gemma3"][NAME](ids).logits  # grad enabled, weights that require grad
+    with torch.no_grad():
+        assert torch.equal(logits.detach(), built["gemma3"][NAME](ids).logits)
     with pytest.raises(NotImplementedError, match="backward"):
-        built["gemma3"][NAME](ids)  # grad enabled, weights that require grad
+        logits.sum().backward()
 
 
-def test_an_unsupported_head_dim_is_refused_by_name():
+def test_a_head_dim_below_the_kernels_runs_padded():
+    # Issue 28: head dim 32 has no kernel of its own; the front door runs it on 64, zero-padded.
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
-    m = models(cfg, impls=(NAME,))[NAME]
-    with torch.no_grad(), pytest.raises(mn.UnsupportedFeatureError, match="head dim 32") as e:
-        m(inputs(1)[0])
+    ms = models(cfg, impls=(NAME, REFERENCE))
+    with torch.no_grad():
+        ids = inputs(1)[0]
+        ours, ref = ms[NAME](ids).logits, ms[REFERENCE](ids).logits
+    assert (ours - ref).abs().max() < 1e-4
+
+
+def test_a_head_dim_without_any_kernel_is_refused_when_set():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=1024)  # fmt: skip
+    with pytest.raises(mn.UnsupportedFeatureError, match="head dim 1024") as e:
+        mn_hf.register(config=cfg)
     assert isinstance(e.value, NotImplementedError) and "256" in str(e.value)  # it names the dims it takes
 
 
@@ -365,8 +378,10 @@ def test_what_the_kernels_do_not_take_is_refused_at_the_attention_function():
             mn_hf.attention_forward(module, q, k, v, torch.zeros(1, 4, 6, 6))
         with pytest.raises(mn.UnsupportedFeatureError, match="position bias"):
             mn_hf.attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 4, 6, 6))
-        with pytest.raises(mn.UnsupportedFeatureError, match=r"head dim 256 \(values 128\)"):
-            mn_hf.attention_forward(module, q, k, v[..., :128], None)
+        # Head dims below the largest kernel's run zero-padded (issue 28); beyond it, refused.
+        wide = [x.new_zeros(x.shape[:-1] + (600,)) for x in (q, k, v)]
+        with pytest.raises(mn.UnsupportedFeatureError, match=r"head dim 600 \(values 600\)"):
+            mn_hf.attention_forward(module, *wide, None)
         with pytest.raises(mn.UnsupportedFeatureError, match="batch 1 against keys of batch 2"):
             mn_hf.attention_forward(module, q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), None)
 

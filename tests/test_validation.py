@@ -161,8 +161,11 @@ def test_high_level_rejections(rng):
         mx.flash_attn_prefill(q.astype(np.float64), k, k)
     with pytest.raises(mx.UnsupportedDtypeError, match="k must be float16 or bfloat16"):
         mx.flash_attn_prefill(q, k.astype(np.float32), k)
+    # 100 runs zero-padded on 112 (issue 28); the plan takes kernel head dims only.
     with pytest.raises(mx.InvalidArgumentError, match="unsupported head_dim 100"):
-        mx.flash_attn_prefill(q[..., :100], k[..., :100], k[..., :100])
+        mx.PrefillPlan(q[..., :100], k[..., :100], k[..., :100])
+    with pytest.raises(mx.InvalidArgumentError, match="unsupported head_dim 600"):
+        mx.flash_attn_prefill(*(np.zeros(x.shape[:-1] + (600,), x.dtype) for x in (q, k, k)))
     with pytest.raises(mx.InvalidArgumentError, match="must match"):
         mx.flash_attn_prefill(q, k, k[:8])
     with pytest.raises(mx.InvalidArgumentError, match="not a multiple of n_kv_heads"):

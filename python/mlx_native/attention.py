@@ -9,7 +9,16 @@ from collections import OrderedDict
 from typing import Any, Optional, Union
 
 from .arrays import layout_key
-from .checks import check_bool, check_device, check_max_bias, check_offset, check_scale, check_softcap, check_window
+from .checks import (
+    check_bool,
+    check_device,
+    check_max_bias,
+    check_offset,
+    check_scale,
+    check_softcap,
+    check_tensor_layout,
+    check_window,
+)
 from .device import Device
 from .plan import PrefillPlan
 
@@ -47,19 +56,23 @@ def flash_attn_prefill(
     softcap: float = 0.0,
     max_bias: float = 0.0,
     sinks: Any = None,
+    layout: str = "NHD",
 ) -> Any:
     """Flash attention for a prefill (SPEC 6-10, ``ggml_flash_attn_ext``'s parameters), on
     numpy arrays and torch tensors (CPU and CUDA) alike; the result is an array of q's
     library on q's device.
 
-    Layouts (the head axis is the second to last, **not** the second)::
+    Layouts: ``layout="NHD"`` (the default, FlashAttention's: the head axis is the second to
+    last, **not** the second)::
 
         q     [rows, heads, head_dim]        or [batch, rows, heads, head_dim]
         k, v  [kv_len, kv_heads, head_dim]   or [batch, kv_len, kv_heads, head_dim]
 
-    Any strides with a contiguous last axis are used in place, so a ``[batch, heads, rows,
-    head_dim]`` tensor passes as ``x.transpose(1, 2)`` (and ``[heads, rows, head_dim]`` as
-    ``x.transpose(0, 1)``) without a copy; an array whose last axis is not contiguous is
+    ``layout="HND"`` (PyTorch SDPA's, transformers'): q ``[heads, rows, head_dim]`` or
+    ``[batch, heads, rows, head_dim]``, k/v ``[batch, kv_heads, kv_len, head_dim]``, and the
+    output in that layout too. **An SDPA-layout tensor needs** ``layout="HND"``: read as
+    ``"NHD"`` its heads would be taken for rows. Any strides with a contiguous last axis
+    are used in place, in either layout, without a copy; an array whose last axis is not contiguous is
     copied first (by its own library, on its device). ``heads`` must be a multiple of
     ``kv_heads`` (query head ``h`` reads KV head ``h // (heads // kv_heads)``); head_dim
     64, 80, 96, 112, 128, 192, 256 or 512, or q/k 576 with v 512 (DeepSeek's MLA; v may be
@@ -111,6 +124,7 @@ def flash_attn_prefill(
     current stream (PyTorch's for tensors) and the call returns without waiting. Every
     argument is checked before anything runs; a mistake is an ``MlxError`` that is also a
     ``ValueError`` or a ``TypeError``."""
+    layout = check_tensor_layout(layout)
     causal = check_bool(causal, "causal")
     window = check_window(window)
     offset = check_offset(offset, causal or window is not None)
@@ -121,7 +135,7 @@ def flash_attn_prefill(
     softcap, max_bias = check_softcap(softcap), check_max_bias(max_bias)
     described = (causal, window, offset, scale)
     transforms = (softcap, max_bias, sinks is not None)
-    rest = described + (return_lse, out_dtype, device, check_finite, transforms)
+    rest = described + (return_lse, out_dtype, device, check_finite, transforms, layout)
     key = _key(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, rest)
     plan = None
     if key is not None:
@@ -133,7 +147,7 @@ def flash_attn_prefill(
         plan = PrefillPlan(
             q, k, v, mask, causal=causal, window=window, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks,
+            check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks, layout=layout,
         )  # fmt: skip
         plan._planned = None  # the cache keeps no arrays alive
         plan._planned_sinks = None

@@ -56,6 +56,26 @@ def check_window(window: Any, name: str = "window") -> Optional[int]:
     return w
 
 
+#: The tensor layouts of q, k, v and the output (``layout=``): ``"NHD"`` is ``[..., seq,
+#: heads, head_dim]`` (FlashAttention's, the default), ``"HND"`` ``[..., heads, seq,
+#: head_dim]`` (PyTorch SDPA's and transformers'). Written here once; the front door, the
+#: plan and the torch operators take it.
+TENSOR_LAYOUTS = ("NHD", "HND")
+
+
+def check_tensor_layout(layout: Any) -> str:
+    """``"NHD"`` or ``"HND"`` (:data:`TENSOR_LAYOUTS`)."""
+    if isinstance(layout, str) and layout in TENSOR_LAYOUTS:
+        return layout
+    what = (
+        'pass "NHD" for [batch, seq, heads, head_dim] (FlashAttention\'s layout, the default) or "HND" for '
+        "[batch, heads, seq, head_dim] (PyTorch SDPA's)"
+    )
+    if not isinstance(layout, str):
+        raise ArgumentTypeError(f"layout must be a string, got {layout!r} ({type(layout).__name__}): {what}")
+    raise InvalidArgumentError(f"layout {layout!r} is not a tensor layout: {what}")
+
+
 def check_offset(offset: Any, causal: bool) -> Optional[int]:
     """``None`` (the prompt is the end of its cache: ``offset = kv_len - rows``, SPEC 6) or
     an integer in int32 placing query row ``r`` at position ``r + offset`` of the cache, any

@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 
 from . import attention
 from .device import Device
+from .head_dims import cut_head_dim, pad_head_dims
 
 __all__ = ["flash_attn_prefill"]
 
@@ -33,18 +34,36 @@ def flash_attn_prefill(
     max_bias: float = 0.0,
     sinks: Any = None,
     offset: Optional[int] = None,
+    layout: str = "NHD",
 ) -> Any:
+    # A head dim without a kernel runs on the next kernel size, zero-padded (head_dims.py):
+    # here, so that every entry (torch operators and arrays alike) gets it.
+    q, k, v, scale, cut = pad_head_dims(q, k, v, scale)
+    out = _dispatch(
+        q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        return_lse=return_lse, out_dtype=out_dtype, device=device, check_finite=check_finite, softcap=softcap,
+        max_bias=max_bias, sinks=sinks, offset=offset, layout=layout,
+    )  # fmt: skip
+    if cut is None:
+        return out
+    if isinstance(out, tuple):
+        return cut_head_dim(out[0], cut), out[1]
+    return cut_head_dim(out, cut)
+
+
+def _dispatch(q, k, v, mask, *, causal, window, scale, cu_seqlens_q, cu_seqlens_k, return_lse, out_dtype, device,
+              check_finite, softcap, max_bias, sinks, offset, layout):  # fmt: skip
     if _through_torch_op(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, sinks) and not isinstance(device, Device):
         ops = _torch_ops or _import_torch_ops()
         return ops.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks, offset=offset,
+            check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks, offset=offset, layout=layout,
         )  # fmt: skip
     return attention.flash_attn_prefill(
         q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         return_lse=return_lse, out_dtype=out_dtype, device=device, check_finite=check_finite, offset=offset,
-        softcap=_off_if_none(softcap), max_bias=_off_if_none(max_bias), sinks=sinks,
+        softcap=_off_if_none(softcap), max_bias=_off_if_none(max_bias), sinks=sinks, layout=layout,
     )  # fmt: skip
 
 
@@ -88,4 +107,10 @@ flash_attn_prefill.__doc__ = (attention.flash_attn_prefill.__doc__ or "") + """
     ``return_lse``), so ``torch.compile(fn, fullgraph=True)`` traces a function that calls
     this without a graph break; ``device`` as a ``mlx_native.Device`` object runs outside it.
     ``softcap``, ``max_bias``, ``sinks`` (SPEC 10) and ``offset`` are passed on when not
-    their defaults."""
+    their defaults.
+
+    Head dims without a kernel of their own (any up to the largest kernel's, e.g.
+    FlashAttention's 32, 40, 59, 160, 224) run on the next kernel size: q, k and v are
+    copied with zero columns up to it (which change no score), the output's extra columns
+    are cut off, and ``scale=None`` stays ``1/sqrt`` of the caller's head dim. Numpy arrays
+    and torch tensors only; the plan (``PrefillPlan``) takes kernel head dims alone."""

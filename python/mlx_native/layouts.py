@@ -4,6 +4,7 @@ of q, k and v against each other, and where a prefill runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Optional, Sequence, Tuple
 
@@ -16,7 +17,16 @@ from .dtypes import DTYPE_CODES, dtype_code, dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError
 from .scalars import check_shape, check_strides
 
-__all__ = ["ArraySpec", "check_head_dims", "check_qkv", "layout", "norm_strides", "operand", "pick_device", "span"]
+__all__ = [
+    "ArraySpec", "HND_HINT", "check_head_dims", "check_qkv", "layout", "norm_strides", "nhd_view", "operand", "pick_device",
+    "span",
+]  # fmt: skip
+
+#: What a mistake that often comes from an SDPA-layout array read as ``"NHD"`` says to do.
+HND_HINT = (
+    'if the arrays are [batch, heads, seq, head_dim] (PyTorch SDPA\'s layout), pass layout="HND" (read in place; '
+    "or x.transpose(1, 2), also without a copy)"
+)
 
 _Q_DTYPES = ("float32", "float16", "bfloat16")
 _SPEC_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -65,10 +75,32 @@ def norm_strides(shape: tuple, strides: tuple) -> tuple:
     return tuple(0 if d <= 1 else int(s) for d, s in zip(shape, strides))
 
 
-def layout(op: Operand) -> tuple:
+def nhd_view(op: Operand) -> Operand:
+    """An ``"HND"`` operand (``[..., heads, seq, head_dim]``) as the ``"NHD"`` one the plan
+    reads: axes -3 and -2 swapped in its shape and strides, the same elements at the same
+    address (no copy). An operand of fewer than 3 axes is returned as it is, for
+    :func:`check_qkv` to refuse. Its ``obj`` stays the caller's array: a copy of one whose
+    last axis is not contiguous is made from ``obj`` and then viewed again."""
+    if op.ndim < 3:
+        return op
+    return dataclasses.replace(op, shape=_swapped(op.shape), strides=_swapped(op.strides))
+
+
+def _swapped(t: tuple) -> tuple:
+    return t[:-3] + (t[-2], t[-3], t[-1])
+
+
+def layout(op: Operand, hnd: bool = False) -> tuple:
     """(shape, strides, dtype) as the kernels read the operand: its own strides when its
-    last axis is contiguous (used in place), else those of its contiguous copy."""
-    strides = op.strides if op.in_place else _contiguous_strides(op.shape)
+    last axis is contiguous (used in place), else those of its contiguous copy. ``hnd``:
+    ``op`` is an :func:`nhd_view`, whose copy is made in the caller's layout and then
+    viewed."""
+    if op.in_place:
+        strides = op.strides
+    elif hnd and op.ndim >= 3:
+        strides = _swapped(_contiguous_strides(_swapped(op.shape)))
+    else:
+        strides = _contiguous_strides(op.shape)
     return op.shape, norm_strides(op.shape, strides), op.dtype
 
 
@@ -79,9 +111,17 @@ def span(op: Operand) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(a, shape=(n,), strides=(a.itemsize,), writeable=False)
 
 
-def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
+def check_qkv(qo: Operand, ko: Operand, vo: Operand, tensor_layout: str = "NHD") -> None:
     """Dtypes, ranks and shapes of q, k, v against each other, and that this build has a
-    kernel for the head dims (q and k's, v's) and the K/V dtype."""
+    kernel for the head dims (q and k's, v's) and the K/V dtype. The operands are read as
+    ``"NHD"`` (:func:`nhd_view` of ``"HND"`` ones); ``tensor_layout`` says which the
+    caller passed, for the messages."""
+    hnd = tensor_layout == "HND"
+    seq_heads = "[heads, rows, head_dim]" if hnd else "[rows, heads, head_dim]"
+    fix = (
+        'with layout="HND" q is [batch, heads, rows, head_dim] and k/v [batch, kv_heads, kv_len, head_dim]'
+        if hnd else f"the layout is q [rows, heads, head_dim], k/v [kv_len, kv_heads, head_dim]; {HND_HINT}"
+    )  # fmt: skip
     for name, op in (("k", ko), ("v", vo)):
         if op.device != qo.device:
             raise InvalidArgumentError(f"{name} is on {op.device} and q on {qo.device}: put q, k and v on one device")
@@ -96,8 +136,8 @@ def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
         )
     if qo.ndim not in (3, 4):
         raise InvalidArgumentError(
-            f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim], got shape {qo.shape} "
-            f"(a [batch, heads, rows, head_dim] tensor passes as q.transpose(1, 2), without a copy)"
+            f"q must be 3-D {seq_heads} or 4-D [batch, {seq_heads[1:]}, got shape {qo.shape}"
+            + ("" if hnd else f" ({HND_HINT})")
         )
     for name, op in (("k", ko), ("v", vo)):
         if op.ndim != qo.ndim:
@@ -117,11 +157,8 @@ def check_qkv(qo: Operand, ko: Operand, vo: Operand) -> None:
         raise InvalidArgumentError(f"q has a batch of {qo.shape[0]} and k/v of {ko.shape[0]}: they must be equal")
     n_heads, n_kv = qo.shape[-2], ko.shape[-2]
     if n_kv == 0 or n_heads % n_kv:
-        raise InvalidArgumentError(
-            f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv} (axis -2 of q and of k/v). The layout is "
-            f"q [rows, heads, head_dim], k/v [kv_len, kv_heads, head_dim]: a [heads, rows, head_dim] tensor passes "
-            f"as x.transpose(0, 1) (4-D: x.transpose(1, 2)), without a copy"
-        )
+        axis = "axis -3" if hnd else "axis -2"
+        raise InvalidArgumentError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv} ({axis} of q and of k/v): {fix}")
     # The head dims this build has kernels for, as the op itself says.
     dk, dv = (min(int(x), 2**32 - 1) for x in (qo.shape[-1], vo.shape[-1]))
     check(lib.mlxn_flash_attn_prefill_supports(dk, dv, DTYPE_CODES[ko.dtype.name]))

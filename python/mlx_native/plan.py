@@ -27,13 +27,15 @@ from .checks import (
     check_scale,
     check_sinks,
     check_softcap,
+    check_tensor_layout,
     check_window,
     default_scale,
 )
 from .device import Device, Encoder
 from .dtypes import DTYPE_CODES, numpy_dtype_of_name
 from .errors import InvalidArgumentError, not_picklable
-from .layouts import ArraySpec, check_qkv, layout, norm_strides, operand, pick_device, span
+from .layouts import layout as read_layout
+from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
 
 __all__ = ["ArraySpec", "PrefillPlan"]
@@ -70,6 +72,9 @@ class PrefillPlan:
       (:attr:`workspace_bytes`, the same way): it can be captured in a
       ``torch.cuda.CUDAGraph`` and replayed. The plan owns the explicit mask's tile table,
       so runs of one plan with a mask must not overlap on different streams.
+    - ``layout``: ``"NHD"`` (q ``[..., rows, heads, head_dim]``, the default) or ``"HND"``
+      (``[..., heads, rows, head_dim]``, PyTorch SDPA's), for q, k, v and the output alike;
+      read in place through the strides, written by the kernel in that layout.
     - ``encode(encoder, classify=True)`` records the planned arrays' run on an encoder
       (the benchmarks record many and commit once); ``encoded_result()`` is its output.
     - ``visible_pairs``: the (query row, cache row) pairs the mask leaves visible, the
@@ -100,7 +105,10 @@ class PrefillPlan:
         softcap: float = 0.0,
         max_bias: float = 0.0,
         sinks: Any = None,
+        layout: str = "NHD",
     ):
+        self.layout = check_tensor_layout(layout)
+        hnd = self.layout == "HND"
         causal = check_bool(causal, "causal")
         window = check_window(window)
         causal = causal or window is not None
@@ -111,7 +119,9 @@ class PrefillPlan:
         self._check_finite = check_bool(check_finite, "check_finite")
         dev_arg = check_device(device)
         qo, ko, vo = operand(q, "q"), operand(k, "k"), operand(v, "v")
-        check_qkv(qo, ko, vo)
+        if hnd:  # the kernels read [..., rows, heads, head_dim] through these strides
+            qo, ko, vo = nhd_view(qo), nhd_view(ko), nhd_view(vo)
+        check_qkv(qo, ko, vo, self.layout)
         batched = qo.ndim == 4
         rows, n_heads, head_dim = qo.shape[-3:]
         kv_len, n_kv_heads, head_dim_v = ko.shape[-3], ko.shape[-2], vo.shape[-1]
@@ -143,6 +153,7 @@ class PrefillPlan:
                 raise InvalidArgumentError(
                     f"causal with {rows} query rows and a cache of {kv_len} rows: the prompt is the end of its cache, "
                     f"which cannot be shorter (pass the whole cache as k/v, or causal=False with an explicit mask)"
+                    + ("" if hnd else f"; {HND_HINT}")
                 )
         self.device, self._upload = pick_device(dev_arg, qo)
         self._cuda = self.device.backend == "cuda" and not self._upload
@@ -153,7 +164,7 @@ class PrefillPlan:
         self.causal, self.window, self.offset, self.batch = causal, window, offset, batch
         self._dims = (rows, kv_len, n_heads, n_kv_heads, head_dim)
         self._n_heads = n_heads
-        self._layouts = tuple(layout(o) for o in (qo, ko, vo))
+        self._layouts = tuple(read_layout(o, hnd) for o in (qo, ko, vo))
 
         self._mask_form = None
         mask_strides = (0, 0)
@@ -168,15 +179,20 @@ class PrefillPlan:
             self._mask_form = (core.shape, bs, rs)
             mask_strides = (bs, rs)
 
-        # Outputs: like q with v's head dim, contiguous; lse [H, rows], [B, H, rows] or [H, total_q].
+        # Outputs: like q (in its layout) with v's head dim, contiguous; lse [H, rows], [B, H, rows]
+        # or [H, total_q] in either layout.
         self.shape = qo.shape[:-1] + (head_dim_v,)
+        out_strides = (rows * n_heads * head_dim_v if batched else 0, n_heads * head_dim_v, head_dim_v)
+        if hnd:  # [..., heads, rows, dv]: the kernel writes each (row, head) through these strides
+            self.shape = self.shape[:-3] + (n_heads, rows, head_dim_v)
+            out_strides = (out_strides[0], head_dim_v, rows * head_dim_v)
         self.lse_shape = (batch, n_heads, rows) if batched else (n_heads, rows)
         p = ffi.new("MlxnFlashAttnPrefillParams *")
         qs, ks, vs = (lay[1] for lay in self._layouts)
         if not batched:
             qs, ks, vs = (0,) + qs, (0,) + ks, (0,) + vs
         p.q_strides, p.k_strides, p.v_strides = qs[:3], ks[:3], vs[:3]
-        p.out_strides = (rows * n_heads * head_dim_v if batched else 0, n_heads * head_dim_v, head_dim_v)
+        p.out_strides = out_strides
         p.mask_strides = mask_strides
         p.lse_strides = (n_heads * rows if batched else 0, rows)
         p.batch, p.rows, p.kv_len = batch, rows, kv_len
@@ -270,6 +286,8 @@ class PrefillPlan:
         desc = f"window {self.window}" if self.window else ("causal" if self.causal else "no description")
         if self.offset is not None:
             desc += f", offset {self.offset}"
+        if self.layout != "NHD":
+            desc += f", layout {self.layout}"
         return (
             f"PrefillPlan({what}, {rows} rows, {kv_len} cache rows, {nh}/{nkv} heads, dim {hd}, {desc}{mask}, "
             f"scale {self.scale:g}, out {self.out_dtype.name}{', lse' if self._lse else ''}, on {self.device.backend})"
@@ -368,6 +386,8 @@ class PrefillPlan:
         op = Operand.of(x, name)
         if not op.in_place:
             op = op.made_contiguous()
+        if self.layout == "HND":
+            op = nhd_view(op)
         shape, strides, dtype = self._layouts[i]
         if op.shape != shape or op.dtype != dtype or norm_strides(op.shape, op.strides) != strides:
             raise InvalidArgumentError(

@@ -8,7 +8,9 @@ Importing this module needs torch and registers both operators; ``mlx_native`` i
 when a torch tensor first reaches :func:`mlx_native.flash_attn_prefill`, so torch stays
 optional. The real implementation is the array call (``attention.flash_attn_prefill``):
 CPU tensors on the CPU backend, CUDA tensors on their device and on the caller's current
-stream. There is no backward pass: a tensor that requires grad is refused."""
+stream. There is no backward pass: the forward runs under grad mode (a model in eval mode
+called without ``torch.no_grad()``), and a backward through it raises
+:class:`~mlx_native.UnsupportedFeatureError` when it is called (``_no_backward``)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,20 @@ from torch import Tensor
 
 from . import attention
 from .arrays import _torch_dtype
-from .checks import OUT_DTYPES, check_bool, check_device, check_max_bias, check_offset, check_scale, check_softcap, check_window
+from .checks import (
+    OUT_DTYPES,
+    check_bool,
+    check_device,
+    check_max_bias,
+    check_offset,
+    check_scale,
+    check_softcap,
+    check_tensor_layout,
+    check_window,
+)
 from .device import follow_torch_threads
 from .dtypes import dtype_name, numpy_dtype_of_name
-from .errors import InvalidArgumentError, UnsupportedDtypeError
+from .errors import InvalidArgumentError, UnsupportedDtypeError, UnsupportedFeatureError
 
 __all__ = ["flash_attn_prefill"]
 
@@ -33,38 +45,54 @@ _LIB = torch.library.Library("mlx_native", "DEF")
 _ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor? mask=None, bool causal=False, SymInt? window=None, float? scale=None, "
     "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, ScalarType? out_dtype=None, str? device=None, "
-    "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None, SymInt? offset=None"
+    "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None, SymInt? offset=None, "
+    'str layout="NHD"'
 )
 # Defined with a schema and plain kernels rather than torch.library.custom_op: the same
 # operator to the tracers, at a fraction of custom_op's dispatch cost per eager call (about
 # 5 us against 20-30 us on this CPU), which a call of a short prefill would feel.
 _LIB.define(f"flash_attn_prefill({_ARGS}) -> Tensor")
 _LIB.define(f"flash_attn_prefill_lse({_ARGS}) -> (Tensor, Tensor)")
+# The same operators with an autograd formula (whose backward raises), for inputs that
+# require grad: a Python autograd kernel costs every call about 30 us, which the plain
+# ones, called whenever no input requires grad, do not pay.
+_LIB.define(f"flash_attn_prefill_autograd({_ARGS}) -> Tensor")
+_LIB.define(f"flash_attn_prefill_lse_autograd({_ARGS}) -> (Tensor, Tensor)")
 
 
-def _kernel(return_lse: bool, cpu: bool):
+def _kernel(return_lse: bool, cpu: bool, autograd: bool = False):
     def kernel(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
-               offset=None):  # fmt: skip
+               offset=None, layout="NHD"):  # fmt: skip
         if cpu:  # as many threads as PyTorch's own CPU operators, unless the caller chose
             follow_torch_threads(torch.get_num_threads())
+        # Below the autograd key the tensors still say requires_grad; the kernels read data.
+        # The plain operators have no formula: under grad mode such a tensor is refused
+        # there, by name (a direct call); under no_grad nothing records a graph.
+        if autograd or not torch.is_grad_enabled():
+            q, k, v, mask, sinks = (_detached(t) for t in (q, k, v, mask, sinks))
         # The array call itself, never the public front door (which would come back here).
         return attention.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite, offset=offset, softcap=softcap, max_bias=max_bias, sinks=sinks,
+            check_finite=check_finite, offset=offset, softcap=softcap, max_bias=max_bias, sinks=sinks, layout=layout,
         )  # fmt: skip
 
     return kernel
 
 
+def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t.detach() if t is not None and t.requires_grad else t
+
+
 def _fake_out(q: Tensor, v: Tensor, out_dtype: Optional[torch.dtype]) -> Tensor:
     if q.dim() not in (3, 4):
         raise InvalidArgumentError(
-            f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim], got {q.dim()} axes "
-            f"(a [batch, heads, rows, head_dim] tensor passes as q.transpose(1, 2), without a copy)"
+            f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim] (layout=\"NHD\"), or "
+            f"[heads, rows, head_dim] / [batch, heads, rows, head_dim] (layout=\"HND\"), got {q.dim()} axes"
         )
-    # Shaped like q with v's head dim (576/512: MLA), contiguous, as the real call returns it.
+    # Shaped like q (in its layout) with v's head dim (576/512: MLA), contiguous, as the real
+    # call returns it.
     return q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype if out_dtype is None else out_dtype)
 
 
@@ -127,35 +155,75 @@ def _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, 
 def _fake(return_lse: bool):
     def fake(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
              out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
-             offset=None):  # fmt: skip
+             offset=None, layout="NHD"):  # fmt: skip
         named = dict(q=q, k=k, v=v, mask=mask, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         _check_fake_operands(named)
         if all(_concrete(t) for t in (q, k, v, mask, sinks)):
             kw = dict(causal=causal, window=window, scale=scale, out_dtype=out_dtype, softcap=softcap,
-                      max_bias=max_bias, offset=offset)  # fmt: skip
+                      max_bias=max_bias, offset=offset, layout=layout)  # fmt: skip
             _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw)
         out = _fake_out(q, v, out_dtype)
         if not return_lse:
             return out
-        shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
+        # lse is [batch, heads, rows] ([heads, rows] 3-D) in either layout.
+        if layout == "HND":
+            shape = tuple(q.shape[:-1])
+        else:
+            shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
         return out, q.new_empty(shape, dtype=torch.float32)
 
     return fake
 
 
 for _name, _lse in (("flash_attn_prefill", False), ("flash_attn_prefill_lse", True)):
-    for _key in ("CPU", "CUDA"):
-        _LIB.impl(_name, _kernel(_lse, _key == "CPU"), _key)
-    torch.library.register_fake(f"mlx_native::{_name}", _fake(_lse), lib=_LIB)
+    for _grad in (False, True):
+        _op_name = _name + ("_autograd" if _grad else "")
+        for _key in ("CPU", "CUDA"):
+            _LIB.impl(_op_name, _kernel(_lse, _key == "CPU", _grad), _key)
+        torch.library.register_fake(f"mlx_native::{_op_name}", _fake(_lse), lib=_LIB)
 
 
-def _refuse_grad(**tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.requires_grad:
-            raise InvalidArgumentError(
-                f"{name} requires grad, and mlx_native computes no backward pass: pass {name}.detach() "
-                "(or call it under torch.no_grad())"
-            )
+# ---------------------------------------------------------------------- no backward
+#
+# The forward must run under grad mode (transformers' models are called so), so the
+# operators have an autograd formula; it is an operator too, whose real kernel raises the
+# typed error and whose fake one returns gradients of the right shapes: tracers
+# (AOTAutograd's joint graph under torch.compile) can trace it, and only running it fails.
+
+NO_BACKWARD = (
+    "a backward pass through mlx_native's attention: it computes the forward only (inference). Run under "
+    "torch.no_grad() / torch.inference_mode(), detach its inputs, or train with another attention implementation"
+)
+
+_LIB.define("_no_backward(Tensor grad, SymInt[] q_shape, SymInt[] k_shape, SymInt[] v_shape) -> (Tensor, Tensor, Tensor)")
+
+
+def _no_backward_kernel(grad, q_shape, k_shape, v_shape):
+    raise UnsupportedFeatureError(NO_BACKWARD)
+
+
+def _no_backward_fake(grad, q_shape, k_shape, v_shape):
+    return grad.new_empty(q_shape), grad.new_empty(k_shape), grad.new_empty(v_shape)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("_no_backward", _no_backward_kernel, _key)
+torch.library.register_fake("mlx_native::_no_backward", _no_backward_fake, lib=_LIB)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v = inputs[:3]
+    ctx.shapes = (q.shape, k.shape, v.shape)  # shapes only: no tensor is kept for a backward that never runs
+    ctx.others = len(inputs) - 3
+
+
+def _backward(ctx, grad, *more):
+    dq, dk, dv = torch.ops.mlx_native._no_backward(grad, *ctx.shapes)
+    return (dq, dk, dv) + (None,) * ctx.others
+
+
+for _name in ("flash_attn_prefill_autograd", "flash_attn_prefill_lse_autograd"):
+    torch.library.register_autograd(f"mlx_native::{_name}", _backward, setup_context=_setup_context, lib=_LIB)
 
 
 def _torch_out_dtype(out_dtype: Any) -> Optional[torch.dtype]:
@@ -173,7 +241,7 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
                        window: Any = None, scale: Any = None, cu_seqlens_q: Optional[Tensor] = None,
                        cu_seqlens_k: Optional[Tensor] = None, return_lse: Any = False, out_dtype: Any = None,
                        device: Optional[str] = None, check_finite: Any = False, softcap: Any = 0.0, max_bias: Any = 0.0,
-                       sinks: Optional[Tensor] = None, offset: Any = None):  # fmt: skip
+                       sinks: Optional[Tensor] = None, offset: Any = None, layout: Any = "NHD"):  # fmt: skip
     """``mlx_native.flash_attn_prefill`` on torch tensors, through the operators: the
     arguments are checked here (the library's typed errors, not the schema's), then one
     operator runs."""
@@ -200,12 +268,22 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
             max_bias = check_max_bias(0.0 if max_bias is None else max_bias)
         if offset is not None:
             offset = check_offset(offset, causal or window is not None)
-    _refuse_grad(q=q, k=k, v=v, mask=mask, sinks=sinks)
+        if layout != "NHD":
+            layout = check_tensor_layout(layout)
     # The overloads, called by position: no name look-up, no keyword parsing.
-    op = _LSE_OP if return_lse else _OP
+    if torch.is_grad_enabled() and _any_requires_grad(q, k, v, mask, sinks):
+        op = _LSE_GRAD_OP if return_lse else _GRAD_OP
+    else:
+        op = _LSE_OP if return_lse else _OP
     return op(q, k, v, mask, causal, window, scale, cu_seqlens_q, cu_seqlens_k, _torch_out_dtype(out_dtype), device,
-              check_finite, softcap, max_bias, sinks, offset)  # fmt: skip
+              check_finite, softcap, max_bias, sinks, offset, layout)  # fmt: skip
+
+
+def _any_requires_grad(*tensors) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 _OP = torch.ops.mlx_native.flash_attn_prefill.default
 _LSE_OP = torch.ops.mlx_native.flash_attn_prefill_lse.default
+_GRAD_OP = torch.ops.mlx_native.flash_attn_prefill_autograd.default
+_LSE_GRAD_OP = torch.ops.mlx_native.flash_attn_prefill_lse_autograd.default

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", nargs="*", default=None, help="peers to run (on a CPU device: torch, mlx, reference; on a CUDA device: torch, fa4, flex; default: every one installed; --peers alone: none)")
     p.add_argument("--peer-budget", type=float, default=20.0, help="seconds one peer may spend at one size (slow peers are skipped at larger sizes)")
     p.add_argument("--sample-heads", type=int, default=3, help="query heads checked against the float64 reference")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--threads", type=int, default=None, help="threads of the CPU backend and the CPU peers (default: every core)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON (rewritten after every size, so a run cut short leaves what it measured)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the ratios to the peers (matplotlib)")

@@ -11,13 +11,20 @@ the attention function with ``[batch, heads, seq, head_dim]`` tensors in the mod
 it passes them to :func:`mlx_native.flash_attn_prefill` as ``[batch, seq, heads, head_dim]``
 views (no copy), K and V cast to float16 (the kernels' K/V dtype), Q as it is, and returns
 ``[batch, seq, heads, head_dim]`` in the model's dtype, as transformers' SDPA function does.
-Features the kernels do not compute (dropout, a backward pass, masks per head, head dims
-without a kernel, score transforms of SPEC 10 this build lacks) are refused by name with
-:class:`mlx_native.UnsupportedFeatureError` (a ``NotImplementedError``), never dropped."""
+Features the kernels do not compute (dropout, masks per head, head dims without a kernel,
+score transforms of SPEC 10 this build lacks) are refused by name with
+:class:`mlx_native.UnsupportedFeatureError` (a ``NotImplementedError``), never dropped. The
+forward runs under grad mode (``model.eval(); model(ids)`` without ``torch.no_grad()``); a
+backward through it raises that error when it is called. A head dim without a kernel (none
+under 512 remain: the front door pads them) is refused when the implementation is set,
+by :func:`register` given the model's config or by :func:`set_attention`.
+
+Nothing here calls the native library on the forward path (the head-dim check reads the
+plain-Python table of ``head_dims.py``), so ``torch.compile(model, fullgraph=True)``
+traces every layer into one graph."""
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, Optional
 
 import torch
@@ -25,12 +32,12 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
 
-from ..errors import MlxError, UnsupportedFeatureError
+from ..errors import UnsupportedFeatureError
 from ..front_door import flash_attn_prefill
-from ..layouts import check_head_dims
+from ..head_dims import KERNEL_HEAD_DIMS, kernel_head_dim, supported_pair
 from .transformers_masks import PrefillMask, prefill_mask
 
-__all__ = ["register", "attention_forward", "prefill_mask", "PrefillMask"]
+__all__ = ["register", "set_attention", "check_config", "attention_forward", "prefill_mask", "PrefillMask"]
 
 logger = logging.get_logger(__name__)
 
@@ -38,14 +45,45 @@ logger = logging.get_logger(__name__)
 KV_DTYPE = torch.float16
 
 
-def register(name: str = "mlx_native") -> str:
+def register(name: str = "mlx_native", config: Any = None) -> str:
     """Register the attention and mask functions under ``name`` with transformers and
-    return ``name``, to pass as ``attn_implementation``."""
+    return ``name``, to pass as ``attn_implementation``. With a model's ``config`` its head
+    dims are checked first (:func:`check_config`): a model the kernels cannot run is
+    refused here, before it is built."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
+    if config is not None:
+        check_config(config)
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, prefill_mask)
     return name
+
+
+def set_attention(model: torch.nn.Module, name: str = "mlx_native") -> torch.nn.Module:
+    """Check the model's head dims (:func:`check_config`), register the functions under
+    ``name`` and make them the model's attention (``model.set_attn_implementation``);
+    returns the model."""
+    register(name, config=model.config)
+    model.set_attn_implementation(name)
+    return model
+
+
+#: Config attributes that hold an attention head dim (Gemma 4's global layers have their own).
+_HEAD_DIM_ATTRS = ("head_dim", "global_head_dim")
+
+
+def check_config(config: Any) -> None:
+    """Raise :class:`~mlx_native.UnsupportedFeatureError` if a head dim of the model (its
+    text config's ``head_dim``, ``global_head_dim``, or ``hidden_size //
+    num_attention_heads``) has no kernel, even zero-padded (beyond the largest)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dims = {getattr(text, a, None) for a in _HEAD_DIM_ATTRS}
+    if getattr(text, "head_dim", None) is None and getattr(text, "num_attention_heads", None):
+        dims.add(text.hidden_size // text.num_attention_heads)
+    for d in sorted(x for x in dims if isinstance(x, int)):
+        refusal = _head_dim_refusal(d, d)
+        if refusal is not None:
+            raise UnsupportedFeatureError(refusal)
 
 
 def attention_forward(
@@ -95,8 +133,7 @@ def attention_forward(
             )
     sinks = None
     if s_aux is not None:
-        sinks = s_aux.detach() if not torch.is_grad_enabled() else s_aux
-        sinks = sinks.to(device=query.device, dtype=torch.float32)
+        sinks = s_aux.to(device=query.device, dtype=torch.float32)
     out = flash_attn_prefill(
         query.transpose(1, 2), _kv(key).transpose(1, 2), _kv(value).transpose(1, 2), mask, causal=causal,
         window=window, scale=scaling, softcap=0.0 if softcap is None else softcap, sinks=sinks,
@@ -134,11 +171,6 @@ def _refuse_what_is_not_computed(query, key, value, dropout, kwargs) -> None:
             f"attention dropout ({dropout}): mlx_native computes no dropout; call model.eval(), or set the config's "
             "attention_dropout to 0"
         )
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        raise UnsupportedFeatureError(
-            "a backward pass: mlx_native's attention has none. Run the model under torch.no_grad() or "
-            "torch.inference_mode() (generate does), or train with another attn_implementation"
-        )
     if kwargs.get("position_bias") is not None:
         raise UnsupportedFeatureError("a position bias (T5-style relative attention): use another attn_implementation")
     if kwargs.get("output_attentions", False):
@@ -152,10 +184,13 @@ def _refuse_what_is_not_computed(query, key, value, dropout, kwargs) -> None:
         raise UnsupportedFeatureError(refusal)
 
 
-@lru_cache(maxsize=None)
 def _head_dim_refusal(head_dim: int, head_dim_v: int) -> Optional[str]:
-    try:
-        check_head_dims(head_dim, head_dim_v)
-    except MlxError as e:
-        return f"head dim {head_dim} (values {head_dim_v}): {e}"
-    return None
+    """Why the kernels cannot run these head dims with float16 K/V (the K/V dtype handed
+    to them), or None: plain Python, so a traced forward does not break here."""
+    if supported_pair(head_dim, head_dim_v, "float16") or kernel_head_dim(head_dim, head_dim_v, "float16") is not None:
+        return None
+    dims = ", ".join(str(d) for d in sorted(KERNEL_HEAD_DIMS.get("float16", ())))
+    return (
+        f"head dim {head_dim} (values {head_dim_v}): no kernel takes it, even zero-padded; the kernels' head dims "
+        f"are {dims} (smaller ones run padded to the next), and q/k 576 with v 512: use another attn_implementation"
+    )

@@ -1,0 +1,326 @@
+"""FlashAttention 2's forward functions over :func:`mlx_native.flash_attn_prefill`, with its
+signatures, defaults and return conventions, so that code written for ``flash_attn``
+(``from flash_attn import flash_attn_func``) runs on these kernels by changing the import::
+
+    from mlx_native.flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+
+What maps how (FlashAttention's name -> ours):
+
+- q ``[batch, seqlen_q, heads, head_dim]``, k/v ``[batch, seqlen_k, kv_heads, head_dim]``
+  (varlen: ``[total, heads, head_dim]`` with ``cu_seqlens_q/k``): our ``"NHD"`` layout, read
+  in place; the packed forms are views of their packs (no copy).
+- ``softmax_scale`` -> ``scale`` (None: ``1/sqrt(head_dim)``).
+- ``causal``: bottom-right aligned when ``seqlen_q != seqlen_k`` (query ``i`` sees key ``j``
+  iff ``j <= i + seqlen_k - seqlen_q``), which is our default (the prompt is the end of its
+  cache); where ``seqlen_k < seqlen_q`` the first rows see nothing and are zeros, as in
+  FlashAttention (their lse is ``+inf``, FlashAttention's value for them).
+- ``window_size=(left, right)``, -1 unbounded: query at cache position ``p`` sees ``j`` with
+  ``p - left <= j <= p + right``. ``(left, 0)`` (or any with ``causal``) is our
+  ``window=left + 1`` (``(-1, 0)``: causal); a two-sided window is passed on as
+  ``window=(left, right)``, which needs the kernels' two-sided windows.
+- ``softcap`` -> ``softcap``; ``alibi_slopes`` (float32 ``[heads]`` or ``[batch, heads]``)
+  -> ``alibi_slopes``, where this build's front door takes them (else a typed error).
+- ``return_attn_probs=True`` -> ``(out, softmax_lse, None)``: lse float32 ``[batch, heads,
+  seqlen_q]`` (varlen ``[heads, total_q]``); the probabilities themselves are not returned
+  (FlashAttention returns them only with dropout, for its tests).
+- ``dropout_p > 0`` is refused (inference only); ``deterministic`` is accepted: every run
+  is deterministic.
+- Head dims: any (FlashAttention: multiples of 8 up to 256); a head dim without a kernel
+  runs zero-padded on the next kernel size (the front door does this, ``head_dims.py``).
+- dtypes: q float16, bfloat16 (or float32); k and v float16 or bfloat16, and float32 where
+  the build has float32 K/V kernels; otherwise float32 K/V are converted to float16 here
+  (one copy each; values beyond +-65504 overflow, as the float16 kernels would see them).
+
+The output is in q's dtype. Under grad mode the forward runs (a backward raises
+:class:`~mlx_native.UnsupportedFeatureError`)."""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from typing import Any, Tuple
+
+import numpy as np
+
+from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedFeatureError
+from .front_door import flash_attn_prefill
+from .head_dims import KERNEL_HEAD_DIMS
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
+
+#: Whether this build's front door takes ALiBi slopes (the kernels' feature, issue 28).
+_HAS_ALIBI_SLOPES = "alibi_slopes" in inspect.signature(flash_attn_prefill).parameters
+#: Whether this build has float32 K/V kernels; without them float32 K/V are converted.
+_HAS_F32_KV = "float32" in KERNEL_HEAD_DIMS
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """FlashAttention 2's ``flash_attn_func``: q ``[batch, seqlen_q, heads, head_dim]``,
+    k/v ``[batch, seqlen_k, kv_heads, head_dim]``; returns out ``[batch, seqlen_q, heads,
+    head_dim]`` or, with ``return_attn_probs``, ``(out, softmax_lse [batch, heads,
+    seqlen_q], None)``."""
+    return _fixed(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """``flash_attn_func`` on ``qkv [batch, seqlen, 3, heads, head_dim]`` (views of it, no
+    copy)."""
+    _check_pack(qkv, "qkv", 5, 3, 2)
+    return _fixed(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size, softcap,
+                  alibi_slopes, return_attn_probs)  # fmt: skip
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """``flash_attn_func`` with ``kv [batch, seqlen_k, 2, kv_heads, head_dim]`` (views of
+    it, no copy)."""
+    _check_pack(kv, "kv", 5, 2, 2)
+    return _fixed(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  return_attn_probs)  # fmt: skip
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """FlashAttention 2's ``flash_attn_varlen_func``: q ``[total_q, heads, head_dim]``, k/v
+    ``[total_k, kv_heads, head_dim]``, ``cu_seqlens_q/k`` int32 ``[batch + 1]``;
+    ``max_seqlen_q/k`` are accepted (the plan reads the lengths from the offsets). Returns
+    out ``[total_q, heads, head_dim]`` or ``(out, softmax_lse [heads, total_q], None)``.
+    ``block_table`` (a paged KV cache) is refused."""
+    if block_table is not None:
+        raise UnsupportedFeatureError(
+            "block_table (a paged KV cache): mlx_native reads K/V as [total_k, kv_heads, head_dim] rows; gather the "
+            "pages into one tensor first"
+        )
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, return_attn_probs)  # fmt: skip
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """``flash_attn_varlen_func`` on ``qkv [total, 3, heads, head_dim]`` (views of it)."""
+    _check_pack(qkv, "qkv", 4, 3, 1)
+    return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, dropout_p, softmax_scale, causal,
+                   window_size, softcap, alibi_slopes, return_attn_probs)  # fmt: skip
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """``flash_attn_varlen_func`` with ``kv [total_k, 2, kv_heads, head_dim]`` (views)."""
+    _check_pack(kv, "kv", 4, 2, 1)
+    return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
+                   softcap, alibi_slopes, return_attn_probs)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the mapping
+
+
+def _fixed(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
+    kw = _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+    k, v = _kv(k, "k"), _kv(v, "v")
+    if (kw["causal"] or kw["window"] is not None) and len(q.shape) == 4 == len(k.shape) and k.shape[1] < q.shape[1]:
+        # Bottom-right aligned with a cache shorter than the queries: the first rows see
+        # nothing (our default refuses this shape as a mistake; FlashAttention allows it).
+        kw["offset"] = int(k.shape[1]) - int(q.shape[1])
+    return _finish(flash_attn_prefill(q, k, v, scale=softmax_scale, return_lse=bool(return_attn_probs), **kw))
+
+
+def _varlen(q, k, v, cu_q, cu_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+            return_attn_probs):  # fmt: skip
+    kw = _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+    k, v = _kv(k, "k"), _kv(v, "v")
+    lse = bool(return_attn_probs)
+    if (kw["causal"] or kw["window"] is not None) and _some_cache_shorter(cu_q, cu_k):
+        return _finish(_by_sequence(q, k, v, cu_q, cu_k, softmax_scale, lse, kw))
+    return _finish(flash_attn_prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=softmax_scale,
+                                      return_lse=lse, **kw))  # fmt: skip
+
+
+def _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_probs) -> dict:
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
+        raise ArgumentTypeError(f"dropout_p must be a number, got {dropout_p!r} ({type(dropout_p).__name__})")
+    if dropout_p != 0:
+        raise UnsupportedFeatureError(
+            f"dropout_p={dropout_p}: mlx_native is for inference only and computes no dropout; pass dropout_p=0.0 "
+            "(as FlashAttention's callers do in eval mode)"
+        )
+    if not isinstance(causal, bool):
+        raise ArgumentTypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__})")
+    if not isinstance(return_attn_probs, bool):
+        raise ArgumentTypeError(f"return_attn_probs must be True or False, got {return_attn_probs!r}")
+    causal, window = _window(causal, window_size)
+    kw = dict(causal=causal, window=window, softcap=0.0 if softcap is None else softcap)
+    if alibi_slopes is not None:
+        if not _HAS_ALIBI_SLOPES:
+            raise UnsupportedFeatureError(
+                "alibi_slopes: this build's kernels take ALiBi only as max_bias (llama.cpp's slopes); pass max_bias to "
+                "mlx_native.flash_attn_prefill, or use a build with ALiBi slopes"
+            )
+        kw["alibi_slopes"] = alibi_slopes
+    return kw
+
+
+def _window(causal: bool, window_size: Any) -> Tuple[bool, Any]:
+    """``(causal, window)`` for the front door from FlashAttention's ``causal`` and
+    ``window_size`` (as its ``mha_fwd`` normalises them: ``causal`` makes ``right`` 0, and
+    ``(-1, 0)`` is causal)."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in window_size)
+    ):
+        raise ArgumentTypeError(
+            f"window_size must be a pair of integers (left, right), -1 for unbounded, got {window_size!r}"
+        )
+    left, right = (int(x) for x in window_size)
+    if left < -1 or right < -1:
+        raise InvalidArgumentError(f"window_size {window_size!r}: each side is -1 (unbounded) or a count >= 0")
+    if causal:
+        right = 0
+    if right == 0:  # query p sees p - left .. p: our causal window of left + 1 rows
+        return True, (None if left == -1 else left + 1)
+    if left == -1 and right == -1:
+        return False, None
+    return False, (left, right)  # two-sided: the kernels' two-sided windows
+
+
+def _kv(x, name: str):
+    """K or V as the kernels take them: float32 converted to float16 where this build has no
+    float32 K/V kernels (module docstring)."""
+    if not _HAS_F32_KV and str(getattr(x, "dtype", "")) in ("torch.float32", "float32"):
+        return x.half() if hasattr(x, "half") else x.astype("float16")
+    return x
+
+
+def _some_cache_shorter(cu_q, cu_k) -> bool:
+    lq, lk = _lengths(cu_q), _lengths(cu_k)
+    return len(lq) == len(lk) and any(b < a for a, b in zip(lq, lk))
+
+
+def _lengths(cu) -> list:
+    vals = [int(x) for x in (cu.tolist() if hasattr(cu, "tolist") else cu)]
+    return [b - a for a, b in zip(vals[:-1], vals[1:])]
+
+
+def _by_sequence(q, k, v, cu_q, cu_k, scale, lse, kw):
+    """Variable length where a causal sequence's cache is shorter than its queries (its
+    first rows see nothing): each sequence on its own, with its offset (our variable-length
+    plan takes one offset for all). Slower (one call per sequence), and only this case."""
+    import torch
+
+    starts_q = [int(x) for x in cu_q.tolist()]
+    starts_k = [int(x) for x in cu_k.tolist()]
+    out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
+    lse_t = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device) if lse else None
+    for b in range(len(starts_q) - 1):
+        a, e, ka, ke = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        if e == a:
+            continue
+        if ke == ka:
+            continue  # sees nothing: zeros, lse -inf (+inf below)
+        r = flash_attn_prefill(q[a:e], k[ka:ke], v[ka:ke], scale=scale, return_lse=lse,
+                               offset=(ke - ka) - (e - a), **kw)  # fmt: skip
+        if lse:
+            out[a:e], lse_t[:, a:e] = r
+        else:
+            out[a:e] = r
+    return (out, lse_t) if lse else out
+
+
+def _finish(result):
+    """FlashAttention's return: ``out`` or ``(out, softmax_lse, None)``, the lse of a row
+    that sees nothing ``+inf`` (FlashAttention's value) rather than our -inf."""
+    if not isinstance(result, tuple):
+        return result
+    out, lse = result
+    if hasattr(lse, "masked_fill"):  # torch
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    else:  # numpy
+        lse = np.where(lse == -np.inf, np.float32(np.inf), lse)
+    return out, lse, None
+
+
+def _check_pack(x, name: str, ndim: int, n: int, axis: int) -> None:
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != ndim or shape[axis] != n:
+        lead = "[batch, seqlen, " if ndim == 5 else "[total, "
+        raise InvalidArgumentError(f"{name} must be {lead}{n}, heads, head_dim], got shape {shape}")
