@@ -21,7 +21,7 @@ def flash_attn_prefill(
     mask: Any = None,
     *,
     causal: bool = False,
-    window: Optional[int] = None,
+    window: Any = None,
     scale: Optional[float] = None,
     cu_seqlens_q: Any = None,
     cu_seqlens_k: Any = None,
@@ -33,18 +33,22 @@ def flash_attn_prefill(
     max_bias: float = 0.0,
     sinks: Any = None,
     offset: Optional[int] = None,
+    alibi_slopes: Any = None,
 ) -> Any:
-    if _through_torch_op(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, sinks) and not isinstance(device, Device):
+    if _through_torch_op(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes) and not isinstance(
+        device, Device
+    ):
         ops = _torch_ops or _import_torch_ops()
         return ops.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
             check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks, offset=offset,
+            alibi_slopes=alibi_slopes,
         )  # fmt: skip
     return attention.flash_attn_prefill(
         q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         return_lse=return_lse, out_dtype=out_dtype, device=device, check_finite=check_finite, offset=offset,
-        softcap=_off_if_none(softcap), max_bias=_off_if_none(max_bias), sinks=sinks,
+        softcap=_off_if_none(softcap), max_bias=_off_if_none(max_bias), sinks=sinks, alibi_slopes=alibi_slopes,
     )  # fmt: skip
 
 

@@ -127,7 +127,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         }
         // K in blocks of 16 rows (a score tile), V in chunks of 32 (a product's reduction).
         let k_src = k_base.add(c0 * pb.k_rs);
-        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv_bf16, lo_all & !15, round_up(hi_all, 16), n, dkp, kb.hi, kb.lo);
+        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, lo_all & !15, round_up(hi_all, 16), n, dkp, kb.hi, kb.lo);
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
@@ -136,7 +136,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
             transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st_b, r, c0);
         }
         let v_src = v_base.add(c0 * pb.v_rs);
-        pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv_bf16, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
+        pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
         for sub in subs.iter() {
             if sub.lo >= sub.hi {
                 continue;
