@@ -214,14 +214,6 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
         let max_tg_memory = self.api.max_threadgroup_memory_length();
         for d in dispatches {
             let name = d.pipeline.name();
-            if name.starts_with("flash_attn_prefill_d") {
-                let p: crate::params::FlashAttnPrefillParamsGpu = d.constant(0)?;
-                if let Some(what) = p.needs_two_sided_or_slopes() {
-                    return Err(MlxError::InvalidArgument(format!(
-                        "flash_attn_prefill: {what} is not yet implemented by the Metal kernel; run it on the CPU"
-                    )));
-                }
-            }
             let state = d.pipeline.inner::<MetalPipeline<A>>().ok_or_else(|| {
                 MlxError::InvalidArgument(format!("pipeline {name} was not built by the Metal backend"))
             })?;
