@@ -95,6 +95,15 @@ typedef struct MlxnFlashAttnPrefillParams {
   // (`offset = kv_len - rows` per sequence, SPEC 6).
   int32_t offset;
   uint32_t has_offset;
+  // With `has_window_right` 1: query row r (at cache position `p = r + offset`) sees cache
+  // row j only if `j <= p + window_right` (the right side of flash-attn's
+  // `window_size=(left, right)`; its left side is `window = left + 1`). Without causal
+  // only: causal caps the right side at 0 and this is then ignored.
+  uint32_t window_right;
+  uint32_t has_window_right;
+  // flash-attn's `alibi_slopes`: 0 none; 1 an F32 `[n_heads]` buffer; 2 `[batch, n_heads]`.
+  // Each computed score gains `-slope_h * |p - j|`. Not with `max_bias > 0`.
+  uint32_t alibi_slopes;
 } MlxnFlashAttnPrefillParams;
 
 // Elements each operand of a prefill plan must hold (bytes for `blk`, which the plan owns,
@@ -108,6 +117,8 @@ typedef struct MlxnPrefillExtents {
   uint64_t blk;
   uint64_t lse;
   uint64_t sinks;
+  // F32 ALiBi slopes (`[n_heads]` or `[batch, n_heads]`; 0 without).
+  uint64_t alibi_slopes;
   // Bytes of scratch a run can use to go faster (0: none helps): the CUDA attention
   // splits its walk over the cache when the shape leaves the GPU idle. Pass a buffer
   // of this size to each run (one per run in flight), or 0 to run unsplit.
@@ -395,8 +406,9 @@ int32_t mlxn_kv_pad(uint32_t kv_len, uint32_t *out);
 uint32_t mlxn_cache_rows_per_step(void);
 
 // `dispatch_flash_attn_prefill`: record one prefill over a batch (SPEC 6-10). `mask`,
-// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse`, `sinks` and `workspace` are optional: 0
-// for none. `workspace`: scratch for this dispatch alone, of at least the bytes a plan of
+// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse`, `sinks`, `alibi_slopes` and `workspace` are
+// optional: 0 for none (`alibi_slopes`: F32 `[n_heads]` or `[batch, n_heads]`, as
+// `params->alibi_slopes` says). `workspace`: scratch for this dispatch alone, of at least the bytes a plan of
 // the same prefill reports (`MlxnPrefillExtents::workspace`), with which the CUDA
 // attention may split its walk over the cache; without one it does not.
 //
@@ -413,6 +425,7 @@ int32_t mlxn_dispatch_flash_attn_prefill(uint64_t enc,
                                          uint64_t cu_seqlens_k,
                                          uint64_t lse,
                                          uint64_t sinks,
+                                         uint64_t alibi_slopes,
                                          uint64_t workspace,
                                          const struct MlxnFlashAttnPrefillParams *params);
 
@@ -461,7 +474,7 @@ int32_t mlxn_prefill_plan_extents(uint64_t plan_handle, struct MlxnPrefillExtent
 
 // Run a plan on data (FlashInfer's `run`): each operand by address (a host pointer on the
 // CPU and Metal, a device address on CUDA), holding what [`mlxn_prefill_plan_extents`]
-// says; `mask`, `lse` and `sinks` 0 when the plan has none. `workspace`: 0, or scratch of
+// says; `mask`, `lse`, `sinks` and `alibi_slopes` 0 when the plan has none. `workspace`: 0, or scratch of
 // the extents' `workspace` bytes for this run alone (it may then run faster). `stream`: 0
 // runs on the library's stream and waits; a CUDA stream (`cudaStream_t`) enqueues the run
 // on it and returns at once (CUDA devices; elsewhere the run happens now).
@@ -477,6 +490,7 @@ int32_t mlxn_prefill_plan_run(uint64_t plan_handle,
                               uint64_t out,
                               uint64_t lse,
                               uint64_t sinks,
+                              uint64_t alibi_slopes,
                               uint64_t workspace,
                               uint64_t stream);
 

@@ -96,7 +96,7 @@ def run_case(dev, rng, *, batch, rows, kv, nh, nkv, hd, causal=False, window=Non
         if mbuf is not None:
             check(lib.mlxn_dispatch_flash_attn_prefill_mask_blk(enc.handle, mbuf.handle, blkbuf.handle, p))
         check(lib.mlxn_dispatch_flash_attn_prefill(enc.handle, qbuf.handle, kbuf.handle, vbuf.handle, obuf.handle,
-                                                  h(mbuf), h(blkbuf), h(cqb), h(ckb), h(lbuf), 0, 0, p))
+                                                  h(mbuf), h(blkbuf), h(cqb), h(ckb), h(lbuf), 0, 0, 0, p))
     out = obuf.numpy().astype(np.float64)
     lse_out = lbuf.numpy() if lbuf is not None else None
     ref_mask = None if m is None else m
@@ -172,7 +172,7 @@ def time_described(dev, rng, repeat=10, trials=5):
             with dev.encoder() as enc:
                 for _ in range(n):
                     check(lib.mlxn_dispatch_flash_attn_prefill(enc.handle, q.handle, k.handle, v.handle, o.handle,
-                                                              0, 0, 0, 0, 0, 0, 0, p))
+                                                              0, 0, 0, 0, 0, 0, 0, 0, p))
 
         once(1)
         times = []

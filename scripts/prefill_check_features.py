@@ -127,7 +127,7 @@ def run_case(dev, rng, *, rows, kv, nh, nkv, dk, dv=None, kv_dtype="f16", causal
         if mb is not None:
             check(lib.mlxn_dispatch_flash_attn_prefill_mask_blk(enc.handle, mb.handle, blk.handle, p))
         check(lib.mlxn_dispatch_flash_attn_prefill(enc.handle, qb.handle, kb.handle, vb.handle, ob.handle, h(mb),
-                                                  h(blk), h(cq), h(ck), lb.handle, h(sb), 0, p))
+                                                  h(blk), h(cq), h(ck), lb.handle, h(sb), 0, 0, p))
     out, lse = ob.numpy().astype(np.float64), lb.numpy().astype(np.float64)
     ref, ref_lse = np.zeros_like(out), np.zeros_like(lse)
     a0 = b0 = 0
@@ -220,7 +220,7 @@ def time_cases(dev, rng, repeat=5, trials=5):
             with dev.encoder() as enc:
                 for _ in range(n):
                     check(lib.mlxn_dispatch_flash_attn_prefill(enc.handle, q.handle, k.handle, v.handle, o.handle, 0,
-                                                              0, 0, 0, 0, 0 if sb is None else sb.handle, 0, p))
+                                                              0, 0, 0, 0, 0 if sb is None else sb.handle, 0, 0, p))
 
         once(1)
         ts = []

@@ -25,7 +25,8 @@
 // (FlashAttnPrefillParams) at buffer 0, Q (F32, F16 or BF16) at 1, K (F16, or BF16 for the
 // _bf16 kernels) at 2, V (as K) at 3, the explicit mask (F16) at 4, its table (U8) at 5, O
 // (F32, F16 or BF16) at 6, lse (F32) at 7, cu_seqlens_q (I32) at 8, cu_seqlens_k at 9, the
-// sinks (F32 [n_heads]) at 10 (a buffer the flags leave out is bound, never read); a grid of
+// sinks (F32 [n_heads]) at 10, the ALiBi slopes (F32 [n_heads] or [batch, n_heads]) at 12 (a
+// buffer the flags leave out is bound, never read); a grid of
 // (ceil(max_rows / Q), n_heads, batch) threadgroups. BF16 K/V meet the half Q and P in
 // matmul2d's documented (half, bfloat) -> float combination.
 //
@@ -108,6 +109,8 @@ struct FlashAttnPrefillParams {
     int kv_dtype;    // DType code of K and V
     float softcap;   // SPEC 10: s = softcap * tanh(s / softcap) when above 0
     float max_bias;  // SPEC 10: ALiBi slopes on the explicit mask when above 0
+    int window_right;        // with PREFILL_WINDOW_RIGHT: j <= p + window_right (two-sided window)
+    int alibi_batch_stride;  // with PREFILL_ALIBI_SLOPES: slopes from one sequence to the next (0 or n_heads)
 };
 
 // FlashAttnPrefillParams::flags (PREFILL_* in rust/src/params.rs).
@@ -117,6 +120,8 @@ constant constexpr int PREFILL_VARLEN = 4;
 constant constexpr int PREFILL_LSE = 8;
 constant constexpr int PREFILL_OFFSET = 16;
 constant constexpr int PREFILL_SINKS = 32;
+constant constexpr int PREFILL_WINDOW_RIGHT = 64;
+constant constexpr int PREFILL_ALIBI_SLOPES = 128;
 
 // DType codes of Q and O (rust/src/dtypes.rs).
 constant constexpr int DTYPE_F32 = 0;
@@ -149,15 +154,15 @@ inline float alibi_slope(float max_bias, int n_heads, int h)
 }
 
 // The described mask of one sequence (SPEC 6): query row r (of the sequence) sees cache row
-// j iff lo(r) <= j <= hi(r), that is j < lk, j <= r + offset when causal, and
-// j > r + offset - window when a window is given.
+// j iff lo(r) <= j <= hi(r), that is j < lk, j <= r + offset + right when a right bound is
+// given (causal: right 0), and j > r + offset - window when a window is given.
 struct Visibility {
     int lk;      // cache rows of the sequence
     int offset;  // query row r sits at r + offset of the cache (SPEC 6: lk - lq, the prompt at its end)
-    bool causal;
+    int right;   // -1: no right bound; causal: 0; a two-sided window's right side
     int window;  // 0: none
 
-    int hi(int r) const { return causal ? min(r + offset, lk - 1) : lk - 1; }
+    int hi(int r) const { return right >= 0 ? min(r + offset + right, lk - 1) : lk - 1; }
     int lo(int r) const { return window > 0 ? max(r + offset - window + 1, 0) : 0; }
     bool sees(int r, int j) const { return j >= lo(r) && j <= hi(r); }
 
@@ -226,6 +231,7 @@ void flash_attn_prefill_tile(
     device const int * cu_q,
     device const int * cu_k,
     device const float * sinks,
+    device const float * alibi,
     threadgroup uchar * smem,
     uint3 tgpig,
     ushort lane,
@@ -265,11 +271,16 @@ void flash_attn_prefill_tile(
     const int n_steps = lk / C + (lk % C != 0 ? 1 : 0);
     const bool has_mask = (p.flags & PREFILL_MASK) != 0;
     const int offset = (p.flags & PREFILL_OFFSET) != 0 ? p.offset : lk - lq;
-    const Visibility vis = {lk, offset, (p.flags & PREFILL_CAUSAL) != 0, p.window};
+    const int right = (p.flags & PREFILL_CAUSAL) != 0 ? 0 : ((p.flags & PREFILL_WINDOW_RIGHT) != 0 ? p.window_right : -1);
+    const Visibility vis = {lk, offset, right, p.window};
     const float softcap = p.softcap;
+    const bool given_slopes = (p.flags & PREFILL_ALIBI_SLOPES) != 0;
+    // The explicit mask's scale: max_bias's slope (1 without ALiBi, and with given slopes).
     const float slope = alibi_slope(p.max_bias, p.n_heads, h);
-    // ALiBi without an explicit mask: the described mask's distance, on every pair.
-    const bool alibi_distance = p.max_bias > 0.0f && !has_mask;
+    // ALiBi on the positions, -slope * |p - j| on every pair: the slopes given as data, or
+    // max_bias's without an explicit mask (causal: j <= p, llama.cpp's mask value -(p - j)).
+    const bool alibi_distance = given_slopes || (p.max_bias > 0.0f && !has_mask);
+    const float dslope = given_slopes ? alibi[b * p.alibi_batch_stride + h] : slope;
 
     // Where this sequence starts in each buffer (elements; the table in bytes).
     const ulong q_at = varlen ? ulong(q_start) * ulong(p.q_row_stride) : ulong(b) * ulong(p.q_batch_stride);
@@ -372,9 +383,9 @@ void flash_attn_prefill_tile(
                     }
                 }
                 if (alibi_distance) {
-                    // llama.cpp's ALiBi mask value -(p - j), p = r + offset the query's position.
-                    s0 += slope * float(c + int(lane) - (r + offset));
-                    s1 += slope * float(c + int(lane) + NW - (r + offset));
+                    // -|p - j|, p = r + offset the query's position (llama.cpp's -(p - j) where j <= p).
+                    s0 += dslope * float(-abs(c + int(lane) - (r + offset)));
+                    s1 += dslope * float(-abs(c + int(lane) + NW - (r + offset)));
                 }
                 s0 = v0 ? s0 : -INFINITY;
                 s1 = v1 ? s1 : -INFINITY;
@@ -474,12 +485,13 @@ kernel void flash_attn_prefill_d64(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<64, 64, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<64, 64, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d64_bf16(
@@ -494,12 +506,13 @@ kernel void flash_attn_prefill_d64_bf16(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<64, 64, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<64, 64, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d80(
@@ -514,12 +527,13 @@ kernel void flash_attn_prefill_d80(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<80, 80, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<80, 80, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d80_bf16(
@@ -534,12 +548,13 @@ kernel void flash_attn_prefill_d80_bf16(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<80, 80, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<80, 80, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d96(
@@ -554,12 +569,13 @@ kernel void flash_attn_prefill_d96(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<96, 96, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<96, 96, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d96_bf16(
@@ -574,12 +590,13 @@ kernel void flash_attn_prefill_d96_bf16(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<96, 96, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<96, 96, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d112(
@@ -594,12 +611,13 @@ kernel void flash_attn_prefill_d112(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<112, 112, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<112, 112, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d112_bf16(
@@ -614,12 +632,13 @@ kernel void flash_attn_prefill_d112_bf16(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<112, 112, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<112, 112, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d128(
@@ -634,12 +653,13 @@ kernel void flash_attn_prefill_d128(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<128, 128, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<128, 128, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d128_bf16(
@@ -654,12 +674,13 @@ kernel void flash_attn_prefill_d128_bf16(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<128, 128, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<128, 128, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d192(
@@ -674,12 +695,13 @@ kernel void flash_attn_prefill_d192(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<192, 192, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<192, 192, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d192_bf16(
@@ -694,12 +716,13 @@ kernel void flash_attn_prefill_d192_bf16(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<192, 192, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<192, 192, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d256(
@@ -714,12 +737,13 @@ kernel void flash_attn_prefill_d256(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<256, 256, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<256, 256, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d256_bf16(
@@ -734,12 +758,13 @@ kernel void flash_attn_prefill_d256_bf16(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<256, 256, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<256, 256, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d512(
@@ -754,12 +779,13 @@ kernel void flash_attn_prefill_d512(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<512, 512, 16, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<512, 512, 16, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d512_bf16(
@@ -774,12 +800,13 @@ kernel void flash_attn_prefill_d512_bf16(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<512, 512, 16, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<512, 512, 16, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d576_512(
@@ -794,12 +821,13 @@ kernel void flash_attn_prefill_d576_512(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<576, 512, 16, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<576, 512, 16, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_d576_512_bf16(
@@ -814,12 +842,13 @@ kernel void flash_attn_prefill_d576_512_bf16(
     device const int * cu_q [[buffer(8)]],
     device const int * cu_k [[buffer(9)]],
     device const float * sinks [[buffer(10)]],
+    device const float * alibi [[buffer(12)]],
     threadgroup uchar * smem [[threadgroup(0)]],
     uint3 tgpig [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
-    flash_attn_prefill_tile<576, 512, 16, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, smem, tgpig, lane, sg);
+    flash_attn_prefill_tile<576, 512, 16, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
 }
 
 // The origin op as a prefill: one sequence of `rows` query rows over a cache of kv_pad rows,
@@ -871,7 +900,7 @@ kernel void flash_attn_prefill_tensor_f16_d256(
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
     flash_attn_prefill_tile<256, 256, 32, half>(origin_params<256, 32>(p), (device const uchar *) q, k, v, mask, blk,
-                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, smem, tgpig,
+                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, nullptr, smem, tgpig,
                                                 lane, sg);
 }
 
@@ -889,6 +918,6 @@ kernel void flash_attn_prefill_tensor_f16_d512(
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
     flash_attn_prefill_tile<512, 512, 16, half>(origin_params<512, 16>(p), (device const uchar *) q, k, v, mask, blk,
-                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, smem, tgpig,
+                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, nullptr, smem, tgpig,
                                                 lane, sg);
 }

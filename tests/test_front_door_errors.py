@@ -153,7 +153,10 @@ def test_other_dtypes_and_shapes(qkv):
     q, k, v = qkv
     _raises(mn.UnsupportedDtypeError, TypeError, "q must be float32, float16 or bfloat16, got float64",
             mn.flash_attn_prefill, q.astype(np.float64), k, v)  # fmt: skip
-    _raises(mn.UnsupportedDtypeError, TypeError, "v must be float16 or bfloat16, got float32", mn.flash_attn_prefill, q, k, v.astype(np.float32))
+    _raises(mn.UnsupportedDtypeError, TypeError, "k is float16 and v is float32: they must have one dtype",
+            mn.flash_attn_prefill, q, k, v.astype(np.float32))  # fmt: skip
+    _raises(mn.UnsupportedDtypeError, TypeError, "k must be float16, bfloat16 or float32, got float64",
+            mn.flash_attn_prefill, q, k.astype(np.float64), v.astype(np.float64))  # fmt: skip
     _raises(mn.InvalidArgumentError, ValueError, "must be 3-D", mn.flash_attn_prefill, q[0], k, v)
     _raises(mn.InvalidArgumentError, ValueError, "q is 4-D, so k must be", mn.flash_attn_prefill, q[None], k, v)
     _raises(mn.InvalidArgumentError, ValueError, "batch of 2 and k/v of 1", mn.flash_attn_prefill,

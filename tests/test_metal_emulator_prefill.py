@@ -36,7 +36,7 @@ F32 = np.dtype(np.float32)
 DTYPE_CODE = {F32: 0, F16: 1, BF16: 2}
 
 # PREFILL_* (rust/src/params.rs)
-CAUSAL, MASK, VARLEN, LSE, OFFSET, SINKS = 1, 2, 4, 8, 16, 32
+CAUSAL, MASK, VARLEN, LSE, OFFSET, SINKS, WINDOW_RIGHT, ALIBI_SLOPES = 1, 2, 4, 8, 16, 32, 64, 128
 
 THREADS = (32, 8, 1)
 STEP = 64
@@ -44,7 +44,7 @@ STEP = 64
 BQ = {d: 32 for d in (64, 80, 96, 112, 128, 192, 256)} | {512: 16, 576: 16}
 MASK_BLK = "flash_attn_prefill_mask_blk"
 # FlashAttnPrefillParamsGpu: 17 i64, 14 i32, scale, offset, head_dim_v, kv_dtype, softcap, max_bias
-PREFILL_FORMAT = "<17q14ifi2i2f"
+PREFILL_FORMAT = "<17q14ifi2i2f2i"
 
 
 def threadgroup_memory(hd: int) -> int:
@@ -105,6 +105,18 @@ class Prefill:
     softcap: float = 0.0
     max_bias: float = 0.0
     sinks: Optional[np.ndarray] = None
+    # Issue 28: a two-sided window's right side (None: none but causal's), ALiBi slopes as
+    # data (float32 [H] or [B, H]).
+    window_right: Optional[int] = None
+    alibi: Optional[np.ndarray] = None
+
+    @property
+    def window_arg(self):
+        """The front door's / reference's ``window``: the int of a causal window, or the
+        ``(left, right)`` pair of a two-sided one."""
+        if self.window_right is None and (self.causal or not self.window):
+            return self.window or None
+        return (self.window - 1 if self.window else -1, -1 if self.window_right is None else self.window_right)
 
     @property
     def varlen(self) -> bool:
@@ -256,6 +268,9 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
     flags = (CAUSAL if c.causal else 0) | (MASK if c.mask is not None else 0)
     flags |= (VARLEN if c.varlen else 0) | (LSE if c.lse else 0) | (OFFSET if c.offset is not None else 0)
     flags |= SINKS if c.sinks is not None else 0
+    right = c.window_right is not None and not c.causal
+    flags |= (WINDOW_RIGHT if right else 0) | (ALIBI_SLOPES if c.alibi is not None else 0)
+    alibi_stride = nh if c.alibi is not None and np.asarray(c.alibi).ndim == 2 else 0
     blk_rows, blk_steps = cdiv(rows, bq), cdiv(kv, STEP)
     mask_strides = (0, 0)
     if c.mask is not None:
@@ -270,9 +285,9 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         blk_rows * blk_steps if c.mask is not None and mask_strides[0] != 0 else 0,
         batch, rows, kv, nh, nkv, hd, max_rows, c.window, flags,
         DTYPE_CODE[c.q.dtype], DTYPE_CODE[c.o_dtype], blk_rows, blk_steps, bq, c.scale, c.offset or 0,
-        hdv, DTYPE_CODE[c.k.dtype], c.softcap, c.max_bias,
+        hdv, DTYPE_CODE[c.k.dtype], c.softcap, c.max_bias, c.window_right if right else 0, alibi_stride,
     )  # fmt: skip
-    assert len(params) == 216
+    assert len(params) == 224
     qbuf = _span(c.q)
     buffers = {
         1: qbuf,
@@ -285,6 +300,7 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         8: c.cu_q if c.varlen else qbuf,
         9: c.cu_k if c.varlen else qbuf,
         10: np.asarray(c.sinks, np.float32) if c.sinks is not None else qbuf,
+        12: np.ascontiguousarray(c.alibi, np.float32).reshape(-1) if c.alibi is not None else qbuf,
     }  # fmt: skip
     if batch > 0 and max_rows > 0:
         res = emu.dispatch(
@@ -330,9 +346,9 @@ def placed(lq: int, lk: int, causal: bool, window: int, offset: Optional[int]) -
 
 def reference(c: Prefill):
     return reference_prefill(
-        c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale,
+        c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window_arg, scale=c.scale,
         cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k, offset=c.offset,
-        softcap=c.softcap, max_bias=c.max_bias, sinks=c.sinks,
+        softcap=c.softcap, max_bias=c.max_bias, sinks=c.sinks, alibi_slopes=c.alibi,
     )  # fmt: skip
 
 
@@ -361,16 +377,17 @@ def cpu_origin(c: Prefill) -> np.ndarray:
 def cpu_front_door(c: Prefill) -> np.ndarray:
     """The CPU backend's flash_attn_prefill on the same views; float32, shaped like out."""
     out = mx.flash_attn_prefill(
-        c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window or None, scale=c.scale, cu_seqlens_q=c.cu_q,
+        c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window_arg, scale=c.scale, cu_seqlens_q=c.cu_q,
         cu_seqlens_k=c.cu_k, out_dtype=np.float32, device="cpu", softcap=c.softcap, max_bias=c.max_bias,
-        sinks=c.sinks,
+        sinks=c.sinks, alibi_slopes=c.alibi,
     )  # fmt: skip
     return np.asarray(out)
 
 
 def _origin_expresses(c: Prefill) -> bool:
     """Whether the origin op (F16 K/V, head dim 256 or 512, no SPEC 10) computes the case."""
-    plain = c.softcap == 0 and c.max_bias == 0 and c.sinks is None
+    plain = c.softcap == 0 and c.max_bias == 0 and c.sinks is None and c.alibi is None and c.window_right is None
+    plain = plain and (c.causal or not c.window)
     return plain and c.head_dim in (256, 512) and c.head_dim_v == c.head_dim and c.k.dtype == F16
 
 

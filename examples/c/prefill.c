@@ -102,10 +102,10 @@ int main(void) {
         return 1;
     }
     CHECK(mlxn_prefill_plan_run(plan, (uint64_t)(uintptr_t)q, (uint64_t)(uintptr_t)k, (uint64_t)(uintptr_t)v, 0,
-                                (uint64_t)(uintptr_t)out, (uint64_t)(uintptr_t)lse, 0, 0, 0));
+                                (uint64_t)(uintptr_t)out, (uint64_t)(uintptr_t)lse, 0 /* sinks */, 0 /* alibi_slopes */, 0, 0));
     /* A bad run: the plan has no mask, so a mask address is refused, and nothing is written. */
     if (mlxn_prefill_plan_run(plan, (uint64_t)(uintptr_t)q, (uint64_t)(uintptr_t)k, (uint64_t)(uintptr_t)v,
-                              (uint64_t)(uintptr_t)k, (uint64_t)(uintptr_t)out, (uint64_t)(uintptr_t)lse, 0, 0, 0) != 6) {
+                              (uint64_t)(uintptr_t)k, (uint64_t)(uintptr_t)out, (uint64_t)(uintptr_t)lse, 0, 0, 0, 0) != 6) {
         fprintf(stderr, "a mask given to a plan without one was not refused\n");
         return 1;
     }

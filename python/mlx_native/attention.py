@@ -17,7 +17,7 @@ from .checks import (
     check_scale,
     check_softcap,
     check_tensor_layout,
-    check_window,
+    check_window_sides,
 )
 from .device import Device
 from .plan import PrefillPlan
@@ -44,7 +44,7 @@ def flash_attn_prefill(
     mask: Any = None,
     *,
     causal: bool = False,
-    window: Optional[int] = None,
+    window: Any = None,
     offset: Optional[int] = None,
     scale: Optional[float] = None,
     cu_seqlens_q: Any = None,
@@ -57,6 +57,7 @@ def flash_attn_prefill(
     max_bias: float = 0.0,
     sinks: Any = None,
     layout: str = "NHD",
+    alibi_slopes: Any = None,
 ) -> Any:
     """Flash attention for a prefill (SPEC 6-10, ``ggml_flash_attn_ext``'s parameters), on
     numpy arrays and torch tensors (CPU and CUDA) alike; the result is an array of q's
@@ -78,12 +79,18 @@ def flash_attn_prefill(
     64, 80, 96, 112, 128, 192, 256 or 512, or q/k 576 with v 512 (DeepSeek's MLA; v may be
     a view of k's first 512 columns, ``k[..., :512]``).
 
-    - ``q``: float32, float16 or bfloat16; ``k``, ``v``: float16 or bfloat16 (one dtype;
-      numpy's bfloat16 is ml_dtypes').
+    - ``q``: float32, float16 or bfloat16; ``k``, ``v``: float16, bfloat16 or float32 (one
+      dtype; numpy's bfloat16 is ml_dtypes'). The CPU reads float32 K/V as they are; on CUDA
+      and Metal each call first converts them to float16 (round to nearest even, on their
+      device: one read and one half-size write of K and V; docs/spec.md).
     - ``causal``: query row ``r`` sees cache row ``j`` iff ``j <= r + kv_len - rows`` (the
       prompt is the end of its cache; a cache shorter than the prompt is an error);
       ``window=w`` (an integer >= 1, implies causal) also needs ``j > r + kv_len - rows - w``.
-      Both go to the kernel as a description: no ``[rows, kv]`` array exists anywhere.
+      ``window=(left, right)`` is FlashAttention's ``window_size``, causal or not: row r (at
+      cache position ``p = r + kv_len - rows``) sees ``p - left <= j <= p + right``, -1
+      unbounded on that side (``causal`` caps right at 0; ``window=w`` is ``(w - 1, 0)``
+      with causal). Both go to the kernel as a description: no ``[rows, kv]`` array exists
+      anywhere.
     - ``offset``: an integer (any sign, int32) placing query row ``r`` at position ``r +
       offset`` of the cache for ``causal``/``window`` instead (``r + offset - w < j <= r +
       offset``), with or without cu_seqlens (one offset for every sequence): a chunk of
@@ -115,6 +122,10 @@ def flash_attn_prefill(
       10) scales the explicit mask; with a described mask and no explicit one, the slope
       times ``-(p - j)`` is added (``p`` the query's position in the cache, as llama.cpp's
       ALiBi mask holds it). Needs ``causal``, a window or a mask.
+    - ``alibi_slopes``: float32 ``[heads]`` or ``[batch, heads]`` (flash-attn's; numpy or
+      torch on q's device; ``batch`` the sequences, the ``cu_seqlens``' too): each score
+      gains ``-slope_h * |p - j|`` (with causal, ``-slope_h * (p - j)``), ``p`` the query's
+      cache position. Not with ``max_bias``.
     - ``sinks``: float32 ``[heads]`` (numpy or torch, on q's device): each head's sink logit,
       one more softmax score with no value (gpt-oss); a row that sees nothing is then zeros
       with lse = its sink, and lse includes the sink.
@@ -126,7 +137,7 @@ def flash_attn_prefill(
     ``ValueError`` or a ``TypeError``."""
     layout = check_tensor_layout(layout)
     causal = check_bool(causal, "causal")
-    window = check_window(window)
+    causal, window = check_window_sides(window, causal)
     offset = check_offset(offset, causal or window is not None)
     scale = check_scale(scale)
     return_lse = check_bool(return_lse, "return_lse")
@@ -134,7 +145,7 @@ def flash_attn_prefill(
     device = check_device(device)
     softcap, max_bias = check_softcap(softcap), check_max_bias(max_bias)
     described = (causal, window, offset, scale)
-    transforms = (softcap, max_bias, sinks is not None)
+    transforms = (softcap, max_bias, sinks is not None, _alibi_form(alibi_slopes))
     rest = described + (return_lse, out_dtype, device, check_finite, transforms, layout)
     key = _key(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, rest)
     plan = None
@@ -148,15 +159,24 @@ def flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
             check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks, layout=layout,
+            alibi_slopes=alibi_slopes,
         )  # fmt: skip
         plan._planned = None  # the cache keeps no arrays alive
         plan._planned_sinks = None
+        plan._planned_alibi = None
         if key is not None:
             with _cache_lock:
                 _cache[key] = plan
                 while len(_cache) > PLAN_CACHE_SIZE:
                     _cache.popitem(last=False)
-    return plan._run_call(q, k, v, mask, sinks)
+    return plan._run_call(q, k, v, mask, sinks, alibi_slopes)
+
+
+def _alibi_form(slopes: Any) -> Optional[tuple]:
+    """The part of the plan cache's key the slopes decide: their rank (``[H]`` or ``[B, H]``)."""
+    if slopes is None:
+        return None
+    return (len(getattr(slopes, "shape", ())),)
 
 
 def _key(q, k, v, mask, cu_q, cu_k, rest) -> Optional[tuple]:

@@ -76,6 +76,46 @@ def check_tensor_layout(layout: Any) -> str:
     raise InvalidArgumentError(f"layout {layout!r} is not a tensor layout: {what}")
 
 
+def check_window_sides(window: Any, causal: bool) -> Tuple[bool, Union[None, int, Tuple[int, int]]]:
+    """``(causal, window)`` in their normal form from ``window``: None, an integer ``w >= 1``
+    (a causal window: ``(w - 1, 0)`` in FlashAttention's terms; it implies causal) or a pair
+    ``(left, right)`` of integers >= -1 (FlashAttention's ``window_size``: query row r at
+    cache position p sees ``p - left <= j <= p + right``, -1 unbounded on that side; with
+    ``causal`` the right side is capped at 0). A pair that a causal description or none
+    already says becomes that: ``(-1, -1)`` is no window, ``(left, r)`` under causal is the
+    integer ``left + 1`` (``(-1, r)``: plain causal). What stays a pair is a window without
+    causal with at least one side bounded."""
+    if not isinstance(window, (tuple, list)):
+        w = check_window(window)
+        return (causal or w is not None), w
+    if len(window) != 2:
+        raise InvalidArgumentError(
+            f"window as a pair is (left, right), FlashAttention's window_size (-1: unbounded on that side), got "
+            f"{len(window)} values {tuple(window)!r}"
+        )
+    sides = []
+    for side, x in zip(("left", "right"), window):
+        if not is_integer(x):
+            raise ArgumentTypeError(
+                f"window's {side} side must be an integer >= -1 (-1: unbounded), got {x!r} ({type(x).__name__})"
+            )
+        x = int(x)
+        if x < -1:
+            raise InvalidArgumentError(
+                f"window's {side} side must be >= -1 (-1: unbounded; 0: only the query's own position on that side), "
+                f"got {x}"
+            )
+        if x > 2**31 - 2:
+            raise InvalidArgumentError(f"window's {side} side {x} exceeds 2^31 - 2; pass -1 for unbounded")
+        sides.append(x)
+    left, right = sides
+    if causal:
+        return True, (None if left < 0 else left + 1)
+    if left < 0 and right < 0:
+        return False, None
+    return False, (left, right)
+
+
 def check_offset(offset: Any, causal: bool) -> Optional[int]:
     """``None`` (the prompt is the end of its cache: ``offset = kv_len - rows``, SPEC 6) or
     an integer in int32 placing query row ``r`` at position ``r + offset`` of the cache, any
@@ -176,6 +216,41 @@ def check_sinks(op: Operand, n_heads: int) -> Operand:
         raise InvalidArgumentError(
             f"sinks must have shape ({n_heads},), one logit per query head, got {op.shape}"
         )
+    return op
+
+
+def check_alibi_slopes(op: Operand, n_heads: int, batch: int, max_bias: float, values: bool = True) -> Operand:
+    """flash-attn's ALiBi slopes: float32 ``[n_heads]`` or ``[batch, n_heads]`` (``batch``
+    the sequences: B fixed length, the ``cu_seqlens``' B variable length), finite (checked
+    on the host for host arrays and, where ``values``, on the device for device arrays, a
+    synchronisation), and not beside ``max_bias``."""
+    if max_bias > 0:
+        raise InvalidArgumentError(
+            "alibi_slopes and max_bias are two ways to give ALiBi's slopes: pass one (max_bias=0 with alibi_slopes, "
+            "or alibi_slopes=None with max_bias)"
+        )
+    if op.dtype != np.float32:
+        raise UnsupportedDtypeError(
+            f"alibi_slopes must be float32 (one slope per query head), got {op.dtype.name}: convert with "
+            f".astype(float32) or .float()"
+        )
+    if op.shape not in ((n_heads,), (batch, n_heads)):
+        raise InvalidArgumentError(
+            f"alibi_slopes must have shape ({n_heads},) or ({batch}, {n_heads}) (one slope per query head, or per "
+            f"sequence and head), got {op.shape}"
+        )
+    if values and op.size:
+        if op.library == "torch":
+            import torch
+
+            bad = not bool(torch.isfinite(op.obj).all())
+        else:
+            bad = not bool(np.isfinite(np.asarray(op.to_host())).all())
+        if bad:
+            raise InvalidArgumentError(
+                "alibi_slopes holds a NaN or an infinity: each slope must be a finite float32 (the score gains "
+                "-slope * |p - j|)"
+            )
     return op
 
 

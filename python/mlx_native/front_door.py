@@ -22,7 +22,7 @@ def flash_attn_prefill(
     mask: Any = None,
     *,
     causal: bool = False,
-    window: Optional[int] = None,
+    window: Any = None,
     scale: Optional[float] = None,
     cu_seqlens_q: Any = None,
     cu_seqlens_k: Any = None,
@@ -35,6 +35,7 @@ def flash_attn_prefill(
     sinks: Any = None,
     offset: Optional[int] = None,
     layout: str = "NHD",
+    alibi_slopes: Any = None,
 ) -> Any:
     # A head dim without a kernel runs on the next kernel size, zero-padded (head_dims.py):
     # here, so that every entry (torch operators and arrays alike) gets it.
@@ -42,7 +43,7 @@ def flash_attn_prefill(
     out = _dispatch(
         q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         return_lse=return_lse, out_dtype=out_dtype, device=device, check_finite=check_finite, softcap=softcap,
-        max_bias=max_bias, sinks=sinks, offset=offset, layout=layout,
+        max_bias=max_bias, sinks=sinks, offset=offset, layout=layout, alibi_slopes=alibi_slopes,
     )  # fmt: skip
     if cut is None:
         return out
@@ -52,18 +53,22 @@ def flash_attn_prefill(
 
 
 def _dispatch(q, k, v, mask, *, causal, window, scale, cu_seqlens_q, cu_seqlens_k, return_lse, out_dtype, device,
-              check_finite, softcap, max_bias, sinks, offset, layout):  # fmt: skip
-    if _through_torch_op(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, sinks) and not isinstance(device, Device):
+              check_finite, softcap, max_bias, sinks, offset, layout, alibi_slopes):  # fmt: skip
+    if _through_torch_op(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes) and not isinstance(
+        device, Device
+    ):
         ops = _torch_ops or _import_torch_ops()
         return ops.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
             check_finite=check_finite, softcap=softcap, max_bias=max_bias, sinks=sinks, offset=offset, layout=layout,
+            alibi_slopes=alibi_slopes,
         )  # fmt: skip
     return attention.flash_attn_prefill(
         q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         return_lse=return_lse, out_dtype=out_dtype, device=device, check_finite=check_finite, offset=offset,
         softcap=_off_if_none(softcap), max_bias=_off_if_none(max_bias), sinks=sinks, layout=layout,
+        alibi_slopes=alibi_slopes,
     )  # fmt: skip
 
 

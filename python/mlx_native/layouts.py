@@ -30,7 +30,7 @@ HND_HINT = (
 
 _Q_DTYPES = ("float32", "float16", "bfloat16")
 _SPEC_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-_KV_DTYPES = ("float16", "bfloat16")
+_KV_DTYPES = ("float16", "bfloat16", "float32")
 
 
 class ArraySpec:
@@ -129,10 +129,10 @@ def check_qkv(qo: Operand, ko: Operand, vo: Operand, tensor_layout: str = "NHD")
         raise UnsupportedDtypeError(f"q must be float32, float16 or bfloat16, got {qo.dtype.name}")
     for name, op in (("k", ko), ("v", vo)):
         if op.dtype.name not in _KV_DTYPES:
-            raise UnsupportedDtypeError(f"{name} must be float16 or bfloat16, got {op.dtype.name}")
+            raise UnsupportedDtypeError(f"{name} must be float16, bfloat16 or float32, got {op.dtype.name}")
     if vo.dtype != ko.dtype:
         raise UnsupportedDtypeError(
-            f"k is {ko.dtype.name} and v is {vo.dtype.name}: they must have one dtype (float16 or bfloat16)"
+            f"k is {ko.dtype.name} and v is {vo.dtype.name}: they must have one dtype (float16, bfloat16 or float32)"
         )
     if qo.ndim not in (3, 4):
         raise InvalidArgumentError(

@@ -56,6 +56,13 @@ def _visible(xp, r0: int, r1: int, rows: int, kv_len: int, causal: bool, window:
     kw = {} if device is None else {"device": device}
     last = xp.arange(r0, r1, **kw)[:, None] + (kv_len - rows if offset is None else offset)
     j = xp.arange(kv_len, **kw)[None, :]
+    if isinstance(window, tuple):  # a two-sided window without causal: p - left <= j <= p + right
+        ok = last * 0 <= j
+        if window[0] >= 0:
+            ok &= j >= last - window[0]
+        if window[1] >= 0:
+            ok &= j <= last + window[1]
+        return ok
     if not causal:
         return last * 0 <= j  # every pair, shaped [r1 - r0, kv_len]
     ok = j <= last
@@ -70,6 +77,11 @@ def described_pairs(lq: int, lk: int, causal: bool, window: Optional[int], offse
     row r at cache position ``r + offset`` (None: ``lk - lq``, the prompt ends the cache)."""
     if lq <= 0 or lk <= 0:
         return 0
+    if isinstance(window, tuple):  # two-sided, not causal: count row by row
+        p = np.arange(lq, dtype=np.int64) + (lk - lq if offset is None else offset)
+        lo = np.maximum(p - window[0], 0) if window[0] >= 0 else np.zeros_like(p)
+        hi = np.minimum(p + window[1], lk - 1) if window[1] >= 0 else np.full_like(p, lk - 1)
+        return int(np.maximum(hi - lo + 1, 0).sum())
     if not causal:
         return lq * lk
     if offset is not None and offset != lk - lq:

@@ -27,8 +27,9 @@ from .checks import (
     check_scale,
     check_sinks,
     check_softcap,
+    check_alibi_slopes,
     check_tensor_layout,
-    check_window,
+    check_window_sides,
     default_scale,
 )
 from .device import Device, Encoder
@@ -93,7 +94,7 @@ class PrefillPlan:
         mask: Any = None,
         *,
         causal: bool = False,
-        window: Optional[int] = None,
+        window: Any = None,
         offset: Optional[int] = None,
         scale: Optional[float] = None,
         cu_seqlens_q: Any = None,
@@ -106,13 +107,13 @@ class PrefillPlan:
         max_bias: float = 0.0,
         sinks: Any = None,
         layout: str = "NHD",
+        alibi_slopes: Any = None,
     ):
         self.layout = check_tensor_layout(layout)
         hnd = self.layout == "HND"
         causal = check_bool(causal, "causal")
-        window = check_window(window)
-        causal = causal or window is not None
-        offset = check_offset(offset, causal)
+        causal, window = check_window_sides(window, causal)
+        offset = check_offset(offset, causal or window is not None)
         scale = check_scale(scale)
         self.softcap, self.max_bias = check_softcap(softcap), check_max_bias(max_bias)
         self._lse = check_bool(return_lse, "return_lse")
@@ -122,6 +123,7 @@ class PrefillPlan:
         if hnd:  # the kernels read [..., rows, heads, head_dim] through these strides
             qo, ko, vo = nhd_view(qo), nhd_view(ko), nhd_view(vo)
         check_qkv(qo, ko, vo, self.layout)
+        self._kv_to_half = False
         batched = qo.ndim == 4
         rows, n_heads, head_dim = qo.shape[-3:]
         kv_len, n_kv_heads, head_dim_v = ko.shape[-3], ko.shape[-2], vo.shape[-1]
@@ -156,6 +158,18 @@ class PrefillPlan:
                     + ("" if hnd else f"; {HND_HINT}")
                 )
         self.device, self._upload = pick_device(dev_arg, qo)
+        if ko.dtype == np.float32 and self.device.backend != "cpu":
+            # CUDA and Metal have no float32 K/V kernels: each run converts K and V to float16
+            # (round to nearest even, with the arrays' own library on their device), and the
+            # plan is made for those contiguous copies (docs/spec.md, "float32 K/V").
+            self._kv_to_half = True
+            ko, vo = _half_copy(ko), _half_copy(vo)
+        self._has_alibi = alibi_slopes is not None
+        self._alibi_batched = False
+        if self._has_alibi:
+            ao = check_alibi_slopes(operand(alibi_slopes, "alibi_slopes"), n_heads, batch, self.max_bias)
+            self._alibi_batched = ao.ndim == 2
+            self._alibi_shape = ao.shape
         self._cuda = self.device.backend == "cuda" and not self._upload
         self._array_device = qo.device
         out_name = check_out_dtype(out_dtype, qo.dtype)
@@ -197,9 +211,13 @@ class PrefillPlan:
         p.lse_strides = (n_heads * rows if batched else 0, rows)
         p.batch, p.rows, p.kv_len = batch, rows, kv_len
         p.n_heads, p.n_kv_heads, p.head_dim = n_heads, n_kv_heads, head_dim
-        p.causal, p.window, p.scale = int(causal), window or 0, self.scale
+        p.causal, p.window, p.scale = int(causal), (window or 0) if not isinstance(window, tuple) else 0, self.scale
         p.offset, p.has_offset = offset or 0, int(offset is not None)
         p.head_dim_v, p.softcap, p.max_bias = head_dim_v, self.softcap, self.max_bias
+        if isinstance(window, tuple):  # two-sided, without causal
+            p.window = window[0] + 1 if window[0] >= 0 else 0
+            p.window_right, p.has_window_right = max(window[1], 0), int(window[1] >= 0)
+        p.alibi_slopes = (2 if self._alibi_batched else 1) if self._has_alibi else 0
         self._params = p
 
         out = ffi.new("uint64_t *")
@@ -222,12 +240,14 @@ class PrefillPlan:
             and qo.in_place and ko.in_place and vo.in_place and mask_in_place
             and qo.converted is None and ko.converted is None and vo.converted is None
             and not self._upload and not self._check_finite and not self._has_sinks
+            and not self._has_alibi and not self._kv_to_half
         )  # fmt: skip
         self._direct = _direct_outputs(qo, self.shape, self.lse_shape, self.out_dtype) if direct else None
 
-        data = [x for x in (q, k, v, mask, sinks) if x is not None]
+        data = [x for x in (q, k, v, mask, sinks, alibi_slopes) if x is not None]
         self._planned = None if any(isinstance(x, ArraySpec) for x in data) else (q, k, v, mask)
         self._planned_sinks = sinks
+        self._planned_alibi = alibi_slopes
         self._lock = threading.RLock()
         self._bufs = None
         self._scratch = None
@@ -283,7 +303,11 @@ class PrefillPlan:
         mask += f", softcap {self.softcap:g}" if self.softcap else ""
         mask += f", ALiBi max_bias {self.max_bias:g}" if self.max_bias else ""
         mask += ", sinks" if self._has_sinks else ""
-        desc = f"window {self.window}" if self.window else ("causal" if self.causal else "no description")
+        mask += ", ALiBi slopes" if self._has_alibi else ""
+        if isinstance(self.window, tuple):
+            desc = f"window (left {self.window[0]}, right {self.window[1]})"
+        else:
+            desc = f"window {self.window}" if self.window else ("causal" if self.causal else "no description")
         if self.offset is not None:
             desc += f", offset {self.offset}"
         if self.layout != "NHD":
@@ -310,6 +334,7 @@ class PrefillPlan:
         mask: Any = None,
         *,
         sinks: Any = None,
+        alibi_slopes: Any = None,
         out: Any = None,
         lse: Any = None,
     ) -> Any:
@@ -340,6 +365,7 @@ class PrefillPlan:
         qo, ko, vo = self._bind(q, "q", 0), self._bind(k, "k", 1), self._bind(v, "v", 2)
         mo = self._bind_mask(mask, qo)
         so = self._bind_sinks(sinks)
+        ao = self._bind_alibi(alibi_slopes)
         if self._check_finite:
             _check_inputs(qo, ko, vo, self.scale)
             if mask is not None:
@@ -347,24 +373,25 @@ class PrefillPlan:
             if so is not None:
                 check_array_finite("sinks", so.obj, allow_neg_inf=True)
         if self._upload:
-            return self._run_uploaded(qo, ko, vo, mo, so, out, lse)
+            return self._run_uploaded(qo, ko, vo, mo, so, out, lse, ao)
         oo = _output(out, qo, "out", self.shape, self.out_dtype)
         lo = _output(lse, qo, "lse", self.lse_shape, np.float32) if self._lse else None
         stream = qo.run_stream() if self._cuda else 0
         # The split's scratch, for this run alone (q's library allocates it, as the outputs).
         wo = qo.new_empty((self._extents["workspace"],), np.uint8) if self._cuda and self._extents["workspace"] else None
         _run(self._handle, qo.ptr, ko.ptr, vo.ptr, None if mo is None else mo.ptr, oo.ptr, None if lo is None else lo.ptr,
-             stream, None if so is None else so.ptr, None if wo is None else wo.ptr)  # fmt: skip
+             stream, None if so is None else so.ptr, None if wo is None else wo.ptr,
+             None if ao is None else ao.ptr)  # fmt: skip
         return (oo.obj, lo.obj) if lo is not None else oo.obj
 
     __call__ = run
 
-    def _run_call(self, q: Any, k: Any, v: Any, mask: Any, sinks: Any = None):
+    def _run_call(self, q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, alibi_slopes: Any = None):
         """:meth:`run` for arrays whose layouts (``arrays.layout_key``) are those this plan
         was made from: the one call's path, which checks nothing it knows already."""
         d = self._direct
         if d is None:
-            return self.run(q, k, v, mask, sinks=sinks)
+            return self.run(q, k, v, mask, sinks=sinks, alibi_slopes=alibi_slopes)
         new_out, new_lse, ptr = d
         try:
             o = new_out(q)
@@ -379,11 +406,15 @@ class PrefillPlan:
             if self._extents["workspace"]:  # the split's scratch, for this run alone
                 ws = torch.empty((self._extents["workspace"],), dtype=torch.uint8, device=q.device)
         _run(self._handle, ptr(q), ptr(k), ptr(v), None if mask is None else ptr(mask), ptr(o),
-             None if lse is None else ptr(lse), stream, None, None if ws is None else ptr(ws))  # fmt: skip
+             None if lse is None else ptr(lse), stream, None, None if ws is None else ptr(ws), None)  # fmt: skip
         return (o, lse) if lse is not None else o
 
     def _bind(self, x: Any, name: str, i: int) -> Operand:
         op = Operand.of(x, name)
+        if self._kv_to_half and i in (1, 2):
+            if op.dtype != np.float32:
+                raise InvalidArgumentError(f"{name} is {op.dtype.name}; this plan was made for float32 {name}")
+            op = _half_copy(op)
         if not op.in_place:
             op = op.made_contiguous()
         if self.layout == "HND":
@@ -412,6 +443,28 @@ class PrefillPlan:
             op = op.made_contiguous()
         if op.device != self._array_device:
             raise InvalidArgumentError(f"sinks are on {op.device}; this plan runs on arrays on {self._array_device}")
+        return op
+
+    def _bind_alibi(self, slopes: Any) -> Optional[Operand]:
+        """The ALiBi slopes of a run: float32 of the planned shape on the planned arrays'
+        device (a strided view is copied), or None for a plan without them. Their values
+        are checked finite (on the device for device arrays: a synchronisation, so only
+        with ``check_finite`` there)."""
+        if not self._has_alibi:
+            if slopes is not None:
+                raise InvalidArgumentError("this plan has no ALiBi slopes: make one with alibi_slopes=... to pass them")
+            return None
+        if slopes is None:
+            raise InvalidArgumentError(f"this plan has ALiBi slopes: pass alibi_slopes, float32 {self._alibi_shape}")
+        op = Operand.of(slopes, "alibi_slopes")
+        values = not op.on_cuda or self._check_finite
+        op = check_alibi_slopes(op, self._n_heads, self.batch, 0.0, values=values)
+        if op.shape != self._alibi_shape:
+            raise InvalidArgumentError(f"alibi_slopes has shape {op.shape}; this plan was made for {self._alibi_shape}")
+        if not op.contiguous:
+            op = op.made_contiguous()
+        if op.device != self._array_device:
+            raise InvalidArgumentError(f"alibi_slopes are on {op.device}; this plan runs on arrays on {self._array_device}")
         return op
 
     def _bind_mask(self, mask: Any, like: Operand) -> Optional[Operand]:
@@ -454,8 +507,10 @@ class PrefillPlan:
             return dev.buffer(span(op)) if self._upload else dev.wrap(op, span=True)
 
         so = self._bind_sinks(self._planned_sinks)
+        ao = self._bind_alibi(self._planned_alibi)
         b = dict(q=buf(qo), k=buf(ko), v=buf(vo), mask=None if mo is None else buf(mo), lse=None, cu_q=None, cu_k=None)
         b["sinks"] = None if so is None else buf(so)
+        b["alibi"] = None if ao is None else buf(ao)
         if self._upload:
             b.update(self._output_buffers())
         else:
@@ -511,13 +566,14 @@ class PrefillPlan:
                 h(b["cu_k"]),
                 h(b["lse"]),
                 h(b.get("sinks")),
+                h(b.get("alibi")),
                 h(b.get("workspace")),
                 self._params,
             )
         )
         enc._hold(*[x for x in b.values() if x is not None])
 
-    def _run_uploaded(self, qo, ko, vo, mo, so, out, lse):
+    def _run_uploaded(self, qo, ko, vo, mo, so, out, lse, ao=None):
         dev = self.device
         with self._lock:
             if self._scratch is None:
@@ -527,6 +583,7 @@ class PrefillPlan:
             b.update(q=dev.buffer(span(qo)), k=dev.buffer(span(ko)), v=dev.buffer(span(vo)))
             b["mask"] = None if mo is None else dev.buffer(span(mo))
             b["sinks"] = None if so is None else dev.buffer(span(so))
+            b["alibi"] = None if ao is None else dev.buffer(span(ao))
             return self._run_buffers(b, out, lse, qo)
 
     def _output_buffers(self) -> dict:
@@ -569,19 +626,22 @@ def _run(
     stream: int,
     sinks: Optional[int] = None,
     workspace: Optional[int] = None,
+    alibi: Optional[int] = None,
 ) -> None:
     """One ``mlxn_prefill_plan_run``. The C ABI reads address 0 of the mask, lse or sinks as
     "not given": an empty one (no element, so never read) takes the address of another
     operand, and when every operand is empty there is nothing to run. ``workspace`` None
     runs unsplit."""
-    if mask == 0 or lse == 0 or sinks == 0:
+    if mask == 0 or lse == 0 or sinks == 0 or alibi == 0:
         some = k or q or v or out
         if not some:
             return
         mask = some if mask == 0 else mask
         lse = some if lse == 0 else lse
         sinks = some if sinks == 0 else sinks
-    check(lib.mlxn_prefill_plan_run(handle, q, k, v, mask or 0, out, lse or 0, sinks or 0, workspace or 0, stream))
+        alibi = some if alibi == 0 else alibi
+    check(lib.mlxn_prefill_plan_run(handle, q, k, v, mask or 0, out, lse or 0, sinks or 0, alibi or 0, workspace or 0,
+                                    stream))  # fmt: skip
 
 
 def _numpy_ptr(a: np.ndarray) -> int:
@@ -619,6 +679,21 @@ def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
 
         ptr = _numpy_ptr
     return new_out, new_lse, ptr
+
+
+def _half_copy(op: Operand) -> Operand:
+    """A contiguous float16 copy of a float32 operand, made by its own library on its device
+    (round to nearest even; values beyond half's range become +-inf)."""
+    if op.library == "torch":
+        import torch
+
+        return Operand.of(op.obj.to(torch.float16, memory_format=torch.contiguous_format))
+    if op.library == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(op.device_index):
+            return Operand.of(cupy.ascontiguousarray(op.obj.astype(cupy.float16)))
+    return Operand.of(np.ascontiguousarray(op.host_array().astype(np.float16)))
 
 
 def _check_inputs(qo: Operand, ko: Operand, vo: Operand, scale: float) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
@@ -77,19 +77,37 @@ def useful_flops(head_dim: int, n_heads: int, visible_pairs: int) -> float:
     return 4.0 * head_dim * n_heads * visible_pairs
 
 
+def window_sides(causal: bool, window: Any) -> "tuple[int, int]":
+    """The ``(left, right)`` of a description (FlashAttention's ``window_size``, -1 for
+    unbounded): ``window=w`` (an int) is ``(w - 1, 0)``; a tuple is taken as it is, its
+    right side capped at 0 by ``causal``; no window is ``(-1, 0)`` causal, ``(-1, -1)``
+    otherwise."""
+    if window is None:
+        left, right = -1, -1
+    elif isinstance(window, tuple):
+        left, right = int(window[0]), int(window[1])
+    else:
+        left, right, causal = int(window) - 1, 0, True
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
 def visible_mask(
-    lq: int, lk: int, causal: bool = False, window: Optional[int] = None, offset: Optional[int] = None
+    lq: int, lk: int, causal: bool = False, window: Any = None, offset: Optional[int] = None
 ) -> np.ndarray:
     """SPEC 6: bool ``[lq, lk]``, True where query row r may see cache row j: row r sits at
-    cache position ``r + offset`` (None: the prompt is the last ``lq`` rows of the cache,
-    ``offset = lk - lq``)."""
+    cache position ``p = r + offset`` (None: the prompt is the last ``lq`` rows of the cache,
+    ``offset = lk - lq``) and sees ``p - left <= j <= p + right`` (:func:`window_sides`, -1
+    unbounded)."""
     r = np.arange(lq)[:, None] + (lk - lq if offset is None else offset)
     j = np.arange(lk)[None, :]
     ok = np.ones((lq, lk), dtype=bool)
-    if causal or window is not None:
-        ok &= j <= r
-    if window is not None:
-        ok &= j > r - window
+    left, right = window_sides(causal, window)
+    if right >= 0:
+        ok &= j <= r + right
+    if left >= 0:
+        ok &= j >= r - left
     return ok
 
 
@@ -100,7 +118,7 @@ def reference_prefill(
     mask: Optional[np.ndarray] = None,
     *,
     causal: bool = False,
-    window: Optional[int] = None,
+    window: Any = None,
     scale: float = 1.0,
     cu_seqlens_q: Optional[np.ndarray] = None,
     cu_seqlens_k: Optional[np.ndarray] = None,
@@ -108,6 +126,7 @@ def reference_prefill(
     softcap: float = 0.0,
     max_bias: float = 0.0,
     sinks: Optional[np.ndarray] = None,
+    alibi_slopes: Optional[np.ndarray] = None,
 ):
     """SPEC 6-10 in float64 on the kernels' rounded inputs: ``half(scale * q)`` (q read as
     float from any dtype), K/V as given (float16 or bfloat16, read exactly), an optional
@@ -122,7 +141,10 @@ def reference_prefill(
     > 0`` scales the mask by each head's ALiBi slope (:func:`alibi_slopes`), and without an
     explicit mask adds the slope times the described mask's ``-(p - j)`` (``p`` the query's
     position in the cache; needs ``causal`` or a window); ``sinks`` (``[H]``) adds each
-    head's logit to the softmax as a score with no value.
+    head's logit to the softmax as a score with no value. ``alibi_slopes`` (flash-attn's:
+    ``[H]`` or ``[B, H]``, B the sequences) adds ``-slope * |p - j|`` to each score (after
+    softcap, beside an unscaled mask). ``window``: an int ``w`` (causal, ``(w - 1, 0)``) or
+    ``(left, right)`` (:func:`window_sides`). K/V may be float32 too (read exactly).
 
     Returns ``(out, lse)`` in float64: out shaped like q with ``Dv`` columns, lse ``[H,
     rows]``, ``[B, H, rows]`` or ``[H, total_q]`` (SPEC 8: ``ln(e^sigma + sum_j exp(s_j))``;
@@ -130,6 +152,9 @@ def reference_prefill(
     q = np.asarray(q)
     batched = q.ndim == 4
     tr = _Transforms(softcap, max_bias, sinks, q.shape[-2])
+    ab = None if alibi_slopes is None else np.asarray(alibi_slopes, np.float64)
+    if ab is not None and ab.ndim == 1:
+        ab = ab[None]
     qs = q if batched else q[None]
     ks = np.asarray(k) if batched else np.asarray(k)[None]
     vs = np.asarray(v) if batched else np.asarray(v)[None]
@@ -145,7 +170,8 @@ def reference_prefill(
         seqs = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
         out = np.zeros(q.shape[:-1] + (np.asarray(v).shape[-1],), np.float64)
         lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-        for qsl, ksl in seqs:
+        for b, (qsl, ksl) in enumerate(seqs):
+            tr.given = None if ab is None else ab[b if ab.shape[0] > 1 else 0]
             o, l = _one_sequence(q[qsl], k[ksl], v[ksl], None, causal, window, scale, tr, offset)
             out[qsl] = o
             lse[:, qsl] = l
@@ -155,6 +181,7 @@ def reference_prefill(
     lse = np.full((nb, qs.shape[2], qs.shape[1]), -np.inf)
     for b in range(nb):
         mb = None if mask is None else m[b if m.shape[0] > 1 else 0]
+        tr.given = None if ab is None else ab[b if ab.shape[0] > 1 else 0]
         out[b], lse[b] = _one_sequence(qs[b], ks[b], vs[b], mb, causal, window, scale, tr, offset)
     return (out, lse) if batched else (out[0], lse[0])
 
@@ -179,6 +206,8 @@ class _Transforms:
         self.max_bias = float(max_bias)
         self.slopes = alibi_slopes(n_heads, self.max_bias)
         self.sinks = None if sinks is None else np.asarray(sinks, np.float64).reshape(n_heads)
+        #: The slopes given as data for the sequence at hand (``[H]``), or None.
+        self.given = None
 
 
 def _one_sequence(q, k, v, mask, causal, window, scale, tr, offset=None):
@@ -206,6 +235,8 @@ def _one_sequence(q, k, v, mask, causal, window, scale, tr, offset=None):
             s = s + tr.slopes[h] * mask
         elif tr.max_bias > 0:
             s = s + tr.slopes[h] * distance
+        if tr.given is not None:
+            s = s - tr.given[h] * np.abs(distance)
         s = np.where(seen, s, -np.inf)
         sigma = -np.inf if tr.sinks is None else tr.sinks[h]
         mx = np.maximum(s.max(axis=1, keepdims=True), sigma)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,7 +31,7 @@ from .checks import (
     check_scale,
     check_softcap,
     check_tensor_layout,
-    check_window,
+    check_window_sides,
 )
 from .device import follow_torch_threads
 from .dtypes import dtype_name, numpy_dtype_of_name
@@ -46,7 +47,7 @@ _ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor? mask=None, bool causal=False, SymInt? window=None, float? scale=None, "
     "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, ScalarType? out_dtype=None, str? device=None, "
     "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None, SymInt? offset=None, "
-    'str layout="NHD"'
+    'str layout="NHD", int[]? window_size=None, Tensor? alibi_slopes=None'
 )
 # Defined with a schema and plain kernels rather than torch.library.custom_op: the same
 # operator to the tracers, at a fraction of custom_op's dispatch cost per eager call (about
@@ -63,19 +64,22 @@ _LIB.define(f"flash_attn_prefill_lse_autograd({_ARGS}) -> (Tensor, Tensor)")
 def _kernel(return_lse: bool, cpu: bool, autograd: bool = False):
     def kernel(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
-               offset=None, layout="NHD"):  # fmt: skip
+               offset=None, layout="NHD", window_size=None, alibi_slopes=None):  # fmt: skip
+        if window_size is not None:  # a two-sided window (left, right), FlashAttention's
+            window = (int(window_size[0]), int(window_size[1]))
         if cpu:  # as many threads as PyTorch's own CPU operators, unless the caller chose
             follow_torch_threads(torch.get_num_threads())
         # Below the autograd key the tensors still say requires_grad; the kernels read data.
         # The plain operators have no formula: under grad mode such a tensor is refused
         # there, by name (a direct call); under no_grad nothing records a graph.
         if autograd or not torch.is_grad_enabled():
-            q, k, v, mask, sinks = (_detached(t) for t in (q, k, v, mask, sinks))
+            q, k, v, mask, sinks, alibi_slopes = (_detached(t) for t in (q, k, v, mask, sinks, alibi_slopes))
         # The array call itself, never the public front door (which would come back here).
         return attention.flash_attn_prefill(
             q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
             check_finite=check_finite, offset=offset, softcap=softcap, max_bias=max_bias, sinks=sinks, layout=layout,
+            alibi_slopes=alibi_slopes,
         )  # fmt: skip
 
     return kernel
@@ -116,7 +120,7 @@ def _check_fake_operands(named: dict) -> None:
         )
     # The arrays the kernel reads sit on q's device (the sequence offsets are read on the
     # host, and a host mask is copied to q's device, as the real call does).
-    for name in ("k", "v", "mask", "sinks"):
+    for name in ("k", "v", "mask", "sinks", "alibi_slopes"):
         t = named[name]
         if t is not None and t.device != named["q"].device and not (name == "mask" and t.device.type == "cpu"):
             raise InvalidArgumentError(f"{name} is on {t.device} and q on {named['q'].device}: they must be on one device")
@@ -127,7 +131,7 @@ def _concrete(t: Optional[Tensor]) -> bool:
     return t is None or all(type(d) is int for d in tuple(t.shape) + tuple(t.stride()))
 
 
-def _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw) -> None:
+def _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw, alibi_slopes=None) -> None:
     """Every check the real call makes that needs no data: a plan made on the operands'
     layouts (ArraySpecs on the CPU backend, which checks what every backend does); the
     sequence offsets' values are data, so with them only their presence is planned."""
@@ -149,19 +153,40 @@ def _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, 
                 raise InvalidArgumentError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 offsets")
         # A causal prompt shorter than its cache is checked per sequence, on the values.
         kw = dict(kw, offset=kw["offset"] if kw["offset"] is not None else (0 if kw["causal"] or kw["window"] else None))
+    if alibi_slopes is not None:  # the slopes' values are data: their shape and dtype are planned
+        from .checks import check_alibi_slopes
+
+        batch = (q.shape[0] if q.dim() == 4 else 1) if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+        check_alibi_slopes(_SlopesSpec(alibi_slopes), q.shape[-2], batch, kw["max_bias"], values=False)
     PrefillPlan(spec(q), spec(k), spec(v), spec(mask), sinks=spec(sinks), device="cpu", **kw)
+
+
+class _SlopesSpec:
+    """The shape and dtype of a (fake) slopes tensor, as ``check_alibi_slopes`` reads them."""
+
+    def __init__(self, t: Tensor):
+        self.shape = tuple(t.shape)
+        self.ndim = len(self.shape)
+        self.size = 0
+        try:
+            self.dtype = np.dtype(str(t.dtype).replace("torch.", ""))
+        except TypeError:  # bfloat16: any dtype but float32 is refused, named as numpy names it
+            self.dtype = np.dtype(np.float16)
 
 
 def _fake(return_lse: bool):
     def fake(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
              out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
-             offset=None, layout="NHD"):  # fmt: skip
-        named = dict(q=q, k=k, v=v, mask=mask, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+             offset=None, layout="NHD", window_size=None, alibi_slopes=None):  # fmt: skip
+        named = dict(q=q, k=k, v=v, mask=mask, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     alibi_slopes=alibi_slopes)  # fmt: skip
         _check_fake_operands(named)
-        if all(_concrete(t) for t in (q, k, v, mask, sinks)):
+        if window_size is not None:
+            window = (int(window_size[0]), int(window_size[1]))
+        if all(_concrete(t) for t in (q, k, v, mask, sinks, alibi_slopes)):
             kw = dict(causal=causal, window=window, scale=scale, out_dtype=out_dtype, softcap=softcap,
                       max_bias=max_bias, offset=offset, layout=layout)  # fmt: skip
-            _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw)
+            _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw, alibi_slopes)
         out = _fake_out(q, v, out_dtype)
         if not return_lse:
             return out
@@ -241,7 +266,8 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
                        window: Any = None, scale: Any = None, cu_seqlens_q: Optional[Tensor] = None,
                        cu_seqlens_k: Optional[Tensor] = None, return_lse: Any = False, out_dtype: Any = None,
                        device: Optional[str] = None, check_finite: Any = False, softcap: Any = 0.0, max_bias: Any = 0.0,
-                       sinks: Optional[Tensor] = None, offset: Any = None, layout: Any = "NHD"):  # fmt: skip
+                       sinks: Optional[Tensor] = None, offset: Any = None, layout: Any = "NHD",
+                       alibi_slopes: Optional[Tensor] = None):  # fmt: skip
     """``mlx_native.flash_attn_prefill`` on torch tensors, through the operators: the
     arguments are checked here (the library's typed errors, not the schema's), then one
     operator runs."""
@@ -257,7 +283,7 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
         if type(check_finite) is not bool:
             check_finite = check_bool(check_finite, "check_finite")
         if window is not None:
-            window = check_window(window)
+            causal, window = check_window_sides(window, causal)
         if scale is not None and type(scale) is not float:
             scale = check_scale(scale)
         if device is not None:
@@ -270,13 +296,17 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] =
             offset = check_offset(offset, causal or window is not None)
         if layout != "NHD":
             layout = check_tensor_layout(layout)
+    # A two-sided window travels as window_size=[left, right] (the schema's window is an int).
+    window_size = None
+    if isinstance(window, (tuple, list)):
+        window_size, window = [int(window[0]), int(window[1])], None
     # The overloads, called by position: no name look-up, no keyword parsing.
-    if torch.is_grad_enabled() and _any_requires_grad(q, k, v, mask, sinks):
+    if torch.is_grad_enabled() and _any_requires_grad(q, k, v, mask, sinks, alibi_slopes):
         op = _LSE_GRAD_OP if return_lse else _GRAD_OP
     else:
         op = _LSE_OP if return_lse else _OP
     return op(q, k, v, mask, causal, window, scale, cu_seqlens_q, cu_seqlens_k, _torch_out_dtype(out_dtype), device,
-              check_finite, softcap, max_bias, sinks, offset, layout)  # fmt: skip
+              check_finite, softcap, max_bias, sinks, offset, layout, window_size, alibi_slopes)  # fmt: skip
 
 
 def _any_requires_grad(*tensors) -> bool:

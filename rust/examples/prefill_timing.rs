@@ -102,6 +102,7 @@ fn main() {
         cu_seqlens_k: None,
         lse: None,
         sinks: None,
+        alibi_slopes: None,
         workspace: None,
     };
     let with_mask = FlashAttnPrefillBuffers { mask: Some(&mask), blk: Some(&blk), ..plain };

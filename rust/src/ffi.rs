@@ -934,8 +934,9 @@ pub extern "C" fn mlxn_cache_rows_per_step() -> u32 {
 // ---------------------------------------------------------------- the front door's op
 
 /// `dispatch_flash_attn_prefill`: record one prefill over a batch (SPEC 6-10). `mask`,
-/// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse`, `sinks` and `workspace` are optional: 0
-/// for none. `workspace`: scratch for this dispatch alone, of at least the bytes a plan of
+/// `blk`, `cu_seqlens_q`, `cu_seqlens_k`, `lse`, `sinks`, `alibi_slopes` and `workspace` are
+/// optional: 0 for none (`alibi_slopes`: F32 `[n_heads]` or `[batch, n_heads]`, as
+/// `params->alibi_slopes` says). `workspace`: scratch for this dispatch alone, of at least the bytes a plan of
 /// the same prefill reports (`MlxnPrefillExtents::workspace`), with which the CUDA
 /// attention may split its walk over the cache; without one it does not.
 ///
@@ -955,6 +956,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
     cu_seqlens_k: u64,
     lse: u64,
     sinks: u64,
+    alibi_slopes: u64,
     workspace: u64,
     params: *const FlashAttnPrefillParams,
 ) -> i32 {
@@ -967,6 +969,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
         let (q, k, v, out) = (buffer(q)?, buffer(k)?, buffer(v)?, buffer(out)?);
         let (mask, blk, lse) = (optional_buffer(mask)?, optional_buffer(blk)?, optional_buffer(lse)?);
         let (sinks, workspace) = (optional_buffer(sinks)?, optional_buffer(workspace)?);
+        let alibi_slopes = optional_buffer(alibi_slopes)?;
         let (cu_q, cu_k) = (optional_buffer(cu_seqlens_q)?, optional_buffer(cu_seqlens_k)?);
         let b = FlashAttnPrefillBuffers {
             q: &q,
@@ -979,6 +982,7 @@ pub unsafe extern "C" fn mlxn_dispatch_flash_attn_prefill(
             cu_seqlens_k: cu_k.as_ref(),
             lse: lse.as_ref(),
             sinks: sinks.as_ref(),
+            alibi_slopes: alibi_slopes.as_ref(),
             workspace: workspace.as_ref(),
         };
         let mut encoder = lock(&e.encoder);
@@ -1044,6 +1048,8 @@ pub struct MlxnPrefillExtents {
     pub blk: u64,
     pub lse: u64,
     pub sinks: u64,
+    /// F32 ALiBi slopes (`[n_heads]` or `[batch, n_heads]`; 0 without).
+    pub alibi_slopes: u64,
     /// Bytes of scratch a run can use to go faster (0: none helps): the CUDA attention
     /// splits its walk over the cache when the shape leaves the GPU idle. Pass a buffer
     /// of this size to each run (one per run in flight), or 0 to run unsplit.
@@ -1092,6 +1098,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
             mask: flag(has_mask, "has_mask")?,
             lse: flag(has_lse, "has_lse")?,
             sinks: flag(has_sinks, "has_sinks")?,
+            alibi_slopes: p.alibi_slopes != 0,
         };
         let n = p.batch as usize + 1;
         let cu = match (cu_seqlens_q.is_null(), cu_seqlens_k.is_null()) {
@@ -1130,6 +1137,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_extents(plan_handle: u64, out: *mut M
             blk: e.blk,
             lse: e.lse,
             sinks: e.sinks,
+            alibi_slopes: e.alibi_slopes,
             workspace: pc.plan.workspace_bytes(),
         };
         Ok(())
@@ -1138,7 +1146,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_extents(plan_handle: u64, out: *mut M
 
 /// Run a plan on data (FlashInfer's `run`): each operand by address (a host pointer on the
 /// CPU and Metal, a device address on CUDA), holding what [`mlxn_prefill_plan_extents`]
-/// says; `mask`, `lse` and `sinks` 0 when the plan has none. `workspace`: 0, or scratch of
+/// says; `mask`, `lse`, `sinks` and `alibi_slopes` 0 when the plan has none. `workspace`: 0, or scratch of
 /// the extents' `workspace` bytes for this run alone (it may then run faster). `stream`: 0
 /// runs on the library's stream and waits; a CUDA stream (`cudaStream_t`) enqueues the run
 /// on it and returns at once (CUDA devices; elsewhere the run happens now).
@@ -1157,6 +1165,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
     out: u64,
     lse: u64,
     sinks: u64,
+    alibi_slopes: u64,
     workspace: u64,
     stream: u64,
 ) -> i32 {
@@ -1180,6 +1189,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
         let mb = optional("mask", mask, o.mask, e.mask, DType::F16)?;
         let lb = optional("lse", lse, o.lse, e.lse, DType::F32)?;
         let sb = optional("sinks", sinks, o.sinks, e.sinks, DType::F32)?;
+        let ab = optional("alibi_slopes", alibi_slopes, o.alibi_slopes, e.alibi_slopes, DType::F32)?;
         let ws = p.workspace_bytes();
         let wb = match workspace {
             0 => None,
@@ -1194,6 +1204,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
             mask: mb.as_ref(),
             lse: lb.as_ref(),
             sinks: sb.as_ref(),
+            alibi_slopes: ab.as_ref(),
             workspace: wb.as_ref(),
         };
         let mut registry = lock(&pc.ctx.registry);

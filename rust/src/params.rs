@@ -166,6 +166,13 @@ pub struct FlashAttnPrefillParamsGpu {
     pub softcap: f32,
     /// SPEC 10: ALiBi slopes on the explicit mask when above 0.
     pub max_bias: f32,
+    /// With `PREFILL_WINDOW_RIGHT`: query row r (at cache position p) sees cache row j only
+    /// if `j <= p + window_right` (the right side of a two-sided window, SPEC 6; causal is
+    /// right 0 and needs no field). Without the flag there is no right bound but causal's.
+    pub window_right: i32,
+    /// With `PREFILL_ALIBI_SLOPES`: elements from one sequence's slopes to the next (0: one
+    /// `[n_heads]` array for every sequence; `n_heads` for `[batch, n_heads]`).
+    pub alibi_batch_stride: i32,
 }
 
 /// Elements (bytes for `blk`) each buffer of a prefill must hold.
@@ -180,6 +187,8 @@ pub struct PrefillExtents {
     pub lse: u64,
     /// F32 sink logits, one per query head.
     pub sinks: u64,
+    /// F32 ALiBi slopes, `[n_heads]` or `[batch, n_heads]`.
+    pub alibi_slopes: u64,
 }
 
 impl FlashAttnPrefillParamsGpu {
@@ -251,6 +260,14 @@ impl FlashAttnPrefillParamsGpu {
                 0
             },
             sinks: if self.flags & PREFILL_SINKS != 0 { nh } else { 0 },
+            alibi_slopes: if self.flags & PREFILL_ALIBI_SLOPES != 0 {
+                if self.alibi_batch_stride < 0 {
+                    return None;
+                }
+                (u(self.batch).max(1) - 1).saturating_mul(u(self.alibi_batch_stride)).saturating_add(nh)
+            } else {
+                0
+            },
         })
     }
 }
@@ -262,6 +279,22 @@ impl FlashAttnPrefillParamsGpu {
     /// two and rounded once, so that every backend that calls it scales by the same f32.
     pub fn alibi_slope(&self, h: i32) -> f32 {
         alibi_slope(self.max_bias, self.n_heads, h)
+    }
+}
+
+impl FlashAttnPrefillParamsGpu {
+    /// What of this block a backend whose kernels predate two-sided windows and ALiBi slopes
+    /// as data cannot compute (a window without causal, a right bound, given slopes), named
+    /// for its error; `None` when it can. Such a backend refuses the dispatch rather than
+    /// compute another mask.
+    pub fn needs_two_sided_or_slopes(&self) -> Option<&'static str> {
+        if self.flags & PREFILL_ALIBI_SLOPES != 0 {
+            Some("alibi_slopes")
+        } else if self.flags & PREFILL_WINDOW_RIGHT != 0 || (self.window > 0 && self.flags & PREFILL_CAUSAL == 0) {
+            Some("a window without causal")
+        } else {
+            None
+        }
     }
 }
 
@@ -321,6 +354,8 @@ impl FlashAttnPrefillTensorParamsGpu {
             kv_dtype: 1,
             softcap: 0.0,
             max_bias: 0.0,
+            window_right: 0,
+            alibi_batch_stride: 0,
         }
     }
 }
@@ -338,6 +373,13 @@ pub const PREFILL_LSE: i32 = 8;
 pub const PREFILL_OFFSET: i32 = 16;
 /// Attention sinks (SPEC 10): one logit per query head, bound at index 10.
 pub const PREFILL_SINKS: i32 = 32;
+/// A right bound of the described mask (SPEC 6, two-sided windows): `j <= p + window_right`.
+pub const PREFILL_WINDOW_RIGHT: i32 = 64;
+/// ALiBi slopes given as data (flash-attn's `alibi_slopes`), bound at index 12: the score of
+/// each computed pair gains `-slope * |p - j|` (`p` the query's cache position).
+pub const PREFILL_ALIBI_SLOPES: i32 = 128;
+/// The dispatch index of a prefill's ALiBi slopes.
+pub const PREFILL_ALIBI_SLOPES_INDEX: u64 = 12;
 /// The dispatch index of a prefill's workspace (bound only when one is given; the
 /// backend that asked for it, `Backend::workspace_bytes`, reads it there).
 pub const PREFILL_WORKSPACE_INDEX: u64 = 11;
@@ -395,7 +437,8 @@ pub const PREFILL_FIELDS: &[Field] = fields!(FlashAttnPrefillParamsGpu: q_batch_
     q_head_stride, k_batch_stride, k_row_stride, k_head_stride, v_batch_stride, v_row_stride, v_head_stride,
     o_batch_stride, o_row_stride, o_head_stride, mask_batch_stride, mask_row_stride, lse_batch_stride,
     lse_head_stride, blk_batch_stride, batch, rows, kv_len, n_heads, n_kv_heads, head_dim, max_rows, window,
-    flags, q_dtype, o_dtype, blk_rows, blk_steps, blk_bq, scale, offset, head_dim_v, kv_dtype, softcap, max_bias);
+    flags, q_dtype, o_dtype, blk_rows, blk_steps, blk_bq, scale, offset, head_dim_v, kv_dtype, softcap, max_bias,
+    window_right, alibi_batch_stride);
 
 /// The fields of [`FlashAttnPrefillMaskBlkParamsGpu`], in order.
 pub const MASK_BLK_FIELDS: &[Field] =

@@ -1181,6 +1181,7 @@ mod transforms {
             cu_seqlens_k: None,
             lse: Some(&lse),
             sinks: sinks.as_ref(),
+            alibi_slopes: None,
             workspace: None,
         };
         let mut enc = dev.command_encoder();

@@ -194,6 +194,7 @@ fn expect_refused(dev: &MlxDevice, reg: &mut KernelRegistry, c: &Prefill, edit: 
         cu_seqlens_k: None,
         lse: None,
         sinks: b.sinks.as_ref(),
+        alibi_slopes: None,
         workspace: None,
     };
     let err = dispatch_flash_attn_prefill(&mut enc, reg, dev, &bufs, &b.params).expect_err(needle);
@@ -255,7 +256,7 @@ fn bad_transforms_head_dims_and_kv_dtypes_are_typed_errors() {
         &dev,
         r,
         &c,
-        |b| (b.k, b.v) = (upload(&dev, DType::F32, &c.k), upload(&dev, DType::F32, &c.v)),
+        |b| (b.k, b.v) = (upload(&dev, DType::I32, &c.k), upload(&dev, DType::I32, &c.v)),
         "k and v must be",
     );
     let mla = c.clone().with_kv(351, (576, 512), DType::F16, false);

@@ -730,6 +730,7 @@ mod front_door {
             mask: planned.mask.as_ref(),
             lse: planned.lse.as_ref(),
             sinks: None,
+            alibi_slopes: None,
             workspace: None,
         };
         plan.run(&mut reg, &run, None).unwrap();
@@ -791,6 +792,7 @@ mod front_door {
                     mask: None,
                     lse: e.lse.as_ref(),
                     sinks: None,
+                    alibi_slopes: None,
                     workspace: None,
                 },
                 None,
@@ -973,6 +975,7 @@ mod workspace {
             mask: None,
             lse: b.lse,
             sinks: None,
+            alibi_slopes: None,
             workspace: Some(&enough),
         };
         plan.run(&mut reg, &rb, None).unwrap();

@@ -23,6 +23,8 @@ struct Params {
     int kv_dtype;    // DType code of K and V
     float softcap;   // SPEC 10: s = softcap * tanh(s / softcap) when above 0
     float max_bias;  // SPEC 10: ALiBi slopes on the explicit mask when above 0
+    int window_right;        // with PREFILL_WINDOW_RIGHT: j <= p + window_right (two-sided window)
+    int alibi_batch_stride;  // with PREFILL_ALIBI_SLOPES: slopes from one sequence to the next (0 or n_heads)
 };
 
 #define PREFILL_CAUSAL 1

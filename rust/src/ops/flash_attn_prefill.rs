@@ -29,8 +29,9 @@ use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 pub use crate::params::PrefillExtents;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK,
-    PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WORKSPACE_INDEX,
+    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_ALIBI_SLOPES_INDEX,
+    PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
+    PREFILL_WORKSPACE_INDEX,
 };
 
 /// The attention's device sources (MSL, CUDA): the same files as the origin op's, whose
@@ -83,6 +84,23 @@ pub const REGISTERED_KERNELS: &[&str] = &[
     "flash_attn_prefill_d576_512",
     "flash_attn_prefill_d576_512_bf16",
 ];
+/// The kernels of F32 K/V, by head dim pair: the CPU reads F32 K/V natively; CUDA and
+/// Metal have no such kernels (the callers convert K/V to F16 first, docs/spec.md).
+pub const F32_KV_KERNELS: [((u32, u32), &str); 9] = [
+    ((64, 64), "flash_attn_prefill_d64_f32"),
+    ((80, 80), "flash_attn_prefill_d80_f32"),
+    ((96, 96), "flash_attn_prefill_d96_f32"),
+    ((112, 112), "flash_attn_prefill_d112_f32"),
+    ((128, 128), "flash_attn_prefill_d128_f32"),
+    ((192, 192), "flash_attn_prefill_d192_f32"),
+    ((256, 256), "flash_attn_prefill_d256_f32"),
+    ((512, 512), "flash_attn_prefill_d512_f32"),
+    ((576, 512), "flash_attn_prefill_d576_512_f32"),
+];
+
+/// The F32 K/V kernels have no device source: only the CPU runs them.
+static F32_KV_SOURCE: KernelSource = KernelSource { metal: None, cuda: None };
+
 /// The explicit mask's classifier.
 pub const K_PREFILL_MASK_BLK: &str = "flash_attn_prefill_mask_blk";
 
@@ -139,6 +157,9 @@ pub fn register(registry: &mut KernelRegistry) {
     for name in HEAD_DIMS.iter().flat_map(|(_, f16, bf16)| [*f16, *bf16]) {
         registry.register_source(name, *prefill_kernel_source(name));
     }
+    for (_, name) in F32_KV_KERNELS {
+        registry.register_source(name, F32_KV_SOURCE);
+    }
     registry.register_source(K_PREFILL_MASK_BLK, FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE);
 }
 
@@ -190,6 +211,15 @@ pub struct FlashAttnPrefillParams {
     /// (`offset = kv_len - rows` per sequence, SPEC 6).
     pub offset: i32,
     pub has_offset: u32,
+    /// With `has_window_right` 1: query row r (at cache position `p = r + offset`) sees cache
+    /// row j only if `j <= p + window_right` (the right side of flash-attn's
+    /// `window_size=(left, right)`; its left side is `window = left + 1`). Without causal
+    /// only: causal caps the right side at 0 and this is then ignored.
+    pub window_right: u32,
+    pub has_window_right: u32,
+    /// flash-attn's `alibi_slopes`: 0 none; 1 an F32 `[n_heads]` buffer; 2 `[batch, n_heads]`.
+    /// Each computed score gains `-slope_h * |p - j|`. Not with `max_bias > 0`.
+    pub alibi_slopes: u32,
 }
 
 /// The buffers of one prefill. `mask` and `blk` go together (the table of `mask`, made by
@@ -207,6 +237,8 @@ pub struct FlashAttnPrefillBuffers<'a> {
     pub lse: Option<&'a MlxBuffer>,
     /// SPEC 10: F32 `[n_heads]`, each head's sink logit.
     pub sinks: Option<&'a MlxBuffer>,
+    /// F32 `[n_heads]` or `[batch, n_heads]` (`FlashAttnPrefillParams::alibi_slopes`).
+    pub alibi_slopes: Option<&'a MlxBuffer>,
     /// Scratch memory the backend may use to run faster ([`workspace_bytes`]: the CUDA
     /// attention's split-KV parts when the shape leaves the GPU idle); `None` runs without.
     /// It must hold at least that many bytes and overlap no other buffer.
@@ -277,9 +309,13 @@ fn kernel_name_among(registered: &[&str], head_dim: u32, head_dim_v: u32, kv_dty
     let name = match kv_dtype {
         DType::F16 => f16,
         DType::BF16 => bf16,
+        DType::F32 => {
+            let f32 = F32_KV_KERNELS.iter().find(|(d, _)| *d == (head_dim, head_dim_v)).map(|(_, n)| *n);
+            return f32.ok_or_else(unsupported);
+        }
         other => {
             return Err(MlxError::UnsupportedDtype(format!(
-                "flash_attn_prefill: k and v must be F16 or BF16, got {other}"
+                "flash_attn_prefill: k and v must be F16, BF16 or F32, got {other}"
             )))
         }
     };
@@ -422,6 +458,8 @@ pub struct PrefillOperands {
     pub mask: bool,
     pub lse: bool,
     pub sinks: bool,
+    /// ALiBi slopes are given (their shape in `FlashAttnPrefillParams::alibi_slopes`).
+    pub alibi_slopes: bool,
 }
 
 /// A prefill whose shapes, strides, description and dtypes were checked: the params
@@ -464,14 +502,29 @@ pub fn validate_shapes(
     if p.has_offset > 1 {
         return Err(invalid(format!("has_offset must be 0 or 1, got {}", p.has_offset)));
     }
-    if p.has_offset == 1 && p.causal == 0 {
+    if p.has_window_right > 1 {
+        return Err(invalid(format!("has_window_right must be 0 or 1, got {}", p.has_window_right)));
+    }
+    if p.alibi_slopes > 2 {
         return Err(invalid(format!(
-            "an offset ({}) places the queries for a causal mask; without causal it means nothing",
-            p.offset
+            "alibi_slopes must be 0 (none), 1 ([n_heads]) or 2 ([batch, n_heads]), got {}",
+            p.alibi_slopes
         )));
     }
-    if p.window != 0 && p.causal == 0 {
-        return Err(invalid(format!("window {} needs causal = 1 (a window is a causal mask's last rows)", p.window)));
+    if (p.alibi_slopes != 0) != o.alibi_slopes {
+        return Err(invalid(format!(
+            "params.alibi_slopes is {} but the slopes are {}given",
+            p.alibi_slopes,
+            if o.alibi_slopes { "" } else { "not " }
+        )));
+    }
+    // A right bound counts only without causal (causal's is 0, the tightest a window takes).
+    let right = p.has_window_right == 1 && p.causal == 0;
+    if p.has_offset == 1 && p.causal == 0 && p.window == 0 && !right {
+        return Err(invalid(format!(
+            "an offset ({}) places the queries for a described mask (causal or a window); without one it means nothing",
+            p.offset
+        )));
     }
     if !p.scale.is_finite() {
         return Err(invalid(format!("scale {} is not a finite number", p.scale)));
@@ -490,6 +543,13 @@ pub fn validate_shapes(
             p.max_bias
         )));
     }
+    if p.max_bias > 0.0 && p.alibi_slopes != 0 {
+        return Err(invalid(
+            "max_bias and alibi_slopes are two ways to give ALiBi's slopes: pass one of them (max_bias 0 with \
+             alibi_slopes)"
+                .into(),
+        ));
+    }
     if p.max_bias > 0.0 && !o.mask && p.causal == 0 {
         return Err(invalid(
             "ALiBi needs positions: pass causal=True, a window, or an explicit mask holding -|i-j| (max_bias > 0 \
@@ -497,7 +557,7 @@ pub fn validate_shapes(
                 .into(),
         ));
     }
-    let dims = [p.batch, p.rows, p.kv_len, p.n_heads, p.n_kv_heads, p.window];
+    let dims = [p.batch, p.rows, p.kv_len, p.n_heads, p.n_kv_heads, p.window, p.window_right];
     if dims.iter().any(|&x| x > i32::MAX as u32) {
         return Err(invalid(format!("a dimension exceeds i32: {p:?}")));
     }
@@ -506,7 +566,7 @@ pub fn validate_shapes(
         return Err(invalid(format!("a stride exceeds i64: {p:?}")));
     }
     dtype_in("q", o.q_dtype, &[DType::F32, DType::F16, DType::BF16])?;
-    dtype_in("k and v", o.kv_dtype, &[DType::F16, DType::BF16])?;
+    dtype_in("k and v", o.kv_dtype, &[DType::F16, DType::BF16, DType::F32])?;
     dtype_in("out", o.out_dtype, &[DType::F32, DType::F16, DType::BF16])?;
     if let Some(lens) = lens {
         if o.mask {
@@ -555,6 +615,12 @@ pub fn validate_shapes(
     if p.has_offset == 1 {
         flags |= PREFILL_OFFSET;
     }
+    if right {
+        flags |= PREFILL_WINDOW_RIGHT;
+    }
+    if p.alibi_slopes != 0 {
+        flags |= PREFILL_ALIBI_SLOPES;
+    }
     let blk_rows = rows.div_ceil(bq as u64);
     let blk_steps = kvl.div_ceil(CACHE_ROWS_PER_STEP as u64);
     let i = |x: u64| x as i64;
@@ -596,6 +662,8 @@ pub fn validate_shapes(
         kv_dtype: o.kv_dtype as i32,
         softcap: p.softcap,
         max_bias: p.max_bias,
+        window_right: if right { p.window_right as i32 } else { 0 },
+        alibi_batch_stride: if p.alibi_slopes == 2 { p.n_heads as i32 } else { 0 },
     };
     let extents = gpu.extents().ok_or_else(|| invalid(format!("a field does not fit the params block: {p:?}")))?;
     let grid = GridSize::new((max_rows as u64).div_ceil(bq as u64), p.n_heads as u64, nb);
@@ -618,6 +686,13 @@ pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -
             "this prefill has attention sinks: give their buffer".into()
         } else {
             "this prefill has no attention sinks".into()
+        }));
+    }
+    if b.alibi_slopes.is_some() != o.alibi_slopes {
+        return Err(invalid(if o.alibi_slopes {
+            "this prefill has ALiBi slopes: give their buffer".into()
+        } else {
+            "this prefill has no ALiBi slopes (params.alibi_slopes is 0)".into()
         }));
     }
     if b.lse.is_some() != o.lse {
@@ -645,6 +720,9 @@ pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -
     if let Some(sinks) = b.sinks {
         need("sinks", sinks, DType::F32, e.sinks)?;
     }
+    if let Some(slopes) = b.alibi_slopes {
+        need("alibi_slopes", slopes, DType::F32, e.alibi_slopes)?;
+    }
     if let Some(mask) = b.mask {
         need("mask", mask, DType::F16, e.mask)?;
     }
@@ -665,6 +743,7 @@ pub fn validate_buffers(b: &FlashAttnPrefillBuffers<'_>, v: &ValidatedPrefill) -
         ("cu_seqlens_q", b.cu_seqlens_q),
         ("cu_seqlens_k", b.cu_seqlens_k),
         ("sinks", b.sinks),
+        ("alibi_slopes", b.alibi_slopes),
     ];
     for (name, buf) in inputs {
         if let Some(buf) = buf {
@@ -706,6 +785,7 @@ pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> 
         mask: b.mask.is_some(),
         lse: b.lse.is_some(),
         sinks: b.sinks.is_some(),
+        alibi_slopes: b.alibi_slopes.is_some(),
     };
     if b.v.dtype() != b.k.dtype() {
         return Err(MlxError::UnsupportedDtype(format!(
@@ -721,8 +801,9 @@ pub fn validate(b: &FlashAttnPrefillBuffers<'_>, p: &FlashAttnPrefillParams) -> 
 
 /// Encode one prefill (SPEC 6-9): validates, then records the dispatch (none when there is
 /// no query row). Binds the params block at 0, Q at 1, K 2, V 3, the mask 4, its table 5,
-/// O 6, lse 7, `cu_seqlens_q` 8, `cu_seqlens_k` 9, the sinks 10; a buffer that is not given
-/// is bound as Q, which the kernel then never reads.
+/// O 6, lse 7, `cu_seqlens_q` 8, `cu_seqlens_k` 9, the sinks 10, the ALiBi slopes 12; a
+/// buffer that is not given is bound as Q, which the kernel then never reads. The workspace
+/// (11) is bound only when given.
 pub fn dispatch_flash_attn_prefill(
     encoder: &mut CommandEncoder,
     registry: &mut KernelRegistry,
@@ -748,7 +829,16 @@ pub fn encode_validated<'a>(
     if v.empty {
         return Ok(());
     }
-    let pipeline = registry.get_pipeline(v.kernel, device)?;
+    let pipeline = match registry.get_pipeline(v.kernel, device) {
+        Err(MlxError::KernelNotFound(_)) if v.operands.kv_dtype == DType::F32 => {
+            return Err(MlxError::UnsupportedDtype(
+                "flash_attn_prefill: float32 k and v run on the CPU only; on CUDA and Metal convert them to float16 \
+                 first (the Python API does, on the device)"
+                    .into(),
+            ))
+        }
+        r => r?,
+    };
     if pipeline.max_total_threads_per_threadgroup() < 32 * SIMDGROUPS {
         return Err(invalid(format!(
             "{}: pipeline allows {} threads per threadgroup, needs {}",
@@ -775,6 +865,7 @@ pub fn encode_validated<'a>(
             (8, or_q(b.cu_seqlens_q)),
             (9, or_q(b.cu_seqlens_k)),
             (10, or_q(b.sinks)),
+            (PREFILL_ALIBI_SLOPES_INDEX, or_q(b.alibi_slopes)),
         ]
         .into_iter()
         .chain(workspace)
@@ -853,7 +944,7 @@ mod tests {
 
     #[test]
     fn the_params_block_has_no_padding() {
-        assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 17 * 8 + 20 * 4);
+        assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 17 * 8 + 22 * 4);
         assert_eq!(std::mem::size_of::<FlashAttnPrefillMaskBlkParamsGpu>(), 2 * 8 + 6 * 4);
     }
 
@@ -878,7 +969,8 @@ mod tests {
             let dtype = if *f16 == name { DType::F16 } else { DType::BF16 };
             assert_eq!(kernel_name(*dk, *dv, dtype).is_ok(), REGISTERED_KERNELS.contains(&name), "{name}");
         }
-        assert!(matches!(kernel_name(256, 256, DType::F32), Err(MlxError::UnsupportedDtype(_))));
+        assert_eq!(kernel_name(256, 256, DType::F32).unwrap(), "flash_attn_prefill_d256_f32");
+        assert!(matches!(kernel_name(256, 256, DType::I32), Err(MlxError::UnsupportedDtype(_))));
     }
 
     #[test]

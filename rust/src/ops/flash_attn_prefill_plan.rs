@@ -47,6 +47,8 @@ pub struct PrefillRunBuffers<'a> {
     pub mask: Option<&'a MlxBuffer>,
     pub lse: Option<&'a MlxBuffer>,
     pub sinks: Option<&'a MlxBuffer>,
+    /// F32 ALiBi slopes when the plan has them (`FlashAttnPrefillParams::alibi_slopes`).
+    pub alibi_slopes: Option<&'a MlxBuffer>,
     /// At least [`FlashAttnPrefillPlan::workspace_bytes`] bytes of scratch (U8) for this run
     /// alone, or `None` (the run is then not split).
     pub workspace: Option<&'a MlxBuffer>,
@@ -130,6 +132,7 @@ impl FlashAttnPrefillPlan {
             cu_seqlens_k: self.cu_seqlens.as_ref().map(|c| &c.1),
             lse: b.lse,
             sinks: b.sinks,
+            alibi_slopes: b.alibi_slopes,
             workspace: b.workspace,
         };
         validate_buffers(&bufs, &self.validated)?;

@@ -15,7 +15,15 @@ use super::{read_u8, upload, Rng};
 /// The operands the plan tests use: F32 Q and output, F16 K/V, an lse, no sinks; `mask`:
 /// whether an explicit mask is given.
 pub fn f32_lse_operands(mask: bool) -> PrefillOperands {
-    PrefillOperands { q_dtype: DType::F32, kv_dtype: DType::F16, out_dtype: DType::F32, mask, lse: true, sinks: false }
+    PrefillOperands {
+        q_dtype: DType::F32,
+        kv_dtype: DType::F16,
+        out_dtype: DType::F32,
+        mask,
+        lse: true,
+        sinks: false,
+        alibi_slopes: false,
+    }
 }
 
 /// The byte every output buffer is filled with before a run: all-ones is a NaN in F32, F16
@@ -410,6 +418,7 @@ impl Prefill {
             head_dim_v: self.head_dim_v as u32,
             softcap: self.softcap,
             max_bias: self.max_bias,
+            ..Default::default()
         }
     }
 
@@ -573,6 +582,7 @@ impl Buffers {
             cu_seqlens_k: self.cu.as_ref().map(|c| &c.1),
             lse: self.lse.as_ref(),
             sinks: self.sinks.as_ref(),
+            alibi_slopes: None,
             workspace: None,
         }
     }
@@ -799,6 +809,7 @@ pub fn run_placed(
         cu_seqlens_k: cu.as_ref().map(|x| &x.1),
         lse: lse.as_ref(),
         sinks: sinks.as_ref(),
+        alibi_slopes: None,
         workspace: None,
     };
     dispatch_flash_attn_prefill(&mut enc, reg, dev, &bufs, &p).unwrap();

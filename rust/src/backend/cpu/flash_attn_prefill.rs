@@ -16,16 +16,18 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::flash_attn_prefill_blk::{classify_rows, MIXED, SKIP, ZERO};
-use super::prefill_tile::{self, Elem, Problem, Seq, C, SCRATCH};
+use super::prefill_tile::{self, Elem, Kv, Problem, Seq, C, NO_RIGHT, SCRATCH};
 use super::{host_slice, pool, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu as MaskBlkParams, FlashAttnPrefillParamsGpu as Params, PREFILL_CAUSAL,
-    PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN,
+    FlashAttnPrefillMaskBlkParamsGpu as MaskBlkParams, FlashAttnPrefillParamsGpu as Params, PREFILL_ALIBI_SLOPES,
+    PREFILL_ALIBI_SLOPES_INDEX, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS,
+    PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
 };
 
 /// `DType` codes of K and V.
+const KV_F32: i32 = 0;
 const KV_F16: i32 = 1;
 const KV_BF16: i32 = 2;
 
@@ -49,6 +51,15 @@ pub const KERNELS: &[(&str, CpuKernelFn)] = &[
     ("flash_attn_prefill_d512_bf16", entry::<512, 512, KV_BF16>),
     ("flash_attn_prefill_d576_512", entry::<576, 512, KV_F16>),
     ("flash_attn_prefill_d576_512_bf16", entry::<576, 512, KV_BF16>),
+    ("flash_attn_prefill_d64_f32", entry::<64, 64, KV_F32>),
+    ("flash_attn_prefill_d80_f32", entry::<80, 80, KV_F32>),
+    ("flash_attn_prefill_d96_f32", entry::<96, 96, KV_F32>),
+    ("flash_attn_prefill_d112_f32", entry::<112, 112, KV_F32>),
+    ("flash_attn_prefill_d128_f32", entry::<128, 128, KV_F32>),
+    ("flash_attn_prefill_d192_f32", entry::<192, 192, KV_F32>),
+    ("flash_attn_prefill_d256_f32", entry::<256, 256, KV_F32>),
+    ("flash_attn_prefill_d512_f32", entry::<512, 512, KV_F32>),
+    ("flash_attn_prefill_d576_512_f32", entry::<576, 512, KV_F32>),
     ("flash_attn_prefill_mask_blk", run_mask_blk),
 ];
 
@@ -119,9 +130,14 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
     {
         return Err(bad("a head dim is not the kernel's, the heads do not group, or a negative window"));
     }
-    if p.kv_dtype != KV_F16 && p.kv_dtype != KV_BF16 {
-        return Err(bad("a K/V dtype code that is not F16 or BF16"));
-    }
+    let kv = match p.kv_dtype {
+        KV_F16 => Kv::F16,
+        KV_BF16 => Kv::BF16,
+        KV_F32 => Kv::F32,
+        _ => return Err(bad("a K/V dtype code that is not F16, BF16 or F32")),
+    };
+    // F32 K/V are addressed in u16 units: every stride and offset of K and V doubles.
+    let kvu = if kv == Kv::F32 { 2 } else { 1 };
     if !(p.softcap >= 0.0 && p.softcap.is_finite() && p.max_bias >= 0.0 && p.max_bias.is_finite()) {
         return Err(bad("softcap or max_bias is negative or not finite"));
     }
@@ -155,13 +171,35 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
         Ok(ptr)
     };
     let bytes = |elems: u64, size: u64| elems.saturating_mul(size);
-    let (q, k) = (buf(1, bytes(e.q, esize(q_dtype)))?, buf(2, bytes(e.k, 2))?);
-    let (v, out) = (buf(3, bytes(e.v, 2))?, buf(6, bytes(e.out, esize(o_dtype)))?);
+    let kv_size = 2 * kvu as u64;
+    let (q, k) = (buf(1, bytes(e.q, esize(q_dtype)))?, buf(2, bytes(e.k, kv_size))?);
+    let (v, out) = (buf(3, bytes(e.v, kv_size))?, buf(6, bytes(e.out, esize(o_dtype)))?);
     let (mask, blk) = if has(PREFILL_MASK) { (buf(4, bytes(e.mask, 2))?, buf(5, blk_need)?) } else { (q, q) };
     let lse = if has(PREFILL_LSE) { buf(7, bytes(e.lse, 4))? } else { q };
     let sinks = if has(PREFILL_SINKS) { buf(10, bytes(e.sinks, 4))? as *const f32 } else { std::ptr::null() };
     // Each query head's ALiBi slope (1 without ALiBi), read by the items through `slopes`.
     let slopes: Vec<f32> = (0..p.n_heads).map(|h| p.alibi_slope(h)).collect();
+    // ALiBi on the positions: the slopes given as data, or max_bias's without an explicit mask.
+    let given_slopes = has(PREFILL_ALIBI_SLOPES);
+    if given_slopes && (p.max_bias > 0.0 || p.alibi_batch_stride < 0) {
+        return Err(bad("ALiBi slopes with max_bias, or a negative slopes stride"));
+    }
+    let dist_slopes = if given_slopes {
+        buf(PREFILL_ALIBI_SLOPES_INDEX, bytes(e.alibi_slopes, 4))? as *const f32
+    } else {
+        slopes.as_ptr()
+    };
+    let alibi_stride = if given_slopes { u(p.alibi_batch_stride) } else { 0 };
+    let right = if has(PREFILL_CAUSAL) {
+        0
+    } else if has(PREFILL_WINDOW_RIGHT) {
+        if p.window_right < 0 {
+            return Err(bad("a negative right bound"));
+        }
+        p.window_right as i64
+    } else {
+        NO_RIGHT
+    };
     let cu = if has(PREFILL_VARLEN) {
         let need = (batch as u64 + 1) * 4;
         // SAFETY: both hold batch + 1 int32 (checked by `buf`).
@@ -177,24 +215,25 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
         nt: prefill_tile::tiles_per_item(bq * group, DK),
         q_rs: z(p.q_row_stride),
         q_hs: z(p.q_head_stride),
-        k_rs: z(p.k_row_stride),
-        k_hs: z(p.k_head_stride),
-        v_rs: z(p.v_row_stride),
-        v_hs: z(p.v_head_stride),
+        k_rs: z(p.k_row_stride) * kvu,
+        k_hs: z(p.k_head_stride) * kvu,
+        v_rs: z(p.v_row_stride) * kvu,
+        v_hs: z(p.v_head_stride) * kvu,
         o_rs: z(p.o_row_stride),
         o_hs: z(p.o_head_stride),
         mask_rs: z(p.mask_row_stride),
         lse_hs: z(p.lse_head_stride),
         scale: p.scale,
         column_skip: column_skipping(),
-        causal: has(PREFILL_CAUSAL),
+        right,
         window: u(p.window),
         has_mask: has(PREFILL_MASK),
         has_lse: has(PREFILL_LSE),
-        kv_bf16: p.kv_dtype == KV_BF16,
+        kv,
         softcap: p.softcap,
-        alibi_distance: p.max_bias > 0.0 && !has(PREFILL_MASK),
+        alibi_distance: given_slopes || (p.max_bias > 0.0 && !has(PREFILL_MASK)),
         slopes: slopes.as_ptr(),
+        dist_slopes,
         sinks,
         q_dtype,
         o_dtype,
@@ -207,7 +246,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
         blk,
         out: SendPtr(out),
         lse: SendPtr(lse as *mut f32),
-        amx: super::amx::products(p.kv_dtype == KV_BF16),
+        amx: super::amx::products(kv == Kv::BF16),
     };
     // Where query row r of a sequence sits in its cache: r + off.
     let place = |lq: usize, lk: usize| {
@@ -234,6 +273,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
                     lse: q0,
                     mask: 0,
                     blk: 0,
+                    alibi: b * alibi_stride,
                 }
             }
             None => Seq {
@@ -241,12 +281,13 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
                 lk: kv_len,
                 off: place(rows, kv_len),
                 q: b * z(p.q_batch_stride),
-                k: b * z(p.k_batch_stride),
-                v: b * z(p.v_batch_stride),
+                k: b * z(p.k_batch_stride) * kvu,
+                v: b * z(p.v_batch_stride) * kvu,
                 o: b * z(p.o_batch_stride),
                 lse: b * z(p.lse_batch_stride),
                 mask: b * z(p.mask_batch_stride),
                 blk: b * z(p.blk_batch_stride),
+                alibi: b * alibi_stride,
             },
         }
     };

@@ -491,6 +491,7 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
             cu_seqlens_k: None,
             lse: Some(&lse),
             sinks: None,
+            alibi_slopes: None,
             workspace: None,
         };
         let gpu = validate(&bufs, &p).unwrap().gpu;
@@ -513,6 +514,7 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
                 buf(8, &q),
                 buf(9, &q),
                 buf(10, &q),
+                buf(12, &q),
                 Recorded::SetThreadgroupMemoryLength { index: 0, bytes: threadgroup_memory_bytes(head_dim).unwrap() },
                 Recorded::DispatchThreadgroups {
                     grid: GridSize::new(q_tiles, 4, 3),
@@ -522,7 +524,7 @@ fn prefill_binds_what_the_kernel_declares_at_256_and_512() {
             "head dim {head_dim}"
         );
         // The block as the kernel's struct reads it (shaders/flash_attn_prefill_tensor.metal).
-        assert_eq!(std::mem::size_of_val(&gpu), 216);
+        assert_eq!(std::mem::size_of_val(&gpu), 224);
         assert_eq!((gpu.flags, gpu.q_dtype, gpu.o_dtype), (1 | 2 | 8, 2, 1));
     }
 }
@@ -553,6 +555,7 @@ fn a_prefill_pipeline_too_narrow_for_eight_simdgroups_is_refused_before_anything
             cu_seqlens_k: None,
             lse: None,
             sinks: None,
+            alibi_slopes: None,
             workspace: None,
         };
         let mut enc = dev.command_encoder();
@@ -618,6 +621,7 @@ fn prefill_of_variable_length_binds_the_cu_seqlens_and_covers_the_longest_sequen
         cu_seqlens_k: Some(&cu_k),
         lse: None,
         sinks: None,
+        alibi_slopes: None,
         workspace: None,
     };
     let mut enc = dev.command_encoder();

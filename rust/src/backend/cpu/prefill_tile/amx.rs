@@ -21,7 +21,7 @@ use super::amx_layout::{pack_k, pack_q, pack_vt, split, transpose_out};
 use super::io::{load_q, store_out};
 use super::softmax::step_max;
 use super::transforms::transform_scores;
-use super::{grow, item_subs, plan_step, start_rows, Problem, Scratch, Seq, Sub, C};
+use super::{grow, item_subs, plan_step, start_rows, Kv, Problem, Scratch, Seq, Sub, C};
 use crate::backend::cpu::amx::gemm::{self, Operand, Output, Product};
 use crate::backend::cpu::amx::TileUnit;
 use crate::backend::cpu::simd::{Simd, W};
@@ -129,7 +129,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         // K in blocks of 16 rows (a score tile), V in chunks of 32 (a product's reduction).
         let k_src = k_base.add(c0 * pb.k_rs);
         let (ka, kb_end) = (lo_all & !15, round_up(hi_all, 16));
-        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv_bf16, ka, kb_end, n, dkp, kb.hi, kb.lo);
+        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, ka, kb_end, n, dkp, kb.hi, kb.lo);
         let inf = q_inf || holds_inf(kb.hi.add(ka * dkp), (kb_end - ka) * dkp);
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
@@ -137,12 +137,12 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
             }
             scores(t, sub, &TERMS[..qk], kb, qv, st_b, r, dkp);
             if inf && qk > 1 {
-                redo_nan_scores::<DK>(st_b, r, sub, k_src, pb.k_rs, pb.kv_bf16, qt_b);
+                redo_nan_scores::<DK>(st_b, r, sub, k_src, pb.k_rs, pb.kv, qt_b);
             }
             transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st_b, r, c0);
         }
         let v_src = v_base.add(c0 * pb.v_rs);
-        pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv_bf16, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
+        pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
         for sub in subs.iter() {
             if sub.lo >= sub.hi {
                 continue;
@@ -175,7 +175,7 @@ unsafe fn redo_nan_scores<const DK: usize>(
     sub: &Sub,
     k: *const u16,
     k_rs: usize,
-    bf16: bool,
+    kv: Kv,
     qt: *const f32,
 ) {
     for j in sub.lo..sub.hi {
@@ -186,8 +186,12 @@ unsafe fn redo_nan_scores<const DK: usize>(
             }
             let mut acc = 0.0f32;
             for d in 0..DK {
-                let bits = *k.add(j * k_rs + d);
-                let kd = if bf16 { half::bf16::from_bits(bits).to_f32() } else { half::f16::from_bits(bits).to_f32() };
+                let row = k.add(j * k_rs);
+                let kd = match kv {
+                    Kv::F16 => half::f16::from_bits(*row.add(d)).to_f32(),
+                    Kv::BF16 => half::bf16::from_bits(*row.add(d)).to_f32(),
+                    Kv::F32 => *(row as *const f32).add(d),
+                };
                 acc += kd * *qt.add(d * r + i);
             }
             *s = acc;

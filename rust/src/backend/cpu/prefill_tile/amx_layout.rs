@@ -13,7 +13,7 @@
 //! cache's end are zeros (never the caller's memory, never NaN).
 
 use super::fma::load_kv;
-use super::C;
+use super::{Kv, C};
 use crate::backend::cpu::simd::{Simd, W};
 
 /// `x = hi + lo` exactly (both bfloat16) for half values: `hi` is x cut to bfloat16 (one
@@ -71,7 +71,7 @@ pub(super) unsafe fn pack_q<S: Simd>(qt: *const f32, dk: usize, dkp: usize, r: u
 pub(super) unsafe fn pack_k<S: Simd, const DK: usize>(
     src: *const u16,
     rs: usize,
-    bf16: bool,
+    kv: Kv,
     a: usize,
     b: usize,
     n: usize,
@@ -82,7 +82,7 @@ pub(super) unsafe fn pack_k<S: Simd, const DK: usize>(
     let zero = S::splat(0.0);
     for j in a..b {
         for d0 in (0..dkp).step_by(W) {
-            let x = if j < n && d0 < DK { load_kv::<S>(src.add(j * rs + d0), bf16) } else { zero };
+            let x = if j < n && d0 < DK { load_kv::<S>(src.add(j * rs), d0, kv) } else { zero };
             let (xh, xl) = parts::<S>(x, !lo.is_null());
             S::store_bf16(hi.add(j * dkp + d0), xh);
             if !lo.is_null() {
@@ -101,7 +101,7 @@ pub(super) unsafe fn pack_k<S: Simd, const DK: usize>(
 pub(super) unsafe fn pack_vt<S: Simd, const DV: usize>(
     src: *const u16,
     rs: usize,
-    bf16: bool,
+    kv: Kv,
     a: usize,
     b: usize,
     n: usize,
@@ -109,7 +109,7 @@ pub(super) unsafe fn pack_vt<S: Simd, const DV: usize>(
     lo: *mut u16,
 ) {
     let zero = S::splat(0.0);
-    let row = |j: usize, d0: usize| if j < n { load_kv::<S>(src.add(j * rs + d0), bf16) } else { zero };
+    let row = |j: usize, d0: usize| if j < n { load_kv::<S>(src.add(j * rs), d0, kv) } else { zero };
     let both = !lo.is_null();
     for k0 in (a / 2..b / 2).step_by(W) {
         for d0 in (0..DV).step_by(W) {
@@ -240,7 +240,19 @@ mod tests {
                 .collect();
             let mut hi = vec![0x7777u16; C * dkp];
             let mut lo = vec![0x7777u16; C * dkp];
-            unsafe { pack_k::<Portable, DK>(src.as_ptr(), rs, bf16, 16, 48, n, dkp, hi.as_mut_ptr(), lo.as_mut_ptr()) };
+            unsafe {
+                pack_k::<Portable, DK>(
+                    src.as_ptr(),
+                    rs,
+                    if bf16 { Kv::BF16 } else { Kv::F16 },
+                    16,
+                    48,
+                    n,
+                    dkp,
+                    hi.as_mut_ptr(),
+                    lo.as_mut_ptr(),
+                )
+            };
             for j in 0..C {
                 for d in 0..dkp {
                     let at = j * dkp + d;
@@ -275,7 +287,7 @@ mod tests {
         let src: Vec<u16> = (0..C * rs).map(|i| half::f16::from_f32(half_value(i)).to_bits()).collect();
         let mut hi = vec![0x7777u16; DV * C];
         let mut lo = vec![0x7777u16; DV * C];
-        unsafe { pack_vt::<Portable, DV>(src.as_ptr(), rs, false, 32, 64, n, hi.as_mut_ptr(), lo.as_mut_ptr()) };
+        unsafe { pack_vt::<Portable, DV>(src.as_ptr(), rs, Kv::F16, 32, 64, n, hi.as_mut_ptr(), lo.as_mut_ptr()) };
         for d in 0..DV {
             for j in 0..C {
                 let at = d * C + j;

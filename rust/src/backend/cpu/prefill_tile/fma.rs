@@ -5,7 +5,7 @@
 use super::io::{load_q, store_out};
 use super::softmax::softmax_step;
 use super::transforms::transform_scores;
-use super::{grow, item_subs, plan_step, start_rows, Problem, Scratch, Seq, Sub, C, MAX_NT};
+use super::{grow, item_subs, plan_step, start_rows, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
 use crate::backend::cpu::simd::{Simd, W};
 
 /// One work item: query tiles `grp * nt ..` (up to `nt` of them) of sequence `seq`, KV head
@@ -55,7 +55,7 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
         if lo_all >= hi_all {
             continue;
         }
-        load_tile::<S, DK>(kf, k_base.add(c0 * pb.k_rs), pb.k_rs, lo_all, hi_all, n, pb.kv_bf16);
+        load_tile::<S, DK>(kf, k_base.add(c0 * pb.k_rs), pb.k_rs, lo_all, hi_all, n, pb.kv);
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
@@ -65,19 +65,20 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
             softmax_step::<S>(st_b, m_b, l_b, ms_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
         }
         let v_step = v_base.add(c0 * pb.v_rs);
-        accumulate::<S, DV>(st_b, v_step, pb.v_rs, pb.kv_bf16, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
+        accumulate::<S, DV>(st_b, v_step, pb.v_rs, pb.kv, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
     }
 
     store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b);
 }
 
-/// 16 elements of K or V, widened to f32 from BF16 or F16.
+/// W elements of K or V from column `col` of the row at `row`, widened to f32 from F16 or
+/// BF16 (F32 read as it is; its rows are addressed in u16 units, twice its elements).
 #[inline(always)]
-pub(super) unsafe fn load_kv<S: Simd>(p: *const u16, bf16: bool) -> S::V {
-    if bf16 {
-        S::load_bf16(p)
-    } else {
-        S::load_f16(p)
+pub(super) unsafe fn load_kv<S: Simd>(row: *const u16, col: usize, kv: Kv) -> S::V {
+    match kv {
+        Kv::F16 => S::load_f16(row.add(col)),
+        Kv::BF16 => S::load_bf16(row.add(col)),
+        Kv::F32 => S::load((row as *const f32).add(col)),
     }
 }
 
@@ -91,12 +92,12 @@ pub(super) unsafe fn load_tile<S: Simd, const D: usize>(
     lo: usize,
     hi: usize,
     n: usize,
-    bf16: bool,
+    kv: Kv,
 ) {
     for j in lo..hi {
         let s = src.add(j * rs);
         for dv in (0..D).step_by(W) {
-            let x = if j < n { load_kv::<S>(s.add(dv), bf16) } else { S::splat(0.0) };
+            let x = if j < n { load_kv::<S>(s, dv, kv) } else { S::splat(0.0) };
             S::store(dst.add(j * D + dv), x);
         }
     }
@@ -183,7 +184,7 @@ pub(super) unsafe fn accumulate<S: Simd, const D: usize>(
     p: *const f32,
     v: *const u16,
     rs: usize,
-    bf16: bool,
+    kv: Kv,
     vc: *mut f32,
     o: *mut f32,
     ms: *const f32,
@@ -203,7 +204,7 @@ pub(super) unsafe fn accumulate<S: Simd, const D: usize>(
         let nv = (D - d0).min(V_SPAN) / W;
         for j in lo..hi {
             for x in 0..nv {
-                let val = if j < n { load_kv::<S>(v.add(j * rs + d0 + x * W), bf16) } else { S::splat(0.0) };
+                let val = if j < n { load_kv::<S>(v.add(j * rs), d0 + x * W, kv) } else { S::splat(0.0) };
                 S::store(vc.add(j * nv * W + x * W), val);
             }
         }

@@ -48,6 +48,19 @@ pub(super) fn tiles_per_item(rows_per_tile: usize, d: usize) -> usize {
     (65536 / d / rows_per_tile).clamp(1, MAX_NT)
 }
 
+/// No right bound ([`Problem::right`]).
+pub(super) const NO_RIGHT: i64 = i64::MAX / 4;
+
+/// Element types of K and V. F32 K/V are addressed in u16 units (strides and offsets doubled
+/// by the kernel's entry), so only a row's column index needs the element's width
+/// ([`fma::load_kv`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Kv {
+    F16,
+    BF16,
+    F32,
+}
+
 /// Element types of Q and O, by their `DType` codes.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum Elem {
@@ -88,20 +101,25 @@ pub(super) struct Problem {
     pub lse_hs: usize,
     pub scale: f32,
     pub column_skip: bool,
-    pub causal: bool,
-    /// `w` of a window-`w` mask, 0 for none.
+    /// The right bound of the description: row r (at cache position p) sees only `j <= p +
+    /// right` (0 for causal, a two-sided window's right side), or [`NO_RIGHT`] for none.
+    pub right: i64,
+    /// `w` of a window-`w` mask (its left side `w - 1`), 0 for none.
     pub window: usize,
     /// An explicit mask and its table are bound.
     pub has_mask: bool,
     pub has_lse: bool,
-    /// K and V are BF16 (else F16).
-    pub kv_bf16: bool,
+    /// K and V's element type.
+    pub kv: Kv,
     /// SPEC 10: `s = softcap * tanh(s / softcap)` when above 0.
     pub softcap: f32,
-    /// SPEC 10: the described mask's ALiBi distance is added (ALiBi without an explicit mask).
+    /// ALiBi on the positions: each computed score gains `-slope_h * |p - j|` (`max_bias`
+    /// without an explicit mask, where visible pairs have `j <= p`, or slopes given as data).
     pub alibi_distance: bool,
     /// `[n_heads]`: each head's ALiBi slope (1 without ALiBi), scaling the explicit mask.
     pub slopes: *const f32,
+    /// The slopes of [`Problem::alibi_distance`]: `[n_heads]` from sequence `Seq::alibi`.
+    pub dist_slopes: *const f32,
     /// `[n_heads]` F32 sink logits, or null for none.
     pub sinks: *const f32,
     pub q_dtype: Elem,
@@ -140,6 +158,8 @@ pub(super) struct Seq {
     pub lse: usize,
     pub mask: usize,
     pub blk: usize,
+    /// The sequence's first element of `Problem::dist_slopes`.
+    pub alibi: usize,
 }
 
 /// The work-item function for the instruction set in use.
@@ -315,14 +335,15 @@ fn describe(pb: &Problem, seq: &Seq, r0: usize, nr: usize, c0: usize, n: usize) 
     let off = seq.off;
     let (first, last, w) = (r0 as i64 + off, (r0 + nr - 1) as i64 + off, pb.window as i64);
     let (c0i, end) = (c0 as i64, (c0 + n) as i64);
-    // Row r sees [r + off - w + 1, r + off] (causal, window) within [0, Lk): the union over
+    // Row r sees [r + off - w + 1, r + off + right] (window, right bound) within [0, Lk): the union over
     // consecutive rows is one range.
+    let right = pb.right;
     let lo = if w > 0 { first - w + 1 } else { 0 }.max(c0i);
-    let hi = if pb.causal { last + 1 } else { end }.min(end);
+    let hi = if right != NO_RIGHT { last + right + 1 } else { end }.min(end);
     if lo >= hi {
         return (SKIP, C, 0);
     }
-    let all = n == C && (!pb.causal || c0i + C as i64 - 1 <= first) && (w == 0 || c0i > last - w);
+    let all = n == C && (right == NO_RIGHT || c0i + C as i64 - 1 <= first + right) && (w == 0 || c0i > last - w);
     (if all { FULL } else { PARTIAL }, (lo - c0i) as usize, (hi - c0i) as usize)
 }
 
@@ -448,14 +469,15 @@ mod tests {
             lse_hs: 0,
             scale: 1.0,
             column_skip: true,
-            causal,
+            right: if causal { 0 } else { NO_RIGHT },
             window,
             has_mask: false,
             has_lse: false,
-            kv_bf16: false,
+            kv: Kv::F16,
             softcap: 0.0,
             alibi_distance: false,
             slopes: std::ptr::null(),
+            dist_slopes: std::ptr::null(),
             sinks: std::ptr::null(),
             q_dtype: Elem::F32,
             o_dtype: Elem::F32,

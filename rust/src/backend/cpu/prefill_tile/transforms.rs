@@ -2,7 +2,7 @@
 //! explicit mask (loaded and transposed per tile, times each head's ALiBi slope), ALiBi on
 //! the described mask's distance, the description's hidden pairs, and softcap.
 
-use super::{Problem, Seq, Sub, C};
+use super::{Problem, Seq, Sub, C, NO_RIGHT};
 use crate::backend::cpu::simd::{Simd, W};
 
 /// Everything between the scores and the softmax of tile `sub` in the step at `c0`, in
@@ -128,11 +128,12 @@ pub(super) unsafe fn add_mask<S: Simd>(
     }
 }
 
-/// ALiBi on the described mask (no explicit mask): the mask llama.cpp writes for ALiBi
-/// models holds `-(p - j)` on a visible pair, `p = r + offset` the query's position, so each
-/// score of cache rows `lo..hi` (step at `c0`) gains `slope_h * (j - p)`. Pairs the
-/// description hides are set to -inf afterwards, whatever this adds to them. The distance is
-/// an integer, exact in f32 below 2^24.
+/// ALiBi on the positions: each score of cache rows `lo..hi` (step at `c0`) gains
+/// `-slope_h * |p - j|`, `p = r + offset` the query's position: flash-attn's `alibi_slopes`,
+/// and `max_bias` without an explicit mask (the mask llama.cpp writes for ALiBi models holds
+/// `-(p - j)` on a visible pair, and a causal description's visible pairs have `j <= p`).
+/// Pairs the description hides are set to -inf afterwards, whatever this adds to them. The
+/// distance is an integer, exact in f32 below 2^24.
 #[inline(always)]
 pub(super) unsafe fn add_distance<S: Simd>(
     pb: &Problem,
@@ -148,13 +149,16 @@ pub(super) unsafe fn add_distance<S: Simd>(
         *l = x as f32;
     }
     let lane = S::load(lane.as_ptr());
+    let zero = S::splat(0.0);
     for hh in 0..pb.group {
-        let slope = S::splat(*pb.slopes.add(g * pb.group + hh));
+        let slope = S::splat(*pb.dist_slopes.add(seq.alibi + g * pb.group + hh));
         for j in sub.lo..sub.hi {
             // Row r0 + rv + x of the tile: j - p = (c0 + j - off - r0 - rv) - x.
             let base = (c0 + j) as i64 - seq.off - sub.r0 as i64;
             for rv in (0..pb.bq).step_by(W) {
-                let dist = S::sub(S::splat((base - rv as i64) as f32), lane);
+                let d = S::sub(S::splat((base - rv as i64) as f32), lane);
+                // -|j - p|: the same value as j - p wherever j <= p.
+                let dist = S::min(d, S::sub(zero, d));
                 let p = st.add(j * r + sub.ib + hh * pb.bq + rv);
                 S::store(p, S::fma(slope, dist, S::load(p)));
             }
@@ -177,12 +181,13 @@ pub(super) unsafe fn hide<S: Simd>(pb: &Problem, seq: &Seq, st: *mut f32, r: usi
     let lane = S::load(lane.as_ptr());
     for j in sub.lo..sub.hi {
         let ja = (c0 + j) as i64;
-        // Row r0 + rr sees ja iff rr >= ja - off - r0 (causal) and rr < ja - off - r0 + w (window).
+        // Row r0 + rr sees ja iff rr >= ja - off - r0 - right (causal: right 0) and
+        // rr < ja - off - r0 + w (window).
         let rel = ja - off - sub.r0 as i64;
         let (a, b) = if ja >= seq.lk as i64 {
             (0, 0)
         } else {
-            let a = if pb.causal { rel.clamp(0, bq) } else { 0 };
+            let a = if pb.right != NO_RIGHT { (rel - pb.right).clamp(0, bq) } else { 0 };
             let b = if pb.window > 0 { (rel + pb.window as i64).clamp(0, bq) } else { bq };
             (a, b.max(a))
         };
