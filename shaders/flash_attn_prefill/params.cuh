@@ -33,6 +33,8 @@ struct Params {
 #define PREFILL_LSE 8
 #define PREFILL_OFFSET 16
 #define PREFILL_SINKS 32
+#define PREFILL_WINDOW_RIGHT 64
+#define PREFILL_ALIBI_SLOPES 128
 // DType codes of Q and O.
 #define DT_F32 0
 #define DT_F16 1
