@@ -624,8 +624,8 @@ def run_prefill(dev, args) -> str:
         expect = (mx.InvalidArgumentError, "max_bias must be a finite number >= 0")
     elif qdt not in ("float32", "float16", "bfloat16"):
         expect = (mx.UnsupportedDtypeError, "q must be float32, float16 or bfloat16")
-    elif kdt not in ("float16", "bfloat16"):
-        expect = (mx.UnsupportedDtypeError, "k must be float16 or bfloat16")
+    elif kdt not in ("float16", "bfloat16", "float32"):
+        expect = (mx.UnsupportedDtypeError, "k must be float16, bfloat16 or float32")
     elif vdt != kdt:
         expect = (mx.UnsupportedDtypeError, f"k is {kdt} and v is {vdt}")
     elif nkv == 0 or nh % nkv:

@@ -271,7 +271,7 @@ def test_all_meta_calls_are_checked_as_the_real_call_is(rng):
         ((q, k[:10], v[:10]), dict(causal=True), "cannot be shorter"),
         ((q, k, v, torch.zeros(40, 47, device="meta")), {}, "mask must have shape"),
         ((q, k, v), dict(sinks=torch.zeros(3, device="meta")), "sinks must have shape"),
-        ((q, k.float(), v.float()), {}, "float16 or bfloat16"),
+        ((q, k.double(), v.double()), {}, "float16, bfloat16 or float32"),
     ]:
         with pytest.raises(mn.MlxError, match=match):
             mn.flash_attn_prefill(*args, **kw)

@@ -159,8 +159,11 @@ def test_high_level_rejections(rng):
     k = rng.uniform(-1, 1, (16, 1, 256)).astype(np.float16)
     with pytest.raises(mx.UnsupportedDtypeError, match="q must be float32, float16 or bfloat16, got float64"):
         mx.flash_attn_prefill(q.astype(np.float64), k, k)
-    with pytest.raises(mx.UnsupportedDtypeError, match="k must be float16 or bfloat16"):
+    # float32 K/V are taken (issue 28), but K and V share one dtype.
+    with pytest.raises(mx.UnsupportedDtypeError, match="k is float32 and v is float16: they must have one dtype"):
         mx.flash_attn_prefill(q, k.astype(np.float32), k)
+    with pytest.raises(mx.UnsupportedDtypeError, match="k must be float16, bfloat16 or float32, got float64"):
+        mx.flash_attn_prefill(q, k.astype(np.float64), k.astype(np.float64))
     # 100 runs zero-padded on 112 (issue 28); the plan takes kernel head dims only.
     with pytest.raises(mx.InvalidArgumentError, match="unsupported head_dim 100"):
         mx.PrefillPlan(q[..., :100], k[..., :100], k[..., :100])

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ._lib import get_string, lib
 from .dtypes import bfloat16_dtype, numpy_dtype_of_name
 from .errors import ArgumentTypeError, BufferAllocationError, InvalidArgumentError, UnsupportedDtypeError
 
@@ -253,6 +254,8 @@ class Operand:
     def new_empty(self, shape: Sequence[int], dtype: Any) -> "Operand":
         """A new C-contiguous array of this operand's library on its device (numpy for
         arrays of other libraries); a ``BufferAllocationError`` when it does not fit."""
+        if not self.on_cuda:
+            check_host_fits(shape, dtype, self.device)
         try:
             return self._new_empty(shape, dtype)
         except ALLOCATION_FAILURES as e:
@@ -340,6 +343,30 @@ def allocation_error(shape: Sequence[int], dtype: Any, device: str, cause: BaseE
         f"cannot allocate an output of shape {tuple(shape)} ({n / 2**30:.3g} GiB of {np.dtype(dtype).name}) on "
         f"{device}: {type(cause).__name__}: {cause}. Free memory, pass a smaller batch, or give out= arrays"
     )
+
+
+_host_memory: Optional[int] = None
+
+
+def host_memory() -> int:
+    """The most one host buffer may take (RAM plus swap within the cgroup limit, as the CPU
+    backend reports it; 0 unknown), read once."""
+    global _host_memory
+    if _host_memory is None:
+        fields = dict(kv.split("=", 1) for kv in get_string(lib.mlxn_cpu_info).split(";"))
+        _host_memory = int(fields.get("memory", 0))
+    return _host_memory
+
+
+def check_host_fits(shape: Sequence[int], dtype: Any, device: str) -> None:
+    """A ``BufferAllocationError`` for a host output larger than :func:`host_memory`: on a
+    machine that overcommits memory its allocation succeeds, and the process is killed when
+    the kernel writes it, instead of an error the caller can handle."""
+    n = math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
+    limit = host_memory()
+    if limit and n > limit:
+        cause = MemoryError(f"more than the {limit / 2**30:.3g} GiB one buffer may take here (RAM plus swap within the cgroup limit)")
+        raise allocation_error(shape, dtype, device, cause)
 
 
 def layout_key(x: Any) -> Optional[tuple]:
