@@ -17,9 +17,10 @@ What maps how (FlashAttention's name -> ours):
 - ``window_size=(left, right)``, -1 unbounded: query at cache position ``p`` sees ``j`` with
   ``p - left <= j <= p + right``. ``(left, 0)`` (or any with ``causal``) is our
   ``window=left + 1`` (``(-1, 0)``: causal); a two-sided window is passed on as
-  ``window=(left, right)``, which needs the kernels' two-sided windows.
+  ``window=(left, right)`` (the CPU and Metal kernels; CUDA refuses it with a typed error
+  for now).
 - ``softcap`` -> ``softcap``; ``alibi_slopes`` (float32 ``[heads]`` or ``[batch, heads]``)
-  -> ``alibi_slopes``, where this build's front door takes them (else a typed error).
+  -> ``alibi_slopes`` (likewise CPU and Metal for now).
 - ``return_attn_probs=True`` -> ``(out, softmax_lse, None)``: lse float32 ``[batch, heads,
   seqlen_q]`` (varlen ``[heads, total_q]``); the probabilities themselves are not returned
   (FlashAttention returns them only with dropout, for its tests).
@@ -27,16 +28,14 @@ What maps how (FlashAttention's name -> ours):
   is deterministic.
 - Head dims: any (FlashAttention: multiples of 8 up to 256); a head dim without a kernel
   runs zero-padded on the next kernel size (the front door does this, ``head_dims.py``).
-- dtypes: q float16, bfloat16 (or float32); k and v float16 or bfloat16, and float32 where
-  the build has float32 K/V kernels; otherwise float32 K/V are converted to float16 here
-  (one copy each; values beyond +-65504 overflow, as the float16 kernels would see them).
+- dtypes: q float16, bfloat16 (or float32); k and v float16, bfloat16 or float32 (the CPU
+  reads float32 K/V as they are; CUDA and Metal get float16 copies: docs/spec.md).
 
 The output is in q's dtype. Under grad mode the forward runs (a backward raises
 :class:`~mlx_native.UnsupportedFeatureError`)."""
 
 from __future__ import annotations
 
-import inspect
 import numbers
 from typing import Any, Tuple
 
@@ -44,7 +43,6 @@ import numpy as np
 
 from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedFeatureError
 from .front_door import flash_attn_prefill
-from .head_dims import KERNEL_HEAD_DIMS
 
 __all__ = [
     "flash_attn_func",
@@ -54,12 +52,6 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
 ]
-
-#: Whether this build's front door takes ALiBi slopes (the kernels' feature, issue 28).
-_HAS_ALIBI_SLOPES = "alibi_slopes" in inspect.signature(flash_attn_prefill).parameters
-#: Whether this build has float32 K/V kernels; without them float32 K/V are converted.
-_HAS_F32_KV = "float32" in KERNEL_HEAD_DIMS
-
 
 def flash_attn_func(
     q,
@@ -196,7 +188,6 @@ def flash_attn_varlen_kvpacked_func(
 
 def _fixed(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     kw = _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_probs)
-    k, v = _kv(k, "k"), _kv(v, "v")
     if (kw["causal"] or kw["window"] is not None) and len(q.shape) == 4 == len(k.shape) and k.shape[1] < q.shape[1]:
         # Bottom-right aligned with a cache shorter than the queries: the first rows see
         # nothing (our default refuses this shape as a mistake; FlashAttention allows it).
@@ -207,7 +198,6 @@ def _fixed(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
 def _varlen(q, k, v, cu_q, cu_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
             return_attn_probs):  # fmt: skip
     kw = _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_probs)
-    k, v = _kv(k, "k"), _kv(v, "v")
     lse = bool(return_attn_probs)
     if (kw["causal"] or kw["window"] is not None) and _some_cache_shorter(cu_q, cu_k):
         return _finish(_by_sequence(q, k, v, cu_q, cu_k, softmax_scale, lse, kw))
@@ -230,11 +220,6 @@ def _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_p
     causal, window = _window(causal, window_size)
     kw = dict(causal=causal, window=window, softcap=0.0 if softcap is None else softcap)
     if alibi_slopes is not None:
-        if not _HAS_ALIBI_SLOPES:
-            raise UnsupportedFeatureError(
-                "alibi_slopes: this build's kernels take ALiBi only as max_bias (llama.cpp's slopes); pass max_bias to "
-                "mlx_native.flash_attn_prefill, or use a build with ALiBi slopes"
-            )
         kw["alibi_slopes"] = alibi_slopes
     return kw
 
@@ -261,14 +246,6 @@ def _window(causal: bool, window_size: Any) -> Tuple[bool, Any]:
     if left == -1 and right == -1:
         return False, None
     return False, (left, right)  # two-sided: the kernels' two-sided windows
-
-
-def _kv(x, name: str):
-    """K or V as the kernels take them: float32 converted to float16 where this build has no
-    float32 K/V kernels (module docstring)."""
-    if not _HAS_F32_KV and str(getattr(x, "dtype", "")) in ("torch.float32", "float32"):
-        return x.half() if hasattr(x, "half") else x.astype("float16")
-    return x
 
 
 def _some_cache_shorter(cu_q, cu_k) -> bool:
