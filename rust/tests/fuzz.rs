@@ -1100,9 +1100,6 @@ mod transforms {
         if !table {
             return Some(("invalid", format!("unsupported head_dim {} (v head dim {})", d.dims.0, d.dims.1)));
         }
-        if d.k_dtype == DType::F32 {
-            return Some(("dtype", "k and v must be F16 or BF16".into()));
-        }
         if !(d.softcap >= 0.0 && d.softcap.is_finite()) {
             return Some(("invalid", "softcap".into()));
         }
@@ -1137,12 +1134,11 @@ mod transforms {
         }
         let p = c.params();
         let q = upload(dev, DType::F32, &c.q);
-        // Data of the wrong dtype is the same bits reinterpreted (F32: pairs of halves).
+        // F32 K/V (the CPU reads them as they are) hold the halves' values, widened exactly;
+        // a mismatched pair is the same bits reinterpreted.
         let kv_buf = |dtype: DType, bits: &[u16]| -> MlxBuffer {
             if dtype == DType::F32 {
-                let mut b = bits.to_vec();
-                b.resize(bits.len().div_ceil(2) * 2, 0);
-                upload(dev, DType::F32, &b.chunks(2).map(|w| w[0] as u32 | (w[1] as u32) << 16).collect::<Vec<u32>>())
+                upload(dev, DType::F32, &bits.iter().map(|&b| f16::from_bits(b).to_f32()).collect::<Vec<f32>>())
             } else {
                 upload(dev, dtype, bits)
             }
