@@ -205,10 +205,11 @@ def test_rows_that_do_not_match_the_layout_are_refused_on_every_rank(pool):
 
 def test_one_rank_refusing_its_arguments_stops_every_rank(pool):
     errs = _errors(pool, _case("trio", 60, edit={2: "k-float32"}))
-    assert errs[2]["cls"] == "UnsupportedDtypeError" and "k must be float16" in errs[2]["message"]
+    # Rank 2's k is float32 beside a float16 v (float32 K/V are taken, mixed ones are not).
+    assert errs[2]["cls"] == "UnsupportedDtypeError" and "k is float32 and v is float16" in errs[2]["message"]
     for r in (0, 1):
         assert errs[r]["cls"] == "UnsupportedDtypeError" and errs[r]["type"]
-        assert "rank 2 of the group refused its arguments" in errs[r]["message"] and "k must be float16" in errs[r]["message"]
+        assert "rank 2 of the group refused its arguments" in errs[r]["message"] and "k is float32 and v is float16" in errs[r]["message"]
     errs = _errors(pool, _case("pair", 40, edit={3: "numpy"}))
     assert errs[3]["cls"] == "ArgumentTypeError" and "q must be a torch tensor" in errs[3]["message"]
     assert "rank 1 of the group refused" in errs[1]["message"]

@@ -22,6 +22,7 @@ import mlx_native as mn
 from fa_reference import attention, within_rule
 from helpers import import_test_extra
 from mlx_native.arrays import Operand
+from mlx_native.head_dims import KERNEL_HEAD_DIMS
 
 torch = import_test_extra("torch")
 from mlx_native import flash_attn_interface as fai  # noqa: E402
@@ -89,7 +90,7 @@ def test_packed_forms_equal_the_unpacked_bit_for_bit(monkeypatch, d, causal, mha
     def refuse(self, *a, **k):
         raise AssertionError("an operand was copied")
 
-    if d in mn.flash_attn_interface.KERNEL_HEAD_DIMS.get("float16", ()):  # padded dims copy by design
+    if d in KERNEL_HEAD_DIMS.get("float16", ()):  # padded dims copy by design
         monkeypatch.setattr(Operand, "made_contiguous", refuse)
         monkeypatch.setattr(Operand, "copied", refuse)
     assert torch.equal(fai.flash_attn_kvpacked_func(q, kv, causal=causal), want)
