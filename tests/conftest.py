@@ -3,6 +3,8 @@ CPU once per instruction set this machine has."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -23,10 +25,11 @@ def _targets():
 TARGETS = _targets()
 
 
-@pytest.fixture(params=TARGETS, ids=[f"{b}-{i}" if i else b for b, i in TARGETS])
-def device(request):
-    """A device of each backend present (the CPU once per instruction set)."""
-    backend, isa = request.param
+@contextlib.contextmanager
+def target_device(target):
+    """The device of one target ``(backend, isa)``, the CPU's instruction set forced while
+    it is in use."""
+    backend, isa = target
     if isa is not None:
         mx.force_cpu_isa(isa)
     try:
@@ -34,6 +37,13 @@ def device(request):
     finally:
         if isa is not None:
             mx.force_cpu_isa(None)
+
+
+@pytest.fixture(params=TARGETS, ids=[f"{b}-{i}" if i else b for b, i in TARGETS])
+def device(request):
+    """A device of each backend present (the CPU once per instruction set)."""
+    with target_device(request.param) as d:
+        yield d
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 import mlx_native as mx
 from mlx_native.reference import nmse, reference_attention
 
-from conftest import TARGETS
+from conftest import TARGETS, target_device
 
 ROWS, NH, NKV, HD, KV_LEN, KVP = 70, 4, 2, 256, 150, 192
 BQ = 32
@@ -29,14 +29,8 @@ EDGE_TARGETS = TARGETS + ([] if ("cpu", "amx") in TARGETS else [("cpu", "amx-emu
 
 @pytest.fixture(params=EDGE_TARGETS, ids=[f"{b}-{i}" if i else b for b, i in EDGE_TARGETS])
 def device(request):
-    backend, isa = request.param
-    if isa is not None:
-        mx.force_cpu_isa(isa)
-    try:
-        yield mx.Device(backend)
-    finally:
-        if isa is not None:
-            mx.force_cpu_isa(None)
+    with target_device(request.param) as d:
+        yield d
 
 
 def _problem(rng):
