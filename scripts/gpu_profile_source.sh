@@ -5,6 +5,8 @@
 # their reasons). Logs go to $OUT (ncu-details.txt, ncu-source.csv, ncu-top.txt).
 #
 #   bash scripts/gpu_profile_source.sh [CASE]    # CASE: dense, causal (default), sliding, global, explicit
+#   KERNEL_RE=flash_attn_prefill_d64 bash scripts/gpu_profile_source.sh causal64   # also causal128, dense128
+# (KERNEL_RE: the launches profiled, a regex on the kernel's name; default the tensor op's.)
 #
 # Uses the installed mlx_native (PYTHONPATH) and MLX_NATIVE_CUDA_SOURCE_DIR if set.
 set -uo pipefail
@@ -14,14 +16,14 @@ mkdir -p "$OUT"
 CASE=${1:-causal}
 rep=/tmp/profile-$CASE
 rm -f "$rep.ncu-rep"
-timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none -k "regex:flash_attn_prefill_tensor" -c 1 \
+timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none -k "regex:${KERNEL_RE:-flash_attn_prefill_tensor}" -c 1 \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section WarpStateStats --section SourceCounters --section LaunchStats --section Occupancy \
-  --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__cycles_elapsed.avg \
+  --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__cycles_elapsed.avg \
   -o "$rep" python3 "$HERE/scripts/profile_case.py" --case "$CASE" > "$OUT/ncu-run.log" 2>&1
 echo "ncu exit $?"
 ncu -i "$rep.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
-grep -E "Duration|gmma_cycles|Executed Ipc A|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Shared|Registers|Warp Cycles Per Issued|inst_executed.sum|cycles_elapsed" "$OUT/ncu-details.txt" | head -30
+grep -E "Duration|gmma_cycles|pipe_xu|pipe_fma|pipe_alu|Executed Ipc A|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Shared|Registers|Warp Cycles Per Issued|inst_executed.sum|cycles_elapsed" "$OUT/ncu-details.txt" | head -30
 ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-source.csv" 2>&1 ||
   ncu -i "$rep.ncu-rep" --page source --csv > "$OUT/ncu-source.csv" 2>&1
 python3 - "$OUT/ncu-source.csv" > "$OUT/ncu-top.txt" 2>&1 <<'EOF'

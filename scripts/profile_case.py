@@ -6,7 +6,9 @@ scripts/gpu_check.sh or scripts/gpu_profile.sh):
 - causal head dim 256 (8/8 heads, 16384 rows), described: the FlashAttention-4 comparison;
 - the global layer (head dim 512, 16/2 heads, 8192 rows, causal): described, then as an
   explicit additive mask (the classifier's launch, then the attention's);
-- the sliding layer (head dim 256, 16/8 heads, window 1024, 8192 rows), described.
+- the sliding layer (head dim 256, 16/8 heads, window 1024, 8192 rows), described;
+- only when named by --case (issue 25's rows at the common head dims, 16384 rows, described):
+  causal d64 32/8 (`causal64`), causal d128 32/8 (`causal128`), dense d128 32/8 (`dense128`).
 
     python3 scripts/profile_case.py [--quick] [--case FORM ...]
     # --quick: 4096 rows for the global layer, no causal 16k; --case: only the cases of these
@@ -29,12 +31,17 @@ if not quick:
     cases.append((16384, 8, 8, 256, "causal"))
 g = 4096 if quick else 8192
 cases += [(g, 16, 2, 512, "causal"), (g, 16, 2, 512, "explicit"), (8192, 16, 8, 256, "sliding")]
+common = [(16384, 32, 8, 64, "causal"), (16384, 32, 8, 128, "causal"), (16384, 32, 8, 128, "dense")]
+cases += [c for c in common if f"{c[4]}{c[3]}" in only]
 names = {
     (256, "dense"): "dense",
     (256, "causal"): "causal",
     (256, "sliding"): "sliding",
     (512, "causal"): "global",
     (512, "explicit"): "explicit",
+    (64, "causal"): "causal64",
+    (128, "causal"): "causal128",
+    (128, "dense"): "dense128",
 }
 if only:
     cases = [c for c in cases if names[(c[3], c[4])] in only]

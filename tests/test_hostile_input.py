@@ -443,12 +443,17 @@ def test_native_objects_refuse_pickling_with_the_reason(rng):
 
 
 def test_an_output_too_large_to_allocate_is_a_buffer_allocation_error():
+    # 4 TiB of output. Refused before allocation where the host's memory is known (Linux):
+    # a host that overcommits memory hands out the pages, and the process dies writing them.
+    # Twice each: the second call takes the one-call path of the cached plan.
     q = torch.zeros(1, 1, 64).expand(2**22, 4096, 64)
     k = torch.zeros(1, 1, 64, dtype=torch.float16).expand(64, 1, 64)
-    with pytest.raises(mn.BufferAllocationError, match="cannot allocate an output"):
-        mn.flash_attn_prefill(q, k, k)
-    with pytest.raises(mn.BufferAllocationError, match="cannot allocate an output"):
-        mn.flash_attn_prefill(q.numpy(), k.numpy(), k.numpy())
+    why = "one buffer may take here" if mn.cpu_info()["memory"] else "cannot allocate an output"
+    for _ in range(2):
+        with pytest.raises(mn.BufferAllocationError, match=why):
+            mn.flash_attn_prefill(q, k, k)
+        with pytest.raises(mn.BufferAllocationError, match=why):
+            mn.flash_attn_prefill(q.numpy(), k.numpy(), k.numpy())
 
 
 def test_force_cpu_isa_and_force_cuda_pair_take_names_only():

@@ -34,7 +34,7 @@ from .checks import (
 )
 from .device import Device, Encoder
 from .dtypes import DTYPE_CODES, numpy_dtype_of_name
-from .errors import InvalidArgumentError, not_picklable
+from .errors import BufferAllocationError, InvalidArgumentError, not_picklable
 from .layouts import layout as read_layout
 from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
@@ -396,6 +396,8 @@ class PrefillPlan:
         try:
             o = new_out(q)
             lse = new_lse(q) if self._lse else None
+        except BufferAllocationError:
+            raise  # check_host_fits's, already this form
         except ALLOCATION_FAILURES as e:
             raise allocation_error(self.shape, self.out_dtype, self._array_device, e) from e
         stream, ws = 0, None
@@ -655,7 +657,7 @@ def _torch_ptr(t) -> int:
 def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
     """For the one call's path: makers of the outputs from q (its library, its device) and
     the address function of its library."""
-    from .arrays import _torch_dtype
+    from .arrays import _torch_dtype, check_host_fits
 
     if qo.library == "torch":
         import torch
@@ -663,6 +665,8 @@ def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
         tdt = _torch_dtype(out_dtype)
 
         def new_out(q):
+            if not qo.on_cuda:  # an overcommitting host "allocates" anything, then kills the writer
+                check_host_fits(shape, out_dtype, qo.device)
             return torch.empty(shape, dtype=tdt, device=q.device)
 
         def new_lse(q):
@@ -672,6 +676,7 @@ def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
     else:
 
         def new_out(q):
+            check_host_fits(shape, out_dtype, qo.device)
             return np.empty(shape, dtype=out_dtype)
 
         def new_lse(q):
