@@ -23,6 +23,11 @@
 #   bash scripts/gpu_hopper_step.sh MAIN_WHEEL_DIR BRANCH_WHEEL_DIR
 #   MAIN_PAIR=0 bash scripts/gpu_hopper_step.sh BRANCH_WHEEL_DIR BRANCH_WHEEL_DIR   (main = the one-CTA forms)
 #
+# A change of the CUDA sources alone needs no second wheel: BRANCH_SRC=DIR gives builds B, C
+# and D the sources in DIR (MLX_NATIVE_CUDA_SOURCE_DIR; e.g. the working tree's shaders/
+# beside main's wheel). DEFS_C / DEFS_D and NAME_C / NAME_D replace C's and D's defines and
+# names; TEST_BUILD (default B) is the build the CUDA tests run.
+#
 # Logs and JSON go to $OUT (default /tmp/gpu-hopper-step): bench-<build><round>.json.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
@@ -46,16 +51,18 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader |
 # whose machine code at 64 and 128 is main's (ptxas and the disassembly compared), with the
 # branch's bench (main's has no --described); d256 then runs its one-CTA form too.
 declare -A SITE=([A]=/tmp/hs-main [B]=/tmp/hs-branch [C]=/tmp/hs-branch [D]=/tmp/hs-branch)
-declare -A DEFS=([A]="" [B]="" [C]="-DMLXN_WS_N_D64=64 -DMLXN_WS_N_D128=64" [D]="-DMLXN_WS_OVERLAP=0")
+declare -A DEFS=([A]="" [B]="" [C]="${DEFS_C--DMLXN_WS_N_D64=64 -DMLXN_WS_N_D128=64}" [D]="${DEFS_D--DMLXN_WS_OVERLAP=0}")
 declare -A PAIR=([A]="${MAIN_PAIR:-}" [B]="" [C]="" [D]="")
-declare -A NAME=([A]="main${MAIN_PAIR:+ (one-CTA forms)}" [B]="branch" [C]="branch, 64-row tiles" [D]="branch, no overlap")
-# run_build BUILD CMD...: CMD in /tmp with the build's package, defines and pair setting.
+declare -A NAME=([A]="main${MAIN_PAIR:+ (one-CTA forms)}" [B]="branch" [C]="${NAME_C:-branch, 64-row tiles}" [D]="${NAME_D:-branch, no overlap}")
+declare -A SRC=([A]="" [B]="${BRANCH_SRC:-}" [C]="${BRANCH_SRC:-}" [D]="${BRANCH_SRC:-}")
+# run_build BUILD CMD...: CMD in /tmp with the build's package, sources, defines and pair setting.
 run_build() {
   local b=$1
   shift
   (cd /tmp && MLX_NATIVE_CUDA_PAIR="${PAIR[$b]}" MLX_NATIVE_CUDA_DEFINES="${DEFS[$b]}" \
-    PYTHONPATH=${SITE[$b]}${PYTHONPATH:+:$PYTHONPATH} "$@")
+    PYTHONPATH=${SITE[$b]}${PYTHONPATH:+:$PYTHONPATH} env ${SRC[$b]:+MLX_NATIVE_CUDA_SOURCE_DIR=${SRC[$b]}} "$@")
 }
+TB=${TEST_BUILD:-B}
 
 step "warm the kernel caches (background)"
 for b in A B C D; do run_build $b timeout 200 python3 "$HERE/scripts/warm_kernels.py" > "$OUT/warm-$b.log" 2>&1 & done
@@ -74,7 +81,7 @@ for d, causal in [(128, True), (64, True), (128, False)]:
     print(f"d{d} causal={causal}: nmse {e:.2e}")
     assert e < 1e-5
 '
-if run_build B env MLX_NATIVE_CUDA_TRACE=1 timeout 60 python3 -c "$SMOKE" > "$OUT/smoke.log" 2>&1; then
+if run_build "$TB" env MLX_NATIVE_CUDA_TRACE=1 timeout 60 python3 -c "$SMOKE" > "$OUT/smoke.log" 2>&1; then
   grep -v "^mlx_native cuda:" "$OUT/smoke.log"
   echo "pair launches: $(grep -c "variant Some" "$OUT/smoke.log") of $(grep -c "^mlx_native cuda:" "$OUT/smoke.log")"
   SMOKE_OK=1
@@ -85,13 +92,13 @@ else
 fi
 
 if [ "$SMOKE_OK" = 1 ]; then
-  step "CUDA tests, Hopper form (branch)"
-  (cd "$HERE" && PYTHONPATH=/tmp/hs-branch timeout "${T_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider -rfE \
+  step "CUDA tests, Hopper form (build $TB: ${NAME[$TB]})"
+  (cd "$HERE" && MLX_NATIVE_CUDA_DEFINES="${DEFS[$TB]}" PYTHONPATH=${SITE[$TB]} env ${SRC[$TB]:+MLX_NATIVE_CUDA_SOURCE_DIR=${SRC[$TB]}} timeout "${T_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider -rfE \
     -k cuda tests/test_cuda.py tests/test_cuda_split_kv.py tests/test_correctness.py \
     tests/test_front_door_transforms.py tests/test_front_door_offset.py > "$OUT/pytest.log" 2>&1) || status=$((status | 2))
   tail -n 8 "$OUT/pytest.log"
   step "CUDA tests, portable form (branch, MLX_NATIVE_CUDA_ARCH=sm_90)"
-  (cd "$HERE" && MLX_NATIVE_CUDA_ARCH=sm_90 PYTHONPATH=/tmp/hs-branch timeout "${T_PORTABLE:-60}" python3 -m pytest -q \
+  (cd "$HERE" && MLX_NATIVE_CUDA_ARCH=sm_90 PYTHONPATH=${SITE[$TB]} env ${SRC[$TB]:+MLX_NATIVE_CUDA_SOURCE_DIR=${SRC[$TB]}} timeout "${T_PORTABLE:-60}" python3 -m pytest -q \
     -p no:cacheprovider -rfE -k cuda tests/test_correctness.py tests/test_cuda_split_kv.py > "$OUT/pytest-portable.log" 2>&1) ||
     status=$((status | 4))
   tail -n 4 "$OUT/pytest-portable.log"
@@ -125,7 +132,7 @@ step "table"
 python3 - "$OUT" <<'EOF'
 import glob, json, os, sys
 out = sys.argv[1]
-names = {"A": "main", "B": "branch", "C": "64-row tiles", "D": "no overlap"}
+names = {"A": "main", "B": "branch", "C": os.environ.get("NAME_C", "64-row tiles"), "D": os.environ.get("NAME_D", "no overlap")}
 runs = {}  # (tag kind, build) -> {case: [ms...]}, and NMSE
 for f in sorted(glob.glob(os.path.join(out, "bench-*.json"))):
     tag = os.path.basename(f)[6:-5]

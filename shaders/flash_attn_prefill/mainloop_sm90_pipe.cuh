@@ -213,7 +213,12 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
         const u32 m_stage = s_mask + (u32)(st * PC::NH * PC::MASK_BYTES);
         return tile_softmax<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p);
     };
-    pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax);
+    auto softmax_packed = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u,
+                              u32 (&pk)[PC::NB][2]) {
+        const u32 m_stage = s_mask + (u32)(st * PC::NH * PC::MASK_BYTES);
+        return tile_softmax_packed<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, pk);
+    };
+    pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax, softmax_packed);
     if (wgi == 0) named_barrier(1, NTHREADS);  // warpgroup 1's last hand-over
     cluster_arrive();                          // done with the partner's barriers
     store_rows<D>(p, L, r.sq, r.lq, q0, head, o, m_run, l_run, out, lse, sinks);

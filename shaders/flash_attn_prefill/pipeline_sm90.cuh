@@ -17,7 +17,9 @@
 //   OVERLAP: wait for S_j only, release K_j, run the softmax of S_j (its classes, masks,
 //   maxima, P in the scores' registers) while P_{j-1} V_{j-1} is still on the tensor cores,
 //   then wait for it, release V_{j-1} and take P_j as the next P V's operand
-//   (FlashAttention-3's intra-warpgroup overlap); else wait for both, then the softmax.
+//   (FlashAttention-3's intra-warpgroup overlap); else (the default) wait for both, then the
+//   softmax, which packs P straight into P V's operand (pk is free once P_{j-1} V_{j-1} is
+//   done): one conversion of P where the overlap needs P kept as floats, then packed again.
 #pragma once
 
 #include "flash_attn_prefill/loaders.cuh"
@@ -213,9 +215,9 @@ __device__ __forceinline__ void release_pair(u32 bar) {
 // classes(t, sb, table): the class of the warp's rows in step t; qk(st, s) and pv(st, pk):
 // the products of a stage, issued, not committed; softmax(s, ms, classes, st, u) leaves P in
 // s and the rows' rescale factors in ms. TB: the walk's packed table bytes.
-template <class PC, class T, class TB, class Classes, class QK, class PV, class Softmax, int NO>
+template <class PC, class T, class TB, class Classes, class QK, class PV, class Softmax, class SoftmaxPacked, int NO>
 __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float (&o)[NO], Classes& classes, QK& qk,
-                                             PV& pv, Softmax& softmax) {
+                                             PV& pv, Softmax& softmax, SoftmaxPacked& softmax_packed) {
     const int lane = threadIdx.x & 31;
     const int wgi = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
     // Turns: warpgroup w issues after bar.sync on barrier 1 + w, then hands the turn to the
@@ -242,6 +244,12 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
         softmax(s, ms, tc, r.st, u);
         mbar_arrive(bars.empty_m(r.st));  // each thread after its own reads of the mask tiles
     };
+    // The same with P packed straight into pk (no overlap: the last P V is done).
+    auto scores_packed = [&](float (&s)[PC::NS], const TileClasses<PC::NH>& tc, int u) {
+        mbar_wait(bars.full_m(r.st), r.ph);
+        softmax_packed(s, ms, tc, r.st, u, pk);
+        mbar_arrive(bars.empty_m(r.st));
+    };
     auto cur = tile_at(r);
     if (!cur.valid()) return;
     {  // the first tile: Q K^T alone
@@ -254,8 +262,12 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
         wgmma_wait<0>();
         fence_regs(s);
         release(bars.empty_k(r.st));
-        scores(s, tc, cur.u);
-        take_p<T>(s, pk);
+        if constexpr (PC::OVERLAP) {
+            scores(s, tc, cur.u);
+            take_p<T>(s, pk);
+        } else {
+            scores_packed(s, tc, cur.u);
+        }
         fence_regs(pk);
     }
     while (true) {  // tile j: its Q K^T, and P V of tile j - 1
@@ -273,15 +285,23 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
         wgmma_commit();
         hand_over();
         const auto tc = tile_classes(cur, classes);
-        if constexpr (PC::OVERLAP) wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
-        else wgmma_wait<0>();
-        fence_regs(s);
-        release(bars.empty_k(r.st));
-        scores(s, tc, cur.u);
-        wgmma_wait<0>();
-        fence_regs(o);
-        release(bars.empty_v(rp.st));
-        take_p<T>(s, pk);
+        if constexpr (PC::OVERLAP) {
+            wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
+            fence_regs(s);
+            release(bars.empty_k(r.st));
+            scores(s, tc, cur.u);
+            wgmma_wait<0>();
+            fence_regs(o);
+            release(bars.empty_v(rp.st));
+            take_p<T>(s, pk);
+        } else {
+            wgmma_wait<0>();  // S_j and P_{j-1} V_{j-1}: pk is free for this tile's P
+            fence_regs(s);
+            fence_regs(o);
+            release(bars.empty_k(r.st));
+            release(bars.empty_v(rp.st));
+            scores_packed(s, tc, cur.u);
+        }
         fence_regs(pk);
     }
     // P V of the last tile (in stage rp; r holds the end of the walk).

@@ -34,7 +34,10 @@ __device__ __forceinline__ void mask_step(float (&s)[NS], int cls, int tb, int t
     const float ninf = -__int_as_float(0x7f800000);
     if (cls == 0) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) s[H * 32 + i] = ninf;
+        // fminf(s, -inf) is -inf, and keeps the scores in their registers: a plain -inf
+        // store let ptxas build the class-0 values before the branch, in other registers,
+        // and copy all 32 scores there on the common path (two moves a score, every tile).
+        for (int i = 0; i < 32; ++i) s[H * 32 + i] = fminf(s[H * 32 + i], ninf);
         return;
     }
     if (cls != 1) return;
@@ -119,6 +122,32 @@ __device__ __forceinline__ bool tile_exp(float (&s)[NS], const float (&mx)[2], f
     return __any_sync(0xffffffffu, any);
 }
 
+// tile_exp for a warpgroup whose last P V is done (no overlap): P packed straight into P V's
+// A fragments (pk, rows g8 and g8 + 8 (hh) of 8-column block nb), the sums of the packed
+// values read back, the scores left as they were.
+template <class T, int NS>
+__device__ __forceinline__ bool tile_exp_packed(const float (&s)[NS], const float (&mx)[2], float (&m_run)[2],
+                                                float (&l_run)[2], float (&ms)[2], u32 (&pk)[NS / 4][2]) {
+    bool any = false;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) any |= softmax_rescale(mx[hh], m_run[hh], ms[hh]);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const float ml = m_run[hh] * LOG2E;
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < NS / 4; ++nb) {
+            const int i = nb * 4 + hh * 2;
+            pk[nb][hh] = T::pack2(exp2_approx(fmaf(s[i], LOG2E, -ml)), exp2_approx(fmaf(s[i + 1], LOG2E, -ml)));
+            float a, b;
+            T::unpack2(pk[nb][hh], a, b);
+            sum += a + b;
+        }
+        l_run[hh] = l_run[hh] * ms[hh] + sum;
+    }
+    return __any_sync(0xffffffffu, any);
+}
+
 // P of tile_exp as P V's A fragments: rows g8 and g8 + 8 (hh) of 8-column block nb (the
 // values are T's already: packing them again is exact).
 template <class T, int NS>
@@ -146,6 +175,23 @@ __device__ __forceinline__ bool tile_softmax(float (&s)[NS], float (&m_run)[2], 
     float mx[2];
     tile_row_max(s, mx);
     return tile_exp<T>(s, mx, m_run, l_run, ms);
+}
+
+// tile_softmax with P packed straight into pk (tile_exp_packed).
+template <class T, int NH, int MASK_BYTES, int NS>
+__device__ __forceinline__ bool tile_softmax_packed(float (&s)[NS], float (&m_run)[2], float (&l_run)[2],
+                                                    float (&ms)[2], const TileClasses<NH>& tc, int u, u32 m_stage,
+                                                    const RowGeom& g, const Params& p, u32 (&pk)[NS / 4][2]) {
+    static_assert(NS == NH * 32, "32 scores a thread per 64-row step");
+    if (p.softcap > 0.f) {
+        const float inv = 1.f / p.softcap;
+#pragma unroll
+        for (int i = 0; i < NS; ++i) s[i] = softcap_score(s[i], p.softcap, inv);
+    }
+    mask_steps<0, NH, MASK_BYTES>(s, tc, u, m_stage, g, p);
+    float mx[2];
+    tile_row_max(s, mx);
+    return tile_exp_packed<T>(s, mx, m_run, l_run, ms, pk);
 }
 
 // O scaled by the rows' factors (after a rescale), where no product holds it.

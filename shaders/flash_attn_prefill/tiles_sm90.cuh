@@ -39,8 +39,10 @@ namespace hopper {
 #ifndef MLXN_WS_STAGES_D64
 #define MLXN_WS_STAGES_D64 2
 #endif
+// The intra-warpgroup overlap lost (docs/benchmarks.md, 2026-12-03): as fast without it,
+// and without it the softmax packs P once (pipeline_sm90.cuh), 2-4% faster.
 #ifndef MLXN_WS_OVERLAP
-#define MLXN_WS_OVERLAP 1
+#define MLXN_WS_OVERLAP 0
 #endif
 
 template <int D>
