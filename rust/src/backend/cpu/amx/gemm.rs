@@ -5,10 +5,7 @@
 //! for four loads, as far as the tile file allows.
 //!
 //! The terms are the split products of the AMX kernels (for example `K_hi . Q_hi +
-//! K_hi . Q_lo + K_lo . Q_hi`): each term is its own pair of operands over the same blocks of
-//! C, with its own reduction length (a product deferred over several steps of the attention
-//! is a list of terms per step, each over that step's chunks). Each block of C sums its
-//! terms in their order, each term's chunks in theirs.
+//! K_hi . Q_lo + K_lo . Q_hi`): each term is its own pair of operands over the same blocks.
 
 use super::tiles::TileUnit;
 
@@ -39,18 +36,11 @@ pub struct Output {
     pub n_step: usize,
 }
 
-/// One term of a product: `A . B` over `chunks` reduction chunks.
-#[derive(Clone, Copy, Debug)]
-pub struct Term {
-    pub a: Operand,
-    pub b: Operand,
-    pub chunks: usize,
-}
-
-/// One blocked product: `m_blocks x n_blocks` blocks of C, the sum of `terms` in their
-/// order; C is loaded and added to when `accumulate`, else it starts at 0.
+/// One blocked product: `m_blocks x n_blocks` blocks of C, `chunks` reduction chunks, the
+/// sum of `terms` (A, B); C is loaded and added to when `accumulate`, else it starts at 0.
 pub struct Product<'a> {
-    pub terms: &'a [Term],
+    pub terms: &'a [(Operand, Operand)],
+    pub chunks: usize,
     pub m_blocks: usize,
     pub n_blocks: usize,
     pub c: Output,
@@ -104,8 +94,8 @@ unsafe fn block<T: TileUnit, const MB: usize, const NB: usize>(t: &mut T, p: &Pr
             }
         }
     }
-    for &Term { a, b, chunks } in p.terms {
-        for kc in 0..chunks {
+    for (a, b) in p.terms {
+        for kc in 0..p.chunks {
             t.load::<4>(a.at(kc, i), a.row_stride);
             if MB == 2 {
                 t.load::<5>(a.at(kc, i + 1), a.row_stride);
@@ -143,10 +133,9 @@ mod tests {
     use super::super::EmulatedTiles;
     use super::*;
 
-    /// Small integers: every sum exact, so the blocked product of two terms (each as two
-    /// terms of different lengths) over odd block counts (every remainder case) equals the
-    /// matrix product to the bit, added to C where it accumulates, and nothing outside C's
-    /// blocks is written.
+    /// Small integers: every sum exact, so the blocked product of two terms over odd block
+    /// counts (every remainder case) equals the matrix product to the bit, added to C where
+    /// it accumulates, and nothing outside C's blocks is written.
     #[test]
     fn the_blocked_product_of_two_terms_is_the_matrix_product() {
         let (mb, nb, chunks) = (3usize, 5usize, 3usize);
@@ -171,25 +160,23 @@ mod tests {
             }
             terms_data.push((a, b));
         }
-        // Each term's reduction as two terms, of one chunk and of the rest (terms of
-        // their own lengths, as a product deferred over steps has).
-        let terms: Vec<Term> = terms_data
+        let terms: Vec<(Operand, Operand)> = terms_data
             .iter()
-            .flat_map(|(a, b)| {
-                let a = Operand {
-                    base: a.as_ptr() as *const u8,
-                    row_stride: a_rs * 2,
-                    chunk_step: 64,
-                    block_step: 16 * a_rs * 2,
-                };
-                let b = Operand {
-                    base: b.as_ptr() as *const u8,
-                    row_stride: b_rs * 2,
-                    chunk_step: 16 * b_rs * 2,
-                    block_step: 64,
-                };
-                let later = |o: Operand| Operand { base: unsafe { o.base.add(o.chunk_step) }, ..o };
-                [Term { a, b, chunks: 1 }, Term { a: later(a), b: later(b), chunks: chunks - 1 }]
+            .map(|(a, b)| {
+                (
+                    Operand {
+                        base: a.as_ptr() as *const u8,
+                        row_stride: a_rs * 2,
+                        chunk_step: 64,
+                        block_step: 16 * a_rs * 2,
+                    },
+                    Operand {
+                        base: b.as_ptr() as *const u8,
+                        row_stride: b_rs * 2,
+                        chunk_step: 16 * b_rs * 2,
+                        block_step: 64,
+                    },
+                )
             })
             .collect();
         for accumulate in [false, true] {
@@ -198,6 +185,7 @@ mod tests {
             let c0 = c.clone();
             let p = Product {
                 terms: &terms,
+                chunks,
                 m_blocks: mb,
                 n_blocks: nb,
                 c: Output { base: c.as_mut_ptr() as *mut u8, row_stride: c_rs * 4, m_step: 16 * c_rs * 4, n_step: 64 },

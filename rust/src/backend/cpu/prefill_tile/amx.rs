@@ -8,14 +8,8 @@
 //!   lanes = query rows as before;
 //! - the softmax writes P^T directly as the VNNI pairs the tiles read (two cache rows
 //!   interleaved), with p = 0 outside the rows the tile computes;
-//! - `O^T += V^T . P^T` on f32 tiles loaded from and stored to `O^T` (`[DV][r]`), rescaled
-//!   lazily in AVX-512 where a row's max moved; transposed to O at the end. The product is
-//!   deferred: V^T and P^T of up to [`SLOTS`] steps are kept, and a query tile's product runs
-//!   over all it has kept at once (one load and store of `O^T`'s tiles for up to 8 chunks of
-//!   32 cache rows instead of 2), before its rows' max moves (the rescale needs `O^T` whole),
-//!   when the buffers are full, and at the end. Each kept step is its own list of terms over
-//!   its own chunks, summed in the order the per-step product summed them, so deferring
-//!   changes no bit.
+//! - `O^T += V^T . P^T` on f32 tiles loaded from and stored to `O^T` (`[DV][r]`) each step,
+//!   rescaled lazily in AVX-512 where a row's max moved; transposed to O at the end.
 //!
 //! K and V of a step are converted once (bfloat16 parts, V transposed) for every query head
 //! and query tile of the item, as the FMA item widens them once. Each product is a sum of
@@ -27,8 +21,8 @@ use super::amx_layout::{pack_k, pack_q, pack_vt, split, transpose_out};
 use super::io::{load_q, store_out};
 use super::softmax::step_max;
 use super::transforms::transform_scores;
-use super::{grow, item_subs, plan_step, start_rows, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
-use crate::backend::cpu::amx::gemm::{self, Operand, Output, Product, Term};
+use super::{grow, item_subs, plan_step, start_rows, Kv, Problem, Scratch, Seq, Sub, C};
+use crate::backend::cpu::amx::gemm::{self, Operand, Output, Product};
 use crate::backend::cpu::amx::TileUnit;
 use crate::backend::cpu::simd::{Simd, W};
 
@@ -39,9 +33,9 @@ pub(super) struct Buffers {
     q: Vec<u16>,
     /// K rows of a step, `[C][dkp]` per part.
     k: Vec<u16>,
-    /// V^T of up to [`SLOTS`] steps, `[DV][SLOTS * C]` per part (slot s: columns `s * C ..`).
+    /// V^T of a step, `[DV][C]` per part.
     vt: Vec<u16>,
-    /// P^T pairs of up to [`SLOTS`] steps, `[SLOTS * C / 2][r][2]` per part.
+    /// P^T pairs of a step, `[C/2][r][2]` per part.
     p: Vec<u16>,
     /// O^T, `[DV][r]` f32.
     ot: Vec<f32>,
@@ -72,22 +66,6 @@ impl Parts {
     fn part(&self, lo: bool) -> *const u8 {
         (if lo { self.lo } else { self.hi }) as *const u8
     }
-
-    /// Both parts from element `off` on (a null part stays null).
-    unsafe fn at(&self, off: usize) -> Parts {
-        Parts { hi: self.hi.add(off), lo: if self.lo.is_null() { self.lo } else { self.lo.add(off) } }
-    }
-}
-
-/// Steps whose V^T and P^T are kept for one deferred P.V product (256 cache rows).
-const SLOTS: usize = 4;
-
-/// The kept steps of one query tile that its next P.V product runs over: each as its
-/// columns `[a, b)` of the buffers (its slot's, the step's rows rounded out to 32), in order.
-#[derive(Clone, Copy, Default)]
-struct Kept {
-    steps: [(usize, usize); SLOTS],
-    n: usize,
 }
 
 /// The split products in their order (`cpu::amx::Products`): (A part, B part), true = lo.
@@ -126,8 +104,8 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     // likewise P's and V's.
     let qv = Parts::of(&mut b.q, dkp * r, qk >= 2);
     let kb = Parts::of(&mut b.k, C * dkp, qk >= 3);
-    let vt = Parts::of(&mut b.vt, DV * SLOTS * C, pv >= 3);
-    let pp = Parts::of(&mut b.p, SLOTS * C * r, pv >= 2);
+    let vt = Parts::of(&mut b.vt, DV * C, pv >= 3);
+    let pp = Parts::of(&mut b.p, C * r, pv >= 2);
     grow(&mut b.ot, DV * r);
     let ot = b.ot.as_mut_ptr();
 
@@ -141,22 +119,12 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
 
     t.configure();
     let (k_base, v_base) = (pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs));
-    let pv_terms = &TERMS[..pv];
-    let mut kept = [Kept::default(); MAX_NT];
-    // The slot this step's V^T and P^T go to; a step that computes nothing takes none.
-    let mut slot = 0;
     for step in 0..steps {
         let c0 = step * C;
         let n = C.min(seq.lk - c0);
         let (lo_all, hi_all) = plan_step::<S>(pb, seq, subs, mrow, mt, step, c0, n);
         if lo_all >= hi_all {
             continue;
-        }
-        if slot == SLOTS {
-            for (sub, kt) in subs.iter().zip(kept.iter_mut()) {
-                output(t, sub, pv_terms, kt, vt, pp, ot, r, DV);
-            }
-            slot = 0;
         }
         // K in blocks of 16 rows (a score tile), V in chunks of 32 (a product's reduction).
         let k_src = k_base.add(c0 * pb.k_rs);
@@ -173,28 +141,16 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
             }
             transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st_b, r, c0);
         }
-        // This step's V^T and P^T in its slot: V^T's columns `slot * C ..`, P^T's pairs
-        // `slot * C / 2 ..`.
         let v_src = v_base.add(c0 * pb.v_rs);
-        let (vs, ps) = (vt.at(slot * C), pp.at(slot * C * r));
-        pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vs.hi, vs.lo, SLOTS * C);
-        for (sub, kt) in subs.iter().zip(kept.iter_mut()) {
+        pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
+        for sub in subs.iter() {
             if sub.lo >= sub.hi {
                 continue;
             }
-            softmax_pairs::<S>(st_b, m_b, l_b, ms_b, r, sub, ps);
-            if moved(ms_b, sub) {
-                // O^T whole (every kept step added) before it is rescaled.
-                output(t, sub, pv_terms, kt, vt, pp, ot, r, DV);
-                rescale::<S>(ot, ms_b, r, DV, sub);
-            }
-            kt.steps[kt.n] = (slot * C + (sub.lo & !31), slot * C + round_up(sub.hi, 32));
-            kt.n += 1;
+            softmax_pairs::<S>(st_b, m_b, l_b, ms_b, r, sub, pp);
+            rescale::<S>(ot, ms_b, r, DV, sub);
+            output(t, sub, &TERMS[..pv], vt, pp, ot, r, DV);
         }
-        slot += 1;
-    }
-    for (sub, kt) in subs.iter().zip(kept.iter_mut()) {
-        output(t, sub, pv_terms, kt, vt, pp, ot, r, DV);
     }
     t.release();
 
@@ -262,22 +218,20 @@ unsafe fn scores<T: TileUnit>(
     dkp: usize,
 ) {
     let (a, b) = (sub.lo & !15, round_up(sub.hi, 16));
-    let term = |x: usize| {
-        let (kl, ql) = terms[x.min(terms.len() - 1)];
-        Term {
-            a: Operand {
+    let operands = terms.map_pairs(|(kl, ql)| {
+        (
+            Operand {
                 base: k.part(kl).add(a * dkp * 2),
                 row_stride: dkp * 2,
                 chunk_step: 64,
                 block_step: 16 * dkp * 2,
             },
-            b: Operand { base: q.part(ql).add(sub.ib * 4), row_stride: r * 4, chunk_step: 16 * r * 4, block_step: 64 },
-            chunks: dkp / 32,
-        }
-    };
-    let all: [Term; 4] = std::array::from_fn(term);
+            Operand { base: q.part(ql).add(sub.ib * 4), row_stride: r * 4, chunk_step: 16 * r * 4, block_step: 64 },
+        )
+    });
     let p = Product {
-        terms: &all[..terms.len()],
+        terms: &operands[..terms.len()],
+        chunks: dkp / 32,
         m_blocks: (b - a) / 16,
         n_blocks: (sub.ie - sub.ib) / 16,
         c: Output { base: st.add(a * r + sub.ib) as *mut u8, row_stride: r * 4, m_step: 16 * r * 4, n_step: 64 },
@@ -286,53 +240,53 @@ unsafe fn scores<T: TileUnit>(
     gemm::run(t, &p);
 }
 
-/// `O^T += V^T . P^T` for tile `sub` over the steps it has kept (`kept`, emptied): its
-/// query rows, each step's columns of the buffers (its cache rows rounded out to chunks of
-/// 32, where P is zero on the rows added), per step the sum of `terms` of V's and P's parts,
-/// in the order a product per step would have summed them.
+/// `O^T += V^T . P^T` for tile `sub`: its query rows, cache rows `[lo, hi)` rounded out to
+/// chunks of 32 (P is zero on the rows added), the sum of `terms` of V's and P's parts.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn output<T: TileUnit>(
     t: &mut T,
     sub: &Sub,
     terms: &[(bool, bool)],
-    kept: &mut Kept,
     vt: Parts,
     p: Parts,
     ot: *mut f32,
     r: usize,
     dv: usize,
 ) {
-    let n = kept.n * terms.len();
-    if n == 0 {
-        return;
-    }
-    let vs = SLOTS * C;
-    let term = |x: usize| {
-        let x = x.min(n - 1);
-        let (a, b) = kept.steps[x / terms.len()];
-        let (vl, pl) = terms[x % terms.len()];
-        Term {
-            a: Operand { base: vt.part(vl).add(a * 2), row_stride: vs * 2, chunk_step: 64, block_step: 16 * vs * 2 },
-            b: Operand {
+    let (a, b) = (sub.lo & !31, round_up(sub.hi, 32));
+    let operands = terms.map_pairs(|(vl, pl)| {
+        (
+            Operand { base: vt.part(vl).add(a * 2), row_stride: C * 2, chunk_step: 64, block_step: 16 * C * 2 },
+            Operand {
                 base: p.part(pl).add(((a / 2) * r + sub.ib) * 4),
                 row_stride: r * 4,
                 chunk_step: 16 * r * 4,
                 block_step: 64,
             },
-            chunks: (b - a) / 32,
-        }
-    };
-    let all: [Term; SLOTS * 4] = std::array::from_fn(term);
+        )
+    });
     let prod = Product {
-        terms: &all[..n],
+        terms: &operands[..terms.len()],
+        chunks: (b - a) / 32,
         m_blocks: dv / 16,
         n_blocks: (sub.ie - sub.ib) / 16,
         c: Output { base: ot.add(sub.ib) as *mut u8, row_stride: r * 4, m_step: 16 * r * 4, n_step: 64 },
         accumulate: true,
     };
     gemm::run(t, &prod);
-    kept.n = 0;
+}
+
+/// Up to four terms mapped to their operands, in a fixed array (no allocation per step).
+trait MapPairs {
+    fn map_pairs(&self, f: impl Fn((bool, bool)) -> (Operand, Operand)) -> [(Operand, Operand); 4];
+}
+
+impl MapPairs for [(bool, bool)] {
+    fn map_pairs(&self, f: impl Fn((bool, bool)) -> (Operand, Operand)) -> [(Operand, Operand); 4] {
+        let first = f(self[0]);
+        std::array::from_fn(|i| if i < self.len() { f(self[i]) } else { first })
+    }
 }
 
 /// The step's softmax of tile `sub` (SPEC 2 as `softmax_step`: the lazy max, `S = S * ms +
@@ -385,16 +339,13 @@ unsafe fn softmax_pairs<S: Simd>(
     }
 }
 
-/// Whether some row of tile `sub` has its max moved this step (a rescale factor other than
-/// 1; with the lazy rescale most steps leave every factor at 1, and O as it is).
-#[inline(always)]
-unsafe fn moved(ms: *const f32, sub: &Sub) -> bool {
-    (sub.ib..sub.ie).any(|i| *ms.add(i) != 1.0)
-}
-
-/// `O^T[d][i] *= ms[i]` on tile `sub`'s rows.
+/// `O^T[d][i] *= ms[i]` on tile `sub`'s rows where some row's max moved this step (with
+/// the lazy rescale most steps leave every factor at 1, and O is left as it is).
 #[inline(always)]
 unsafe fn rescale<S: Simd>(ot: *mut f32, ms: *const f32, r: usize, dv: usize, sub: &Sub) {
+    if (sub.ib..sub.ie).all(|i| *ms.add(i) == 1.0) {
+        return;
+    }
     for i0 in (sub.ib..sub.ie).step_by(W) {
         let s = S::load(ms.add(i0));
         for d in 0..dv {

@@ -4,17 +4,16 @@
 //! - scores, transposed (`S^T = K . Q^T`, the FMA item's `[C][r]` layout): A = K's rows
 //!   `[C][dkp]` (as stored: no transpose), B = Q^T as VNNI pairs `[dkp/2][r][2]` (pairs of
 //!   head-dim columns), built once per item;
-//! - output, transposed (`O^T += V^T . P^T`): A = V^T, a step's `C` columns of rows that
-//!   hold several steps (pairs of cache rows made with `bf16_pairs`, then transposed as
-//!   32-bit words, per step), B = P^T as VNNI pairs `[C/2][r][2]` per step (pairs of cache
-//!   rows: two rows of the transposed scores, interleaved, made by the softmax that computes
-//!   them).
+//! - output, transposed (`O^T += V^T . P^T`): A = V^T `[DV][C]` (pairs of cache rows made
+//!   with `bf16_pairs`, then transposed as 32-bit words, per step), B = P^T as VNNI pairs
+//!   `[C/2][r][2]` (pairs of cache rows: two rows of the transposed scores, interleaved, made
+//!   by the softmax that computes them).
 //!
 //! `dkp` is DK rounded up to a tile's 32 columns (80 and 112 pad with zeros); rows past the
 //! cache's end are zeros (never the caller's memory, never NaN).
 
 use super::fma::load_kv;
-use super::Kv;
+use super::{Kv, C};
 use crate::backend::cpu::simd::{Simd, W};
 
 /// `x = hi + lo` exactly (both bfloat16) for half values: `hi` is x cut to bfloat16 (one
@@ -93,9 +92,8 @@ pub(super) unsafe fn pack_k<S: Simd, const DK: usize>(
     }
 }
 
-/// Rows `a..b` (multiples of 32) of a step's V (`src`, row stride `rs`; `n` rows exist, the
-/// rest are zeros) as A rows of V^T, `vs` elements apart: `hi[d * vs + j] = v[j][d]` (and
-/// `lo`, as [`parts`]). Per 32 rows and 16 columns:
+/// Rows `a..b` (multiples of 32) of a step's V (`src`, row stride `rs`; `n` rows exist) as
+/// A rows of V^T `[DV][C]`: `hi[d][j] = v[j][d]` (and `lo`, as [`parts`]). Per 32 rows and 16 columns:
 /// sixteen vectors of row pairs (lane d: rows 2k and 2k + 1 of column d), transposed as
 /// 32-bit words so that each becomes one tile row (column d, rows 2k0 .. 2k0 + 32).
 #[inline(always)]
@@ -109,7 +107,6 @@ pub(super) unsafe fn pack_vt<S: Simd, const DV: usize>(
     n: usize,
     hi: *mut u16,
     lo: *mut u16,
-    vs: usize,
 ) {
     let zero = S::splat(0.0);
     let row = |j: usize, d0: usize| if j < n { load_kv::<S>(src.add(j * rs), d0, kv) } else { zero };
@@ -126,12 +123,12 @@ pub(super) unsafe fn pack_vt<S: Simd, const DV: usize>(
             }
             S::transpose16(&mut ph);
             for (y, v) in ph.iter().enumerate() {
-                S::store(hi.add((d0 + y) * vs + 2 * k0) as *mut f32, *v);
+                S::store(hi.add((d0 + y) * C + 2 * k0) as *mut f32, *v);
             }
             if !lo.is_null() {
                 S::transpose16(&mut pl);
                 for (y, v) in pl.iter().enumerate() {
-                    S::store(lo.add((d0 + y) * vs + 2 * k0) as *mut f32, *v);
+                    S::store(lo.add((d0 + y) * C + 2 * k0) as *mut f32, *v);
                 }
             }
         }
@@ -154,7 +151,6 @@ pub(super) unsafe fn transpose_out<S: Simd, const DV: usize>(ot: *const f32, o: 
 
 #[cfg(test)]
 mod tests {
-    use super::super::C;
     use super::*;
     use crate::backend::cpu::simd::Portable;
 
@@ -283,38 +279,22 @@ mod tests {
         }
     }
 
-    /// V^T: `hi[d][j] + lo[d][j] = v[j][d]` for the rows packed, zero past the cache's end
-    /// (whatever lies there), into rows wider than a step (a later step's columns).
+    /// V^T: `hi[d][j] + lo[d][j] = v[j][d]` for the rows packed, zero past the cache's end.
     #[test]
     fn v_transposed_holds_v_exactly() {
         const DV: usize = 80;
-        let (rs, n, vs, at0) = (90, 45, 3 * C, C);
-        let src: Vec<u16> = (0..C * rs)
-            .map(|i| if i >= n * rs { 0x7e00 } else { half::f16::from_f32(half_value(i)).to_bits() })
-            .collect();
-        let mut hi = vec![0x7777u16; DV * vs];
-        let mut lo = vec![0x7777u16; DV * vs];
-        unsafe {
-            pack_vt::<Portable, DV>(
-                src.as_ptr(),
-                rs,
-                Kv::F16,
-                32,
-                64,
-                n,
-                hi.as_mut_ptr().add(at0),
-                lo.as_mut_ptr().add(at0),
-                vs,
-            )
-        };
+        let (rs, n) = (90, 45);
+        let src: Vec<u16> = (0..C * rs).map(|i| half::f16::from_f32(half_value(i)).to_bits()).collect();
+        let mut hi = vec![0x7777u16; DV * C];
+        let mut lo = vec![0x7777u16; DV * C];
+        unsafe { pack_vt::<Portable, DV>(src.as_ptr(), rs, Kv::F16, 32, 64, n, hi.as_mut_ptr(), lo.as_mut_ptr()) };
         for d in 0..DV {
-            for x in 0..vs {
-                let at = d * vs + x;
-                if !(at0 + 32..at0 + 64).contains(&x) {
-                    assert_eq!((hi[at], lo[at]), (0x7777, 0x7777), "column {x} outside a..b was written");
+            for j in 0..C {
+                let at = d * C + j;
+                if j < 32 {
+                    assert_eq!((hi[at], lo[at]), (0x7777, 0x7777), "row {j} outside a..b was written");
                     continue;
                 }
-                let j = x - at0;
                 let want = if j < n { half::f16::from_bits(src[j * rs + d]).to_f64() } else { 0.0 };
                 assert_eq!(bf(hi[at]) + bf(lo[at]), want, "V^T[{d}][{j}]");
             }
