@@ -31,6 +31,13 @@ HEAD_DIMS = [32, 40, 59, 64, 96, 111, 128, 160, 192, 224, 256]
 SEQLENS = [(1, 147), (113, 203), (128, 217), (108, 256), (256, 128), (239, 1), (64, 64), (113, 113)]
 DTYPES = [torch.float16, torch.bfloat16]
 MHA = {"mha": 6, "gqa": 2, "mqa": 1}  # kv heads of 6 query heads
+#: Where the output tests run: the CPU, and the GPU where there is one (the reference is
+#: computed on the CPU from the same values either way).
+DEVICES = ["cpu"] + (["cuda"] if "cuda" in mn.backends() and torch.cuda.is_available() else [])
+
+
+def _on(dev, *xs):
+    return tuple(x.to(dev) for x in xs)
 
 
 def _qkv(b, sq, sk, h, hk, d, dtype, seed=0):
@@ -52,11 +59,13 @@ def _check(q, k, v, out, **kw):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_flash_attn_output(seqlens, d, causal, dtype):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_flash_attn_output(seqlens, d, causal, dtype, dev):
     sq, sk = seqlens
     q, k, v = _qkv(2, sq, sk, 6, 2, d, dtype, seed=sq * 1000 + d)
-    out = fai.flash_attn_func(q, k, v, causal=causal)
-    assert out.shape == q.shape and out.dtype == dtype
+    out = fai.flash_attn_func(*_on(dev, q, k, v), causal=causal)
+    assert out.shape == q.shape and out.dtype == dtype and out.device.type == dev
+    out = out.cpu()
     _check(q, k, v, out, causal=causal)
 
 
@@ -65,7 +74,8 @@ def test_flash_attn_output(seqlens, d, causal, dtype):
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
 @pytest.mark.parametrize("d", [40, 64, 128])
 @pytest.mark.parametrize("seqlens", [(113, 203), (203, 113), (1, 64), (128, 128)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_flash_attn_mha_local_softcap(seqlens, d, softcap, local, mha_type):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_flash_attn_mha_local_softcap(seqlens, d, softcap, local, mha_type, dev):
     sq, sk = seqlens
     q, k, v = _qkv(3, sq, sk, 6, MHA[mha_type], d, torch.float16, seed=d + sq)
     # FlashAttention's local test draws a window at random; with causal the right side is 0,
@@ -73,7 +83,7 @@ def test_flash_attn_mha_local_softcap(seqlens, d, softcap, local, mha_type):
     g = torch.Generator().manual_seed(sk + d)
     window = tuple(int(x) for x in torch.randint(0, sk, (2,), generator=g)) if local else (-1, -1)
     causal = local or sq == sk
-    out = fai.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    out = fai.flash_attn_func(*_on(dev, q, k, v), causal=causal, window_size=window, softcap=softcap).cpu()
     _check(q, k, v, out, causal=causal, window_size=window, softcap=softcap)
 
 
@@ -147,7 +157,8 @@ def _cu(lengths):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [32, 59, 128, 256])
 @pytest.mark.parametrize("seqlens", [(1, 147), (113, 203), (256, 128), (108, 108)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_flash_attn_varlen_output(seqlens, d, causal, mha_type, dtype):
+@pytest.mark.parametrize("dev", DEVICES)
+def test_flash_attn_varlen_output(seqlens, d, causal, mha_type, dtype, dev):
     sq, sk = seqlens
     g = torch.Generator().manual_seed(sq + sk + d)
     lq, lk = _random_lengths(4, sq, g), _random_lengths(4, sk, g)
@@ -156,8 +167,11 @@ def test_flash_attn_varlen_output(seqlens, d, causal, mha_type, dtype):
     k = torch.randn(sum(lk), hk, d, generator=g).to(dtype)
     v = torch.randn(sum(lk), hk, d, generator=g).to(dtype)
     cq, ck = _cu(lq), _cu(lk)
-    out, lse, _ = fai.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=causal, return_attn_probs=True)
-    assert out.shape == q.shape and lse.shape == (h, sum(lq))
+    out, lse, _ = fai.flash_attn_varlen_func(
+        *_on(dev, q, k, v, cq, ck), max(lq), max(lk), causal=causal, return_attn_probs=True
+    )
+    assert out.shape == q.shape and lse.shape == (h, sum(lq)) and out.device.type == dev
+    out, lse = out.cpu(), lse.cpu()
     for b in range(4):
         a, e, ka, ke = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
         qs, ks, vs = q[a:e][None], k[ka:ke][None], v[ka:ke][None]
