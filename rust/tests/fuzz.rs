@@ -927,12 +927,18 @@ mod handles {
             Call::Dispatch(e, mk, b) => {
                 let (e, mk, b) = (m.pick(e), m.pick(mk), m.pick(b));
                 let handles_ok = m.is(e, is_enc) && m.is(mk, is_buf) && m.is(b, is_buf);
+                // A wrong dtype or size, or a buffer of another device: an invalid argument
+                // (asked only of live handles).
+                let wrong_buffer = || {
+                    !matches!(m.live[&mk], Kind::Mask(_))
+                        || !matches!(m.live[&b], Kind::Blk(_))
+                        || m.device_of(mk) != m.device_of(e)
+                        || m.device_of(b) != m.device_of(e)
+                };
                 let want = if !handles_ok {
                     INVALID_HANDLE
-                } else if !matches!(m.live[&mk], Kind::Mask(_)) || !matches!(m.live[&b], Kind::Blk(_)) {
-                    INVALID_ARGUMENT // dtype or size
-                } else if m.device_of(mk) != m.device_of(e) || m.device_of(b) != m.device_of(e) {
-                    INVALID_ARGUMENT // a buffer of another device
+                } else if wrong_buffer() {
+                    INVALID_ARGUMENT
                 } else {
                     OK
                 };

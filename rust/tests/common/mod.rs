@@ -73,6 +73,7 @@ impl Case {
     }
 
     /// Random data; `pad` extra elements in every stride (a strided view of a larger buffer).
+    #[allow(clippy::too_many_arguments)] // a case's extents, each named where a test builds one
     pub fn new(
         seed: u64,
         rows: usize,
