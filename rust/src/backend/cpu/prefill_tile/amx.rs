@@ -111,6 +111,14 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     let vt = Parts::of(&mut b.vt, DV * C, pv >= 3);
     let pp = Parts::of(&mut b.p, nt * C * ld, pv >= 2);
     let ot = aligned(&mut b.ot, nt * DV * ld);
+    // BF16 K whose low part no product reads (it is zero), in whole chunks of 32 columns:
+    // the packed copy of a row inside the cache would hold the row's own bits (rounding a
+    // bfloat16 to bfloat16 keeps it), so the score product reads those blocks in place
+    // where the cache's rows are contiguous (one KV head, or heads outermost), as the copy
+    // would be. Rows further apart stay packed: at 8 KV heads of 128 they are 2 KB apart,
+    // and a step's K would fall into 8 of L1's 64 sets (32 lines a set, the A tiles reloaded
+    // from L2 for every pair of query blocks), which the copy, contiguous, avoids.
+    let k_in_place = pb.kv == Kv::BF16 && qk <= 2 && DK.is_multiple_of(32) && pb.k_rs == DK;
 
     let mut subs = item_subs(pb, seq, grp);
     let subs = &mut subs[..nt];
@@ -129,17 +137,33 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         if lo_all >= hi_all {
             continue;
         }
-        // K in blocks of 16 rows (a score tile), V in chunks of 32 (a product's reduction).
+        // K in blocks of 16 rows (a score tile), V in chunks of 32 (a product's reduction):
+        // K's blocks `[ka, kin)` read in place where they can be (wholly before the cache's
+        // end: rows past it may hold anything, or be past the caller's memory), the others
+        // `[kin, kb_end)` packed.
         let k_src = k_base.add(c0 * pb.k_rs);
         let (ka, kb_end) = (lo_all & !15, round_up(hi_all, 16));
-        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, ka, kb_end, n, dkp, kb.hi, kb.lo);
-        let inf = q_inf || holds_inf(kb.hi.add(ka * dkp), (kb_end - ka) * dkp);
+        let kin = if k_in_place { (n & !15).clamp(ka, kb_end) } else { ka };
+        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, kin, kb_end, n, dkp, kb.hi, kb.lo);
+        // Only the split products need it (below).
+        let inf = qk > 1
+            && (q_inf
+                || (ka..kin).any(|j| holds_inf(k_src.add(j * pb.k_rs), DK))
+                || holds_inf(kb.hi.add(kin * dkp), (kb_end - kin) * dkp));
+        let k_cache = Parts { hi: k_src as *mut u16, lo: std::ptr::null_mut() };
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
             }
             let st = tile_view(st_b, k, per, ld, C, 1);
-            scores(t, sub, &TERMS[..qk], kb, qv.tile(k, per, ld, dkp / 2), st, ld, dkp);
+            let q = qv.tile(k, per, ld, dkp / 2);
+            let (a, b) = (sub.lo & !15, round_up(sub.hi, 16));
+            if a < kin {
+                scores(t, sub, &TERMS[..qk], k_cache, pb.k_rs, q, st, ld, dkp, a, b.min(kin));
+            }
+            if b > kin.max(a) {
+                scores(t, sub, &TERMS[..qk], kb, dkp, q, st, ld, dkp, a.max(kin), b);
+            }
             if inf && qk > 1 {
                 redo_nan_scores::<DK>(st, ld, sub, k_src, pb.k_rs, pb.kv, qt_b, r);
             }
@@ -211,9 +235,11 @@ fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
-/// `S^T` of tile `sub`: cache rows `[lo, hi)` rounded out to blocks of 16, its query rows,
-/// as the sum of `terms` of K's and Q's parts (`q`: the tile's view of Q^T pairs), into `st`
-/// (the tile's view of S^T); `ld`: the views' row length.
+/// `S^T` of tile `sub`: cache rows `[a, b)` (blocks of 16), its query rows, as the sum of
+/// `terms` of K's and Q's parts (`k`: K's row 0, rows `k_rs` elements apart; `q`: the tile's
+/// view of Q^T pairs), into `st` (the tile's view of S^T); `ld`: the views' row length.
+/// Each block of S^T is computed alone (`gemm::run`), so splitting a tile's rows in two
+/// products changes nothing in it.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn scores<T: TileUnit>(
@@ -221,19 +247,22 @@ unsafe fn scores<T: TileUnit>(
     sub: &Sub,
     terms: &[(bool, bool)],
     k: Parts,
+    k_rs: usize,
     q: Parts,
     st: *mut f32,
     ld: usize,
     dkp: usize,
+    a: usize,
+    b: usize,
 ) {
-    let (a, b) = (sub.lo & !15, round_up(sub.hi, 16));
     let operands = terms.map_pairs(|(kl, ql)| {
+        debug_assert!(!kl || !k.lo.is_null(), "a low part of K that is not there");
         (
             Operand {
-                base: k.part(kl).add(a * dkp * 2),
-                row_stride: dkp * 2,
+                base: k.part(kl).add(a * k_rs * 2),
+                row_stride: k_rs * 2,
                 chunk_step: 64,
-                block_step: 16 * dkp * 2,
+                block_step: 16 * k_rs * 2,
             },
             Operand { base: q.part(ql).add(sub.ib * 4), row_stride: ld * 4, chunk_step: 16 * ld * 4, block_step: 64 },
         )
