@@ -4,11 +4,12 @@
 //! in bfloat16 with f32 accumulation:
 //!
 //! - scores transposed, `S^T = K . Q^T` (16 cache rows x 16 query rows per tile), stored
-//!   into the FMA item's `[C][r]` layout, where the masks, transforms and softmax run across
-//!   lanes = query rows as before;
+//!   per query tile (`[tile][C][ld]`, see `amx_layout`), where the masks, transforms and
+//!   softmax run across lanes = query rows as in the FMA item's `[C][r]`;
 //! - the softmax writes P^T directly as the VNNI pairs the tiles read (two cache rows
 //!   interleaved), with p = 0 outside the rows the tile computes;
-//! - `O^T += V^T . P^T` on f32 tiles loaded from and stored to `O^T` (`[DV][r]`) each step,
+//! - `O^T += V^T . P^T` on f32 tiles loaded from and stored to `O^T` (per query tile
+//!   `[DV][ld]`) each step,
 //!   rescaled lazily in AVX-512 where a row's max moved; transposed to O at the end.
 //!
 //! K and V of a step are converted once (bfloat16 parts, V transposed) for every query head
@@ -17,7 +18,7 @@
 //! products, four each with F16 K/V and two with BF16; docs/spec.md ("The CPU on AMX tiles")
 //! has the measured errors of every choice.
 
-use super::amx_layout::{pack_k, pack_q, pack_vt, split, transpose_out};
+use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, split, tile_ld, tile_view, transpose_out};
 use super::io::{load_q, store_out};
 use super::softmax::step_max;
 use super::transforms::transform_scores;
@@ -26,25 +27,20 @@ use crate::backend::cpu::amx::gemm::{self, Operand, Output, Product};
 use crate::backend::cpu::amx::TileUnit;
 use crate::backend::cpu::simd::{Simd, W};
 
-/// The AMX item's bfloat16 operands (each a high part, then a low part where used).
+/// The AMX item's operands (the bfloat16 ones a high part, then a low part where used),
+/// each from a 64-byte boundary; per query tile (`[tile][..][ld]`) where indexed by query row.
 #[derive(Default)]
 pub(super) struct Buffers {
-    /// Q^T pairs, `[dkp/2][r][2]` per part.
+    /// Q^T pairs, `[tile][dkp/2][ld][2]` per part.
     q: Vec<u16>,
     /// K rows of a step, `[C][dkp]` per part.
     k: Vec<u16>,
     /// V^T of a step, `[DV][C]` per part.
     vt: Vec<u16>,
-    /// P^T pairs of a step, `[C/2][r][2]` per part.
+    /// P^T pairs of a step, `[tile][C/2][ld][2]` per part.
     p: Vec<u16>,
-    /// O^T, `[DV][r]` f32.
+    /// O^T, `[tile][DV][ld]` f32.
     ot: Vec<f32>,
-}
-
-fn grow16(v: &mut Vec<u16>, n: usize) {
-    if v.len() < n {
-        v.resize(n, 0);
-    }
 }
 
 /// The parts of one operand: `hi`, and `lo` or null when no product reads it.
@@ -55,12 +51,18 @@ struct Parts {
 }
 
 impl Parts {
-    /// Two parts of `len` elements each at the start of `v` (the second only if `lo`).
+    /// Two parts of `len` elements each (a multiple of 32: both on 64-byte boundaries) from
+    /// the first 64-byte boundary of `v` (the second only if `lo`).
     fn of(v: &mut Vec<u16>, len: usize, lo: bool) -> Parts {
-        grow16(v, if lo { 2 * len } else { len });
-        let hi = v.as_mut_ptr();
-        // SAFETY: the vector holds 2 * len elements when lo is asked for.
+        let hi = aligned(v, if lo { 2 * len } else { len });
+        // SAFETY: the vector holds 2 * len elements past hi when lo is asked for.
         Parts { hi, lo: if lo { unsafe { hi.add(len) } } else { std::ptr::null_mut() } }
+    }
+
+    /// Query tile `k`'s view of both parts of a per-tile buffer of pairs ([`tile_view`]).
+    unsafe fn tile(&self, k: usize, per: usize, ld: usize, rows: usize) -> Parts {
+        let lo = if self.lo.is_null() { self.lo } else { tile_view(self.lo, k, per, ld, rows, 2) };
+        Parts { hi: tile_view(self.hi, k, per, ld, rows, 2), lo }
     }
 
     fn part(&self, lo: bool) -> *const u8 {
@@ -86,36 +88,45 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     let (bq, nt) = (pb.bq, pb.nt);
     let per = bq * pb.group; // rows of one tile, a multiple of 16
     let r = per * nt;
+    let ld = tile_ld(per);
     let steps = seq.lk.div_ceil(C);
     let (qk, pv) = (pb.amx.qk as usize, pb.amx.pv as usize);
     grow(&mut sc.qt, DK * r);
     grow(&mut sc.o, r * DV);
-    grow(&mut sc.st, C * r);
     grow(&mut sc.mrow, bq * C);
     grow(&mut sc.mt, nt * C * bq);
     grow(&mut sc.m, r);
     grow(&mut sc.l, r);
     grow(&mut sc.ms, r);
-    let (qt_b, o_b, st_b) = (sc.qt.as_mut_ptr(), sc.o.as_mut_ptr(), sc.st.as_mut_ptr());
+    let (qt_b, o_b) = (sc.qt.as_mut_ptr(), sc.o.as_mut_ptr());
+    // S^T per query tile, `[tile][C][ld]`, in the FMA item's scores buffer.
+    let st_b = aligned(&mut sc.st, nt * C * ld);
     let (mrow, mt) = (sc.mrow.as_mut_ptr(), sc.mt.as_mut_ptr());
     let (m_b, l_b, ms_b) = (sc.m.as_mut_ptr(), sc.l.as_mut_ptr(), sc.ms.as_mut_ptr());
     let b = &mut sc.amx;
     // Which low parts a product reads: Q's from the second product on, K's from the third;
     // likewise P's and V's.
-    let qv = Parts::of(&mut b.q, dkp * r, qk >= 2);
+    let qv = Parts::of(&mut b.q, nt * dkp * ld, qk >= 2);
     let kb = Parts::of(&mut b.k, C * dkp, qk >= 3);
     let vt = Parts::of(&mut b.vt, DV * C, pv >= 3);
-    let pp = Parts::of(&mut b.p, C * r, pv >= 2);
-    grow(&mut b.ot, DV * r);
-    let ot = b.ot.as_mut_ptr();
+    let pp = Parts::of(&mut b.p, nt * C * ld, pv >= 2);
+    let ot = aligned(&mut b.ot, nt * DV * ld);
+    // BF16 K whose low part no product reads (it is zero), in whole chunks of 32 columns:
+    // the packed copy of a row inside the cache would hold the row's own bits (rounding a
+    // bfloat16 to bfloat16 keeps it), so the score product reads those blocks in place
+    // where the cache's rows are contiguous (one KV head, or heads outermost), as the copy
+    // would be. Rows further apart stay packed: at 8 KV heads of 128 they are 2 KB apart,
+    // and a step's K would fall into 8 of L1's 64 sets (32 lines a set, the A tiles reloaded
+    // from L2 for every pair of query blocks), which the copy, contiguous, avoids.
+    let k_in_place = pb.kv == Kv::BF16 && qk <= 2 && DK.is_multiple_of(32) && pb.k_rs == DK;
 
     let mut subs = item_subs(pb, seq, grp);
     let subs = &mut subs[..nt];
     load_q::<S, DK>(pb, seq, g, subs, qt_b, r);
-    pack_q::<S>(qt_b, DK, dkp, r, qv.hi, qv.lo);
-    let q_inf = holds_inf(qv.hi, dkp * r);
+    pack_q::<S>(qt_b, DK, dkp, r, per, ld, qv.hi, qv.lo);
+    let q_inf = holds_inf(qv.hi, nt * dkp * ld);
     start_rows(m_b, l_b, r);
-    std::ptr::write_bytes(ot, 0, DV * r);
+    std::ptr::write_bytes(ot, 0, nt * DV * ld);
 
     t.configure();
     let (k_base, v_base) = (pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs));
@@ -126,35 +137,54 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         if lo_all >= hi_all {
             continue;
         }
-        // K in blocks of 16 rows (a score tile), V in chunks of 32 (a product's reduction).
+        // K in blocks of 16 rows (a score tile), V in chunks of 32 (a product's reduction):
+        // K's blocks `[ka, kin)` read in place where they can be (wholly before the cache's
+        // end: rows past it may hold anything, or be past the caller's memory), the others
+        // `[kin, kb_end)` packed.
         let k_src = k_base.add(c0 * pb.k_rs);
         let (ka, kb_end) = (lo_all & !15, round_up(hi_all, 16));
-        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, ka, kb_end, n, dkp, kb.hi, kb.lo);
-        let inf = q_inf || holds_inf(kb.hi.add(ka * dkp), (kb_end - ka) * dkp);
+        let kin = if k_in_place { (n & !15).clamp(ka, kb_end) } else { ka };
+        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, kin, kb_end, n, dkp, kb.hi, kb.lo);
+        // Only the split products need it (below).
+        let inf = qk > 1
+            && (q_inf
+                || (ka..kin).any(|j| holds_inf(k_src.add(j * pb.k_rs), DK))
+                || holds_inf(kb.hi.add(kin * dkp), (kb_end - kin) * dkp));
+        let k_cache = Parts { hi: k_src as *mut u16, lo: std::ptr::null_mut() };
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
             }
-            scores(t, sub, &TERMS[..qk], kb, qv, st_b, r, dkp);
-            if inf && qk > 1 {
-                redo_nan_scores::<DK>(st_b, r, sub, k_src, pb.k_rs, pb.kv, qt_b);
+            let st = tile_view(st_b, k, per, ld, C, 1);
+            let q = qv.tile(k, per, ld, dkp / 2);
+            let (a, b) = (sub.lo & !15, round_up(sub.hi, 16));
+            if a < kin {
+                scores(t, sub, &TERMS[..qk], k_cache, pb.k_rs, q, st, ld, dkp, a, b.min(kin));
             }
-            transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st_b, r, c0);
+            if b > kin.max(a) {
+                scores(t, sub, &TERMS[..qk], kb, dkp, q, st, ld, dkp, a.max(kin), b);
+            }
+            if inf && qk > 1 {
+                redo_nan_scores::<DK>(st, ld, sub, k_src, pb.k_rs, pb.kv, qt_b, r);
+            }
+            transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st, ld, c0);
         }
         let v_src = v_base.add(c0 * pb.v_rs);
         pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
-        for sub in subs.iter() {
+        for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
             }
-            softmax_pairs::<S>(st_b, m_b, l_b, ms_b, r, sub, pp);
-            rescale::<S>(ot, ms_b, r, DV, sub);
-            output(t, sub, &TERMS[..pv], vt, pp, ot, r, DV);
+            let (st, ot) = (tile_view(st_b, k, per, ld, C, 1), tile_view(ot, k, per, ld, DV, 1));
+            let p = pp.tile(k, per, ld, C / 2);
+            softmax_pairs::<S>(st, m_b, l_b, ms_b, ld, sub, p);
+            rescale::<S>(ot, ms_b, ld, DV, sub);
+            output(t, sub, &TERMS[..pv], vt, p, ot, ld, DV);
         }
     }
     t.release();
 
-    transpose_out::<S, DV>(ot, o_b, r);
+    transpose_out::<S, DV>(ot, o_b, r, per, ld);
     store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b);
 }
 
@@ -167,20 +197,22 @@ unsafe fn holds_inf(p: *const u16, n: usize) -> bool {
 /// (the low part of most values is 0), a NaN where SPEC's f32 product has +-inf (a score of
 /// -inf masks its cache row). Such scores are computed again as one f32 dot product of the
 /// operands; a non-finite sum does not depend on the order of its terms, and a finite one
-/// never came out NaN. Rare (infinite inputs only), so plain scalar code.
+/// never came out NaN. Rare (infinite inputs only), so plain scalar code. `st`: tile `sub`'s
+/// view of S^T (row stride `ld`); `qt`: Q^T `[DK][r]`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn redo_nan_scores<const DK: usize>(
     st: *mut f32,
-    r: usize,
+    ld: usize,
     sub: &Sub,
     k: *const u16,
     k_rs: usize,
     kv: Kv,
     qt: *const f32,
+    r: usize,
 ) {
     for j in sub.lo..sub.hi {
         for i in sub.ib..sub.ie {
-            let s = st.add(j * r + i);
+            let s = st.add(j * ld + i);
             if !(*s).is_nan() {
                 continue;
             }
@@ -203,8 +235,11 @@ fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
-/// `S^T` of tile `sub`: cache rows `[lo, hi)` rounded out to blocks of 16, its query rows,
-/// as the sum of `terms` of K's and Q's parts, into `st` (`[C][r]`).
+/// `S^T` of tile `sub`: cache rows `[a, b)` (blocks of 16), its query rows, as the sum of
+/// `terms` of K's and Q's parts (`k`: K's row 0, rows `k_rs` elements apart; `q`: the tile's
+/// view of Q^T pairs), into `st` (the tile's view of S^T); `ld`: the views' row length.
+/// Each block of S^T is computed alone (`gemm::run`), so splitting a tile's rows in two
+/// products changes nothing in it.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn scores<T: TileUnit>(
@@ -212,21 +247,24 @@ unsafe fn scores<T: TileUnit>(
     sub: &Sub,
     terms: &[(bool, bool)],
     k: Parts,
+    k_rs: usize,
     q: Parts,
     st: *mut f32,
-    r: usize,
+    ld: usize,
     dkp: usize,
+    a: usize,
+    b: usize,
 ) {
-    let (a, b) = (sub.lo & !15, round_up(sub.hi, 16));
     let operands = terms.map_pairs(|(kl, ql)| {
+        debug_assert!(!kl || !k.lo.is_null(), "a low part of K that is not there");
         (
             Operand {
-                base: k.part(kl).add(a * dkp * 2),
-                row_stride: dkp * 2,
+                base: k.part(kl).add(a * k_rs * 2),
+                row_stride: k_rs * 2,
                 chunk_step: 64,
-                block_step: 16 * dkp * 2,
+                block_step: 16 * k_rs * 2,
             },
-            Operand { base: q.part(ql).add(sub.ib * 4), row_stride: r * 4, chunk_step: 16 * r * 4, block_step: 64 },
+            Operand { base: q.part(ql).add(sub.ib * 4), row_stride: ld * 4, chunk_step: 16 * ld * 4, block_step: 64 },
         )
     });
     let p = Product {
@@ -234,14 +272,15 @@ unsafe fn scores<T: TileUnit>(
         chunks: dkp / 32,
         m_blocks: (b - a) / 16,
         n_blocks: (sub.ie - sub.ib) / 16,
-        c: Output { base: st.add(a * r + sub.ib) as *mut u8, row_stride: r * 4, m_step: 16 * r * 4, n_step: 64 },
+        c: Output { base: st.add(a * ld + sub.ib) as *mut u8, row_stride: ld * 4, m_step: 16 * ld * 4, n_step: 64 },
         accumulate: false,
     };
     gemm::run(t, &p);
 }
 
 /// `O^T += V^T . P^T` for tile `sub`: its query rows, cache rows `[lo, hi)` rounded out to
-/// chunks of 32 (P is zero on the rows added), the sum of `terms` of V's and P's parts.
+/// chunks of 32 (P is zero on the rows added), the sum of `terms` of V's and P's parts (`p`
+/// and `ot`: the tile's views, row length `ld`).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn output<T: TileUnit>(
@@ -251,7 +290,7 @@ unsafe fn output<T: TileUnit>(
     vt: Parts,
     p: Parts,
     ot: *mut f32,
-    r: usize,
+    ld: usize,
     dv: usize,
 ) {
     let (a, b) = (sub.lo & !31, round_up(sub.hi, 32));
@@ -259,9 +298,9 @@ unsafe fn output<T: TileUnit>(
         (
             Operand { base: vt.part(vl).add(a * 2), row_stride: C * 2, chunk_step: 64, block_step: 16 * C * 2 },
             Operand {
-                base: p.part(pl).add(((a / 2) * r + sub.ib) * 4),
-                row_stride: r * 4,
-                chunk_step: 16 * r * 4,
+                base: p.part(pl).add(((a / 2) * ld + sub.ib) * 4),
+                row_stride: ld * 4,
+                chunk_step: 16 * ld * 4,
                 block_step: 64,
             },
         )
@@ -271,7 +310,7 @@ unsafe fn output<T: TileUnit>(
         chunks: (b - a) / 32,
         m_blocks: dv / 16,
         n_blocks: (sub.ie - sub.ib) / 16,
-        c: Output { base: ot.add(sub.ib) as *mut u8, row_stride: r * 4, m_step: 16 * r * 4, n_step: 64 },
+        c: Output { base: ot.add(sub.ib) as *mut u8, row_stride: ld * 4, m_step: 16 * ld * 4, n_step: 64 },
         accumulate: true,
     };
     gemm::run(t, &prod);
@@ -292,7 +331,8 @@ impl MapPairs for [(bool, bool)] {
 /// The step's softmax of tile `sub` (SPEC 2 as `softmax_step`: the lazy max, `S = S * ms +
 /// sum p`), writing P^T as VNNI pairs for cache rows `[lo, hi)` rounded out to chunks of 32,
 /// p = 0 on the rows added. With a low part (`p.lo`), P is SPEC's half, stored as its two
-/// bfloat16 parts; without, P is rounded to bfloat16 and the sum is of those values.
+/// bfloat16 parts; without, P is rounded to bfloat16 and the sum is of those values. `st`
+/// and `p` are the tile's views, row length `ld`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn softmax_pairs<S: Simd>(
@@ -300,7 +340,7 @@ unsafe fn softmax_pairs<S: Simd>(
     m: *mut f32,
     l: *mut f32,
     ms: *mut f32,
-    r: usize,
+    ld: usize,
     sub: &Sub,
     p: Parts,
 ) {
@@ -308,14 +348,14 @@ unsafe fn softmax_pairs<S: Simd>(
     let zero = S::splat(0.0);
     let split_p = !p.lo.is_null();
     for i0 in (sub.ib..sub.ie).step_by(W) {
-        let (m_new, scale) = step_max::<S>(st, m, ms, r, i0, sub.lo, sub.hi);
+        let (m_new, scale) = step_max::<S>(st, m, ms, ld, i0, sub.lo, sub.hi);
         let mut sum = zero;
         for k in a / 2..b / 2 {
             let j = 2 * k;
             // lo and hi are multiples of 4: both rows of a pair are in, or both out.
             let (p0, p1) = if j >= sub.lo && j < sub.hi {
-                let e0 = S::exp(S::sub(S::load(st.add(j * r + i0)), m_new));
-                let e1 = S::exp(S::sub(S::load(st.add((j + 1) * r + i0)), m_new));
+                let e0 = S::exp(S::sub(S::load(st.add(j * ld + i0)), m_new));
+                let e1 = S::exp(S::sub(S::load(st.add((j + 1) * ld + i0)), m_new));
                 if split_p {
                     (S::round_half(e0), S::round_half(e1))
                 } else {
@@ -325,7 +365,7 @@ unsafe fn softmax_pairs<S: Simd>(
                 (zero, zero)
             };
             sum = S::add(S::add(sum, p0), p1);
-            let at = (k * r + i0) * 2;
+            let at = (k * ld + i0) * 2;
             if split_p {
                 // The pairs keep each lane's top half: the high parts of the split.
                 let ((_, l0), (_, l1)) = (split::<S>(p0), split::<S>(p1));
@@ -340,16 +380,17 @@ unsafe fn softmax_pairs<S: Simd>(
 }
 
 /// `O^T[d][i] *= ms[i]` on tile `sub`'s rows where some row's max moved this step (with
-/// the lazy rescale most steps leave every factor at 1, and O is left as it is).
+/// the lazy rescale most steps leave every factor at 1, and O is left as it is); `ot` the
+/// tile's view, row length `ld`.
 #[inline(always)]
-unsafe fn rescale<S: Simd>(ot: *mut f32, ms: *const f32, r: usize, dv: usize, sub: &Sub) {
+unsafe fn rescale<S: Simd>(ot: *mut f32, ms: *const f32, ld: usize, dv: usize, sub: &Sub) {
     if (sub.ib..sub.ie).all(|i| *ms.add(i) == 1.0) {
         return;
     }
     for i0 in (sub.ib..sub.ie).step_by(W) {
         let s = S::load(ms.add(i0));
         for d in 0..dv {
-            let at = ot.add(d * r + i0);
+            let at = ot.add(d * ld + i0);
             S::store(at, S::mul(S::load(at), s));
         }
     }

@@ -1,13 +1,22 @@
 //! The AMX item's operands in the tiles' layouts, each as a bfloat16 high part and, where
 //! the products use it, a low part (`x = hi + lo` exactly, see `cpu::amx`):
 //!
-//! - scores, transposed (`S^T = K . Q^T`, the FMA item's `[C][r]` layout): A = K's rows
-//!   `[C][dkp]` (as stored: no transpose), B = Q^T as VNNI pairs `[dkp/2][r][2]` (pairs of
-//!   head-dim columns), built once per item;
+//! - scores, transposed (`S^T = K . Q^T`): A = K's rows `[C][dkp]` (as stored: no
+//!   transpose), B = Q^T as VNNI pairs (pairs of head-dim columns), built once per item;
 //! - output, transposed (`O^T += V^T . P^T`): A = V^T `[DV][C]` (pairs of cache rows made
 //!   with `bf16_pairs`, then transposed as 32-bit words, per step), B = P^T as VNNI pairs
-//!   `[C/2][r][2]` (pairs of cache rows: two rows of the transposed scores, interleaved, made
-//!   by the softmax that computes them).
+//!   (pairs of cache rows: two rows of the transposed scores, interleaved, made by the
+//!   softmax that computes them).
+//!
+//! What is indexed by query row (Q^T pairs, S^T, P^T pairs, O^T) is kept per query tile:
+//! `[tile][rows][ld]` ([`tile_ld`]: the tile's `per` query rows and a cache line of
+//! padding), so that a tile product reads one query tile's block as one contiguous span
+//! with a row stride of its own width, never a stride of all the item's rows (at `r = 512`
+//! rows a tile's 16 rows were 2 KB apart: the same few sets of L1, which evicted one
+//! another). [`tile_view`] addresses a tile's block with the item's row index, so the step
+//! plan, masks, transforms and softmax run on it with row stride `ld` as they ran on
+//! `[rows][r]`. The buffers start on 64-byte boundaries ([`aligned`]) and `ld` is a multiple
+//! of 16: every tile row is one cache line.
 //!
 //! `dkp` is DK rounded up to a tile's 32 columns (80 and 112 pad with zeros); rows past the
 //! cache's end are zeros (never the caller's memory, never NaN).
@@ -15,6 +24,38 @@
 use super::fma::load_kv;
 use super::{Kv, C};
 use crate::backend::cpu::simd::{Simd, W};
+
+/// The row length (elements per row, per unit of `width`) of a query tile's block in the
+/// per-tile layouts: its `per` query rows and 16 more, so that at the usual widths (per a
+/// multiple of 32) consecutive rows of a block start an odd number of cache lines apart and
+/// a tile's 16 rows, and a block's column over all its rows, spread over every set of L1.
+/// The padding is never read by a product nor by the softmax.
+pub(super) fn tile_ld(per: usize) -> usize {
+    per + 16
+}
+
+/// Query tile `k`'s block of a per-tile buffer (`[tile][rows][ld]`, `width` elements per
+/// entry: 1 for f32, 2 for a bfloat16 pair), as the pointer the item's query row index
+/// addresses: entry (j, i) of the tile's rows `k * per <= i < (k + 1) * per` lies at
+/// `view + (j * ld + i) * width`. The view is the block's start less `k * per` entries:
+/// inside the buffer (at or after its start) since `rows * ld >= per`.
+#[inline(always)]
+pub(super) unsafe fn tile_view<E>(buf: *mut E, k: usize, per: usize, ld: usize, rows: usize, width: usize) -> *mut E {
+    buf.add(k * (rows * ld - per) * width)
+}
+
+/// The first 64-byte boundary in `v`, grown so that `n` elements follow it: tile rows then
+/// lie in one cache line each (the allocator aligns to 16 bytes only).
+pub(super) fn aligned<E: Copy + Default>(v: &mut Vec<E>, n: usize) -> *mut E {
+    let extra = 64 / std::mem::size_of::<E>();
+    if v.len() < n + extra {
+        v.resize(n + extra, E::default());
+    }
+    let p = v.as_mut_ptr();
+    let skip = (64 - p as usize % 64) % 64 / std::mem::size_of::<E>();
+    // SAFETY: skip < extra, so the vector holds skip + n elements.
+    unsafe { p.add(skip) }
+}
 
 /// `x = hi + lo` exactly (both bfloat16) for half values: `hi` is x cut to bfloat16 (one
 /// AND; any exact split serves when both parts are multiplied), `lo` the remainder, of at
@@ -41,23 +82,45 @@ pub(super) unsafe fn parts<S: Simd>(x: S::V, both: bool) -> (S::V, S::V) {
     }
 }
 
-/// Q^T (`qt`, f32 `[dk][r]`, half values) as B pairs: `hi[k][i] = (q[2k][i], q[2k+1][i])`
-/// (and `lo` likewise, when given: then `hi + lo` is Q exactly, else `hi` is Q rounded);
-/// pairs past `dk` zero.
+/// Q^T (`qt`, f32 `[dk][r]`, half values; `r` = the item's rows, tiles of `per`) as B
+/// pairs in the per-tile layout (`[tile][dkp/2][ld]` pairs, [`tile_view`]): `hi[k][i] =
+/// (q[2k][i], q[2k+1][i])` (and `lo` likewise, when given: then `hi + lo` is Q exactly, else
+/// `hi` is Q rounded); pairs past `dk` zero, and the padding zero.
 #[inline(always)]
-pub(super) unsafe fn pack_q<S: Simd>(qt: *const f32, dk: usize, dkp: usize, r: usize, hi: *mut u16, lo: *mut u16) {
-    for k in 0..dkp / 2 {
-        for i0 in (0..r).step_by(W) {
-            let (x, y) = if 2 * k < dk {
-                (S::load(qt.add(2 * k * r + i0)), S::load(qt.add((2 * k + 1) * r + i0)))
-            } else {
-                (S::splat(0.0), S::splat(0.0))
-            };
-            let both = !lo.is_null();
-            let ((xh, xl), (yh, yl)) = (parts::<S>(x, both), parts::<S>(y, both));
-            S::store_bf16_pairs(hi.add((k * r + i0) * 2), xh, yh);
-            if !lo.is_null() {
-                S::store_bf16_pairs(lo.add((k * r + i0) * 2), xl, yl);
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn pack_q<S: Simd>(
+    qt: *const f32,
+    dk: usize,
+    dkp: usize,
+    r: usize,
+    per: usize,
+    ld: usize,
+    hi: *mut u16,
+    lo: *mut u16,
+) {
+    let both = !lo.is_null();
+    for t in 0..r / per {
+        let vh = tile_view(hi, t, per, ld, dkp / 2, 2);
+        let vl = if both { tile_view(lo, t, per, ld, dkp / 2, 2) } else { lo };
+        for k in 0..dkp / 2 {
+            for i0 in (t * per..(t + 1) * per).step_by(W) {
+                let (x, y) = if 2 * k < dk {
+                    (S::load(qt.add(2 * k * r + i0)), S::load(qt.add((2 * k + 1) * r + i0)))
+                } else {
+                    (S::splat(0.0), S::splat(0.0))
+                };
+                let ((xh, xl), (yh, yl)) = (parts::<S>(x, both), parts::<S>(y, both));
+                S::store_bf16_pairs(vh.add((k * ld + i0) * 2), xh, yh);
+                if both {
+                    S::store_bf16_pairs(vl.add((k * ld + i0) * 2), xl, yl);
+                }
+            }
+            let pad = (k * ld + (t + 1) * per) * 2..(k * ld + t * per + ld) * 2;
+            for at in pad {
+                *vh.add(at) = 0;
+                if both {
+                    *vl.add(at) = 0;
+                }
             }
         }
     }
@@ -135,12 +198,20 @@ pub(super) unsafe fn pack_vt<S: Simd, const DV: usize>(
     }
 }
 
-/// O^T (`ot`, f32 `[DV][r]`) into O (`o`, `[r][DV]`), by 16 x 16 blocks.
+/// O^T (`ot`, f32, per tile `[DV][ld]`: [`tile_view`]) into O (`o`, `[r][DV]`), by 16 x 16
+/// blocks.
 #[inline(always)]
-pub(super) unsafe fn transpose_out<S: Simd, const DV: usize>(ot: *const f32, o: *mut f32, r: usize) {
-    for d0 in (0..DV).step_by(W) {
-        for i0 in (0..r).step_by(W) {
-            let mut v: [S::V; W] = std::array::from_fn(|y| S::load(ot.add((d0 + y) * r + i0)));
+pub(super) unsafe fn transpose_out<S: Simd, const DV: usize>(
+    ot: *mut f32,
+    o: *mut f32,
+    r: usize,
+    per: usize,
+    ld: usize,
+) {
+    for i0 in (0..r).step_by(W) {
+        let view = tile_view(ot, i0 / per, per, ld, DV, 1);
+        for d0 in (0..DV).step_by(W) {
+            let mut v: [S::V; W] = std::array::from_fn(|y| S::load(view.add((d0 + y) * ld + i0)));
             S::transpose16(&mut v);
             for (x, row) in v.iter().enumerate() {
                 S::store(o.add((i0 + x) * DV + d0), *row);
@@ -192,31 +263,47 @@ mod tests {
         }
     }
 
-    /// Q^T pairs: `hi[k][i] + lo[k][i]` is the pair `(q[2k][i], q[2k+1][i])` exactly; padded
-    /// head-dim pairs are zero.
+    /// Q^T pairs, per query tile: `hi[k][i] + lo[k][i]` is the pair `(q[2k][i], q[2k+1][i])`
+    /// exactly at `tile_view`'s place for row i's tile; padded head-dim pairs and the padding
+    /// past each tile's rows are zero.
     #[test]
     fn q_pairs_hold_q_exactly_in_two_parts() {
-        let (dk, dkp, r) = (80, 96, 32);
+        let (dk, dkp, per, nt) = (80, 96, 32, 3);
+        let (r, ld) = (per * nt, tile_ld(per));
+        let len = nt * dkp * ld;
         let qt: Vec<f32> = (0..dk * r).map(half_value).collect();
-        let mut hi = vec![0xffffu16; dkp * r];
-        let mut lo = vec![0xffffu16; dkp * r];
-        unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, hi.as_mut_ptr(), lo.as_mut_ptr()) };
-        for k in 0..dkp / 2 {
-            for i in 0..r {
-                for e in 0..2 {
-                    let at = (k * r + i) * 2 + e;
-                    let want = if 2 * k + e < dk { qt[(2 * k + e) * r + i] as f64 } else { 0.0 };
-                    assert_eq!(bf(hi[at]) + bf(lo[at]), want, "pair {k} row {i} half {e}");
+        let mut hi = vec![0xffffu16; len];
+        let mut lo = vec![0xffffu16; len];
+        let (h, l) = (hi.as_mut_ptr(), lo.as_mut_ptr());
+        unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, per, ld, h, l) };
+        let at = |t: usize, k: usize, i: usize, e: usize| {
+            // The entry's offset in the buffer, through the tile's view.
+            let view = unsafe { tile_view(h, t, per, ld, dkp / 2, 2) };
+            unsafe { view.add((k * ld + i) * 2 + e).offset_from(h) as usize }
+        };
+        let mut seen = vec![false; len];
+        for t in 0..nt {
+            for k in 0..dkp / 2 {
+                for i in t * per..t * per + ld {
+                    for e in 0..2 {
+                        let x = at(t, k, i, e);
+                        assert!(x < len && !seen[x], "tile {t} pair {k} row {i} half {e}: offset {x} reused");
+                        seen[x] = true;
+                        let want =
+                            if i < (t + 1) * per && 2 * k + e < dk { qt[(2 * k + e) * r + i] as f64 } else { 0.0 };
+                        assert_eq!(bf(hi[x]) + bf(lo[x]), want, "tile {t} pair {k} row {i} half {e}");
+                    }
                 }
             }
         }
+        assert!(seen.iter().all(|&s| s), "every entry of the buffer is written");
         // Without a low part, Q rounded to the nearest bfloat16.
-        let mut near = vec![0u16; dkp * r];
-        unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, near.as_mut_ptr(), std::ptr::null_mut()) };
+        let mut near = vec![0u16; len];
+        unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, per, ld, near.as_mut_ptr(), std::ptr::null_mut()) };
         for k in 0..dk / 2 {
             for i in 0..r {
                 let want = half::bf16::from_f32(qt[2 * k * r + i]).to_bits();
-                assert_eq!(near[(k * r + i) * 2], want, "pair {k} row {i} rounded");
+                assert_eq!(near[at(i / per, k, i, 0)], want, "pair {k} row {i} rounded");
             }
         }
     }
@@ -301,16 +388,21 @@ mod tests {
         }
     }
 
+    /// O^T per query tile (`[tile][DV][ld]`, through `tile_view`) back to O `[r][DV]`.
     #[test]
     fn the_output_transposes_back() {
         const DV: usize = 48;
-        let r = 32;
-        let ot: Vec<f32> = (0..DV * r).map(|i| i as f32).collect();
+        let (per, nt) = (32, 2);
+        let (r, ld) = (per * nt, tile_ld(per));
+        let mut ot: Vec<f32> = (0..nt * DV * ld).map(|i| i as f32).collect();
         let mut o = vec![0f32; r * DV];
-        unsafe { transpose_out::<Portable, DV>(ot.as_ptr(), o.as_mut_ptr(), r) };
+        let b = ot.as_mut_ptr();
+        unsafe { transpose_out::<Portable, DV>(b, o.as_mut_ptr(), r, per, ld) };
         for i in 0..r {
             for d in 0..DV {
-                assert_eq!(o[i * DV + d], ot[d * r + i]);
+                let x = unsafe { tile_view(b, i / per, per, ld, DV, 1).add(d * ld + i).offset_from(b) as usize };
+                assert_eq!(o[i * DV + d], ot[x], "O[{i}][{d}]");
+                assert_eq!(x, (i / per) * DV * ld + d * ld + i % per, "the tile's block, row d");
             }
         }
     }
