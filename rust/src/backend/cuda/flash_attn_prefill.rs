@@ -313,8 +313,9 @@ fn out_aligned(p: &FlashAttnPrefillParamsGpu, out: u64) -> bool {
 /// The launch of one attention at head dims `dims` (Q/K, V/O) with the params block `p` (the
 /// front door's, or the origin's turned into it); `variants`: the CTA-pair forms may be
 /// chosen (Hopper). In the portable form, softcap or ALiBi (max_bias or given slopes)
-/// launch the form with the score transforms (the kernel's first portable variant). `workspace` (address, bytes): where
-/// the shape splits its walks ([`kv_split`]), the parts go there and a merge follows.
+/// launch the form with the score transforms (the kernel's first portable variant).
+/// `workspace` (address, bytes): where the shape splits its walks ([`kv_split`]), the parts
+/// go there and a merge follows.
 pub fn attention_launch(
     pc: &PrepareContext<'_>,
     name: &str,
