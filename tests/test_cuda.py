@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mlx_native as mx
-from mlx_native.reference import nmse, peer_mask, random_qkv, reference_attention
+from mlx_native.reference import nmse, peer_mask, random_qkv, reference_attention, reference_prefill
 
 from helpers import import_test_extra, make_case, run_low_level
 
@@ -210,6 +210,154 @@ def test_tiled_pair_forms_match_the_reference_and_the_layout_changes_no_bit(rng,
     # form (it does where a cluster cannot be placed), and nothing above tested the pipeline.
     assert not np.array_equal(single.view(np.uint32), pair.view(np.uint32)), "the tiled pipeline did not run"
     assert _row_nmse(pair, single).max() < 1e-5
+
+
+# Issue 28 on every CUDA form: two-sided windows (FlashAttention's window_size without
+# causal: p - left <= j <= p + right, -1 unbounded) and ALiBi slopes given as data
+# (-slope * |p - j|), at every head dim with F16 and BF16 K/V, in the one-CTA forms ("0"),
+# the CTA pairs where they fit ("1": head pairs, else query pairs; at head dims 64 and 128 the
+# tiled pipeline, at 256 the warp-specialised pipeline) and query pairs ("queries"), against
+# the float64 reference. Variable-length batches run the one-CTA forms whatever the setting.
+# (tests/test_front_door_windows_alibi.py runs the same features on every backend;
+# tests/test_cuda_split_kv.py under a split.)
+ISSUE28_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
+# (left, right): both sides, the query alone, no left side, no right side, right 0 without
+# causal, left 0, wider than a 128-row tile, past every sequence (dense).
+TWO_SIDED = [(5, 3), (0, 0), (-1, 2), (7, -1), (9, 0), (0, 9), (100, 37), (600, 500)]
+
+
+def _bf16():
+    from mlx_native.dtypes import bfloat16_dtype
+
+    return bfloat16_dtype()
+
+
+def _issue28_check(out, lse, ref, ref_lse, bf16):
+    """Output and lse against the reference (BF16 K/V round Q and P to bfloat16: looser
+    bars), lse -inf exactly where a row sees nothing, and such a row +0.0."""
+    out = np.asarray(out, np.float32)
+    err = nmse(out, ref)
+    assert err < (5e-5 if bf16 else 1e-5), f"NMSE {err:.2e}"
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    assert np.abs(lse[fin] - ref_lse[fin]).max(initial=0) < (2e-2 if bf16 else 2e-3)
+    dead = np.isneginf(ref_lse)
+    if dead.any():
+        rows = np.moveaxis(out, -2, -3)[dead]
+        assert np.all(rows == 0) and not np.signbit(rows).any()
+
+
+@needs_gpu
+@pytest.mark.parametrize("pair", ["0", "1", "queries"])
+@pytest.mark.parametrize("dk,dv", ISSUE28_DIMS, ids=[f"d{a}" if a == b else f"d{a}_{b}" for a, b in ISSUE28_DIMS])
+def test_two_sided_windows_on_every_form(rng, dk, dv, pair):
+    dev = mx.Device("cuda")
+    b, rows, kv, nh, nkv = 2, 150, 230, 8, 2
+    try:
+        mx.force_cuda_pair(pair)
+        for kv_dtype in (np.float16, _bf16()):
+            bf16 = kv_dtype != np.float16
+            q = rng.uniform(-1, 1, (b, rows, nh, dk)).astype(np.float32)
+            k = rng.uniform(-1, 1, (b, kv, nkv, dk)).astype(kv_dtype)
+            v = rng.uniform(-1, 1, (b, kv, nkv, dv)).astype(kv_dtype)
+            scale = 1 / np.sqrt(dk)
+            for window in TWO_SIDED:
+                out, lse = mx.flash_attn_prefill(q, k, v, window=window, return_lse=True, device=dev)
+                ref, ref_lse = reference_prefill(q, k, v, window=window, scale=scale)
+                _issue28_check(out, lse, ref, ref_lse, bf16)
+            # A chunk of the prompt (an offset: row r at r + 40 of the cache), and an explicit
+            # mask with its tile table beside a two-sided window.
+            out, lse = mx.flash_attn_prefill(q, k, v, window=(30, 20), offset=40, return_lse=True, device=dev)
+            ref, ref_lse = reference_prefill(q, k, v, window=(30, 20), offset=40, scale=scale)
+            _issue28_check(out, lse, ref, ref_lse, bf16)
+            mask = np.where(rng.random((b, rows, kv)) < 0.2, -np.inf, rng.uniform(-2, 1, (b, rows, kv)))
+            mask = mask.astype(np.float16)
+            mask[:, :, 64:128] = -np.inf  # a skipped column of tiles
+            mask[:, :, 128:192] = 0  # tiles of zeros (the table's 2)
+            out, lse = mx.flash_attn_prefill(q, k, v, mask, window=(60, 45), return_lse=True, device=dev)
+            ref, ref_lse = reference_prefill(q, k, v, mask, window=(60, 45), scale=scale)
+            _issue28_check(out, lse, ref, ref_lse, bf16)
+            # Variable length (the one-CTA forms): an empty sequence, a cache shorter than
+            # its prompt.
+            cq = np.array([0, 70, 70, 200, 300], np.int32)
+            ck = np.array([0, 150, 180, 240, 460], np.int32)
+            qv, kvv, vv = q.reshape(-1, nh, dk), k.reshape(-1, nkv, dk), v.reshape(-1, nkv, dv)
+            for window in ((3, 80), (-1, 0), (45, -1)):
+                kw = dict(window=window, cu_seqlens_q=cq, cu_seqlens_k=ck)
+                out, lse = mx.flash_attn_prefill(qv, kvv, vv, return_lse=True, device=dev, **kw)
+                ref, ref_lse = reference_prefill(qv, kvv, vv, scale=scale, **kw)
+                _issue28_check(out, lse, ref, ref_lse, bf16)
+    finally:
+        mx.force_cuda_pair(None)
+
+
+@needs_gpu
+@pytest.mark.parametrize("pair", ["0", "1", "queries"])
+@pytest.mark.parametrize("dk,dv", ISSUE28_DIMS, ids=[f"d{a}" if a == b else f"d{a}_{b}" for a, b in ISSUE28_DIMS])
+def test_alibi_slopes_on_every_form(rng, dk, dv, pair):
+    dev = mx.Device("cuda")
+    b, rows, kv, nh, nkv = 2, 130, 200, 8, 2
+    try:
+        mx.force_cuda_pair(pair)
+        for kv_dtype in (np.float16, _bf16()):
+            bf16 = kv_dtype != np.float16
+            q = rng.uniform(-1, 1, (b, rows, nh, dk)).astype(np.float32)
+            k = rng.uniform(-1, 1, (b, kv, nkv, dk)).astype(kv_dtype)
+            v = rng.uniform(-1, 1, (b, kv, nkv, dv)).astype(kv_dtype)
+            scale = 1 / np.sqrt(dk)
+            mask = np.where(rng.random((b, rows, kv)) < 0.2, -np.inf, rng.uniform(-2, 1, (b, rows, kv)))
+            mask = mask.astype(np.float16)
+            mask[:, :, 64:128] = -np.inf
+            for shape in ((nh,), (b, nh)):
+                slopes = rng.uniform(0.01, 0.4, shape).astype(np.float32)
+                for kw in (
+                    dict(),  # dense: the bias on both sides of the query
+                    dict(causal=True),
+                    dict(window=(40, 25)),
+                    dict(causal=True, window=50, softcap=3.0),  # after softcap
+                    dict(mask=mask),  # beside an explicit mask (added unscaled)
+                    dict(mask=mask, window=(70, 10)),
+                ):
+                    kw = dict(kw, alibi_slopes=slopes)
+                    m = kw.pop("mask", None)
+                    out, lse = mx.flash_attn_prefill(q, k, v, m, return_lse=True, device=dev, **kw)
+                    ref, ref_lse = reference_prefill(q, k, v, m, scale=scale, **kw)
+                    _issue28_check(out, lse, ref, ref_lse, bf16)
+            # Variable length: each sequence its row of [batch, heads] slopes.
+            cq = np.array([0, 60, 60, 260], np.int32)
+            ck = np.array([0, 90, 100, 400], np.int32)
+            slopes = rng.uniform(0.05, 0.5, (3, nh)).astype(np.float32)
+            qv, kvv, vv = q.reshape(-1, nh, dk), k.reshape(-1, nkv, dk), v.reshape(-1, nkv, dv)
+            for kw in (dict(causal=True), dict(window=(12, 30))):
+                kw = dict(kw, cu_seqlens_q=cq, cu_seqlens_k=ck, alibi_slopes=slopes)
+                out, lse = mx.flash_attn_prefill(qv, kvv, vv, return_lse=True, device=dev, **kw)
+                ref, ref_lse = reference_prefill(qv, kvv, vv, scale=scale, **kw)
+                _issue28_check(out, lse, ref, ref_lse, bf16)
+    finally:
+        mx.force_cuda_pair(None)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dk", [64, 128, 256])
+def test_a_causal_band_written_two_sided_changes_no_bit(rng, dk):
+    # window=(w - 1, 0) without causal is causal's window=w: the same sides in the launch
+    # block, the same walk, the same bits, in the pair forms and the one-CTA forms alike.
+    dev = mx.Device("cuda")
+    q = rng.uniform(-1, 1, (2, 300, 8, dk)).astype(np.float32)
+    k = rng.uniform(-1, 1, (2, 300, 2, dk)).astype(np.float16)
+    v = rng.uniform(-1, 1, (2, 300, 2, dk)).astype(np.float16)
+    try:
+        for pair in ("0", "1"):
+            mx.force_cuda_pair(pair)
+            for w in (1, 70, 1000):
+                a = mx.flash_attn_prefill(q, k, v, causal=True, window=w, device=dev)
+                b = mx.flash_attn_prefill(q, k, v, window=(w - 1, 0), device=dev)
+                assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (pair, w)
+            a = mx.flash_attn_prefill(q, k, v, causal=True, device=dev)
+            b = mx.flash_attn_prefill(q, k, v, window=(-1, 0), device=dev)
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), pair
+    finally:
+        mx.force_cuda_pair(None)
 
 
 @needs_gpu

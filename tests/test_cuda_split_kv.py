@@ -1,13 +1,14 @@
 """Split-KV on CUDA: a few query rows against a long cache leave most of the GPU idle, so the
 kernel cuts each CTA's walk over the cache into parts that run side by side, and a second
 kernel merges them (SPEC 8, sinks included). Each part is checked against the float64
-reference on every feature: head dims, GQA, causal, window, offset, explicit masks that
-vary row by row (fully masked rows: +0 bit for bit), batches, variable length, lse, sinks,
-softcap, ALiBi, output dtypes, bfloat16 K/V, and the bit identity of a computed and an
-all-ones tile table. ``test_every_case_with_the_split_forced`` runs this file again with
-every prefill split into 2, 4 and 16 parts (``MLX_NATIVE_CUDA_KV_SPLITS``), empty parts
-included. On a machine without a CUDA GPU the tests are skipped (CI), and the Rust suite
-checks the split's plan (``kv_split``'s unit tests)."""
+reference on every feature: head dims, GQA, causal, windows (two-sided too), offset,
+explicit masks that vary row by row (fully masked rows: +0 bit for bit), batches, variable
+length, lse, sinks, softcap, ALiBi (max_bias and given slopes), output dtypes, bfloat16
+K/V, and the bit identity of a computed and an all-ones tile table.
+``test_every_case_with_the_split_forced`` runs this file again with every prefill split into
+2, 4 and 16 parts (``MLX_NATIVE_CUDA_KV_SPLITS``), empty parts included. On a machine
+without a CUDA GPU the tests are skipped (CI), and the Rust suite checks the split's plan
+(``kv_split``'s unit tests)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,28 @@ def test_windows_offsets_and_score_transforms_under_a_split(rng, dim):
         _splits(plan)
         ref, ref_lse = reference_prefill(q, k, v, causal=True, **{a: b for a, b in kw.items() if a != "causal"})
         _check(out, lse, ref, ref_lse)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_two_sided_windows_and_alibi_slopes_under_a_split(rng, dim):
+    # Issue 28: FlashAttention's window_size without causal, and ALiBi slopes given as data,
+    # over walks of at least 32 steps (each splits by itself).
+    q, k, v = _qkv(rng, 70, 5000, 8, 2, dim, dim)
+    slopes = rng.uniform(0.001, 0.02, 8).astype(np.float32)
+    for kw in (
+        dict(window=(2500, 1000), offset=2200),  # both sides inside the cache
+        dict(window=(-1, 600), offset=2000),  # no left side: from the cache's start
+        dict(window=(3000, -1)),  # no right side
+        dict(window=(2600, 0)),  # right side 0 without causal
+        dict(causal=True, alibi_slopes=slopes),
+        dict(window=(2000, 900), offset=1500, alibi_slopes=slopes),
+    ):
+        kw = dict(scale=0.25, **kw)
+        plan = mn.PrefillPlan(q, k, v, device="cuda", return_lse=True, **kw)
+        _splits(plan)
+        out, lse = plan.run(q, k, v, alibi_slopes=kw.get("alibi_slopes"))
+        _check(np.asarray(out, np.float32), np.asarray(lse), *reference_prefill(q, k, v, **kw))
 
 
 @needs_gpu

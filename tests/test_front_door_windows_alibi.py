@@ -1,9 +1,12 @@
-"""Issue 28's kernel features against the float64 reference on every backend present:
-two-sided windows (FlashAttention's ``window_size=(left, right)``, causal or not), ALiBi
-slopes given as data (``alibi_slopes`` ``[H]`` or ``[B, H]``: ``-slope * |p - j|``) and
-float32 K/V (read natively by the CPU; converted to float16 on the device elsewhere, so the
-reference there takes the half-rounded K/V). Fixed and variable length, GQA, partial tiles,
-rows that see nothing (+0.0 and lse -inf), lse; and the mistakes, each a typed error."""
+"""Issue 28's kernel features against the float64 reference on every backend present (the
+CPU, CUDA and Metal kernels all compute them): two-sided windows (FlashAttention's
+``window_size=(left, right)``, causal or not), ALiBi slopes given as data (``alibi_slopes``
+``[H]`` or ``[B, H]``: ``-slope * |p - j|``) and float32 K/V (read natively by the CPU;
+converted to float16 on the device elsewhere, so the reference there takes the half-rounded
+K/V). Fixed and variable length, GQA, partial tiles, explicit masks with their tile tables
+beside the description, offsets (chunked prefill), rows that see nothing (+0.0 and lse
+-inf), lse; and the mistakes, each a typed error. (tests/test_cuda.py runs the CUDA forms
+one by one at every head dim; tests/test_cuda_split_kv.py under a split.)"""
 
 from __future__ import annotations
 
@@ -38,31 +41,16 @@ def _check(out, lse, ref, ref_lse):
         assert np.all(rows == 0) and not np.signbit(rows).any()
 
 
-def _not_on_cuda_yet(device, causal=True, window=None, slopes=None) -> bool:
-    """The CUDA kernels do not implement a window without causal or ALiBi slopes yet: there
-    the call must be a typed error that says so (and this test fails once they do, to be
-    turned into the comparison). True when the case was that refusal."""
-    if device.backend != "cuda":
-        return False
-    two_sided = isinstance(window, tuple) and not causal and window != (-1, -1)
-    if not two_sided and slopes is None:
-        return False
-    q = np.zeros((8, 2, 64), np.float32)
-    kv = np.zeros((8, 1, 64), np.float16)
-    kw = dict(causal=causal, window=window, device=device)
-    if slopes is not None:
-        kw["alibi_slopes"] = np.zeros((2,), np.float32)
-    with pytest.raises(mn.InvalidArgumentError, match="not yet implemented by the CUDA kernels"):
-        mn.flash_attn_prefill(q, kv, kv, **kw)
-    return True
-
-
 WINDOWS = [
     ((5, 3), False),  # two-sided, both bounded
     ((0, 0), False),  # only the query's own position
     ((-1, 2), False),  # unbounded left, a few rows to the right
     ((7, -1), False),  # unbounded right
     ((40, 70), False),  # wider than a tile on both sides
+    ((0, 6), False),  # no left side: the query's own position and 6 to its right
+    ((9, 0), False),  # right side 0 without causal (causal's band, cache shorter than the prompt too)
+    ((2, 400), False),  # a right side past every cache
+    ((500, 300), False),  # both sides past the sequence: dense
     ((-1, -1), False),  # no window at all (dense)
     ((3, 9), True),  # causal caps the right side at 0
     ((-1, 5), True),  # plain causal
@@ -83,8 +71,6 @@ WINDOWS = [
 def test_windows_match_the_reference(device, rng, window, causal, b, rows, kv, nh, nkv, hd):
     if causal and kv < rows:
         pytest.skip("causal needs the cache at least as long as the prompt")
-    if _not_on_cuda_yet(device, causal, window):
-        return
     lead = () if b is None else (b,)
     q, k, v = _qkv(rng, lead + (rows, nh, hd), lead + (kv, nkv, hd))
     out, lse = mn.flash_attn_prefill(q, k, v, causal=causal, window=window, return_lse=True, device=device)
@@ -106,8 +92,6 @@ def test_the_reference_window_is_flash_attentions(rng):
 
 @pytest.mark.parametrize("window", [(3, 2), (-1, 0), (10, -1)])
 def test_windows_with_variable_length(device, rng, window):
-    if _not_on_cuda_yet(device, False, window):
-        return
     cq = np.array([0, 17, 17, 90, 130], np.int32)  # an empty sequence, a cache shorter than its prompt
     ck = np.array([0, 40, 52, 60, 200], np.int32)
     q, k, v = _qkv(rng, (130, 4, 64), (200, 2, 64))
@@ -119,8 +103,6 @@ def test_windows_with_variable_length(device, rng, window):
 
 
 def test_a_window_equal_to_the_causal_shorthand_changes_no_bit(device, rng):
-    if _not_on_cuda_yet(device, False, (15, 0)):
-        return
     q, k, v = _qkv(rng, (70, 4, 128), (130, 2, 128))
     a = mn.flash_attn_prefill(q, k, v, causal=True, window=16, device=device)
     b = mn.flash_attn_prefill(q, k, v, causal=True, window=(15, 4), device=device)
@@ -129,13 +111,61 @@ def test_a_window_equal_to_the_causal_shorthand_changes_no_bit(device, rng):
 
 
 def test_an_offset_places_a_two_sided_window(device, rng):
-    if _not_on_cuda_yet(device, False, (6, 9)):
-        return
     q, k, v = _qkv(rng, (40, 2, 64), (150, 1, 64))
     out, lse = mn.flash_attn_prefill(q, k, v, window=(6, 9), offset=-10, return_lse=True, device=device)
     ref, ref_lse = reference_prefill(q, k, v, window=(6, 9), offset=-10, scale=1 / 8)
     _check(out, lse, ref, ref_lse)
     assert np.isneginf(lse).any(), "the first rows see nothing"
+
+
+@pytest.mark.parametrize("window", [(20, 15), (0, 40), (64, 0), (-1, 3)])
+def test_a_chunk_of_the_prompt_with_a_two_sided_window(device, rng, window):
+    # Chunked prefill: 48 query rows placed at 130 of a cache of 300 (both sides inside it),
+    # at 290 (the right side reaches past the cache's end) and at -20 (the first rows see
+    # nothing on the left).
+    q, k, v = _qkv(rng, (48, 4, 128), (300, 2, 128))
+    for offset in (130, 290, -20):
+        out, lse = mn.flash_attn_prefill(q, k, v, window=window, offset=offset, return_lse=True, device=device)
+        ref, ref_lse = reference_prefill(q, k, v, window=window, offset=offset, scale=128**-0.5)
+        _check(out, lse, ref, ref_lse)
+
+
+def _explicit_mask(rng, b, rows, kv):
+    """An additive float16 mask that varies row by row, with whole 64-column tiles at -inf
+    (skipped by the table), tiles of zeros (the table's 2) and a row that sees nothing."""
+    m = np.where(rng.random((b, rows, kv)) < 0.15, -np.inf, rng.uniform(-2, 1, (b, rows, kv))).astype(np.float16)
+    m[:, :, 64:128] = -np.inf
+    m[:, :, 192:256] = 0
+    m[:, 3] = -np.inf
+    return m
+
+
+@pytest.mark.parametrize("window,causal", [((5, 3), False), ((0, 0), False), ((30, -1), False), ((-1, 70), False),
+                                           ((100, 9), True)])  # fmt: skip
+@pytest.mark.parametrize("hd", [64, 256])
+def test_two_sided_windows_with_an_explicit_mask(device, rng, window, causal, hd):
+    # The described mask's band and the explicit mask's tile table together: a tile is
+    # computed where both let it, the mask added on the band's pairs only.
+    b, rows, kv = 2, 90, 300
+    q, k, v = _qkv(rng, (b, rows, 4, hd), (b, kv, 2, hd))
+    mask = _explicit_mask(rng, b, rows, kv)
+    kw = dict(causal=causal, window=window)
+    out, lse = mn.flash_attn_prefill(q, k, v, mask, return_lse=True, device=device, **kw)
+    ref, ref_lse = reference_prefill(q, k, v, mask, scale=1 / np.sqrt(hd), **kw)
+    _check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (20, 7)), (True, 64)])
+def test_alibi_slopes_with_an_explicit_mask(device, rng, causal, window):
+    # Given slopes beside an explicit mask: the mask added unscaled, -slope * |p - j| as well.
+    b, rows, kv, nh = 2, 70, 260, 4
+    q, k, v = _qkv(rng, (b, rows, nh, 64), (b, kv, 2, 64))
+    mask = _explicit_mask(rng, b, rows, kv)
+    slopes = rng.uniform(0.01, 0.3, (b, nh)).astype(np.float32)
+    kw = dict(causal=causal, window=window, alibi_slopes=slopes)
+    out, lse = mn.flash_attn_prefill(q, k, v, mask, return_lse=True, device=device, **kw)
+    ref, ref_lse = reference_prefill(q, k, v, mask, scale=1 / 8, **kw)
+    _check(out, lse, ref, ref_lse)
 
 
 def test_the_plan_counts_two_sided_pairs(rng):
@@ -148,8 +178,6 @@ def test_the_plan_counts_two_sided_pairs(rng):
 @pytest.mark.parametrize("shape", ["h", "bh"])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (9, 4)), (True, 12)])
 def test_alibi_slopes_match_the_reference(device, rng, shape, causal, window):
-    if _not_on_cuda_yet(device, causal, window, slopes=True):
-        return
     b, nh = 2, 4
     q, k, v = _qkv(rng, (b, 50, nh, 64), (b, 90, 2, 64))
     slopes = rng.uniform(0.01, 0.5, (nh,) if shape == "h" else (b, nh)).astype(np.float32)
@@ -163,8 +191,6 @@ def test_alibi_slopes_match_the_reference(device, rng, shape, causal, window):
 
 
 def test_alibi_slopes_with_variable_length_take_each_sequences_row(device, rng):
-    if _not_on_cuda_yet(device, slopes=True):
-        return
     cq = np.array([0, 30, 30, 75], np.int32)
     ck = np.array([0, 50, 60, 140], np.int32)
     q, k, v = _qkv(rng, (75, 4, 64), (140, 4, 64))
@@ -179,8 +205,6 @@ def test_alibi_slopes_with_variable_length_take_each_sequences_row(device, rng):
 
 
 def test_alibi_slopes_with_causal_equal_max_bias_s_on_the_description(device, rng):
-    if _not_on_cuda_yet(device, slopes=True):
-        return
     # max_bias without a mask adds slope * (j - p) on a causal description: the same as
     # alibi_slopes = those slopes (-slope * |p - j| with j <= p), bit for bit.
     from mlx_native.reference import alibi_slopes
@@ -221,8 +245,6 @@ def test_float32_kv_on_the_cpu_are_read_unrounded(rng):
 
 
 def test_float32_kv_with_windows_slopes_and_varlen(device, rng):
-    if _not_on_cuda_yet(device, False, (8, 3), slopes=True):
-        return
     cq = np.array([0, 20, 64], np.int32)
     ck = np.array([0, 70, 100], np.int32)
     q, k, v = _qkv(rng, (64, 4, 128), (100, 2, 128), kv_dtype=np.float32)

@@ -17,10 +17,9 @@ What maps how (FlashAttention's name -> ours):
 - ``window_size=(left, right)``, -1 unbounded: query at cache position ``p`` sees ``j`` with
   ``p - left <= j <= p + right``. ``(left, 0)`` (or any with ``causal``) is our
   ``window=left + 1`` (``(-1, 0)``: causal); a two-sided window is passed on as
-  ``window=(left, right)`` (the CPU and Metal kernels; CUDA refuses it with a typed error
-  for now).
+  ``window=(left, right)`` (the CPU, CUDA and Metal kernels).
 - ``softcap`` -> ``softcap``; ``alibi_slopes`` (float32 ``[heads]`` or ``[batch, heads]``)
-  -> ``alibi_slopes`` (likewise CPU and Metal for now).
+  -> ``alibi_slopes`` (likewise every kernel).
 - ``return_attn_probs=True`` -> ``(out, softmax_lse, None)``: lse float32 ``[batch, heads,
   seqlen_q]`` (varlen ``[heads, total_q]``); the probabilities themselves are not returned
   (FlashAttention returns them only with dropout, for its tests).

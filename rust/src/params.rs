@@ -282,22 +282,6 @@ impl FlashAttnPrefillParamsGpu {
     }
 }
 
-impl FlashAttnPrefillParamsGpu {
-    /// What of this block a backend whose kernels predate two-sided windows and ALiBi slopes
-    /// as data cannot compute (a window without causal, a right bound, given slopes), named
-    /// for its error; `None` when it can. Such a backend refuses the dispatch rather than
-    /// compute another mask.
-    pub fn needs_two_sided_or_slopes(&self) -> Option<&'static str> {
-        if self.flags & PREFILL_ALIBI_SLOPES != 0 {
-            Some("alibi_slopes")
-        } else if self.flags & PREFILL_WINDOW_RIGHT != 0 || (self.window > 0 && self.flags & PREFILL_CAUSAL == 0) {
-            Some("a window without causal")
-        } else {
-            None
-        }
-    }
-}
-
 /// [`FlashAttnPrefillParamsGpu::alibi_slope`] from its three numbers.
 pub fn alibi_slope(max_bias: f32, n_heads: i32, h: i32) -> f32 {
     if max_bias <= 0.0 || n_heads <= 0 {

@@ -44,15 +44,31 @@ __device__ __forceinline__ Seq sequence(const Params& p, const int* __restrict__
 __device__ __forceinline__ int cta_sequence(const Launch& L) { return (int)(blockIdx.z >> L.kv_split_log2); }
 __device__ __forceinline__ int cta_part(const Launch& L) { return (int)(blockIdx.z & ((1u << L.kv_split_log2) - 1u)); }
 
-// The sequence of this CTA, its out and lse moved to its part of a split launch's
-// workspace.
-__device__ __forceinline__ Seq cta_seq(const Params& p, const Launch& L, const int* __restrict__ cu_q,
-                                       const int* __restrict__ cu_k) {
-    Seq s = sequence(p, cu_q, cu_k, cta_sequence(L));
-    const int part = cta_part(L);
+// The sequence of the CTA at grid z `z`, its out and lse moved to its part of a split
+// launch's workspace.
+__device__ __forceinline__ Seq cta_seq_at(const Params& p, const Launch& L, const int* __restrict__ cu_q,
+                                          const int* __restrict__ cu_k, u32 z) {
+    Seq s = sequence(p, cu_q, cu_k, (int)(z >> L.kv_split_log2));
+    const int part = (int)(z & ((1u << L.kv_split_log2) - 1u));
     s.o += (i64)part * L.o_split_stride;
     s.lse += (i64)part * L.lse_split_stride;
     return s;
+}
+
+// The sequence of this CTA (cta_seq_at).
+__device__ __forceinline__ Seq cta_seq(const Params& p, const Launch& L, const int* __restrict__ cu_q,
+                                       const int* __restrict__ cu_k) {
+    return cta_seq_at(p, L, cu_q, cu_k, blockIdx.z);
+}
+
+// The same, from grid z read again by an asm the compiler does not merge with earlier
+// reads: an epilogue that takes its out and lse offsets from it keeps no register for them
+// through the walk (where the consumers have none to spare, ptxas spilled them).
+__device__ __forceinline__ Seq cta_seq_again(const Params& p, const Launch& L, const int* __restrict__ cu_q,
+                                             const int* __restrict__ cu_k) {
+    u32 z;
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    return cta_seq_at(p, L, cu_q, cu_k, z);
 }
 
 // A split launch's share of the steps [lo, hi] (non-empty or not): part `part` of the
@@ -67,49 +83,61 @@ __device__ __forceinline__ void narrow_to_part(int log2, int part, int& lo, int&
     hi = min(hi, lo + share - 1);
 }
 
-// Where the sequence's query rows sit in its cache: row r at r + offset (SPEC 6: the prompt
-// is the cache's end, offset = lk - lq, unless the block gives one).
-__device__ __forceinline__ int query_offset(const Params& p, int lq, int lk) {
-    return (p.flags & PREFILL_OFFSET) ? p.offset : lk - lq;
+// The described mask (SPEC 6) as the kernels read it. Query row r sits at r + offset of
+// its cache (the prompt is the cache's end, offset = lk - lq, unless the block gives one)
+// and sees cache row j iff j < lk and, with a right bound (causal, or a two-sided window's
+// window_right), j <= r + offset + right, and with a window (its left side),
+// j > r + offset + right - left. The host folds both sides into the launch block
+// (FLAG_RIGHT_BOUND; Launch::window_right, 0 for causal or none; Launch::window_left =
+// window + right, 0 for none; a side that binds no row is left out), so the kernels keep
+// one offset, `off` = offset + right (the right edge of row 0's visible range), and each
+// bound is that offset and a launch constant, as causal's was.
+
+// The sequence's `off`: the right edge of row 0's visible range (see above).
+__device__ __forceinline__ int query_offset(const Params& p, const Launch& L, int lq, int lk) {
+    return ((p.flags & PREFILL_OFFSET) ? p.offset : lk - lq) + L.window_right;
 }
 
-// Whether query row r may see cache row j (SPEC 6), with the sequence's offset.
-__device__ __forceinline__ bool visible(const Params& p, int lk, int off, int r, int j) {
+// Whether query row r may see cache row j (SPEC 6), with the sequence's `off`.
+__device__ __forceinline__ bool visible(const Params& p, const Launch& L, int lk, int off, int r, int j) {
     if (j >= lk) return false;
-    if ((p.flags & PREFILL_CAUSAL) && j > r + off) return false;
-    if (p.window && j <= r + off - p.window) return false;
+    if ((L.flags & FLAG_RIGHT_BOUND) && j > r + off) return false;
+    if (L.window_left && j <= r + off - L.window_left) return false;
     return true;
 }
 
 // The cache rows query row r may see: [lo, hi] (SPEC 6; empty when lo > hi).
-__device__ __forceinline__ void visible_range(const Params& p, int lk, int off, int r, int& lo, int& hi) {
-    hi = (p.flags & PREFILL_CAUSAL) ? min(lk - 1, r + off) : lk - 1;
-    lo = p.window ? r + off - p.window + 1 : 0;
+__device__ __forceinline__ void visible_range(const Params& p, const Launch& L, int lk, int off, int r, int& lo,
+                                              int& hi) {
+    hi = (L.flags & FLAG_RIGHT_BOUND) ? min(lk - 1, r + off) : lk - 1;
+    lo = L.window_left ? r + off - L.window_left + 1 : 0;
 }
 
 // The description's class of query rows [ra, rb) (non-empty, below lq) and step t (below
 // the cache's steps): 0 no pair visible, 2 every pair visible and the step whole, 1 else.
-__device__ __forceinline__ int described_class(const Params& p, int lk, int off, int ra, int rb, int t) {
+__device__ __forceinline__ int described_class(const Params& p, const Launch& L, int lk, int off, int ra, int rb,
+                                               int t) {
     const int c0 = t * STEP, c1 = min(c0 + STEP, lk);
-    const bool causal = (p.flags & PREFILL_CAUSAL) != 0;
-    if (causal && c0 > rb - 1 + off) return 0;
-    if (p.window && c1 - 1 <= ra + off - p.window) return 0;
+    const bool right = (L.flags & FLAG_RIGHT_BOUND) != 0;
+    if (right && c0 > rb - 1 + off) return 0;
+    if (L.window_left && c1 - 1 <= ra + off - L.window_left) return 0;
     bool full = c0 + STEP <= lk;
-    if (causal && c1 - 1 > ra + off) full = false;
-    if (p.window && c0 <= rb - 1 + off - p.window) full = false;
+    if (right && c1 - 1 > ra + off) full = false;
+    if (L.window_left && c0 <= rb - 1 + off - L.window_left) full = false;
     return full ? 2 : 1;
 }
 
 // The steps query rows [ra, rb) (non-empty, below lq) can see: [lo, hi], empty if lo > hi.
-__device__ __forceinline__ void visible_steps(const Params& p, int lk, int off, int ra, int rb, int& lo, int& hi) {
+__device__ __forceinline__ void visible_steps(const Params& p, const Launch& L, int lk, int off, int ra, int rb,
+                                              int& lo, int& hi) {
     lo = 0;
     hi = (lk + STEP - 1) / STEP - 1;
-    if (p.flags & PREFILL_CAUSAL) {
+    if (L.flags & FLAG_RIGHT_BOUND) {
         const int last = rb - 1 + off;
         hi = last < 0 ? -1 : min(hi, last / STEP);
     }
-    if (p.window) {
-        const int first = ra + off - p.window + 1;
+    if (L.window_left) {
+        const int first = ra + off - L.window_left + 1;
         if (first > 0) lo = first / STEP;
     }
 }

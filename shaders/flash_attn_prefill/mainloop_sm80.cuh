@@ -66,7 +66,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int rg = warp / C::G, wg = warp % C::G;
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
     const Seq sq = cta_seq(p, L, cu_q, cu_k);  // split-KV: this part's out and lse
-    const int lq = sq.lq, lk = sq.lk, off = query_offset(p, lq, lk);
+    const int lq = sq.lq, lk = sq.lk, off = query_offset(p, L, lq, lk);
     const int qt = (lq + qpc - 1) / qpc - 1 - (int)blockIdx.x;  // longest causal rows first
     if (qt < 0) return;  // a shorter sequence than the longest: no rows here (the whole CTA)
     if (tid == 0) {
@@ -104,7 +104,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     Walk<CAP> walk;
     typedef typename Walk<CAP>::W TB;  // a step's packed table bytes
     walk.init((p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr, p.blk_steps, C::BQ, q_cta, q_end);
-    visible_steps(p, lk, off, q_cta, q_end, walk.lo, walk.hi);
+    visible_steps(p, L, lk, off, q_cta, q_end, walk.lo, walk.hi);
     narrow_to_part(L.kv_split_log2, cta_part(L), walk.lo, walk.hi);  // split-KV: this part's share
     const int t_end = walk.hi + 1;
     auto mtile_class = [&](int mt, int t, TB sb, int& table) -> int {
@@ -114,7 +114,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             return 0;
         }
         table = walk.table_byte(ra, sb);
-        return combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
+        return combine_class(described_class(p, L, lk, off, ra, min(ra + 16, lq), t), table);
     };
     auto next_active = [&](int t, bool& need_mask, TB& sb) -> int { return walk.next(t, lane, need_mask, sb); };
 
@@ -221,9 +221,24 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                         for (int e = 0; e < 4; ++e) s[mt][nb][e] = softcap_score(s[mt][nb][e], p.softcap, inv);
             }
 
-            // ---- ALiBi (SPEC 10), in two passes around the class pass below, which stays as
-            // it is without it: on an explicit mask, s + slope * mask = slope * (s / slope +
-            // mask); by distance, s + slope * (j - p_r) after it, on every computed pair.
+            // ---- ALiBi (SPEC 10), in passes around the class pass below, which stays as it is
+            // without it. By distance (slopes given as data, or max_bias without an explicit
+            // mask): s - slope * |j - p_r| before it, on every computed pair (the class pass
+            // then hides the pairs not visible, whatever the bias made them). max_bias on an
+            // explicit mask: s + slope * mask = slope * (s / slope + mask).
+            if (XF && ((p.flags & PREFILL_ALIBI_SLOPES) || alibi_by_distance(p))) {
+                const float slope =
+                    (p.flags & PREFILL_ALIBI_SLOPES) ? alibi_given_slope(p, L, head) : alibi_slope(p, head);
+                // j - p_r of this thread's first pair, row q_loc + g8 (rows +8 and +16 follow).
+                const int d0 = alibi_d0(L, t * STEP, wj0, tig, q_cta, q_loc, g8, off);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int nb = 0; nb < C::NB; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            s[mt][nb][e] += alibi_bias(slope, (float)(d0 + nb * 8 + (e & 1) - mt * 16 - (e >> 1) * 8));
+            }
             if (XF && p.max_bias > 0.f && (p.flags & PREFILL_MASK)) {
                 const float inv = 1.f / alibi_slope(p, head);
 #pragma unroll
@@ -247,7 +262,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                         const u32 row_addr = s_mask + (u32)(rr * 128) + (u32)(tig * 4);
                         // The row's visible columns, relative to this thread's first one.
                         int vlo, vhi;
-                        visible_range(p, lk, off, q_cta + rr, vlo, vhi);
+                        visible_range(p, L, lk, off, q_cta + rr, vlo, vhi);
                         vlo -= t * STEP + wj0 + tig * 2;
                         vhi -= t * STEP + wj0 + tig * 2;
 #pragma unroll
@@ -267,20 +282,14 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                         for (int e = 0; e < 4; ++e) s[mt][nb][e] = -__int_as_float(0x7f800000);
                 }
             }
-            if (XF && p.max_bias > 0.f && ((p.flags & PREFILL_MASK) || alibi_by_distance(p))) {
+            if (XF && p.max_bias > 0.f && (p.flags & PREFILL_MASK)) {
                 const float slope = alibi_slope(p, head);
-                const bool by_distance = !(p.flags & PREFILL_MASK);
-                // j - p_r of this thread's first pair, row q_loc + g8 (rows +8 and +16 follow).
-                const int d0 = t * STEP + wj0 + tig * 2 - (q_cta + q_loc + g8 + off);
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                     for (int nb = 0; nb < C::NB; ++nb)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            s[mt][nb][e] = by_distance
-                                ? s[mt][nb][e] + slope * (float)(d0 + nb * 8 + (e & 1) - mt * 16 - (e >> 1) * 8)
-                                : s[mt][nb][e] * slope;
+                        for (int e = 0; e < 4; ++e) s[mt][nb][e] *= slope;
             }
 
             // ---- Row maxima of the step, shared across the row group.

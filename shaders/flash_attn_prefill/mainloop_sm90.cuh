@@ -123,7 +123,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int rg = wgi / C::G, ch = wgi % C::G;    // row group, column half (head dim 512)
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
     const Seq sq = cta_seq(p, L, cu_q, cu_k);  // split-KV: this part's out and lse
-    const int lq = sq.lq, lk = sq.lk, off = query_offset(p, lq, lk);
+    const int lq = sq.lq, lk = sq.lk, off = query_offset(p, L, lq, lk);
     const int q_tiles = (lq + qpc - 1) / qpc;       // this sequence's CTAs along the rows
     const int qt = q_tiles - 1 - (int)blockIdx.x;  // longest causal rows first
     if constexpr (PAIR == PAIR_QUERIES) {
@@ -183,7 +183,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     Walk<CAP> walk;
     typedef typename decltype(walk)::W TB;  // a step's packed table bytes
     walk.init((p.flags & PREFILL_MASK) ? blk + sq.blk : nullptr, p.blk_steps, C::BQ, wa, we);
-    visible_steps(p, lk, off, wa, we, walk.lo, walk.hi);
+    visible_steps(p, L, lk, off, wa, we, walk.lo, walk.hi);
     narrow_to_part(L.kv_split_log2, cta_part(L), walk.lo, walk.hi);  // split-KV: this part's share
     const int steps = walk.hi + 1;  // the loops below walk t < steps
     // The class of 16 rows from `ra` in step t (and its table byte; `sb`: the step's packed
@@ -194,7 +194,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             return 0;
         }
         table = walk.table_byte(ra, sb);
-        const int c = combine_class(described_class(p, lk, off, ra, min(ra + 16, lq), t), table);
+        const int c = combine_class(described_class(p, L, lk, off, ra, min(ra + 16, lq), t), table);
         return c == 2 && by_distance ? 1 : c;  // ALiBi by distance: a bias on every pair
     };
     auto next_active = [&](int t, bool& need_mask, TB& sb) -> int { return walk.next(t, lane, need_mask, sb); };
@@ -245,7 +245,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     auto wg_computes = [&](int t, TB sb) -> bool {
         const int ua = wg_ua, ub = wg_ub;
         if (ua >= lq) return false;
-        if (described_class(p, lk, off, ua, ub, t) == 0) return false;
+        if (described_class(p, L, lk, off, ua, ub, t) == 0) return false;
         if (walk.blk == nullptr) return true;
         const int i0 = ua / C::BQ - walk.tr_first, n = (ub - 1) / C::BQ - ua / C::BQ + 1;
         TB bytes = sb >> (8 * i0);
@@ -296,6 +296,12 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #pragma unroll
                 for (int i = 0; i < C::NS; ++i) s[i] = softcap_score(s[i], p.softcap, inv);
             }
+            if (p.flags & PREFILL_ALIBI_SLOPES) {
+                // ALiBi's slopes given as data: s - slope * |j - p_r| on every computed pair,
+                // before the pairs not visible become -inf below.
+                const float slope = alibi_given_slope(p, L, head);
+                alibi_distance_bias<C::NB>(s, slope, alibi_d0(L, t * STEP, ch * C::JW, tig, q0, 0, g8, off));
+            }
             if (b == 1) {
                 // -inf where a pair is not visible, the mask (times ALiBi's slope) where the
                 // table's byte is 1, or ALiBi's distance bias.
@@ -307,11 +313,11 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                     const u32 row_addr = m_tile + (u32)(rr * 128) + (u32)(tig * 4);
                     // The row's visible columns, relative to this thread's first one.
                     int vlo, vhi;
-                    visible_range(p, lk, off, q_cta + rr, vlo, vhi);
+                    visible_range(p, L, lk, off, q_cta + rr, vlo, vhi);
                     const int j0 = t * STEP + ch * C::JW + tig * 2;  // this thread's first column
                     vlo -= j0;
                     vhi -= j0;
-                    const float d0 = (float)(j0 - (q_cta + rr + off));  // ALiBi: j0 - p_r
+                    const float d0 = (float)(j0 - (q_cta + rr + off - L.window_right));  // j0 - p_r
                     const float slope = alibi_slope(p, head);
 #pragma unroll
                     for (int nb = 0; nb < C::NB; ++nb) {

@@ -32,7 +32,7 @@ __device__ __forceinline__ PairRows pair_rows(const Params& p, const Launch& L, 
     r.sq = cta_seq(p, L, cu_q, cu_k);
     r.lq = r.sq.lq;
     r.lk = r.sq.lk;
-    r.off = query_offset(p, r.lq, r.lk);
+    r.off = query_offset(p, L, r.lq, r.lk);
     const int qpc = L.queries_per_cta, q_tiles = (r.lq + qpc - 1) / qpc;
     const int qt = q_tiles - 1 - (int)blockIdx.x;  // longest causal rows first
     r.q_cta = qt >= 0 ? qt * qpc : r.lq;            // qt < 0: a query pair's empty CTA
@@ -68,7 +68,7 @@ template <int PAIR>
 __device__ __forceinline__ void pair_walk(PairWalk<PAIR>& walk, const Params& p, const Launch& L, const PairRows& r,
                                           const u8* __restrict__ blk) {
     walk.init((p.flags & PREFILL_MASK) ? blk + r.sq.blk : nullptr, p.blk_steps, 32, r.wa, r.we);
-    visible_steps(p, r.lk, r.off, r.wa, r.we, walk.lo, walk.hi);
+    visible_steps(p, L, r.lk, r.off, r.wa, r.we, walk.lo, walk.hi);
     narrow_to_part(L.kv_split_log2, cta_part(L), walk.lo, walk.hi);
 }
 
@@ -196,7 +196,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
             return 0;
         }
         table = walk.table_byte(q0, sb);
-        const int c = combine_class(described_class(p, r.lk, r.off, q0, min(q0 + 16, r.lq), t), table);
+        const int c = combine_class(described_class(p, L, r.lk, r.off, q0, min(q0 + 16, r.lq), t), table);
         return c == 2 && by_distance ? 1 : c;  // ALiBi by distance: a bias on every pair
     };
     const u32 s_kv = s_q + PC::Q_BYTES, s_mask = s_kv + PC::S * 2 * PC::KV_BYTES;
@@ -211,7 +211,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     };
     auto softmax = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u) {
         const u32 m_stage = s_mask + (u32)(st * PC::NH * PC::MASK_BYTES);
-        return tile_softmax<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p);
+        return tile_softmax<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L);
     };
     auto softmax_packed = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u,
                               u32 (&pk)[PC::NB][2]) {
@@ -221,7 +221,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax, softmax_packed);
     if (wgi == 0) named_barrier(1, NTHREADS);  // warpgroup 1's last hand-over
     cluster_arrive();                          // done with the partner's barriers
-    store_rows<D>(p, L, r.sq, r.lq, q0, head, o, m_run, l_run, out, lse, sinks);
+    store_rows<D>(p, L, cta_seq_again(p, L, cu_q, cu_k), r.lq, q0, head, o, m_run, l_run, out, lse, sinks);
     (void)lane;
 }
 

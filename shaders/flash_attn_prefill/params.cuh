@@ -54,6 +54,15 @@ struct Launch {
     int kv_split_log2;
     int o_split_stride;
     int lse_split_stride;
+    // The described mask's sides (block_range.cuh): the right bound's distance from a row's
+    // place (a two-sided window's window_right; 0 for causal, or without FLAG_RIGHT_BOUND)
+    // and the window's span from that right edge (window + window_right; 0: no left side).
+    int window_right;
+    int window_left;
+    int reserved;  // 0 (the slopes' pointer is 8-byte aligned)
+    // With PREFILL_ALIBI_SLOPES: F32 [n_heads], or [batch, n_heads] at the params block's
+    // alibi_batch_stride (flash-attn's alibi_slopes); else null.
+    const float* alibi_slopes;
 };
 
 #define FLAG_Q_ALIGNED 1     // Q base and strides 16-byte aligned (8 elements of 16 bits, or 4 floats)
@@ -61,3 +70,4 @@ struct Launch {
 #define FLAG_V_ALIGNED 4     // V base and strides 16-byte aligned
 #define FLAG_MASK_ALIGNED 8  // mask base and strides 16-byte aligned
 #define FLAG_OUT_ALIGNED 16  // out base and strides aligned to two elements
+#define FLAG_RIGHT_BOUND 32  // the described mask has a right bound (causal, or window_right)

@@ -4,7 +4,7 @@
 // the scores (softcap, ALiBi) and start of the softmax (sinks).
 #pragma once
 
-#include "flash_attn_prefill/params.cuh"
+#include "flash_attn_prefill/block_range.cuh"
 
 // A running max moves only when a step's max exceeds it by more than this, so every
 // exp(s - M) stays below e^8 and fits in half.
@@ -65,6 +65,62 @@ __device__ __forceinline__ float alibi_slope(const Params& p, int h) {
 // computed tile then takes the per-element path.
 __device__ __forceinline__ bool alibi_by_distance(const Params& p) {
     return p.max_bias > 0.f && !(p.flags & PREFILL_MASK) && (p.flags & PREFILL_CAUSAL);
+}
+
+// With PREFILL_ALIBI_SLOPES (flash-attn's alibi_slopes): head h's slope, of this CTA's
+// sequence (at the params block's alibi_batch_stride). Read where it is used, its address
+// computed inside one volatile asm: the slope and its address are loop-invariant, and the
+// compiler hoisted them out of the walk into registers held throughout (the forms at the
+// register file's limit then spilled).
+__device__ __forceinline__ float alibi_given_slope(const Params& p, const Launch& L, int h) {
+    float v;
+    asm volatile(
+        "{ .reg .u32 z; .reg .s64 a;\n"
+        "  mov.u32 z, %%ctaid.z;\n"
+        "  shr.u32 z, z, %2;\n"
+        "  mad.lo.s32 z, z, %3, %4;\n"
+        "  mad.wide.s32 a, z, 4, %1;\n"
+        "  ld.global.nc.f32 %0, [a]; }\n"
+        : "=f"(v)
+        : "l"(L.alibi_slopes), "r"(L.kv_split_log2), "r"(p.alibi_batch_stride), "r"(h));
+    return v;
+}
+
+// j - p_r of a thread's first pair (cache row j = c0 + c1 + 2 tig, query row r0 + r1 + g8 at
+// p_r = r0 + r1 + g8 + off - window_right, block_range.cuh) from the values its form holds
+// anyway, in one volatile asm: an invariant part of it (everything but the step) was
+// hoisted out of the walk into a register held throughout.
+__device__ __forceinline__ int alibi_d0(const Launch& L, int c0, int c1, int tig, int r0, int r1, int g8, int off) {
+    int d;
+    asm volatile(
+        "{ .reg .s32 j, q;\n"
+        "  add.s32 j, %1, %2;\n"
+        "  mad.lo.s32 j, %3, 2, j;\n"
+        "  add.s32 q, %4, %5;\n"
+        "  add.s32 q, q, %6;\n"
+        "  add.s32 q, q, %7;\n"
+        "  sub.s32 q, q, %8;\n"
+        "  sub.s32 %0, j, q; }\n"
+        : "=r"(d)
+        : "r"(c0), "r"(c1), "r"(tig), "r"(r0), "r"(r1), "r"(g8), "r"(off), "r"(L.window_right));
+    return d;
+}
+
+// flash-attn's ALiBi bias of a pair at d = j - p_r: -slope |d|.
+__device__ __forceinline__ float alibi_bias(float slope, float d) { return -slope * fabsf(d); }
+
+// The bias on a thread's scores in the mma / wgmma accumulator layout (NB 8-column blocks:
+// s[nb * 4 + hh * 2 + e] is row g8 + 8 hh, column nb * 8 + tig * 2 + e), with d0 = j - p_r of
+// its first pair (row g8, column tig * 2 of block 0).
+template <int NB, int NS>
+__device__ __forceinline__ void alibi_distance_bias(float (&s)[NS], float slope, int d0) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int d = d0 + nb * 8 + (i & 1) - (i >> 1) * 8;
+            s[nb * 4 + i] += alibi_bias(slope, (float)d);
+        }
 }
 
 // The sink logit sigma of head h (SPEC 10), one more score with no value, taken once the

@@ -1,9 +1,9 @@
 // Part of shaders/flash_attn_prefill_tensor.cu (Hopper form, pipeline_sm90.cuh): a consumer
 // thread's work on the scores of one tile of NH 64-row steps, once its Q K^T is in: SPEC 10's
-// softcap, each step's class (-inf where nothing is visible, visibility, the explicit mask
-// and ALiBi where the class is 1), the row maxima, the lazy rescale and P in registers with
-// the row sums (SPEC 2, steps 4 and 5). O's rescale is the caller's (rescale_o), at the
-// point where O is not on the tensor cores.
+// softcap, ALiBi's slopes given as data, each step's class (-inf where nothing is visible,
+// visibility, the explicit mask and max_bias's ALiBi where the class is 1), the row maxima,
+// the lazy rescale and P in registers with the row sums (SPEC 2, steps 4 and 5). O's
+// rescale is the caller's (rescale_o), at the point where O is not on the tensor cores.
 //
 // Scores: a warpgroup's m64nN accumulator, this thread's part: rows g8 and g8 + 8 of its
 // warp's 16, columns nb * 8 + tig * 2 + {0, 1} of each 8-column block nb, at
@@ -30,7 +30,7 @@ struct RowGeom {
 // ALiBi's distance bias; class 2, nothing.
 template <int H, int NS>
 __device__ __forceinline__ void mask_step(float (&s)[NS], int cls, int tb, int t, u32 m_tile, const RowGeom& g,
-                                          const Params& p) {
+                                          const Params& p, const Launch& L) {
     const float ninf = -__int_as_float(0x7f800000);
     if (cls == 0) {
 #pragma unroll
@@ -48,11 +48,11 @@ __device__ __forceinline__ void mask_step(float (&s)[NS], int cls, int tb, int t
         const u32 row_addr = m_tile + (u32)(rr * 128) + (u32)(g.tig * 4);
         // The row's visible columns, relative to this thread's first one of the step.
         int vlo, vhi;
-        visible_range(p, g.lk, g.off, g.q_cta + rr, vlo, vhi);
+        visible_range(p, L, g.lk, g.off, g.q_cta + rr, vlo, vhi);
         const int j0 = t * STEP + g.tig * 2;
         vlo -= j0;
         vhi -= j0;
-        const float d0 = (float)(j0 - (g.q_cta + rr + g.off));  // ALiBi: j0 - p_r
+        const float d0 = (float)(j0 - (g.q_cta + rr + g.off - L.window_right));  // j0 - p_r
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) {
             float lo = 0.f, hi = 0.f;
@@ -74,9 +74,9 @@ __device__ __forceinline__ void mask_step(float (&s)[NS], int cls, int tb, int t
 // Steps H .. NH - 1 of tile u (mask tiles of the stage from m_stage, MASK_BYTES apart).
 template <int H, int NH, int MASK_BYTES, int NS>
 __device__ __forceinline__ void mask_steps(float (&s)[NS], const TileClasses<NH>& tc, int u, u32 m_stage,
-                                           const RowGeom& g, const Params& p) {
-    mask_step<H>(s, tc.cls[H], tc.table[H], u * NH + H, m_stage + (u32)(H * MASK_BYTES), g, p);
-    if constexpr (H + 1 < NH) mask_steps<H + 1, NH, MASK_BYTES>(s, tc, u, m_stage, g, p);
+                                           const RowGeom& g, const Params& p, const Launch& L) {
+    mask_step<H>(s, tc.cls[H], tc.table[H], u * NH + H, m_stage + (u32)(H * MASK_BYTES), g, p, L);
+    if constexpr (H + 1 < NH) mask_steps<H + 1, NH, MASK_BYTES>(s, tc, u, m_stage, g, p, L);
 }
 
 // The maxima of this thread's two rows over the tile, across the quad that holds them.
@@ -164,14 +164,20 @@ __device__ __forceinline__ void take_p(const float (&s)[NS], u32 (&pk)[NS / 4][2
 template <class T, int NH, int MASK_BYTES, int NS>
 __device__ __forceinline__ bool tile_softmax(float (&s)[NS], float (&m_run)[2], float (&l_run)[2], float (&ms)[2],
                                              const TileClasses<NH>& tc, int u, u32 m_stage, const RowGeom& g,
-                                             const Params& p) {
+                                             const Params& p, const Launch& L) {
     static_assert(NS == NH * 32, "32 scores a thread per 64-row step");
     if (p.softcap > 0.f) {
         const float inv = 1.f / p.softcap;
 #pragma unroll
         for (int i = 0; i < NS; ++i) s[i] = softcap_score(s[i], p.softcap, inv);
     }
-    mask_steps<0, NH, MASK_BYTES>(s, tc, u, m_stage, g, p);
+    if (p.flags & PREFILL_ALIBI_SLOPES) {
+        // ALiBi's slopes given as data: s - slope * |j - p_r| on every pair of the tile, before
+        // the classes make the pairs not visible -inf.
+        const float slope = alibi_given_slope(p, L, g.head);
+        alibi_distance_bias<NS / 4>(s, slope, alibi_d0(L, u * NH * STEP, 0, g.tig, g.q_cta, g.q_loc, g.g8, g.off));
+    }
+    mask_steps<0, NH, MASK_BYTES>(s, tc, u, m_stage, g, p, L);
     float mx[2];
     tile_row_max(s, mx);
     return tile_exp<T>(s, mx, m_run, l_run, ms);

@@ -23,8 +23,9 @@ use super::launch::{
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_LSE, PREFILL_MASK,
-    PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WORKSPACE_INDEX,
+    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_ALIBI_SLOPES,
+    PREFILL_ALIBI_SLOPES_INDEX, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS,
+    PREFILL_VARLEN, PREFILL_WINDOW_RIGHT, PREFILL_WORKSPACE_INDEX,
 };
 pub use crate::settings::CudaPair;
 
@@ -120,6 +121,12 @@ struct AttentionLaunch {
     kv_split_log2: i32,
     o_split_stride: i32,
     lse_split_stride: i32,
+    /// The described mask's sides ([`MaskSides`]).
+    window_right: i32,
+    window_left: i32,
+    reserved: i32,
+    /// Device address of the ALiBi slopes (`PREFILL_ALIBI_SLOPES`), else 0.
+    alibi_slopes: u64,
 }
 
 const FLAG_Q_ALIGNED: i32 = 1;
@@ -127,6 +134,56 @@ const FLAG_K_ALIGNED: i32 = 2;
 const FLAG_V_ALIGNED: i32 = 4;
 const FLAG_MASK_ALIGNED: i32 = 8;
 const FLAG_OUT_ALIGNED: i32 = 16;
+/// The described mask has a right bound (causal, or a two-sided window's).
+const FLAG_RIGHT_BOUND: i32 = 32;
+
+/// The described mask (SPEC 6) as the kernels read it (`block_range.cuh`): query row r, at
+/// `p = r + offset` of its cache, sees cache row j iff `j < lk`, `j <= p + right` where there
+/// is a right bound, and `j > p + right - left` where there is a window. The kernels keep
+/// `off = offset + right`, so each bound is that offset and one launch constant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaskSides {
+    /// A right bound: causal's (`right` 0) or a two-sided window's.
+    pub bounded: bool,
+    /// The right bound's distance from a row's place (0 without one).
+    pub right: i32,
+    /// The window's span from the right edge, `window + right` (0: no left side).
+    pub left: i32,
+}
+
+impl MaskSides {
+    /// The sides of `p`'s description. A side that can bind no row of any sequence is left
+    /// out (the same mask), so that the kernels' `r + off` sums stay in range: a right bound
+    /// at or past every sequence's last cache row, a window reaching past its first.
+    pub fn of(p: &FlashAttnPrefillParamsGpu) -> std::result::Result<MaskSides, &'static str> {
+        if p.window < 0 || (p.flags & PREFILL_WINDOW_RIGHT != 0 && p.window_right < 0) {
+            return Err("a negative window side");
+        }
+        let explicit = p.flags & PREFILL_OFFSET != 0;
+        let (kv, rows, offset) = (p.kv_len as i64, p.max_rows as i64, p.offset as i64);
+        let right = if p.flags & PREFILL_CAUSAL != 0 {
+            Some(0)
+        } else if p.flags & PREFILL_WINDOW_RIGHT != 0 {
+            // Row r of a sequence with lq rows and lk cache rows is at r + lk - lq (or r +
+            // offset): the bound leaves out none of its cache rows once right >= lq - 1 (or
+            // lk - 1 - offset), the sequences' lq at most max_rows and lk at most kv_len.
+            let r = p.window_right as i64;
+            let binds = if explicit { r < kv - 1 - offset } else { r < rows - 1 };
+            binds.then_some(r)
+        } else {
+            None
+        };
+        // The window leaves out none of a sequence's cache rows once window >= lk (or lq +
+        // offset).
+        let w = p.window as i64;
+        let left_binds = w > 0 && if explicit { w < rows + offset } else { w < kv };
+        let left = if left_binds { w + right.unwrap_or(0) } else { 0 };
+        if left > i32::MAX as i64 {
+            return Err("a window and right bound whose sum exceeds int32");
+        }
+        Ok(MaskSides { bounded: right.is_some(), right: right.unwrap_or(0) as i32, left: left as i32 })
+    }
+}
 
 /// How the two CTAs of a cluster that share each K/V tile (Hopper) split the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -243,6 +300,8 @@ pub struct AttentionPointers {
     pub cu_q: u64,
     pub cu_k: u64,
     pub sinks: u64,
+    /// F32 ALiBi slopes (`PREFILL_ALIBI_SLOPES`).
+    pub alibi_slopes: u64,
 }
 
 /// Whether O's base and strides allow its two-element stores (`FLAG_OUT_ALIGNED`).
@@ -253,9 +312,10 @@ fn out_aligned(p: &FlashAttnPrefillParamsGpu, out: u64) -> bool {
 
 /// The launch of one attention at head dims `dims` (Q/K, V/O) with the params block `p` (the
 /// front door's, or the origin's turned into it); `variants`: the CTA-pair forms may be
-/// chosen (Hopper). In the portable form, softcap or ALiBi launch the form with the score
-/// transforms (the kernel's first portable variant). `workspace` (address, bytes): where
-/// the shape splits its walks ([`kv_split`]), the parts go there and a merge follows.
+/// chosen (Hopper). In the portable form, softcap or ALiBi (max_bias or given slopes)
+/// launch the form with the score transforms (the kernel's first portable variant).
+/// `workspace` (address, bytes): where the shape splits its walks ([`kv_split`]), the parts
+/// go there and a merge follows.
 pub fn attention_launch(
     pc: &PrepareContext<'_>,
     name: &str,
@@ -308,6 +368,10 @@ fn merge_launch(
         kv_split_log2: s.log2() as i32,
         o_split_stride: s.o_elems as i32,
         lse_split_stride: s.lse_elems as i32,
+        window_right: 0,
+        window_left: 0,
+        reserved: 0,
+        alibi_slopes: 0,
     };
     let grid = [(p.max_rows.max(1) as u32).div_ceil(MERGE_ROWS), p.n_heads as u32, p.batch as u32];
     let mut l = Launch::new(grid, [MERGE_ROWS * 32, 1, 1], 0);
@@ -354,6 +418,14 @@ fn part_launch(
     if out_aligned(p, b.out) {
         flags |= FLAG_OUT_ALIGNED;
     }
+    let sides = MaskSides::of(p).map_err(|why| contract(name, why))?;
+    if sides.bounded {
+        flags |= FLAG_RIGHT_BOUND;
+    }
+    let slopes = p.flags & PREFILL_ALIBI_SLOPES != 0;
+    if slopes && (p.max_bias > 0.0 || b.alibi_slopes == 0) {
+        return Err(contract(name, "ALiBi slopes with max_bias, or without their buffer"));
+    }
     // CTA pairs sharing each K/V tile (Hopper): where TMA can address K and V (fixed
     // length: a sequence's K/V is one box range of the map); head pairs where the group of
     // query heads splits in two, else pairs of query tiles.
@@ -385,6 +457,10 @@ fn part_launch(
         kv_split_log2: split.map_or(0, |s| s.log2() as i32),
         o_split_stride: split.map_or(0, |s| s.o_elems as i32),
         lse_split_stride: split.map_or(0, |s| s.lse_elems as i32),
+        window_right: sides.right,
+        window_left: sides.left,
+        reserved: 0,
+        alibi_slopes: if slopes { b.alibi_slopes } else { 0 },
     };
     let shared = if maps.is_some() { pair_shared_bytes(head_dim) } else { plain_shared_bytes(dims.0, dims.1, hopper) }
         .ok_or_else(|| contract(name, "no shared memory size"))?;
@@ -408,7 +484,7 @@ fn part_launch(
         l.push_bytes(bytemuck::cast_slice(&vm.0));
         l.variant = mode.map(PairMode::variant);
     }
-    if !hopper && (p.softcap > 0.0 || p.max_bias > 0.0) {
+    if !hopper && (p.softcap > 0.0 || p.max_bias > 0.0 || slopes) {
         l.variant = Some(0); // `<entry>_xf`
     }
     Ok(l)
@@ -430,11 +506,6 @@ fn sized_buffer(pc: &PrepareContext<'_>, d: &Dispatch, index: u64, need: u64, pr
 fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bool) -> Result<Launch> {
     let name = d.pipeline.name();
     let p: FlashAttnPrefillParamsGpu = d.constant(0)?;
-    if let Some(what) = p.needs_two_sided_or_slopes() {
-        return Err(MlxError::InvalidArgument(format!(
-            "flash_attn_prefill: {what} is not yet implemented by the CUDA kernels; run it on the CPU"
-        )));
-    }
     // The op validated the dispatch; a kernel that writes device memory checks what it
     // relies on, from the same extents.
     let e: PrefillExtents = p.extents().ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
@@ -455,7 +526,21 @@ fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bo
         cu_q: sized_buffer(pc, d, 8, cu, varlen)?,
         cu_k: sized_buffer(pc, d, 9, cu, varlen)?,
         sinks: sized_buffer(pc, d, 10, e.sinks * 4, p.flags & PREFILL_SINKS != 0)?,
+        alibi_slopes: sized_buffer(
+            pc,
+            d,
+            PREFILL_ALIBI_SLOPES_INDEX,
+            e.alibi_slopes * 4,
+            p.flags & PREFILL_ALIBI_SLOPES != 0,
+        )?,
     };
+    // The kernels index the slopes with 32-bit arithmetic.
+    if e.alibi_slopes > i32::MAX as u64 {
+        return Err(MlxError::InvalidArgument(format!(
+            "{name}: {} ALiBi slopes is more than a launch takes",
+            e.alibi_slopes
+        )));
+    }
     let workspace = optional_device_buffer(pc.ctx, d, PREFILL_WORKSPACE_INDEX)?;
     attention_launch(pc, name, dims, &p, &b, variants, workspace)
 }
@@ -501,7 +586,105 @@ mod tests {
     #[test]
     fn the_kernel_blocks_have_their_sizes() {
         assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 224);
-        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 28);
+        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 48);
+    }
+
+    /// A params block of `rows` queries against `kv` cache rows with these flags and sides.
+    fn described(rows: i32, kv: i32, flags: i32, window: i32, right: i32, offset: i32) -> FlashAttnPrefillParamsGpu {
+        FlashAttnPrefillParamsGpu {
+            batch: 1,
+            rows,
+            max_rows: rows,
+            kv_len: kv,
+            flags,
+            window,
+            window_right: right,
+            offset,
+            ..bytemuck::Zeroable::zeroed()
+        }
+    }
+
+    /// Whether the kernels' reading of `p` (block_range.cuh's `visible`, with `off = offset +
+    /// right`) lets row r see cache row j.
+    fn kernel_sees(p: &FlashAttnPrefillParamsGpu, s: &MaskSides, r: i64, j: i64) -> bool {
+        let offset = if p.flags & PREFILL_OFFSET != 0 { p.offset as i64 } else { (p.kv_len - p.rows) as i64 };
+        let off = offset + s.right as i64;
+        j < p.kv_len as i64 && (!s.bounded || j <= r + off) && (s.left == 0 || j > r + off - s.left as i64)
+    }
+
+    #[test]
+    fn the_described_sides_fold_the_right_bound_into_the_offset() {
+        let wr = PREFILL_WINDOW_RIGHT;
+        // Causal: right 0; a causal window w: the left span w.
+        assert_eq!(
+            MaskSides::of(&described(8, 8, PREFILL_CAUSAL, 0, 0, 0)),
+            Ok(MaskSides { bounded: true, right: 0, left: 0 })
+        );
+        let s = MaskSides::of(&described(8, 90, PREFILL_CAUSAL, 5, 0, 0));
+        assert_eq!(s, Ok(MaskSides { bounded: true, right: 0, left: 5 }));
+        // A two-sided window (left 4, right 3: window 5): the span from the right edge is 8.
+        let s = MaskSides::of(&described(40, 90, wr, 5, 3, 0));
+        assert_eq!(s, Ok(MaskSides { bounded: true, right: 3, left: 8 }));
+        // A window without a right side, and a right side without a window.
+        assert_eq!(MaskSides::of(&described(40, 90, 0, 5, 0, 0)), Ok(MaskSides { bounded: false, right: 0, left: 5 }));
+        assert_eq!(MaskSides::of(&described(40, 90, wr, 0, 2, 0)), Ok(MaskSides { bounded: true, right: 2, left: 0 }));
+        // Sides that bind no row are left out: a right side of at least rows - 1 (the prompt
+        // ends the cache), a window of at least the cache; with an offset, the cache's end.
+        assert_eq!(
+            MaskSides::of(&described(40, 90, wr, 0, 39, 0)),
+            Ok(MaskSides { bounded: false, right: 0, left: 0 })
+        );
+        assert_eq!(
+            MaskSides::of(&described(40, 90, wr, 0, 38, 0)),
+            Ok(MaskSides { bounded: true, right: 38, left: 0 })
+        );
+        assert_eq!(
+            MaskSides::of(&described(40, 90, wr, 90, i32::MAX, 0)),
+            Ok(MaskSides { bounded: false, right: 0, left: 0 })
+        );
+        let off = PREFILL_OFFSET | wr;
+        assert_eq!(
+            MaskSides::of(&described(40, 90, off, 0, 79, 10)),
+            Ok(MaskSides { bounded: false, right: 0, left: 0 })
+        );
+        assert_eq!(
+            MaskSides::of(&described(40, 90, off, 0, 78, 10)),
+            Ok(MaskSides { bounded: true, right: 78, left: 0 })
+        );
+        assert_eq!(
+            MaskSides::of(&described(40, 90, off, 50, 5, 10)),
+            Ok(MaskSides { bounded: true, right: 5, left: 0 })
+        );
+        assert_eq!(
+            MaskSides::of(&described(40, 90, off, 49, 5, 10)),
+            Ok(MaskSides { bounded: true, right: 5, left: 54 })
+        );
+        assert!(MaskSides::of(&described(40, 90, wr, 0, -1, 0)).is_err());
+        assert!(MaskSides::of(&described(40, 90, 0, -1, 0, 0)).is_err());
+        // Every pair, against SPEC 6's two-sided window (p - left <= j <= p + right,
+        // p = r + offset): the same visibility, sides left out or not.
+        for (rows, kv, offset) in [(40, 90, None), (70, 30, None), (20, 60, Some(-7)), (20, 60, Some(45))] {
+            for (window, right) in
+                [(0, None), (1, None), (5, None), (0, Some(0)), (1, Some(0)), (4, Some(3)), (200, Some(500))]
+            {
+                let mut flags = if right.is_some() { wr } else { 0 };
+                if offset.is_some() {
+                    flags |= PREFILL_OFFSET;
+                }
+                let p = described(rows, kv, flags, window, right.unwrap_or(0), offset.unwrap_or(0));
+                let s = MaskSides::of(&p).unwrap();
+                let o = offset.map_or((kv - rows) as i64, |o| o as i64);
+                for r in 0..rows as i64 {
+                    for j in 0..kv as i64 + 3 {
+                        let pos = r + o;
+                        let want = j < kv as i64
+                            && right.is_none_or(|rr| j <= pos + rr as i64)
+                            && (window == 0 || j > pos - window as i64);
+                        assert_eq!(kernel_sees(&p, &s, r, j), want, "{p:?} {s:?} r {r} j {j}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -57,6 +57,6 @@ fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool)
         b[i] = addr;
     }
     let [q, k, v, mask, blk, out] = b;
-    let ptrs = AttentionPointers { q, k, v, mask, blk, out, lse: 0, cu_q: 0, cu_k: 0, sinks: 0 };
+    let ptrs = AttentionPointers { q, k, v, mask, blk, out, lse: 0, cu_q: 0, cu_k: 0, sinks: 0, alibi_slopes: 0 };
     attention_launch(pc, name, (head_dim, head_dim), &p.as_prefill(head_dim as i32, bq as i32), &ptrs, variants, None)
 }

@@ -82,8 +82,10 @@ fn ctas_per_sm(head_dim: u32, hopper: bool) -> u32 {
     }
 }
 
-/// Steps (of 64 cache rows) the longest CTA walks: that of the last query tile of the
-/// longest sequence by the description (a variable-length batch: its mean cache).
+/// Steps (of 64 cache rows) the longest CTA walks: the longer of the first and the last
+/// query tile's of the longest sequence by the description (the last one's, where a right
+/// bound (causal) is; the first one's can be longer under a window without one), a
+/// variable-length batch's at its mean cache.
 fn longest_walk(p: &FlashAttnPrefillParamsGpu, tile_rows: u32) -> u32 {
     let step = 64i64;
     let (rows, kv) = if p.flags & PREFILL_VARLEN != 0 {
@@ -95,14 +97,28 @@ fn longest_walk(p: &FlashAttnPrefillParamsGpu, tile_rows: u32) -> u32 {
         return 0;
     }
     let off = if p.flags & PREFILL_OFFSET != 0 { p.offset as i64 } else { kv - rows };
-    let causal = p.flags & crate::params::PREFILL_CAUSAL != 0;
-    let hi = if causal { (kv - 1).min(rows - 1 + off) } else { kv - 1 };
-    let first = (rows - tile_rows as i64).max(0);
-    let lo = if p.window > 0 { (first + off - p.window as i64 + 1).max(0) } else { 0 };
-    if hi < lo {
-        return 0;
-    }
-    (hi / step - lo / step + 1) as u32
+    // The right bound: causal's (0) or a two-sided window's.
+    let right = if p.flags & crate::params::PREFILL_CAUSAL != 0 {
+        Some(0)
+    } else if p.flags & crate::params::PREFILL_WINDOW_RIGHT != 0 {
+        Some(p.window_right.max(0) as i64)
+    } else {
+        None
+    };
+    // The steps of query rows [a, b).
+    let walk = |a: i64, b: i64| -> u32 {
+        let hi = match right {
+            Some(r) => (kv - 1).min(b - 1 + off + r),
+            None => kv - 1,
+        };
+        let lo = if p.window > 0 { (a + off - p.window as i64 + 1).max(0) } else { 0 };
+        if hi < lo {
+            return 0;
+        }
+        (hi / step - lo / step + 1) as u32
+    };
+    let tile = (tile_rows as i64).max(1);
+    walk((rows - tile).max(0), rows).max(walk(0, tile.min(rows)))
 }
 
 /// The split of a launch of `p` at head dims `dims` on a GPU of `multiprocessors` SMs in
@@ -248,6 +264,27 @@ mod tests {
         assert_eq!(kv_split(&p, (256, 256), 132, true), None);
         p.offset = 40_000;
         assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 16);
+    }
+
+    #[test]
+    fn two_sided_windows_split_by_their_walk() {
+        use crate::params::PREFILL_WINDOW_RIGHT;
+        // 64 rows at the end of a 64k cache, a right side of 4096 and no left side: every
+        // step (1024) -> 16 parts, as the slots allow.
+        let mut p = block(1, 64, 65_536, 8, 8, 256, PREFILL_WINDOW_RIGHT);
+        p.window_right = 4096;
+        assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 16);
+        // The chunk at the cache's start (offset 0), left 1024, right 3071: steps 0..=48 -> 3
+        // parts by the walk, the power of two below: 2.
+        let mut p = block(1, 64, 65_536, 8, 8, 256, PREFILL_WINDOW_RIGHT | PREFILL_OFFSET);
+        (p.window, p.window_right, p.offset) = (1025, 3071, 0);
+        assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 2);
+        // A window without a right side: the first query tile walks the most (to the cache's
+        // end from 1599 rows before its first row: 33 steps -> 2 parts; the last tile's 27
+        // would not split).
+        let mut p = block(1, 512, 65_536, 8, 8, 256, 0);
+        p.window = 1600;
+        assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 2);
     }
 
     #[test]
