@@ -216,7 +216,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     auto softmax_packed = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u,
                               u32 (&pk)[PC::NB][2]) {
         const u32 m_stage = s_mask + (u32)(st * PC::NH * PC::MASK_BYTES);
-        return tile_softmax_packed<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, pk);
+        return tile_softmax_packed<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L, pk);
     };
     pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax, softmax_packed);
     if (wgi == 0) named_barrier(1, NTHREADS);  // warpgroup 1's last hand-over

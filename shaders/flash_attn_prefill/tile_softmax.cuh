@@ -159,12 +159,11 @@ __device__ __forceinline__ void take_p(const float (&s)[NS], u32 (&pk)[NS / 4][2
     }
 }
 
-// The whole of a tile's softmax for a warpgroup that computes it: scores in s, P left in s
-// (tile_exp).
-template <class T, int NH, int MASK_BYTES, int NS>
-__device__ __forceinline__ bool tile_softmax(float (&s)[NS], float (&m_run)[2], float (&l_run)[2], float (&ms)[2],
-                                             const TileClasses<NH>& tc, int u, u32 m_stage, const RowGeom& g,
-                                             const Params& p, const Launch& L) {
+// A tile's scores made ready for the exponentials: softcap, ALiBi's given slopes, the steps'
+// classes and masks; then the rows' maxima into mx.
+template <int NH, int MASK_BYTES, int NS>
+__device__ __forceinline__ void tile_scores(float (&s)[NS], float (&mx)[2], const TileClasses<NH>& tc, int u,
+                                            u32 m_stage, const RowGeom& g, const Params& p, const Launch& L) {
     static_assert(NS == NH * 32, "32 scores a thread per 64-row step");
     if (p.softcap > 0.f) {
         const float inv = 1.f / p.softcap;
@@ -178,8 +177,17 @@ __device__ __forceinline__ bool tile_softmax(float (&s)[NS], float (&m_run)[2], 
         alibi_distance_bias<NS / 4>(s, slope, alibi_d0(L, u * NH * STEP, 0, g.tig, g.q_cta, g.q_loc, g.g8, g.off));
     }
     mask_steps<0, NH, MASK_BYTES>(s, tc, u, m_stage, g, p, L);
-    float mx[2];
     tile_row_max(s, mx);
+}
+
+// The whole of a tile's softmax for a warpgroup that computes it: scores in s, P left in s
+// (tile_exp).
+template <class T, int NH, int MASK_BYTES, int NS>
+__device__ __forceinline__ bool tile_softmax(float (&s)[NS], float (&m_run)[2], float (&l_run)[2], float (&ms)[2],
+                                             const TileClasses<NH>& tc, int u, u32 m_stage, const RowGeom& g,
+                                             const Params& p, const Launch& L) {
+    float mx[2];
+    tile_scores<NH, MASK_BYTES>(s, mx, tc, u, m_stage, g, p, L);
     return tile_exp<T>(s, mx, m_run, l_run, ms);
 }
 
@@ -187,16 +195,10 @@ __device__ __forceinline__ bool tile_softmax(float (&s)[NS], float (&m_run)[2], 
 template <class T, int NH, int MASK_BYTES, int NS>
 __device__ __forceinline__ bool tile_softmax_packed(float (&s)[NS], float (&m_run)[2], float (&l_run)[2],
                                                     float (&ms)[2], const TileClasses<NH>& tc, int u, u32 m_stage,
-                                                    const RowGeom& g, const Params& p, u32 (&pk)[NS / 4][2]) {
-    static_assert(NS == NH * 32, "32 scores a thread per 64-row step");
-    if (p.softcap > 0.f) {
-        const float inv = 1.f / p.softcap;
-#pragma unroll
-        for (int i = 0; i < NS; ++i) s[i] = softcap_score(s[i], p.softcap, inv);
-    }
-    mask_steps<0, NH, MASK_BYTES>(s, tc, u, m_stage, g, p);
+                                                    const RowGeom& g, const Params& p, const Launch& L,
+                                                    u32 (&pk)[NS / 4][2]) {
     float mx[2];
-    tile_row_max(s, mx);
+    tile_scores<NH, MASK_BYTES>(s, mx, tc, u, m_stage, g, p, L);
     return tile_exp_packed<T>(s, mx, m_run, l_run, ms, pk);
 }
 
