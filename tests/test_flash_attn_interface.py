@@ -40,6 +40,15 @@ def _on(dev, *xs):
     return tuple(x.to(dev) for x in xs)
 
 
+def _lse_tol(dev, dtype, d) -> float:
+    """SPEC 8's 2e-3; on CUDA with bfloat16, whose tensor cores take Q and P in bfloat16
+    (docs/spec.md, "BF16 K/V on CUDA"), 1e-2 up to head dim 128 and growing as sqrt(d / 128)
+    above, as tests/test_kernel_coverage.py has it (2e-3 failed on the H200, 2026-12-03)."""
+    if dev == "cuda" and dtype == torch.bfloat16:
+        return 1e-2 * max(1.0, (d / 128) ** 0.5)
+    return 2e-3
+
+
 def _qkv(b, sq, sk, h, hk, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, sq, h, d, generator=g).to(dtype)
@@ -179,7 +188,7 @@ def test_flash_attn_varlen_output(seqlens, d, causal, mha_type, dtype, dev):
         _, ref_lse = attention(qs, ks, vs, causal=causal)
         fin = torch.isfinite(ref_lse[0])
         assert torch.equal(torch.isinf(lse[:, a:e]), ~fin)
-        assert (lse[:, a:e][fin].double() - ref_lse[0][fin]).abs().max().item() < 2e-3 if fin.any() else True
+        assert (lse[:, a:e][fin].double() - ref_lse[0][fin]).abs().max().item() < _lse_tol(dev, dtype, d) if fin.any() else True
 
 
 @pytest.mark.parametrize("causal", [False, True])
