@@ -94,15 +94,12 @@ __device__ __forceinline__ void tile_row_max(const float (&s)[NS], float (&mx)[2
 }
 
 // The lazy rescale of both rows (the factors in ms), P = T(exp(s - M)) and the row sums of
-// the rounded P. P is left in s, each value rounded to T and kept as a float (so the sums
-// are of the rounded values, SPEC 2 step 5), for take_p to pack once the last tile's P V
-// no longer reads the fragments: a second set of P registers made the consumers spill at
-// head dim 128, and P packed into the scores' own registers let the compiler merge them
-// with the next Q K^T's accumulators. Returns whether a row of the warp rescaled (then O
-// must be scaled by ms before this tile's P V adds to it).
-template <class T, int NS>
-__device__ __forceinline__ bool tile_exp(float (&s)[NS], const float (&mx)[2], float (&m_run)[2], float (&l_run)[2],
-                                         float (&ms)[2]) {
+// the rounded P (SPEC 2 step 5: the sums are of the values rounded to T), each pair of P
+// handed to `put` packed and as its two floats. Returns whether a row of the warp rescaled
+// (then O must be scaled by ms before this tile's P V adds to it).
+template <class T, int NS, class Put>
+__device__ __forceinline__ bool tile_exp_each(const float (&s)[NS], const float (&mx)[2], float (&m_run)[2],
+                                              float (&l_run)[2], float (&ms)[2], Put put) {
     bool any = false;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) any |= softmax_rescale(mx[hh], m_run[hh], ms[hh]);
@@ -113,39 +110,36 @@ __device__ __forceinline__ bool tile_exp(float (&s)[NS], const float (&mx)[2], f
 #pragma unroll
         for (int nb = 0; nb < NS / 4; ++nb) {
             const int i = nb * 4 + hh * 2;
-            T::unpack2(T::pack2(exp2_approx(fmaf(s[i], LOG2E, -ml)), exp2_approx(fmaf(s[i + 1], LOG2E, -ml))), s[i],
-                       s[i + 1]);
-            sum += s[i] + s[i + 1];
+            const u32 pair = T::pack2(exp2_approx(fmaf(s[i], LOG2E, -ml)), exp2_approx(fmaf(s[i + 1], LOG2E, -ml)));
+            float a, b;
+            T::unpack2(pair, a, b);
+            put(nb, hh, pair, a, b);
+            sum += a + b;
         }
         l_run[hh] = l_run[hh] * ms[hh] + sum;
     }
     return __any_sync(0xffffffffu, any);
 }
 
-// tile_exp for a warpgroup whose last P V is done (no overlap): P packed straight into P V's
-// A fragments (pk, rows g8 and g8 + 8 (hh) of 8-column block nb), the sums of the packed
-// values read back, the scores left as they were.
+// P left in s, each value rounded to T and kept as a float, for take_p to pack once the last
+// tile's P V no longer reads the fragments (the overlap): a second set of P registers made
+// the consumers spill at head dim 128, and P packed into the scores' own registers let the
+// compiler merge them with the next Q K^T's accumulators.
+template <class T, int NS>
+__device__ __forceinline__ bool tile_exp(float (&s)[NS], const float (&mx)[2], float (&m_run)[2], float (&l_run)[2],
+                                         float (&ms)[2]) {
+    return tile_exp_each<T>(s, mx, m_run, l_run, ms, [&](int nb, int hh, u32, float a, float b) {
+        s[nb * 4 + hh * 2] = a;
+        s[nb * 4 + hh * 2 + 1] = b;
+    });
+}
+
+// For a warpgroup whose last P V is done (no overlap): P packed straight into P V's A
+// fragments (pk, rows g8 and g8 + 8 (hh) of 8-column block nb), the scores left as they were.
 template <class T, int NS>
 __device__ __forceinline__ bool tile_exp_packed(const float (&s)[NS], const float (&mx)[2], float (&m_run)[2],
                                                 float (&l_run)[2], float (&ms)[2], u32 (&pk)[NS / 4][2]) {
-    bool any = false;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) any |= softmax_rescale(mx[hh], m_run[hh], ms[hh]);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const float ml = m_run[hh] * LOG2E;
-        float sum = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < NS / 4; ++nb) {
-            const int i = nb * 4 + hh * 2;
-            pk[nb][hh] = T::pack2(exp2_approx(fmaf(s[i], LOG2E, -ml)), exp2_approx(fmaf(s[i + 1], LOG2E, -ml)));
-            float a, b;
-            T::unpack2(pk[nb][hh], a, b);
-            sum += a + b;
-        }
-        l_run[hh] = l_run[hh] * ms[hh] + sum;
-    }
-    return __any_sync(0xffffffffu, any);
+    return tile_exp_each<T>(s, mx, m_run, l_run, ms, [&](int nb, int hh, u32 pair, float, float) { pk[nb][hh] = pair; });
 }
 
 // P of tile_exp as P V's A fragments: rows g8 and g8 + 8 (hh) of 8-column block nb (the
