@@ -5,7 +5,28 @@ from __future__ import annotations
 
 from mlx_native.testing import LowLevelCase, _span, make_case, run_low_level
 
-__all__ = ["CASES", "LowLevelCase", "_span", "case_id", "import_test_extra", "make_case", "run_low_level"]
+__all__ = [
+    "CASES",
+    "LowLevelCase",
+    "_span",
+    "case_id",
+    "import_test_extra",
+    "lse_tolerance",
+    "make_case",
+    "run_low_level",
+]
+
+#: SPEC 8's bar on lse against the float64 reference.
+LSE_TOL = 2e-3
+
+
+def lse_tolerance(cuda_bf16: bool, d: int = 128) -> float:
+    """The lse bar: SPEC 8's 2e-3; with BF16 data on CUDA, whose tensor cores take Q and P in
+    bfloat16 (docs/spec.md, "BF16 K/V on CUDA"; each score moves by a random sum of d terms
+    of 2^-9 of their size, so its spread grows as sqrt(d); at scale 1 and d 512 lse moved by
+    1.4e-2 to 1.5e-2 on the H200, 2026-12-03), 1e-2 at head dim 128 and below, times
+    sqrt(d / 128) above."""
+    return 1e-2 * max(1.0, (d / 128) ** 0.5) if cuda_bf16 else LSE_TOL
 
 
 # The correctness suite's strided low-level cases, shared by every backend's tests:
