@@ -6,6 +6,7 @@ every backend `backends()` lists.)"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -232,6 +233,35 @@ def _bf16():
     return bfloat16_dtype()
 
 
+@contextlib.contextmanager
+def _issue28_cases(rng, pair, b, rows, kv, nh, nkv, dk, dv):
+    """Under the CTA-pair setting `pair` (restored on leaving, a failure included): random
+    batched q (float32), k and v in each K/V dtype (float16, then bfloat16, drawn as the loop
+    reaches them), with whether they are BF16."""
+
+    def draws():
+        for kv_dtype in (np.float16, _bf16()):
+            q = rng.uniform(-1, 1, (b, rows, nh, dk)).astype(np.float32)
+            k = rng.uniform(-1, 1, (b, kv, nkv, dk)).astype(kv_dtype)
+            v = rng.uniform(-1, 1, (b, kv, nkv, dv)).astype(kv_dtype)
+            yield q, k, v, kv_dtype != np.float16
+
+    mx.force_cuda_pair(pair)
+    try:
+        yield draws()
+    finally:
+        mx.force_cuda_pair(None)
+
+
+def _tiled_mask(rng, b, rows, kv):
+    """An additive float16 mask: random values, a fifth -inf, and cache rows 64-127 all -inf
+    (a column of tiles the table skips)."""
+    mask = np.where(rng.random((b, rows, kv)) < 0.2, -np.inf, rng.uniform(-2, 1, (b, rows, kv)))
+    mask = mask.astype(np.float16)
+    mask[:, :, 64:128] = -np.inf
+    return mask
+
+
 def _issue28_check(out, lse, ref, ref_lse, bf16):
     """Output and lse against the reference (BF16 K/V round Q and P to bfloat16: looser
     bars), lse -inf exactly where a row sees nothing, and such a row +0.0."""
@@ -253,13 +283,8 @@ def _issue28_check(out, lse, ref, ref_lse, bf16):
 def test_two_sided_windows_on_every_form(rng, dk, dv, pair):
     dev = mx.Device("cuda")
     b, rows, kv, nh, nkv = 2, 150, 230, 8, 2
-    try:
-        mx.force_cuda_pair(pair)
-        for kv_dtype in (np.float16, _bf16()):
-            bf16 = kv_dtype != np.float16
-            q = rng.uniform(-1, 1, (b, rows, nh, dk)).astype(np.float32)
-            k = rng.uniform(-1, 1, (b, kv, nkv, dk)).astype(kv_dtype)
-            v = rng.uniform(-1, 1, (b, kv, nkv, dv)).astype(kv_dtype)
+    with _issue28_cases(rng, pair, b, rows, kv, nh, nkv, dk, dv) as cases:
+        for q, k, v, bf16 in cases:
             scale = 1 / np.sqrt(dk)
             for window in TWO_SIDED:
                 out, lse = mx.flash_attn_prefill(q, k, v, window=window, return_lse=True, device=dev)
@@ -270,9 +295,7 @@ def test_two_sided_windows_on_every_form(rng, dk, dv, pair):
             out, lse = mx.flash_attn_prefill(q, k, v, window=(30, 20), offset=40, return_lse=True, device=dev)
             ref, ref_lse = reference_prefill(q, k, v, window=(30, 20), offset=40, scale=scale)
             _issue28_check(out, lse, ref, ref_lse, bf16)
-            mask = np.where(rng.random((b, rows, kv)) < 0.2, -np.inf, rng.uniform(-2, 1, (b, rows, kv)))
-            mask = mask.astype(np.float16)
-            mask[:, :, 64:128] = -np.inf  # a skipped column of tiles
+            mask = _tiled_mask(rng, b, rows, kv)
             mask[:, :, 128:192] = 0  # tiles of zeros (the table's 2)
             out, lse = mx.flash_attn_prefill(q, k, v, mask, window=(60, 45), return_lse=True, device=dev)
             ref, ref_lse = reference_prefill(q, k, v, mask, window=(60, 45), scale=scale)
@@ -287,8 +310,6 @@ def test_two_sided_windows_on_every_form(rng, dk, dv, pair):
                 out, lse = mx.flash_attn_prefill(qv, kvv, vv, return_lse=True, device=dev, **kw)
                 ref, ref_lse = reference_prefill(qv, kvv, vv, scale=scale, **kw)
                 _issue28_check(out, lse, ref, ref_lse, bf16)
-    finally:
-        mx.force_cuda_pair(None)
 
 
 @needs_gpu
@@ -297,17 +318,10 @@ def test_two_sided_windows_on_every_form(rng, dk, dv, pair):
 def test_alibi_slopes_on_every_form(rng, dk, dv, pair):
     dev = mx.Device("cuda")
     b, rows, kv, nh, nkv = 2, 130, 200, 8, 2
-    try:
-        mx.force_cuda_pair(pair)
-        for kv_dtype in (np.float16, _bf16()):
-            bf16 = kv_dtype != np.float16
-            q = rng.uniform(-1, 1, (b, rows, nh, dk)).astype(np.float32)
-            k = rng.uniform(-1, 1, (b, kv, nkv, dk)).astype(kv_dtype)
-            v = rng.uniform(-1, 1, (b, kv, nkv, dv)).astype(kv_dtype)
+    with _issue28_cases(rng, pair, b, rows, kv, nh, nkv, dk, dv) as cases:
+        for q, k, v, bf16 in cases:
             scale = 1 / np.sqrt(dk)
-            mask = np.where(rng.random((b, rows, kv)) < 0.2, -np.inf, rng.uniform(-2, 1, (b, rows, kv)))
-            mask = mask.astype(np.float16)
-            mask[:, :, 64:128] = -np.inf
+            mask = _tiled_mask(rng, b, rows, kv)
             for shape in ((nh,), (b, nh)):
                 slopes = rng.uniform(0.01, 0.4, shape).astype(np.float32)
                 for kw in (
@@ -333,8 +347,6 @@ def test_alibi_slopes_on_every_form(rng, dk, dv, pair):
                 out, lse = mx.flash_attn_prefill(qv, kvv, vv, return_lse=True, device=dev, **kw)
                 ref, ref_lse = reference_prefill(qv, kvv, vv, scale=scale, **kw)
                 _issue28_check(out, lse, ref, ref_lse, bf16)
-    finally:
-        mx.force_cuda_pair(None)
 
 
 @needs_gpu
