@@ -358,13 +358,19 @@ def host_memory() -> int:
     return _host_memory
 
 
+def host_fits(shape: Sequence[int], dtype: Any) -> bool:
+    """Whether a host array of this shape and dtype is within :func:`host_memory` (or that is
+    unknown)."""
+    limit = host_memory()
+    return not limit or math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize <= limit
+
+
 def check_host_fits(shape: Sequence[int], dtype: Any, device: str) -> None:
     """A ``BufferAllocationError`` for a host output larger than :func:`host_memory`: on a
     machine that overcommits memory its allocation succeeds, and the process is killed when
     the kernel writes it, instead of an error the caller can handle."""
-    n = math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
-    limit = host_memory()
-    if limit and n > limit:
+    if not host_fits(shape, dtype):
+        limit = host_memory()
         cause = MemoryError(f"more than the {limit / 2**30:.3g} GiB one buffer may take here (RAM plus swap within the cgroup limit)")
         raise allocation_error(shape, dtype, device, cause)
 

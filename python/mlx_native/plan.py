@@ -657,15 +657,19 @@ def _torch_ptr(t) -> int:
 def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
     """For the one call's path: makers of the outputs from q (its library, its device) and
     the address function of its library."""
-    from .arrays import _torch_dtype, check_host_fits
+    from .arrays import _torch_dtype, check_host_fits, host_fits
 
+    # The plan's output shape is fixed: whether it fits the host is decided once here, and a
+    # call raises check_host_fits's error only where it does not (an overcommitting host
+    # "allocates" anything, then kills the writer).
+    fits = qo.on_cuda or host_fits(shape, out_dtype)
     if qo.library == "torch":
         import torch
 
         tdt = _torch_dtype(out_dtype)
 
         def new_out(q):
-            if not qo.on_cuda:  # an overcommitting host "allocates" anything, then kills the writer
+            if not fits:
                 check_host_fits(shape, out_dtype, qo.device)
             return torch.empty(shape, dtype=tdt, device=q.device)
 
@@ -676,7 +680,8 @@ def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
     else:
 
         def new_out(q):
-            check_host_fits(shape, out_dtype, qo.device)
+            if not fits:
+                check_host_fits(shape, out_dtype, qo.device)
             return np.empty(shape, dtype=out_dtype)
 
         def new_lse(q):
