@@ -209,16 +209,17 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
         st = __shfl_sync(0xffffffffu, st, 0);
         pipe_pv<T, D, PC::N>(o, pk, s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES));
     };
-    auto softmax = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u) {
+    // The tile's softmax: P into pk where the last P V is done (no overlap), else left in s.
+    auto softmax = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u,
+                       u32 (&pk)[PC::NB][2]) {
         const u32 m_stage = s_mask + (u32)(st * PC::NH * PC::MASK_BYTES);
-        return tile_softmax<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L);
+        if constexpr (PC::OVERLAP) {
+            return tile_softmax<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L);
+        } else {
+            return tile_softmax_packed<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L, pk);
+        }
     };
-    auto softmax_packed = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u,
-                              u32 (&pk)[PC::NB][2]) {
-        const u32 m_stage = s_mask + (u32)(st * PC::NH * PC::MASK_BYTES);
-        return tile_softmax_packed<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L, pk);
-    };
-    pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax, softmax_packed);
+    pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax);
     if (wgi == 0) named_barrier(1, NTHREADS);  // warpgroup 1's last hand-over
     cluster_arrive();                          // done with the partner's barriers
     store_rows<D>(p, L, cta_seq_again(p, L, cu_q, cu_k), r.lq, q0, head, o, m_run, l_run, out, lse, sinks);

@@ -215,9 +215,9 @@ __device__ __forceinline__ void release_pair(u32 bar) {
 // classes(t, sb, table): the class of the warp's rows in step t; qk(st, s) and pv(st, pk):
 // the products of a stage, issued, not committed; softmax(s, ms, classes, st, u) leaves P in
 // s and the rows' rescale factors in ms. TB: the walk's packed table bytes.
-template <class PC, class T, class TB, class Classes, class QK, class PV, class Softmax, class SoftmaxPacked, int NO>
+template <class PC, class T, class TB, class Classes, class QK, class PV, class Softmax, int NO>
 __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float (&o)[NO], Classes& classes, QK& qk,
-                                             PV& pv, Softmax& softmax, SoftmaxPacked& softmax_packed) {
+                                             PV& pv, Softmax& softmax) {
     const int lane = threadIdx.x & 31;
     const int wgi = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
     // Turns: warpgroup w issues after bar.sync on barrier 1 + w, then hands the turn to the
@@ -238,17 +238,12 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
         return get_tile<PC::NH, TB>(bars.tile(q.st));
     };
     // The softmax of the tile in stage r once its scores are in (tc: its steps' classes, taken
-    // while the products ran: after them, they lengthen the softmax's critical path).
+    // while the products ran: after them, they lengthen the softmax's critical path). P goes
+    // to pk where the last P V is done (no overlap), else it stays in s for take_p.
     auto scores = [&](float (&s)[PC::NS], const TileClasses<PC::NH>& tc, int u) {
         mbar_wait(bars.full_m(r.st), r.ph);
-        softmax(s, ms, tc, r.st, u);
+        softmax(s, ms, tc, r.st, u, pk);
         mbar_arrive(bars.empty_m(r.st));  // each thread after its own reads of the mask tiles
-    };
-    // The same with P packed straight into pk (no overlap: the last P V is done).
-    auto scores_packed = [&](float (&s)[PC::NS], const TileClasses<PC::NH>& tc, int u) {
-        mbar_wait(bars.full_m(r.st), r.ph);
-        softmax_packed(s, ms, tc, r.st, u, pk);
-        mbar_arrive(bars.empty_m(r.st));
     };
     auto cur = tile_at(r);
     if (!cur.valid()) return;
@@ -262,12 +257,8 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
         wgmma_wait<0>();
         fence_regs(s);
         release(bars.empty_k(r.st));
-        if constexpr (PC::OVERLAP) {
-            scores(s, tc, cur.u);
-            take_p<T>(s, pk);
-        } else {
-            scores_packed(s, tc, cur.u);
-        }
+        scores(s, tc, cur.u);
+        if constexpr (PC::OVERLAP) take_p<T>(s, pk);
         fence_regs(pk);
     }
     while (true) {  // tile j: its Q K^T, and P V of tile j - 1
@@ -300,7 +291,7 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
             fence_regs(o);
             release(bars.empty_k(r.st));
             release(bars.empty_v(rp.st));
-            scores_packed(s, tc, cur.u);
+            scores(s, tc, cur.u);
         }
         fence_regs(pk);
     }

@@ -139,7 +139,8 @@ __device__ __forceinline__ bool tile_exp(float (&s)[NS], const float (&mx)[2], f
 template <class T, int NS>
 __device__ __forceinline__ bool tile_exp_packed(const float (&s)[NS], const float (&mx)[2], float (&m_run)[2],
                                                 float (&l_run)[2], float (&ms)[2], u32 (&pk)[NS / 4][2]) {
-    return tile_exp_each<T>(s, mx, m_run, l_run, ms, [&](int nb, int hh, u32 pair, float, float) { pk[nb][hh] = pair; });
+    return tile_exp_each<T>(s, mx, m_run, l_run, ms,
+                            [&](int nb, int hh, u32 pair, float, float) { pk[nb][hh] = pair; });
 }
 
 // P of tile_exp as P V's A fragments: rows g8 and g8 + 8 (hh) of 8-column block nb (the
