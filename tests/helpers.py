@@ -3,11 +3,14 @@ scripts use them too); the case table shared by every backend's tests is here.""
 
 from __future__ import annotations
 
+import contextlib
+
 from mlx_native.testing import LowLevelCase, _span, make_case, run_low_level
 
 __all__ = [
     "CASES",
     "LowLevelCase",
+    "cpu_fma_kernels",
     "_span",
     "case_id",
     "import_test_extra",
@@ -27,6 +30,25 @@ def lse_tolerance(cuda_bf16: bool, d: int = 128) -> float:
     1.4e-2 to 1.5e-2 on the H200, 2026-12-03), 1e-2 at head dim 128 and below, times
     sqrt(d / 128) above."""
     return 1e-2 * max(1.0, (d / 128) ** 0.5) if cuda_bf16 else LSE_TOL
+
+
+@contextlib.contextmanager
+def cpu_fma_kernels():
+    """The CPU backend on its FMA kernels (the best instruction set but AMX) while in use:
+    the backend that computes the same rounded steps as the Metal kernels. Where the CPU has
+    AMX its tiles are the default, and they add each product's f32 terms in their own order
+    (about 1e-9 NMSE apart, past the emulator's agreement bar)."""
+    import mlx_native as mx
+
+    detected = mx.cpu_info()["detected"]
+    if "amx" not in detected:
+        yield
+        return
+    mx.force_cpu_isa(next(i for i in detected if i != "amx"))
+    try:
+        yield
+    finally:
+        mx.force_cpu_isa(None)
 
 
 # The correctness suite's strided low-level cases, shared by every backend's tests:

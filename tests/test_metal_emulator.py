@@ -16,7 +16,7 @@ import metal_emu
 import mlx_native as mx
 from mlx_native.reference import nmse, reference_attention
 
-from helpers import CASES, _span, case_id, make_case, run_low_level
+from helpers import CASES, _span, case_id, cpu_fma_kernels, make_case, run_low_level
 from planted_cases import (
     EXACT_BAR,
     FIELD_BASE,
@@ -155,7 +155,8 @@ def test_strided_cases_match_the_reference_and_the_cpu(emu, rng, case):
     rows, nh, nkv, hd, kv_len, scale, mask, window = case
     c = make_case(rng, rows, nh, nkv, hd, kv_len, scale=scale, mask=mask, window=window)
     out, blk = emu_attention(emu, c)
-    cpu_out, cpu_blk = run_low_level(mx.Device("cpu"), c)
+    with cpu_fma_kernels():
+        cpu_out, cpu_blk = run_low_level(mx.Device("cpu"), c)
     assert np.array_equal(blk, cpu_blk)
     assert np.isfinite(out).all()
     err = nmse(out, reference(c))
@@ -254,7 +255,8 @@ def test_planted_case(emu, rng, planted):
     out, blk = emu_attention(emu, c, extra_out_rows=2, sentinel=-7.5)
     assert (out[c.rows :] == np.float32(-7.5)).all(), "rows past `rows` were written"
     check_planted(out, blk, c, label=f"{planted.name} (emulator)")
-    cpu_out, _ = run_low_level(mx.Device("cpu"), c)
+    with cpu_fma_kernels():
+        cpu_out, _ = run_low_level(mx.Device("cpu"), c)
     good = np.setdiff1d(np.arange(c.rows), nan_rows(c))
     assert nmse(out[good], cpu_out[good]) < CPU_AGREEMENT
 
@@ -351,7 +353,8 @@ def test_a_p_not_rounded_to_half_is_caught_by_the_cpu_comparison(build_dir, rng)
     )
     c = make_case(rng, 37, 4, 2, 256, 100, scale=0.6, mask="peer")
     out, _ = emu_attention(bad, c)
-    cpu_out, _ = run_low_level(mx.Device("cpu"), c)
+    with cpu_fma_kernels():
+        cpu_out, _ = run_low_level(mx.Device("cpu"), c)
     assert nmse(out, reference(c)) < EXPECTED
     assert nmse(out, cpu_out) > CPU_AGREEMENT
 

@@ -28,7 +28,7 @@ import mlx_native as mx
 from mlx_native.dtypes import bfloat16_dtype
 from mlx_native.reference import merge_reference, nmse, peer_mask, reference_prefill, visible_mask
 
-from helpers import LowLevelCase, _span, run_low_level
+from helpers import LowLevelCase, _span, cpu_fma_kernels, run_low_level
 
 BF16 = bfloat16_dtype()
 F16 = np.dtype(np.float16)
@@ -413,7 +413,8 @@ def check(c: Prefill, out, lse, *, cpu=True):
         off = np.abs(lse[~unseen] - ref_lse[~unseen]).max(initial=0)
         assert off < LSE_TOLERANCE, f"lse off by {off:.3e}"
     if cpu and c.o_dtype == F32:
-        err = nmse(out, cpu_origin(c) if _origin_expresses(c) else cpu_front_door(c))
+        with cpu_fma_kernels():
+            err = nmse(out, cpu_origin(c) if _origin_expresses(c) else cpu_front_door(c))
         bar = CPU_AGREEMENT if c.softcap == 0 and c.max_bias == 0 else CPU_AGREEMENT_TRANSFORMS
         assert err < bar, f"nmse {err:.3e} against the CPU backend"
 

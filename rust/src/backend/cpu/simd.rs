@@ -63,6 +63,48 @@ pub trait Simd: Copy + Send + Sync + 'static {
         Self::store(p as *mut f32, Self::bf16_pairs(even, odd))
     }
 
+    /// The pairs of [`Simd::bf16_pairs`] straight from 16 bfloat16 values at `even` and 16 at
+    /// `odd` (the values' own bits, as rounding them to bfloat16 keeps them).
+    #[inline(always)]
+    unsafe fn load_bf16_pairs(even: *const u16, odd: *const u16) -> Self::V {
+        Self::bf16_pairs(Self::load_bf16(even), Self::load_bf16(odd))
+    }
+
+    /// Store the 16 lanes as IEEE halves, each the nearest (ties to even; a NaN stays a
+    /// NaN, quieted), as `half::f16::from_f32` does.
+    #[inline(always)]
+    unsafe fn store_f16_nearest(p: *mut u16, v: Self::V) {
+        let mut x = [0f32; W];
+        Self::store(x.as_mut_ptr(), v);
+        for (e, &v) in x.iter().enumerate() {
+            *p.add(e) = half::f16::from_f32(v).to_bits();
+        }
+    }
+
+    /// Store the 16 lanes as bfloat16, each the nearest (ties to even; a NaN stays a NaN,
+    /// quieted), as `half::bf16::from_f32` does.
+    #[inline(always)]
+    unsafe fn store_bf16_nearest(p: *mut u16, v: Self::V) {
+        let mut x = [0f32; W];
+        Self::store(x.as_mut_ptr(), v);
+        for (e, &v) in x.iter().enumerate() {
+            *p.add(e) = half::bf16::from_f32(v).to_bits();
+        }
+    }
+
+    /// Ask for the cache line at `p` to be brought towards the core (L2), ahead of its use;
+    /// nothing where the instruction set has no such hint.
+    #[inline(always)]
+    unsafe fn prefetch(_p: *const u8) {}
+
+    /// [`Simd::prefetch`] every cache line of `bytes` bytes from `p`.
+    #[inline(always)]
+    unsafe fn prefetch_span(p: *const u8, bytes: usize) {
+        for at in (0..bytes).step_by(64) {
+            Self::prefetch(p.add(at));
+        }
+    }
+
     /// Transpose 16 vectors as a 16 x 16 matrix of 32-bit lanes (bit patterns kept): lane x
     /// of vector y becomes lane y of vector x. Through memory here; an instruction set whose
     /// speed matters for it has a register form.
@@ -343,6 +385,30 @@ mod x86 {
             _mm512_castsi512_ps(_mm512_or_si512(lo, hi))
         }
         #[inline(always)]
+        unsafe fn load_bf16_pairs(even: *const u16, odd: *const u16) -> __m512 {
+            let e = _mm512_cvtepu16_epi32(_mm256_loadu_si256(even as *const __m256i));
+            let o = _mm512_cvtepu16_epi32(_mm256_loadu_si256(odd as *const __m256i));
+            _mm512_castsi512_ps(_mm512_or_si512(e, _mm512_slli_epi32::<16>(o)))
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            _mm_prefetch::<_MM_HINT_T1>(p as *const i8)
+        }
+        #[inline(always)]
+        unsafe fn store_f16_nearest(p: *mut u16, v: __m512) {
+            // vcvtps2ph: ties to even, a NaN quieted with its top payload bits, as half's.
+            _mm256_storeu_si256(p as *mut __m256i, _mm512_cvtps_ph::<NEAREST>(v))
+        }
+        #[inline(always)]
+        unsafe fn store_bf16_nearest(p: *mut u16, v: __m512) {
+            let top = _mm512_srli_epi32::<16>(_mm512_castps_si512(Self::round_bf16(v)));
+            // A NaN: its top half with the quiet bit set, as half's conversion gives.
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(_mm512_castps_si512(v)), _mm512_set1_epi32(0x40));
+            let top = _mm512_mask_blend_epi32(nan, top, quiet);
+            _mm256_storeu_si256(p as *mut __m256i, _mm512_cvtepi32_epi16(top));
+        }
+        #[inline(always)]
         unsafe fn transpose16(r: &mut [__m512; W]) {
             // Pairs of rows interleaved by 32 bits, then by 64 bits: t[4g + c] holds, in each
             // 128-bit block q, column c + 4q of rows 4g .. 4g + 4.
@@ -391,6 +457,10 @@ mod x86 {
         type V = Pair;
         const NAME: &'static str = "avx2+fma+f16c";
         const WIDE_BLOCKS: bool = false;
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8) {
+            _mm_prefetch::<_MM_HINT_T1>(p as *const i8)
+        }
         #[inline(always)]
         unsafe fn splat(x: f32) -> Pair {
             let v = _mm256_set1_ps(x);
@@ -821,8 +891,52 @@ mod tests {
         }
     }
 
+    /// The stores to half and bfloat16 against the `half` crate's conversions on f32 bit
+    /// patterns of every kind (every top half with low halves at, around and past the tie;
+    /// NaNs with payloads only in the low half, infinities, subnormals), and the bfloat16
+    /// pairs from memory against those made from widened values.
+    fn check_nearest_stores_and_pairs<S: Simd>() {
+        let lows = [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x1000, 0x2000, 0x1fff, 0xe000];
+        let mut all: Vec<u32> = Vec::new();
+        for top in 0..=0xffffu32 {
+            for &low in &lows {
+                all.push(top << 16 | low);
+            }
+        }
+        for chunk in all.chunks(W) {
+            let mut x = [0f32; W];
+            for (e, &b) in chunk.iter().enumerate() {
+                x[e] = f32::from_bits(b);
+            }
+            let (mut f, mut b) = ([0u16; W], [0u16; W]);
+            unsafe {
+                let v = S::load(x.as_ptr());
+                S::store_f16_nearest(f.as_mut_ptr(), v);
+                S::store_bf16_nearest(b.as_mut_ptr(), v);
+            }
+            for e in 0..chunk.len() {
+                let want_f = half::f16::from_f32(x[e]).to_bits();
+                let want_b = half::bf16::from_f32(x[e]).to_bits();
+                assert_eq!(f[e], want_f, "{} f16 of {:#x}", S::NAME, x[e].to_bits());
+                assert_eq!(b[e], want_b, "{} bf16 of {:#x}", S::NAME, x[e].to_bits());
+            }
+        }
+        let even: Vec<u16> = (0..W as u16).map(|i| i.wrapping_mul(40503) ^ 0x7fc1).collect();
+        let odd: Vec<u16> = (0..W as u16).map(|i| i.wrapping_mul(2654) ^ 0x8001).collect();
+        let (mut got, mut want) = ([0f32; W], [0f32; W]);
+        unsafe {
+            S::store(got.as_mut_ptr(), S::load_bf16_pairs(even.as_ptr(), odd.as_ptr()));
+            S::store(want.as_mut_ptr(), S::bf16_pairs(S::load_bf16(even.as_ptr()), S::load_bf16(odd.as_ptr())));
+        }
+        for e in 0..W {
+            assert_eq!(got[e].to_bits(), (odd[e] as u32) << 16 | even[e] as u32, "{} pair {e}", S::NAME);
+            assert_eq!(got[e].to_bits(), want[e].to_bits(), "{} pair {e}", S::NAME);
+        }
+    }
+
     #[test]
     fn every_detected_isa_matches_the_reference_math() {
+        check_nearest_stores_and_pairs::<Portable>();
         check_exp::<Portable>();
         check_tanh::<Portable>();
         check_round_half::<Portable>();
@@ -840,6 +954,7 @@ mod tests {
                 check_bf16::<Avx2>();
                 check_bf16_rounding_and_stores::<Avx2>();
                 check_transpose::<Avx2>();
+                check_nearest_stores_and_pairs::<Avx2>();
             }
             if has_avx512() {
                 check_exp::<Avx512>();
@@ -849,6 +964,7 @@ mod tests {
                 check_bf16::<Avx512>();
                 check_bf16_rounding_and_stores::<Avx512>();
                 check_transpose::<Avx512>();
+                check_nearest_stores_and_pairs::<Avx512>();
             }
         }
     }

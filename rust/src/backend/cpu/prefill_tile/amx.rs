@@ -22,7 +22,7 @@ use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, split, tile_ld, tile_v
 use super::io::{load_q, store_out};
 use super::softmax::step_max;
 use super::transforms::transform_scores;
-use super::{grow, item_subs, plan_step, start_rows, Kv, Problem, Scratch, Seq, Sub, C};
+use super::{grow, item_subs, plan_step, start_rows, Elem, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
 use crate::backend::cpu::amx::gemm::{self, Operand, Output, Product};
 use crate::backend::cpu::amx::TileUnit;
 use crate::backend::cpu::simd::{Simd, W};
@@ -91,23 +91,47 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     let ld = tile_ld(per);
     let steps = seq.lk.div_ceil(C);
     let (qk, pv) = (pb.amx.qk as usize, pb.amx.pv as usize);
+    // BFloat16 Q is read as it is, exact in one bfloat16 part, and the scale multiplies the
+    // scores (f32) instead of Q: no product of a low part of Q, and scores nearer the exact
+    // ones than SPEC's `half(scale * q)` (whose rounding a bfloat16 part could not hold).
+    // (Only where the scale is positive, which the max commutes with, and where every
+    // `half(scale * q)` is finite: SPEC 9 makes the others inf.)
+    let mut subs = item_subs(pb, seq, grp);
+    let subs = &mut subs[..nt];
     grow(&mut sc.qt, DK * r);
+    let mut q_exact = pb.q_dtype == Elem::BF16 && pb.scale > 0.0;
+    if !load_q::<S, DK>(pb, seq, g, subs, sc.qt.as_mut_ptr(), r, q_exact) && q_exact {
+        q_exact = false;
+        load_q::<S, DK>(pb, seq, g, subs, sc.qt.as_mut_ptr(), r, false);
+    }
+    let mut qk_terms = [TERMS[0]; 4];
+    let mut n_qk = 0;
+    for &t in TERMS[..qk].iter().filter(|t| !(q_exact && t.1)) {
+        qk_terms[n_qk] = t;
+        n_qk += 1;
+    }
+    let qk_terms = &qk_terms[..n_qk];
+    let score_scale = if q_exact { pb.scale } else { 1.0 };
+    let k_lo = qk_terms.iter().any(|t| t.0);
     grow(&mut sc.o, r * DV);
     grow(&mut sc.mrow, bq * C);
     grow(&mut sc.mt, nt * C * bq);
     grow(&mut sc.m, r);
     grow(&mut sc.l, r);
     grow(&mut sc.ms, r);
+    grow(&mut sc.ls, r);
     let (qt_b, o_b) = (sc.qt.as_mut_ptr(), sc.o.as_mut_ptr());
     // S^T per query tile, `[tile][C][ld]`, in the FMA item's scores buffer.
     let st_b = aligned(&mut sc.st, nt * C * ld);
     let (mrow, mt) = (sc.mrow.as_mut_ptr(), sc.mt.as_mut_ptr());
     let (m_b, l_b, ms_b) = (sc.m.as_mut_ptr(), sc.l.as_mut_ptr(), sc.ms.as_mut_ptr());
+    // lse's sum apart from O's where P is rounded to bfloat16 (one product of P).
+    let ls_b = if pv == 1 { sc.ls.as_mut_ptr() } else { l_b };
     let b = &mut sc.amx;
-    // Which low parts a product reads: Q's from the second product on, K's from the third;
-    // likewise P's and V's.
-    let qv = Parts::of(&mut b.q, nt * dkp * ld, qk >= 2);
-    let kb = Parts::of(&mut b.k, C * dkp, qk >= 3);
+    // Which low parts a product reads: Q's from the second product on (none of exact Q),
+    // K's from the third; likewise P's and V's.
+    let qv = Parts::of(&mut b.q, nt * dkp * ld, qk_terms.iter().any(|t| t.1));
+    let kb = Parts::of(&mut b.k, C * dkp, k_lo);
     let vt = Parts::of(&mut b.vt, DV * C, pv >= 3);
     let pp = Parts::of(&mut b.p, nt * C * ld, pv >= 2);
     let ot = aligned(&mut b.ot, nt * DV * ld);
@@ -118,18 +142,21 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     // would be. Rows further apart stay packed: at 8 KV heads of 128 they are 2 KB apart,
     // and a step's K would fall into 8 of L1's 64 sets (32 lines a set, the A tiles reloaded
     // from L2 for every pair of query blocks), which the copy, contiguous, avoids.
-    let k_in_place = pb.kv == Kv::BF16 && qk <= 2 && DK.is_multiple_of(32) && pb.k_rs == DK;
+    let k_in_place = pb.kv == Kv::BF16 && !k_lo && DK.is_multiple_of(32) && pb.k_rs == DK;
+    // Only split products can meet inf . 0 (below).
+    let split_scores = n_qk > 1;
 
-    let mut subs = item_subs(pb, seq, grp);
-    let subs = &mut subs[..nt];
-    load_q::<S, DK>(pb, seq, g, subs, qt_b, r);
+    // The factor each tile's scores still need (the scale of exact Q, or 1).
+    let mut scaled = [1.0f32; MAX_NT];
     pack_q::<S>(qt_b, DK, dkp, r, per, ld, qv.hi, qv.lo);
-    let q_inf = holds_inf(qv.hi, nt * dkp * ld);
+    let q_inf = split_scores && holds_inf(qv.hi, nt * dkp * ld);
     start_rows(m_b, l_b, r);
+    start_rows(m_b, ls_b, r);
     std::ptr::write_bytes(ot, 0, nt * DV * ld);
 
     t.configure();
     let (k_base, v_base) = (pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs));
+    let row_bytes = |d: usize| d * if pb.kv == Kv::F32 { 4 } else { 2 };
     for step in 0..steps {
         let c0 = step * C;
         let n = C.min(seq.lk - c0);
@@ -146,7 +173,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         let kin = if k_in_place { (n & !15).clamp(ka, kb_end) } else { ka };
         pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, kin, kb_end, n, dkp, kb.hi, kb.lo);
         // Only the split products need it (below).
-        let inf = qk > 1
+        let inf = split_scores
             && (q_inf
                 || (ka..kin).any(|j| holds_inf(k_src.add(j * pb.k_rs), DK))
                 || holds_inf(kb.hi.add(kin * dkp), (kb_end - kin) * dkp));
@@ -159,25 +186,41 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
             let q = qv.tile(k, per, ld, dkp / 2);
             let (a, b) = (sub.lo & !15, round_up(sub.hi, 16));
             if a < kin {
-                scores(t, sub, &TERMS[..qk], k_cache, pb.k_rs, q, st, ld, dkp, a, b.min(kin));
+                scores(t, sub, qk_terms, k_cache, pb.k_rs, q, st, ld, dkp, a, b.min(kin));
             }
             if b > kin.max(a) {
-                scores(t, sub, &TERMS[..qk], kb, dkp, q, st, ld, dkp, a.max(kin), b);
+                scores(t, sub, qk_terms, kb, dkp, q, st, ld, dkp, a.max(kin), b);
             }
-            if inf && qk > 1 {
+            if inf {
                 redo_nan_scores::<DK>(st, ld, sub, k_src, pb.k_rs, pb.kv, qt_b, r);
+            }
+            // The scale of exact Q: on the scores here where a transform follows (SPEC 10's
+            // are of the scaled scores), else in the softmax, which reads them anyway.
+            scaled[k] = score_scale;
+            if score_scale != 1.0 && (pb.softcap > 0.0 || sub.add || sub.distance) {
+                scale_scores::<S>(st, ld, sub, score_scale);
+                scaled[k] = 1.0;
             }
             transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st, ld, c0);
         }
         let v_src = v_base.add(c0 * pb.v_rs);
         pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
         for (k, sub) in subs.iter().enumerate() {
+            // The next step's K and V rows, towards L2 while this step computes, a share
+            // after each tile's products (not all at once: the requests in flight are few):
+            // rows of different heads are kilobytes apart, each in a page of its own, where
+            // the hardware's prefetchers do not follow.
+            let next = c0 + C + k * C / nt..(c0 + C + (k + 1) * C / nt).min(seq.lk);
+            for j in next {
+                S::prefetch_span(k_base.add(j * pb.k_rs) as *const u8, row_bytes(DK));
+                S::prefetch_span(v_base.add(j * pb.v_rs) as *const u8, row_bytes(DV));
+            }
             if sub.lo >= sub.hi {
                 continue;
             }
             let (st, ot) = (tile_view(st_b, k, per, ld, C, 1), tile_view(ot, k, per, ld, DV, 1));
             let p = pp.tile(k, per, ld, C / 2);
-            softmax_pairs::<S>(st, m_b, l_b, ms_b, ld, sub, p);
+            softmax_pairs::<S>(st, scaled[k], m_b, l_b, ls_b, ms_b, ld, sub, p);
             rescale::<S>(ot, ms_b, ld, DV, sub);
             output(t, sub, &TERMS[..pv], vt, p, ot, ld, DV);
         }
@@ -185,12 +228,27 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     t.release();
 
     transpose_out::<S, DV>(ot, o_b, r, per, ld);
-    store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b);
+    store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b, ls_b);
 }
 
-/// Whether `n` bfloat16 values at `p` hold an infinity.
+/// Whether `n` bfloat16 values at `p` hold an infinity. Without an early exit, so that the
+/// scan vectorises (it reads a step's K rows).
+#[inline(always)]
 unsafe fn holds_inf(p: *const u16, n: usize) -> bool {
-    std::slice::from_raw_parts(p, n).iter().any(|&x| x & 0x7fff == 0x7f80)
+    std::slice::from_raw_parts(p, n).iter().fold(false, |seen, &x| seen | (x & 0x7fff == 0x7f80))
+}
+
+/// `S^T *= k` on tile `sub`'s computed cache rows (`[lo, hi)`, its query rows): the scale of
+/// exact Q, before a transform that needs scaled scores.
+#[inline(always)]
+unsafe fn scale_scores<S: Simd>(st: *mut f32, ld: usize, sub: &Sub, k: f32) {
+    let kv = S::splat(k);
+    for j in sub.lo..sub.hi {
+        for i0 in (sub.ib..sub.ie).step_by(W) {
+            let at = st.add(j * ld + i0);
+            S::store(at, S::mul(S::load(at), kv));
+        }
+    }
 }
 
 /// Where Q or K holds an infinity, a product of a high part and a low part can be inf . 0
@@ -331,34 +389,41 @@ impl MapPairs for [(bool, bool)] {
 /// The step's softmax of tile `sub` (SPEC 2 as `softmax_step`: the lazy max, `S = S * ms +
 /// sum p`), writing P^T as VNNI pairs for cache rows `[lo, hi)` rounded out to chunks of 32,
 /// p = 0 on the rows added. With a low part (`p.lo`), P is SPEC's half, stored as its two
-/// bfloat16 parts; without, P is rounded to bfloat16 and the sum is of those values. `st`
-/// and `p` are the tile's views, row length `ld`.
+/// bfloat16 parts; without, P is rounded to bfloat16, the sum `l` is of those values (what O
+/// divides by) and `ls` of the values before their rounding (lse's). `k` multiplies the
+/// scores first (the scale of exact Q, or 1). `st` and `p` are the tile's views, row length
+/// `ld`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn softmax_pairs<S: Simd>(
     st: *const f32,
+    k: f32,
     m: *mut f32,
     l: *mut f32,
+    ls: *mut f32,
     ms: *mut f32,
     ld: usize,
     sub: &Sub,
     p: Parts,
 ) {
     let (a, b) = (sub.lo & !31, round_up(sub.hi, 32));
-    let zero = S::splat(0.0);
+    let (zero, kv) = (S::splat(0.0), S::splat(k));
     let split_p = !p.lo.is_null();
     for i0 in (sub.ib..sub.ie).step_by(W) {
-        let (m_new, scale) = step_max::<S>(st, m, ms, ld, i0, sub.lo, sub.hi);
-        let mut sum = zero;
+        let (m_new, scale) = step_max::<S>(st, k, m, ms, ld, i0, sub.lo, sub.hi);
+        let (mut sum, mut sum_exact) = (zero, zero);
         for k in a / 2..b / 2 {
             let j = 2 * k;
             // lo and hi are multiples of 4: both rows of a pair are in, or both out.
             let (p0, p1) = if j >= sub.lo && j < sub.hi {
-                let e0 = S::exp(S::sub(S::load(st.add(j * ld + i0)), m_new));
-                let e1 = S::exp(S::sub(S::load(st.add((j + 1) * ld + i0)), m_new));
+                // As a pass `s *= k` then the softmax (`x * 1` is x to the bit): the
+                // described mask and its explicit form give the same bits.
+                let e0 = S::exp(S::sub(S::mul(S::load(st.add(j * ld + i0)), kv), m_new));
+                let e1 = S::exp(S::sub(S::mul(S::load(st.add((j + 1) * ld + i0)), kv), m_new));
                 if split_p {
                     (S::round_half(e0), S::round_half(e1))
                 } else {
+                    sum_exact = S::add(S::add(sum_exact, e0), e1);
                     (S::round_bf16(e0), S::round_bf16(e1))
                 }
             } else {
@@ -376,6 +441,9 @@ unsafe fn softmax_pairs<S: Simd>(
             }
         }
         S::store(l.add(i0), S::fma(S::load(l.add(i0)), scale, sum));
+        if !split_p {
+            S::store(ls.add(i0), S::fma(S::load(ls.add(i0)), scale, sum_exact));
+        }
     }
 }
 

@@ -142,6 +142,19 @@ pub(super) unsafe fn pack_k<S: Simd, const DK: usize>(
     hi: *mut u16,
     lo: *mut u16,
 ) {
+    if kv == Kv::BF16 && lo.is_null() {
+        // The rows as they are: what rounding each value to bfloat16 would store.
+        for j in a..b {
+            let dst = hi.add(j * dkp);
+            if j < n {
+                std::ptr::copy_nonoverlapping(src.add(j * rs), dst, DK);
+            } else {
+                std::ptr::write_bytes(dst, 0, DK);
+            }
+            std::ptr::write_bytes(dst.add(DK), 0, dkp - DK);
+        }
+        return;
+    }
     let zero = S::splat(0.0);
     for j in a..b {
         for d0 in (0..dkp).step_by(W) {
@@ -171,6 +184,27 @@ pub(super) unsafe fn pack_vt<S: Simd, const DV: usize>(
     hi: *mut u16,
     lo: *mut u16,
 ) {
+    if kv == Kv::BF16 && lo.is_null() {
+        // The pairs from the rows' bits (what rounding each value to bfloat16 would keep).
+        let zeros = [0u16; W];
+        let at = |j: usize, d0: usize| if j < n { src.add(j * rs + d0) } else { zeros.as_ptr() };
+        for k0 in (a / 2..b / 2).step_by(W) {
+            for d0 in (0..DV).step_by(W) {
+                // A loop, not `array::from_fn`: its closure is compiled apart, without the
+                // instruction set, and calls every intrinsic.
+                let mut ph = [S::splat(0.0); W];
+                for (x, v) in ph.iter_mut().enumerate() {
+                    let j = 2 * (k0 + x);
+                    *v = S::load_bf16_pairs(at(j, d0), at(j + 1, d0));
+                }
+                S::transpose16(&mut ph);
+                for (y, v) in ph.iter().enumerate() {
+                    S::store(hi.add((d0 + y) * C + 2 * k0) as *mut f32, *v);
+                }
+            }
+        }
+        return;
+    }
     let zero = S::splat(0.0);
     let row = |j: usize, d0: usize| if j < n { load_kv::<S>(src.add(j * rs), d0, kv) } else { zero };
     let both = !lo.is_null();
@@ -211,7 +245,11 @@ pub(super) unsafe fn transpose_out<S: Simd, const DV: usize>(
     for i0 in (0..r).step_by(W) {
         let view = tile_view(ot, i0 / per, per, ld, DV, 1);
         for d0 in (0..DV).step_by(W) {
-            let mut v: [S::V; W] = std::array::from_fn(|y| S::load(view.add((d0 + y) * ld + i0)));
+            // (A loop, not `array::from_fn`, as in `pack_vt`.)
+            let mut v = [S::splat(0.0); W];
+            for (y, x) in v.iter_mut().enumerate() {
+                *x = S::load(view.add((d0 + y) * ld + i0));
+            }
             S::transpose16(&mut v);
             for (x, row) in v.iter().enumerate() {
                 S::store(o.add((i0 + x) * DV + d0), *row);

@@ -41,7 +41,7 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
     let mut subs = item_subs(pb, seq, grp);
     let subs = &mut subs[..nt];
 
-    load_q::<S, DK>(pb, seq, g, subs, qt_b, r);
+    load_q::<S, DK>(pb, seq, g, subs, qt_b, r, false);
     start_rows(m_b, l_b, r);
     std::ptr::write_bytes(o_b, 0, r * DV);
 
@@ -68,7 +68,7 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
         accumulate::<S, DV>(st_b, v_step, pb.v_rs, pb.kv, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
     }
 
-    store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b);
+    store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b, l_b);
 }
 
 /// W elements of K or V from column `col` of the row at `row`, widened to f32 from F16 or

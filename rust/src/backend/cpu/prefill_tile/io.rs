@@ -4,9 +4,13 @@
 use super::{Elem, Problem, Seq, Sub};
 use crate::backend::cpu::simd::{Simd, W};
 
-/// Q of the item's rows: `qh = half(scale * q)`, transposed into Q^T (`[D][r]`); rows past
-/// the prompt are zero. By blocks of W rows, so that every line of Q^T is written whole, once.
+/// Q of the item's rows: `qh = half(scale * q)` (or, where `exact`, q itself: bfloat16 Q
+/// for the AMX item, which scales the scores instead), transposed into Q^T (`[D][r]`); rows
+/// past the prompt are zero. By blocks of W rows and W columns (a register transpose), so
+/// that every line of Q^T is written whole, once. Returns whether every `half(scale * q)` is
+/// finite (where one is not, SPEC 9 makes it inf, which exact Q would not).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn load_q<S: Simd, const D: usize>(
     pb: &Problem,
     seq: &Seq,
@@ -14,10 +18,35 @@ pub(super) unsafe fn load_q<S: Simd, const D: usize>(
     subs: &[Sub],
     qt_b: *mut f32,
     r: usize,
-) {
+    exact: bool,
+) -> bool {
     let scale = S::splat(pb.scale);
+    let zero = S::splat(0.0);
+    // The largest |half(scale * q)| per lane (a NaN never kept).
+    let mut big = zero;
     let mut tmp = [[0f32; D]; W];
-    for sub in subs.iter() {
+    // Each tile's rows (every head of the group) asked for ahead, the next tile's while
+    // this one converts: rows are a row of all heads apart, each line of them a miss the
+    // hardware's prefetchers do not see coming.
+    let esize = if pb.q_dtype == Elem::F32 { 4 } else { 2 };
+    let fetch = |sub: &Sub| {
+        for rr in 0..sub.nr {
+            for hh in 0..pb.group {
+                let at = seq.q + (sub.r0 + rr) * pb.q_rs + (g * pb.group + hh) * pb.q_hs;
+                let row = pb.q.add(at * esize);
+                for b in (0..D * esize).step_by(64) {
+                    S::prefetch(row.add(b));
+                }
+            }
+        }
+    };
+    if let Some(first) = subs.first() {
+        fetch(first);
+    }
+    for (k, sub) in subs.iter().enumerate() {
+        if let Some(next) = subs.get(k + 1) {
+            fetch(next);
+        }
         for hh in 0..pb.group {
             let h = g * pb.group + hh;
             for rb in (0..pb.bq).step_by(W) {
@@ -31,22 +60,34 @@ pub(super) unsafe fn load_q<S: Simd, const D: usize>(
                                 Elem::F16 => S::load_f16((pb.q as *const u16).add(at + dv)),
                                 Elem::BF16 => S::load_bf16((pb.q as *const u16).add(at + dv)),
                             };
-                            S::store(row.as_mut_ptr().add(dv), S::round_half(S::mul(q, scale)));
+                            let h = S::round_half(S::mul(q, scale));
+                            big = S::max(S::max(h, S::sub(zero, h)), big);
+                            S::store(row.as_mut_ptr().add(dv), if exact { q } else { h });
                         }
                     } else {
                         row.fill(0.0);
                     }
                 }
                 let i0 = sub.ib + hh * pb.bq + rb;
-                // A transpose: `dd` indexes the inner arrays of `tmp`, column by column.
-                #[allow(clippy::needless_range_loop)]
-                for dd in 0..D {
-                    let col: [f32; W] = std::array::from_fn(|x| tmp[x][dd]);
-                    S::store(qt_b.add(dd * r + i0), S::load(col.as_ptr()));
+                // D is a multiple of W at every head dim.
+                for d0 in (0..D).step_by(W) {
+                    // A loop, not `array::from_fn`: its closure is compiled apart, without
+                    // the instruction set, and calls every intrinsic.
+                    let mut v = [S::splat(0.0); W];
+                    for (x, col) in v.iter_mut().enumerate() {
+                        *col = S::load(tmp[x].as_ptr().add(d0));
+                    }
+                    S::transpose16(&mut v);
+                    for (y, col) in v.iter().enumerate() {
+                        S::store(qt_b.add((d0 + y) * r + i0), *col);
+                    }
                 }
             }
         }
     }
+    let mut lanes = [0f32; W];
+    S::store(lanes.as_mut_ptr(), big);
+    lanes.iter().all(|x| x.is_finite())
 }
 
 /// The sink logit `sigma` joins a row's running max `m` and sum `l` (SPEC 10): the max
@@ -64,10 +105,13 @@ pub(super) fn with_sink(m: f32, l: f32, sigma: f32) -> (f32, f64, f64) {
 }
 
 /// O / S, or zeros where S == 0 (a row that saw no visible cache row), in O's dtype (rounded
-/// to nearest even from f32); lse = M + ln(S), or -inf where S == 0. With sinks, M and S
+/// to nearest even from f32); lse = M + ln(S'), or -inf where S == 0. With sinks, M and S
 /// take the head's sink logit first ([`with_sink`]): a row that saw nothing is then zeros
-/// with lse = sigma.
+/// with lse = sigma. S' (`ls_b`) is S but where P was rounded coarser than SPEC's half (to
+/// bfloat16, by the AMX item's one product): there O divides by the sum of the values it
+/// multiplied (S) and lse takes the sum before their rounding (S'), as near as the exp.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn store_out<S: Simd, const D: usize>(
     pb: &Problem,
     seq: &Seq,
@@ -76,6 +120,7 @@ pub(super) unsafe fn store_out<S: Simd, const D: usize>(
     o_b: *const f32,
     m_b: *const f32,
     l_b: *const f32,
+    ls_b: *const f32,
 ) {
     for sub in subs.iter() {
         for hh in 0..pb.group {
@@ -83,10 +128,12 @@ pub(super) unsafe fn store_out<S: Simd, const D: usize>(
             for rr in 0..sub.nr {
                 let i = sub.ib + hh * pb.bq + rr;
                 let at = seq.o + (sub.r0 + rr) * pb.o_rs + h * pb.o_hs;
-                let (m, mut l) = (*m_b.add(i), *l_b.add(i));
-                let mut lse = if l == 0.0 { f32::NEG_INFINITY } else { m + l.ln() };
+                let (m, mut l, ls) = (*m_b.add(i), *l_b.add(i), *ls_b.add(i));
+                let mut lse = if l == 0.0 { f32::NEG_INFINITY } else { m + ls.ln() };
                 if !pb.sinks.is_null() {
-                    let (div, mf, sum) = with_sink(m, l, *pb.sinks.add(h));
+                    let sigma = *pb.sinks.add(h);
+                    let (div, _, _) = with_sink(m, l, sigma);
+                    let (_, mf, sum) = with_sink(m, ls, sigma);
                     l = div;
                     lse = if sum == 0.0 { f32::NEG_INFINITY } else { (mf + sum.ln()) as f32 };
                 }
@@ -95,19 +142,8 @@ pub(super) unsafe fn store_out<S: Simd, const D: usize>(
                     let o = if l == 0.0 { S::splat(0.0) } else { S::div(S::load(o_b.add(i * D + dv)), lv) };
                     match pb.o_dtype {
                         Elem::F32 => S::store((pb.out.0 as *mut f32).add(at + dv), o),
-                        Elem::F16 | Elem::BF16 => {
-                            let mut x = [0f32; W];
-                            S::store(x.as_mut_ptr(), o);
-                            let dst = (pb.out.0 as *mut u16).add(at + dv);
-                            for (e, &v) in x.iter().enumerate() {
-                                let bits = if pb.o_dtype == Elem::F16 {
-                                    half::f16::from_f32(v).to_bits()
-                                } else {
-                                    half::bf16::from_f32(v).to_bits()
-                                };
-                                *dst.add(e) = bits;
-                            }
-                        }
+                        Elem::F16 => S::store_f16_nearest((pb.out.0 as *mut u16).add(at + dv), o),
+                        Elem::BF16 => S::store_bf16_nearest((pb.out.0 as *mut u16).add(at + dv), o),
                     }
                 }
                 if pb.has_lse {

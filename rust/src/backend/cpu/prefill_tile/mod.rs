@@ -134,7 +134,7 @@ pub(super) struct Problem {
     pub blk: *const u8,
     pub out: SendPtr<u8>,
     pub lse: SendPtr<f32>,
-    /// The bf16 products of the AMX item for this K/V dtype (`cpu::amx::products`).
+    /// The bf16 products of the AMX item for this K/V and Q dtype (`cpu::amx::products_for`).
     pub amx: super::amx::Products,
 }
 
@@ -290,6 +290,8 @@ pub(super) struct Scratch {
     m: Vec<f32>,
     l: Vec<f32>,
     ms: Vec<f32>,
+    /// The AMX item's running sum of P before its rounding to bfloat16, `[R]` (lse's).
+    ls: Vec<f32>,
     /// The AMX item's operands in the tiles' layouts.
     amx: amx::Buffers,
 }

@@ -18,7 +18,7 @@ pub(super) unsafe fn softmax_step<S: Simd>(
     hi: usize,
 ) {
     for i0 in (ib..ie).step_by(W) {
-        let (m_new, scale) = step_max::<S>(st, m, ms, r, i0, lo, hi);
+        let (m_new, scale) = step_max::<S>(st, 1.0, m, ms, r, i0, lo, hi);
         let mut sum = S::splat(0.0);
         for j in lo..hi {
             let ptr = st.add(j * r + i0);
@@ -30,12 +30,16 @@ pub(super) unsafe fn softmax_step<S: Simd>(
     }
 }
 
-/// The step's max of the W rows at `i0` over cache rows `lo..hi` and SPEC 2's lazy update:
-/// only where it exceeds the running max by more than 8 does the max move (to it) and the
-/// rescale factor `ms = exp(M_old - M_new)` differ from 1. Stores M and ms; returns them.
+/// The step's max of the W rows at `i0` over cache rows `lo..hi`, times `k` (the scores'
+/// pending scale: `k * max(s)` is `max(k * s)` to the bit for k > 0, rounding being
+/// monotonic), and SPEC 2's lazy update: only where it exceeds the running max by more than
+/// 8 does the max move (to it) and the rescale factor `ms = exp(M_old - M_new)` differ from
+/// 1. Stores M and ms; returns them.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn step_max<S: Simd>(
     st: *const f32,
+    k: f32,
     m: *mut f32,
     ms: *mut f32,
     r: usize,
@@ -49,6 +53,7 @@ pub(super) unsafe fn step_max<S: Simd>(
     for j in lo + 1..hi {
         mx = S::max(S::load(st.add(j * r + i0)), mx);
     }
+    let mx = S::mul(mx, S::splat(k));
     let m_old = S::load(m.add(i0));
     let thresh = S::add(m_old, S::splat(8.0));
     let scale = S::select_gt(mx, thresh, S::exp(S::sub(m_old, mx)), S::splat(1.0));
