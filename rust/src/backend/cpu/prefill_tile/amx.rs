@@ -18,7 +18,7 @@
 //! products, four each with F16 K/V and two with BF16; docs/spec.md ("The CPU on AMX tiles")
 //! has the measured errors of every choice.
 
-use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, split, tile_ld, tile_view, transpose_out};
+use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, tile_ld, tile_view, transpose_out};
 use super::io::{load_q, store_out};
 use super::softmax::step_max;
 use super::transforms::transform_scores;
@@ -411,18 +411,22 @@ unsafe fn softmax_pairs<S: Simd>(
     let split_p = !p.lo.is_null();
     for i0 in (sub.ib..sub.ie).step_by(W) {
         let (m_new, scale) = step_max::<S>(st, k, m, ms, ld, i0, sub.lo, sub.hi);
+        // Without a low part: p = 2^((s - M) log2 e), the exponent's product with log2 e
+        // fused ([`exp2_for_bf16`]).
+        let (log2e, m_log2e) = (S::splat(std::f32::consts::LOG2_E), S::mul(m_new, S::splat(-std::f32::consts::LOG2_E)));
         let (mut sum, mut sum_exact) = (zero, zero);
         for k in a / 2..b / 2 {
             let j = 2 * k;
+            // As a pass `s *= k` then the softmax (`x * 1` is x to the bit): the described
+            // mask and its explicit form give the same bits.
+            let s = |j: usize| S::mul(S::load(st.add(j * ld + i0)), kv);
             // lo and hi are multiples of 4: both rows of a pair are in, or both out.
             let (p0, p1) = if j >= sub.lo && j < sub.hi {
-                // As a pass `s *= k` then the softmax (`x * 1` is x to the bit): the
-                // described mask and its explicit form give the same bits.
-                let e0 = S::exp(S::sub(S::mul(S::load(st.add(j * ld + i0)), kv), m_new));
-                let e1 = S::exp(S::sub(S::mul(S::load(st.add((j + 1) * ld + i0)), kv), m_new));
                 if split_p {
-                    (S::round_half(e0), S::round_half(e1))
+                    (S::round_half(S::exp(S::sub(s(j), m_new))), S::round_half(S::exp(S::sub(s(j + 1), m_new))))
                 } else {
+                    let e0 = exp2_for_bf16::<S>(S::fma(s(j), log2e, m_log2e));
+                    let e1 = exp2_for_bf16::<S>(S::fma(s(j + 1), log2e, m_log2e));
                     sum_exact = S::add(S::add(sum_exact, e0), e1);
                     (S::round_bf16(e0), S::round_bf16(e1))
                 }
@@ -432,8 +436,9 @@ unsafe fn softmax_pairs<S: Simd>(
             sum = S::add(S::add(sum, p0), p1);
             let at = (k * ld + i0) * 2;
             if split_p {
-                // The pairs keep each lane's top half: the high parts of the split.
-                let ((_, l0), (_, l1)) = (split::<S>(p0), split::<S>(p1));
+                // The pairs keep each lane's top half: the high parts of the split. (p is
+                // finite, at most e^8, or NaN: `split`'s care for infinities is not needed.)
+                let (l0, l1) = (S::sub(p0, S::trunc_bf16(p0)), S::sub(p1, S::trunc_bf16(p1)));
                 S::store_bf16_pairs(p.hi.add(at), p0, p1);
                 S::store_bf16_pairs(p.lo.add(at), l0, l1);
             } else {
@@ -445,6 +450,26 @@ unsafe fn softmax_pairs<S: Simd>(
             S::store(ls.add(i0), S::fma(S::load(ls.add(i0)), scale, sum_exact));
         }
     }
+}
+
+/// `2^t` for the softmax's P where it is rounded to bfloat16 (one product of P): to about
+/// 3e-6 of its value (a minimax polynomial of degree 4 on the fraction), where bfloat16 keeps
+/// 2^-9, in ten vector operations (`exp`, to 2 ulp for SPEC's half P, takes seventeen).
+/// t is at most about 12 (a score at most 8 above the lazy max) or NaN (kept); below -126
+/// (-inf: a masked score) 2^t is 0.
+#[inline(always)]
+unsafe fn exp2_for_bf16<S: Simd>(t: S::V) -> S::V {
+    // NaN is the second operand of the clamp and the select: it survives.
+    let low = S::splat(-126.0);
+    let tc = S::max(low, t);
+    let n = S::round(tc);
+    let f = S::sub(tc, n);
+    let mut p = S::splat(9.582_85e-3);
+    p = S::fma(p, f, S::splat(5.590_643e-2));
+    p = S::fma(p, f, S::splat(2.402_41e-1));
+    p = S::fma(p, f, S::splat(6.931_242e-1));
+    p = S::fma(p, f, S::splat(1.0));
+    S::select_gt(low, t, S::splat(0.0), S::ldexp(p, n))
 }
 
 /// `O^T[d][i] *= ms[i]` on tile `sub`'s rows where some row's max moved this step (with
