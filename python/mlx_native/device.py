@@ -76,10 +76,8 @@ def _amx_kv_code(kv_dtype: str) -> int:
 
 def cpu_amx_products(kv_dtype: str) -> tuple:
     """``(qk, pv)``: how many bfloat16 products the CPU's AMX kernels sum for Q.K^T and for
-    P.V with K/V of ``kv_dtype`` (``"float16"`` or ``"bfloat16"``) and Q float32 or float16;
-    see :func:`set_cpu_amx_products`. Unless set, bfloat16 K/V with bfloat16 Q uses one
-    product each (Q read exactly, the scores scaled, P rounded to bfloat16 as PyTorch
-    rounds it)."""
+    P.V with K/V of ``kv_dtype`` (``"float16"`` or ``"bfloat16"``); see
+    :func:`set_cpu_amx_products`."""
     qk, pv = ffi.new("uint32_t *"), ffi.new("uint32_t *")
     check(lib.mlxn_cpu_amx_products(_amx_kv_code(kv_dtype), qk, pv))
     return int(qk[0]), int(pv[0])
@@ -92,9 +90,7 @@ def set_cpu_amx_products(kv_dtype: str, qk: Optional[int] = None, pv: Optional[i
     A = V) are summed, 1 to 4 each (1 or 2 with bfloat16 K/V, which has no low part); one
     rounds Q or P to bfloat16 (bfloat16 Q is exact in one part: the kernels read it as it is
     and scale the scores instead). ``None`` for both restores the default (float16: 4 and 4,
-    bfloat16: 2 and 2, the exact products; bfloat16 with bfloat16 Q: 1 and 1, P rounded to
-    bfloat16 as PyTorch rounds it). A setting holds for every Q dtype. Process-wide; for
-    measurements."""
+    bfloat16: 2 and 2, the exact products). Process-wide; for measurements."""
     if (qk is None) != (pv is None):
         raise InvalidArgumentError("give both qk and pv, or neither (the default)")
     code = _amx_kv_code(kv_dtype)

@@ -246,7 +246,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
         blk,
         out: SendPtr(out),
         lse: SendPtr(lse as *mut f32),
-        amx: super::amx::products_for(kv == Kv::BF16, q_dtype == Elem::BF16),
+        amx: super::amx::products(kv == Kv::BF16),
     };
     // Where query row r of a sequence sits in its cache: r + off.
     let place = |lq: usize, lk: usize| {

@@ -134,7 +134,7 @@ pub(super) struct Problem {
     pub blk: *const u8,
     pub out: SendPtr<u8>,
     pub lse: SendPtr<f32>,
-    /// The bf16 products of the AMX item for this K/V and Q dtype (`cpu::amx::products_for`).
+    /// The bf16 products of the AMX item for this K/V dtype (`cpu::amx::products`).
     pub amx: super::amx::Products,
 }
 
