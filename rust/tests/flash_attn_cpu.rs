@@ -7,9 +7,15 @@ use mlx_native::backend::cpu::{flash_attn_prefill_tensor, simd};
 use mlx_native::ops::flash_attn_prefill_tensor::queries_per_threadgroup;
 use mlx_native::{default_registry, MlxDevice};
 
+/// Held by the test that owns the instruction-set switch while it turns it, and by a test
+/// that compares two runs bit for bit: those must run on one set (the AMX tiles add in
+/// another order than the FMA kernels, so a switch between the two runs changes bits).
+static ISA_SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Runs `f` once per instruction set, with that set forced. One test owns the switch, so
 /// tests that run in parallel see every set at some point, and each must be correct anyway.
 fn for_each_isa(mut f: impl FnMut(&str)) {
+    let _switch = ISA_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     for isa in simd::detected_isas() {
         simd::force_isa(Some(isa)).unwrap();
         f(isa);
@@ -58,6 +64,7 @@ fn matches_the_float64_reference_on_every_isa() {
 
 #[test]
 fn the_skip_table_changes_no_bit() {
+    let _one_isa = ISA_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let dev = MlxDevice::cpu();
     let mut reg = default_registry();
     for (name, c) in cases() {

@@ -27,6 +27,10 @@ const NEGATIVE_NANS: [u16; 3] = [0xfe00, 0xfc01, 0xffff];
 /// Every instruction set this CPU has, and the AMX kernels on the emulated tiles (the same
 /// arithmetic as the hardware's, on any CPU).
 fn for_each_isa(mut f: impl FnMut(&str)) {
+    // One test turns the switch at a time: a test that compares two runs bit for bit must
+    // see one set for both (the AMX tiles add in another order than the FMA kernels).
+    static ISA_SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _switch = ISA_SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     for isa in simd::detected_isas().into_iter().chain([simd::AMX_EMULATED]) {
         simd::force_isa(Some(isa)).unwrap();
         f(isa);
