@@ -94,7 +94,8 @@ for d, kvt in [(64, np.float16), (128, np.float16), (64, "bf16")]:
     out, lse = mx.PrefillPlan(q, k, v, causal=True, window=300, sinks=sinks, return_lse=True, device="cuda").run()
     ro, rl = reference_prefill(q, k, v, causal=True, window=300, sinks=sinks, scale=1 / np.sqrt(d))
     e, le = nmse(out, ro), np.abs(np.asarray(lse) - rl).max()
-    print(f"d{d} {'bf16' if bf else 'f16'} batch, window, sinks, lse: nmse {e:.2e}, lse off {le:.1e}")
+    kind = "bf16" if bf else "f16"
+    print(f"d{d} {kind} batch, window, sinks, lse: nmse {e:.2e}, lse off {le:.1e}")
     assert e < (5e-5 if bf else 1e-5) and le < (1e-2 if bf else 2e-3)
 '
 if run_build "$TB" env MLX_NATIVE_CUDA_TRACE=1 timeout 60 python3 -c "$SMOKE" > "$OUT/smoke.log" 2>&1; then

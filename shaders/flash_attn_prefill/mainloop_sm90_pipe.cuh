@@ -99,8 +99,9 @@ __device__ __forceinline__ void load_q_rows(u32 s_q, int wgi, const Params& p, c
 }
 
 // A thread's two rows of O divided by their sums (SPEC 2 step 6, with SPEC 10's sink) in
-// O's dtype, and their lse (SPEC 8).
-template <int D>
+// O's dtype, and their lse (SPEC 8). l_run: the thread's partial sums of its rows, or (WHOLE)
+// the rows' whole sums (the tensor cores' m64n8 sums hold every column of a row).
+template <int D, bool WHOLE>
 __device__ __forceinline__ void store_rows(const Params& p, const Launch& L, const Seq& sq, int lq, int q0, int head,
                                            const float (&o)[D / 2], float (&m_run)[2], const float (&l_run)[2],
                                            void* __restrict__ out, float* __restrict__ lse,
@@ -109,9 +110,11 @@ __device__ __forceinline__ void store_rows(const Params& p, const Launch& L, con
     const bool out_al = (L.flags & FLAG_OUT_ALIGNED) != 0;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        float l = l_run[hh];  // the quad's partial sums, in a fixed order
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        float l = l_run[hh];
+        if constexpr (!WHOLE) {  // the quad's partial sums, in a fixed order
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+        }
         const int r = q0 + hh * 8 + g8;
         if (r >= lq) continue;
         float o_scale;
@@ -177,7 +180,12 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     const int wgi = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform: descriptors in uniform registers
     const PairRows r = pair_rows<PAIR>(p, L, cu_q, cu_k);
     load_q_rows<D, T>(s_q, wgi, p, L, r.sq, q, r.q_cta);
-    fence_proxy_async();                    // Q (ordinary stores) before wgmma reads it
+    const u32 s_ones = s_q + (u32)(PC::ONES + wgi * 256);  // this warpgroup's ones (ROWSUM)
+    if constexpr (PC::ROWSUM) {
+        const u32 one = T::pack2(1.f, 1.f);
+        if ((tid & 127) < 16) st_shared_v4(s_ones + (u32)((tid & 127) * 16), one, one, one, one);
+    }
+    fence_proxy_async();                    // Q and the ones (ordinary stores) before wgmma reads them
     named_barrier(3 + wgi, NTHREADS / 2);  // the warpgroup's Q is in (its products read only its rows)
     const int qpc = L.queries_per_cta, r0 = wgi * 64 + ((tid >> 5) & 3) * 16;  // the warp's first CTA row
     const int head = (int)blockIdx.y * L.heads_per_cta + r0 / qpc, q0 = r.q_cta + r0 % qpc;
@@ -185,9 +193,9 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     PairWalk<PAIR> walk;  // for its table rows only (the producer walks)
     walk.init((p.flags & PREFILL_MASK) ? blk + r.sq.blk : nullptr, p.blk_steps, 32, r.wa, r.we);
     const RowGeom geo{r0 % qpc, r.q_cta, r.lk, r.off, head, lane >> 2, lane & 3, by_distance};
-    float o[D / 2];
+    float o[PC::NO];  // O, then (ROWSUM) the rows' sums: PipeCfg::NO
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    for (int i = 0; i < PC::NO; ++i) o[i] = 0.f;
     float m_run[2] = {NEG_FLT_MAX_HALF, NEG_FLT_MAX_HALF}, l_run[2] = {0.f, 0.f};
     // The class of the warp's rows in step t (0 where none is), and their table byte.
     auto classes = [&](int t, TB sb, int& table) -> int {
@@ -207,22 +215,28 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     };
     auto pv = [&](int st, const u32 (&pk)[PC::NB][2]) {
         st = __shfl_sync(0xffffffffu, st, 0);
-        pipe_pv<T, D, PC::N>(o, pk, s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES));
+        pipe_pv<T, D, PC::N, PC::ROWSUM>(o, pk, s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES), s_ones);
     };
     // The tile's softmax: P into pk where the last P V is done (no overlap), else left in s.
     auto softmax = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u,
                        u32 (&pk)[PC::NB][2]) {
         const u32 m_stage = s_mask + (u32)(st * PC::NH * PC::MASK_BYTES);
         if constexpr (PC::OVERLAP) {
-            return tile_softmax<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L);
+            return tile_softmax<T, PC::NH, PC::MASK_BYTES, !PC::ROWSUM>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L);
         } else {
-            return tile_softmax_packed<T, PC::NH, PC::MASK_BYTES>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L, pk);
+            return tile_softmax_packed<T, PC::NH, PC::MASK_BYTES, !PC::ROWSUM>(s, m_run, l_run, ms, tc, u, m_stage, geo,
+                                                                               p, L, pk);
         }
     };
     pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax);
     if (wgi == 0) named_barrier(1, NTHREADS);  // warpgroup 1's last hand-over
     cluster_arrive();                          // done with the partner's barriers
-    store_rows<D>(p, L, cta_seq_again(p, L, cu_q, cu_k), r.lq, q0, head, o, m_run, l_run, out, lse, sinks);
+    if constexpr (PC::ROWSUM) {
+        l_run[0] = o[D / 2];  // the sums' accumulator: rows g8 and g8 + 8, every column the whole row's
+        l_run[1] = o[D / 2 + 2];
+    }
+    store_rows<D, PC::ROWSUM>(p, L, cta_seq_again(p, L, cu_q, cu_k), r.lq, q0, head,
+                              *reinterpret_cast<const float(*)[D / 2]>(&o[0]), m_run, l_run, out, lse, sinks);
     (void)lane;
 }
 

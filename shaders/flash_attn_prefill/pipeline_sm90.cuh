@@ -32,19 +32,26 @@ namespace hopper {
 
 // The shape and shared memory of the pipeline at head dim D: Q [D / 64][128 rows][64 halves],
 // then per stage K and V ([D / 64][N rows][64 halves] each), then per stage the mask tiles
-// of its NH steps ([128 queries][64] halves each), then the mbarriers and each stage's tile.
+// of its NH steps ([128 queries][64] halves each), then the mbarriers and each stage's tile,
+// then (ROWSUM) each consumer warpgroup's block of ones (the B of its rows' sums' product).
 template <int D>
 struct PipeCfg {
     typedef Tiles<D> TL;
     static constexpr int N = TL::N, NH = N / STEP, S = TL::STAGES;
-    static constexpr bool OVERLAP = TL::OVERLAP;
+    static constexpr bool OVERLAP = TL::OVERLAP, ROWSUM = TL::ROWSUM_MMA;
+    // A consumer's accumulators: O (D / 2 a thread), then with ROWSUM the m64n8 one of its
+    // rows' sums (4 a thread), so that O's rescale and register fences cover both.
+    static constexpr int NO = D / 2 + (ROWSUM ? 4 : 0);
     static constexpr int ROWS = 128;                 // query rows of the CTA: 64 a consumer warpgroup
     static constexpr int NS = N / 2, NB = N / 8;     // scores a thread; 8-column blocks of a tile
     static constexpr int Q_BYTES = ROWS * D * 2;
     static constexpr int KV_BYTES = N * D * 2;       // K (or V) of one stage
     static constexpr int MASK_BYTES = ROWS * STEP * 2;  // one step's mask tile
     static constexpr int BAR_BYTES = 48 * S + 32 * S;  // the mbarriers, then each stage's tile (PipeBars)
-    static constexpr int SMEM = 1024 + Q_BYTES + S * (2 * KV_BYTES + NH * MASK_BYTES) + BAR_BYTES;
+    static constexpr int BARS = Q_BYTES + S * (2 * KV_BYTES + NH * MASK_BYTES);  // from Q's start
+    // A warpgroup's ones: one k16 x n8 block (256 bytes), read by every k-chunk's product.
+    static constexpr int ONES = BARS + (BAR_BYTES + 127) / 128 * 128;
+    static constexpr int SMEM = 1024 + (ROWSUM ? ONES + 2 * 256 : BARS + BAR_BYTES);
     static_assert(N == 64 || N == 128, "tiles of one or two table steps (the products' n64 / n128)");
     static_assert(S >= 2, "the producer fills one stage while the consumers read another");
     static_assert(128 * TL::PRODUCER_REGS + 256 * TL::CONSUMER_REGS <= WS_THREADS * 168,
@@ -327,15 +334,28 @@ __device__ __forceinline__ void pipe_qk(float (&s)[N / 2], u32 q_rows, u32 k_til
 
 // O += P V of a tile: P in registers (A fragments, 16 columns a k-chunk), V's N rows at
 // `v_tile` (N-major for the product: its 64-column blocks N * 128 bytes apart); issued, not
-// committed. pk stays the product's until the caller waits.
-template <class T, int D, int N>
-__device__ __forceinline__ void pipe_pv(float (&o)[D / 2], const u32 (&pk)[N / 8][2], u32 v_tile) {
-    const u64 dv0 = desc_sw128(v_tile, N * 128, 1024);
+// committed. pk stays the product's until the caller waits. With ROWSUM (acc holds O, then
+// the rows' sums: PipeCfg::NO) each k-chunk's P also times the warpgroup's ones at `ones`:
+// the rows' sums of the rounded P, in every column of the m64n8 accumulator.
+template <class T, int D, int N, bool ROWSUM, int NO>
+__device__ __forceinline__ void pipe_pv(float (&acc)[NO], const u32 (&pk)[N / 8][2], u32 v_tile, u32 ones) {
+    static_assert(NO == D / 2 + (ROWSUM ? 4 : 0), "O's accumulators, then the sums'");
+    float(&o)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0]);
+    const u64 dv0 = desc_sw128(v_tile, N * 128, 1024), d1 = desc_plain(ones, 128, 128);
     wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < N / 16; ++kc) {
         const u32 a[4] = {pk[2 * kc][0], pk[2 * kc][1], pk[2 * kc + 1][0], pk[2 * kc + 1][1]};
         wgmma_rs<T, D>(o, a, dv0 + (u64)((kc * 16 * 128) >> 4));
+    }
+    if constexpr (ROWSUM) {
+        // Another accumulator's chain: ptxas wants a fence before it (it injects one if not).
+        wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < N / 16; ++kc) {
+            const u32 a[4] = {pk[2 * kc][0], pk[2 * kc][1], pk[2 * kc + 1][0], pk[2 * kc + 1][1]};
+            wgmma_rs_n8<T>(*reinterpret_cast<float(*)[4]>(&acc[D / 2]), a, d1);
+        }
     }
 }
 

@@ -119,6 +119,13 @@ __device__ __forceinline__ u64 desc_sw128(u32 addr, u32 lbo, u32 sbo) {
            ((u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
 }
 
+// A descriptor without swizzle (layout bits 62-63 = 0): core matrices of 8 rows x 16 bytes,
+// `lbo` and `sbo` bytes apart along the two axes. Used only for a block whose every element
+// is the same (the rows' sums' ones), so which axis each offset strides does not matter.
+__device__ __forceinline__ u64 desc_plain(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) | ((u64)((sbo >> 4) & 0x3FFFu) << 32);
+}
+
 // Byte offset of 16-byte chunk `c` (of D / 8) of row `r` in a tile of `rows` rows.
 __device__ __forceinline__ u32 atom_off(int rows, int r, int c) {
     return (u32)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
@@ -255,6 +262,22 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4],
         MLXN_WGMMA_RS_N128("bf16");
     } else {
         MLXN_WGMMA_RS_N128("f16");
+    }
+}
+
+// D (m64 x n8, f32) += A (64 x 16, registers) * B (16 x n8, smem, K-major, no swizzle): with
+// B all ones, each row's sum of A's 16 values in all 8 columns (the rows' sums of P).
+#define MLXN_WGMMA_RS_N8(TY) \
+    asm volatile( \
+    "wgmma.mma_async.sync.aligned.m64n8k16.f32." TY "." TY " {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, 1, 1, 1, 0;\n" \
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) \
+    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+template <class T>
+__device__ __forceinline__ void wgmma_rs_n8(float (&d)[4], const u32 (&a)[4], u64 b) {
+    if constexpr (T::BF16) {
+        MLXN_WGMMA_RS_N8("bf16");
+    } else {
+        MLXN_WGMMA_RS_N8("f16");
     }
 }
 

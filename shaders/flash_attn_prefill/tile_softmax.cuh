@@ -93,11 +93,12 @@ __device__ __forceinline__ void tile_row_max(const float (&s)[NS], float (&mx)[2
     }
 }
 
-// The lazy rescale of both rows (the factors in ms), P = T(exp(s - M)) and the row sums of
-// the rounded P (SPEC 2 step 5: the sums are of the values rounded to T), each pair of P
-// handed to `put` packed and as its two floats. Returns whether a row of the warp rescaled
-// (then O must be scaled by ms before this tile's P V adds to it).
-template <class T, int NS, class Put>
+// The lazy rescale of both rows (the factors in ms), P = T(exp(s - M)) and, where SUM, the
+// row sums of the rounded P (SPEC 2 step 5: the sums are of the values rounded to T; without
+// SUM the tensor cores sum P beside P V, pipeline_sm90.cuh), each pair of P handed to `put`
+// packed and as its two floats. Returns whether a row of the warp rescaled (then O must be
+// scaled by ms before this tile's P V adds to it).
+template <class T, bool SUM, int NS, class Put>
 __device__ __forceinline__ bool tile_exp_each(const float (&s)[NS], const float (&mx)[2], float (&m_run)[2],
                                               float (&l_run)[2], float (&ms)[2], Put put) {
     bool any = false;
@@ -112,11 +113,11 @@ __device__ __forceinline__ bool tile_exp_each(const float (&s)[NS], const float 
             const int i = nb * 4 + hh * 2;
             const u32 pair = T::pack2(exp2_approx(fmaf(s[i], LOG2E, -ml)), exp2_approx(fmaf(s[i + 1], LOG2E, -ml)));
             float a, b;
-            T::unpack2(pair, a, b);
+            T::unpack2(pair, a, b);  // dead where neither put nor the sum reads them
             put(nb, hh, pair, a, b);
-            sum += a + b;
+            if constexpr (SUM) sum += a + b;
         }
-        l_run[hh] = l_run[hh] * ms[hh] + sum;
+        if constexpr (SUM) l_run[hh] = l_run[hh] * ms[hh] + sum;
     }
     return __any_sync(0xffffffffu, any);
 }
@@ -125,10 +126,10 @@ __device__ __forceinline__ bool tile_exp_each(const float (&s)[NS], const float 
 // tile's P V no longer reads the fragments (the overlap): a second set of P registers made
 // the consumers spill at head dim 128, and P packed into the scores' own registers let the
 // compiler merge them with the next Q K^T's accumulators.
-template <class T, int NS>
+template <class T, bool SUM, int NS>
 __device__ __forceinline__ bool tile_exp(float (&s)[NS], const float (&mx)[2], float (&m_run)[2], float (&l_run)[2],
                                          float (&ms)[2]) {
-    return tile_exp_each<T>(s, mx, m_run, l_run, ms, [&](int nb, int hh, u32, float a, float b) {
+    return tile_exp_each<T, SUM>(s, mx, m_run, l_run, ms, [&](int nb, int hh, u32, float a, float b) {
         s[nb * 4 + hh * 2] = a;
         s[nb * 4 + hh * 2 + 1] = b;
     });
@@ -136,10 +137,10 @@ __device__ __forceinline__ bool tile_exp(float (&s)[NS], const float (&mx)[2], f
 
 // For a warpgroup whose last P V is done (no overlap): P packed straight into P V's A
 // fragments (pk, rows g8 and g8 + 8 (hh) of 8-column block nb), the scores left as they were.
-template <class T, int NS>
+template <class T, bool SUM, int NS>
 __device__ __forceinline__ bool tile_exp_packed(const float (&s)[NS], const float (&mx)[2], float (&m_run)[2],
                                                 float (&l_run)[2], float (&ms)[2], u32 (&pk)[NS / 4][2]) {
-    return tile_exp_each<T>(s, mx, m_run, l_run, ms,
+    return tile_exp_each<T, SUM>(s, mx, m_run, l_run, ms,
                             [&](int nb, int hh, u32 pair, float, float) { pk[nb][hh] = pair; });
 }
 
@@ -177,24 +178,24 @@ __device__ __forceinline__ void tile_scores(float (&s)[NS], float (&mx)[2], cons
 
 // The whole of a tile's softmax for a warpgroup that computes it: scores in s, P left in s
 // (tile_exp).
-template <class T, int NH, int MASK_BYTES, int NS>
+template <class T, int NH, int MASK_BYTES, bool SUM, int NS>
 __device__ __forceinline__ bool tile_softmax(float (&s)[NS], float (&m_run)[2], float (&l_run)[2], float (&ms)[2],
                                              const TileClasses<NH>& tc, int u, u32 m_stage, const RowGeom& g,
                                              const Params& p, const Launch& L) {
     float mx[2];
     tile_scores<NH, MASK_BYTES>(s, mx, tc, u, m_stage, g, p, L);
-    return tile_exp<T>(s, mx, m_run, l_run, ms);
+    return tile_exp<T, SUM>(s, mx, m_run, l_run, ms);
 }
 
 // tile_softmax with P packed straight into pk (tile_exp_packed).
-template <class T, int NH, int MASK_BYTES, int NS>
+template <class T, int NH, int MASK_BYTES, bool SUM, int NS>
 __device__ __forceinline__ bool tile_softmax_packed(float (&s)[NS], float (&m_run)[2], float (&l_run)[2],
                                                     float (&ms)[2], const TileClasses<NH>& tc, int u, u32 m_stage,
                                                     const RowGeom& g, const Params& p, const Launch& L,
                                                     u32 (&pk)[NS / 4][2]) {
     float mx[2];
     tile_scores<NH, MASK_BYTES>(s, mx, tc, u, m_stage, g, p, L);
-    return tile_exp_packed<T>(s, mx, m_run, l_run, ms, pk);
+    return tile_exp_packed<T, SUM>(s, mx, m_run, l_run, ms, pk);
 }
 
 // O scaled by the rows' factors (after a rescale), where no product holds it.

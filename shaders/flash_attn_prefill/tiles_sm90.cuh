@@ -45,6 +45,15 @@ namespace hopper {
 #define MLXN_WS_OVERLAP 0
 #endif
 
+// The rows' sums of the rounded P (SPEC 2 step 5) on the tensor cores: P V's operand times a
+// block of ones (an m64n8 product beside each of P V's), where the softmax would unpack
+// every P and add it. Lost (docs/benchmarks.md, 2026-12-05): correct, and 1-3% slower at
+// head dims 64 and 128 (the small products cost the tensor pipe more than the two
+// instructions a score they save); kept as a variant to time.
+#ifndef MLXN_WS_ROWSUM_MMA
+#define MLXN_WS_ROWSUM_MMA 0
+#endif
+
 template <int D>
 struct Tiles;
 
@@ -54,6 +63,7 @@ struct Tiles<64> {
     static constexpr int PIPE = 2, N = MLXN_WS_N_D64, STAGES = MLXN_WS_STAGES_D64;
     static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
+    static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
 };
 template <>
 struct Tiles<128> {
@@ -63,6 +73,7 @@ struct Tiles<128> {
     static constexpr int PIPE = 2, N = MLXN_WS_N_D128, STAGES = 2;
     static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
+    static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
 };
 template <>
 struct Tiles<256> {
@@ -70,6 +81,7 @@ struct Tiles<256> {
     static constexpr int PIPE = 1, N = 64, STAGES = 2;
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
     static constexpr bool OVERLAP = false;  // spilled at 240 registers (2026-12-01 18:05)
+    static constexpr bool ROWSUM_MMA = false;  // (the PIPE 2 pipeline's alone)
 };
 template <>
 struct Tiles<512> {
@@ -77,6 +89,7 @@ struct Tiles<512> {
     static constexpr int PIPE = 0, N = 64, STAGES = 1;
     static constexpr int PRODUCER_REGS = 0, CONSUMER_REGS = 0;
     static constexpr bool OVERLAP = false;
+    static constexpr bool ROWSUM_MMA = false;
 };
 
 }  // namespace hopper
