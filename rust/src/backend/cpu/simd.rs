@@ -120,6 +120,38 @@ pub trait Simd: Copy + Send + Sync + 'static {
         }
     }
 
+    /// Whether `a > b` in some lane (a NaN in either never is). Through memory here; an
+    /// instruction set whose speed matters for it compares in registers.
+    #[inline(always)]
+    unsafe fn any_gt(a: Self::V, b: Self::V) -> bool {
+        let (mut x, mut y) = ([0f32; W], [0f32; W]);
+        Self::store(x.as_mut_ptr(), a);
+        Self::store(y.as_mut_ptr(), b);
+        x.iter().zip(&y).any(|(a, b)| a > b)
+    }
+
+    /// e^x where it is rounded to half next (SPEC 2's p, `x <= 8` there): `2^t`, t = x log2
+    /// e, by a degree-5 polynomial on t's fraction, in eleven operations where
+    /// [`Simd::exp`] takes seventeen. Relative error about 1e-7, plus t's rounding (about
+    /// 1e-6 at the smallest p half keeps); half's own rounding, 2^-12, is 200 times either.
+    /// t is clamped to [-126, 127], where [`Simd::ldexp`] holds: below, the result is at most
+    /// 2^-125.5, which half rounds to 0 as it does e^x; NaN stays NaN.
+    #[inline(always)]
+    unsafe fn exp_for_half(x: Self::V) -> Self::V {
+        let t = Self::mul(x, Self::splat(std::f32::consts::LOG2_E));
+        // NaN is the second operand of both, so it survives the clamps.
+        let t = Self::max(Self::splat(-126.0), Self::min(Self::splat(127.0), t));
+        let n = Self::round(t);
+        let f = Self::sub(t, n);
+        let mut p = Self::splat(1.327_647_1e-3);
+        p = Self::fma(p, f, Self::splat(9.675_542e-3));
+        p = Self::fma(p, f, Self::splat(5.550_713e-2));
+        p = Self::fma(p, f, Self::splat(2.402_212e-1));
+        p = Self::fma(p, f, Self::splat(6.931_469_4e-1));
+        p = Self::fma(p, f, Self::splat(1.000_000_1));
+        Self::ldexp(p, n)
+    }
+
     /// e^x to about 2 ulp; 0 below -87.3, e^88.3 above 88.3, NaN stays NaN.
     #[inline(always)]
     unsafe fn exp(x: Self::V) -> Self::V {
@@ -348,6 +380,10 @@ mod x86 {
         unsafe fn select_gt(a: __m512, b: __m512, t: __m512, f: __m512) -> __m512 {
             let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b);
             _mm512_mask_blend_ps(m, f, t)
+        }
+        #[inline(always)]
+        unsafe fn any_gt(a: __m512, b: __m512) -> bool {
+            _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b) != 0
         }
         #[inline(always)]
         unsafe fn round(v: __m512) -> __m512 {

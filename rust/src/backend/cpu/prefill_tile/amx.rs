@@ -393,6 +393,13 @@ impl MapPairs for [(bool, bool)] {
 /// divides by) and `ls` of the values before their rounding (lse's). `k` multiplies the
 /// scores first (the scale of exact Q, or 1). `st` and `p` are the tile's views, row length
 /// `ld`.
+///
+/// The max is guessed: most steps leave every row's max where it was (the lazy rescale moves
+/// it only past +8), so P is computed against the running max while the step's max is
+/// taken along, and only a group of rows where that max passes the threshold is computed
+/// again after [`step_max`] (the first step of every row, and rarely any later one). Either
+/// way the bits are those of `step_max` then P: where no row's max passes, `step_max` keeps
+/// M and sets `ms = 1`, and the maxima agree but for NaN, which passes nothing in either.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn softmax_pairs<S: Simd>(
@@ -406,50 +413,81 @@ unsafe fn softmax_pairs<S: Simd>(
     sub: &Sub,
     p: Parts,
 ) {
-    let (a, b) = (sub.lo & !31, round_up(sub.hi, 32));
-    let (zero, kv) = (S::splat(0.0), S::splat(k));
-    let split_p = !p.lo.is_null();
+    let one = S::splat(1.0);
     for i0 in (sub.ib..sub.ie).step_by(W) {
-        let (m_new, scale) = step_max::<S>(st, k, m, ms, ld, i0, sub.lo, sub.hi);
-        // Without a low part: p = 2^((s - M) log2 e), the exponent's product with log2 e
-        // fused ([`exp2_for_bf16`]).
-        let (log2e, m_log2e) = (S::splat(std::f32::consts::LOG2_E), S::mul(m_new, S::splat(-std::f32::consts::LOG2_E)));
-        let (mut sum, mut sum_exact) = (zero, zero);
-        for k in a / 2..b / 2 {
-            let j = 2 * k;
-            // As a pass `s *= k` then the softmax (`x * 1` is x to the bit): the described
-            // mask and its explicit form give the same bits.
-            let s = |j: usize| S::mul(S::load(st.add(j * ld + i0)), kv);
-            // lo and hi are multiples of 4: both rows of a pair are in, or both out.
-            let (p0, p1) = if j >= sub.lo && j < sub.hi {
-                if split_p {
-                    (S::round_half(S::exp(S::sub(s(j), m_new))), S::round_half(S::exp(S::sub(s(j + 1), m_new))))
-                } else {
-                    let e0 = exp2_for_bf16::<S>(S::fma(s(j), log2e, m_log2e));
-                    let e1 = exp2_for_bf16::<S>(S::fma(s(j + 1), log2e, m_log2e));
-                    sum_exact = S::add(S::add(sum_exact, e0), e1);
-                    (S::round_bf16(e0), S::round_bf16(e1))
-                }
-            } else {
-                (zero, zero)
-            };
-            sum = S::add(S::add(sum, p0), p1);
-            let at = (k * ld + i0) * 2;
-            if split_p {
-                // The pairs keep each lane's top half: the high parts of the split. (p is
-                // finite, at most e^8, or NaN: `split`'s care for infinities is not needed.)
-                let (l0, l1) = (S::sub(p0, S::trunc_bf16(p0)), S::sub(p1, S::trunc_bf16(p1)));
-                S::store_bf16_pairs(p.hi.add(at), p0, p1);
-                S::store_bf16_pairs(p.lo.add(at), l0, l1);
-            } else {
-                S::store_bf16_pairs(p.hi.add(at), p0, p1);
-            }
-        }
+        let m_old = S::load(m.add(i0));
+        let (sum, sum_exact, mx) = p_pairs::<S>(st, k, m_old, ld, sub, i0, p);
+        let (sum, sum_exact, scale) = if S::any_gt(mx, S::add(m_old, S::splat(8.0))) {
+            let (m_new, scale) = step_max::<S>(st, k, m, ms, ld, i0, sub.lo, sub.hi);
+            let (sum, sum_exact, _) = p_pairs::<S>(st, k, m_new, ld, sub, i0, p);
+            (sum, sum_exact, scale)
+        } else {
+            S::store(ms.add(i0), one);
+            (sum, sum_exact, one)
+        };
         S::store(l.add(i0), S::fma(S::load(l.add(i0)), scale, sum));
-        if !split_p {
+        if p.lo.is_null() {
             S::store(ls.add(i0), S::fma(S::load(ls.add(i0)), scale, sum_exact));
         }
     }
+}
+
+/// P^T's pairs of the W rows at `i0` of tile `sub` against the max `m_new` (see
+/// [`softmax_pairs`]); returns the sum of the stored values, the sum before their rounding
+/// to bfloat16 (one product of P; else 0), and the max of the scaled scores over `[lo, hi)`
+/// (NaN left out).
+#[inline(always)]
+unsafe fn p_pairs<S: Simd>(
+    st: *const f32,
+    k: f32,
+    m_new: S::V,
+    ld: usize,
+    sub: &Sub,
+    i0: usize,
+    p: Parts,
+) -> (S::V, S::V, S::V) {
+    let (a, b) = (sub.lo & !31, round_up(sub.hi, 32));
+    let (zero, kv) = (S::splat(0.0), S::splat(k));
+    let split_p = !p.lo.is_null();
+    // Without a low part: p = 2^((s - M) log2 e), the exponent's product with log2 e
+    // fused ([`exp2_for_bf16`]).
+    let (log2e, m_log2e) = (S::splat(std::f32::consts::LOG2_E), S::mul(m_new, S::splat(-std::f32::consts::LOG2_E)));
+    let (mut sum, mut sum_exact, mut mx) = (zero, zero, S::splat(f32::NEG_INFINITY));
+    for kp in a / 2..b / 2 {
+        let j = 2 * kp;
+        // lo and hi are multiples of 4: both rows of a pair are in, or both out.
+        let (p0, p1) = if j >= sub.lo && j < sub.hi {
+            // As a pass `s *= k` then the softmax (`x * 1` is x to the bit): the described
+            // mask and its explicit form give the same bits.
+            let (s0, s1) = (S::mul(S::load(st.add(j * ld + i0)), kv), S::mul(S::load(st.add((j + 1) * ld + i0)), kv));
+            // A NaN score never wins (the first operand), as in `step_max`.
+            mx = S::max(s1, S::max(s0, mx));
+            if split_p {
+                let e0 = S::exp_for_half(S::sub(s0, m_new));
+                let e1 = S::exp_for_half(S::sub(s1, m_new));
+                (S::round_half(e0), S::round_half(e1))
+            } else {
+                let e0 = exp2_for_bf16::<S>(S::fma(s0, log2e, m_log2e));
+                let e1 = exp2_for_bf16::<S>(S::fma(s1, log2e, m_log2e));
+                sum_exact = S::add(S::add(sum_exact, e0), e1);
+                (S::round_bf16(e0), S::round_bf16(e1))
+            }
+        } else {
+            (zero, zero)
+        };
+        sum = S::add(S::add(sum, p0), p1);
+        let at = (kp * ld + i0) * 2;
+        if split_p {
+            // The pairs keep each lane's top half: the high parts of the split. (p is
+            // finite, at most e^8, or NaN: `split`'s care for infinities is not needed.)
+            let (l0, l1) = (S::sub(p0, S::trunc_bf16(p0)), S::sub(p1, S::trunc_bf16(p1)));
+            S::store_bf16_pairs(p.hi.add(at), p0, p1);
+            S::store_bf16_pairs(p.lo.add(at), l0, l1);
+        } else {
+            S::store_bf16_pairs(p.hi.add(at), p0, p1);
+        }
+    }
+    (sum, sum_exact, mx)
 }
 
 /// `2^t` for the softmax's P where it is rounded to bfloat16 (one product of P): to about
