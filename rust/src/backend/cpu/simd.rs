@@ -45,6 +45,13 @@ pub trait Simd: Copy + Send + Sync + 'static {
     unsafe fn ldexp(p: Self::V, n: Self::V) -> Self::V;
     /// Round every lane to the nearest bfloat16 (ties to even), kept as f32; NaN stays NaN.
     unsafe fn round_bf16(v: Self::V) -> Self::V;
+
+    /// Lane-wise `if low > t { 0 } else { ldexp(p, n) }` (a NaN `t` keeps `ldexp(p, n)`): a
+    /// `2^t` whose `t` below `low` is 0. One masked instruction where the set has one.
+    #[inline(always)]
+    unsafe fn ldexp_unless_below(p: Self::V, n: Self::V, t: Self::V, low: Self::V) -> Self::V {
+        Self::select_gt(low, t, Self::splat(0.0), Self::ldexp(p, n))
+    }
     /// Every lane's top 16 bits (a bfloat16 toward zero), kept as f32: one AND, for exact
     /// splits `x = trunc + (x - trunc)` where both parts are used.
     unsafe fn trunc_bf16(v: Self::V) -> Self::V;
@@ -394,6 +401,12 @@ mod x86 {
             _mm512_scalef_ps(p, n)
         }
         #[inline(always)]
+        unsafe fn ldexp_unless_below(p: __m512, n: __m512, t: __m512, low: __m512) -> __m512 {
+            // Kept where `t < low` is false, unordered included: the default's select.
+            let keep = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(t, low);
+            _mm512_maskz_scalef_ps(keep, p, n)
+        }
+        #[inline(always)]
         unsafe fn round_bf16(v: __m512) -> __m512 {
             // Add 0x7fff plus the kept part's lowest bit, then clear the low half: ties go to
             // even and a carry moves into the exponent as it should (to inf past the top).
@@ -417,8 +430,10 @@ mod x86 {
         #[inline(always)]
         unsafe fn bf16_pairs(even: __m512, odd: __m512) -> __m512 {
             let lo = _mm512_srli_epi32::<16>(_mm512_castps_si512(even));
-            let hi = _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(-65536));
-            _mm512_castsi512_ps(_mm512_or_si512(lo, hi))
+            // `(odd & 0xffff0000) | lo` in one instruction: bit by bit, the mask's bit picks
+            // odd's, else lo's (truth table 0xca of (mask, odd, lo): mask ? odd : lo).
+            let top = _mm512_set1_epi32(-65536);
+            _mm512_castsi512_ps(_mm512_ternarylogic_epi32::<0xca>(top, _mm512_castps_si512(odd), lo))
         }
         #[inline(always)]
         unsafe fn load_bf16_pairs(even: *const u16, odd: *const u16) -> __m512 {
@@ -967,6 +982,52 @@ mod tests {
         for e in 0..W {
             assert_eq!(got[e].to_bits(), (odd[e] as u32) << 16 | even[e] as u32, "{} pair {e}", S::NAME);
             assert_eq!(got[e].to_bits(), want[e].to_bits(), "{} pair {e}", S::NAME);
+        }
+        // Pairs of values with low halves of their own (the parts of a split): each lane's top
+        // halves, whatever the low ones hold.
+        let e32: Vec<u32> = (0..W as u32).map(|i| i.wrapping_mul(2654435761) ^ 0x3f80_1234).collect();
+        let o32: Vec<u32> = (0..W as u32).map(|i| i.wrapping_mul(40503) ^ 0xbf7f_ffff).collect();
+        unsafe {
+            let (ev, ov) = (S::load(e32.as_ptr() as *const f32), S::load(o32.as_ptr() as *const f32));
+            S::store(got.as_mut_ptr(), S::bf16_pairs(ev, ov));
+        }
+        for e in 0..W {
+            assert_eq!(got[e].to_bits(), (o32[e] & 0xffff_0000) | e32[e] >> 16, "{} split pair {e}", S::NAME);
+        }
+        // `ldexp_unless_below`: 0 below the bound, ldexp at and above it and for NaN.
+        let t = [
+            f32::NEG_INFINITY,
+            -1e30,
+            -127.0,
+            -126.5,
+            -126.0,
+            -125.5,
+            -3.0,
+            0.0,
+            2.0,
+            f32::NAN,
+            11.5,
+            -126.0001,
+            1.0,
+            0.5,
+            -0.5,
+            3.0,
+        ];
+        let n: [f32; W] = std::array::from_fn(|i| if t[i] >= -126.0 { t[i].round() } else { -126.0 });
+        let p: [f32; W] = std::array::from_fn(|i| if t[i].is_nan() { f32::NAN } else { 1.0 + i as f32 / 32.0 });
+        unsafe {
+            let v =
+                S::ldexp_unless_below(S::load(p.as_ptr()), S::load(n.as_ptr()), S::load(t.as_ptr()), S::splat(-126.0));
+            S::store(got.as_mut_ptr(), v);
+        }
+        for e in 0..W {
+            let want = if t[e] < -126.0 { 0.0 } else { p[e] * 2f32.powi(n[e] as i32) };
+            assert!(
+                got[e].to_bits() == want.to_bits() || (got[e].is_nan() && want.is_nan()),
+                "{} ldexp_unless_below lane {e}: {} against {want}",
+                S::NAME,
+                got[e]
+            );
         }
     }
 

@@ -145,6 +145,9 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     let k_in_place = pb.kv == Kv::BF16 && !k_lo && DK.is_multiple_of(32) && pb.k_rs == DK;
     // Only split products can meet inf . 0 (below).
     let split_scores = n_qk > 1;
+    // A bfloat16 model's call (exact Q, BF16 K/V) with P in two parts: P to about 16 bits,
+    // not SPEC's half ([`p_pairs_16`]).
+    let p16 = q_exact && pb.kv == Kv::BF16 && pv >= 2;
 
     // The factor each tile's scores still need (the scale of exact Q, or 1).
     let mut scaled = [1.0f32; MAX_NT];
@@ -220,7 +223,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
             }
             let (st, ot) = (tile_view(st_b, k, per, ld, C, 1), tile_view(ot, k, per, ld, DV, 1));
             let p = pp.tile(k, per, ld, C / 2);
-            softmax_pairs::<S>(st, scaled[k], m_b, l_b, ls_b, ms_b, ld, sub, p);
+            softmax_pairs::<S>(st, scaled[k], m_b, l_b, ls_b, ms_b, ld, sub, p, p16);
             rescale::<S>(ot, ms_b, ld, DV, sub);
             output(t, sub, &TERMS[..pv], vt, p, ot, ld, DV);
         }
@@ -389,7 +392,7 @@ impl MapPairs for [(bool, bool)] {
 /// The step's softmax of tile `sub` (SPEC 2 as `softmax_step`: the lazy max, `S = S * ms +
 /// sum p`), writing P^T as VNNI pairs for cache rows `[lo, hi)` rounded out to chunks of 32,
 /// p = 0 on the rows added. With a low part (`p.lo`), P is SPEC's half, stored as its two
-/// bfloat16 parts; without, P is rounded to bfloat16, the sum `l` is of those values (what O
+/// bfloat16 parts (or, `p16`, P to 16 bits: [`p_pairs_16`]); without, P is rounded to bfloat16, the sum `l` is of those values (what O
 /// divides by) and `ls` of the values before their rounding (lse's). `k` multiplies the
 /// scores first (the scale of exact Q, or 1). `st` and `p` are the tile's views, row length
 /// `ld`.
@@ -412,14 +415,24 @@ unsafe fn softmax_pairs<S: Simd>(
     ld: usize,
     sub: &Sub,
     p: Parts,
+    p16: bool,
 ) {
     let one = S::splat(1.0);
     for i0 in (sub.ib..sub.ie).step_by(W) {
         let m_old = S::load(m.add(i0));
-        let (sum, sum_exact, mx) = p_pairs::<S>(st, k, m_old, ld, sub, i0, p);
+        // (Not a closure: one would not inherit the caller's instruction set.)
+        let (sum, sum_exact, mx) = if p16 {
+            p_pairs_16::<S>(st, k, m_old, ld, sub, i0, p)
+        } else {
+            p_pairs::<S>(st, k, m_old, ld, sub, i0, p)
+        };
         let (sum, sum_exact, scale) = if S::any_gt(mx, S::add(m_old, S::splat(8.0))) {
             let (m_new, scale) = step_max::<S>(st, k, m, ms, ld, i0, sub.lo, sub.hi);
-            let (sum, sum_exact, _) = p_pairs::<S>(st, k, m_new, ld, sub, i0, p);
+            let (sum, sum_exact, _) = if p16 {
+                p_pairs_16::<S>(st, k, m_new, ld, sub, i0, p)
+            } else {
+                p_pairs::<S>(st, k, m_new, ld, sub, i0, p)
+            };
             (sum, sum_exact, scale)
         } else {
             S::store(ms.add(i0), one);
@@ -490,9 +503,53 @@ unsafe fn p_pairs<S: Simd>(
     (sum, sum_exact, mx)
 }
 
+/// P^T's pairs as [`p_pairs`] makes them, for a bfloat16 model's call (exact Q, BF16 K/V;
+/// two products of P): p = `2^t` to about 3e-6 of its value ([`exp2_for_bf16`]), t =
+/// `s k log2 e - M log2 e` in one fused operation, split into its top 16 bits (`hi`) and
+/// the top 16 bits of the rest (`lo`): P to about 2^-16 of each value, where SPEC's half
+/// keeps 2^-11, for fewer operations (no half rounding, one operation for the exponent
+/// where three stood). The sum is of the f32 values, which the parts hold to 2^-16 (their
+/// truncation leaves out under 2^-16 of each p). Returns as [`p_pairs`] (no sum before a
+/// rounding: 0).
+#[inline(always)]
+unsafe fn p_pairs_16<S: Simd>(
+    st: *const f32,
+    k: f32,
+    m_new: S::V,
+    ld: usize,
+    sub: &Sub,
+    i0: usize,
+    p: Parts,
+) -> (S::V, S::V, S::V) {
+    let (a, b) = (sub.lo & !31, round_up(sub.hi, 32));
+    let zero = S::splat(0.0);
+    let kl = S::splat(k * std::f32::consts::LOG2_E);
+    let ml = S::mul(m_new, S::splat(-std::f32::consts::LOG2_E));
+    let (mut sum, mut mx) = (zero, S::splat(f32::NEG_INFINITY));
+    for kp in a / 2..b / 2 {
+        let j = 2 * kp;
+        // lo and hi are multiples of 4: both rows of a pair are in, or both out.
+        let (p0, p1) = if j >= sub.lo && j < sub.hi {
+            let (s0, s1) = (S::load(st.add(j * ld + i0)), S::load(st.add((j + 1) * ld + i0)));
+            // The max of the unscaled scores, scaled once below (`step_max`'s way: the same
+            // bits, rounding being monotonic). A NaN score never wins.
+            mx = S::max(s1, S::max(s0, mx));
+            (exp2_for_bf16::<S>(S::fma(s0, kl, ml)), exp2_for_bf16::<S>(S::fma(s1, kl, ml)))
+        } else {
+            (zero, zero)
+        };
+        sum = S::add(S::add(sum, p0), p1);
+        let at = (kp * ld + i0) * 2;
+        let (l0, l1) = (S::sub(p0, S::trunc_bf16(p0)), S::sub(p1, S::trunc_bf16(p1)));
+        S::store_bf16_pairs(p.hi.add(at), p0, p1);
+        S::store_bf16_pairs(p.lo.add(at), l0, l1);
+    }
+    (sum, zero, S::mul(mx, S::splat(k)))
+}
+
 /// `2^t` for the softmax's P where it is rounded to bfloat16 (one product of P): to about
 /// 3e-6 of its value (a minimax polynomial of degree 4 on the fraction), where bfloat16 keeps
-/// 2^-9, in ten vector operations (`exp`, to 2 ulp for SPEC's half P, takes seventeen).
+/// 2^-9, in nine or ten vector operations (`exp`, to 2 ulp for SPEC's half P, takes seventeen).
 /// t is at most about 12 (a score at most 8 above the lazy max) or NaN (kept); below -126
 /// (-inf: a masked score) 2^t is 0.
 #[inline(always)]
@@ -507,7 +564,7 @@ unsafe fn exp2_for_bf16<S: Simd>(t: S::V) -> S::V {
     p = S::fma(p, f, S::splat(2.402_41e-1));
     p = S::fma(p, f, S::splat(6.931_242e-1));
     p = S::fma(p, f, S::splat(1.0));
-    S::select_gt(low, t, S::splat(0.0), S::ldexp(p, n))
+    S::ldexp_unless_below(p, n, t, low)
 }
 
 /// `O^T[d][i] *= ms[i]` on tile `sub`'s rows where some row's max moved this step (with
