@@ -3,9 +3,9 @@
 //!
 //! The attention: one work item is one sequence, one KV head and up to four consecutive
 //! query tiles (`prefill_tile`), with every query head that shares that KV head. Items run
-//! in parallel on all cores (rayon, work stealing) in sequence-major, then KV-head-major
-//! order, so a thread takes consecutive query tiles of one KV head of one sequence. The
-//! origin's kernels (`flash_attn_prefill_tensor`) are this one with a fixed layout.
+//! in parallel on all cores, each thread taking the next item from a shared counter, in
+//! sequence-major order and within a sequence longest first where the items' work differs
+//! (causal), else KV-head-major (`run`). The origin's kernels (`flash_attn_prefill_tensor`) are this one with a fixed layout.
 //!
 //! Tiles per head dim: `bq` query rows (the op's `mask_tile_rows`: 32 up to 256, 16 at 512
 //! and 576) by 64 cache rows, `tiles_per_item` query tiles per work item. One function per
@@ -293,19 +293,23 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
     };
     let groups = |lq: usize| lq.div_ceil(bq).div_ceil(pb.nt);
     let item: prefill_tile::ItemFn = prefill_tile::pick::<DK, DV>();
+    // The order of a sequence's items, which the threads take one at a time from a shared
+    // counter (`pool::for_each`). With a right bound (causal) a query group sees more of the
+    // cache the later it sits in the prompt, up to `groups` times the first's work: those go
+    // first, every KV head's in turn, so that the last items taken are the shortest and no
+    // thread is left alone with a long one at the end. Otherwise (equal items) KV-head-major,
+    // so that the items running at once share their KV head's K/V rows in the caches.
+    let longest_first = pb.right != NO_RIGHT;
     let run_item = |w: usize, s: &Seq| {
         let gs = groups(s.lq);
+        let (grp, kvh) = if longest_first { (gs - 1 - w / nkv, w % nkv) } else { (w % gs, w / gs) };
         SCRATCH.with(|sc| {
             let mut sc = sc.borrow_mut();
             // SAFETY: `pick` chose an instruction set this CPU has; every sequence lies inside
             // the buffers, whose sizes were checked above; items write disjoint rows.
-            unsafe { item(&pb, s, w % gs, w / gs, &mut sc) };
+            unsafe { item(&pb, s, grp, kvh, &mut sc) };
         });
     };
-    // Items in KV-head-major order within a sequence: rayon hands each thread contiguous
-    // runs of items, so a thread walks consecutive query tiles of one KV head, whose K/V
-    // rows (the same cache rows, or a window sliding by one tile) are still in its L2 from
-    // the item before.
     // The job's work for `pool::for_each`: the products' FLOP, were every pair visible.
     let flop = |lq: usize, lk: usize| (lq as u64) * (lk as u64) * (pb.group * nkv) as u64 * 2 * (DK + DV) as u64;
     match &cu {

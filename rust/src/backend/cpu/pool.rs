@@ -133,7 +133,7 @@ pub fn run<R: Send>(f: impl FnOnce() -> R + Send) -> Result<R> {
 pub const SERIAL_WORK: u64 = 4_000_000;
 
 /// `f(i)` for every `i < n`, on the pool's threads (or the process's OpenMP threads, see
-/// [`use_openmp`]), or on the caller's alone when the whole job (`work`, see
+/// [`use_openmp`]), each taking the next `i` in order as it finishes one, or on the caller's alone when the whole job (`work`, see
 /// [`SERIAL_WORK`]) is small, there is one item, or the pool has one thread.
 pub fn for_each(n: usize, work: u64, f: impl Fn(usize) + Send + Sync) -> Result<()> {
     if n <= 1 || work < SERIAL_WORK || threads() == 1 {
@@ -146,8 +146,17 @@ pub fn for_each(n: usize, work: u64, f: impl Fn(usize) + Send + Sync) -> Result<
         }
         return Ok(());
     }
-    use rayon::prelude::*;
-    pool()?.install(|| (0..n).into_par_iter().for_each(f));
+    // Items taken one at a time from a shared counter, in their order (as on OpenMP's
+    // threads): the caller orders them longest first where their work differs, and a thread
+    // that finishes early takes the next rather than stealing half of another's share.
+    let next = AtomicUsize::new(0);
+    pool()?.broadcast(|_| loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= n {
+            break;
+        }
+        f(i);
+    });
     Ok(())
 }
 
