@@ -46,10 +46,10 @@
 // clusters of two along y (heads) or x (query tiles). K and V come through tensor maps
 // (4-d: head dim, KV heads, cache rows, sequences; boxes of 64 x 1 x 64 x 1 with the
 // 128-byte swizzle), made by the host when the strides allow it. Head dims 64, 128 and 256
-// are warp-specialised forms (tiles_sm90.cuh's PIPE; WS_THREADS threads: a producer
-// warpgroup beside the two consumers).
+// are warp-specialised forms (tiles_sm90.cuh's PIPE; a producer warpgroup beside
+// Tiles<DIM>::CONSUMERS consumer warpgroups: WS_THREADS threads with two).
 #define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)
-#define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? WS_THREADS : NTHREADS)
+#define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? 128 * (hopper::Tiles<DIM>::CONSUMERS + 1) : NTHREADS)
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T)                                                           \
     extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
     NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) {   \

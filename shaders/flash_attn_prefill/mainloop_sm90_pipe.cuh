@@ -75,10 +75,10 @@ __device__ __forceinline__ void pair_walk(PairWalk<PAIR>& walk, const Params& p,
 // A consumer warpgroup's 64 rows of Q into the atom layout: qh = T(scale * q), rows past lq
 // zero. QB chunks a thread at a time, all loaded before any is converted (one at a time,
 // each waited on its load: a fifth of a short walk's samples at head dim 256).
-template <int D, class T>
+template <int D, int ROWS, class T>
 __device__ __forceinline__ void load_q_rows(u32 s_q, int wgi, const Params& p, const Launch& L, const Seq& sq,
                                             const unsigned char* __restrict__ q, int q_cta) {
-    constexpr int CH = D / 8, QB = 4, ROWS = 128;
+    constexpr int CH = D / 8, QB = 4;
     static_assert(64 * CH % (128 * QB) == 0, "whole batches of Q chunks");
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
     for (int i0 = (int)threadIdx.x & 127; i0 < 64 * CH; i0 += 128 * QB) {
@@ -179,14 +179,14 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     const int tid = threadIdx.x, lane = tid & 31;
     const int wgi = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform: descriptors in uniform registers
     const PairRows r = pair_rows<PAIR>(p, L, cu_q, cu_k);
-    load_q_rows<D, T>(s_q, wgi, p, L, r.sq, q, r.q_cta);
+    load_q_rows<D, PC::ROWS, T>(s_q, wgi, p, L, r.sq, q, r.q_cta);
     const u32 s_ones = s_q + (u32)(PC::ONES + wgi * 256);  // this warpgroup's ones (ROWSUM)
     if constexpr (PC::ROWSUM) {
         const u32 one = T::pack2(1.f, 1.f);
         if ((tid & 127) < 16) st_shared_v4(s_ones + (u32)((tid & 127) * 16), one, one, one, one);
     }
     fence_proxy_async();                    // Q and the ones (ordinary stores) before wgmma reads them
-    named_barrier(3 + wgi, NTHREADS / 2);  // the warpgroup's Q is in (its products read only its rows)
+    named_barrier(PC::BAR_Q + wgi, 128);   // the warpgroup's Q is in (its products read only its rows)
     const int qpc = L.queries_per_cta, r0 = wgi * 64 + ((tid >> 5) & 3) * 16;  // the warp's first CTA row
     const int head = (int)blockIdx.y * L.heads_per_cta + r0 / qpc, q0 = r.q_cta + r0 % qpc;
     const bool by_distance = alibi_by_distance(p);
@@ -211,7 +211,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     // The stage broadcast, so the compiler knows it is warp-uniform (uniform descriptors).
     auto qk = [&](int st, float (&s)[PC::NS]) {
         st = __shfl_sync(0xffffffffu, st, 0);
-        pipe_qk<T, D, PC::N>(s, s_q + (u32)(wgi * 64 * 128), s_kv + (u32)(st * 2 * PC::KV_BYTES));
+        pipe_qk<T, D, PC::N, PC::ROWS>(s, s_q + (u32)(wgi * 64 * 128), s_kv + (u32)(st * 2 * PC::KV_BYTES));
     };
     auto pv = [&](int st, const u32 (&pk)[PC::NB][2]) {
         st = __shfl_sync(0xffffffffu, st, 0);
@@ -229,7 +229,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
         }
     };
     pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax);
-    if (wgi == 0) named_barrier(1, NTHREADS);  // warpgroup 1's last hand-over
+    if (wgi == 0) named_barrier(PC::BAR_TURN, 256);  // the last warpgroup's last hand-over
     cluster_arrive();                          // done with the partner's barriers
     if constexpr (PC::ROWSUM) {
         l_run[0] = o[D / 2];  // the sums' accumulator: rows g8 and g8 + 8, every column the whole row's
@@ -253,15 +253,18 @@ __device__ __forceinline__ void attention_pipe(const Params& p, const Launch& L,
     // A launch with less shared memory than this table row lays out stops here, loudly,
     // rather than running over the end of it.
     if (dynamic_smem_bytes() < (u32)PC::SMEM) asm volatile("trap;");
+    // So does a launch whose threads (or rows a CTA) are not this table row's consumers'
+    // (the host's WS_CONSUMERS_D64 against a -DMLXN_WS_CONSUMERS_D64 of its own).
+    if (blockDim.x != (u32)PC::THREADS || L.heads_per_cta * L.queries_per_cta != PC::ROWS) asm volatile("trap;");
     if (pair_is_empty<PAIR>(p, L)) return;
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_q = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
     const PipeBars<PC::S> bars{s_q + PC::Q_BYTES + PC::S * (2 * PC::KV_BYTES + PC::NH * PC::MASK_BYTES)};
     const int tid = threadIdx.x;
-    if (tid == 0) init_bars(bars);
+    if (tid == 0) init_bars<PC::CT>(bars);
     cluster_arrive();
     cluster_wait();  // both CTAs' barriers exist before any tile lands in either
-    if (tid >= NTHREADS) {
+    if (tid >= PC::CT) {
         regs_release<PC::TL::PRODUCER_REGS>();
         pipe_producer<D, PAIR>(bars, s_q, p, L, mask, blk, cu_q, cu_k, kmap, vmap);
         cluster_arrive();

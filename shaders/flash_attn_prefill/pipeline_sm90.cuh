@@ -2,16 +2,17 @@
 // over tiles of N cache rows (tiles_sm90.cuh, PIPE 2: head dims 64 and 128), for one CTA of
 // a pair that receives each K/V tile once, by TMA multicast into both CTAs.
 //
-// Roles (384 threads): warpgroups 0 and 1 consume (64 query rows each, O in registers);
-// warpgroup 2 produces: two of its warps walk the tiles (the walk is the producer's alone:
-// one tells the consumers each tile through shared memory, beside the tile's K), wait until
+// Roles (128 x (CONSUMERS + 1) threads): warpgroups 0 .. CONSUMERS - 1 consume (64 query
+// rows each, O in registers); the last warpgroup produces: two of its warps walk the tiles
+// (the walk is the producer's alone: one tells the consumers each tile through shared
+// memory, beside the tile's K), wait until
 // both CTAs' consumers are done with a stage, and fill it (one K and V by the TMA, the
 // other the mask tiles of its steps by cp.async). Nothing meets at a CTA barrier: every
 // hand-over is an mbarrier.
 //
 // A consumer warpgroup's step j (its turn at the tensor cores is a pair of named barriers,
-// so the two warpgroups' products alternate and one's softmax runs beside the other's
-// products):
+// so the warpgroups' products take turns in a ring and one's softmax runs beside the
+// others' products):
 //   issue S_j = Q K_j^T, scale O by step j-1's rescale while it runs, issue O += P_{j-1}
 //   V_{j-1};
 //   OVERLAP: wait for S_j only, release K_j, run the softmax of S_j (its classes, masks,
@@ -30,9 +31,9 @@
 
 namespace hopper {
 
-// The shape and shared memory of the pipeline at head dim D: Q [D / 64][128 rows][64 halves],
+// The shape and shared memory of the pipeline at head dim D: Q [D / 64][ROWS][64 halves],
 // then per stage K and V ([D / 64][N rows][64 halves] each), then per stage the mask tiles
-// of its NH steps ([128 queries][64] halves each), then the mbarriers and each stage's tile,
+// of its NH steps ([ROWS queries][64] halves each), then the mbarriers and each stage's tile,
 // then (ROWSUM) each consumer warpgroup's block of ones (the B of its rows' sums' product).
 template <int D>
 struct PipeCfg {
@@ -42,7 +43,13 @@ struct PipeCfg {
     // A consumer's accumulators: O (D / 2 a thread), then with ROWSUM the m64n8 one of its
     // rows' sums (4 a thread), so that O's rescale and register fences cover both.
     static constexpr int NO = D / 2 + (ROWSUM ? 4 : 0);
-    static constexpr int ROWS = 128;                 // query rows of the CTA: 64 a consumer warpgroup
+    static constexpr int CW = TL::CONSUMERS;         // consumer warpgroups
+    static constexpr int CT = 128 * CW;              // consumer threads; the CTA has CT + 128
+    static constexpr int THREADS = CT + 128;
+    static constexpr int ROWS = 64 * CW;             // query rows of the CTA: 64 a consumer warpgroup
+    // Named barriers: 1 .. CW the turns (warpgroup w issues at 1 + w), then each
+    // warpgroup's own (its Q is in).
+    static constexpr int BAR_TURN = 1, BAR_Q = 1 + CW;
     static constexpr int NS = N / 2, NB = N / 8;     // scores a thread; 8-column blocks of a tile
     static constexpr int Q_BYTES = ROWS * D * 2;
     static constexpr int KV_BYTES = N * D * 2;       // K (or V) of one stage
@@ -54,7 +61,10 @@ struct PipeCfg {
     static constexpr int SMEM = 1024 + (ROWSUM ? ONES + 2 * 256 : BARS + BAR_BYTES);
     static_assert(N == 64 || N == 128, "tiles of one or two table steps (the products' n64 / n128)");
     static_assert(S >= 2, "the producer fills one stage while the consumers read another");
-    static_assert(128 * TL::PRODUCER_REGS + 256 * TL::CONSUMER_REGS <= WS_THREADS * 168,
+    static_assert(CW == 2 || CW == 3, "two or three consumer warpgroups");
+    static_assert(!(ROWSUM && CW != 2), "the rows' sums' ones: two warpgroups' blocks");
+    static_assert(TL::PRODUCER_REGS % 8 == 0 && TL::CONSUMER_REGS % 8 == 0, "setmaxnreg takes multiples of 8");
+    static_assert(128 * TL::PRODUCER_REGS + CT * TL::CONSUMER_REGS <= THREADS * (65536 / THREADS / 8 * 8),
                   "the consumers' claim must fit what the producer releases");
 };
 
@@ -80,16 +90,16 @@ struct PipeBars {
 // The mbarriers, by one thread, before the cluster barrier that publishes them to both CTAs
 // (the partner's TMA completes bytes on this CTA's full barriers, its consumers arrive on
 // this CTA's empty ones).
-template <int S>
+template <int CT, int S>
 __device__ __forceinline__ void init_bars(const PipeBars<S>& bars) {
 #pragma unroll
     for (int st = 0; st < S; ++st) {
         mbar_init(bars.full_k(st), 1);   // the producer's expect_tx (or, at the end, its arrival)
         mbar_init(bars.full_v(st), 1);
         mbar_init(bars.full_m(st), 32);  // each producer lane, once its copies are in
-        mbar_init(bars.empty_k(st), 2 * NTHREADS / 32);  // every consumer warp of both CTAs
-        mbar_init(bars.empty_v(st), 2 * NTHREADS / 32);
-        mbar_init(bars.empty_m(st), NTHREADS);  // every consumer thread of this CTA (its own tiles)
+        mbar_init(bars.empty_k(st), 2 * CT / 32);  // every consumer warp of both CTAs
+        mbar_init(bars.empty_v(st), 2 * CT / 32);
+        mbar_init(bars.empty_m(st), CT);  // every consumer thread of this CTA (its own tiles)
     }
     fence_mbar_init();
 }
@@ -227,11 +237,13 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
                                              PV& pv, Softmax& softmax) {
     const int lane = threadIdx.x & 31;
     const int wgi = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
-    // Turns: warpgroup w issues after bar.sync on barrier 1 + w, then hands the turn to the
-    // other (bar.arrive on its barrier). Warpgroup 0 takes the first turn.
-    if (wgi == 1) named_barrier_arrive(1, NTHREADS);
-    auto turn = [&]() { named_barrier(1 + wgi, NTHREADS); };
-    auto hand_over = [&]() { named_barrier_arrive(2 - wgi, NTHREADS); };
+    // Turns: warpgroup w issues after bar.sync on barrier BAR_TURN + w, then hands the turn
+    // to the next in the ring (bar.arrive on its barrier; each barrier: the one that waits
+    // and the one that hands over, 256 threads). Warpgroup 0 takes the first turn.
+    constexpr int CW = PC::CW;
+    if (wgi == CW - 1) named_barrier_arrive(PC::BAR_TURN, 256);
+    auto turn = [&]() { named_barrier(PC::BAR_TURN + wgi, 256); };
+    auto hand_over = [&]() { named_barrier_arrive(PC::BAR_TURN + (wgi + 1 == CW ? 0 : wgi + 1), 256); };
     auto release = [&](u32 bar) {
         __syncwarp();
         if (lane == 0) release_pair(bar);
@@ -315,17 +327,17 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
 }
 
 // S = Q K^T of a tile into s: the warpgroup's 64 query rows from `q_rows` (rows of the
-// 128-row Q tile), the N rows of the K tile at `k_tile`; issued, not committed. Descriptors of
+// ROWS-row Q tile), the N rows of the K tile at `k_tile`; issued, not committed. Descriptors of
 // k-chunk kc = the tile's + the chunk's offset / 16 (addresses stay below 2^18, so the 14-bit
 // field never carries). The caller passes warp-uniform addresses (a broadcast stage), so the
 // descriptors live in uniform registers.
-template <class T, int D, int N>
+template <class T, int D, int N, int ROWS>
 __device__ __forceinline__ void pipe_qk(float (&s)[N / 2], u32 q_rows, u32 k_tile) {
     const u64 da0 = desc_sw128(q_rows, 16, 1024), db0 = desc_sw128(k_tile, 16, 1024);
     wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
-        const u64 da = da0 + (u64)(((kc >> 2) * 128 * 128 + (kc & 3) * 32) >> 4);
+        const u64 da = da0 + (u64)(((kc >> 2) * ROWS * 128 + (kc & 3) * 32) >> 4);
         const u64 db = db0 + (u64)(((kc >> 2) * N * 128 + (kc & 3) * 32) >> 4);
         if (kc == 0) wgmma_ss_zero<T, N>(s, da, db);
         else wgmma_ss<T, N>(s, da, db, 1);

@@ -15,9 +15,12 @@
 //        table steps, so SPEC 1's table is read as it is), STAGES stages, and OVERLAP: a
 //        consumer warpgroup's softmax of tile j runs while its own P V of tile j - 1 is on
 //        the tensor cores (FlashAttention-3's intra-warpgroup overlap).
-//   Both pipelines: a producer warpgroup of PRODUCER_REGS registers a thread and two
-//   consumer warpgroups of CONSUMER_REGS (setmaxnreg; 128 x PRODUCER_REGS + 256 x
-//   CONSUMER_REGS must fit the 384 x 168 the launch gives, or the claim never completes).
+//   Both pipelines: a producer warpgroup of PRODUCER_REGS registers a thread and CONSUMERS
+//   consumer warpgroups of 64 query rows each, CONSUMER_REGS registers a thread (setmaxnreg;
+//   128 x PRODUCER_REGS + 128 x CONSUMERS x CONSUMER_REGS must fit the 65536 the launch of
+//   128 x (CONSUMERS + 1) threads gives, or the claim never completes). PIPE 1 has two
+//   consumers; PIPE 2 two or three (FlashAttention-3's shape at head dim 64: 192 query rows
+//   a CTA, so a third warpgroup's softmax hides behind the other two's products).
 //
 // Why these shapes (docs/benchmarks.md, 2026-12-03): at head dims 64 and 128 a 64-row step
 // is too little work for what each step costs besides its products (the walk, the mbarrier
@@ -39,6 +42,20 @@ namespace hopper {
 #ifndef MLXN_WS_STAGES_D64
 #define MLXN_WS_STAGES_D64 2
 #endif
+// Consumer warpgroups of the d64 pipeline (2 or 3). The host launches the pair forms at
+// head dim 64 with this many (attention_geometry.rs, WS_CONSUMERS_D64: a test reads this
+// default), and the kernel stops where a launch's threads are not its own.
+#ifndef MLXN_WS_CONSUMERS_D64
+#define MLXN_WS_CONSUMERS_D64 3
+#endif
+// The register split of three consumers (128 x 32 + 384 x 160 = 65536, FlashAttention-3's;
+// 56 / 152 fits too).
+#ifndef MLXN_WS_PRODUCER_REGS3
+#define MLXN_WS_PRODUCER_REGS3 32
+#endif
+#ifndef MLXN_WS_CONSUMER_REGS3
+#define MLXN_WS_CONSUMER_REGS3 160
+#endif
 // The intra-warpgroup overlap lost (docs/benchmarks.md, 2026-12-03): as fast without it,
 // and without it the softmax packs P once (pipeline_sm90.cuh), 2-4% faster.
 #ifndef MLXN_WS_OVERLAP
@@ -57,11 +74,22 @@ namespace hopper {
 template <int D>
 struct Tiles;
 
+// The register split (producer, consumers) of a pipeline of C consumer warpgroups.
+template <int C>
+struct WsRegs {
+    static constexpr int PRODUCER = 56, CONSUMER = 224;  // 128 x 56 + 256 x 224 <= 384 x 168
+};
+template <>
+struct WsRegs<3> {
+    static constexpr int PRODUCER = MLXN_WS_PRODUCER_REGS3, CONSUMER = MLXN_WS_CONSUMER_REGS3;
+};
+
 template <>
 struct Tiles<64> {
     static constexpr int MINB = 2, NSTAGE = 2;  // plain: two CTAs an SM, double-buffered
     static constexpr int PIPE = 2, N = MLXN_WS_N_D64, STAGES = MLXN_WS_STAGES_D64;
-    static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+    static constexpr int CONSUMERS = MLXN_WS_CONSUMERS_D64;
+    static constexpr int PRODUCER_REGS = WsRegs<CONSUMERS>::PRODUCER, CONSUMER_REGS = WsRegs<CONSUMERS>::CONSUMER;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
 };
@@ -70,7 +98,7 @@ struct Tiles<128> {
     // Plain: two CTAs an SM, single-buffered (two such CTAs fit in shared memory; measured
     // 308 against 221 TFLOP/s for one double-buffered CTA, causal 16k, 32/8 heads).
     static constexpr int MINB = 2, NSTAGE = 1;
-    static constexpr int PIPE = 2, N = MLXN_WS_N_D128, STAGES = 2;
+    static constexpr int PIPE = 2, N = MLXN_WS_N_D128, STAGES = 2, CONSUMERS = 2;
     static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
@@ -78,7 +106,7 @@ struct Tiles<128> {
 template <>
 struct Tiles<256> {
     static constexpr int MINB = 1, NSTAGE = 2;
-    static constexpr int PIPE = 1, N = 64, STAGES = 2;
+    static constexpr int PIPE = 1, N = 64, STAGES = 2, CONSUMERS = 2;
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
     static constexpr bool OVERLAP = false;  // spilled at 240 registers (2026-12-01 18:05)
     static constexpr bool ROWSUM_MMA = false;  // (the PIPE 2 pipeline's alone)
@@ -86,7 +114,7 @@ struct Tiles<256> {
 template <>
 struct Tiles<512> {
     static constexpr int MINB = 1, NSTAGE = 1;  // the tiles take 192 KB
-    static constexpr int PIPE = 0, N = 64, STAGES = 1;
+    static constexpr int PIPE = 0, N = 64, STAGES = 1, CONSUMERS = 2;
     static constexpr int PRODUCER_REGS = 0, CONSUMER_REGS = 0;
     static constexpr bool OVERLAP = false;
     static constexpr bool ROWSUM_MMA = false;

@@ -48,10 +48,49 @@ pub fn attention_cta_rows(dk: u32, dv: u32, hopper: bool) -> u32 {
 /// reserving more costs nothing; 1 KiB under the H100's and H200's 227 KiB a block.
 pub const WS_SHARED_BYTES: u32 = 231_424;
 
-/// Whether the Hopper CTA-pair form at `head_dim` is warp-specialised (384 threads: a
-/// producer warpgroup beside the two consumers; the kernel's `Tiles<D>::PIPE`).
+/// Whether the Hopper CTA-pair form at `head_dim` is warp-specialised (a producer
+/// warpgroup beside the consumers; the kernel's `Tiles<D>::PIPE`).
 pub fn ws_form(head_dim: u32) -> bool {
     matches!(head_dim, 64 | 128 | 256)
+}
+
+/// Consumer warpgroups of the tiled pipeline at head dim 64 (the kernel's
+/// `MLXN_WS_CONSUMERS_D64` default, `tiles_sm90.cuh`; a test reads it): three, 192 query rows
+/// a CTA, as FlashAttention-3 has it at this head dim. Head dims 128 and 256 have two.
+pub const WS_CONSUMERS_D64: u32 = 3;
+
+/// Consumer warpgroups of the warp-specialised pair form at `head_dim`.
+pub fn ws_consumers(head_dim: u32) -> u32 {
+    if head_dim == 64 {
+        WS_CONSUMERS_D64
+    } else {
+        2
+    }
+}
+
+/// Threads of the warp-specialised pair form at `head_dim`: its consumer warpgroups and the
+/// producer's (the kernel's `MLXN_PAIR_THREADS`).
+pub fn ws_threads(head_dim: u32) -> u32 {
+    128 * (ws_consumers(head_dim) + 1)
+}
+
+/// (Query, head) rows of one CTA of the Hopper CTA-pair form: 64 a consumer warpgroup in the
+/// warp-specialised forms, the one-CTA form's rows at 512.
+pub fn pair_cta_rows(head_dim: u32) -> u32 {
+    if ws_form(head_dim) {
+        64 * ws_consumers(head_dim)
+    } else {
+        attention_cta_rows(head_dim, head_dim, true)
+    }
+}
+
+/// Whether a pair form's walk can carry the explicit mask's table bytes of its rows: its
+/// CTA's rows (a query pair: both CTAs') span at most 4 (8) of the table's 32-row tile rows
+/// (the kernel's `PairWalk` CAP). Without a table the walk reads none.
+pub fn pair_walk_fits(queries_per_cta: u32, query_pair: bool, masked: bool) -> bool {
+    let rows = queries_per_cta * if query_pair { 2 } else { 1 };
+    let span = rows.div_ceil(32) + u32::from(!rows.is_multiple_of(32));
+    !masked || span <= if query_pair { 8 } else { 4 }
 }
 
 /// Dynamic shared memory of one attention CTA of the plain forms: the kernel's
@@ -131,17 +170,25 @@ pub fn attention_geometry(
     hopper: bool,
 ) -> Result<AttentionGeometry> {
     let cta_rows = attention_cta_rows(dims.0, dims.1, hopper);
-    let row_groups = cta_rows / if hopper { 16 } else { ROWS_PER_GROUP };
+    geometry_of(cta_rows, if hopper { 16 } else { ROWS_PER_GROUP }, rows, n_heads, n_kv_heads)
+}
+
+/// The shape of CTAs of `cta_rows` (query, head) rows in blocks of `block` queries of one
+/// head: as many heads of one KV group as divide both the group and the number of blocks
+/// (their greatest common divisor; a power of two where the blocks are).
+fn geometry_of(cta_rows: u32, block: u32, rows: u32, n_heads: u32, n_kv_heads: u32) -> Result<AttentionGeometry> {
+    let row_groups = cta_rows / block;
     if rows == 0 || n_heads == 0 || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
         return Err(MlxError::Internal(format!(
             "attention shape {rows} x {n_heads}/{n_kv_heads} breaks the op's contract"
         )));
     }
     let group = n_heads / n_kv_heads;
-    let mut hpc = row_groups;
-    while !group.is_multiple_of(hpc) {
-        hpc /= 2;
+    let (mut a, mut b) = (row_groups, group);
+    while b != 0 {
+        (a, b) = (b, a % b);
     }
+    let hpc = a;
     let qpc = cta_rows / hpc;
     Ok(AttentionGeometry {
         heads_per_cta: hpc,
@@ -158,7 +205,13 @@ pub fn pair_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) ->
     if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || !(n_heads / n_kv_heads).is_multiple_of(2) {
         return None;
     }
-    attention_geometry((head_dim, head_dim), rows, n_heads, n_kv_heads * 2, true).ok()
+    geometry_of(pair_cta_rows(head_dim), 16, rows, n_heads, n_kv_heads * 2).ok()
+}
+
+/// The CTA shape of the query-pair form (Hopper): the pair form's rows over the whole
+/// group of query heads per KV head.
+pub fn pair_queries_geometry(head_dim: u32, rows: u32, n_heads: u32, n_kv_heads: u32) -> Option<AttentionGeometry> {
+    geometry_of(pair_cta_rows(head_dim), 16, rows, n_heads, n_kv_heads).ok()
 }
 
 #[cfg(test)]
@@ -222,6 +275,24 @@ mod tests {
             for j in 0..g.head_groups / 2 {
                 assert_eq!((2 * j * g.heads_per_cta) / group, ((2 * j + 1) * g.heads_per_cta) / group);
             }
+        }
+        // Head dim 64 with three consumer warpgroups (192 rows): 32 / 8 -> head pairs of 2
+        // heads x 96 queries, query pairs of 4 x 48; no sharing -> 1 x 192, whose walk cannot
+        // carry a table's bytes in a query pair.
+        if WS_CONSUMERS_D64 == 3 {
+            let g = pair_geometry(64, 16384, 32, 8).unwrap();
+            assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (2, 96, 171, 16));
+            let g = pair_queries_geometry(64, 16384, 32, 8).unwrap();
+            assert_eq!((g.heads_per_cta, g.queries_per_cta, g.q_tiles, g.head_groups), (4, 48, 342, 8));
+            let g = pair_queries_geometry(64, 100, 8, 8).unwrap();
+            assert_eq!((g.heads_per_cta, g.queries_per_cta), (1, 192));
+            assert!(pair_walk_fits(96, false, true) && pair_walk_fits(96, true, true));
+            assert!(pair_walk_fits(48, false, true) && pair_walk_fits(48, true, true));
+            assert!(!pair_walk_fits(192, false, true) && !pair_walk_fits(192, true, true));
+            assert!(pair_walk_fits(192, true, false));
+        }
+        for hd in [128, 256, 512] {
+            assert_eq!(pair_queries_geometry(hd, 1000, 32, 8), attention_geometry((hd, hd), 1000, 32, 8, true).ok());
         }
         // Odd groups (and no sharing) have no pairs.
         assert!(pair_geometry(512, 10, 3, 1).is_none());

@@ -12,8 +12,9 @@
 use std::ffi::c_void;
 
 pub use super::attention_geometry::{
-    attention_cta_rows, attention_geometry, attention_shared_bytes, pair_geometry, pair_shared_bytes,
-    plain_shared_bytes, ws_form, AttentionGeometry, WS_SHARED_BYTES,
+    attention_cta_rows, attention_geometry, attention_shared_bytes, pair_cta_rows, pair_geometry,
+    pair_queries_geometry, pair_shared_bytes, pair_walk_fits, plain_shared_bytes, ws_consumers, ws_form, ws_threads,
+    AttentionGeometry, WS_CONSUMERS_D64, WS_SHARED_BYTES,
 };
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
@@ -105,8 +106,9 @@ const MERGE_ROWS: u32 = 8;
 
 /// Threads of an attention CTA (8 warps).
 pub const ATTENTION_THREADS: u32 = 256;
-/// Threads of the warp-specialised CTA (the pair forms at head dims 64, 128 and 256: a
-/// producer warpgroup beside the two consumers; the kernel's `WS_THREADS`).
+/// Threads of the warp-specialised CTA with two consumer warpgroups (the pair forms at head
+/// dims 128 and 256, and 64 with `WS_CONSUMERS_D64` = 2: a producer warpgroup beside the
+/// two consumers; the kernel's `WS_THREADS`). [`ws_threads`] gives each head dim's.
 pub const WS_THREADS: u32 = 384;
 /// The kernel's `Launch` block.
 #[repr(C)]
@@ -428,7 +430,9 @@ fn part_launch(
     }
     // CTA pairs sharing each K/V tile (Hopper): where TMA can address K and V (fixed
     // length: a sequence's K/V is one box range of the map); head pairs where the group of
-    // query heads splits in two, else pairs of query tiles.
+    // query heads splits in two, else pairs of query tiles; either only where its walk can
+    // carry the explicit mask's table bytes of its rows (the 192-row CTAs at head dim 64
+    // of a group of one head: none, the one-CTA forms run them).
     let mut maps = None;
     let mut mode = None;
     let fixed = p.flags & PREFILL_VARLEN == 0;
@@ -437,15 +441,19 @@ fn part_launch(
         let km = kv_tensor_map(b.k, head_dim, nkv, kvl, nb, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]);
         let vm = kv_tensor_map(b.v, head_dim, nkv, kvl, nb, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]);
         if let (Some(km), Some(vm)) = (km, vm) {
-            let heads = pair_geometry(head_dim, p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32);
-            mode = Some(match heads.filter(|_| heads_allowed) {
-                Some(g) => {
-                    geo = g;
-                    PairMode::Heads
-                }
-                None => PairMode::Queries,
+            let (rows, nh, nkv) = (p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32);
+            let masked = p.flags & PREFILL_MASK != 0;
+            let heads = pair_geometry(head_dim, rows, nh, nkv).filter(|_| heads_allowed).map(|g| (g, PairMode::Heads));
+            let choice = heads.filter(|(g, _)| pair_walk_fits(g.queries_per_cta, false, masked)).or_else(|| {
+                pair_queries_geometry(head_dim, rows, nh, nkv)
+                    .filter(|g| pair_walk_fits(g.queries_per_cta, true, masked))
+                    .map(|g| (g, PairMode::Queries))
             });
-            maps = Some((km, vm));
+            if let Some((g, m)) = choice {
+                geo = g;
+                mode = Some(m);
+                maps = Some((km, vm));
+            }
         }
     }
     let parts = split.map_or(1, |s| s.parts);
@@ -472,7 +480,7 @@ fn part_launch(
             p.batch
         )));
     }
-    let threads = if maps.is_some() && ws_form(head_dim) { WS_THREADS } else { ATTENTION_THREADS };
+    let threads = if maps.is_some() && ws_form(head_dim) { ws_threads(head_dim) } else { ATTENTION_THREADS };
     let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32 * parts], [threads, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(p));
     l.push_bytes(bytemuck::bytes_of(&launch));
@@ -736,14 +744,24 @@ mod tests {
         assert_eq!(WS_THREADS, ATTENTION_THREADS + 128);
         let entry = std::fs::read_to_string(dir.join("entry.cuh")).unwrap();
         assert!(entry.contains("#define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)"));
-        assert!(entry.contains("#define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? WS_THREADS : NTHREADS)"));
+        assert!(entry.contains(
+            "#define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? 128 * (hopper::Tiles<DIM>::CONSUMERS + 1) : NTHREADS)"
+        ));
+        assert_eq!(ws_threads(128), WS_THREADS);
+        assert_eq!(ws_threads(256), WS_THREADS);
+        assert_eq!(ws_threads(64), 128 * (WS_CONSUMERS_D64 + 1));
+        assert_eq!(pair_cta_rows(64), 64 * ws_consumers(64));
         let tiles = std::fs::read_to_string(dir.join("tiles_sm90.cuh")).unwrap();
         for hd in [64u32, 128, 256, 512] {
             let row = tiles.split(&format!("struct Tiles<{hd}> {{")).nth(1).expect("a row per head dim");
             let row = row.split("};").next().unwrap();
             let pipe = row.split("PIPE = ").nth(1).and_then(|r| r.split(',').next()).expect("PIPE in the row");
             assert_eq!(pipe.trim() != "0", ws_form(hd), "head dim {hd}: PIPE = {pipe}");
+            if hd != 64 {
+                assert!(row.contains("CONSUMERS = 2;"), "head dim {hd}: two consumer warpgroups");
+            }
         }
+        assert!(tiles.contains(&format!("#define MLXN_WS_CONSUMERS_D64 {WS_CONSUMERS_D64}\n")));
         let pipe = std::fs::read_to_string(dir.join("pipeline_sm90.cuh")).unwrap();
         assert!(pipe.contains(&format!("#define PIPE_SMEM_RESERVED {WS_SHARED_BYTES}\n")));
     }
