@@ -173,6 +173,12 @@ TILED_PAIR_CASES = [
     (131, 6, 2, 128, 129, "zero", None, 1.0),  # group of 3: query pairs; a partial last step
     (300, 4, 4, 64, 300, "causal", None, 1.0),  # 3 query tiles: the last pair has an empty CTA
 ]
+# Head dim 64's pair CTAs hold 192 (query, head) rows (three consumer warpgroups:
+# WS_CONSUMERS_D64 in attention_geometry.rs). A CTA of one head spans 6 of the explicit mask
+# table's 32-row tile rows, a query pair 12, more than the walk carries (4, 8): with an
+# explicit mask such launches run the one-CTA form (pair_walk_fits); the described mask,
+# which reads no table, still runs the pipeline.
+D64_PAIR_CTA_ROWS = 192
 
 
 def _front_door(dev, c, k=None, **described):
@@ -206,6 +212,12 @@ def test_tiled_pair_forms_match_the_reference_and_the_layout_changes_no_bit(rng,
         single = _front_door(dev, c)
     finally:
         mx.force_cuda_pair(None)
+    if hd == 64 and nh == nkv and D64_PAIR_CTA_ROWS == 192:
+        # The explicit mask ran the one-CTA form (above): the same bits; the described mask
+        # ran the pipeline, checked below.
+        assert np.array_equal(single.view(np.uint32), pair.view(np.uint32)), "the one-CTA form"
+        assert described, "a case of this kind needs the described mask to test the pipeline"
+        pair = got
     # Its first tile's maxima are over 128 cache rows, the one-CTA form's over 64: some row
     # rounds its P differently. The same bits would mean the launch fell back to the one-CTA
     # form (it does where a cluster cannot be placed), and nothing above tested the pipeline.
