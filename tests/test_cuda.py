@@ -59,7 +59,11 @@ def test_kernels_compile_with_nvrtc_through_the_c_abi():
             # consumers' 240 registers and spill up to about 60 words (measured faster:
             # docs/benchmarks.md, 2026-12-01 18:05).
             ws = "d256" in function and "_pair_" in function
-            assert stores <= (256 if ws else 128 if allowed else 0), line
+            # The pair forms at head dim 64: three consumer warpgroups of 160 registers leave
+            # the producer warpgroup 32, where its walk spills (measured 1.20x faster than two
+            # consumer warpgroups that spill nothing: docs/benchmarks.md, 2026-12-06).
+            ws64 = "_d64" in function and "_pair_" in function
+            assert stores <= (384 if ws64 else 256 if ws else 128 if allowed else 0), line
 
 
 def test_bad_architecture_names_are_refused():

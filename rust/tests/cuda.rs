@@ -79,8 +79,15 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                         // ptxas spills up to about 60 words there; measured faster than the
                         // form that spills nothing (docs/benchmarks.md, 2026-12-01 18:05).
                         let ws = arch == "sm_90a" && function.contains("d256") && function.contains("_pair_");
+                        // The pair forms at head dim 64: three consumer warpgroups of 160
+                        // registers leave the producer warpgroup 32, where its walk spills;
+                        // measured 1.20x faster than two consumer warpgroups that spill
+                        // nothing (docs/benchmarks.md, 2026-12-06).
+                        let ws64 = arch == "sm_90a" && function.contains("_d64") && function.contains("_pair_");
                         let allowed = if function.contains("_xf'") || two_ctas {
                             128
+                        } else if ws64 {
+                            384
                         } else if ws {
                             256
                         } else {
