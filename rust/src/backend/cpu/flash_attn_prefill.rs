@@ -209,7 +209,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
     };
     let (nh, nkv, bq) = (u(p.n_heads), u(p.n_kv_heads), bq_of(DK));
     let group = nh / nkv;
-    let pb = Problem {
+    let mut pb = Problem {
         group,
         bq,
         nt: prefill_tile::tiles_per_item(bq * group, DK),
@@ -247,7 +247,30 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
         out: SendPtr(out),
         lse: SendPtr(lse as *mut f32),
         amx: super::amx::products(kv == Kv::BF16),
+        packed: std::ptr::null(),
     };
+    // K/V packed once for every work item where the item can read them so (the AMX item,
+    // BF16 K/V): each sequence's part at `packed_at[b]`, every KV head's in turn (nothing for a
+    // sequence without query rows).
+    let lens = |b: usize| match &cu {
+        Some((cq, ck)) => (cq[b + 1] - cq[b], ck[b + 1] - ck[b]),
+        None => (rows, kv_len),
+    };
+    let pack = prefill_tile::pick_pack::<DK, DV>(kv);
+    let mut packed_at = vec![0usize; batch + 1];
+    let mut pack_starts = vec![0usize; batch + 1];
+    for b in 0..batch {
+        let (lq, lk) = lens(b);
+        let need = lq > 0 && lk > 0;
+        packed_at[b + 1] = packed_at[b] + if need { nkv * prefill_tile::packed_len::<DK, DV>(lk) } else { 0 };
+        pack_starts[b + 1] = pack_starts[b] + if need { nkv * lk.div_ceil(C) } else { 0 };
+    }
+    let mut packed_buf = Vec::new();
+    let pack = pack.filter(|_| packed_at[batch] > 0 && packed_at[batch] * 2 <= PACKED_MAX_BYTES);
+    if pack.is_some() {
+        packed_buf = PACKED.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        pb.packed = aligned_u16(&mut packed_buf, packed_at[batch]);
+    }
     // Where query row r of a sequence sits in its cache: r + off.
     let place = |lq: usize, lk: usize| {
         if has(PREFILL_OFFSET) {
@@ -274,6 +297,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
                     mask: 0,
                     blk: 0,
                     alibi: b * alibi_stride,
+                    packed: packed_at[b],
                 }
             }
             None => Seq {
@@ -288,6 +312,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
                 mask: b * z(p.mask_batch_stride),
                 blk: b * z(p.blk_batch_stride),
                 alibi: b * alibi_stride,
+                packed: packed_at[b],
             },
         }
     };
@@ -310,6 +335,20 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
             unsafe { item(&pb, s, grp, kvh, &mut sc) };
         });
     };
+    if let Some(pack) = pack {
+        // Every step of every KV head of every sequence with query rows, before any item.
+        let total = pack_starts[batch];
+        let bytes = (packed_at[batch] * 2) as u64;
+        pool::for_each(total, bytes, |w| {
+            let b = pack_starts.partition_point(|&s| s <= w) - 1;
+            let s = seq(b);
+            let steps = s.lk.div_ceil(C);
+            let (g, step) = ((w - pack_starts[b]) / steps, (w - pack_starts[b]) % steps);
+            // SAFETY: as the items below; each step writes its own part of the buffer, which
+            // holds `packed_at[batch]` elements from `pb.packed`.
+            unsafe { pack(&pb, &s, g, step) };
+        })?;
+    }
     // The job's work for `pool::for_each`: the products' FLOP, were every pair visible.
     let flop = |lq: usize, lk: usize| (lq as u64) * (lk as u64) * (pb.group * nkv) as u64 * 2 * (DK + DV) as u64;
     match &cu {
@@ -336,7 +375,31 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
             })?;
         }
     }
+    if pack.is_some() && packed_buf.len() * 2 <= PACKED_KEPT_BYTES {
+        PACKED.with(|c| *c.borrow_mut() = packed_buf);
+    }
     Ok(())
+}
+
+/// The most bytes of shared K/V packing one call makes (`Problem::packed`; beyond, each
+/// item packs its own steps as before), and the most a thread keeps for its next call
+/// (a fresh buffer's pages cost their first touch: 16 MB, about 2 ms on two cores).
+const PACKED_MAX_BYTES: usize = 512 << 20;
+const PACKED_KEPT_BYTES: usize = 64 << 20;
+
+thread_local! {
+    /// The calling thread's buffer of shared K/V packing, kept between calls.
+    static PACKED: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `n` elements of `v` from a 64-byte boundary (grown as needed; the tiles load whole lines).
+fn aligned_u16(v: &mut Vec<u16>, n: usize) -> *const u16 {
+    if v.len() < n + 32 {
+        v.resize(n + 32, 0);
+    }
+    let p = v.as_ptr();
+    // SAFETY: the offset is under 32 elements, and the vector holds n + 32.
+    unsafe { p.add((64 - p as usize % 64) % 64 / 2) }
 }
 
 /// `flash_attn_prefill_mask_blk`: params at 0, the F16 mask at 1, the U8 tables at 2. Tile

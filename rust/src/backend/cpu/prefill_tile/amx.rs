@@ -13,7 +13,9 @@
 //!   rescaled lazily in AVX-512 where a row's max moved; transposed to O at the end.
 //!
 //! K and V of a step are converted once (bfloat16 parts, V transposed) for every query head
-//! and query tile of the item, as the FMA item widens them once. Each product is a sum of
+//! and query tile of the item, as the FMA item widens them once; BF16 K/V are packed once
+//! for every item of the call before any runs ([`pack_step`], `Problem::packed`), which
+//! the items that see a step share (at 2048 causal rows up to 16 of them packed it each). Each product is a sum of
 //! bf16 products of the operands' parts (`cpu::amx::Products`): by default the exact
 //! products, four each with F16 K/V and two with BF16; docs/spec.md ("The CPU on AMX tiles")
 //! has the measured errors of every choice.
@@ -72,6 +74,33 @@ impl Parts {
 
 /// The split products in their order (`cpu::amx::Products`): (A part, B part), true = lo.
 const TERMS: [(bool, bool); 4] = [(false, false), (false, true), (true, false), (true, true)];
+
+/// The elements of one KV head's packed K and V^T ([`pack_step`]) for a cache of `lk` rows.
+pub(super) fn packed_len<const DK: usize, const DV: usize>(lk: usize) -> usize {
+    lk.div_ceil(C) * C * (DK.next_multiple_of(32) + DV)
+}
+
+/// Step `step` of sequence `seq`'s KV head `g`, BF16 K/V, packed into its part of
+/// `pb.packed` as the item would pack it (every row of the step; rows past the cache zero):
+/// K `[steps * C][dkp]`, then V^T `[steps][DV][C]`.
+#[inline(always)]
+pub(super) unsafe fn pack_step<S: Simd, const DK: usize, const DV: usize>(
+    pb: &Problem,
+    seq: &Seq,
+    g: usize,
+    step: usize,
+) {
+    let dkp = DK.next_multiple_of(32);
+    let steps = seq.lk.div_ceil(C);
+    let c0 = step * C;
+    let n = C.min(seq.lk - c0);
+    let part = (pb.packed as *mut u16).add(seq.packed + g * packed_len::<DK, DV>(seq.lk));
+    let k_src = pb.k.add(seq.k + g * pb.k_hs + c0 * pb.k_rs);
+    let v_src = pb.v.add(seq.v + g * pb.v_hs + c0 * pb.v_rs);
+    let null = std::ptr::null_mut();
+    pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, 0, C, n, dkp, part.add(c0 * dkp), null);
+    pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, 0, C, n, part.add(steps * C * dkp + step * DV * C), null);
+}
 
 /// One work item on the tile unit `t` (see the module's comment): as `fma::work_item`, with
 /// `pb.amx` products per product.
@@ -157,6 +186,14 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     start_rows(m_b, ls_b, r);
     std::ptr::write_bytes(ot, 0, nt * DV * ld);
 
+    // K and V^T packed once for every item ([`pack_step`]; BF16 K/V, whose parts no
+    // product splits), or null: this item packs each step it computes.
+    let pre = if pb.packed.is_null() {
+        std::ptr::null()
+    } else {
+        debug_assert!(!k_lo && vt.lo.is_null(), "packed K/V have one part");
+        pb.packed.add(seq.packed + g * packed_len::<DK, DV>(seq.lk))
+    };
     t.configure();
     let (k_base, v_base) = (pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs));
     let row_bytes = |d: usize| d * if pb.kv == Kv::F32 { 4 } else { 2 };
@@ -173,8 +210,14 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         // `[kin, kb_end)` packed.
         let k_src = k_base.add(c0 * pb.k_rs);
         let (ka, kb_end) = (lo_all & !15, round_up(hi_all, 16));
-        let kin = if k_in_place { (n & !15).clamp(ka, kb_end) } else { ka };
-        pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, kin, kb_end, n, dkp, kb.hi, kb.lo);
+        let kin = if k_in_place && pre.is_null() { (n & !15).clamp(ka, kb_end) } else { ka };
+        // This step's packed K: the shared one (rows from the step's first), or this item's.
+        let kb = if pre.is_null() {
+            pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, kin, kb_end, n, dkp, kb.hi, kb.lo);
+            kb
+        } else {
+            Parts { hi: pre.add(c0 * dkp) as *mut u16, lo: std::ptr::null_mut() }
+        };
         // Only the split products need it (below).
         let inf = split_scores
             && (q_inf
@@ -207,13 +250,19 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
             transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st, ld, c0);
         }
         let v_src = v_base.add(c0 * pb.v_rs);
-        pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
+        let vt = if pre.is_null() {
+            pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
+            vt
+        } else {
+            Parts { hi: pre.add(steps * C * dkp + step * DV * C) as *mut u16, lo: std::ptr::null_mut() }
+        };
         for (k, sub) in subs.iter().enumerate() {
             // The next step's K and V rows, towards L2 while this step computes, a share
             // after each tile's products (not all at once: the requests in flight are few):
             // rows of different heads are kilobytes apart, each in a page of its own, where
-            // the hardware's prefetchers do not follow.
-            let next = c0 + C + k * C / nt..(c0 + C + (k + 1) * C / nt).min(seq.lk);
+            // the hardware's prefetchers do not follow. (The shared packing is contiguous,
+            // where they do.)
+            let next = if pre.is_null() { c0 + C + k * C / nt..(c0 + C + (k + 1) * C / nt).min(seq.lk) } else { 0..0 };
             for j in next {
                 S::prefetch_span(k_base.add(j * pb.k_rs) as *const u8, row_bytes(DK));
                 S::prefetch_span(v_base.add(j * pb.v_rs) as *const u8, row_bytes(DV));

@@ -136,6 +136,9 @@ pub(super) struct Problem {
     pub lse: SendPtr<f32>,
     /// The bf16 products of the AMX item for this K/V dtype (`cpu::amx::products`).
     pub amx: super::amx::Products,
+    /// K and V^T in the AMX item's layouts, packed once for every item ([`pick_pack`]), or
+    /// null where each item packs its own steps.
+    pub packed: *const u16,
 }
 
 // SAFETY: read-only inputs, and outputs every item writes a disjoint part of.
@@ -160,6 +163,55 @@ pub(super) struct Seq {
     pub blk: usize,
     /// The sequence's first element of `Problem::dist_slopes`.
     pub alibi: usize,
+    /// The sequence's first element of `Problem::packed` (KV head g's part `g *
+    /// packed_len(lk)` further).
+    pub packed: usize,
+}
+
+/// Packs one step of one sequence's KV head into its part of `Problem::packed`.
+pub(super) type PackFn = unsafe fn(&Problem, &Seq, usize, usize);
+
+/// The elements of one KV head's part of `Problem::packed` for a cache of `lk` rows
+/// ([`amx::pack_step`]'s layout).
+pub(super) fn packed_len<const DK: usize, const DV: usize>(lk: usize) -> usize {
+    amx::packed_len::<DK, DV>(lk)
+}
+
+/// The packing of K/V steps shared by every work item, where the AMX item runs (hardware or
+/// emulated tiles) and K/V are BF16 (their pairs are the rows' own bits, one part each): an
+/// item then reads each step's K and V^T where they were packed once, instead of packing
+/// them itself as every item that sees the step did (up to 16 items at 2048 rows).
+pub(super) fn pick_pack<const DK: usize, const DV: usize>(kv: Kv) -> Option<PackFn> {
+    if kv != Kv::BF16 {
+        return None;
+    }
+    let isa = super::simd::selected_isa();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == super::simd::AMX || (isa == super::simd::AMX_EMULATED && super::simd::has_avx512()) {
+            return Some(pack_avx512::<DK, DV>);
+        }
+        if isa == super::simd::AMX_EMULATED && super::simd::has_avx2() {
+            return Some(pack_avx2::<DK, DV>);
+        }
+    }
+    (isa == super::simd::AMX_EMULATED).then_some(pack_portable::<DK, DV> as PackFn)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn pack_avx512<const DK: usize, const DV: usize>(pb: &Problem, seq: &Seq, g: usize, step: usize) {
+    amx::pack_step::<super::simd::Avx512, DK, DV>(pb, seq, g, step)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_avx2<const DK: usize, const DV: usize>(pb: &Problem, seq: &Seq, g: usize, step: usize) {
+    amx::pack_step::<super::simd::Avx2, DK, DV>(pb, seq, g, step)
+}
+
+unsafe fn pack_portable<const DK: usize, const DV: usize>(pb: &Problem, seq: &Seq, g: usize, step: usize) {
+    amx::pack_step::<Portable, DK, DV>(pb, seq, g, step)
 }
 
 /// The work-item function for the instruction set in use.
@@ -493,6 +545,7 @@ mod tests {
             out: SendPtr(std::ptr::null_mut()),
             lse: SendPtr(std::ptr::null_mut()),
             amx: crate::backend::cpu::amx::DEFAULT_F16,
+            packed: std::ptr::null(),
         }
     }
 
