@@ -516,10 +516,15 @@ MUTATIONS: List[Mutation] = [
     # emulated tiles (and on the hardware ones where the CPU has them).
     M("amx-rescale-never", "cpu", P_AMX, "if (sub.ib..sub.ie).all(|i| *ms.add(i) == 1.0) {", "if true {",
       "O^T never rescaled when a row's max moves"),
+    # (Both softmax forms, SPEC's half P and a bfloat16 model's 16-bit P, hold these two.)
     M("amx-sum-half-pair", "cpu", P_AMX, "sum = S::add(S::add(sum, p0), p1);", "sum = S::add(sum, p0);",
-      "the row sum leaves out every odd cache row"),
+      "the row sum leaves out every odd cache row", count=2),
     M("amx-p-below-range", "cpu", P_AMX, "let (p0, p1) = if j >= sub.lo && j < sub.hi {", "let (p0, p1) = if j < sub.hi {",
-      "P of the cache rows below the tile's range (rounding to a chunk of 32) taken from stale scores"),
+      "P of the cache rows below the tile's range (rounding to a chunk of 32) taken from stale scores", count=2),
+    M("amx-p16-odd-row", "cpu", P_AMX, "exp2_for_bf16::<S>(S::fma(s1, kl, ml)))",
+      "exp2_for_bf16::<S>(S::fma(s0, kl, ml)))", "16-bit P of every odd cache row from the even row's score"),
+    M("amx-packed-v-step", "cpu", P_AMX, "part.add(steps * C * dkp + step * DV * C), null);",
+      "part.add(steps * C * dkp), null);", "every step's shared V^T packed over the first step's"),
     M("amx-second-product", "cpu", P_AMX, "const TERMS: [(bool, bool); 4] = [(false, false), (false, true),",
       "const TERMS: [(bool, bool); 4] = [(false, false), (false, false),",
       "the second product repeats hi.hi instead of adding hi.lo"),
