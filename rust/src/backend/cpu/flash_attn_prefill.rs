@@ -5,7 +5,8 @@
 //! query tiles (`prefill_tile`), with every query head that shares that KV head. Items run
 //! in parallel on all cores, each thread taking the next item from a shared counter, in
 //! sequence-major order and within a sequence longest first where the items' work differs
-//! (causal), else KV-head-major (`run`). The origin's kernels (`flash_attn_prefill_tensor`) are this one with a fixed layout.
+//! (causal), else KV-head-major (`run`). The origin's kernels (`flash_attn_prefill_tensor`)
+//! are this one with a fixed layout.
 //!
 //! Tiles per head dim: `bq` query rows (the op's `mask_tile_rows`: 32 up to 256, 16 at 512
 //! and 576) by 64 cache rows, `tiles_per_item` query tiles per work item. One function per
@@ -269,7 +270,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
     let pack = pack.filter(|_| packed_at[batch] > 0 && packed_at[batch] * 2 <= PACKED_MAX_BYTES);
     if pack.is_some() {
         packed_buf = PACKED.with(|c| std::mem::take(&mut *c.borrow_mut()));
-        pb.packed = aligned_u16(&mut packed_buf, packed_at[batch]);
+        pb.packed = prefill_tile::aligned(&mut packed_buf, packed_at[batch]);
     }
     // Where query row r of a sequence sits in its cache: r + off.
     let place = |lq: usize, lk: usize| {
@@ -390,16 +391,6 @@ const PACKED_KEPT_BYTES: usize = 64 << 20;
 thread_local! {
     /// The calling thread's buffer of shared K/V packing, kept between calls.
     static PACKED: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// `n` elements of `v` from a 64-byte boundary (grown as needed; the tiles load whole lines).
-fn aligned_u16(v: &mut Vec<u16>, n: usize) -> *const u16 {
-    if v.len() < n + 32 {
-        v.resize(n + 32, 0);
-    }
-    let p = v.as_ptr();
-    // SAFETY: the offset is under 32 elements, and the vector holds n + 32.
-    unsafe { p.add((64 - p as usize % 64) % 64 / 2) }
 }
 
 /// `flash_attn_prefill_mask_blk`: params at 0, the F16 mask at 1, the U8 tables at 2. Tile

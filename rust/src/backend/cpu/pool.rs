@@ -133,8 +133,9 @@ pub fn run<R: Send>(f: impl FnOnce() -> R + Send) -> Result<R> {
 pub const SERIAL_WORK: u64 = 4_000_000;
 
 /// `f(i)` for every `i < n`, on the pool's threads (or the process's OpenMP threads, see
-/// [`use_openmp`]), each taking the next `i` in order as it finishes one, or on the caller's alone when the whole job (`work`, see
-/// [`SERIAL_WORK`]) is small, there is one item, or the pool has one thread.
+/// [`use_openmp`]), each taking the next `i` in order as it finishes one, or on the caller's
+/// alone when the whole job (`work`, see [`SERIAL_WORK`]) is small, there is one item, or
+/// the pool has one thread.
 pub fn for_each(n: usize, work: u64, f: impl Fn(usize) + Send + Sync) -> Result<()> {
     if n <= 1 || work < SERIAL_WORK || threads() == 1 {
         (0..n).for_each(f);

@@ -15,10 +15,10 @@
 //! K and V of a step are converted once (bfloat16 parts, V transposed) for every query head
 //! and query tile of the item, as the FMA item widens them once; BF16 K/V are packed once
 //! for every item of the call before any runs ([`pack_step`], `Problem::packed`), which
-//! the items that see a step share (at 2048 causal rows up to 16 of them packed it each). Each product is a sum of
-//! bf16 products of the operands' parts (`cpu::amx::Products`): by default the exact
-//! products, four each with F16 K/V and two with BF16; docs/spec.md ("The CPU on AMX tiles")
-//! has the measured errors of every choice.
+//! the items that see a step share (at 2048 causal rows up to 16 of them packed it each).
+//! Each product is a sum of bf16 products of the operands' parts (`cpu::amx::Products`): by
+//! default the exact products, four each with F16 K/V and two with BF16; docs/spec.md ("The
+//! CPU on AMX tiles") has the measured errors of every choice.
 
 use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, tile_ld, tile_view, transpose_out};
 use super::io::{load_q, store_out};

@@ -46,7 +46,7 @@ pub(super) unsafe fn tile_view<E>(buf: *mut E, k: usize, per: usize, ld: usize, 
 
 /// The first 64-byte boundary in `v`, grown so that `n` elements follow it: tile rows then
 /// lie in one cache line each (the allocator aligns to 16 bytes only).
-pub(super) fn aligned<E: Copy + Default>(v: &mut Vec<E>, n: usize) -> *mut E {
+pub(in crate::backend::cpu) fn aligned<E: Copy + Default>(v: &mut Vec<E>, n: usize) -> *mut E {
     let extra = 64 / std::mem::size_of::<E>();
     if v.len() < n + extra {
         v.resize(n + extra, E::default());

@@ -31,6 +31,7 @@ mod io;
 mod softmax;
 mod transforms;
 
+pub(in crate::backend::cpu) use amx_layout::aligned;
 use fma::work_item;
 use transforms::load_mask;
 
