@@ -20,8 +20,8 @@
 //! default the exact products, four each with F16 K/V and two with BF16; docs/spec.md ("The
 //! CPU on AMX tiles") has the measured errors of every choice.
 
-use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, tile_ld, tile_view, transpose_out};
-use super::io::{load_q, store_out};
+use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, tile_ld, tile_view};
+use super::io::{load_q, load_q_pairs, store_out_t};
 use super::softmax::step_max;
 use super::transforms::transform_scores;
 use super::{grow, item_subs, plan_step, start_rows, Elem, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
@@ -129,7 +129,15 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     let subs = &mut subs[..nt];
     grow(&mut sc.qt, DK * r);
     let mut q_exact = pb.q_dtype == Elem::BF16 && pb.scale > 0.0;
-    if !load_q::<S, DK>(pb, seq, g, subs, sc.qt.as_mut_ptr(), r, q_exact) && q_exact {
+    // Exact Q in one product of Q and K (no low part of either): Q's pairs straight from
+    // its rows ([`load_q_pairs`]), no f32 Q^T (which only split products read).
+    let mut q_packed = false;
+    if q_exact && qk <= 2 && DK.is_multiple_of(32) {
+        let hi = Parts::of(&mut sc.amx.q, nt * dkp * ld, false).hi;
+        q_packed = load_q_pairs::<S, DK>(pb, seq, g, subs, hi, dkp, ld);
+        q_exact = q_packed;
+    }
+    if !q_packed && !load_q::<S, DK>(pb, seq, g, subs, sc.qt.as_mut_ptr(), r, q_exact) && q_exact {
         q_exact = false;
         load_q::<S, DK>(pb, seq, g, subs, sc.qt.as_mut_ptr(), r, false);
     }
@@ -142,14 +150,13 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     let qk_terms = &qk_terms[..n_qk];
     let score_scale = if q_exact { pb.scale } else { 1.0 };
     let k_lo = qk_terms.iter().any(|t| t.0);
-    grow(&mut sc.o, r * DV);
     grow(&mut sc.mrow, bq * C);
     grow(&mut sc.mt, nt * C * bq);
     grow(&mut sc.m, r);
     grow(&mut sc.l, r);
     grow(&mut sc.ms, r);
     grow(&mut sc.ls, r);
-    let (qt_b, o_b) = (sc.qt.as_mut_ptr(), sc.o.as_mut_ptr());
+    let qt_b = sc.qt.as_mut_ptr();
     // S^T per query tile, `[tile][C][ld]`, in the FMA item's scores buffer.
     let st_b = aligned(&mut sc.st, nt * C * ld);
     let (mrow, mt) = (sc.mrow.as_mut_ptr(), sc.mt.as_mut_ptr());
@@ -180,7 +187,9 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
 
     // The factor each tile's scores still need (the scale of exact Q, or 1).
     let mut scaled = [1.0f32; MAX_NT];
-    pack_q::<S>(qt_b, DK, dkp, r, per, ld, qv.hi, qv.lo);
+    if !q_packed {
+        pack_q::<S>(qt_b, DK, dkp, r, per, ld, qv.hi, qv.lo);
+    }
     let q_inf = split_scores && holds_inf(qv.hi, nt * dkp * ld);
     start_rows(m_b, l_b, r);
     start_rows(m_b, ls_b, r);
@@ -279,8 +288,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     }
     t.release();
 
-    transpose_out::<S, DV>(ot, o_b, r, per, ld);
-    store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b, ls_b);
+    store_out_t::<S, DV>(pb, seq, g, subs, ot, ld, m_b, l_b, ls_b);
 }
 
 /// Whether `n` bfloat16 values at `p` hold an infinity. Without an early exit, so that the

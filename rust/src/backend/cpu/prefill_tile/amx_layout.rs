@@ -232,32 +232,6 @@ pub(super) unsafe fn pack_vt<S: Simd, const DV: usize>(
     }
 }
 
-/// O^T (`ot`, f32, per tile `[DV][ld]`: [`tile_view`]) into O (`o`, `[r][DV]`), by 16 x 16
-/// blocks.
-#[inline(always)]
-pub(super) unsafe fn transpose_out<S: Simd, const DV: usize>(
-    ot: *mut f32,
-    o: *mut f32,
-    r: usize,
-    per: usize,
-    ld: usize,
-) {
-    for i0 in (0..r).step_by(W) {
-        let view = tile_view(ot, i0 / per, per, ld, DV, 1);
-        for d0 in (0..DV).step_by(W) {
-            // (A loop, not `array::from_fn`, as in `pack_vt`.)
-            let mut v = [S::splat(0.0); W];
-            for (y, x) in v.iter_mut().enumerate() {
-                *x = S::load(view.add((d0 + y) * ld + i0));
-            }
-            S::transpose16(&mut v);
-            for (x, row) in v.iter().enumerate() {
-                S::store(o.add((i0 + x) * DV + d0), *row);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -422,25 +396,6 @@ mod tests {
                 }
                 let want = if j < n { half::f16::from_bits(src[j * rs + d]).to_f64() } else { 0.0 };
                 assert_eq!(bf(hi[at]) + bf(lo[at]), want, "V^T[{d}][{j}]");
-            }
-        }
-    }
-
-    /// O^T per query tile (`[tile][DV][ld]`, through `tile_view`) back to O `[r][DV]`.
-    #[test]
-    fn the_output_transposes_back() {
-        const DV: usize = 48;
-        let (per, nt) = (32, 2);
-        let (r, ld) = (per * nt, tile_ld(per));
-        let mut ot: Vec<f32> = (0..nt * DV * ld).map(|i| i as f32).collect();
-        let mut o = vec![0f32; r * DV];
-        let b = ot.as_mut_ptr();
-        unsafe { transpose_out::<Portable, DV>(b, o.as_mut_ptr(), r, per, ld) };
-        for i in 0..r {
-            for d in 0..DV {
-                let x = unsafe { tile_view(b, i / per, per, ld, DV, 1).add(d * ld + i).offset_from(b) as usize };
-                assert_eq!(o[i * DV + d], ot[x], "O[{i}][{d}]");
-                assert_eq!(x, (i / per) * DV * ld + d * ld + i % per, "the tile's block, row d");
             }
         }
     }
