@@ -7,7 +7,9 @@
 # 26's table with `python3 -m mlx_native bench` against PyTorch SDPA in the same process:
 # causal GQA d128 32/8 and d256 16/8 at 2048 rows in bfloat16, float16 and float32, and the
 # dense d256 16/8, sliding d256 16/8 w1024 and global d512 16/2 cases (float32, the earlier
-# targets), on all 16 cores and on 2 (taskset -c 0,1, 2 threads). Every step has its own
+# targets), on all 16 cores and on 2 (taskset -c 0,1, 2 threads; PINNED_TWO=0 leaves those
+# out); and, where WHEEL_DIR brings transformers, the forward of Gemma 3- and Llama 3-shaped
+# models in bfloat16 and float32 with SDPA and with ours ($OUT/forward-*.json). Every step has its own
 # time limit (8.3 minutes if every one ran out; about 4 expected). $OUT gets run.log,
 # splits.json and bench-cpu-amx.json (every bench report, keyed threads-dtype); the table is
 # printed last.
@@ -58,9 +60,24 @@ status=0
   bench "$N-bfloat16" 40 "$N" bfloat16 causal-128 causal-256
   bench "$N-float16" 35 "$N" float16 causal-128 causal-256
   bench "$N-float32" 50 "$N" float32 causal-128 causal-256 dense sliding global
-  bench 2-bfloat16 60 2 bfloat16 causal-128 causal-256
-  bench 2-float16 50 2 float16 causal-128 causal-256
-  bench 2-float32 80 2 float32 causal-128 causal-256 dense sliding global
+  if [ "${PINNED_TWO:-1}" = 1 ]; then
+    bench 2-bfloat16 60 2 bfloat16 causal-128 causal-256
+    bench 2-float16 50 2 float16 causal-128 causal-256
+    bench 2-float32 80 2 float32 causal-128 causal-256 dense sliding global
+  fi
+
+  # Issue 26's model row: a transformers forward (Gemma 3 12B- and Llama 3 8B-shaped layers,
+  # 2048 tokens) with SDPA and with ours, on every core, default environment; only where
+  # WHEEL_DIR brought transformers (scripts/gpu_transformers.sh says how to download it).
+  if python3 -c "import transformers" 2>/dev/null; then
+    for dt in bfloat16 float32; do
+      step "transformers forward: $dt, $N threads, gemma3 and llama, 2048 tokens, 2 layers"
+      (cd /tmp && timeout "${FORWARD_TIMEOUT:-150}" python3 -m mlx_native bench --transformers --device cpu --rows 2048 \
+        --models gemma3 llama --layers 2 --dtype "$dt" --json "$OUT/forward-$dt.json") > "$WORK/forward-$dt.log" 2>&1 ||
+        status=$((status + 1000))
+      tail -n 8 "$WORK/forward-$dt.log"
+    done
+  fi
 
   python3 - "$WORK" "$OUT/bench-cpu-amx.json" <<'EOF'
 import json, os, sys
@@ -76,7 +93,7 @@ print(f"wrote {out}: {', '.join(runs)}")
 EOF
   step "issue 26's table (ratio = torch ms / ours ms)"
   python3 "$HERE/scripts/cpu_amx_summary.py" "$OUT/bench-cpu-amx.json"
-  echo "gpu_cpu_amx status $status ($(date +%T)): 4 tests failed, +10 splits, +100 per bench that failed or ran out"
+  echo "gpu_cpu_amx status $status ($(date +%T)): 4 tests failed, +10 splits, +100 per bench that failed or ran out, +1000 per forward"
   exit $status
 } 2>&1 | tee "$LOG"
 exit "${PIPESTATUS[0]}"

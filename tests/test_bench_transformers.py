@@ -70,4 +70,11 @@ def test_the_command_line_writes_json(tiny_models, tmp_path):
     assert status == 0
     report = json.loads(path.read_text())
     assert {r["impl"] for r in report["results"]} == {"eager", "sdpa", "mlx_native"}
-    assert cli.main(["--transformers", "--device", "cpu", "--models", "llama"]) == 2  # a model it does not have
+    assert cli.main(["--transformers", "--device", "cpu", "--models", "gpt2"]) == 2  # a model it does not have
+
+
+def test_the_llama_model_runs_every_layer_global(tiny_models):
+    report = tf.run_transformers_bench(rows=[40], models=["llama"], layers=2, device="cpu", repeats=1)
+    res = report["results"]
+    assert [(r["model"], r["impl"]) for r in res] == [("llama", i) for i in tf.IMPLS]
+    assert all(0 < r["attention_s"] < r["forward_s"] for r in res)

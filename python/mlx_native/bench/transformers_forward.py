@@ -1,10 +1,10 @@
-"""``python -m mlx_native bench --transformers``: the forward of Gemma-shaped transformers
-models (random weights, built from configs: nothing is downloaded) with transformers' eager
-and SDPA attention and with mlx_native's (``integrations.transformers``), and the share of
+"""``python -m mlx_native bench --transformers``: the forward of Gemma- and Llama-shaped
+transformers models (random weights, built from configs: nothing is downloaded) with
+transformers' eager and SDPA attention and with mlx_native's (``integrations.transformers``), and the share of
 each forward spent in the attention.
 
-- Models (:data:`MODELS`): the attention shapes of SPEC 4 and of Gemma 3 12B, each layer of
-  the released model's width, ``--layers`` of them in the models' pattern (five sliding
+- Models (:data:`MODELS`): the attention shapes of SPEC 4, of Gemma 3 12B and of Llama 3 8B
+  (``llama``: every layer global, d128 32/8), each layer of the released model's width, ``--layers`` of them in the models' pattern (five sliding
   layers to one global; the last layer global). A small vocabulary and ``logits_to_keep=1``
   keep the embedding and the head out of the time (they do not depend on the attention).
 - The forward: ``model(input_ids, use_cache=False, logits_to_keep=1)`` under
@@ -56,7 +56,16 @@ def _gemma4(transformers, layer_types: List[str]):
     )  # fmt: skip
 
 
-MODELS: Dict[str, Callable] = {"gemma3": _gemma3, "gemma4": _gemma4}
+def _llama(transformers, layer_types: List[str]):
+    # Llama 3 8B's layer: hidden 4096, MLP 14336, 32 query and 8 KV heads of dim 128, every
+    # layer global and causal (the pattern's layer types are not used: only their count).
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, num_hidden_layers=len(layer_types), max_position_embeddings=131072,
+    )  # fmt: skip
+
+
+MODELS: Dict[str, Callable] = {"gemma3": _gemma3, "gemma4": _gemma4, "llama": _llama}
 
 
 def layer_pattern(layers: int) -> List[str]:
