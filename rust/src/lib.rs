@@ -22,6 +22,7 @@ pub mod interface;
 pub mod kernel_registry;
 pub mod ops;
 pub mod params;
+pub mod recorded;
 pub mod settings;
 
 pub use buffer::MlxBuffer;

@@ -1,6 +1,6 @@
 //! The params blocks the ops bind at index 0 of their dispatches: the one Rust definition
 //! of each, `#[repr(C)]`. The op writes it; every Rust backend reads it back from the
-//! dispatch ([`crate::interface::Dispatch::constant`]); the device sources declare the same
+//! dispatch through its op's decoder ([`crate::recorded`]); the device sources declare the same
 //! struct (`shaders/*.cu`, `shaders/*.metal`), held to this one by the tests below (size,
 //! field names, order and offsets).
 //!
@@ -359,14 +359,9 @@ pub const PREFILL_OFFSET: i32 = 16;
 pub const PREFILL_SINKS: i32 = 32;
 /// A right bound of the described mask (SPEC 6, two-sided windows): `j <= p + window_right`.
 pub const PREFILL_WINDOW_RIGHT: i32 = 64;
-/// ALiBi slopes given as data (flash-attn's `alibi_slopes`), bound at index 12: the score of
+/// ALiBi slopes given as data (flash-attn's `alibi_slopes`, `recorded::attention_slot::ALIBI_SLOPES`): the score of
 /// each computed pair gains `-slope * |p - j|` (`p` the query's cache position).
 pub const PREFILL_ALIBI_SLOPES: i32 = 128;
-/// The dispatch index of a prefill's ALiBi slopes.
-pub const PREFILL_ALIBI_SLOPES_INDEX: u64 = 12;
-/// The dispatch index of a prefill's workspace (bound only when one is given; the
-/// backend that asked for it, `Backend::workspace_bytes`, reads it there).
-pub const PREFILL_WORKSPACE_INDEX: u64 = 11;
 
 /// `flash_attn_prefill_mask_blk`: the tile table of an explicit mask over a batch
 /// (`[batch][ceil(rows / bq)][ceil(kv_len / bk)]` bytes; columns at or past `kv_len` count as

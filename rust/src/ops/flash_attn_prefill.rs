@@ -29,10 +29,10 @@ use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 pub use crate::params::PrefillExtents;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_ALIBI_SLOPES_INDEX,
-    PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
-    PREFILL_WORKSPACE_INDEX,
+    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_LSE,
+    PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
 };
+use crate::recorded::{attention_slot as slot, classifier_slot};
 
 /// The attention's device sources (MSL, CUDA): the same files as the origin op's, whose
 /// kernels are this one's with a fixed layout.
@@ -850,22 +850,22 @@ pub fn encode_validated<'a>(
     let smem = threadgroup_memory_bytes(v.gpu.head_dim as u32)?;
     let q = b.q;
     let or_q = |x: Option<&'a MlxBuffer>| KernelArg::Buffer(x.unwrap_or(q));
-    let workspace = b.workspace.map(|w| (PREFILL_WORKSPACE_INDEX, KernelArg::Buffer(w)));
+    let workspace = b.workspace.map(|w| (slot::WORKSPACE, KernelArg::Buffer(w)));
     encoder.encode_threadgroups_with_args_and_shared(
         pipeline,
         &[
-            (0, KernelArg::Bytes(as_bytes(&v.gpu))),
-            (1, KernelArg::Buffer(b.q)),
-            (2, KernelArg::Buffer(b.k)),
-            (3, KernelArg::Buffer(b.v)),
-            (4, or_q(b.mask)),
-            (5, or_q(b.blk)),
-            (6, KernelArg::Buffer(b.out)),
-            (7, or_q(b.lse)),
-            (8, or_q(b.cu_seqlens_q)),
-            (9, or_q(b.cu_seqlens_k)),
-            (10, or_q(b.sinks)),
-            (PREFILL_ALIBI_SLOPES_INDEX, or_q(b.alibi_slopes)),
+            (slot::PARAMS, KernelArg::Bytes(as_bytes(&v.gpu))),
+            (slot::Q, KernelArg::Buffer(b.q)),
+            (slot::K, KernelArg::Buffer(b.k)),
+            (slot::V, KernelArg::Buffer(b.v)),
+            (slot::MASK, or_q(b.mask)),
+            (slot::BLK, or_q(b.blk)),
+            (slot::OUT, KernelArg::Buffer(b.out)),
+            (slot::LSE, or_q(b.lse)),
+            (slot::CU_SEQLENS_Q, or_q(b.cu_seqlens_q)),
+            (slot::CU_SEQLENS_K, or_q(b.cu_seqlens_k)),
+            (slot::SINKS, or_q(b.sinks)),
+            (slot::ALIBI_SLOPES, or_q(b.alibi_slopes)),
         ]
         .into_iter()
         .chain(workspace)
@@ -931,7 +931,11 @@ pub fn dispatch_flash_attn_prefill_mask_blk(
     let pipeline = registry.get_pipeline(K_PREFILL_MASK_BLK, device)?;
     encoder.encode_threadgroups_with_args_and_shared(
         pipeline,
-        &[(0, KernelArg::Bytes(as_bytes(&g))), (1, KernelArg::Buffer(mask)), (2, KernelArg::Buffer(blk))],
+        &[
+            (classifier_slot::PARAMS, KernelArg::Bytes(as_bytes(&g))),
+            (classifier_slot::MASK, KernelArg::Buffer(mask)),
+            (classifier_slot::BLK, KernelArg::Buffer(blk)),
+        ],
         &[],
         GridSize::new(g.steps as u64, g.table_rows() as u64, masks),
         GridSize::new(32, 1, 1),

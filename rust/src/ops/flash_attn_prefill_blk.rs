@@ -15,6 +15,7 @@ use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
+use crate::recorded::classifier_slot;
 
 pub use crate::params::FlashAttnPrefillBlkParamsGpu;
 
@@ -114,7 +115,11 @@ pub fn dispatch_flash_attn_prefill_blk(
     let pipeline = registry.get_pipeline(K_BLK_F16, device)?;
     encoder.encode_threadgroups_with_args_and_shared(
         pipeline,
-        &[(0, KernelArg::Bytes(as_bytes(&gpu))), (1, KernelArg::Buffer(mask)), (2, KernelArg::Buffer(blk))],
+        &[
+            (classifier_slot::PARAMS, KernelArg::Bytes(as_bytes(&gpu))),
+            (classifier_slot::MASK, KernelArg::Buffer(mask)),
+            (classifier_slot::BLK, KernelArg::Buffer(blk)),
+        ],
         &[],
         GridSize::new((p.kv_pad / p.bk) as u64, (p.rows as u64).div_ceil(p.bq as u64), 1),
         GridSize::new(THREADS, 1, 1),

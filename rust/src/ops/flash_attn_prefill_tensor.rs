@@ -39,6 +39,7 @@ use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, KernelArg};
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
+use crate::recorded::attention_slot as slot;
 
 pub use crate::params::FlashAttnPrefillTensorParamsGpu;
 
@@ -298,13 +299,13 @@ pub fn dispatch_flash_attn_prefill_tensor_f16(
     encoder.encode_threadgroups_with_args_and_shared(
         pipeline,
         &[
-            (0, KernelArg::Bytes(as_bytes(&gpu))),
-            (1, KernelArg::Buffer(q)),
-            (2, KernelArg::Buffer(k)),
-            (3, KernelArg::Buffer(v)),
-            (4, KernelArg::Buffer(mask)),
-            (5, KernelArg::Buffer(blk)),
-            (6, KernelArg::Buffer(out)),
+            (slot::PARAMS, KernelArg::Bytes(as_bytes(&gpu))),
+            (slot::Q, KernelArg::Buffer(q)),
+            (slot::K, KernelArg::Buffer(k)),
+            (slot::V, KernelArg::Buffer(v)),
+            (slot::MASK, KernelArg::Buffer(mask)),
+            (slot::BLK, KernelArg::Buffer(blk)),
+            (slot::OUT, KernelArg::Buffer(out)),
         ],
         &[(0, smem)],
         GridSize::new(rows.div_ceil(bq as u64), nh, 1),

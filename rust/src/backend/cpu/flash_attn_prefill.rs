@@ -18,14 +18,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::flash_attn_prefill_blk::{classify_rows, MIXED, SKIP, ZERO};
 use super::prefill_tile::{self, Elem, Kv, Problem, Seq, C, NO_RIGHT, SCRATCH};
-use super::{host_slice, pool, CpuKernelFn, SendPtr};
+use super::{host_ptr, pool, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
-use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu as MaskBlkParams, FlashAttnPrefillParamsGpu as Params, PREFILL_ALIBI_SLOPES,
-    PREFILL_ALIBI_SLOPES_INDEX, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS,
-    PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
-};
+use crate::params::{PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_WINDOW_RIGHT};
+use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
 
 /// `DType` codes of K and V.
 const KV_F32: i32 = 0;
@@ -90,11 +87,11 @@ pub(super) const fn bq_of(d: usize) -> usize {
 
 /// Entry point of `flash_attn_prefill_d<DK>[_<DV>][_bf16]`: K/V of dtype code `KV`.
 fn entry<const DK: usize, const DV: usize, const KV: i32>(d: &Dispatch) -> Result<()> {
-    let p: Params = d.constant(0)?;
-    if p.kv_dtype != KV {
+    let r = RecordedPrefill::decode(d)?.map_err(|Broken(what)| bad(what))?;
+    if r.params.kv_dtype != KV {
         return Err(bad("the block's K/V dtype is not the kernel's"));
     }
-    run::<DK, DV>(d, &p)
+    run::<DK, DV>(&r)
 }
 
 fn bad(what: &str) -> MlxError {
@@ -111,25 +108,17 @@ unsafe fn read_cu(ptr: *const u8, batch: usize, total: usize) -> Result<Vec<usiz
     Ok(cu.into_iter().map(|x| x as usize).collect())
 }
 
-/// Run one prefill dispatch at head dims (`DK`, `DV`) with the params block `p` (the op's,
-/// or the origin's converted), the buffers bound at the op's indices.
-pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) -> Result<()> {
-    // The op validated the dispatch; a kernel that writes memory checks what it relies on:
-    // the block's own consistency, then every buffer against its extents.
-    let e = p.extents().ok_or_else(|| bad("params break the op's contract"))?;
+/// Run one prefill at head dims (`DK`, `DV`): a recorded dispatch (the op's, or the
+/// origin's as a prefill), its block checked against the op's contract and every buffer
+/// against its extents (`RecordedPrefill`).
+pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>) -> Result<()> {
+    let p = &r.params;
     let has = |f: i32| p.flags & f != 0;
-    let (q_dtype, o_dtype) = (Elem::from_code(p.q_dtype), Elem::from_code(p.o_dtype));
-    let (Some(q_dtype), Some(o_dtype)) = (q_dtype, o_dtype) else {
+    let (Some(q_dtype), Some(o_dtype)) = (Elem::from_code(p.q_dtype), Elem::from_code(p.o_dtype)) else {
         return Err(bad("a Q or O dtype code that is not F32, F16 or BF16"));
     };
-    if p.head_dim as usize != DK
-        || p.head_dim_v as usize != DV
-        || p.n_heads <= 0
-        || p.n_kv_heads <= 0
-        || p.n_heads % p.n_kv_heads != 0
-        || p.window < 0
-    {
-        return Err(bad("a head dim is not the kernel's, the heads do not group, or a negative window"));
+    if p.head_dim as usize != DK || p.head_dim_v as usize != DV {
+        return Err(bad("a head dim is not the kernel's"));
     }
     let kv = match p.kv_dtype {
         KV_F16 => Kv::F16,
@@ -139,74 +128,38 @@ pub(super) fn run<const DK: usize, const DV: usize>(d: &Dispatch, p: &Params) ->
     };
     // F32 K/V are addressed in u16 units: every stride and offset of K and V doubles.
     let kvu = if kv == Kv::F32 { 2 } else { 1 };
-    if !(p.softcap >= 0.0 && p.softcap.is_finite() && p.max_bias >= 0.0 && p.max_bias.is_finite()) {
-        return Err(bad("softcap or max_bias is negative or not finite"));
-    }
-    if p.max_bias > 0.0 && !has(PREFILL_MASK) && !has(PREFILL_CAUSAL) {
-        return Err(bad("ALiBi without an explicit mask or a causal description"));
-    }
     let u = |x: i32| x as usize;
     let z = |x: i64| x as usize;
     let (batch, rows, kv_len) = (u(p.batch), u(p.rows), u(p.kv_len));
-    let steps = kv_len.div_ceil(C);
-    // The table bytes the kernel reads: table b at b * blk_batch_stride, row r / blk_bq,
-    // column step (every step of the cache).
-    let mut blk_need = 0u64;
-    if has(PREFILL_MASK) {
-        if has(PREFILL_VARLEN) || p.blk_bq <= 0 || u(p.blk_steps) < steps {
-            return Err(bad("an explicit mask with variable length, or a table narrower than the cache"));
-        }
-        if batch > 0 && rows > 0 && steps > 0 {
-            blk_need = ((batch - 1) as u64)
-                .saturating_mul(p.blk_batch_stride as u64)
-                .saturating_add(((rows - 1) / u(p.blk_bq)) as u64 * p.blk_steps as u64)
-                .saturating_add(steps as u64);
-        }
-    }
-    let esize = |e: Elem| if e == Elem::F32 { 4u64 } else { 2 };
-    let buf = |index: u64, need: u64| -> Result<*mut u8> {
-        let (ptr, len) = host_slice(d, index)?;
-        if (len as u64) < need {
-            return Err(bad("a buffer is smaller than its strides need"));
-        }
-        Ok(ptr)
+    let (q, k, v, out) = (host_ptr(r.q)?, host_ptr(r.k)?, host_ptr(r.v)?, host_ptr(r.out)?);
+    let (mask, blk) = match r.mask {
+        Some((m, t)) => (host_ptr(m)?, host_ptr(t)?),
+        None => (q, q),
     };
-    let bytes = |elems: u64, size: u64| elems.saturating_mul(size);
-    let kv_size = 2 * kvu as u64;
-    let (q, k) = (buf(1, bytes(e.q, esize(q_dtype)))?, buf(2, bytes(e.k, kv_size))?);
-    let (v, out) = (buf(3, bytes(e.v, kv_size))?, buf(6, bytes(e.out, esize(o_dtype)))?);
-    let (mask, blk) = if has(PREFILL_MASK) { (buf(4, bytes(e.mask, 2))?, buf(5, blk_need)?) } else { (q, q) };
-    let lse = if has(PREFILL_LSE) { buf(7, bytes(e.lse, 4))? } else { q };
-    let sinks = if has(PREFILL_SINKS) { buf(10, bytes(e.sinks, 4))? as *const f32 } else { std::ptr::null() };
+    let lse = r.lse.map(host_ptr).transpose()?.unwrap_or(q);
+    let sinks = r.sinks.map(host_ptr).transpose()?.map_or(std::ptr::null(), |s| s as *const f32);
     // Each query head's ALiBi slope (1 without ALiBi), read by the items through `slopes`.
     let slopes: Vec<f32> = (0..p.n_heads).map(|h| p.alibi_slope(h)).collect();
     // ALiBi on the positions: the slopes given as data, or max_bias's without an explicit mask.
-    let given_slopes = has(PREFILL_ALIBI_SLOPES);
-    if given_slopes && (p.max_bias > 0.0 || p.alibi_batch_stride < 0) {
-        return Err(bad("ALiBi slopes with max_bias, or a negative slopes stride"));
-    }
-    let dist_slopes = if given_slopes {
-        buf(PREFILL_ALIBI_SLOPES_INDEX, bytes(e.alibi_slopes, 4))? as *const f32
-    } else {
-        slopes.as_ptr()
+    let given_slopes = r.alibi_slopes.is_some();
+    let dist_slopes = match r.alibi_slopes {
+        Some(b) => host_ptr(b)? as *const f32,
+        None => slopes.as_ptr(),
     };
     let alibi_stride = if given_slopes { u(p.alibi_batch_stride) } else { 0 };
     let right = if has(PREFILL_CAUSAL) {
         0
     } else if has(PREFILL_WINDOW_RIGHT) {
-        if p.window_right < 0 {
-            return Err(bad("a negative right bound"));
-        }
         p.window_right as i64
     } else {
         NO_RIGHT
     };
-    let cu = if has(PREFILL_VARLEN) {
-        let need = (batch as u64 + 1) * 4;
-        // SAFETY: both hold batch + 1 int32 (checked by `buf`).
-        unsafe { Some((read_cu(buf(8, need)?, batch, rows)?, read_cu(buf(9, need)?, batch, kv_len)?)) }
-    } else {
-        None
+    let cu = match r.cu_seqlens {
+        // SAFETY: both hold batch + 1 int32 (checked by `RecordedPrefill`).
+        Some((cq, ck)) => unsafe {
+            Some((read_cu(host_ptr(cq)?, batch, rows)?, read_cu(host_ptr(ck)?, batch, kv_len)?))
+        },
+        None => None,
     };
     let (nh, nkv, bq) = (u(p.n_heads), u(p.n_kv_heads), bq_of(DK));
     let group = nh / nkv;
@@ -397,29 +350,15 @@ thread_local! {
 /// `(qt, kt)` of table b covers mask rows `[qt * bq, min(qt * bq + bq, rows))` and columns
 /// `[kt * bk, kt * bk + bk)`; columns at or past `kv_len` count as masked (-inf).
 pub fn run_mask_blk(d: &Dispatch) -> Result<()> {
-    let p: MaskBlkParams = d.constant(0)?;
     let bad = |what: &str| MlxError::Internal(format!("flash_attn_prefill_mask_blk (cpu): {what}"));
-    let dims = [p.batch, p.rows, p.kv_len, p.steps];
-    if dims.iter().any(|&x| x < 0) || p.bq <= 0 || p.bk <= 0 || p.mask_batch_stride < 0 || p.mask_row_stride < 0 {
-        return Err(bad("params break the op's contract"));
-    }
+    let r = RecordedMaskBlk::decode(d)?.map_err(|Broken(what)| bad(what))?;
+    let p = &r.params;
     let (batch, rows, kv_len) = (p.batch as usize, p.rows as usize, p.kv_len as usize);
     let (bq, bk, steps) = (p.bq as usize, p.bk as usize, p.steps as usize);
     let (mbs, mrs) = (p.mask_batch_stride as u64, p.mask_row_stride as u64);
-    let mask_need = if batch == 0 || rows == 0 || kv_len == 0 {
-        0
-    } else {
-        ((batch as u64 - 1).saturating_mul(mbs))
-            .saturating_add((rows as u64 - 1).saturating_mul(mrs))
-            .saturating_add(kv_len as u64)
-            .saturating_mul(2)
-    };
+    let mask_need = r.mask_bytes;
     let table_rows = rows.div_ceil(bq);
-    let (mask, mask_len) = host_slice(d, 1)?;
-    let (blk, blk_len) = host_slice(d, 2)?;
-    if (mask_len as u64) < mask_need || (blk_len as u64) < p.table_bytes() {
-        return Err(bad("buffers smaller than validated"));
-    }
+    let (mask, blk) = (host_ptr(r.mask)?, host_ptr(r.blk)?);
     let (mask, blk) = (SendPtr(mask as *mut u16), SendPtr(blk));
     pool::for_each(batch * table_rows, mask_need, |row| {
         let (m, t) = (mask, blk);

@@ -1,9 +1,9 @@
 //! CPU form of `flash_attn_prefill_blk`: classify each (bq x bk) tile of the F16 mask.
 
-use super::{host_slice, CpuKernelFn, SendPtr};
+use super::{host_ptr, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
-use crate::params::FlashAttnPrefillBlkParamsGpu as BlkParams;
+use crate::recorded::{Broken, RecordedBlk};
 
 /// This op's kernel, by name.
 pub const KERNELS: &[(&str, CpuKernelFn)] = &[("flash_attn_prefill_blk", run)];
@@ -73,19 +73,16 @@ pub fn classify(bits: impl Iterator<Item = u16>) -> u8 {
     }
 }
 
-/// Mask `[rows, kv_pad]` at index 1, blk at index 2, params at 0.
+/// The origin's classifier: the mask `[rows, kv_pad]` and its table (`RecordedBlk`).
 pub fn run(d: &Dispatch) -> Result<()> {
-    let p: BlkParams = d.constant(0)?;
     let bad = |what: &str| MlxError::Internal(format!("flash_attn_prefill_blk (cpu): {what}"));
-    let (mask_need, blk_need) = p.extents().ok_or_else(|| bad("shape breaks the op's contract"))?;
+    let r = RecordedBlk::decode(d)?.map_err(|Broken(what)| bad(what))?;
+    let p = &r.params;
+    let mask_need = r.mask_bytes;
     let (rows, kv_pad, bq, bk) = (p.rows as usize, p.kv_pad as usize, p.bq as usize, p.bk as usize);
-    let (mask, mask_len) = host_slice(d, 1)?;
-    let (blk, blk_len) = host_slice(d, 2)?;
+    let (mask, blk) = (host_ptr(r.mask)?, host_ptr(r.blk)?);
     let q_tiles = rows.div_ceil(bq);
     let k_tiles = kv_pad / bk;
-    if (mask_len as u64) < mask_need || (blk_len as u64) < blk_need {
-        return Err(bad("buffers smaller than validated"));
-    }
     let mask = SendPtr(mask as *mut u16);
     let blk = SendPtr(blk);
     // Work: a pass over the mask's bytes.

@@ -10,7 +10,7 @@ use super::flash_attn_prefill::{bq_of, run};
 use super::CpuKernelFn;
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
-use crate::params::FlashAttnPrefillTensorParamsGpu as Params;
+use crate::recorded::{Broken, RecordedTensor};
 
 pub use super::flash_attn_prefill::{column_skipping, set_column_skipping};
 
@@ -29,11 +29,10 @@ pub fn run_d512(d: &Dispatch) -> Result<()> {
 }
 
 fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
-    let p: Params = d.constant(0)?;
-    let bq = bq_of(D);
-    // The origin's contract (kv_pad a multiple of 64, no empty dimension), checked as the
-    // origin checked it; the general kernel then checks every buffer against its strides.
-    p.extents(D as u64, bq as u64)
-        .ok_or_else(|| MlxError::Internal("flash_attn_prefill_tensor (cpu): shape breaks the op's contract".into()))?;
-    run::<D, D>(d, &p.as_prefill(D as i32, bq as i32))
+    // The origin's contract (kv_pad a multiple of 64, no empty dimension, buffers that hold
+    // the block), then the general kernel's as a prefill.
+    let bad = |Broken(what)| MlxError::Internal(format!("flash_attn_prefill_tensor (cpu): {what}"));
+    let r = RecordedTensor::decode(d, D as u32)?.map_err(bad)?;
+    debug_assert_eq!(r.bq as usize, bq_of(D));
+    run::<D, D>(&r.as_prefill().map_err(bad)?)
 }

@@ -9,7 +9,7 @@
 use std::sync::{Arc, OnceLock};
 
 use crate::error::{MlxError, Result};
-use crate::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline};
+use crate::interface::{Backend, BackendKind, BufferBinding, Dispatch, KernelSource, Memory, Pipeline};
 
 pub mod amx;
 pub mod flash_attn_prefill;
@@ -133,13 +133,12 @@ fn read_memory_limit() -> Option<u64> {
     None
 }
 
-/// Host address and length of a dispatch's buffer, for a CPU kernel.
-pub(crate) fn host_slice(d: &Dispatch, index: u64) -> Result<(*mut u8, usize)> {
-    let b = d.buffer(index)?;
-    let p = b.host_ptr().ok_or_else(|| {
-        MlxError::InvalidArgument(format!("{}: buffer {index} is not in host memory", d.pipeline.name()))
-    })?;
-    Ok((p, b.byte_len))
+/// Host address of a recorded dispatch's buffer, for a CPU kernel (its length was checked by
+/// the op's decoder, `crate::recorded`).
+pub(crate) fn host_ptr(b: &BufferBinding) -> Result<*mut u8> {
+    b.host_ptr().ok_or_else(|| {
+        MlxError::InvalidArgument(format!("a {}-byte buffer of the dispatch is not in host memory", b.byte_len))
+    })
 }
 
 /// A raw pointer that may cross threads; the kernels write disjoint ranges through it.

@@ -18,16 +18,14 @@ pub use super::attention_geometry::{
 };
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
-use super::launch::{
-    contract, device_buffer, no_workspace, optional_device_buffer, CudaKernel, Launch, PrepareContext,
-};
+use super::launch::{contract, device_addr, device_addr_or_null, no_workspace, CudaKernel, Launch, PrepareContext};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PrefillExtents, PREFILL_ALIBI_SLOPES,
-    PREFILL_ALIBI_SLOPES_INDEX, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS,
-    PREFILL_VARLEN, PREFILL_WINDOW_RIGHT, PREFILL_WORKSPACE_INDEX,
+    FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
+    PREFILL_WINDOW_RIGHT,
 };
+use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
 pub use crate::settings::CudaPair;
 
 /// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
@@ -498,81 +496,50 @@ fn part_launch(
     Ok(l)
 }
 
-/// The device address of buffer `index` if it holds at least `need` bytes (a present
-/// buffer), 0 for an absent one (`need` 0).
-fn sized_buffer(pc: &PrepareContext<'_>, d: &Dispatch, index: u64, need: u64, present: bool) -> Result<u64> {
-    if !present {
-        return Ok(0);
-    }
-    let (addr, len) = device_buffer(pc.ctx, d, index)?;
-    if (len as u64) < need {
-        return Err(contract(d.pipeline.name(), "a buffer is smaller than its strides need"));
-    }
-    Ok(addr)
+/// The device addresses of a recorded prefill's buffers (0 for an absent one).
+pub fn attention_pointers(pc: &PrepareContext<'_>, name: &str, r: &RecordedPrefill<'_>) -> Result<AttentionPointers> {
+    let addr = |b| device_addr(pc.ctx, b, name);
+    let opt = |b| device_addr_or_null(pc.ctx, b, name);
+    Ok(AttentionPointers {
+        q: addr(r.q)?,
+        k: addr(r.k)?,
+        v: addr(r.v)?,
+        mask: opt(r.mask.map(|m| m.0))?,
+        blk: opt(r.mask.map(|m| m.1))?,
+        out: addr(r.out)?,
+        lse: opt(r.lse)?,
+        cu_q: opt(r.cu_seqlens.map(|c| c.0))?,
+        cu_k: opt(r.cu_seqlens.map(|c| c.1))?,
+        sinks: opt(r.sinks)?,
+        alibi_slopes: opt(r.alibi_slopes)?,
+    })
 }
 
 fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bool) -> Result<Launch> {
     let name = d.pipeline.name();
-    let p: FlashAttnPrefillParamsGpu = d.constant(0)?;
     // The op validated the dispatch; a kernel that writes device memory checks what it
-    // relies on, from the same extents.
-    let e: PrefillExtents = p.extents().ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
+    // relies on (`RecordedPrefill`: the block's contract, every buffer's extent).
+    let r = RecordedPrefill::decode(d)?.map_err(|Broken(what)| contract(name, what))?;
+    let p = &r.params;
     if (p.head_dim as u32, p.head_dim_v as u32) != dims {
         return Err(contract(name, "the params block's head dims are not the kernel's"));
     }
-    let esz = |code: i32| if code == 0 { 4 } else { 2 };
-    let (mask, lse, varlen) = (p.flags & PREFILL_MASK != 0, p.flags & PREFILL_LSE != 0, p.flags & PREFILL_VARLEN != 0);
-    let cu = (p.batch as u64 + 1) * 4;
-    let b = AttentionPointers {
-        q: sized_buffer(pc, d, 1, e.q * esz(p.q_dtype), true)?,
-        k: sized_buffer(pc, d, 2, e.k * 2, true)?,
-        v: sized_buffer(pc, d, 3, e.v * 2, true)?,
-        mask: sized_buffer(pc, d, 4, e.mask * 2, mask)?,
-        blk: sized_buffer(pc, d, 5, e.blk, mask)?,
-        out: sized_buffer(pc, d, 6, e.out * esz(p.o_dtype), true)?,
-        lse: sized_buffer(pc, d, 7, e.lse * 4, lse)?,
-        cu_q: sized_buffer(pc, d, 8, cu, varlen)?,
-        cu_k: sized_buffer(pc, d, 9, cu, varlen)?,
-        sinks: sized_buffer(pc, d, 10, e.sinks * 4, p.flags & PREFILL_SINKS != 0)?,
-        alibi_slopes: sized_buffer(
-            pc,
-            d,
-            PREFILL_ALIBI_SLOPES_INDEX,
-            e.alibi_slopes * 4,
-            p.flags & PREFILL_ALIBI_SLOPES != 0,
-        )?,
-    };
     // The kernels index the slopes with 32-bit arithmetic.
-    if e.alibi_slopes > i32::MAX as u64 {
-        return Err(MlxError::InvalidArgument(format!(
-            "{name}: {} ALiBi slopes is more than a launch takes",
-            e.alibi_slopes
-        )));
+    let slopes = p.extents().map_or(0, |e| e.alibi_slopes);
+    if slopes > i32::MAX as u64 {
+        return Err(MlxError::InvalidArgument(format!("{name}: {slopes} ALiBi slopes is more than a launch takes")));
     }
-    let workspace = optional_device_buffer(pc.ctx, d, PREFILL_WORKSPACE_INDEX)?;
-    attention_launch(pc, name, dims, &p, &b, variants, workspace)
+    let b = attention_pointers(pc, name, &r)?;
+    let workspace = r.workspace.map(|w| device_addr(pc.ctx, w, name).map(|a| (a, w.byte_len))).transpose()?;
+    attention_launch(pc, name, dims, p, &b, variants, workspace)
 }
 
 fn prepare_mask_blk(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
     let name = d.pipeline.name();
-    let p: FlashAttnPrefillMaskBlkParamsGpu = d.constant(0)?;
-    let fields = [p.batch, p.rows, p.kv_len, p.bq, p.bk, p.steps];
-    if fields.iter().any(|&x| x < 0) || p.bq == 0 || p.bk == 0 || p.mask_batch_stride < 0 || p.mask_row_stride < 0 {
-        return Err(contract(name, "shape breaks the op's contract"));
-    }
-    let (mask, mask_len) = device_buffer(pc.ctx, d, 1)?;
-    let (blk, blk_len) = device_buffer(pc.ctx, d, 2)?;
-    let rows = p.rows as u64;
-    let mask_need = if p.batch == 0 || p.rows == 0 || p.kv_len == 0 {
-        0
-    } else {
-        ((p.batch as u64 - 1) * p.mask_batch_stride as u64 + (rows - 1) * p.mask_row_stride as u64 + p.kv_len as u64)
-            * 2
-    };
+    let r = RecordedMaskBlk::decode(d)?.map_err(|Broken(what)| contract(name, what))?;
+    let p = r.params;
+    let (mask, blk) = (device_addr(pc.ctx, r.mask, name)?, device_addr(pc.ctx, r.blk, name)?);
     let tiles = p.table_bytes();
-    if (mask_len as u64) < mask_need || (blk_len as u64) < tiles {
-        return Err(contract(name, "buffers smaller than validated"));
-    }
     let ctas = tiles.div_ceil(8);
     if ctas > i32::MAX as u64 {
         return Err(MlxError::InvalidArgument(format!("{name}: {tiles} tiles is more than one launch takes")));

@@ -2,10 +2,10 @@
 //! warp per tile, eight tiles per CTA of the row-major table, 16-byte loads where the mask
 //! allows them.
 
-use super::launch::{contract, device_buffer, CudaKernel, Launch, PrepareContext};
+use super::launch::{contract, device_addr, CudaKernel, Launch, PrepareContext};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
-use crate::params::FlashAttnPrefillBlkParamsGpu as BlkParams;
+use crate::recorded::{Broken, RecordedBlk};
 
 /// This op's kernel, by name.
 pub const KERNELS: &[CudaKernel] = &[CudaKernel {
@@ -22,13 +22,9 @@ pub const KERNELS: &[CudaKernel] = &[CudaKernel {
 
 fn prepare(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {
     let name = d.pipeline.name();
-    let p: BlkParams = d.constant(0)?;
-    let (mask_need, blk_need) = p.extents().ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
-    let (mask, mask_len) = device_buffer(pc.ctx, d, 1)?;
-    let (blk, blk_len) = device_buffer(pc.ctx, d, 2)?;
-    if (mask_len as u64) < mask_need || (blk_len as u64) < blk_need {
-        return Err(contract(name, "buffers smaller than validated"));
-    }
+    let r = RecordedBlk::decode(d)?.map_err(|Broken(what)| contract(name, what))?;
+    let (p, blk_need) = (r.params, r.table_bytes);
+    let (mask, blk) = (device_addr(pc.ctx, r.mask, name)?, device_addr(pc.ctx, r.blk, name)?);
     let ctas = blk_need.div_ceil(8);
     if ctas > i32::MAX as u64 {
         return Err(MlxError::InvalidArgument(format!("{name}: {blk_need} tiles is more than one launch takes")));

@@ -3,11 +3,11 @@
 //! and launched as [`super::flash_attn_prefill`] launches that op's kernels (the same entry
 //! points, geometry and CTA-pair forms).
 
-use super::flash_attn_prefill::{attention_launch, attention_shared_bytes, AttentionPointers};
-use super::launch::{contract, device_buffer, no_workspace, CudaKernel, Launch, PrepareContext};
+use super::flash_attn_prefill::{attention_launch, attention_pointers, attention_shared_bytes};
+use super::launch::{contract, no_workspace, CudaKernel, Launch, PrepareContext};
 use crate::error::Result;
 use crate::interface::Dispatch;
-use crate::params::FlashAttnPrefillTensorParamsGpu as Params;
+use crate::recorded::{Broken, RecordedTensor};
 
 /// This op's kernels, by name.
 pub const KERNELS: &[CudaKernel] = &[
@@ -43,20 +43,11 @@ pub const KERNELS: &[CudaKernel] = &[
 
 fn prepare(pc: &PrepareContext<'_>, head_dim: u32, d: &Dispatch, variants: bool) -> Result<Launch> {
     let name = d.pipeline.name();
-    let p: Params = d.constant(0)?;
-    let bq: u64 = if head_dim == 256 { 32 } else { 16 };
     // The op validated the dispatch; a kernel that writes device memory checks what it
-    // relies on, from the same extents.
-    let e = p.extents(head_dim as u64, bq).ok_or_else(|| contract(name, "shape breaks the op's contract"))?;
-    let mut b = [0u64; 6];
-    for (i, need) in [e.q, e.k, e.v, e.mask, e.blk, e.out].into_iter().enumerate() {
-        let (addr, len) = device_buffer(pc.ctx, d, i as u64 + 1)?;
-        if (len as u64) < need {
-            return Err(contract(name, "a buffer is smaller than its strides need"));
-        }
-        b[i] = addr;
-    }
-    let [q, k, v, mask, blk, out] = b;
-    let ptrs = AttentionPointers { q, k, v, mask, blk, out, lse: 0, cu_q: 0, cu_k: 0, sinks: 0, alibi_slopes: 0 };
-    attention_launch(pc, name, (head_dim, head_dim), &p.as_prefill(head_dim as i32, bq as i32), &ptrs, variants, None)
+    // relies on: the origin's contract, then the prefill's it runs as.
+    let bad = |Broken(what)| contract(name, what);
+    let r = RecordedTensor::decode(d, head_dim)?.map_err(bad)?;
+    let prefill = r.as_prefill().map_err(bad)?;
+    let ptrs = attention_pointers(pc, name, &prefill)?;
+    attention_launch(pc, name, (head_dim, head_dim), &prefill.params, &ptrs, variants, None)
 }

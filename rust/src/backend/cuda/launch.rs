@@ -94,19 +94,23 @@ impl Launch {
     }
 }
 
-/// Device address and length of the dispatch's buffer at `index` if one is bound there
-/// (an optional buffer the op binds only when it has one).
-pub fn optional_device_buffer(ctx: &Arc<CudaContext>, d: &Dispatch, index: u64) -> Result<Option<(u64, usize)>> {
-    match d.args.iter().find(|(i, _)| *i == index) {
-        Some((_, BoundArg::Buffer(b))) => device_address(ctx, b, d.pipeline.name(), index).map(Some),
-        Some(_) => Err(contract(d.pipeline.name(), "a constant where a buffer belongs")),
-        None => Ok(None),
+/// Device address of a recorded dispatch's buffer (a role of `crate::recorded`'s decoded
+/// types, its length checked there); it must be memory of `ctx`.
+pub fn device_addr(ctx: &Arc<CudaContext>, b: &BufferBinding, name: &str) -> Result<u64> {
+    let mem = b
+        .memory
+        .as_any()
+        .downcast_ref::<CudaMemory>()
+        .ok_or_else(|| MlxError::InvalidArgument(format!("{name}: a buffer is not CUDA device memory")))?;
+    if !Arc::ptr_eq(mem.context(), ctx) {
+        return Err(MlxError::InvalidArgument(format!("{name}: a buffer belongs to another CUDA device")));
     }
+    Ok(mem.device_ptr() + b.byte_offset as u64)
 }
 
-/// Device address of a dispatch's buffer, and its length; it must be memory of `ctx`.
-pub fn device_buffer(ctx: &Arc<CudaContext>, d: &Dispatch, index: u64) -> Result<(u64, usize)> {
-    device_address(ctx, d.buffer(index)?, d.pipeline.name(), index)
+/// The address of an optional buffer, 0 where absent (what the kernels test).
+pub fn device_addr_or_null(ctx: &Arc<CudaContext>, b: Option<&BufferBinding>, name: &str) -> Result<u64> {
+    b.map_or(Ok(0), |b| device_addr(ctx, b, name))
 }
 
 fn device_address(ctx: &Arc<CudaContext>, b: &BufferBinding, name: &str, index: u64) -> Result<(u64, usize)> {
