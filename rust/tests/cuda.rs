@@ -25,9 +25,10 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                     let variants =
                         if arch == "sm_90a" && k.hopper_form { k.hopper_variants } else { k.portable_variants };
                     // The split-KV merge, which every attention source holds.
-                    for e in std::iter::once(&k.entry).chain(variants).chain(k.merge_entry.iter()) {
-                        if !entries.iter().any(|x| x == e) {
-                            entries.push(e.to_string());
+                    let names = variants.iter().map(|v| v.entry(k.entry));
+                    for e in std::iter::once(k.entry.to_string()).chain(names).chain(k.merge_entry.map(String::from)) {
+                        if !entries.contains(&e) {
+                            entries.push(e);
                         }
                     }
                 }

@@ -18,7 +18,9 @@ pub use super::attention_geometry::{
 };
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
-use super::launch::{contract, device_addr, device_addr_or_null, no_workspace, CudaKernel, Launch, PrepareContext};
+use super::launch::{
+    contract, device_addr, device_addr_or_null, no_workspace, CudaKernel, Launch, PrepareContext, Variant,
+};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{
@@ -38,9 +40,9 @@ macro_rules! attention_kernel {
         CudaKernel {
             name: $name,
             entry: $entry,
-            hopper_variants: &[concat!($entry, "_pair_heads"), concat!($entry, "_pair_queries")],
+            hopper_variants: &[Variant::PairHeads, Variant::PairQueries],
             hopper_form: true,
-            portable_variants: &[concat!($entry, "_xf")],
+            portable_variants: &[Variant::ScoreTransforms],
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
             merge_entry: Some(MERGE_ENTRY),
@@ -53,7 +55,7 @@ macro_rules! attention_kernel {
             entry: $name,
             hopper_variants: &[],
             hopper_form: false,
-            portable_variants: &[concat!($name, "_xf")],
+            portable_variants: &[Variant::ScoreTransforms],
             shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
             merge_entry: Some(MERGE_ENTRY),
@@ -197,9 +199,12 @@ pub enum PairMode {
 impl PairMode {
     pub const ALL: [PairMode; 2] = [PairMode::Heads, PairMode::Queries];
 
-    /// Its index among the kernel's [`CudaKernel::hopper_variants`].
-    fn variant(self) -> usize {
-        self as usize
+    /// Its entry point among the kernel's [`CudaKernel::hopper_variants`].
+    fn variant(self) -> Variant {
+        match self {
+            PairMode::Heads => Variant::PairHeads,
+            PairMode::Queries => Variant::PairQueries,
+        }
     }
 
     /// The entry point of this form for `head_dim`.
@@ -491,7 +496,7 @@ fn part_launch(
         l.variant = mode.map(PairMode::variant);
     }
     if !hopper && (p.softcap > 0.0 || p.max_bias > 0.0 || slopes) {
-        l.variant = Some(0); // `<entry>_xf`
+        l.variant = Some(Variant::ScoreTransforms);
     }
     Ok(l)
 }
@@ -669,9 +674,10 @@ mod tests {
         assert_eq!((KERNELS[1].shared_bytes)(true), Some(214_592));
         for (k, hd) in KERNELS.iter().zip([256, 512]) {
             let names: Vec<String> = PairMode::ALL.iter().map(|m| m.entry(hd)).collect();
-            assert_eq!(k.hopper_variants, names.as_slice());
+            let entries: Vec<String> = k.hopper_variants.iter().map(|v| v.entry(k.entry)).collect();
+            assert_eq!(entries, names);
             for m in PairMode::ALL {
-                assert_eq!(k.hopper_variants[m.variant()], m.entry(hd));
+                assert_eq!(m.variant().entry(k.entry), m.entry(hd));
             }
         }
         // Head dims 64 and 128: pair forms named after the kernel, launched with the
@@ -685,7 +691,8 @@ mod tests {
             let k = KERNELS.iter().find(|k| k.name == name).unwrap();
             assert!(k.hopper_form, "{name}");
             let want = [format!("{name}_pair_heads"), format!("{name}_pair_queries")];
-            assert_eq!(k.hopper_variants, want.as_slice());
+            let entries: Vec<String> = k.hopper_variants.iter().map(|v| v.entry(k.entry)).collect();
+            assert_eq!(entries, want);
             assert_eq!((k.shared_bytes)(true), Some(WS_SHARED_BYTES), "{name}: the limit covers the pair forms");
         }
         for hd in [64, 128] {

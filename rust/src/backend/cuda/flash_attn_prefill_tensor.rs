@@ -4,7 +4,7 @@
 //! points, geometry and CTA-pair forms).
 
 use super::flash_attn_prefill::{attention_launch, attention_pointers, attention_shared_bytes};
-use super::launch::{contract, no_workspace, CudaKernel, Launch, PrepareContext};
+use super::launch::{contract, no_workspace, CudaKernel, Launch, PrepareContext, Variant};
 use crate::error::Result;
 use crate::interface::Dispatch;
 use crate::recorded::{Broken, RecordedTensor};
@@ -14,10 +14,7 @@ pub const KERNELS: &[CudaKernel] = &[
     CudaKernel {
         name: "flash_attn_prefill_tensor_f16_d256",
         entry: "flash_attn_prefill_tensor_f16_d256",
-        hopper_variants: &[
-            "flash_attn_prefill_tensor_f16_d256_pair_heads",
-            "flash_attn_prefill_tensor_f16_d256_pair_queries",
-        ],
+        hopper_variants: &[Variant::PairHeads, Variant::PairQueries],
         hopper_form: true,
         portable_variants: &[],
         shared_bytes: |hopper| attention_shared_bytes(256, 256, hopper),
@@ -28,10 +25,7 @@ pub const KERNELS: &[CudaKernel] = &[
     CudaKernel {
         name: "flash_attn_prefill_tensor_f16_d512",
         entry: "flash_attn_prefill_tensor_f16_d512",
-        hopper_variants: &[
-            "flash_attn_prefill_tensor_f16_d512_pair_heads",
-            "flash_attn_prefill_tensor_f16_d512_pair_queries",
-        ],
+        hopper_variants: &[Variant::PairHeads, Variant::PairQueries],
         hopper_form: true,
         portable_variants: &[],
         shared_bytes: |hopper| attention_shared_bytes(512, 512, hopper),

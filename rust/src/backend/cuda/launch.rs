@@ -20,14 +20,14 @@ pub struct CudaKernel {
     /// The entry point of the source it launches (two ops' kernels may share one).
     pub entry: &'static str,
     /// Other entry points of the same source this kernel may launch instead, on Hopper
-    /// builds (the CTA-pair forms), in the order [`Launch::variant`] counts them.
-    pub hopper_variants: &'static [&'static str],
+    /// builds (the CTA-pair forms): `entry` and each one's suffix.
+    pub hopper_variants: &'static [Variant],
     /// Whether it has a Hopper form (wgmma) that runs where the module is built for sm_90a;
     /// without one it runs its portable form there too.
     pub hopper_form: bool,
     /// Entry points it may launch instead where it runs its portable form (the form with
-    /// SPEC 10's score transforms), in the order [`Launch::variant`] counts them there.
-    pub portable_variants: &'static [&'static str],
+    /// SPEC 10's score transforms).
+    pub portable_variants: &'static [Variant],
     /// Dynamic shared memory one CTA needs beyond the default 48 KiB; `hopper`: it runs its
     /// Hopper form.
     pub shared_bytes: fn(hopper: bool) -> Option<u32>,
@@ -40,6 +40,33 @@ pub struct CudaKernel {
     /// attention's split-KV parts; 0: none), on a device of `multiprocessors` running the
     /// kernel's Hopper form or not. The op's plan reports it; the caller brings one per run.
     pub workspace_bytes: fn(hopper: bool, multiprocessors: u32, params: &[u8]) -> u64,
+}
+
+/// An entry point a kernel may launch instead of its plain one, named `<entry><suffix>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// Hopper: a CTA pair over the two halves of one KV head's query heads.
+    PairHeads,
+    /// Hopper: a CTA pair over neighbouring query tiles.
+    PairQueries,
+    /// The portable form with SPEC 10's score transforms (softcap, ALiBi).
+    ScoreTransforms,
+}
+
+impl Variant {
+    /// What its entry point's name adds to the kernel's.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Variant::PairHeads => "_pair_heads",
+            Variant::PairQueries => "_pair_queries",
+            Variant::ScoreTransforms => "_xf",
+        }
+    }
+
+    /// Its entry point for a kernel whose plain one is `entry`.
+    pub fn entry(self, entry: &str) -> String {
+        format!("{entry}{}", self.suffix())
+    }
 }
 
 /// The workspace of a kernel that has no use for one.
@@ -62,10 +89,10 @@ pub struct Launch {
     pub shared_bytes: u32,
     /// Each parameter's value, 8-byte aligned storage.
     params: Vec<Vec<u64>>,
-    /// Which of the pipeline's variants ([`CudaKernel::hopper_variants`] in the Hopper form,
-    /// [`CudaKernel::portable_variants`] in the portable one) to launch instead of the plain
-    /// entry point.
-    pub variant: Option<usize>,
+    /// The variant to launch instead of the plain entry point (one of the kernel's
+    /// [`CudaKernel::hopper_variants`] in the Hopper form, [`CudaKernel::portable_variants`]
+    /// in the portable one; another is an error, never the plain entry point in its place).
+    pub variant: Option<Variant>,
     /// A launch of the kernel's [`CudaKernel::merge_entry`] right after this one, on the same
     /// stream (it reads what this one wrote).
     pub merge: Option<Box<Launch>>,

@@ -35,7 +35,7 @@ pub mod nvrtc;
 pub mod sources;
 
 use driver::{driver, CuContext, CuDevicePtr, CuFunction, CuModule, CuStream, Driver};
-use launch::{CudaKernel, Launch, PrepareContext};
+use launch::{CudaKernel, Launch, PrepareContext, Variant};
 pub use memory::CudaMemory;
 
 /// The launcher of the kernel `name`, from the op host files' tables; `None` for a kernel
@@ -244,17 +244,17 @@ fn load_module(d: &Driver, cubin: &[u8]) -> Result<CuModule> {
 pub struct CudaPipeline {
     ctx: Arc<CudaContext>,
     function: CuFunction,
-    /// The functions of the kernel's variants in the form it runs ([`CudaKernel::hopper_variants`]
-    /// or [`CudaKernel::portable_variants`]).
-    variants: Vec<CuFunction>,
+    /// The kernel's variants in the form it runs ([`CudaKernel::hopper_variants`] or
+    /// [`CudaKernel::portable_variants`]), each with its function and entry point's name.
+    variants: Vec<(Variant, CuFunction, String)>,
     /// The function of [`CudaKernel::merge_entry`], for launches that split.
     merge: Option<CuFunction>,
     kernel: Option<&'static CudaKernel>,
     /// Built with the Hopper (sm_90a, wgmma) forms of the kernels.
     hopper: bool,
-    /// For the trace ([`launch::tracing`]): the entry points of `function` then of each
-    /// variant, of `merge`, and the architecture the module was built for.
-    entries: Vec<String>,
+    /// For the trace ([`launch::tracing`]): the entry point of `function`, of `merge`, and the
+    /// architecture the module was built for.
+    entry: String,
     merge_entry: Option<&'static str>,
     arch: String,
 }
@@ -355,14 +355,19 @@ impl Backend for CudaBackend {
         let hopper = arch == "sm_90a" && kernel.is_some_and(|k| k.hopper_form);
         let function = self.ctx.function(src, kernel.map_or(name, |k| k.entry), &arch)?;
         let d = self.ctx.bind()?;
-        let variant_names: &[&str] = match kernel {
+        let entry = kernel.map_or(name, |k| k.entry);
+        let variant_list: &[Variant] = match kernel {
             Some(k) if hopper => k.hopper_variants,
             Some(k) => k.portable_variants,
             None => &[],
         };
-        let variants = variant_names.iter().map(|v| self.ctx.function(src, v, &arch)).collect::<Result<Vec<_>>>()?;
-        let entries = std::iter::once(kernel.map_or(name, |k| k.entry)).chain(variant_names.iter().copied());
-        let entries = entries.map(String::from).collect();
+        let variants = variant_list
+            .iter()
+            .map(|&v| {
+                let e = v.entry(entry);
+                Ok((v, self.ctx.function(src, &e, &arch)?, e))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let merge = match kernel.and_then(|k| k.merge_entry) {
             Some(entry) => Some(self.ctx.function(src, entry, &arch)?),
             None => None,
@@ -374,7 +379,7 @@ impl Backend for CudaBackend {
                     self.ctx.name, self.ctx.max_shared_per_block
                 )));
             }
-            for &f in std::iter::once(&function).chain(&variants) {
+            for &f in std::iter::once(&function).chain(variants.iter().map(|(_, f, _)| f)) {
                 // SAFETY: a valid function handle.
                 let r = unsafe { (d.cuFuncSetAttribute)(f, driver::FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as c_int) };
                 d.check(r, &format!("{name}: raising its shared memory limit"), MlxError::CommandBufferError)?;
@@ -394,7 +399,7 @@ impl Backend for CudaBackend {
                 merge,
                 kernel,
                 hopper,
-                entries,
+                entry: entry.to_string(),
                 merge_entry: kernel.and_then(|k| k.merge_entry),
                 arch,
             }),
@@ -456,9 +461,16 @@ impl CudaBackend {
                     )
                 }
             };
-            let launch_one = |launch: &mut Launch| {
-                let function = launch.variant.and_then(|i| p.variants.get(i).copied()).unwrap_or(p.function);
-                launch_with(function, launch)
+            // The variant the launch asks for, or the plain entry point; a variant the module
+            // has not loaded is an error (the plain entry point would compute something else).
+            let chosen = |launch: &Launch| match launch.variant {
+                None => Ok((p.function, p.entry.as_str())),
+                Some(v) => p.variants.iter().find(|x| x.0 == v).map(|x| (x.1, x.2.as_str())).ok_or_else(|| {
+                    MlxError::Internal(format!(
+                        "{}: the launch asks for the variant {v:?}, which the module has not loaded",
+                        dispatch.pipeline.name()
+                    ))
+                }),
             };
             let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper };
             let prepare = |variants: bool| match p.kernel {
@@ -466,19 +478,12 @@ impl CudaBackend {
                 None => launch::launch_as_encoded(&self.ctx, dispatch),
             };
             let mut launch = prepare(true)?;
-            if launch.variant.is_some_and(|i| i >= p.variants.len()) {
-                // Never the plain entry point in its place: it would compute something else.
-                return Err(MlxError::Internal(format!(
-                    "{}: the launch asks for a variant the module has not loaded",
-                    dispatch.pipeline.name()
-                )));
-            }
+            let (mut function, mut entry) = chosen(&launch)?;
             // The trace names the entry point each launch runs and the module's architecture
             // (tests/test_kernel_coverage.py reads them: every entry point of the form a
             // device runs must be launched by some test).
-            let trace = |launch: &Launch| {
+            let trace = |launch: &Launch, entry: &str| {
                 if launch::tracing() {
-                    let entry = launch.variant.and_then(|i| p.entries.get(i + 1)).unwrap_or(&p.entries[0]);
                     eprintln!(
                         "mlx_native cuda: {} variant {:?} grid {:?} block {:?} shared {} entry {entry} arch {}",
                         dispatch.pipeline.name(),
@@ -496,16 +501,17 @@ impl CudaBackend {
                     dispatch.pipeline.name()
                 )));
             }
-            let mut r = launch_one(&mut launch);
+            let mut r = launch_with(function, &mut launch);
             if r != driver::CUDA_SUCCESS && launch.variant.is_some() {
                 // A GPU that cannot place the cluster (a launch-configuration error, which
                 // leaves the context usable): the plain form, which computes the same bits
                 // (and splits alike: the split depends on the shape alone).
                 launch = prepare(false)?;
-                r = launch_one(&mut launch);
+                (function, entry) = chosen(&launch)?;
+                r = launch_with(function, &mut launch);
             }
             d.check(r, &format!("launching {}", dispatch.pipeline.name()), MlxError::CommandBufferError)?;
-            trace(&launch);
+            trace(&launch, entry);
             if let (Some(merge), Some(f)) = (launch.merge.as_mut(), p.merge) {
                 if launch::tracing() {
                     eprintln!(
