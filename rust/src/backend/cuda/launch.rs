@@ -121,8 +121,8 @@ impl Launch {
     }
 }
 
-/// Device address of a recorded dispatch's buffer (a role of `crate::recorded`'s decoded
-/// types, its length checked there); it must be memory of `ctx`.
+/// Device address of a dispatch's buffer (for the kernels with a table, a role of
+/// `crate::recorded`'s decoded types, its length checked there); it must be memory of `ctx`.
 pub fn device_addr(ctx: &Arc<CudaContext>, b: &BufferBinding, name: &str) -> Result<u64> {
     let mem = b
         .memory
@@ -138,18 +138,6 @@ pub fn device_addr(ctx: &Arc<CudaContext>, b: &BufferBinding, name: &str) -> Res
 /// The address of an optional buffer, 0 where absent (what the kernels test).
 pub fn device_addr_or_null(ctx: &Arc<CudaContext>, b: Option<&BufferBinding>, name: &str) -> Result<u64> {
     b.map_or(Ok(0), |b| device_addr(ctx, b, name))
-}
-
-fn device_address(ctx: &Arc<CudaContext>, b: &BufferBinding, name: &str, index: u64) -> Result<(u64, usize)> {
-    let mem = b
-        .memory
-        .as_any()
-        .downcast_ref::<CudaMemory>()
-        .ok_or_else(|| MlxError::InvalidArgument(format!("{name}: buffer {index} is not CUDA device memory")))?;
-    if !Arc::ptr_eq(mem.context(), ctx) {
-        return Err(MlxError::InvalidArgument(format!("{name}: buffer {index} belongs to another CUDA device")));
-    }
-    Ok((mem.device_ptr() + b.byte_offset as u64, b.byte_len))
 }
 
 /// Whether (`MLX_NATIVE_CUDA_TRACE=1`, a development knob read once by `settings`) each
@@ -177,13 +165,10 @@ pub fn launch_as_encoded(ctx: &Arc<CudaContext>, d: &Dispatch) -> Result<Launch>
     );
     let mut args: Vec<&(u64, BoundArg)> = d.args.iter().collect();
     args.sort_by_key(|(i, _)| *i);
-    for (index, arg) in args {
+    for (_, arg) in args {
         match arg {
             BoundArg::Bytes(b) => l.push_bytes(b),
-            BoundArg::Buffer(b) => {
-                let (ptr, _) = device_address(ctx, b, name, *index)?;
-                l.push_ptr(ptr);
-            }
+            BoundArg::Buffer(b) => l.push_ptr(device_addr(ctx, b, name)?),
         }
     }
     Ok(l)
