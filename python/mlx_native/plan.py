@@ -16,20 +16,12 @@ import numpy as np
 from ._lib import check, ffi, lib
 from .arrays import ALLOCATION_FAILURES, Operand, allocation_error
 from .checks import (
-    check_bool,
+    check_alibi_slopes,
     check_cu_seqlens,
-    check_device,
     check_finite as check_array_finite,
-    check_max_bias,
-    check_offset,
     check_out_dtype,
     check_q_fits_half,
-    check_scale,
     check_sinks,
-    check_softcap,
-    check_alibi_slopes,
-    check_tensor_layout,
-    check_window_sides,
     default_scale,
 )
 from .device import Device, Encoder
@@ -38,6 +30,7 @@ from .errors import BufferAllocationError, InvalidArgumentError, not_picklable
 from .layouts import layout as read_layout
 from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
+from .options import PrefillArgs, checked, from_keywords, signature
 
 __all__ = ["ArraySpec", "PrefillPlan"]
 
@@ -86,39 +79,24 @@ class PrefillPlan:
     library.
     """
 
-    def __init__(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        mask: Any = None,
-        *,
-        causal: bool = False,
-        window: Any = None,
-        offset: Optional[int] = None,
-        scale: Optional[float] = None,
-        cu_seqlens_q: Any = None,
-        cu_seqlens_k: Any = None,
-        return_lse: bool = False,
-        out_dtype: Any = None,
-        device: Union[None, str, Device] = None,
-        check_finite: bool = False,
-        softcap: float = 0.0,
-        max_bias: float = 0.0,
-        sinks: Any = None,
-        layout: str = "NHD",
-        alibi_slopes: Any = None,
-    ):
-        self.layout = check_tensor_layout(layout)
+    def __init__(self, q: Any, k: Any, v: Any, mask: Any = None, **keywords: Any):
+        self._plan(q, k, v, checked(from_keywords("PrefillPlan", mask, keywords)))
+
+    @classmethod
+    def from_args(cls, q: Any, k: Any, v: Any, args: PrefillArgs) -> "PrefillPlan":
+        """The plan of ``q``, ``k``, ``v`` with ``args`` already checked (:func:`checked`),
+        as the array call makes it."""
+        plan = cls.__new__(cls)
+        plan._plan(q, k, v, args)
+        return plan
+
+    def _plan(self, q: Any, k: Any, v: Any, args: PrefillArgs) -> None:
+        causal, window, offset, scale = args.causal, args.window, args.offset, args.scale
+        mask, cu_seqlens_q, cu_seqlens_k = args.mask, args.cu_seqlens_q, args.cu_seqlens_k
+        sinks, alibi_slopes, out_dtype = args.sinks, args.alibi_slopes, args.out_dtype
+        self.layout, self.softcap, self.max_bias = args.layout, args.softcap, args.max_bias
+        self._lse, self._check_finite, dev_arg = args.return_lse, args.check_finite, args.device
         hnd = self.layout == "HND"
-        causal = check_bool(causal, "causal")
-        causal, window = check_window_sides(window, causal)
-        offset = check_offset(offset, causal or window is not None)
-        scale = check_scale(scale)
-        self.softcap, self.max_bias = check_softcap(softcap), check_max_bias(max_bias)
-        self._lse = check_bool(return_lse, "return_lse")
-        self._check_finite = check_bool(check_finite, "check_finite")
-        dev_arg = check_device(device)
         qo, ko, vo = operand(q, "q"), operand(k, "k"), operand(v, "v")
         if hnd:  # the kernels read [..., rows, heads, head_dim] through these strides
             qo, ko, vo = nhd_view(qo), nhd_view(ko), nhd_view(vo)
@@ -254,6 +232,8 @@ class PrefillPlan:
         self._enc_out = None
         self._classified = False
         self._pairs = None
+
+    __init__.__signature__ = signature(__init__)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ facts
 
