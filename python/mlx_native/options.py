@@ -14,6 +14,7 @@ from .checks import (
     check_device,
     check_max_bias,
     check_offset,
+    check_out_dtype,
     check_scale,
     check_softcap,
     check_tensor_layout,
@@ -83,7 +84,7 @@ def signature(fn: Callable) -> inspect.Signature:
 def checked(a: PrefillArgs) -> PrefillArgs:
     """``a`` with every option checked and in its normal form (the checks of ``checks.py``,
     each raising a typed error that names the argument and the fix). The arrays are checked
-    against q, k and v where a plan is made (``plan.py``), ``out_dtype`` against q's dtype."""
+    against q, k and v where a plan is made (``plan.py``); ``out_dtype`` becomes its name."""
     layout = check_tensor_layout(a.layout)
     causal = check_bool(a.causal, "causal")
     causal, window = check_window_sides(a.window, causal)
@@ -93,9 +94,10 @@ def checked(a: PrefillArgs) -> PrefillArgs:
     check_finite = check_bool(a.check_finite, "check_finite")
     device = check_device(a.device)
     softcap, max_bias = check_softcap(a.softcap), check_max_bias(a.max_bias)
+    out_dtype = None if a.out_dtype is None else check_out_dtype(a.out_dtype, None)  # None: q's
     return a._replace(
-        causal=causal, window=window, offset=offset, scale=scale, return_lse=return_lse, check_finite=check_finite,
-        device=device, softcap=softcap, max_bias=max_bias, layout=layout,
+        causal=causal, window=window, offset=offset, scale=scale, out_dtype=out_dtype, return_lse=return_lse,
+        check_finite=check_finite, device=device, softcap=softcap, max_bias=max_bias, layout=layout,
     )  # fmt: skip
 
 
