@@ -150,6 +150,8 @@ def check_real_f32(x: Any, name: str, what: str, kind: str = "a finite number", 
     value that float32 would flush to zero or to a subnormal is refused too, since it would
     silently mean 0 to the kernel. ``kind`` and ``type_kind`` say in the messages what is
     taken."""
+    if type(x) is float and x == 0.0:
+        return x  # 0.0, "off" for softcap and max_bias (their default): no float32 round trip to make
     if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
         raise ArgumentTypeError(f"{name} must be {type_kind} ({what}), got {x!r} ({type(x).__name__})")
     try:
