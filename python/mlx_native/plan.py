@@ -18,8 +18,7 @@ from .arrays import ALLOCATION_FAILURES, Operand, allocation_error, direct_outpu
 from .checks import (
     check_alibi_slopes,
     check_cu_seqlens,
-    check_finite as check_array_finite,
-    check_q_fits_half,
+    check_inputs_finite,
     check_sinks,
     default_scale,
 )
@@ -340,7 +339,7 @@ class PrefillPlan:
         else:
             ops = self._operands(q, k, v, mask, sinks, alibi_slopes)
         if self._check_finite:
-            _check_values(ops, mask, self.scale)
+            check_inputs_finite(ops.q.obj, ops.k.obj, ops.v.obj, mask, _obj(ops.sinks), self.scale)
         return self._launch(ops, out, lse)
 
     __call__ = run
@@ -646,13 +645,5 @@ def _ptr(op: Optional[Operand]) -> Optional[int]:
     return None if op is None else op.ptr
 
 
-def _check_values(ops: _Operands, mask: Any, scale: float) -> None:
-    """``check_finite``: the values the kernels read (the mask as the caller gave it, whose
-    -inf means "masked")."""
-    check_q_fits_half(ops.q.obj, scale)
-    check_array_finite("k", ops.k.obj)
-    check_array_finite("v", ops.v.obj)
-    if mask is not None:
-        check_array_finite("mask", mask, allow_neg_inf=True)
-    if ops.sinks is not None:
-        check_array_finite("sinks", ops.sinks.obj, allow_neg_inf=True)
+def _obj(op: Optional[Operand]) -> Any:
+    return None if op is None else op.obj
