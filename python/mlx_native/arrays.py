@@ -330,6 +330,20 @@ class Operand:
                 return Operand.of(cupy.array(self.obj, copy=True, order="C"))
         return Operand.of(np.array(self.host_array(), copy=True, order="C"))
 
+    def half_copy(self) -> "Operand":
+        """A contiguous float16 copy of a float32 operand, made by its own library on its
+        device (round to nearest even; values beyond half's range become +-inf)."""
+        if self.library == "torch":
+            import torch
+
+            return Operand.of(self.obj.to(torch.float16, memory_format=torch.contiguous_format))
+        if self.library == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(self.device_index):
+                return Operand.of(cupy.ascontiguousarray(self.obj.astype(cupy.float16)))
+        return Operand.of(np.ascontiguousarray(self.host_array().astype(np.float16)))
+
 
 #: What the libraries raise when an array does not fit: numpy's MemoryError (and ValueError
 #: for a size past its index type), torch's RuntimeError (its OutOfMemoryError is one).
@@ -445,3 +459,76 @@ def as_host_array(x: Any, name: str = "array") -> np.ndarray:
     """``x`` as a numpy array: the array itself, a view of a CPU tensor, or a copy of a
     CUDA one."""
     return Operand.of(x, name).to_host()
+
+
+# ---------------------------------------------------------------------- a run's outputs
+
+
+def output(given: Any, like: Operand, name: str, shape: tuple, dtype, fill: Optional[np.ndarray] = None) -> Operand:
+    """The output operand: ``given`` (checked: contiguous, of ``shape`` and ``dtype``, on
+    ``like``'s device), or a new array of ``like``'s library; with ``fill`` (a host array)
+    holding it."""
+    if given is None:
+        if fill is not None:
+            return like.from_host(fill)
+        return like.new_empty(shape, dtype)
+    op = Operand.of(given, name)
+    if op.converted is not None:
+        raise InvalidArgumentError(
+            f"{name} cannot be written in place: {op.converted}. Pass a new array "
+            f"(numpy.empty({tuple(shape)}, dtype={np.dtype(dtype).name})), or none to get one"
+        )
+    if op.shape != tuple(shape) or op.dtype != np.dtype(dtype) or not op.contiguous or op.readonly or op.device != like.device:
+        raise InvalidArgumentError(
+            f"{name} must be a writable contiguous {np.dtype(dtype).name} array of shape {tuple(shape)} on {like.device}, "
+            f"got {op.dtype.name} {op.shape} with strides {op.strides} on {op.device}"
+        )
+    if fill is not None:
+        if op.library == "torch":
+            op.obj.copy_(Operand.of(op.obj).from_host(fill).obj)
+        else:
+            op.obj[...] = fill
+    return op
+
+
+def direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
+    """For a plan's one-call path (numpy arrays and torch tensors used in place): makers of
+    the outputs from q (its library, its device) and the address function of its library."""
+    # The plan's output shape is fixed: whether it fits the host is decided once here, and a
+    # call raises check_host_fits's error only where it does not (an overcommitting host
+    # "allocates" anything, then kills the writer).
+    fits = qo.on_cuda or host_fits(shape, out_dtype)
+    if qo.library == "torch":
+        import torch
+
+        tdt = _torch_dtype(out_dtype)
+
+        def new_out(q):
+            if not fits:
+                check_host_fits(shape, out_dtype, qo.device)
+            return torch.empty(shape, dtype=tdt, device=q.device)
+
+        def new_lse(q):
+            return torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+
+        ptr = _torch_ptr
+    else:
+
+        def new_out(q):
+            if not fits:
+                check_host_fits(shape, out_dtype, qo.device)
+            return np.empty(shape, dtype=out_dtype)
+
+        def new_lse(q):
+            return np.empty(lse_shape, dtype=np.float32)
+
+        ptr = _numpy_ptr
+    return new_out, new_lse, ptr
+
+
+def _numpy_ptr(a: np.ndarray) -> int:
+    return a.ctypes.data if a.size else 0
+
+
+def _torch_ptr(t) -> int:
+    return t.data_ptr()

@@ -150,6 +150,8 @@ def check_real_f32(x: Any, name: str, what: str, kind: str = "a finite number", 
     value that float32 would flush to zero or to a subnormal is refused too, since it would
     silently mean 0 to the kernel. ``kind`` and ``type_kind`` say in the messages what is
     taken."""
+    if type(x) is float and x == 0.0:
+        return x  # 0.0, "off" for softcap and max_bias (their default): no float32 round trip to make
     if not isinstance(x, numbers.Real) or isinstance(x, (bool, np.bool_)):
         raise ArgumentTypeError(f"{name} must be {type_kind} ({what}), got {x!r} ({type(x).__name__})")
     try:
@@ -398,3 +400,16 @@ def check_finite(name: str, x: Any, allow_neg_inf: bool = False) -> None:
     if bad.any():
         i = np.unravel_index(int(np.argmax(bad.ravel())), a.shape)
         raise InvalidArgumentError(f"{name}[{', '.join(str(int(j)) for j in i)}] = {float(a[i])!r} is not finite")
+
+
+def check_inputs_finite(q: Any, k: Any, v: Any, mask: Any, sinks: Any, scale: Optional[float]) -> None:
+    """``check_finite``: raise unless ``half(scale * q)``, ``k`` and ``v`` (the arrays the
+    kernels read) are finite and the mask (as the caller gave it: its -inf means "masked")
+    and the sinks hold no NaN or +inf; ``mask`` and ``sinks`` may be None."""
+    check_q_fits_half(q, scale)
+    check_finite("k", k)
+    check_finite("v", v)
+    if mask is not None:
+        check_finite("mask", mask, allow_neg_inf=True)
+    if sinks is not None:
+        check_finite("sinks", sinks, allow_neg_inf=True)

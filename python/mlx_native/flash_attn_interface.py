@@ -35,8 +35,9 @@ The output is in q's dtype. Under grad mode the forward runs (a backward raises
 
 from __future__ import annotations
 
+import inspect
 import numbers
-from typing import Any, Tuple
+from typing import Any, Callable, NamedTuple, Tuple
 
 import numpy as np
 
@@ -52,159 +53,136 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
 ]
 
-def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+
+class FlashAttnArgs(NamedTuple):
+    """The arguments every FlashAttention 2 forward function takes after its arrays, in its
+    order and with its defaults (by position or by name); ``block_table`` is
+    ``flash_attn_varlen_func``'s alone."""
+
+    dropout_p: float = 0.0
+    softmax_scale: Any = None
+    causal: bool = False
+    window_size: Any = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: Any = None
+    deterministic: bool = False
+    return_attn_probs: bool = False
+    block_table: Any = None
+
+
+def _fa_args(caller: str, args: tuple, keywords: dict) -> FlashAttnArgs:
+    """The :class:`FlashAttnArgs` of ``caller(*arrays, *args, **keywords)``, refusing what
+    FlashAttention's own function would (Python's ``TypeError``, naming it)."""
+    fields = len(FlashAttnArgs._fields) - (caller != "flash_attn_varlen_func")
+    if len(args) > fields:
+        raise TypeError(f"{caller}() got {len(args)} arguments after its arrays, at most {fields}")
+    for name in keywords:
+        if name not in FlashAttnArgs._fields[:fields]:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    try:
+        return FlashAttnArgs(*args, **keywords)
+    except TypeError as e:  # an argument given twice
+        raise TypeError(f"{caller}(): {e}") from None
+
+
+def _signature(arrays: str, varlen: bool = False) -> Callable:
+    """Gives a forward function FlashAttention's signature (what ``help`` and editors show):
+    ``arrays`` then :class:`FlashAttnArgs`' fields."""
+
+    def give(fn: Callable) -> Callable:
+        named = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in arrays.split()]
+        fields = FlashAttnArgs._fields if varlen else FlashAttnArgs._fields[:-1]
+        named += [
+            inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=FlashAttnArgs._field_defaults[n])
+            for n in fields
+        ]
+        fn.__signature__ = inspect.Signature(named)  # type: ignore[attr-defined]
+        return fn
+
+    return give
+
+
+@_signature("q k v")
+def flash_attn_func(q, k, v, *args, **keywords):
     """FlashAttention 2's ``flash_attn_func``: q ``[batch, seqlen_q, heads, head_dim]``,
     k/v ``[batch, seqlen_k, kv_heads, head_dim]``; returns out ``[batch, seqlen_q, heads,
     head_dim]`` or, with ``return_attn_probs``, ``(out, softmax_lse [batch, heads,
     seqlen_q], None)``."""
-    return _fixed(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+    return _fixed(q, k, v, _fa_args("flash_attn_func", args, keywords))
 
 
-def flash_attn_qkvpacked_func(
-    qkv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+@_signature("qkv")
+def flash_attn_qkvpacked_func(qkv, *args, **keywords):
     """``flash_attn_func`` on ``qkv [batch, seqlen, 3, heads, head_dim]`` (views of it, no
     copy)."""
+    fa = _fa_args("flash_attn_qkvpacked_func", args, keywords)
     _check_pack(qkv, "qkv", 5, 3, 2)
-    return _fixed(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size, softcap,
-                  alibi_slopes, return_attn_probs)  # fmt: skip
+    return _fixed(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], fa)
 
 
-def flash_attn_kvpacked_func(
-    q,
-    kv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+@_signature("q kv")
+def flash_attn_kvpacked_func(q, kv, *args, **keywords):
     """``flash_attn_func`` with ``kv [batch, seqlen_k, 2, kv_heads, head_dim]`` (views of
     it, no copy)."""
+    fa = _fa_args("flash_attn_kvpacked_func", args, keywords)
     _check_pack(kv, "kv", 5, 2, 2)
-    return _fixed(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  return_attn_probs)  # fmt: skip
+    return _fixed(q, kv[:, :, 0], kv[:, :, 1], fa)
 
 
-def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
-):
+@_signature("q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k", varlen=True)
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **keywords):
     """FlashAttention 2's ``flash_attn_varlen_func``: q ``[total_q, heads, head_dim]``, k/v
     ``[total_k, kv_heads, head_dim]``, ``cu_seqlens_q/k`` int32 ``[batch + 1]``;
     ``max_seqlen_q/k`` are accepted (the plan reads the lengths from the offsets). Returns
     out ``[total_q, heads, head_dim]`` or ``(out, softmax_lse [heads, total_q], None)``.
     ``block_table`` (a paged KV cache) is refused."""
-    if block_table is not None:
+    fa = _fa_args("flash_attn_varlen_func", args, keywords)
+    if fa.block_table is not None:
         raise UnsupportedFeatureError(
             "block_table (a paged KV cache): mlx_native reads K/V as [total_k, kv_heads, head_dim] rows; gather the "
             "pages into one tensor first"
         )
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, return_attn_probs)  # fmt: skip
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, fa)
 
 
-def flash_attn_varlen_qkvpacked_func(
-    qkv,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+@_signature("qkv cu_seqlens max_seqlen")
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *args, **keywords):
     """``flash_attn_varlen_func`` on ``qkv [total, 3, heads, head_dim]`` (views of it)."""
+    fa = _fa_args("flash_attn_varlen_qkvpacked_func", args, keywords)
     _check_pack(qkv, "qkv", 4, 3, 1)
-    return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, dropout_p, softmax_scale, causal,
-                   window_size, softcap, alibi_slopes, return_attn_probs)  # fmt: skip
+    return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, fa)
 
 
-def flash_attn_varlen_kvpacked_func(
-    q,
-    kv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+@_signature("q kv cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k")
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **keywords):
     """``flash_attn_varlen_func`` with ``kv [total_k, 2, kv_heads, head_dim]`` (views)."""
+    fa = _fa_args("flash_attn_varlen_kvpacked_func", args, keywords)
     _check_pack(kv, "kv", 4, 2, 1)
-    return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
-                   softcap, alibi_slopes, return_attn_probs)  # fmt: skip
+    return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, fa)
 
 
 # ---------------------------------------------------------------------- the mapping
 
 
-def _fixed(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
-    kw = _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+def _fixed(q, k, v, fa: FlashAttnArgs):
+    kw = _common(fa)
     if (kw["causal"] or kw["window"] is not None) and len(q.shape) == 4 == len(k.shape) and k.shape[1] < q.shape[1]:
         # Bottom-right aligned with a cache shorter than the queries: the first rows see
         # nothing (our default refuses this shape as a mistake; FlashAttention allows it).
         kw["offset"] = int(k.shape[1]) - int(q.shape[1])
-    return _finish(flash_attn_prefill(q, k, v, scale=softmax_scale, return_lse=bool(return_attn_probs), **kw))
+    return _finish(flash_attn_prefill(q, k, v, **kw))
 
 
-def _varlen(q, k, v, cu_q, cu_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-            return_attn_probs):  # fmt: skip
-    kw = _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_probs)
-    lse = bool(return_attn_probs)
+def _varlen(q, k, v, cu_q, cu_k, fa: FlashAttnArgs):
+    kw = _common(fa)
     if (kw["causal"] or kw["window"] is not None) and _some_cache_shorter(cu_q, cu_k):
-        return _finish(_by_sequence(q, k, v, cu_q, cu_k, softmax_scale, lse, kw))
-    return _finish(flash_attn_prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=softmax_scale,
-                                      return_lse=lse, **kw))  # fmt: skip
+        return _finish(_by_sequence(q, k, v, cu_q, cu_k, kw))
+    return _finish(flash_attn_prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw))
 
 
-def _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_probs) -> dict:
+def _common(fa: FlashAttnArgs) -> dict:
+    """The front door's keywords for FlashAttention's arguments, checked."""
+    dropout_p, causal, return_attn_probs = fa.dropout_p, fa.causal, fa.return_attn_probs
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise ArgumentTypeError(f"dropout_p must be a number, got {dropout_p!r} ({type(dropout_p).__name__})")
     if dropout_p != 0:
@@ -216,10 +194,11 @@ def _common(dropout_p, causal, window_size, softcap, alibi_slopes, return_attn_p
         raise ArgumentTypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__})")
     if not isinstance(return_attn_probs, bool):
         raise ArgumentTypeError(f"return_attn_probs must be True or False, got {return_attn_probs!r}")
-    causal, window = _window(causal, window_size)
-    kw = dict(causal=causal, window=window, softcap=0.0 if softcap is None else softcap)
-    if alibi_slopes is not None:
-        kw["alibi_slopes"] = alibi_slopes
+    causal, window = _window(causal, fa.window_size)
+    kw = dict(causal=causal, window=window, softcap=0.0 if fa.softcap is None else fa.softcap,
+              scale=fa.softmax_scale, return_lse=return_attn_probs)  # fmt: skip
+    if fa.alibi_slopes is not None:
+        kw["alibi_slopes"] = fa.alibi_slopes
     return kw
 
 
@@ -257,12 +236,13 @@ def _lengths(cu) -> list:
     return [b - a for a, b in zip(vals[:-1], vals[1:])]
 
 
-def _by_sequence(q, k, v, cu_q, cu_k, scale, lse, kw):
+def _by_sequence(q, k, v, cu_q, cu_k, kw):
     """Variable length where a causal sequence's cache is shorter than its queries (its
     first rows see nothing): each sequence on its own, with its offset (our variable-length
     plan takes one offset for all). Slower (one call per sequence), and only this case."""
     import torch
 
+    lse = kw["return_lse"]
     starts_q = [int(x) for x in cu_q.tolist()]
     starts_k = [int(x) for x in cu_k.tolist()]
     out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
@@ -273,8 +253,7 @@ def _by_sequence(q, k, v, cu_q, cu_k, scale, lse, kw):
             continue
         if ke == ka:
             continue  # sees nothing: zeros, lse -inf (+inf below)
-        r = flash_attn_prefill(q[a:e], k[ka:ke], v[ka:ke], scale=scale, return_lse=lse,
-                               offset=(ke - ka) - (e - a), **kw)  # fmt: skip
+        r = flash_attn_prefill(q[a:e], k[ka:ke], v[ka:ke], offset=(ke - ka) - (e - a), **kw)
         if lse:
             out[a:e], lse_t[:, a:e] = r
         else:

@@ -9,35 +9,26 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from ._lib import check, ffi, lib
-from .arrays import ALLOCATION_FAILURES, Operand, allocation_error
+from .arrays import ALLOCATION_FAILURES, Operand, allocation_error, direct_outputs, output
 from .checks import (
-    check_bool,
-    check_cu_seqlens,
-    check_device,
-    check_finite as check_array_finite,
-    check_max_bias,
-    check_offset,
-    check_out_dtype,
-    check_q_fits_half,
-    check_scale,
-    check_sinks,
-    check_softcap,
     check_alibi_slopes,
-    check_tensor_layout,
-    check_window_sides,
+    check_cu_seqlens,
+    check_inputs_finite,
+    check_sinks,
     default_scale,
 )
-from .device import Device, Encoder
+from .device import Encoder
 from .dtypes import DTYPE_CODES, numpy_dtype_of_name
 from .errors import BufferAllocationError, InvalidArgumentError, not_picklable
 from .layouts import layout as read_layout
 from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
+from .options import PrefillArgs, checked, from_keywords, signature
 
 __all__ = ["ArraySpec", "PrefillPlan"]
 
@@ -86,39 +77,24 @@ class PrefillPlan:
     library.
     """
 
-    def __init__(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        mask: Any = None,
-        *,
-        causal: bool = False,
-        window: Any = None,
-        offset: Optional[int] = None,
-        scale: Optional[float] = None,
-        cu_seqlens_q: Any = None,
-        cu_seqlens_k: Any = None,
-        return_lse: bool = False,
-        out_dtype: Any = None,
-        device: Union[None, str, Device] = None,
-        check_finite: bool = False,
-        softcap: float = 0.0,
-        max_bias: float = 0.0,
-        sinks: Any = None,
-        layout: str = "NHD",
-        alibi_slopes: Any = None,
-    ):
-        self.layout = check_tensor_layout(layout)
+    def __init__(self, q: Any, k: Any, v: Any, mask: Any = None, **keywords: Any):
+        self._plan(q, k, v, checked(from_keywords("PrefillPlan", mask, keywords)))
+
+    @classmethod
+    def from_args(cls, q: Any, k: Any, v: Any, args: PrefillArgs) -> "PrefillPlan":
+        """The plan of ``q``, ``k``, ``v`` with ``args`` already checked (:func:`checked`),
+        as the array call makes it."""
+        plan = cls.__new__(cls)
+        plan._plan(q, k, v, args)
+        return plan
+
+    def _plan(self, q: Any, k: Any, v: Any, args: PrefillArgs) -> None:
+        causal, window, offset, scale = args.causal, args.window, args.offset, args.scale
+        mask, cu_seqlens_q, cu_seqlens_k = args.mask, args.cu_seqlens_q, args.cu_seqlens_k
+        sinks, alibi_slopes, out_dtype = args.sinks, args.alibi_slopes, args.out_dtype
+        self.layout, self.softcap, self.max_bias = args.layout, args.softcap, args.max_bias
+        self._lse, self._check_finite, dev_arg = args.return_lse, args.check_finite, args.device
         hnd = self.layout == "HND"
-        causal = check_bool(causal, "causal")
-        causal, window = check_window_sides(window, causal)
-        offset = check_offset(offset, causal or window is not None)
-        scale = check_scale(scale)
-        self.softcap, self.max_bias = check_softcap(softcap), check_max_bias(max_bias)
-        self._lse = check_bool(return_lse, "return_lse")
-        self._check_finite = check_bool(check_finite, "check_finite")
-        dev_arg = check_device(device)
         qo, ko, vo = operand(q, "q"), operand(k, "k"), operand(v, "v")
         if hnd:  # the kernels read [..., rows, heads, head_dim] through these strides
             qo, ko, vo = nhd_view(qo), nhd_view(ko), nhd_view(vo)
@@ -163,7 +139,7 @@ class PrefillPlan:
             # (round to nearest even, with the arrays' own library on their device), and the
             # plan is made for those contiguous copies (docs/spec.md, "float32 K/V").
             self._kv_to_half = True
-            ko, vo = _half_copy(ko), _half_copy(vo)
+            ko, vo = ko.half_copy(), vo.half_copy()
         self._has_alibi = alibi_slopes is not None
         self._alibi_batched = False
         if self._has_alibi:
@@ -172,8 +148,8 @@ class PrefillPlan:
             self._alibi_shape = ao.shape
         self._cuda = self.device.backend == "cuda" and not self._upload
         self._array_device = qo.device
-        out_name = check_out_dtype(out_dtype, qo.dtype)
-        self.out_dtype = numpy_dtype_of_name(out_name)
+        # q's dtype (checked by check_qkv) unless the options name another (checked there).
+        self.out_dtype = qo.dtype if out_dtype is None else numpy_dtype_of_name(out_dtype)
         self.scale = default_scale(head_dim) if scale is None else scale
         self.causal, self.window, self.offset, self.batch = causal, window, offset, batch
         self._dims = (rows, kv_len, n_heads, n_kv_heads, head_dim)
@@ -223,7 +199,7 @@ class PrefillPlan:
         out = ffi.new("uint64_t *")
         cq = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[0])
         ck = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[1])
-        codes = (DTYPE_CODES[qo.dtype.name], DTYPE_CODES[ko.dtype.name], DTYPE_CODES[out_name])
+        codes = (DTYPE_CODES[qo.dtype.name], DTYPE_CODES[ko.dtype.name], DTYPE_CODES[self.out_dtype.name])
         flags = (int(mask is not None), int(self._lse), int(self._has_sinks))
         check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, *flags, cq, ck, out))
         self._handle = int(out[0])
@@ -242,7 +218,7 @@ class PrefillPlan:
             and not self._upload and not self._check_finite and not self._has_sinks
             and not self._has_alibi and not self._kv_to_half
         )  # fmt: skip
-        self._direct = _direct_outputs(qo, self.shape, self.lse_shape, self.out_dtype) if direct else None
+        self._direct = direct_outputs(qo, self.shape, self.lse_shape, self.out_dtype) if direct else None
 
         data = [x for x in (q, k, v, mask, sinks, alibi_slopes) if x is not None]
         self._planned = None if any(isinstance(x, ArraySpec) for x in data) else (q, k, v, mask)
@@ -251,9 +227,12 @@ class PrefillPlan:
         self._lock = threading.RLock()
         self._bufs = None
         self._scratch = None
+        self._planned_ops = None
         self._enc_out = None
         self._classified = False
         self._pairs = None
+
+    __init__.__signature__ = signature(__init__)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ facts
 
@@ -341,7 +320,10 @@ class PrefillPlan:
         """Run on ``q``, ``k``, ``v`` (and ``mask`` when the plan has one, ``sinks`` when it
         has sinks) of the planned layouts, or with no arrays on the planned ones. Returns
         ``out``, or ``(out, lse)`` when the plan returns lse. With ``check_finite`` the
-        inputs are checked first."""
+        inputs are checked first.
+
+        Every run takes the same steps: the arrays bound to the plan (checked against its
+        layouts), their values checked where asked, then one launch."""
         if lse is not None and not self._lse:
             raise InvalidArgumentError("this plan returns no lse: make one with return_lse=True to pass lse=")
         if q is None and k is None and v is None:
@@ -350,45 +332,57 @@ class PrefillPlan:
             q, k, v, planned_mask = self._planned
             mask = planned_mask if mask is None else mask
             sinks = self._planned_sinks if sinks is None else sinks
-            if self._upload:  # uploaded once, by the first such run
-                qo = Operand.of(q, "q")
-                if self._check_finite:
-                    _check_inputs(qo, Operand.of(k, "k"), Operand.of(v, "v"), self.scale)
-                    if mask is not None:
-                        check_array_finite("mask", mask, allow_neg_inf=True)
-                    if sinks is not None:
-                        check_array_finite("sinks", sinks, allow_neg_inf=True)
-                with self._lock:
-                    return self._run_buffers(self._buffers, out, lse, qo)
+            # Host arrays for a CUDA device are bound and uploaded once, by the first such run.
+            ops = self._planned_operands() if self._upload else self._operands(q, k, v, mask, sinks, alibi_slopes)
         elif q is None or k is None or v is None:
             raise InvalidArgumentError("pass q, k and v (or none of them: the arrays the plan was made with)")
-        qo, ko, vo = self._bind(q, "q", 0), self._bind(k, "k", 1), self._bind(v, "v", 2)
-        mo = self._bind_mask(mask, qo)
-        so = self._bind_sinks(sinks)
-        ao = self._bind_alibi(alibi_slopes)
+        else:
+            ops = self._operands(q, k, v, mask, sinks, alibi_slopes)
         if self._check_finite:
-            _check_inputs(qo, ko, vo, self.scale)
-            if mask is not None:
-                check_array_finite("mask", mask, allow_neg_inf=True)
-            if so is not None:
-                check_array_finite("sinks", so.obj, allow_neg_inf=True)
-        if self._upload:
-            return self._run_uploaded(qo, ko, vo, mo, so, out, lse, ao)
-        oo = _output(out, qo, "out", self.shape, self.out_dtype)
-        lo = _output(lse, qo, "lse", self.lse_shape, np.float32) if self._lse else None
-        stream = qo.run_stream() if self._cuda else 0
-        # The split's scratch, for this run alone (q's library allocates it, as the outputs).
-        wo = qo.new_empty((self._extents["workspace"],), np.uint8) if self._cuda and self._extents["workspace"] else None
-        _run(self._handle, qo.ptr, ko.ptr, vo.ptr, None if mo is None else mo.ptr, oo.ptr, None if lo is None else lo.ptr,
-             stream, None if so is None else so.ptr, None if wo is None else wo.ptr,
-             None if ao is None else ao.ptr)  # fmt: skip
-        return (oo.obj, lo.obj) if lo is not None else oo.obj
+            check_inputs_finite(ops.q.obj, ops.k.obj, ops.v.obj, mask, _obj(ops.sinks), self.scale)
+        return self._launch(ops, out, lse)
 
     __call__ = run
 
+    def _operands(self, q: Any, k: Any, v: Any, mask: Any, sinks: Any, alibi_slopes: Any) -> "_Operands":
+        """The arrays of a run bound to the plan: checked against its layouts, copied where
+        the kernels cannot read them in place."""
+        qo = self._bind(q, "q", 0)
+        return _Operands(
+            qo, self._bind(k, "k", 1), self._bind(v, "v", 2), self._bind_mask(mask, qo), self._bind_sinks(sinks),
+            self._bind_alibi(alibi_slopes),
+        )  # fmt: skip
+
+    def _planned_operands(self) -> "_Operands":
+        """The planned arrays bound, with their buffers (:attr:`_buffers`, made once)."""
+        with self._lock:
+            if self._bufs is None:
+                self._bufs = self._make_buffers()
+            return self._planned_ops
+
+    def _launch(self, ops: "_Operands", out: Any, lse: Any) -> Any:
+        """One launch on bound operands: through the plan's C call with their addresses, or,
+        for host arrays on a CUDA device (which have no device address to pass), through an
+        encoder over uploaded copies, downloaded into q's library."""
+        if self._upload:
+            with self._lock:  # upload runs share their outputs' buffers until downloaded
+                planned = self._bufs is not None and ops is self._planned_ops
+                return self._run_buffers(self._bufs if planned else self._uploaded(ops), out, lse, ops.q)
+        qo = ops.q
+        oo = output(out, qo, "out", self.shape, self.out_dtype)
+        lo = output(lse, qo, "lse", self.lse_shape, np.float32) if self._lse else None
+        stream = qo.run_stream() if self._cuda else 0
+        # The split's scratch, for this run alone (q's library allocates it, as the outputs).
+        wo = qo.new_empty((self._extents["workspace"],), np.uint8) if self._cuda and self._extents["workspace"] else None
+        _run(self._handle, qo.ptr, ops.k.ptr, ops.v.ptr, _ptr(ops.mask), oo.ptr, _ptr(lo), stream, _ptr(ops.sinks),
+             _ptr(wo), _ptr(ops.alibi))  # fmt: skip
+        return (oo.obj, lo.obj) if lo is not None else oo.obj
+
     def _run_call(self, q: Any, k: Any, v: Any, mask: Any, sinks: Any = None, alibi_slopes: Any = None):
         """:meth:`run` for arrays whose layouts (``arrays.layout_key``) are those this plan
-        was made from: the one call's path, which checks nothing it knows already."""
+        was made from: the one call's path. Where the plan found them usable as they are
+        (``_direct``), binding them would find nothing new: their addresses go to the same C
+        call at once."""
         d = self._direct
         if d is None:
             return self.run(q, k, v, mask, sinks=sinks, alibi_slopes=alibi_slopes)
@@ -416,7 +410,7 @@ class PrefillPlan:
         if self._kv_to_half and i in (1, 2):
             if op.dtype != np.float32:
                 raise InvalidArgumentError(f"{name} is {op.dtype.name}; this plan was made for float32 {name}")
-            op = _half_copy(op)
+            op = op.half_copy()
         if not op.in_place:
             op = op.made_contiguous()
         if self.layout == "HND":
@@ -501,30 +495,16 @@ class PrefillPlan:
         if self._planned is None:
             raise InvalidArgumentError("this plan was made from layouts (ArraySpec): it has no arrays to encode")
         q, k, v, m = self._planned
-        qo, ko, vo = self._bind(q, "q", 0), self._bind(k, "k", 1), self._bind(v, "v", 2)
-        mo = self._bind_mask(m, qo)
-        dev = self.device
-
-        def buf(op):
-            return dev.buffer(span(op)) if self._upload else dev.wrap(op, span=True)
-
-        so = self._bind_sinks(self._planned_sinks)
-        ao = self._bind_alibi(self._planned_alibi)
-        b = dict(q=buf(qo), k=buf(ko), v=buf(vo), mask=None if mo is None else buf(mo), lse=None, cu_q=None, cu_k=None)
-        b["sinks"] = None if so is None else buf(so)
-        b["alibi"] = None if ao is None else buf(ao)
+        ops = self._planned_ops = self._operands(q, k, v, m, self._planned_sinks, self._planned_alibi)
         if self._upload:
-            b.update(self._output_buffers())
-        else:
-            oo = qo.new_empty(self.shape, self.out_dtype)
-            lo = qo.new_empty(self.lse_shape, np.float32) if self._lse else None
-            b["out"], self._enc_out = dev.wrap(oo, span=True), (oo, lo)
-            if lo is not None:
-                b["lse"] = dev.wrap(lo, span=True)
-            b["blk"] = dev.empty((max(1, self._extents["blk"]),), np.uint8) if mo is not None else None
-            if self._cu is not None:
-                b["cu_q"], b["cu_k"] = dev.buffer(self._cu[0]), dev.buffer(self._cu[1])
-            b["workspace"] = self._workspace_buffer()
+            return self._uploaded(ops, self._output_buffers())
+        dev = self.device
+        b = {name: None if op is None else dev.wrap(op, span=True) for name, op in zip(_Operands._fields, ops)}
+        # The outputs are arrays of q's library, which encoded_result returns.
+        oo = ops.q.new_empty(self.shape, self.out_dtype)
+        lo = ops.q.new_empty(self.lse_shape, np.float32) if self._lse else None
+        self._enc_out = (oo, lo)
+        b.update(self._output_buffers(dev.wrap(oo, span=True), None if lo is None else dev.wrap(lo, span=True)))
         return b
 
     def _workspace_buffer(self):
@@ -575,26 +555,29 @@ class PrefillPlan:
         )
         enc._hold(*[x for x in b.values() if x is not None])
 
-    def _run_uploaded(self, qo, ko, vo, mo, so, out, lse, ao=None):
-        dev = self.device
-        with self._lock:
-            if self._scratch is None:
-                # The outputs, table and offsets of upload runs (the arrays' buffers are new).
-                self._scratch = {k: v for k, v in self._output_buffers().items()}
-            b = dict(self._scratch)
-            b.update(q=dev.buffer(span(qo)), k=dev.buffer(span(ko)), v=dev.buffer(span(vo)))
-            b["mask"] = None if mo is None else dev.buffer(span(mo))
-            b["sinks"] = None if so is None else dev.buffer(span(so))
-            b["alibi"] = None if ao is None else dev.buffer(span(ao))
-            return self._run_buffers(b, out, lse, qo)
+    def _uploaded(self, ops: "_Operands", outputs: Optional[dict] = None) -> dict:
+        """Encoder buffers of a run of host arrays on a CUDA device: copies of the operands
+        uploaded, and the outputs, table and offsets (``outputs``, else those every such run
+        of the plan shares, made once)."""
+        if outputs is None:
+            with self._lock:
+                if self._scratch is None:
+                    self._scratch = self._output_buffers()
+            outputs = self._scratch
+        b = dict(outputs)
+        for name, op in zip(_Operands._fields, ops):
+            b[name] = None if op is None else self.device.buffer(span(op))
+        return b
 
-    def _output_buffers(self) -> dict:
-        """Device buffers of the outputs (flat), of the explicit mask's table and of the
-        sequence offsets, for runs through an encoder on a CUDA device."""
+    def _output_buffers(self, out: Any = None, lse: Any = None) -> dict:
+        """Device buffers of the outputs (``out`` and ``lse`` where given, else new flat
+        ones), of the explicit mask's table and of the sequence offsets, for runs through an
+        encoder."""
         dev = self.device
-        b = dict(lse=None, blk=None, cu_q=None, cu_k=None)
-        b["out"] = dev.empty((self._extents["out"],), self.out_dtype)
-        if self._lse:
+        b = dict(out=out, lse=lse, blk=None, cu_q=None, cu_k=None)
+        if out is None:
+            b["out"] = dev.empty((self._extents["out"],), self.out_dtype)
+        if lse is None and self._lse:
             b["lse"] = dev.empty((self._extents["lse"],), np.float32)
         if self._mask_form is not None:
             b["blk"] = dev.empty((max(1, self._extents["blk"]),), np.uint8)
@@ -610,10 +593,10 @@ class PrefillPlan:
 
     def _download(self, b: dict, qo: Operand, out, lse):
         o = b["out"].numpy().reshape(self.shape)
-        oo = _output(out, qo, "out", self.shape, self.out_dtype, fill=o)
+        oo = output(out, qo, "out", self.shape, self.out_dtype, fill=o)
         if not self._lse:
             return oo.obj
-        lo = _output(lse, qo, "lse", self.lse_shape, np.float32, fill=b["lse"].numpy().reshape(self.lse_shape))
+        lo = output(lse, qo, "lse", self.lse_shape, np.float32, fill=b["lse"].numpy().reshape(self.lse_shape))
         return oo.obj, lo.obj
 
 
@@ -646,94 +629,21 @@ def _run(
                                     stream))  # fmt: skip
 
 
-def _numpy_ptr(a: np.ndarray) -> int:
-    return a.ctypes.data if a.size else 0
+class _Operands(NamedTuple):
+    """The arrays of one run, bound to its plan (``PrefillPlan._operands``); the names are
+    those of the encoder buffers they become."""
+
+    q: Operand
+    k: Operand
+    v: Operand
+    mask: Optional[Operand]
+    sinks: Optional[Operand]
+    alibi: Optional[Operand]
 
 
-def _torch_ptr(t) -> int:
-    return t.data_ptr()
+def _ptr(op: Optional[Operand]) -> Optional[int]:
+    return None if op is None else op.ptr
 
 
-def _direct_outputs(qo: Operand, shape: tuple, lse_shape: tuple, out_dtype):
-    """For the one call's path: makers of the outputs from q (its library, its device) and
-    the address function of its library."""
-    from .arrays import _torch_dtype, check_host_fits, host_fits
-
-    # The plan's output shape is fixed: whether it fits the host is decided once here, and a
-    # call raises check_host_fits's error only where it does not (an overcommitting host
-    # "allocates" anything, then kills the writer).
-    fits = qo.on_cuda or host_fits(shape, out_dtype)
-    if qo.library == "torch":
-        import torch
-
-        tdt = _torch_dtype(out_dtype)
-
-        def new_out(q):
-            if not fits:
-                check_host_fits(shape, out_dtype, qo.device)
-            return torch.empty(shape, dtype=tdt, device=q.device)
-
-        def new_lse(q):
-            return torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-
-        ptr = _torch_ptr
-    else:
-
-        def new_out(q):
-            if not fits:
-                check_host_fits(shape, out_dtype, qo.device)
-            return np.empty(shape, dtype=out_dtype)
-
-        def new_lse(q):
-            return np.empty(lse_shape, dtype=np.float32)
-
-        ptr = _numpy_ptr
-    return new_out, new_lse, ptr
-
-
-def _half_copy(op: Operand) -> Operand:
-    """A contiguous float16 copy of a float32 operand, made by its own library on its device
-    (round to nearest even; values beyond half's range become +-inf)."""
-    if op.library == "torch":
-        import torch
-
-        return Operand.of(op.obj.to(torch.float16, memory_format=torch.contiguous_format))
-    if op.library == "cupy":
-        import cupy
-
-        with cupy.cuda.Device(op.device_index):
-            return Operand.of(cupy.ascontiguousarray(op.obj.astype(cupy.float16)))
-    return Operand.of(np.ascontiguousarray(op.host_array().astype(np.float16)))
-
-
-def _check_inputs(qo: Operand, ko: Operand, vo: Operand, scale: float) -> None:
-    check_q_fits_half(qo.obj, scale)
-    check_array_finite("k", ko.obj)
-    check_array_finite("v", vo.obj)
-
-
-def _output(given: Any, like: Operand, name: str, shape: tuple, dtype, fill: Optional[np.ndarray] = None) -> Operand:
-    """The output operand: ``given`` (checked: contiguous, of ``shape`` and ``dtype``, on
-    ``like``'s device), or a new array of ``like``'s library; with ``fill`` (a host array)
-    holding it."""
-    if given is None:
-        if fill is not None:
-            return like.from_host(fill)
-        return like.new_empty(shape, dtype)
-    op = Operand.of(given, name)
-    if op.converted is not None:
-        raise InvalidArgumentError(
-            f"{name} cannot be written in place: {op.converted}. Pass a new array "
-            f"(numpy.empty({tuple(shape)}, dtype={np.dtype(dtype).name})), or none to get one"
-        )
-    if op.shape != tuple(shape) or op.dtype != np.dtype(dtype) or not op.contiguous or op.readonly or op.device != like.device:
-        raise InvalidArgumentError(
-            f"{name} must be a writable contiguous {np.dtype(dtype).name} array of shape {tuple(shape)} on {like.device}, "
-            f"got {op.dtype.name} {op.shape} with strides {op.strides} on {op.device}"
-        )
-    if fill is not None:
-        if op.library == "torch":
-            op.obj.copy_(Operand.of(op.obj).from_host(fill).obj)
-        else:
-            op.obj[...] = fill
-    return op
+def _obj(op: Optional[Operand]) -> Any:
+    return None if op is None else op.obj

@@ -22,20 +22,11 @@ from torch import Tensor
 
 from . import attention
 from .arrays import _torch_dtype
-from .checks import (
-    OUT_DTYPES,
-    check_bool,
-    check_device,
-    check_max_bias,
-    check_offset,
-    check_scale,
-    check_softcap,
-    check_tensor_layout,
-    check_window_sides,
-)
+from .checks import OUT_DTYPES
 from .device import follow_torch_threads
 from .dtypes import dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError, UnsupportedFeatureError
+from .options import PrefillArgs, checked
 
 __all__ = ["flash_attn_prefill"]
 
@@ -61,26 +52,40 @@ _LIB.define(f"flash_attn_prefill_autograd({_ARGS}) -> Tensor")
 _LIB.define(f"flash_attn_prefill_lse_autograd({_ARGS}) -> (Tensor, Tensor)")
 
 
+#: The schema's arguments after q, k, v, as PrefillArgs holds them but for the window's two
+#: forms: ``window`` (an int) and ``window_size`` (a two-sided window, FlashAttention's).
+_SCHEMA_NAMES = PrefillArgs._fields[:14] + ("window_size", "alibi_slopes")
+assert tuple(arg.split("=")[0].split()[-1] for arg in _ARGS.split(", ")[3:]) == _SCHEMA_NAMES
+_SCHEMA_DEFAULTS = PrefillArgs()[:14] + (None, None)
+
+
+def _args_of(given: tuple, return_lse: bool) -> PrefillArgs:
+    """The :class:`PrefillArgs` of an operator's call: the dispatcher passes the schema's
+    arguments by position and leaves out trailing ones equal to their defaults."""
+    full = given + _SCHEMA_DEFAULTS[len(given):]
+    window_size = full[14]
+    args = PrefillArgs(*full[:14], alibi_slopes=full[15], return_lse=return_lse)
+    if window_size is not None:  # a two-sided window (left, right), FlashAttention's
+        args = args._replace(window=(int(window_size[0]), int(window_size[1])))
+    return args
+
+
 def _kernel(return_lse: bool, cpu: bool, autograd: bool = False):
-    def kernel(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
-               out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
-               offset=None, layout="NHD", window_size=None, alibi_slopes=None):  # fmt: skip
-        if window_size is not None:  # a two-sided window (left, right), FlashAttention's
-            window = (int(window_size[0]), int(window_size[1]))
+    def kernel(q, k, v, *given):
+        args = _args_of(given, return_lse)
         if cpu:  # as many threads as PyTorch's own CPU operators, unless the caller chose
             follow_torch_threads(torch.get_num_threads())
         # Below the autograd key the tensors still say requires_grad; the kernels read data.
         # The plain operators have no formula: under grad mode such a tensor is refused
         # there, by name (a direct call); under no_grad nothing records a graph.
         if autograd or not torch.is_grad_enabled():
-            q, k, v, mask, sinks, alibi_slopes = (_detached(t) for t in (q, k, v, mask, sinks, alibi_slopes))
+            q, k, v = _detached(q), _detached(k), _detached(v)
+            if _any_requires_grad(args.mask, args.sinks, args.alibi_slopes):
+                args = args._replace(
+                    mask=_detached(args.mask), sinks=_detached(args.sinks), alibi_slopes=_detached(args.alibi_slopes)
+                )
         # The array call itself, never the public front door (which would come back here).
-        return attention.flash_attn_prefill(
-            q, k, v, mask, causal=causal, window=window, scale=scale, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, return_lse=return_lse, out_dtype=out_dtype, device=device,
-            check_finite=check_finite, offset=offset, softcap=softcap, max_bias=max_bias, sinks=sinks, layout=layout,
-            alibi_slopes=alibi_slopes,
-        )  # fmt: skip
+        return attention.prefill(q, k, v, args)
 
     return kernel
 
@@ -131,7 +136,7 @@ def _concrete(t: Optional[Tensor]) -> bool:
     return t is None or all(type(d) is int for d in tuple(t.shape) + tuple(t.stride()))
 
 
-def _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw, alibi_slopes=None) -> None:
+def _check_like_the_real_call(q, k, v, args: PrefillArgs) -> None:
     """Every check the real call makes that needs no data: a plan made on the operands'
     layouts (ArraySpecs on the CPU backend, which checks what every backend does); the
     sequence offsets' values are data, so with them only their presence is planned."""
@@ -140,8 +145,14 @@ def _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, 
     def spec(t):
         return None if t is None else ArraySpec(tuple(t.shape), t.dtype, tuple(t.stride()))
 
+    mask, cu_seqlens_q, cu_seqlens_k, alibi_slopes = args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.alibi_slopes
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise InvalidArgumentError("cu_seqlens_q and cu_seqlens_k go together: pass both (variable length) or neither")
+    # What is planned: the options but those no plan on layouts reads.
+    planned = args._replace(
+        mask=spec(mask), sinks=spec(args.sinks), cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, device="cpu",
+        return_lse=False, check_finite=False,
+    )  # fmt: skip
     if cu_seqlens_q is not None:
         if mask is not None:
             raise InvalidArgumentError(
@@ -152,13 +163,15 @@ def _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, 
             if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
                 raise InvalidArgumentError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 offsets")
         # A causal prompt shorter than its cache is checked per sequence, on the values.
-        kw = dict(kw, offset=kw["offset"] if kw["offset"] is not None else (0 if kw["causal"] or kw["window"] else None))
+        if args.offset is None and (args.causal or args.window):
+            planned = planned._replace(offset=0)
+    planned = checked(planned)
     if alibi_slopes is not None:  # the slopes' values are data: their shape and dtype are planned
         from .checks import check_alibi_slopes
 
         batch = (q.shape[0] if q.dim() == 4 else 1) if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-        check_alibi_slopes(_SlopesSpec(alibi_slopes), q.shape[-2], batch, kw["max_bias"], values=False)
-    PrefillPlan(spec(q), spec(k), spec(v), spec(mask), sinks=spec(sinks), device="cpu", **kw)
+        check_alibi_slopes(_SlopesSpec(alibi_slopes), q.shape[-2], batch, planned.max_bias, values=False)
+    PrefillPlan.from_args(spec(q), spec(k), spec(v), planned)
 
 
 class _SlopesSpec:
@@ -175,23 +188,18 @@ class _SlopesSpec:
 
 
 def _fake(return_lse: bool):
-    def fake(q, k, v, mask=None, causal=False, window=None, scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
-             out_dtype=None, device=None, check_finite=False, softcap=0.0, max_bias=0.0, sinks=None,
-             offset=None, layout="NHD", window_size=None, alibi_slopes=None):  # fmt: skip
-        named = dict(q=q, k=k, v=v, mask=mask, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     alibi_slopes=alibi_slopes)  # fmt: skip
+    def fake(q, k, v, *given):
+        args = _args_of(given, return_lse)
+        named = dict(q=q, k=k, v=v, mask=args.mask, sinks=args.sinks, cu_seqlens_q=args.cu_seqlens_q,
+                     cu_seqlens_k=args.cu_seqlens_k, alibi_slopes=args.alibi_slopes)  # fmt: skip
         _check_fake_operands(named)
-        if window_size is not None:
-            window = (int(window_size[0]), int(window_size[1]))
-        if all(_concrete(t) for t in (q, k, v, mask, sinks, alibi_slopes)):
-            kw = dict(causal=causal, window=window, scale=scale, out_dtype=out_dtype, softcap=softcap,
-                      max_bias=max_bias, offset=offset, layout=layout)  # fmt: skip
-            _check_like_the_real_call(q, k, v, mask, sinks, cu_seqlens_q, cu_seqlens_k, kw, alibi_slopes)
-        out = _fake_out(q, v, out_dtype)
+        if all(_concrete(t) for t in (q, k, v, args.mask, args.sinks, args.alibi_slopes)):
+            _check_like_the_real_call(q, k, v, args)
+        out = _fake_out(q, v, args.out_dtype)
         if not return_lse:
             return out
         # lse is [batch, heads, rows] ([heads, rows] 3-D) in either layout.
-        if layout == "HND":
+        if args.layout == "HND":
             shape = tuple(q.shape[:-1])
         else:
             shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
@@ -262,51 +270,38 @@ def _torch_out_dtype(out_dtype: Any) -> Optional[torch.dtype]:
     return out_dtype if isinstance(out_dtype, torch.dtype) else _torch_dtype(numpy_dtype_of_name(name))
 
 
-def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, *, causal: Any = False,
-                       window: Any = None, scale: Any = None, cu_seqlens_q: Optional[Tensor] = None,
-                       cu_seqlens_k: Optional[Tensor] = None, return_lse: Any = False, out_dtype: Any = None,
-                       device: Optional[str] = None, check_finite: Any = False, softcap: Any = 0.0, max_bias: Any = 0.0,
-                       sinks: Optional[Tensor] = None, offset: Any = None, layout: Any = "NHD",
-                       alibi_slopes: Optional[Tensor] = None):  # fmt: skip
-    """``mlx_native.flash_attn_prefill`` on torch tensors, through the operators: the
-    arguments are checked here (the library's typed errors, not the schema's), then one
-    operator runs."""
-    if not torch.compiler.is_compiling():
-        # The library's typed errors rather than the schema's; values already of the
-        # schema's types skip their checks here (the array call checks them all again).
-        # Traced code holds these as constants, checked when it first ran eagerly or
-        # refused by the schema: checking them in a trace would only break the graph.
-        if type(causal) is not bool:
-            causal = check_bool(causal, "causal")
-        if type(return_lse) is not bool:
-            return_lse = check_bool(return_lse, "return_lse")
-        if type(check_finite) is not bool:
-            check_finite = check_bool(check_finite, "check_finite")
-        if window is not None:
-            causal, window = check_window_sides(window, causal)
-        if scale is not None and type(scale) is not float:
-            scale = check_scale(scale)
-        if device is not None:
-            device = check_device(device)
-        if type(softcap) is not float:
-            softcap = check_softcap(0.0 if softcap is None else softcap)
-        if type(max_bias) is not float:
-            max_bias = check_max_bias(0.0 if max_bias is None else max_bias)
-        if offset is not None:
-            offset = check_offset(offset, causal or window is not None)
-        if layout != "NHD":
-            layout = check_tensor_layout(layout)
+def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, args: PrefillArgs):
+    """``mlx_native.flash_attn_prefill`` on torch tensors, through the operators: one
+    operator runs, whose kernel checks ``args`` (the array call's :func:`checked`)."""
+    if not torch.compiler.is_compiling() and not _schema_takes(args):
+        # Values the schema cannot hold as they are (numpy's bool, an int scale, a window
+        # pair): checked here, for the library's typed errors rather than the schema's, and
+        # put in their normal form. Traced code holds these as constants, checked when it
+        # first ran eagerly or refused by the schema: checking them in a trace would only
+        # break the graph.
+        args = checked(args)
     # A two-sided window travels as window_size=[left, right] (the schema's window is an int).
-    window_size = None
+    window, window_size = args.window, None
     if isinstance(window, (tuple, list)):
         window_size, window = [int(window[0]), int(window[1])], None
-    # The overloads, called by position: no name look-up, no keyword parsing.
-    if torch.is_grad_enabled() and _any_requires_grad(q, k, v, mask, sinks, alibi_slopes):
-        op = _LSE_GRAD_OP if return_lse else _GRAD_OP
+    # The overloads, called by position (the schema's order, PrefillArgs'): no name look-up,
+    # no keyword parsing.
+    if torch.is_grad_enabled() and _any_requires_grad(q, k, v, args.mask, args.sinks, args.alibi_slopes):
+        op = _LSE_GRAD_OP if args.return_lse else _GRAD_OP
     else:
-        op = _LSE_OP if return_lse else _OP
-    return op(q, k, v, mask, causal, window, scale, cu_seqlens_q, cu_seqlens_k, _torch_out_dtype(out_dtype), device,
-              check_finite, softcap, max_bias, sinks, offset, layout, window_size, alibi_slopes)  # fmt: skip
+        op = _LSE_OP if args.return_lse else _OP
+    return op(q, k, v, args.mask, args.causal, window, *args[3:6], _torch_out_dtype(args.out_dtype), *args[7:14],
+              window_size, args.alibi_slopes)  # fmt: skip
+
+
+def _schema_takes(a: PrefillArgs) -> bool:
+    """Whether the options are already of the schema's types (bool, int, float, str)."""
+    return (
+        type(a.causal) is bool and type(a.return_lse) is bool and type(a.check_finite) is bool
+        and (a.window is None or type(a.window) is int) and (a.scale is None or type(a.scale) is float)
+        and type(a.softcap) is float and type(a.max_bias) is float and (a.offset is None or type(a.offset) is int)
+        and (a.device is None or type(a.device) is str) and type(a.layout) is str
+    )  # fmt: skip
 
 
 def _any_requires_grad(*tensors) -> bool:
