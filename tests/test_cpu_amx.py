@@ -72,8 +72,8 @@ def _close(out, lse, ref, ref_lse=None, bar=EXPECTED):
 
 
 @pytest.mark.parametrize("dk,dv", DIMS, ids=[f"d{a}" if a == b else f"d{a}-{b}" for a, b in DIMS])
-@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
-def test_every_head_dim_with_f16_and_bf16_kv(amx, rng, dk, dv, kv_dtype):
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "float32"])
+def test_every_head_dim_and_kv_dtype(amx, rng, dk, dv, kv_dtype):
     # GQA 2, partial query tiles (21 rows) and cache steps (45 rows), lse.
     q, k, v = _qkv(rng, 21, 45, 4, 2, dk, dv, NP[kv_dtype])
     out, lse = mn.flash_attn_prefill(q, k, v, causal=True, return_lse=True)
