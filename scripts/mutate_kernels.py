@@ -619,21 +619,21 @@ MUTATIONS += [
 # issue 27); killed by tests/test_metal_emulator_coverage.py. The entry-point slips sit in
 # the six prefill kernels no test dispatched: one per kernel, each a template argument of
 # its neighbour's (query rows per threadgroup, or a head dim).
-_ENTRY = "flash_attn_prefill_tile"
+_ENTRY = "INSTANTIATE_PREFILL"  # one line per entry point (shaders/flash_attn_prefill_tensor.metal)
 MUTATIONS += [
     M("metal-alibi-past-n2", "metal", T_METAL, "float(2 * (h - n2) + 1)", "float(h - n2 + 1)",
       "ALiBi: heads past n2 with slope m1^(h - n2 + 1), not m1^(2 (h - n2) + 1) (the same at 3 heads)"),
-    M("metal-entry-d80", "metal", T_METAL, f"{_ENTRY}<80, 80, 32, half>", f"{_ENTRY}<80, 80, 16, half>",
+    M("metal-entry-d80", "metal", T_METAL, f"{_ENTRY}(d80, 80, 80, 32, half)", f"{_ENTRY}(d80, 80, 80, 16, half)",
       "flash_attn_prefill_d80: 16 query rows per threadgroup where the op's tiles have 32"),
-    M("metal-entry-d112", "metal", T_METAL, f"{_ENTRY}<112, 112, 32, half>", f"{_ENTRY}<112, 96, 32, half>",
+    M("metal-entry-d112", "metal", T_METAL, f"{_ENTRY}(d112, 112, 112, 32, half)", f"{_ENTRY}(d112, 112, 96, 32, half)",
       "flash_attn_prefill_d112: V and O of 96 columns (d96's)"),
-    M("metal-entry-d192", "metal", T_METAL, f"{_ENTRY}<192, 192, 32, half>", f"{_ENTRY}<128, 192, 32, half>",
+    M("metal-entry-d192", "metal", T_METAL, f"{_ENTRY}(d192, 192, 192, 32, half)", f"{_ENTRY}(d192, 128, 192, 32, half)",
       "flash_attn_prefill_d192: Q and K of 128 columns (d128's)"),
-    M("metal-entry-d96-bf16", "metal", T_METAL, f"{_ENTRY}<96, 96, 32, bfloat>", f"{_ENTRY}<80, 80, 32, bfloat>",
+    M("metal-entry-d96-bf16", "metal", T_METAL, f"{_ENTRY}(d96_bf16, 96, 96, 32, bfloat)", f"{_ENTRY}(d96_bf16, 80, 80, 32, bfloat)",
       "flash_attn_prefill_d96_bf16: the body of d80"),
-    M("metal-entry-d256-bf16", "metal", T_METAL, f"{_ENTRY}<256, 256, 32, bfloat>", f"{_ENTRY}<256, 256, 16, bfloat>",
+    M("metal-entry-d256-bf16", "metal", T_METAL, f"{_ENTRY}(d256_bf16, 256, 256, 32, bfloat)", f"{_ENTRY}(d256_bf16, 256, 256, 16, bfloat)",
       "flash_attn_prefill_d256_bf16: 16 query rows per threadgroup (d512's) where the op's tiles have 32"),
-    M("metal-entry-d576-bf16", "metal", T_METAL, f"{_ENTRY}<576, 512, 16, bfloat>", f"{_ENTRY}<512, 512, 16, bfloat>",
+    M("metal-entry-d576-bf16", "metal", T_METAL, f"{_ENTRY}(d576_512_bf16, 576, 512, 16, bfloat)", f"{_ENTRY}(d576_512_bf16, 512, 512, 16, bfloat)",
       "flash_attn_prefill_d576_512_bf16: Q and K of 512 columns (d512's)"),
     M("metal-o-bf16-nan", "metal", T_METAL,
       "    if ((u & 0x7fffffffu) > 0x7f800000u) {\n        return ushort((u >> 16) | 0x0040u);\n    }\n", "",

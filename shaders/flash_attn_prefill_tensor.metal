@@ -470,386 +470,62 @@ void flash_attn_prefill_tile(
     }
 }
 
-// The entry points of flash_attn_prefill: (Q/K, V) head dims and K/V dtype, with Q rows per
-// threadgroup as the op's mask_tile_rows.
+// The entry points of flash_attn_prefill, one line each: the name's suffix, the (Q/K, V)
+// head dims, the Q rows per threadgroup (the op's mask_tile_rows) and the K/V element type.
+// Every entry point binds the same buffers at the same indices. Tools that list the entry
+// points from the text (the emulator, the tests' fake Metal) read a macro's name from its
+// `kernel void PREFIX##NAME(` and the suffix from each line's first argument.
+#define INSTANTIATE_PREFILL(NAME, DK, DV, BQ, KV)                                                                \
+    kernel void flash_attn_prefill_##NAME(                                                                       \
+        constant FlashAttnPrefillParams & p [[buffer(0)]],                                                       \
+        device const uchar * q [[buffer(1)]],                                                                    \
+        device const KV * k [[buffer(2)]],                                                                       \
+        device const KV * v [[buffer(3)]],                                                                       \
+        device const half * mask [[buffer(4)]],                                                                  \
+        device const uchar * blk [[buffer(5)]],                                                                  \
+        device uchar * out [[buffer(6)]],                                                                        \
+        device float * lse [[buffer(7)]],                                                                        \
+        device const int * cu_q [[buffer(8)]],                                                                   \
+        device const int * cu_k [[buffer(9)]],                                                                   \
+        device const float * sinks [[buffer(10)]],                                                               \
+        device const float * alibi [[buffer(12)]],                                                               \
+        threadgroup uchar * smem [[threadgroup(0)]],                                                             \
+        uint3 tgpig [[threadgroup_position_in_grid]],                                                            \
+        ushort lane [[thread_index_in_simdgroup]],                                                               \
+        ushort sg [[simdgroup_index_in_threadgroup]])                                                            \
+    {                                                                                                            \
+        flash_attn_prefill_tile<DK, DV, BQ, KV>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, \
+                                                tgpig, lane, sg);                                                \
+    }
 
-kernel void flash_attn_prefill_d64(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const half * k [[buffer(2)]],
-    device const half * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<64, 64, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d64_bf16(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const bfloat * k [[buffer(2)]],
-    device const bfloat * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<64, 64, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d80(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const half * k [[buffer(2)]],
-    device const half * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<80, 80, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d80_bf16(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const bfloat * k [[buffer(2)]],
-    device const bfloat * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<80, 80, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d96(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const half * k [[buffer(2)]],
-    device const half * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<96, 96, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d96_bf16(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const bfloat * k [[buffer(2)]],
-    device const bfloat * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<96, 96, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d112(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const half * k [[buffer(2)]],
-    device const half * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<112, 112, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d112_bf16(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const bfloat * k [[buffer(2)]],
-    device const bfloat * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<112, 112, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d128(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const half * k [[buffer(2)]],
-    device const half * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<128, 128, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d128_bf16(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const bfloat * k [[buffer(2)]],
-    device const bfloat * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<128, 128, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d192(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const half * k [[buffer(2)]],
-    device const half * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<192, 192, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d192_bf16(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const bfloat * k [[buffer(2)]],
-    device const bfloat * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<192, 192, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d256(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const half * k [[buffer(2)]],
-    device const half * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<256, 256, 32, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d256_bf16(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const bfloat * k [[buffer(2)]],
-    device const bfloat * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<256, 256, 32, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d512(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const half * k [[buffer(2)]],
-    device const half * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<512, 512, 16, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d512_bf16(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const bfloat * k [[buffer(2)]],
-    device const bfloat * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<512, 512, 16, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d576_512(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const half * k [[buffer(2)]],
-    device const half * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<576, 512, 16, half>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
-
-kernel void flash_attn_prefill_d576_512_bf16(
-    constant FlashAttnPrefillParams & p [[buffer(0)]],
-    device const uchar * q [[buffer(1)]],
-    device const bfloat * k [[buffer(2)]],
-    device const bfloat * v [[buffer(3)]],
-    device const half * mask [[buffer(4)]],
-    device const uchar * blk [[buffer(5)]],
-    device uchar * out [[buffer(6)]],
-    device float * lse [[buffer(7)]],
-    device const int * cu_q [[buffer(8)]],
-    device const int * cu_k [[buffer(9)]],
-    device const float * sinks [[buffer(10)]],
-    device const float * alibi [[buffer(12)]],
-    threadgroup uchar * smem [[threadgroup(0)]],
-    uint3 tgpig [[threadgroup_position_in_grid]],
-    ushort lane [[thread_index_in_simdgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]])
-{
-    flash_attn_prefill_tile<576, 512, 16, bfloat>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, tgpig, lane, sg);
-}
+INSTANTIATE_PREFILL(d16, 16, 16, 32, half)
+INSTANTIATE_PREFILL(d16_bf16, 16, 16, 32, bfloat)
+INSTANTIATE_PREFILL(d32, 32, 32, 32, half)
+INSTANTIATE_PREFILL(d32_bf16, 32, 32, 32, bfloat)
+INSTANTIATE_PREFILL(d48, 48, 48, 32, half)
+INSTANTIATE_PREFILL(d48_bf16, 48, 48, 32, bfloat)
+INSTANTIATE_PREFILL(d64, 64, 64, 32, half)
+INSTANTIATE_PREFILL(d64_bf16, 64, 64, 32, bfloat)
+INSTANTIATE_PREFILL(d80, 80, 80, 32, half)
+INSTANTIATE_PREFILL(d80_bf16, 80, 80, 32, bfloat)
+INSTANTIATE_PREFILL(d96, 96, 96, 32, half)
+INSTANTIATE_PREFILL(d96_bf16, 96, 96, 32, bfloat)
+INSTANTIATE_PREFILL(d112, 112, 112, 32, half)
+INSTANTIATE_PREFILL(d112_bf16, 112, 112, 32, bfloat)
+INSTANTIATE_PREFILL(d128, 128, 128, 32, half)
+INSTANTIATE_PREFILL(d128_bf16, 128, 128, 32, bfloat)
+INSTANTIATE_PREFILL(d160, 160, 160, 32, half)
+INSTANTIATE_PREFILL(d160_bf16, 160, 160, 32, bfloat)
+INSTANTIATE_PREFILL(d192, 192, 192, 32, half)
+INSTANTIATE_PREFILL(d192_bf16, 192, 192, 32, bfloat)
+INSTANTIATE_PREFILL(d224, 224, 224, 32, half)
+INSTANTIATE_PREFILL(d224_bf16, 224, 224, 32, bfloat)
+INSTANTIATE_PREFILL(d256, 256, 256, 32, half)
+INSTANTIATE_PREFILL(d256_bf16, 256, 256, 32, bfloat)
+INSTANTIATE_PREFILL(d512, 512, 512, 16, half)
+INSTANTIATE_PREFILL(d512_bf16, 512, 512, 16, bfloat)
+INSTANTIATE_PREFILL(d576_512, 576, 512, 16, half)
+INSTANTIATE_PREFILL(d576_512_bf16, 576, 512, 16, bfloat)
 
 // The origin op as a prefill: one sequence of `rows` query rows over a cache of kv_pad rows,
 // the explicit mask [rows][mask_row_stride] with its table (tiles of Q x C), F32 Q, F32 O

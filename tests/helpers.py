@@ -9,6 +9,7 @@ from mlx_native.testing import LowLevelCase, _span, make_case, run_low_level
 
 __all__ = [
     "CASES",
+    "KERNEL_DIMS",
     "LowLevelCase",
     "cpu_fma_kernels",
     "_span",
@@ -18,6 +19,10 @@ __all__ = [
     "make_case",
     "run_low_level",
 ]
+
+#: The (Q/K, V) head dims with kernels of their own (the op's HEAD_DIMS, docs/spec.md "Head
+#: dims"), which the per-head-dim tests run; any other head dim runs zero-padded on the next.
+KERNEL_DIMS = [(d, d) for d in (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)] + [(576, 512)]
 
 #: SPEC 8's bar on lse against the float64 reference.
 LSE_TOL = 2e-3

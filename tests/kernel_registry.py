@@ -9,8 +9,8 @@ points never dispatched"):
   may name), and the entry points of `shaders/*.cu` (with the parts under
   `shaders/flash_attn_prefill/`) in each form a device runs: the Hopper form (sm_90a) and
   the portable one (any other architecture, `MLX_NATIVE_CUDA_ARCH=sm_90` on a Hopper GPU);
-- Metal: the `kernel void` entry points of `shaders/*.metal` (what the emulator registers
-  and a Metal device's library holds).
+- Metal: the `kernel void` entry points of `shaders/*.metal`, with those an instantiation
+  macro makes (what the emulator registers and a Metal device's library holds).
 """
 
 from __future__ import annotations
@@ -116,8 +116,10 @@ def cuda_entries(hopper: bool) -> Set[str]:
 
 
 def metal_entries() -> Set[str]:
-    """The `kernel void` entry points of the Metal sources (the emulator registers these)."""
+    """The entry points of the Metal sources, as the emulator finds and registers them."""
+    from metal_emu import entry_points
+
     names = set()
     for f in sorted(SHADERS.glob("*.metal")):
-        names |= set(re.findall(r"\bkernel\s+void\s+(\w+)\s*\(", _read(f)))
+        names |= set(entry_points(_read(f)))
     return names

@@ -17,11 +17,11 @@ import pytest
 import mlx_native as mn
 from mlx_native.reference import nmse, reference_attention, reference_prefill
 
-from helpers import make_case, run_low_level
+from helpers import KERNEL_DIMS, make_case, run_low_level
 
 BF16 = ml_dtypes.bfloat16
 NP = {"float32": np.float32, "float16": np.float16, "bfloat16": BF16}
-DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
+DIMS = KERNEL_DIMS
 #: The default splits keep the FMA kernels' accuracy: their cases stay below 1e-6 with an
 #: F32 output (tests/test_correctness.py bars them at 1e-5).
 EXPECTED = 1e-6
@@ -72,8 +72,8 @@ def _close(out, lse, ref, ref_lse=None, bar=EXPECTED):
 
 
 @pytest.mark.parametrize("dk,dv", DIMS, ids=[f"d{a}" if a == b else f"d{a}-{b}" for a, b in DIMS])
-@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
-def test_every_head_dim_with_f16_and_bf16_kv(amx, rng, dk, dv, kv_dtype):
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "float32"])
+def test_every_head_dim_and_kv_dtype(amx, rng, dk, dv, kv_dtype):
     # GQA 2, partial query tiles (21 rows) and cache steps (45 rows), lse.
     q, k, v = _qkv(rng, 21, 45, 4, 2, dk, dv, NP[kv_dtype])
     out, lse = mn.flash_attn_prefill(q, k, v, causal=True, return_lse=True)
@@ -96,8 +96,11 @@ def test_every_q_and_output_dtype(amx, rng, q_dtype, kv_dtype):
         assert np.array_equal(out.view(np.uint16), out32.astype(NP[out_dtype]).view(np.uint16))
 
 
-def test_gqa_and_strided_views(amx, rng):
-    rows, nh, nkv, hd, kv = 30, 8, 2, 128, 100
+@pytest.mark.parametrize("hd", [16, 48, 128, 160, 224])
+def test_gqa_and_strided_views(amx, rng, hd):
+    # Head dims whose K rows are less than a tile's 32 columns (16), not a multiple of them
+    # (48: dkp 64), and the wide new sizes, from views with odd offsets.
+    rows, nh, nkv, kv = 30, 8, 2, 100
     qb = rng.uniform(-1, 1, size=(rows, nh * 2, hd + 8)).astype(np.float32)
     kb = rng.uniform(-1, 1, size=(kv, nkv, 2, hd + 3)).astype(np.float16)
     vb = rng.uniform(-1, 1, size=(kv * 2, nkv, hd)).astype(np.float16)

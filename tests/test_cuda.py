@@ -16,14 +16,14 @@ import pytest
 import mlx_native as mx
 from mlx_native.reference import nmse, peer_mask, random_qkv, reference_attention, reference_prefill
 
-from helpers import import_test_extra, make_case, run_low_level
+from helpers import KERNEL_DIMS, import_test_extra, make_case, run_low_level
 
 HAS_CUDA = "cuda" in mx.backends()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU here")
 
 ENTRY_POINTS = ("flash_attn_prefill_tensor_f16_d256", "flash_attn_prefill_tensor_f16_d512", "flash_attn_prefill_blk", "flash_attn_prefill_mask_blk")
 #: Head dims of SPEC 10 beside 256 and 512: their kernels, F16 and BF16 K/V.
-OTHER_DIMS = ("d64", "d80", "d96", "d112", "d128", "d192", "d576_512")
+OTHER_DIMS = ("d16", "d32", "d48", "d64", "d80", "d96", "d112", "d128", "d160", "d192", "d224", "d576_512")
 
 
 def test_kernels_compile_with_nvrtc_through_the_c_abi():
@@ -237,7 +237,7 @@ def test_tiled_pair_forms_match_the_reference_and_the_layout_changes_no_bit(rng,
 # the float64 reference. Variable-length batches run the one-CTA forms whatever the setting.
 # (tests/test_front_door_windows_alibi.py runs the same features on every backend;
 # tests/test_cuda_split_kv.py under a split.)
-ISSUE28_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
+ISSUE28_DIMS = KERNEL_DIMS
 # (left, right): both sides, the query alone, no left side, no right side, right 0 without
 # causal, left 0, wider than a 128-row tile, past every sequence (dense).
 TWO_SIDED = [(5, 3), (0, 0), (-1, 2), (7, -1), (9, 0), (0, 9), (100, 37), (600, 500)]

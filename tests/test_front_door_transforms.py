@@ -11,10 +11,10 @@ import pytest
 import mlx_native as mn
 from mlx_native.dtypes import bfloat16_dtype
 from mlx_native.reference import alibi_slopes, nmse, reference_prefill
-from helpers import import_test_extra, random_qkv_dims as _qkv
+from helpers import KERNEL_DIMS, import_test_extra, random_qkv_dims as _qkv
 
 BF16 = bfloat16_dtype()
-DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
+DIMS = KERNEL_DIMS
 
 
 def _close(out, lse, ref, ref_lse):

@@ -25,6 +25,8 @@ from mlx_native.dtypes import numpy_dtype_of_name
 from mlx_native.head_dims import kernel_head_dim
 from mlx_native.reference import nmse, reference_attention, reference_prefill
 
+from helpers import KERNEL_DIMS
+
 I32_MAX = 2**31 - 1
 U32_MAX = 2**32 - 1
 WANT = dict(q="float32", k="float16", v="float16", mask="float16", blk="uint8", out="float32")
@@ -547,7 +549,7 @@ def test_blk_matches_spec_or_raises_the_named_error(device):
 
 
 #: (Q/K, V) head dims of SPEC 10, and pairs the kernels do not take.
-PREFILL_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
+PREFILL_DIMS = KERNEL_DIMS
 BAD_DIMS = [(100, 100), (0, 0), (255, 255), (576, 256), (576, 576), (256, 512), (600, 600)]
 
 

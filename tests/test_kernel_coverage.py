@@ -38,7 +38,7 @@ from mlx_native.dtypes import bfloat16_dtype
 from mlx_native.reference import alibi_slopes, nmse, peer_mask, reference_attention, reference_prefill
 
 import kernel_registry
-from helpers import lse_tolerance, make_case, random_qkv_dims as _qkv, run_low_level
+from helpers import KERNEL_DIMS, lse_tolerance, make_case, random_qkv_dims as _qkv, run_low_level
 from planted_cases import crafted_blk_mask, spec_blk
 from test_planted import front_door_table
 
@@ -48,7 +48,7 @@ F32 = np.dtype(np.float32)
 HAS_CUDA = "cuda" in mn.backends()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
 
-DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
+DIMS = KERNEL_DIMS
 
 
 def _bar(device, kv_dtype) -> float:

@@ -28,7 +28,7 @@ import kernel_registry
 import metal_emu
 from mlx_native.reference import nmse, peer_mask, reference_attention, reference_prefill
 
-from helpers import make_case
+from helpers import KERNEL_DIMS, make_case
 from planted_cases import crafted_blk_mask, spec_blk
 from test_kernel_coverage import FULL_NANS, _bf16_q_case, alibi_case, slope_reference, spec_slopes
 from test_metal_emulator import emu_attention, emu_blk
@@ -48,7 +48,7 @@ from test_metal_emulator_prefill import (
     varlen_case,
 )
 
-DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
+DIMS = KERNEL_DIMS
 
 
 def _emu_call(emu, **extra):

@@ -41,7 +41,7 @@ CAUSAL, MASK, VARLEN, LSE, OFFSET, SINKS, WINDOW_RIGHT, ALIBI_SLOPES = 1, 2, 4, 
 THREADS = (32, 8, 1)
 STEP = 64
 # Query rows per threadgroup by Q/K head dim (the op's mask_tile_rows).
-BQ = {d: 32 for d in (64, 80, 96, 112, 128, 192, 256)} | {512: 16, 576: 16}
+BQ = {d: 32 for d in (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)} | {512: 16, 576: 16}
 MASK_BLK = "flash_attn_prefill_mask_blk"
 # FlashAttnPrefillParamsGpu: 17 i64, 14 i32, scale, offset, head_dim_v, kv_dtype, softcap, max_bias
 PREFILL_FORMAT = "<17q14ifi2i2f2i"

@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 from mlx_native.reference import nmse
+
+from helpers import KERNEL_DIMS
 from test_metal_emulator_prefill import BF16, F16, check, emu_prefill, fixed_case, mutated, reference, varlen_case
 
-HEAD_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (512, 512), (576, 512)]
+HEAD_DIMS = KERNEL_DIMS
+
 
 
 def _sinks(rng, n):

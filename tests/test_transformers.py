@@ -332,9 +332,9 @@ def test_a_forward_under_grad_mode_runs_and_a_backward_is_refused(built):
 
 
 def test_a_head_dim_below_the_kernels_runs_padded():
-    # Issue 28: head dim 32 has no kernel of its own; the front door runs it on 64, zero-padded.
+    # Issue 28: head dim 24 has no kernel of its own; the front door runs it on 32, zero-padded.
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=24)  # fmt: skip
     ms = models(cfg, impls=(NAME, REFERENCE))
     with torch.no_grad():
         ids = inputs(1)[0]

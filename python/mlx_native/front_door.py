@@ -35,8 +35,9 @@ def flash_attn_prefill(q: Any, k: Any, v: Any, mask: Any = None, **keywords: Any
     are used in place, in either layout, without a copy; an array whose last axis is not contiguous is
     copied first (by its own library, on its device). ``heads`` must be a multiple of
     ``kv_heads`` (query head ``h`` reads KV head ``h // (heads // kv_heads)``); head_dim
-    64, 80, 96, 112, 128, 192, 256 or 512, or q/k 576 with v 512 (DeepSeek's MLA; v may be
-    a view of k's first 512 columns, ``k[..., :512]``).
+    16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256 or 512, or q/k 576 with v 512
+    (DeepSeek's MLA; v may be a view of k's first 512 columns, ``k[..., :512]``); any other
+    head dim up to 512 runs zero-padded on the next of these (docs/spec.md).
 
     - ``q``: float32, float16 or bfloat16; ``k``, ``v``: float16, bfloat16 or float32 (one
       dtype; numpy's bfloat16 is ml_dtypes'). The CPU reads float32 K/V as they are; on CUDA

@@ -257,7 +257,7 @@ mod front_door {
         let big = 1u32 << 31;
         let huge = 1u64 << 63;
         let cases: Vec<(&str, FlashAttnPrefillParams, &str)> = vec![
-            ("head_dim 100", FlashAttnPrefillParams { head_dim: 100, head_dim_v: 100, ..p }, "unsupported head_dim 100 (v head dim 100); this build's kernels take 64, 80, 96, 112, 128, 192, 256, 512, 576 with v 512"),
+            ("head_dim 100", FlashAttnPrefillParams { head_dim: 100, head_dim_v: 100, ..p }, "unsupported head_dim 100 (v head dim 100); this build's kernels take 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512, 576 with v 512"),
             ("no heads", FlashAttnPrefillParams { n_heads: 0, ..p }, "n_heads 0 and n_kv_heads 2 must be at least 1"),
             ("no kv heads", FlashAttnPrefillParams { n_kv_heads: 0, ..p }, "must be at least 1"),
             (

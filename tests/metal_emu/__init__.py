@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -66,6 +66,13 @@ CXX_FLAGS = [
 
 _ATTRIBUTE = re.compile(r"\[\[\s*(\w+)\s*(?:\(([^()]*)\))?\s*\]\]")
 _ENTRY = re.compile(r"\bkernel\s+void\s+(\w+)\s*\(")
+# A macro that instantiates one entry point per use (the shaders' INSTANTIATE_PREFILL): its
+# body declares `kernel void PREFIX##PARAM(`, PARAM the macro's first parameter.
+_ENTRY_MACRO = re.compile(
+    r"^[ \t]*#[ \t]*define[ \t]+(\w+)\([ \t]*(\w+)[^)]*\)(?:[^\n]*\\\n)*?[^\n]*?"
+    r"\bkernel\s+void\s+(\w+)\s*##\s*\2\s*\(",
+    re.M,
+)
 
 
 class EmulatorError(RuntimeError):
@@ -83,13 +90,25 @@ def translate(source: str, filename: str) -> str:
         return f" = ::metal_emu::attr::bind_{name}({args})"
 
     body = _ATTRIBUTE.sub(attribute, source)
-    entries = _ENTRY.findall(source)
+    entries = entry_points(source)
     if not entries:
         raise EmulatorError(f"{filename}: no kernel entry point")
     registrars = "\n".join(
         f'static ::metal_emu::entry_registrar metal_emu_entry_{n}("{n}", [] {{ {n}(); }});' for n in entries
     )
     return f'#line 1 "{filename}"\n{body}\n#line 1 "<metal_emu entry points>"\n{registrars}\n'
+
+
+def entry_points(source: str) -> List[str]:
+    """The names of the ``kernel`` entry points of one ``.metal`` source, in order: those
+    declared as ``kernel void NAME(``, then those an instantiation macro makes (``#define
+    M(SUFFIX, ...)`` declaring ``kernel void PREFIX##SUFFIX(``; each line ``M(x, ...)``
+    makes ``PREFIX`` + ``x``)."""
+    names = _ENTRY.findall(source)
+    for macro, _, prefix in _ENTRY_MACRO.findall(source):
+        uses = re.findall(rf"^[ \t]*{macro}[ \t]*\([ \t]*(\w+)[ \t]*,", source, re.M)
+        names += [prefix + suffix for suffix in uses]
+    return names
 
 
 def _object_name(stem: str, text: str) -> str:

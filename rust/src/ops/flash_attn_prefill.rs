@@ -50,13 +50,18 @@ pub const K_PREFILL_D512: &str = "flash_attn_prefill_d512";
 
 /// The head dims of SPEC 10, as (Q and K columns, V and O columns), and the kernel of each
 /// for F16 and for BF16 K/V.
-pub const HEAD_DIMS: [((u32, u32), &str, &str); 9] = [
+pub const HEAD_DIMS: [((u32, u32), &str, &str); 14] = [
+    ((16, 16), "flash_attn_prefill_d16", "flash_attn_prefill_d16_bf16"),
+    ((32, 32), "flash_attn_prefill_d32", "flash_attn_prefill_d32_bf16"),
+    ((48, 48), "flash_attn_prefill_d48", "flash_attn_prefill_d48_bf16"),
     ((64, 64), "flash_attn_prefill_d64", "flash_attn_prefill_d64_bf16"),
     ((80, 80), "flash_attn_prefill_d80", "flash_attn_prefill_d80_bf16"),
     ((96, 96), "flash_attn_prefill_d96", "flash_attn_prefill_d96_bf16"),
     ((112, 112), "flash_attn_prefill_d112", "flash_attn_prefill_d112_bf16"),
     ((128, 128), "flash_attn_prefill_d128", "flash_attn_prefill_d128_bf16"),
+    ((160, 160), "flash_attn_prefill_d160", "flash_attn_prefill_d160_bf16"),
     ((192, 192), "flash_attn_prefill_d192", "flash_attn_prefill_d192_bf16"),
+    ((224, 224), "flash_attn_prefill_d224", "flash_attn_prefill_d224_bf16"),
     ((256, 256), K_PREFILL_D256, "flash_attn_prefill_d256_bf16"),
     ((512, 512), K_PREFILL_D512, "flash_attn_prefill_d512_bf16"),
     ((576, 512), "flash_attn_prefill_d576_512", "flash_attn_prefill_d576_512_bf16"),
@@ -65,6 +70,12 @@ pub const HEAD_DIMS: [((u32, u32), &str, &str); 9] = [
 /// The kernels of the head dims and K/V dtypes every backend runs: all of [`HEAD_DIMS`], F16
 /// and BF16 (a name outside this list is refused when validating, with the dims it takes).
 pub const REGISTERED_KERNELS: &[&str] = &[
+    "flash_attn_prefill_d16",
+    "flash_attn_prefill_d16_bf16",
+    "flash_attn_prefill_d32",
+    "flash_attn_prefill_d32_bf16",
+    "flash_attn_prefill_d48",
+    "flash_attn_prefill_d48_bf16",
     "flash_attn_prefill_d64",
     "flash_attn_prefill_d64_bf16",
     "flash_attn_prefill_d80",
@@ -75,8 +86,12 @@ pub const REGISTERED_KERNELS: &[&str] = &[
     "flash_attn_prefill_d112_bf16",
     "flash_attn_prefill_d128",
     "flash_attn_prefill_d128_bf16",
+    "flash_attn_prefill_d160",
+    "flash_attn_prefill_d160_bf16",
     "flash_attn_prefill_d192",
     "flash_attn_prefill_d192_bf16",
+    "flash_attn_prefill_d224",
+    "flash_attn_prefill_d224_bf16",
     K_PREFILL_D256,
     "flash_attn_prefill_d256_bf16",
     K_PREFILL_D512,
@@ -86,13 +101,18 @@ pub const REGISTERED_KERNELS: &[&str] = &[
 ];
 /// The kernels of F32 K/V, by head dim pair: the CPU reads F32 K/V natively; CUDA and
 /// Metal have no such kernels (the callers convert K/V to F16 first, docs/spec.md).
-pub const F32_KV_KERNELS: [((u32, u32), &str); 9] = [
+pub const F32_KV_KERNELS: [((u32, u32), &str); 14] = [
+    ((16, 16), "flash_attn_prefill_d16_f32"),
+    ((32, 32), "flash_attn_prefill_d32_f32"),
+    ((48, 48), "flash_attn_prefill_d48_f32"),
     ((64, 64), "flash_attn_prefill_d64_f32"),
     ((80, 80), "flash_attn_prefill_d80_f32"),
     ((96, 96), "flash_attn_prefill_d96_f32"),
     ((112, 112), "flash_attn_prefill_d112_f32"),
     ((128, 128), "flash_attn_prefill_d128_f32"),
+    ((160, 160), "flash_attn_prefill_d160_f32"),
     ((192, 192), "flash_attn_prefill_d192_f32"),
+    ((224, 224), "flash_attn_prefill_d224_f32"),
     ((256, 256), "flash_attn_prefill_d256_f32"),
     ((512, 512), "flash_attn_prefill_d512_f32"),
     ((576, 512), "flash_attn_prefill_d576_512_f32"),
@@ -124,12 +144,17 @@ macro_rules! prefill_source {
 }
 
 static PREFILL_BF16_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_bf16.cu");
+static PREFILL_D16_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d16.cu");
+static PREFILL_D32_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d32.cu");
+static PREFILL_D48_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d48.cu");
 static PREFILL_D64_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d64.cu");
 static PREFILL_D80_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d80.cu");
 static PREFILL_D96_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d96.cu");
 static PREFILL_D112_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d112.cu");
 static PREFILL_D128_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d128.cu");
+static PREFILL_D160_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d160.cu");
 static PREFILL_D192_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d192.cu");
+static PREFILL_D224_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d224.cu");
 static PREFILL_D576_512_SOURCE: KernelSource = prefill_source!("flash_attn_prefill_d576_512.cu");
 
 /// The device sources of each kernel of [`HEAD_DIMS`]: one CUDA file per head-dim pair (its
@@ -141,12 +166,17 @@ fn prefill_kernel_source(name: &str) -> &'static KernelSource {
     match dims {
         Some(((256 | 512, _), true)) => &FLASH_ATTN_PREFILL_SHADER_SOURCE,
         Some(((256 | 512, _), false)) => &PREFILL_BF16_SOURCE,
+        Some(((16, _), _)) => &PREFILL_D16_SOURCE,
+        Some(((32, _), _)) => &PREFILL_D32_SOURCE,
+        Some(((48, _), _)) => &PREFILL_D48_SOURCE,
         Some(((64, _), _)) => &PREFILL_D64_SOURCE,
         Some(((80, _), _)) => &PREFILL_D80_SOURCE,
         Some(((96, _), _)) => &PREFILL_D96_SOURCE,
         Some(((112, _), _)) => &PREFILL_D112_SOURCE,
         Some(((128, _), _)) => &PREFILL_D128_SOURCE,
+        Some(((160, _), _)) => &PREFILL_D160_SOURCE,
         Some(((192, _), _)) => &PREFILL_D192_SOURCE,
+        Some(((224, _), _)) => &PREFILL_D224_SOURCE,
         _ => &PREFILL_D576_512_SOURCE,
     }
 }
@@ -273,7 +303,7 @@ pub fn check_workspace(b: &FlashAttnPrefillBuffers<'_>, need: u64) -> Result<()>
 /// classifier serves both ops. Each backend's query tiles read this table (SPEC 1).
 pub fn mask_tile_rows(head_dim: u32) -> Result<u32> {
     match head_dim {
-        64 | 80 | 96 | 112 | 128 | 192 | 256 => Ok(32),
+        16 | 32 | 48 | 64 | 80 | 96 | 112 | 128 | 160 | 192 | 224 | 256 => Ok(32),
         512 | 576 => Ok(16),
         _ => Err(unsupported_head_dim(head_dim, head_dim)),
     }
@@ -987,20 +1017,20 @@ mod tests {
         let e = kernel_name_among(&some, 128, 128, DType::BF16).unwrap_err();
         assert!(matches!(&e, MlxError::UnsupportedDtype(m) if m.contains("convert k and v to F16")), "{e}");
         let e = kernel_name_among(&some, 100, 100, DType::F16).unwrap_err().to_string();
-        assert!(e.contains("128, 192"), "{e}");
+        assert!(e.contains("128, 160"), "{e}");
         // Without either kernel at 128: an unsupported head dim, 128 gone from the list.
         let fewer: Vec<&str> = some.iter().copied().filter(|n| *n != "flash_attn_prefill_d128").collect();
         for dtype in [DType::F16, DType::BF16] {
             let e = kernel_name_among(&fewer, 128, 128, dtype).unwrap_err();
             assert!(matches!(&e, MlxError::InvalidArgument(_)), "{e}");
             let e = e.to_string();
-            assert!(e.contains("unsupported head_dim 128") && e.contains("112, 192"), "{e}");
+            assert!(e.contains("unsupported head_dim 128") && e.contains("112, 160"), "{e}");
         }
         // Without the F16 kernel alone: BF16 runs, F16 is an unsupported head dim.
         let no_f16: Vec<&str> = REGISTERED_KERNELS.iter().copied().filter(|n| *n != "flash_attn_prefill_d64").collect();
         assert_eq!(kernel_name_among(&no_f16, 64, 64, DType::BF16).unwrap(), "flash_attn_prefill_d64_bf16");
         let e = kernel_name_among(&no_f16, 64, 64, DType::F16).unwrap_err().to_string();
-        assert!(e.contains("unsupported head_dim 64") && e.contains("take 64, 80"), "{e}");
+        assert!(e.contains("unsupported head_dim 64") && e.contains("48, 64, 80"), "{e}");
     }
 
     #[test]

@@ -71,6 +71,12 @@ pub const KERNELS: &[CudaKernel] = &[
     attention_kernel!("flash_attn_prefill_d512", "flash_attn_prefill_tensor_f16_d512", 512, 512, pairs),
     attention_kernel!("flash_attn_prefill_d256_bf16", "flash_attn_prefill_d256_bf16", 256, 256, pairs),
     attention_kernel!("flash_attn_prefill_d512_bf16", "flash_attn_prefill_d512_bf16", 512, 512, pairs),
+    attention_kernel!("flash_attn_prefill_d16", 16, 16),
+    attention_kernel!("flash_attn_prefill_d16_bf16", 16, 16),
+    attention_kernel!("flash_attn_prefill_d32", 32, 32),
+    attention_kernel!("flash_attn_prefill_d32_bf16", 32, 32),
+    attention_kernel!("flash_attn_prefill_d48", 48, 48),
+    attention_kernel!("flash_attn_prefill_d48_bf16", 48, 48),
     attention_kernel!("flash_attn_prefill_d64", "flash_attn_prefill_d64", 64, 64, pairs),
     attention_kernel!("flash_attn_prefill_d64_bf16", "flash_attn_prefill_d64_bf16", 64, 64, pairs),
     attention_kernel!("flash_attn_prefill_d80", 80, 80),
@@ -81,8 +87,12 @@ pub const KERNELS: &[CudaKernel] = &[
     attention_kernel!("flash_attn_prefill_d112_bf16", 112, 112),
     attention_kernel!("flash_attn_prefill_d128", "flash_attn_prefill_d128", 128, 128, pairs),
     attention_kernel!("flash_attn_prefill_d128_bf16", "flash_attn_prefill_d128_bf16", 128, 128, pairs),
+    attention_kernel!("flash_attn_prefill_d160", 160, 160),
+    attention_kernel!("flash_attn_prefill_d160_bf16", 160, 160),
     attention_kernel!("flash_attn_prefill_d192", 192, 192),
     attention_kernel!("flash_attn_prefill_d192_bf16", 192, 192),
+    attention_kernel!("flash_attn_prefill_d224", 224, 224),
+    attention_kernel!("flash_attn_prefill_d224_bf16", 224, 224),
     attention_kernel!("flash_attn_prefill_d576_512", 576, 512),
     attention_kernel!("flash_attn_prefill_d576_512_bf16", 576, 512),
     CudaKernel {
@@ -762,7 +772,8 @@ mod tests {
                 checked += 1;
             }
         }
-        assert_eq!(checked, 9, "one check per head-dim pair of the portable form");
+        let pairs = crate::ops::flash_attn_prefill::HEAD_DIMS.len();
+        assert_eq!(checked, pairs, "one check per head-dim pair of the portable form");
         // Each kernel of a head-dim pair without the wgmma form reserves the portable bytes.
         for k in KERNELS.iter().filter(|k| k.name != "flash_attn_prefill_mask_blk") {
             let wgmma = ["_d64", "_d128", "_d256", "_d512"]

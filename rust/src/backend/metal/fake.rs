@@ -1,5 +1,5 @@
 //! A recording fake of [`MetalApi`] for the tests: buffers are host memory, a "library" is the
-//! list of `kernel void NAME(` entry points found in the source, and `run` records the
+//! list of entry points found in the source ([`entry_points`]), and `run` records the
 //! commands (and can stand in for a kernel by writing buffers, or fail).
 
 use std::collections::HashMap;
@@ -143,13 +143,7 @@ impl MetalApi for FakeMetal {
                 return Err(message.clone());
             }
         }
-        let functions = source
-            .split("kernel void ")
-            .skip(1)
-            .filter_map(|rest| rest.split('(').next())
-            .map(|name| name.trim().to_string())
-            .collect();
-        Ok(FakeLibrary { functions })
+        Ok(FakeLibrary { functions: entry_points(source) })
     }
 
     fn new_pipeline(&self, library: &FakeLibrary, function: &str) -> Result<PipelineInfo<FakePipeline>, PipelineError> {
@@ -203,4 +197,44 @@ impl MetalApi for FakeMetal {
         }
         Ok(())
     }
+}
+
+/// The entry points of a Metal source, as the emulator finds them (`tests/metal_emu`'s
+/// `entry_points`): each `kernel void NAME(`, and for an instantiation macro `M` whose body
+/// declares `kernel void PREFIX##SUFFIX(` (SUFFIX its first parameter), each line
+/// `M(x, ...)` as `PREFIX` + `x`. Comment lines are skipped.
+pub fn entry_points(source: &str) -> Vec<String> {
+    let is_name = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    let (mut names, mut macros) = (Vec::new(), Vec::new());
+    // The macro whose definition the current line continues.
+    let mut defining: Option<String> = None;
+    for line in source.lines() {
+        let t = line.trim_start();
+        if t.starts_with("//") {
+            continue;
+        }
+        if let Some(def) = t.strip_prefix("#define ") {
+            defining = def.split_once('(').map(|(m, _)| m.trim().to_string());
+        }
+        if let Some(rest) = t.split("kernel void ").nth(1) {
+            let name = rest.split('(').next().unwrap_or("").trim();
+            match (name.split_once("##"), &defining) {
+                (Some((prefix, _)), Some(m)) => macros.push((m.clone(), prefix.trim().to_string())),
+                (None, _) if is_name(name) => names.push(name.to_string()),
+                _ => {}
+            }
+        }
+        if !t.ends_with('\\') {
+            defining = None;
+        }
+    }
+    for line in source.lines() {
+        for (m, prefix) in &macros {
+            let args = line.trim_start().strip_prefix(m.as_str()).and_then(|r| r.trim_start().strip_prefix('('));
+            if let Some(suffix) = args.and_then(|a| a.split(',').next()).map(str::trim).filter(|s| is_name(s)) {
+                names.push(format!("{prefix}{suffix}"));
+            }
+        }
+    }
+    names
 }

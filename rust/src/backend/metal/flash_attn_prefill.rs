@@ -9,6 +9,12 @@ use super::MetalKernel;
 
 /// This op's kernels, by name.
 pub const KERNELS: &[MetalKernel] = &[
+    MetalKernel { name: "flash_attn_prefill_d16", function: "flash_attn_prefill_d16" },
+    MetalKernel { name: "flash_attn_prefill_d16_bf16", function: "flash_attn_prefill_d16_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d32", function: "flash_attn_prefill_d32" },
+    MetalKernel { name: "flash_attn_prefill_d32_bf16", function: "flash_attn_prefill_d32_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d48", function: "flash_attn_prefill_d48" },
+    MetalKernel { name: "flash_attn_prefill_d48_bf16", function: "flash_attn_prefill_d48_bf16" },
     MetalKernel { name: "flash_attn_prefill_d64", function: "flash_attn_prefill_d64" },
     MetalKernel { name: "flash_attn_prefill_d64_bf16", function: "flash_attn_prefill_d64_bf16" },
     MetalKernel { name: "flash_attn_prefill_d80", function: "flash_attn_prefill_d80" },
@@ -19,8 +25,12 @@ pub const KERNELS: &[MetalKernel] = &[
     MetalKernel { name: "flash_attn_prefill_d112_bf16", function: "flash_attn_prefill_d112_bf16" },
     MetalKernel { name: "flash_attn_prefill_d128", function: "flash_attn_prefill_d128" },
     MetalKernel { name: "flash_attn_prefill_d128_bf16", function: "flash_attn_prefill_d128_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d160", function: "flash_attn_prefill_d160" },
+    MetalKernel { name: "flash_attn_prefill_d160_bf16", function: "flash_attn_prefill_d160_bf16" },
     MetalKernel { name: "flash_attn_prefill_d192", function: "flash_attn_prefill_d192" },
     MetalKernel { name: "flash_attn_prefill_d192_bf16", function: "flash_attn_prefill_d192_bf16" },
+    MetalKernel { name: "flash_attn_prefill_d224", function: "flash_attn_prefill_d224" },
+    MetalKernel { name: "flash_attn_prefill_d224_bf16", function: "flash_attn_prefill_d224_bf16" },
     MetalKernel { name: "flash_attn_prefill_d256", function: "flash_attn_prefill_d256" },
     MetalKernel { name: "flash_attn_prefill_d256_bf16", function: "flash_attn_prefill_d256_bf16" },
     MetalKernel { name: "flash_attn_prefill_d512", function: "flash_attn_prefill_d512" },

@@ -430,7 +430,7 @@ fn off_macos_metal_is_unavailable_and_auto_is_the_cpu() {
 
 use crate::ops::flash_attn_prefill::{
     dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_blk_params, validate,
-    FlashAttnPrefillBuffers, FlashAttnPrefillParams, K_PREFILL_D256, K_PREFILL_D512, K_PREFILL_MASK_BLK,
+    FlashAttnPrefillBuffers, FlashAttnPrefillParams, HEAD_DIMS, K_PREFILL_D256, K_PREFILL_D512, K_PREFILL_MASK_BLK,
 };
 
 fn prefill_registry() -> KernelRegistry {
@@ -668,13 +668,27 @@ fn prefill_mask_blk_covers_every_table() {
 fn the_prefill_op_names_metal_entry_points_of_its_sources() {
     let (dev, be) = fake_device(FakeMetal::new());
     let mut reg = prefill_registry();
-    for name in [K_PREFILL_D256, K_PREFILL_D512, K_PREFILL_MASK_BLK] {
-        assert_eq!(super::function_of(name), name);
+    // Every head dim's kernels, F16 and BF16 K/V (entry points of the source's
+    // instantiation macro), and the classifier.
+    let prefill: Vec<&str> =
+        HEAD_DIMS.iter().flat_map(|(_, f16, bf16)| [*f16, *bf16]).chain([K_PREFILL_MASK_BLK]).collect();
+    for name in &prefill {
+        assert_eq!(super::function_of(name), *name);
         reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
     // The origin's kernels are entry points of the same two files.
     for name in [K_TENSOR_F16_D256, K_TENSOR_F16_D512, K_BLK_F16] {
         reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
-    assert_eq!(be.api().pipelines.load(Ordering::Relaxed), 6);
+    assert_eq!(be.api().pipelines.load(Ordering::Relaxed), prefill.len() + 3);
+}
+
+#[test]
+fn the_fake_library_lists_declared_and_macro_instantiated_entry_points() {
+    let source = "// kernel void in_a_comment(\n\
+                  kernel void plain(device float * x [[buffer(0)]]) {}\n\
+                  #define MAKE(NAME, T) \\\n    kernel void pre_##NAME(device T * x [[buffer(0)]]) {}\n\
+                  MAKE(a, half)\n\
+                  MAKE(b_bf16, bfloat)\n";
+    assert_eq!(super::fake::entry_points(source), ["plain", "pre_a", "pre_b_bf16"]);
 }

@@ -280,42 +280,45 @@ mod tests {
     /// past each tile's rows are zero.
     #[test]
     fn q_pairs_hold_q_exactly_in_two_parts() {
-        let (dk, dkp, per, nt) = (80, 96, 32, 3);
-        let (r, ld) = (per * nt, tile_ld(per));
-        let len = nt * dkp * ld;
-        let qt: Vec<f32> = (0..dk * r).map(half_value).collect();
-        let mut hi = vec![0xffffu16; len];
-        let mut lo = vec![0xffffu16; len];
-        let (h, l) = (hi.as_mut_ptr(), lo.as_mut_ptr());
-        unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, per, ld, h, l) };
-        let at = |t: usize, k: usize, i: usize, e: usize| {
-            // The entry's offset in the buffer, through the tile's view.
-            let view = unsafe { tile_view(h, t, per, ld, dkp / 2, 2) };
-            unsafe { view.add((k * ld + i) * 2 + e).offset_from(h) as usize }
-        };
-        let mut seen = vec![false; len];
-        for t in 0..nt {
-            for k in 0..dkp / 2 {
-                for i in t * per..t * per + ld {
-                    for e in 0..2 {
-                        let x = at(t, k, i, e);
-                        assert!(x < len && !seen[x], "tile {t} pair {k} row {i} half {e}: offset {x} reused");
-                        seen[x] = true;
-                        let want =
-                            if i < (t + 1) * per && 2 * k + e < dk { qt[(2 * k + e) * r + i] as f64 } else { 0.0 };
-                        assert_eq!(bf(hi[x]) + bf(lo[x]), want, "tile {t} pair {k} row {i} half {e}");
+        // 80: its last chunk of 32 columns half zeros; 16: less than one chunk.
+        for (dk, dkp) in [(80, 96), (16, 32)] {
+            let (per, nt) = (32, 3);
+            let (r, ld) = (per * nt, tile_ld(per));
+            let len = nt * dkp * ld;
+            let qt: Vec<f32> = (0..dk * r).map(half_value).collect();
+            let mut hi = vec![0xffffu16; len];
+            let mut lo = vec![0xffffu16; len];
+            let (h, l) = (hi.as_mut_ptr(), lo.as_mut_ptr());
+            unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, per, ld, h, l) };
+            let at = |t: usize, k: usize, i: usize, e: usize| {
+                // The entry's offset in the buffer, through the tile's view.
+                let view = unsafe { tile_view(h, t, per, ld, dkp / 2, 2) };
+                unsafe { view.add((k * ld + i) * 2 + e).offset_from(h) as usize }
+            };
+            let mut seen = vec![false; len];
+            for t in 0..nt {
+                for k in 0..dkp / 2 {
+                    for i in t * per..t * per + ld {
+                        for e in 0..2 {
+                            let x = at(t, k, i, e);
+                            assert!(x < len && !seen[x], "tile {t} pair {k} row {i} half {e}: offset {x} reused");
+                            seen[x] = true;
+                            let want =
+                                if i < (t + 1) * per && 2 * k + e < dk { qt[(2 * k + e) * r + i] as f64 } else { 0.0 };
+                            assert_eq!(bf(hi[x]) + bf(lo[x]), want, "tile {t} pair {k} row {i} half {e}");
+                        }
                     }
                 }
             }
-        }
-        assert!(seen.iter().all(|&s| s), "every entry of the buffer is written");
-        // Without a low part, Q rounded to the nearest bfloat16.
-        let mut near = vec![0u16; len];
-        unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, per, ld, near.as_mut_ptr(), std::ptr::null_mut()) };
-        for k in 0..dk / 2 {
-            for i in 0..r {
-                let want = half::bf16::from_f32(qt[2 * k * r + i]).to_bits();
-                assert_eq!(near[at(i / per, k, i, 0)], want, "pair {k} row {i} rounded");
+            assert!(seen.iter().all(|&s| s), "every entry of the buffer is written");
+            // Without a low part, Q rounded to the nearest bfloat16.
+            let mut near = vec![0u16; len];
+            unsafe { pack_q::<Portable>(qt.as_ptr(), dk, dkp, r, per, ld, near.as_mut_ptr(), std::ptr::null_mut()) };
+            for k in 0..dk / 2 {
+                for i in 0..r {
+                    let want = half::bf16::from_f32(qt[2 * k * r + i]).to_bits();
+                    assert_eq!(near[at(i / per, k, i, 0)], want, "pair {k} row {i} rounded");
+                }
             }
         }
     }
