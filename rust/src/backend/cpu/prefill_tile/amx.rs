@@ -20,11 +20,11 @@
 //! default the exact products, four each with F16 K/V and two with BF16; docs/spec.md ("The
 //! CPU on AMX tiles") has the measured errors of every choice.
 
-use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, tile_ld, tile_view};
+use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, tile_ld};
 use super::io::{load_q, load_q_pairs, store_out_t};
 use super::softmax::step_max;
 use super::transforms::transform_scores;
-use super::{grow, item_subs, plan_step, start_rows, Elem, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
+use super::{grow, item_subs, plan_step, start_rows, tile_view, Elem, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
 use crate::backend::cpu::amx::gemm::{self, Operand, Output, Product};
 use crate::backend::cpu::amx::TileUnit;
 use crate::backend::cpu::simd::{Simd, W};

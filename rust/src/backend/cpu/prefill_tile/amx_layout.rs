@@ -22,7 +22,7 @@
 //! cache's end are zeros (never the caller's memory, never NaN).
 
 use super::fma::load_kv;
-use super::{Kv, C};
+use super::{tile_view, Kv, C};
 use crate::backend::cpu::simd::{Simd, W};
 
 /// The row length (elements per row, per unit of `width`) of a query tile's block in the
@@ -32,16 +32,6 @@ use crate::backend::cpu::simd::{Simd, W};
 /// The padding is never read by a product nor by the softmax.
 pub(super) fn tile_ld(per: usize) -> usize {
     per + 16
-}
-
-/// Query tile `k`'s block of a per-tile buffer (`[tile][rows][ld]`, `width` elements per
-/// entry: 1 for f32, 2 for a bfloat16 pair), as the pointer the item's query row index
-/// addresses: entry (j, i) of the tile's rows `k * per <= i < (k + 1) * per` lies at
-/// `view + (j * ld + i) * width`. The view is the block's start less `k * per` entries:
-/// inside the buffer (at or after its start) since `rows * ld >= per`.
-#[inline(always)]
-pub(super) unsafe fn tile_view<E>(buf: *mut E, k: usize, per: usize, ld: usize, rows: usize, width: usize) -> *mut E {
-    buf.add(k * (rows * ld - per) * width)
 }
 
 /// The first 64-byte boundary in `v`, grown so that `n` elements follow it: tile rows then

@@ -1,8 +1,7 @@
 //! A work item's input and output: Q read into Q^T (scaled, rounded to half), and O, lse
 //! (with the sinks) written from the accumulators in the output's dtype.
 
-use super::amx_layout::tile_view;
-use super::{Elem, Problem, Seq, Sub};
+use super::{tile_view, Elem, Problem, Seq, Sub};
 use crate::backend::cpu::simd::{Simd, W};
 
 /// Q of the item's rows: `qh = half(scale * q)` (or, where `exact`, q itself: bfloat16 Q

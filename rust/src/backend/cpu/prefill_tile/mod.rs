@@ -503,6 +503,17 @@ unsafe fn plan_step<S: Simd>(
     (lo_all, hi_all)
 }
 
+/// Query tile `k`'s block of a per-tile buffer of the AMX item (its layouts, `amx_layout`; its
+/// Q^T and O^T, `io`) (`[tile][rows][ld]`, `width` elements per
+/// entry: 1 for f32, 2 for a bfloat16 pair), as the pointer the item's query row index
+/// addresses: entry (j, i) of the tile's rows `k * per <= i < (k + 1) * per` lies at
+/// `view + (j * ld + i) * width`. The view is the block's start less `k * per` entries:
+/// inside the buffer (at or after its start) since `rows * ld >= per`.
+#[inline(always)]
+unsafe fn tile_view<E>(buf: *mut E, k: usize, per: usize, ld: usize, rows: usize, width: usize) -> *mut E {
+    buf.add(k * (rows * ld - per) * width)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
