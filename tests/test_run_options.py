@@ -115,3 +115,56 @@ def test_a_bad_option_is_a_typed_error_naming_it(rng, kw, error, says):
         mn.PrefillPlan(q, k, v, causal=True, device="cpu", **kw)
     with pytest.raises(error, match=says.replace("(", r"\(").replace(")", r"\)")):
         mn.flash_attn_prefill(q, k, v, causal=True, device="cpu", **kw)
+
+
+_TRACED = r"""
+import sys, numpy as np, mlx_native as mn
+rng = np.random.default_rng(0)
+q = rng.standard_normal((256, 8, 128)).astype(np.float32)
+k = rng.standard_normal((8192, 8, 128)).astype(np.float16)
+v = rng.standard_normal((8192, 8, 128)).astype(np.float16)
+import torch
+q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
+kw = eval(sys.argv[1])
+plan = mn.PrefillPlan(q, k, v, causal=True, device="cuda", **kw)
+print("CHOICES", plan.choices, plan.workspace_bytes, flush=True)
+plan.run()
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.skipif("cuda" not in mn.backends(), reason="the CUDA options run on a CUDA device")
+@pytest.mark.parametrize(
+    "kw",
+    [{}, dict(kv_splits=4), dict(kv_splits=0), dict(cta_pairs="off"), dict(cta_pairs="queries"), dict(cuda_form="portable")],
+)
+def test_cuda_options_change_what_launches(kw):
+    """Each CUDA option, in a process of its own with the launch trace on: the plan's report
+    and the launches agree (a split launches the merge; no pairs, no pair variant; the
+    portable form, its architecture), and the output matches the reference."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    env = dict(__import__("os").environ, MLX_NATIVE_CUDA_TRACE="1")
+    for knob in ("MLX_NATIVE_CUDA_PAIR", "MLX_NATIVE_CUDA_KV_SPLITS", "MLX_NATIVE_CUDA_ARCH"):
+        env.pop(knob, None)  # the defaults, so that the option is what changes
+    r = subprocess.run([sys.executable, "-c", _TRACED, repr(kw)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    choices = eval(r.stdout.split("CHOICES", 1)[1].rsplit("}", 1)[0] + "}")
+    launches = [line for line in r.stderr.splitlines() if line.startswith("mlx_native cuda: flash_attn_prefill_d128 ")]
+    assert launches, r.stderr[-3000:]
+    merged = any(" merge entry " in line for line in launches)
+    paired = any("variant Some(Pair" in line for line in launches)
+    assert merged == (choices["splits"] > 1), (choices, launches)
+    if kw.get("kv_splits") == 4:
+        assert choices["splits"] == 4 and merged
+    if kw.get("kv_splits") == 0:
+        assert choices["splits"] == 1 and not merged
+    if kw.get("cta_pairs") == "off" or choices["form"] == "portable":
+        assert not paired, launches
+    if kw.get("cta_pairs") == "queries":
+        assert "variant Some(PairHeads)" not in r.stderr
+    if kw.get("cuda_form") == "portable":
+        assert choices["form"] == "portable" and choices["arch"] != "sm_90a"
+        assert all(f"arch {choices['arch']}" in line for line in launches), launches
