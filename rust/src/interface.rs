@@ -234,6 +234,12 @@ pub trait Backend: Send + Sync {
         let _ = (kernel_name, params);
         0
     }
+    /// Whether the attention's kernels read paged K/V (`params::PREFILL_PAGED`, SPEC 11):
+    /// the op refuses a paged prefill, by name, on a backend that does not (its kernels read
+    /// K/V contiguous, and their decoder refuses the flag too).
+    fn reads_paged_kv(&self) -> bool {
+        false
+    }
     /// Run the dispatches in order on the caller's stream (a CUDA stream handle) and return
     /// without waiting for them: the stream orders what the caller queues after. Backends
     /// without streams run them now and return once they are complete.
