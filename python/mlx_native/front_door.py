@@ -159,5 +159,7 @@ def _through_torch_op(q, k, v, args: PrefillArgs) -> bool:
     anything else."""
     if not (_is_torch(q) and _is_torch(k) and _is_torch(v)):
         return False
+    if args.block_table is not None:  # paged K/V: not in the operators' schema yet (the array call runs it)
+        return False
     optional = (args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.sinks, args.alibi_slopes)
     return all(x is None or _is_torch(x) for x in optional)

@@ -1,0 +1,228 @@
+"""Paged K/V (SPEC 11) on the CPU backend: k/v caches ``[num_blocks, block_size, kv_heads,
+head_dim]`` read through a block table and ``seqused_k``.
+
+- Bit-identity with the contiguous layout on the same backend (SPEC 11), on every
+  instruction set of this CPU and the emulated AMX tiles: block sizes 16, 32, 64 and 256
+  (steps within a block, and steps spanning blocks, which the kernels gather), shuffled
+  tables, GQA, causal, window and explicit masks, lse, sinks, variable-length and
+  fixed-length queries, float16, bfloat16 and float32 K/V.
+- The float64 reference (``reference_paged``: each sequence's blocks gathered).
+- What is never read: table entries past a sequence's last block hold garbage, unused blocks
+  and the rows past each cache's end hold NaN.
+- Every hostile input of SPEC 11 refused by name before anything runs, and paged K/V on CUDA
+  and Metal refused by name.
+
+Shapes are small: the whole file runs in seconds."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mlx_native as mn
+from mlx_native.reference import gather_pages, nmse, reference_paged
+
+BF16 = ml_dtypes.bfloat16
+BAR = 1e-5
+LSE_TOL = 2e-3  # SPEC 8
+ISAS = list(dict.fromkeys(mn.cpu_info()["detected"] + ["amx-emulated"]))
+GARBAGE = (-7, 10**9, -(2**31), 2**31 - 1)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each CPU path (portable, AVX2, AVX-512, AMX where present, the emulated tiles), forced
+    for the test."""
+    mn.force_cpu_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        mn.force_cpu_isa(None)
+
+
+def make_pages(rng, lens, block_size, nkv, dk, dv=None, dtype=np.float16, spare=3):
+    """Caches holding sequences of ``lens`` rows in shuffled blocks (``spare`` more blocks
+    unused), the table (garbage past each sequence's last block: one more column than the
+    longest needs) and the lengths. Unused blocks and the rows past each cache's end are NaN,
+    so a kernel that read them would say so."""
+    dv = dk if dv is None else dv
+    need = [-(-lk // block_size) for lk in lens]
+    num_blocks = sum(need) + spare
+    order = rng.permutation(num_blocks)
+    k = np.full((num_blocks, block_size, nkv, dk), np.nan, np.float32)
+    v = np.full((num_blocks, block_size, nkv, dv), np.nan, np.float32)
+    table = np.empty((len(lens), max(need, default=0) + 1), np.int32)
+    at = 0
+    for b, (lk, n) in enumerate(zip(lens, need)):
+        table[b, :n] = order[at : at + n]
+        table[b, n:] = rng.choice(GARBAGE, table.shape[1] - n)
+        at += n
+        for j in range(lk):
+            blk, r = table[b, j // block_size], j % block_size
+            k[blk, r] = rng.uniform(-1, 1, (nkv, dk))
+            v[blk, r] = rng.uniform(-1, 1, (nkv, dv))
+    return k.astype(dtype), v.astype(dtype), table, np.asarray(lens, np.int32)
+
+
+def contiguous(cache, table, used):
+    """The caches' sequences one after the other (varlen k/v) and their ``cu_seqlens_k``."""
+    parts = [gather_pages(cache, table, used, b) for b in range(len(used))]
+    cu = np.concatenate([[0], np.cumsum(used)]).astype(np.int32)
+    return np.concatenate(parts), cu
+
+
+def _equal(a, b):
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"max diff {np.abs(x.astype(float) - y).max()}"
+
+
+# (block_size, query lengths, cache lengths, heads, kv heads, causal, window)
+VARLEN = [
+    (16, [37, 1, 0, 64], [100, 1, 30, 64], 4, 2, True, None),
+    (32, [20, 70], [150, 70], 2, 2, True, 40),
+    (64, [33, 5], [129, 64], 4, 1, False, None),
+    (256, [40, 17], [300, 17], 4, 2, True, None),
+    (48, [9, 65], [200, 65], 2, 1, True, 70),  # a block size that no step aligns with
+]
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"bs{c[0]}")
+def test_paged_varlen_is_the_contiguous_layout_to_the_bit(rng, isa, case):
+    bs, lq, lk, nh, nkv, causal, window = case
+    d = 64
+    k, v, table, used = make_pages(rng, lk, bs, nkv, d)
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    q = rng.uniform(-1, 1, (int(cq[-1]), nh, d)).astype(np.float32)
+    sinks = rng.uniform(-1, 1, nh).astype(np.float32)
+    kw = dict(causal=causal, window=window, cu_seqlens_q=cq, return_lse=True, sinks=sinks)
+    paged = mn.flash_attn_prefill(q, k, v, block_table=table, seqused_k=used, **kw)
+    kc, ck = contiguous(k, table, used)
+    vc, _ = contiguous(v, table, used)
+    _equal(paged, mn.flash_attn_prefill(q, kc, vc, cu_seqlens_k=ck, **kw))
+    ref, ref_lse = reference_paged(q, k, v, block_table=table, seqused_k=used, cu_seqlens_q=cq, causal=causal,
+                                   window=window, sinks=sinks, scale=1 / 8)  # fmt: skip
+    assert nmse(paged[0], ref) < BAR
+    seen = np.isfinite(ref_lse)
+    assert np.allclose(paged[1][seen], ref_lse[seen], atol=LSE_TOL)
+
+
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("kv_dtype", [np.float16, BF16, np.float32], ids=["f16", "bf16", "f32"])
+def test_paged_fixed_length_with_a_mask_is_each_sequences_contiguous_result(rng, isa, bs, kv_dtype):
+    """4-D q (every sequence ``Lq`` rows) against caches of different lengths, with an
+    explicit mask over the longest cache (each sequence reads its first ``Lk_b`` columns):
+    each sequence's output is that of its own contiguous call, bit for bit."""
+    lq, lk, nh, nkv, d = 24, [90, 24, 160], 4, 2, 128
+    k, v, table, used = make_pages(rng, lk, bs, nkv, d, dtype=kv_dtype)
+    q = rng.uniform(-1, 1, (len(lk), lq, nh, d)).astype(np.float32)
+    mask = rng.uniform(-1, 1, (len(lk), lq, max(lk))).astype(np.float16)
+    mask[:, :, 40:104] = -np.inf  # a skipped step
+    out, lse = mn.flash_attn_prefill(q, k, v, mask, causal=True, block_table=table, seqused_k=used, return_lse=True)
+    for b, n in enumerate(lk):
+        kb, vb = gather_pages(k, table, used, b), gather_pages(v, table, used, b)
+        one = mn.flash_attn_prefill(q[b], kb, vb, np.ascontiguousarray(mask[b, :, :n]), causal=True, return_lse=True)
+        _equal((out[b], lse[b]), one)
+    ref, _ = reference_paged(q, k, v, mask, block_table=table, seqused_k=used, causal=True, scale=1 / np.sqrt(d))
+    assert nmse(out, ref) < BAR
+
+
+def test_paged_strided_caches_and_a_plan(rng):
+    """Caches that are views (a head-sliced, padded allocation: any strides with a contiguous
+    last axis) are read in place, and a plan made once runs on new cache contents."""
+    bs, lk, nh, d = 32, [70, 33], 4, 64
+    k, v, table, used = make_pages(rng, lk, bs, 4, d)
+    ks, vs = k[:, :, 1:3], v[:, :, ::2]  # 2 KV heads of 4: strides of the whole allocation
+    q = rng.uniform(-1, 1, (2, 16, nh, d)).astype(np.float32)
+    plan = mn.PrefillPlan(q, ks, vs, causal=True, block_table=table, seqused_k=used)
+    first = plan.run(q, ks, vs)
+    ref, _ = reference_paged(q, ks, vs, block_table=table, seqused_k=used, causal=True, scale=1 / 8)
+    assert nmse(first, ref) < BAR
+    k[:, :, 1:3] *= 2  # new contents, same layout: the plan reads them
+    again = plan.run(q, ks, vs)
+    ref2, _ = reference_paged(q, ks, vs, block_table=table, seqused_k=used, causal=True, scale=1 / 8)
+    assert nmse(again, ref2) < BAR and not np.array_equal(first, again)
+
+
+def test_paged_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    lq, lk, bs = [12, 30], [40, 30], 16
+    k, v, table, used = make_pages(rng, lk, bs, 2, 64)
+    cq = np.array([0, 12, 42], np.int32)
+    q = rng.uniform(-1, 1, (42, 4, 64)).astype(np.float32)
+    t = lambda x: torch.from_numpy(x)  # noqa: E731
+    out = mn.flash_attn_prefill(t(q).to(torch.bfloat16), t(k), t(v), causal=True, cu_seqlens_q=t(cq),
+                                block_table=t(table), seqused_k=t(used))  # fmt: skip
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    ref, _ = reference_paged(q.astype(BF16), k, v, block_table=table, seqused_k=used, cu_seqlens_q=cq, causal=True,
+                             scale=1 / 8)  # fmt: skip
+    assert nmse(out.float().numpy(), ref) < 1e-4
+
+
+# ---------------------------------------------------------------------- hostile inputs
+
+
+def _good(rng, bs=16):
+    k, v, table, used = make_pages(rng, [40, 20], bs, 2, 64)
+    q = rng.uniform(-1, 1, (2, 8, 4, 64)).astype(np.float32)
+    return q, k, v, table, used
+
+
+def _refused(cls, words, *args, **kw):
+    with pytest.raises(cls) as e:
+        mn.flash_attn_prefill(*args, **kw)
+    for w in words:
+        assert w in str(e.value), f"{w!r} not in {str(e.value)!r}"
+
+
+def test_paged_bad_tables_are_refused_by_name(rng):
+    q, k, v, table, used = _good(rng)
+    bad = table.copy()
+    bad[1, 1] = k.shape[0]  # sequence 1 needs 2 blocks: its second is past the caches
+    _refused(mn.InvalidArgumentError, ["block_table[1, 1]", str(k.shape[0])], q, k, v, block_table=bad, seqused_k=used)
+    bad[1, 1] = -1
+    _refused(mn.InvalidArgumentError, ["block_table[1, 1] is -1"], q, k, v, block_table=bad, seqused_k=used)
+    # Longer than its table row; negative.
+    _refused(mn.InvalidArgumentError, ["seqused_k[0] is 100", "widen"], q, k, v, block_table=table,
+             seqused_k=np.array([100, 20], np.int32))  # fmt: skip
+    _refused(mn.InvalidArgumentError, ["seqused_k[1] is -3"], q, k, v, block_table=table,
+             seqused_k=np.array([40, -3], np.int32))  # fmt: skip
+    # Causal with a cache shorter than the prompt, unless an offset places the queries.
+    short = np.array([40, 5], np.int32)
+    _refused(mn.InvalidArgumentError, ["seqused_k[1] = 5", "offset"], q, k, v, causal=True, block_table=table,
+             seqused_k=short)  # fmt: skip
+    out = mn.flash_attn_prefill(q, k, v, causal=True, offset=0, block_table=table, seqused_k=short)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bs", [8, 24, 272])
+def test_paged_block_sizes_outside_16_to_256_are_refused(rng, bs):
+    q, k, v, table, used = _good(rng, bs)
+    _refused(mn.InvalidArgumentError, ["block_size", str(bs), "multiple of 16"], q, k, v, block_table=table,
+             seqused_k=used)  # fmt: skip
+
+
+def test_paged_wrong_kinds_are_refused_by_name(rng):
+    q, k, v, table, used = _good(rng)
+    _refused(mn.UnsupportedDtypeError, ["block_table", "int32"], q, k, v, block_table=table.astype(np.int64),
+             seqused_k=used)  # fmt: skip
+    _refused(mn.UnsupportedDtypeError, ["seqused_k", "int32"], q, k, v, block_table=table,
+             seqused_k=used.astype(np.float32))  # fmt: skip
+    _refused(mn.InvalidArgumentError, ["seqused_k", "block_table"], q, k, v, seqused_k=used)
+    _refused(mn.InvalidArgumentError, ["block_table", "seqused_k"], q, k, v, block_table=table)
+    _refused(mn.InvalidArgumentError, ["block_table", "[batch, max_blocks]"], q, k, v, block_table=table[0],
+             seqused_k=used)  # fmt: skip
+    _refused(mn.InvalidArgumentError, ["2 sequences"], q, k, v, block_table=table[:1], seqused_k=used[:1])
+    _refused(mn.InvalidArgumentError, ["paged cache", "num_blocks"], q, k[0], v[0], block_table=table, seqused_k=used)
+    cu = np.array([0, 8, 16], np.int32)
+    _refused(mn.InvalidArgumentError, ["cu_seqlens_k", "seqused_k"], q.reshape(16, 4, 64), k, v, cu_seqlens_q=cu,
+             cu_seqlens_k=cu, block_table=table, seqused_k=used)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cuda", "metal"])
+def test_paged_kv_off_the_cpu_is_refused_by_name(rng, device):
+    q, k, v, table, used = _good(rng)
+    _refused(mn.UnsupportedFeatureError, ["block_table", "CPU backend"], q, k, v, block_table=table, seqused_k=used,
+             device=device)  # fmt: skip
