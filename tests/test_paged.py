@@ -226,3 +226,44 @@ def test_paged_kv_off_the_cpu_is_refused_by_name(rng, device):
     q, k, v, table, used = _good(rng)
     _refused(mn.UnsupportedFeatureError, ["block_table", "CPU backend"], q, k, v, block_table=table, seqused_k=used,
              device=device)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- FlashAttention's API
+
+
+def test_flash_attn_varlen_func_and_with_kvcache_take_block_tables(rng):
+    """FlashAttention 2's paged calls: ``flash_attn_varlen_func(..., block_table=)`` (its
+    ``cu_seqlens_k`` the caches' lengths as offsets) and ``flash_attn_with_kvcache(q, k_cache,
+    v_cache, cache_seqlens=, block_table=)`` equal, to the bit, the same calls on the pages
+    gathered contiguous; a cache shorter than its queries (causal: its first rows see
+    nothing) included."""
+    torch = pytest.importorskip("torch")
+    from mlx_native import flash_attn_interface as fai
+
+    t = torch.from_numpy
+    lq, lk, bs = [20, 30], [90, 12], 16
+    k, v, table, used = make_pages(rng, lk, bs, 2, 64)
+    kc, ck = contiguous(k, table, used)
+    vc, _ = contiguous(v, table, used)
+    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    q = t(rng.uniform(-1, 1, (int(cq[-1]), 4, 64)).astype(np.float16))
+    for causal in (False, True):
+        paged = fai.flash_attn_varlen_func(q, t(k), t(v), t(cq), t(ck), 30, 90, causal=causal, block_table=t(table),
+                                           return_attn_probs=True)  # fmt: skip
+        flat = fai.flash_attn_varlen_func(q, t(kc), t(vc), t(cq), t(ck), 30, 90, causal=causal, return_attn_probs=True)
+        assert torch.equal(paged[0], flat[0]) and torch.equal(paged[1], flat[1])
+    # with_kvcache: [batch, seqlen_q] queries against each sequence's cache length.
+    qb = t(rng.uniform(-1, 1, (2, 16, 4, 64)).astype(np.float16))
+    padded_k = np.zeros((2, max(lk), 2, 64), np.float16)
+    padded_v = np.zeros_like(padded_k)
+    for b, n in enumerate(lk):
+        padded_k[b, :n], padded_v[b, :n] = kc[ck[b] : ck[b + 1]], vc[ck[b] : ck[b + 1]]
+    seqlens = t(used)
+    paged, lse = fai.flash_attn_with_kvcache(qb, t(k), t(v), cache_seqlens=seqlens, block_table=t(table), causal=True,
+                                             return_softmax_lse=True)  # fmt: skip
+    flat, flat_lse = fai.flash_attn_with_kvcache(qb, t(padded_k), t(padded_v), cache_seqlens=seqlens, causal=True,
+                                                 return_softmax_lse=True)  # fmt: skip
+    assert torch.equal(paged, flat) and torch.equal(lse, flat_lse)
+    assert torch.isinf(lse[1, :, :4]).all() and (paged[1, :4] == 0).all()  # 16 queries, a cache of 12
+    with pytest.raises(mn.UnsupportedFeatureError, match="rotary_cos"):
+        fai.flash_attn_with_kvcache(qb, t(k), t(v), rotary_cos=qb, cache_seqlens=seqlens, block_table=t(table))

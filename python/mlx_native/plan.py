@@ -318,6 +318,8 @@ class PrefillPlan:
             desc += f", offset {self.offset}"
         if self.layout != "NHD":
             desc += f", layout {self.layout}"
+        if self._paged is not None:
+            desc += f", paged K/V (blocks of {self._paged.block_size})"
         return (
             f"PrefillPlan({what}, {rows} rows, {kv_len} cache rows, {nh}/{nkv} heads, dim {hd}, {desc}{mask}, "
             f"scale {self.scale:g}, out {self.out_dtype.name}{', lse' if self._lse else ''}, on {self.device.backend})"

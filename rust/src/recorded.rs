@@ -263,7 +263,20 @@ impl<'d> RecordedPrefill<'d> {
         present(cu_seqlens.map(|c| c.1), PREFILL_VARLEN, cu)?;
         present(sinks, PREFILL_SINKS, e.sinks.saturating_mul(4))?;
         present(alibi_slopes, PREFILL_ALIBI_SLOPES, e.alibi_slopes.saturating_mul(4))?;
-        Ok(RecordedPrefill { params: p, q, k, v, out, mask, lse, cu_seqlens, sinks, alibi_slopes, workspace, paged: None })
+        Ok(RecordedPrefill {
+            params: p,
+            q,
+            k,
+            v,
+            out,
+            mask,
+            lse,
+            cu_seqlens,
+            sinks,
+            alibi_slopes,
+            workspace,
+            paged: None,
+        })
     }
 }
 

@@ -29,8 +29,9 @@ use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 pub use crate::params::PrefillExtents;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PagedKvParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_LSE,
-    PREFILL_MASK, PREFILL_OFFSET, PREFILL_PAGED, PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
+    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PagedKvParamsGpu, PREFILL_ALIBI_SLOPES,
+    PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_PAGED, PREFILL_SINKS, PREFILL_VARLEN,
+    PREFILL_WINDOW_RIGHT,
 };
 use crate::recorded::{attention_slot as slot, classifier_slot};
 
@@ -880,7 +881,9 @@ pub fn encode_validated_paged<'a>(
     pages: Option<PagedBuffers<'a>>,
 ) -> Result<()> {
     if (v.gpu.flags & PREFILL_PAGED != 0) != pages.is_some() {
-        return Err(invalid("a paged prefill needs its block table and lengths, and only a paged one takes them".into()));
+        return Err(invalid(
+            "a paged prefill needs its block table and lengths, and only a paged one takes them".into(),
+        ));
     }
     if v.empty {
         return Ok(());

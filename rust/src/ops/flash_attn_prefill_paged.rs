@@ -53,7 +53,11 @@ fn invalid(msg: String) -> MlxError {
 /// Check paged K/V against `p` (whose `k_strides` / `v_strides` are the caches' block, row
 /// and head strides) and the queries (`cu_seqlens_q` for variable length, else `p.rows`
 /// rows per sequence); see the module's comment.
-pub fn validate_paged(p: &FlashAttnPrefillParams, cu_seqlens_q: Option<&[i32]>, pg: &PagedKv<'_>) -> Result<PagedPrefill> {
+pub fn validate_paged(
+    p: &FlashAttnPrefillParams,
+    cu_seqlens_q: Option<&[i32]>,
+    pg: &PagedKv<'_>,
+) -> Result<PagedPrefill> {
     let batch = p.batch as usize;
     let (bs, max_blocks) = (pg.block_size, pg.max_blocks);
     if !BLOCK_SIZES.contains(&bs) || !bs.is_multiple_of(16) {
@@ -128,11 +132,12 @@ pub fn validate_paged(p: &FlashAttnPrefillParams, cu_seqlens_q: Option<&[i32]>, 
         return Err(invalid(format!("the sequences' cache lengths sum to {kv_len}, more than i32 holds")));
     }
     let cu_seqlens_k = cu_seqlens_q.map(|_| {
-        std::iter::once(0).chain(pg.seqused_k.iter().scan(0i32, |acc, &lk| {
-            *acc += lk;
-            Some(*acc)
-        }))
-        .collect()
+        std::iter::once(0)
+            .chain(pg.seqused_k.iter().scan(0i32, |acc, &lk| {
+                *acc += lk;
+                Some(*acc)
+            }))
+            .collect()
     });
     let i = |x: u64| x as i64;
     let gpu = PagedKvParamsGpu {

@@ -122,10 +122,9 @@ impl FlashAttnPrefillPlan {
         let mut plan = Self::new(device, &pp.params, operands, cu)?;
         plan.validated.gpu.flags |= PREFILL_PAGED;
         let p = &plan.validated.gpu;
-        let (k, v) = pp
-            .gpu
-            .extents(p.n_kv_heads, p.head_dim, p.head_dim_v)
-            .ok_or_else(|| MlxError::InvalidArgument(format!("flash_attn_prefill: a negative paged field {:?}", pp.gpu)))?;
+        let (k, v) = pp.gpu.extents(p.n_kv_heads, p.head_dim, p.head_dim_v).ok_or_else(|| {
+            MlxError::InvalidArgument(format!("flash_attn_prefill: a negative paged field {:?}", pp.gpu))
+        })?;
         (plan.validated.extents.k, plan.validated.extents.v) = (k, v);
         let upload = |v: &[i32]| -> Result<MlxBuffer> {
             let b = device.alloc_buffer(DType::I32, &[v.len().max(1)])?;
@@ -190,11 +189,8 @@ impl FlashAttnPrefillPlan {
         if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {
             dispatch_flash_attn_prefill_mask_blk(encoder, registry, &self.device, mask, blk, &self.params)?;
         }
-        let pages = self.pages.as_ref().map(|(params, block_table, seqused_k)| PagedBuffers {
-            params,
-            block_table,
-            seqused_k,
-        });
+        let pages =
+            self.pages.as_ref().map(|(params, block_table, seqused_k)| PagedBuffers { params, block_table, seqused_k });
         encode_validated_paged(encoder, registry, &self.device, &bufs, &self.validated, pages)
     }
 

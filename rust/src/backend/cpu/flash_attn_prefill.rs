@@ -140,7 +140,8 @@ unsafe fn read_pages(pg: &RecordedPaged<'_>, kvu: usize) -> Result<(Pages, Vec<u
             return Err(bad("a sequence's cache length outside its block table"));
         }
         let row = table.add(b * max_blocks);
-        if (0..(lk as usize).div_ceil(bs)).any(|i| !(0..pk.num_blocks).contains(&std::ptr::read_unaligned(row.add(i)))) {
+        if (0..(lk as usize).div_ceil(bs)).any(|i| !(0..pk.num_blocks).contains(&std::ptr::read_unaligned(row.add(i))))
+        {
             return Err(bad("a block table entry outside the caches"));
         }
         used.push(lk as usize);

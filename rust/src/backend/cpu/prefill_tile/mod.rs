@@ -33,8 +33,8 @@ mod softmax;
 mod transforms;
 
 pub(in crate::backend::cpu) use amx_layout::aligned;
-pub(in crate::backend::cpu) use pages::Pages;
 use fma::work_item;
+pub(in crate::backend::cpu) use pages::Pages;
 use transforms::load_mask;
 
 /// Cache rows per step (the tables' `bk`).
