@@ -267,3 +267,22 @@ def test_flash_attn_varlen_func_and_with_kvcache_take_block_tables(rng):
     assert torch.isinf(lse[1, :, :4]).all() and (paged[1, :4] == 0).all()  # 16 queries, a cache of 12
     with pytest.raises(mn.UnsupportedFeatureError, match="rotary_cos"):
         fai.flash_attn_with_kvcache(qb, t(k), t(v), rotary_cos=qb, cache_seqlens=seqlens, block_table=t(table))
+
+
+def test_paged_transforms_and_the_hnd_layout(rng):
+    """Softcap, ALiBi slopes per sequence and a two-sided window on paged caches against the
+    reference; and ``layout="HND"`` (q ``[batch, heads, rows, D]``, caches ``[num_blocks,
+    kv_heads, block_size, D]``, read through their strides) equal to the ``"NHD"`` call."""
+    lk, bs, nh, nkv, d = [70, 130], 32, 4, 2, 64
+    k, v, table, used = make_pages(rng, lk, bs, nkv, d)
+    q = rng.uniform(-1, 1, (2, 24, nh, d)).astype(np.float32)
+    slopes = rng.uniform(0, 0.2, (2, nh)).astype(np.float32)
+    kw = dict(window=(30, 5), softcap=5.0, alibi_slopes=slopes, block_table=table, seqused_k=used)
+    out = mn.flash_attn_prefill(q, k, v, **kw)
+    ref, _ = reference_paged(q, k, v, block_table=table, seqused_k=used, window=(30, 5), softcap=5.0,
+                             alibi_slopes=slopes, scale=1 / 8)  # fmt: skip
+    assert nmse(out, ref) < BAR
+    qh, kh, vh = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    hnd = mn.flash_attn_prefill(np.ascontiguousarray(qh), np.ascontiguousarray(kh), np.ascontiguousarray(vh),
+                                layout="HND", **kw)  # fmt: skip
+    _equal(np.ascontiguousarray(hnd.transpose(0, 2, 1, 3)), out)

@@ -23,6 +23,9 @@ What maps how (FlashAttention's name -> ours):
 - ``return_attn_probs=True`` -> ``(out, softmax_lse, None)``: lse float32 ``[batch, heads,
   seqlen_q]`` (varlen ``[heads, total_q]``); the probabilities themselves are not returned
   (FlashAttention returns them only with dropout, for its tests).
+- ``block_table`` (``flash_attn_varlen_func``, ``flash_attn_with_kvcache``): paged caches
+  ``[num_blocks, block_size, kv_heads, head_dim]`` (SPEC 11; the CPU backend so far), the
+  cache lengths from ``cu_seqlens_k`` / ``cache_seqlens``.
 - ``dropout_p > 0`` is refused (inference only); ``deterministic`` is accepted: every run
   is deterministic.
 - Head dims: any (FlashAttention: multiples of 8 up to 256); a head dim without a kernel
