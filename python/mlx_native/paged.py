@@ -19,7 +19,7 @@ import numpy as np
 from .arrays import Operand
 from .errors import InvalidArgumentError, UnsupportedDtypeError, UnsupportedFeatureError
 
-__all__ = ["PagedKv", "check_paged", "cache_views", "refuse_off_cpu"]
+__all__ = ["PagedKv", "cache_views", "check_paged", "refuse_unpaged_arguments", "table_key"]
 
 _LAYOUT = "[num_blocks, block_size, kv_heads, head_dim]"
 
@@ -38,12 +38,19 @@ class PagedKv(NamedTuple):
         return np.concatenate([[0], np.cumsum(self.seqused_k, dtype=np.int64)])
 
 
-def refuse_off_cpu(device: Any, qo: Operand) -> None:
-    """Paged K/V runs on the CPU backend so far: a CUDA or Metal device (named, or q's)
-    is refused by name, before anything is planned."""
+def refuse_unpaged_arguments(block_table: Any, cu_seqlens_k: Any, device: Any, qo: Operand) -> None:
+    """What cannot go with paged K/V, refused by name before anything is planned: no table
+    (``seqused_k`` alone), ``cu_seqlens_k`` (the lengths are ``seqused_k``'s), and a CUDA or
+    Metal device (named, or q's): paged K/V runs on the CPU backend so far."""
+    if block_table is None:
+        raise InvalidArgumentError("seqused_k goes with block_table (paged K/V): pass both, or neither")
+    if cu_seqlens_k is not None:
+        raise InvalidArgumentError(
+            "cu_seqlens_k goes with contiguous k/v; with block_table each sequence's cache length is seqused_k "
+            "(pass cu_seqlens_q alone for variable-length queries)"
+        )
     name = getattr(device, "backend", device)
-    off = qo.on_cuda or (isinstance(name, str) and not name.startswith("cpu"))
-    if off:
+    if qo.on_cuda or (isinstance(name, str) and not name.startswith("cpu")):
         where = qo.device if qo.on_cuda else name
         raise UnsupportedFeatureError(
             f"block_table (paged K/V) runs on the CPU backend so far, not on {where}: pass host arrays (device='cpu'), "
@@ -62,23 +69,13 @@ def _int32(x: Any, name: str, ndim: int, shape: str) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(op.to_host()), dtype=np.int32)
 
 
-def check_paged(
-    args_block_table: Any, seqused_k: Any, cu_seqlens_k: Any, qo: Operand, ko: Operand, vo: Operand, batch: int
-) -> PagedKv:
-    """The paged K/V of a plan with ``batch`` sequences: ``k``/``v`` 4-D caches of one
-    shape but the head dim, the table ``[batch, max_blocks]`` and the lengths ``[batch]``
-    int32 (no ``cu_seqlens_k``: the lengths say where each sequence's cache ends)."""
-    if cu_seqlens_k is not None:
-        raise InvalidArgumentError(
-            "cu_seqlens_k goes with contiguous k/v; with block_table each sequence's cache length is seqused_k "
-            "(pass cu_seqlens_q alone for variable-length queries)"
-        )
-    for name, op in (("k", ko), ("v", vo)):
-        if op.ndim != 4:
-            raise InvalidArgumentError(f"with block_table, {name} is the paged cache {_LAYOUT}, got shape {op.shape}")
+def check_paged(block_table: Any, seqused_k: Any, ko: Operand, vo: Operand, batch: int) -> PagedKv:
+    """The paged K/V of a plan with ``batch`` sequences (after :func:`cache_views`'
+    checks): ``k``/``v`` caches of one shape but the head dim, the table ``[batch,
+    max_blocks]`` and the lengths ``[batch]``, int32, as host arrays."""
     if vo.shape[:-1] != ko.shape[:-1]:
         raise InvalidArgumentError(f"v_cache has shape {vo.shape}, k_cache {ko.shape}: they must match but for the head dim")
-    table = _int32(args_block_table, "block_table", 2, "[batch, max_blocks]")
+    table = _int32(block_table, "block_table", 2, "[batch, max_blocks]")
     used = _int32(seqused_k, "seqused_k", 1, "[batch]")
     if table.shape[0] != batch or used.shape[0] != batch:
         raise InvalidArgumentError(

@@ -29,7 +29,7 @@ from .layouts import layout as read_layout
 from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
 from .options import PrefillArgs, checked, from_keywords, signature
-from .paged import cache_views, check_paged, refuse_off_cpu
+from .paged import cache_views, check_paged, refuse_unpaged_arguments
 
 __all__ = ["ArraySpec", "PrefillPlan"]
 
@@ -103,11 +103,7 @@ class PrefillPlan:
         self._paged = None
         paged = args.block_table is not None or args.seqused_k is not None
         if paged:
-            if args.block_table is None:
-                raise InvalidArgumentError("seqused_k goes with block_table (paged K/V): pass both, or neither")
-            refuse_off_cpu(dev_arg, qo)
-            if cu_seqlens_k is not None:
-                check_paged(args.block_table, args.seqused_k, cu_seqlens_k, qo, ko, vo, 0)  # refuses cu_seqlens_k
+            refuse_unpaged_arguments(args.block_table, cu_seqlens_k, dev_arg, qo)
         check_qkv(qo, *(cache_views(qo, ko, vo) if paged else (ko, vo)), self.layout)
         self._kv_to_half = False
         batched = qo.ndim == 4
@@ -147,7 +143,7 @@ class PrefillPlan:
                     + ("" if hnd else f"; {HND_HINT}")
                 )
         if paged:
-            self._paged = check_paged(args.block_table, args.seqused_k, None, qo, ko, vo, batch)
+            self._paged = check_paged(args.block_table, args.seqused_k, ko, vo, batch)
             kv_len = int(self._paged.seqused_k.max(initial=0))  # an explicit mask's columns: the longest cache
             if self._cu is not None:
                 self._cu = (self._cu[0], self._paged.cu_seqlens_k().astype(np.int32))
