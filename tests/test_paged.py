@@ -265,6 +265,9 @@ def test_flash_attn_varlen_func_and_with_kvcache_take_block_tables(rng):
                                                  return_softmax_lse=True)  # fmt: skip
     assert torch.equal(paged, flat) and torch.equal(lse, flat_lse)
     assert torch.isinf(lse[1, :, :4]).all() and (paged[1, :4] == 0).all()  # 16 queries, a cache of 12
+    # Contiguous caches of one length (an int): FlashAttention's own call on the cache's rows.
+    whole = fai.flash_attn_with_kvcache(qb, t(padded_k), t(padded_v), cache_seqlens=50, causal=True)
+    assert torch.equal(whole, fai.flash_attn_func(qb, t(padded_k[:, :50]), t(padded_v[:, :50]), causal=True))
     with pytest.raises(mn.UnsupportedFeatureError, match="rotary_cos"):
         fai.flash_attn_with_kvcache(qb, t(k), t(v), rotary_cos=qb, cache_seqlens=seqlens, block_table=t(table))
 
