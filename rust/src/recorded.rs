@@ -400,3 +400,34 @@ impl<'d> RecordedMaskBlk<'d> {
         Ok(Ok(RecordedMaskBlk { params: p, mask, blk, mask_bytes }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::interface::{GridSize, Pipeline};
+
+    /// A dispatch of the attention with only its params block bound.
+    fn dispatch(flags: i32) -> Dispatch {
+        let p = FlashAttnPrefillParamsGpu { flags, ..bytemuck::Zeroable::zeroed() };
+        Dispatch {
+            pipeline: Pipeline::new("flash_attn_prefill_d64", 256, std::sync::Arc::new(())),
+            args: vec![(attention_slot::PARAMS, BoundArg::Bytes(bytemuck::bytes_of(&p).to_vec()))],
+            shared: vec![],
+            grid: GridSize::new(1, 1, 1),
+            threadgroup: GridSize::new(32, 8, 1),
+        }
+    }
+
+    /// The decoder every contiguous-only backend calls (CUDA's) refuses a paged dispatch
+    /// by name before reading a buffer; the CPU's decoder goes on to read its slots (here
+    /// missing: an internal error, not a refusal).
+    #[test]
+    fn only_the_paged_decoder_takes_paged_kv() {
+        let d = dispatch(PREFILL_PAGED);
+        match RecordedPrefill::decode(&d) {
+            Ok(Err(Broken(what))) => assert!(what.contains("block_table") && what.contains("CPU"), "{what}"),
+            other => panic!("a paged dispatch was not refused: {:?}", other.map(|r| r.map(|_| ()))),
+        }
+        assert!(matches!(RecordedPrefill::decode_paged(&d), Err(MlxError::Internal(_))));
+    }
+}

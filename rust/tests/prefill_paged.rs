@@ -28,10 +28,10 @@ impl Lcg {
     }
 }
 
-fn operands() -> PrefillOperands {
+fn operands(kv_dtype: DType) -> PrefillOperands {
     PrefillOperands {
         q_dtype: DType::F32,
-        kv_dtype: DType::F16,
+        kv_dtype,
         out_dtype: DType::F32,
         mask: false,
         lse: true,
@@ -82,6 +82,14 @@ fn run(plan: &FlashAttnPrefillPlan, q: &MlxBuffer, k: &MlxBuffer, v: &MlxBuffer)
 
 #[test]
 fn paged_kv_is_the_contiguous_layout_to_the_bit_on_every_instruction_set() {
+    // BF16: the same bits read as bfloat16 (the AMX item then packs K/V once for all items,
+    // through the shared packing's own staging rows).
+    for kv in [DType::F16, DType::BF16] {
+        same_bits(kv);
+    }
+}
+
+fn same_bits(kv: DType) {
     let dev = MlxDevice::cpu();
     let mut rng = Lcg(7);
     let (lq, lk) = ([20usize, 0, 37], [100usize, 5, 37]);
@@ -93,10 +101,14 @@ fn paged_kv_is_the_contiguous_layout_to_the_bit_on_every_instruction_set() {
     let v: Vec<u16> = (0..142 * row).map(|_| f16::from_f32(rng.next()).to_bits()).collect();
     let q: Vec<f32> = (0..57 * NH * D).map(|_| rng.next()).collect();
     let qb = upload(&dev, DType::F32, &q);
-    let (kb, vb) = (upload(&dev, DType::F16, &k), upload(&dev, DType::F16, &v));
-    let flat =
-        FlashAttnPrefillPlan::new(&dev, &params(3, 57, 142, [0, row as u64, D as u64]), &operands(), Some((&cq, &ck)))
-            .unwrap();
+    let (kb, vb) = (upload(&dev, kv, &k), upload(&dev, kv, &v));
+    let flat = FlashAttnPrefillPlan::new(
+        &dev,
+        &params(3, 57, 142, [0, row as u64, D as u64]),
+        &operands(kv),
+        Some((&cq, &ck)),
+    )
+    .unwrap();
     assert_eq!(lq.iter().sum::<usize>(), 57);
     for bs in [16usize, 48, 64] {
         // Each sequence's blocks in a shuffled order, two blocks unused, garbage past each
@@ -109,7 +121,7 @@ fn paged_kv_is_the_contiguous_layout_to_the_bit_on_every_instruction_set() {
         }
         let max_blocks = need.iter().max().unwrap() + 1;
         let mut table = vec![i32::MIN; lk.len() * max_blocks];
-        let nan = f16::NAN.to_bits();
+        let nan = 0x7fc0u16; // NaN as F16 and as BF16
         let (mut kc, mut vc) = (vec![nan; num_blocks * bs * row], vec![nan; num_blocks * bs * row]);
         let (mut at, mut start) = (0, 0);
         for (b, &n) in lk.iter().enumerate() {
@@ -135,17 +147,17 @@ fn paged_kv_is_the_contiguous_layout_to_the_bit_on_every_instruction_set() {
         };
         let strides = [(bs * row) as u64, row as u64, D as u64];
         let plan =
-            FlashAttnPrefillPlan::new_paged(&dev, &params(3, 57, 0, strides), &operands(), Some(&cq), &pg).unwrap();
-        let (kcb, vcb) = (upload(&dev, DType::F16, &kc), upload(&dev, DType::F16, &vc));
+            FlashAttnPrefillPlan::new_paged(&dev, &params(3, 57, 0, strides), &operands(kv), Some(&cq), &pg).unwrap();
+        let (kcb, vcb) = (upload(&dev, kv, &kc), upload(&dev, kv, &vc));
         for isa in simd::detected_isas().into_iter().chain(["amx-emulated"]) {
             simd::force_isa(Some(isa)).unwrap();
             let want = run(&flat, &qb, &kb, &vb).unwrap();
             let got = run(&plan, &qb, &kcb, &vcb).unwrap();
-            assert!(got == want, "block size {bs}, {isa}: the paged result differs from the contiguous one");
+            assert!(got == want, "{kv} block size {bs}, {isa}: the paged result differs from the contiguous one");
         }
         simd::force_isa(None).unwrap();
         // Caches of fewer blocks than the plan's: refused before anything runs.
-        let short = upload(&dev, DType::F16, &kc[..(num_blocks - 1) * bs * row]);
+        let short = upload(&dev, kv, &kc[..(num_blocks - 1) * bs * row]);
         match run(&plan, &qb, &short, &vcb) {
             Err(MlxError::InvalidArgument(m)) => assert!(m.contains("k holds"), "{m}"),
             other => panic!("a short cache ran: {:?}", other.map(|_| ())),
@@ -160,7 +172,7 @@ fn a_bad_table_makes_no_plan() {
     for (table, want) in [([0, 3], "block_table[0, 1] is 3"), ([-1, 0], "block_table[0, 0] is -1")] {
         let pg = PagedKv { block_table: &table, max_blocks: 2, seqused_k: &used, num_blocks: 3, block_size: 32 };
         let p = params(1, 8, 0, [(32 * NKV * D) as u64, (NKV * D) as u64, D as u64]);
-        match FlashAttnPrefillPlan::new_paged(&dev, &p, &operands(), None, &pg) {
+        match FlashAttnPrefillPlan::new_paged(&dev, &p, &operands(DType::F16), None, &pg) {
             Err(MlxError::InvalidArgument(m)) => assert!(m.contains(want), "{m}"),
             other => panic!("{want}: planned anyway ({:?})", other.map(|_| ())),
         }
