@@ -494,6 +494,37 @@ int32_t mlxn_prefill_plan_new(uint64_t dev,
                               const struct MlxnRunOptions *options,
                               uint64_t *out);
 
+// Plan a prefill on paged K/V (SPEC 11), as [`mlxn_prefill_plan_new`] does otherwise: `k`
+// and `v` are the caches `[num_blocks, block_size, n_kv_heads, head_dim]`, whose (block,
+// row, head) strides are `params.k_strides` / `v_strides` (`params.kv_len` is not read);
+// `block_table` points to `batch * max_blocks` int32 in host memory (row-major), `seqused_k`
+// to `batch` int32 (each sequence's cache length); both are checked here (an entry a
+// sequence reads outside `[0, num_blocks)`, a length below 0 or beyond its table row) and
+// copied for the plan's runs. `cu_seqlens_q`: `batch + 1` int32 offsets of the queries
+// (variable length), or null for `params.rows` query rows per sequence. `options`: the run
+// options (null: the defaults). Runs on the CPU backend; elsewhere an `InvalidArgument`
+// naming `block_table`.
+//
+// # Safety
+// `params` and `out` must be valid; the pointers hold the counts above (`cu_seqlens_q`
+// may be null); `options` null or valid.
+int32_t mlxn_prefill_plan_new_paged(uint64_t dev,
+                                    const struct MlxnFlashAttnPrefillParams *params,
+                                    uint32_t q_dtype,
+                                    uint32_t kv_dtype,
+                                    uint32_t out_dtype,
+                                    int32_t has_mask,
+                                    int32_t has_lse,
+                                    int32_t has_sinks,
+                                    const int32_t *cu_seqlens_q,
+                                    const int32_t *block_table,
+                                    uint32_t max_blocks,
+                                    const int32_t *seqused_k,
+                                    uint32_t num_blocks,
+                                    uint32_t block_size,
+                                    const struct MlxnRunOptions *options,
+                                    uint64_t *out);
+
 // What each operand of a plan must hold.
 //
 // # Safety

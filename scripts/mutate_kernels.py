@@ -102,6 +102,7 @@ P_DIR = "rust/src/backend/cpu/prefill_tile"
 P_MOD, P_FMA, P_IO = f"{P_DIR}/mod.rs", f"{P_DIR}/fma.rs", f"{P_DIR}/io.rs"
 P_TR, P_SM = f"{P_DIR}/transforms.rs", f"{P_DIR}/softmax.rs"
 P_AMX, P_LAYOUT = f"{P_DIR}/amx.rs", f"{P_DIR}/amx_layout.rs"
+P_PAGES = f"{P_DIR}/pages.rs"
 AMX_EMU, AMX_GEMM, AMX_MOD = "rust/src/backend/cpu/amx/emulated.rs", "rust/src/backend/cpu/amx/gemm.rs", "rust/src/backend/cpu/amx/mod.rs"
 F_RS = "rust/src/backend/cpu/flash_attn_prefill.rs"
 B_RS = "rust/src/backend/cpu/flash_attn_prefill_blk.rs"
@@ -415,9 +416,17 @@ MUTATIONS: List[Mutation] = [
     # The old cpu-kv-head (heads g, g + n_kv_heads, ...: h % n_kv_heads) needs the head count,
     # which the work item no longer holds (its heads are the group's, consecutive, by
     # construction); the bug's new forms: the wrong KV head, and heads of a group mixed up.
-    M("cpu-kv-head", "cpu", P_FMA, "(pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs))",
-      "(pb.k.add(seq.k + g / 2 * pb.k_hs), pb.v.add(seq.v + g / 2 * pb.v_hs))",
+    # (Every loader takes its rows' addresses from pages.rs since paged K/V, issue 29.)
+    M("cpu-kv-head", "cpu", P_PAGES, "None => base + g * hs + j * rs,", "None => base + g / 2 * hs + j * rs,",
       "wrong KV head: K/V head g / 2 for the query heads of KV head g"),
+    M("cpu-paged-kv-head", "cpu", P_PAGES, "block * bs_stride + g * hs + (j % p.block_size) * rs",
+      "block * bs_stride + g / 2 * hs + (j % p.block_size) * rs", "paged K/V: the wrong KV head's rows"),
+    M("cpu-paged-table-entry", "cpu", P_PAGES, "p.table.add(seq.table + j / p.block_size)",
+      "p.table.add(seq.table + (j + 1) / p.block_size)", "paged K/V: a block's last row read from the next block"),
+    M("cpu-paged-span-in-place", "cpu", P_PAGES, "if n == 0 || c0 / p.block_size == (c0 + n - 1) / p.block_size || lo >= hi {",
+      "if n == 0 || lo >= hi || true {", "paged K/V: a step that spans blocks read as one block (no gathering)"),
+    M("cpu-paged-stage-rows", "cpu", P_PAGES, "stage.as_mut_ptr().add(j * width)", "stage.as_mut_ptr().add((j ^ 1) * width)",
+      "paged K/V: gathered rows swapped in pairs"),
     M("cpu-q-head-in-group", "cpu", P_IO, "let h = g * pb.group + hh;\n            for rb in (0..pb.bq).step_by(W) {",
       "let h = g * pb.group + (hh + 1) % pb.group;\n            for rb in (0..pb.bq).step_by(W) {",
       "GQA: each query head's output from the next head of its group's Q (f32 and bf16-pair loads)", count=2),
@@ -446,10 +455,10 @@ MUTATIONS: List[Mutation] = [
       "one row past the prompt read and written"),
     M("cpu-mask-stride", "cpu", F_RS, "mask_rs: z(p.mask_row_stride),", "mask_rs: u(p.kv_len),",
       "mask rows at kv_len (contiguous) instead of the mask's row stride"),
-    M("cpu-k-stride", "cpu", P_FMA, "k_base.add(c0 * pb.k_rs), pb.k_rs, lo_all", "k_base.add(c0 * pb.k_rs), pb.v_rs, lo_all",
-      "K rows at V's row stride"),
-    M("cpu-v-head-stride", "cpu", P_FMA, "pb.v.add(seq.v + g * pb.v_hs)", "pb.v.add(seq.v + g * pb.k_hs)",
-      "V heads at K's head stride"),
+    M("cpu-k-stride", "cpu", P_PAGES, "let rs = if which == Which::K { pb.k_rs } else { pb.v_rs };",
+      "let rs = if which == Which::K { pb.v_rs } else { pb.v_rs };", "a step's K rows at V's row stride"),
+    M("cpu-v-head-stride", "cpu", P_PAGES, "Which::V => (seq.v, pb.pages.map_or(0, |p| p.v_bs), pb.v_rs, pb.v_hs),",
+      "Which::V => (seq.v, pb.pages.map_or(0, |p| p.v_bs), pb.v_rs, pb.k_hs),", "V heads at K's head stride"),
     M("cpu-q-head-stride", "cpu", P_IO, "(sub.r0 + rr) * pb.q_rs + h * pb.q_hs", "(sub.r0 + rr) * pb.q_rs + h * D",
       "Q heads assumed contiguous (f32 and bf16-pair loads)", count=2),
     M("cpu-column-range", "cpu", P_TR, "(lo & !3, (hi + 3) & !3)", "(lo & !3, hi & !3)",
@@ -771,7 +780,8 @@ def run_metal(muts: List[Mutation], args) -> List[Result]:
 
 
 CPU_TIERS = [
-    ["cargo", "test", "-q", "--test", "prefill_cpu", "--test", "planted", "--test", "flash_attn_cpu"],
+    ["cargo", "test", "-q", "--test", "prefill_cpu", "--test", "planted", "--test", "flash_attn_cpu", "--test",
+     "prefill_paged"],
     ["cargo", "test", "-q", "--test", "fuzz", "--test", "reliability", "--lib"],
     # The AMX item, on the emulated tiles wherever the CPU has none.
     ["cargo", "test", "-q", "--test", "prefill_amx"],

@@ -221,7 +221,8 @@ def test_bad_window_sizes_and_packs_are_typed_errors():
         fai.flash_attn_func(q, k, v, window_size=(-2, 0))
     with pytest.raises(mn.InvalidArgumentError, match=r"qkv must be \[batch, seqlen, 3"):
         fai.flash_attn_qkvpacked_func(q)
-    with pytest.raises(mn.UnsupportedFeatureError, match="block_table"):
+    # block_table takes paged caches [num_blocks, block_size, kv_heads, head_dim] (tests/test_paged.py).
+    with pytest.raises(mn.InvalidArgumentError, match="paged cache"):
         fai.flash_attn_varlen_func(q[0], k[0], v[0], _cu([8]), _cu([8]), 8, 8, block_table=torch.zeros(1, 1))
 
 

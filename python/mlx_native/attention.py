@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from .arrays import layout_key
 from .options import PrefillArgs, checked, from_keywords, plan_key, signature
+from .paged import table_key
 from .plan import PrefillPlan
 
 __all__ = ["flash_attn_prefill", "prefill", "clear_plan_cache", "PLAN_CACHE_SIZE"]
@@ -76,9 +77,15 @@ def _key(q, k, v, args: PrefillArgs) -> Optional[tuple]:
             return None
     cu = None
     if cu_q is not None or cu_k is not None:
-        cu = (_values(cu_q), _values(cu_k))
-        if None in cu:
+        # (cu_seqlens_q alone: paged K/V's variable-length queries; the plan refuses it otherwise.)
+        cu = tuple(x if x is None else _values(x) for x in (cu_q, cu_k))
+        if any(x is not None and c is None for x, c in zip((cu_q, cu_k), cu)):
             return None
+    if args.block_table is not None:  # paged K/V: the table and the lengths belong to the plan
+        pages = table_key(args.block_table, args.seqused_k)
+        if pages is None:
+            return None
+        cu = (cu, pages)
     try:
         return _hashable((lq, lk, lv, lm, cu, plan_key(args)))
     except TypeError:

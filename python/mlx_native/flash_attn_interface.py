@@ -23,6 +23,9 @@ What maps how (FlashAttention's name -> ours):
 - ``return_attn_probs=True`` -> ``(out, softmax_lse, None)``: lse float32 ``[batch, heads,
   seqlen_q]`` (varlen ``[heads, total_q]``); the probabilities themselves are not returned
   (FlashAttention returns them only with dropout, for its tests).
+- ``block_table`` (``flash_attn_varlen_func``, ``flash_attn_with_kvcache``): paged caches
+  ``[num_blocks, block_size, kv_heads, head_dim]`` (SPEC 11; the CPU backend so far), the
+  cache lengths from ``cu_seqlens_k`` / ``cache_seqlens``.
 - ``dropout_p > 0`` is refused (inference only); ``deterministic`` is accepted: every run
   is deterministic.
 - Head dims: any (FlashAttention: multiples of 8 up to 256); a head dim without a kernel
@@ -51,6 +54,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 
@@ -135,13 +139,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``[total_k, kv_heads, head_dim]``, ``cu_seqlens_q/k`` int32 ``[batch + 1]``;
     ``max_seqlen_q/k`` are accepted (the plan reads the lengths from the offsets). Returns
     out ``[total_q, heads, head_dim]`` or ``(out, softmax_lse [heads, total_q], None)``.
-    ``block_table`` (a paged KV cache) is refused."""
+    ``block_table`` int32 ``[batch, max_blocks]``: k/v are paged caches ``[num_blocks,
+    block_size, kv_heads, head_dim]`` and ``cu_seqlens_k`` the sequences' cache lengths as
+    offsets (FlashAttention's convention; SPEC 11, the CPU backend so far)."""
     fa = _fa_args("flash_attn_varlen_func", args, keywords)
-    if fa.block_table is not None:
-        raise UnsupportedFeatureError(
-            "block_table (a paged KV cache): mlx_native reads K/V as [total_k, kv_heads, head_dim] rows; gather the "
-            "pages into one tensor first"
-        )
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, fa)
 
 
@@ -161,6 +162,107 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, fa)
 
 
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """FlashAttention 2's ``flash_attn_with_kvcache`` for attention against a cache that is
+    already written: q ``[batch, seqlen_q, heads, head_dim]``; k_cache/v_cache ``[batch,
+    seqlen_cache, kv_heads, head_dim]``, or paged ``[num_blocks, block_size, kv_heads,
+    head_dim]`` with ``block_table`` int32 ``[batch, max_blocks]`` (SPEC 11, the CPU backend so
+    far); ``cache_seqlens`` (an int or int32 ``[batch]``; None: the whole cache) the cache
+    lengths, to whose ends the queries are aligned (causal, window). Returns out, or ``(out,
+    softmax_lse [batch, heads, seqlen_q])`` with ``return_softmax_lse``. Appending ``k``/``v``
+    to the cache, rotary embeddings, ``cache_batch_idx`` and ``cache_leftpad`` are refused
+    (write the cache first); ``num_splits`` is accepted (the library decides)."""
+    unsupported = dict(k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                       cache_leftpad=cache_leftpad)  # fmt: skip
+    given = [name for name, x in unsupported.items() if x is not None]
+    if given:
+        raise UnsupportedFeatureError(
+            f"flash_attn_with_kvcache: {', '.join(given)} (appending to the cache, rotary embeddings, batch indices, "
+            "left padding) are not computed here: write the new rows into the cache first, then call with "
+            "cache_seqlens covering them"
+        )
+    fa = FlashAttnArgs(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes, return_attn_probs=return_softmax_lse)  # fmt: skip
+    kw = _common(fa)
+    batch, seqlen_q = int(q.shape[0]), int(q.shape[1])
+    paged = block_table is not None
+    full = int(block_table.shape[1]) * int(k_cache.shape[1]) if paged else int(k_cache.shape[1])
+    lengths = _cache_lengths(cache_seqlens, batch, full)
+    described = kw["causal"] or kw["window"] is not None
+    if paged:
+        used = np.asarray(lengths, np.int32)
+        if hasattr(block_table, "new_tensor"):  # torch: the lengths as its tensors
+            used = block_table.new_tensor(used)
+        kw.update(block_table=block_table, seqused_k=used)
+        if not (described and min(lengths) < seqlen_q):
+            return _with_lse(flash_attn_prefill(q, k_cache, v_cache, **kw))
+    elif len(set(lengths)) == 1 and not (described and lengths[0] < seqlen_q):
+        n = lengths[0]
+        return _with_lse(flash_attn_prefill(q, k_cache[:batch, :n], v_cache[:batch, :n], **kw))
+    # Caches of different lengths (contiguous), or shorter than the queries (causal): each
+    # sequence on its own, placed at its cache's end.
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        one = dict(kw)
+        if paged:
+            one.update(block_table=block_table[b : b + 1], seqused_k=kw["seqused_k"][b : b + 1])
+            kb, vb = k_cache, v_cache
+        else:
+            kb, vb = k_cache[b : b + 1, :n], v_cache[b : b + 1, :n]
+        if described:
+            one["offset"] = n - seqlen_q
+        r = flash_attn_prefill(q[b : b + 1], kb, vb, **one)
+        outs.append(r[0] if kw["return_lse"] else r)
+        if kw["return_lse"]:
+            lses.append(r[1])
+    cat = _concat(outs)
+    return _with_lse((cat, _concat(lses)) if kw["return_lse"] else cat)
+
+
+def _cache_lengths(cache_seqlens, batch: int, full: int) -> list:
+    if cache_seqlens is None:
+        return [full] * batch
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        return [int(cache_seqlens)] * batch
+    vals = [int(x) for x in (cache_seqlens.tolist() if hasattr(cache_seqlens, "tolist") else cache_seqlens)]
+    if len(vals) != batch:
+        raise InvalidArgumentError(f"cache_seqlens has {len(vals)} entries for a batch of {batch}: one per sequence")
+    return vals
+
+
+def _concat(parts):
+    if hasattr(parts[0], "new_zeros"):
+        import torch
+
+        return torch.cat(parts)
+    return np.concatenate(parts)
+
+
+def _with_lse(result):
+    """``flash_attn_with_kvcache``'s return: out, or ``(out, softmax_lse)``."""
+    return _finish(result)[:2] if isinstance(result, tuple) else result
+
+
 # ---------------------------------------------------------------------- the mapping
 
 
@@ -175,9 +277,51 @@ def _fixed(q, k, v, fa: FlashAttnArgs):
 
 def _varlen(q, k, v, cu_q, cu_k, fa: FlashAttnArgs):
     kw = _common(fa)
+    if fa.block_table is not None:  # paged: the offsets of cu_seqlens_k are the caches' lengths
+        kw.update(block_table=fa.block_table, seqused_k=_seqused(cu_k))
+        if (kw["causal"] or kw["window"] is not None) and _some_cache_shorter(cu_q, cu_k):
+            return _finish(_paged_by_sequence(q, k, v, cu_q, kw))
+        return _finish(flash_attn_prefill(q, k, v, cu_seqlens_q=cu_q, **kw))
     if (kw["causal"] or kw["window"] is not None) and _some_cache_shorter(cu_q, cu_k):
         return _finish(_by_sequence(q, k, v, cu_q, cu_k, kw))
     return _finish(flash_attn_prefill(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw))
+
+
+def _seqused(cu_k):
+    """Each sequence's cache length from offsets, int32 of the offsets' library."""
+    lengths = cu_k[1:] - cu_k[:-1]
+    if hasattr(lengths, "to"):  # torch
+        import torch
+
+        return lengths.to(torch.int32)
+    return np.asarray(lengths, np.int32)
+
+
+def _paged_by_sequence(q, k_cache, v_cache, cu_q, kw):
+    """:func:`_by_sequence` on paged caches: each sequence with its own table row, length and
+    offset (its first rows see nothing)."""
+    lse = kw["return_lse"]
+    table, used = kw.pop("block_table"), kw.pop("seqused_k")
+    starts_q = [int(x) for x in (cu_q.tolist() if hasattr(cu_q, "tolist") else cu_q)]
+    out = q.new_zeros(q.shape[:-1] + v_cache.shape[-1:]) if hasattr(q, "new_zeros") else None
+    if out is None:
+        out = np.zeros(q.shape[:-1] + v_cache.shape[-1:], q.dtype)
+    lse_all = np.full((q.shape[1], q.shape[0]), -np.inf, np.float32)
+    if hasattr(q, "new_zeros") and lse:
+        import torch
+
+        lse_all = torch.from_numpy(lse_all).to(q.device)
+    for b in range(len(starts_q) - 1):
+        a, e, lk = starts_q[b], starts_q[b + 1], int(used[b])
+        if e == a or lk == 0:
+            continue  # nothing to compute, or sees nothing: zeros, lse -inf (+inf below)
+        r = flash_attn_prefill(q[a:e], k_cache, v_cache, block_table=table[b : b + 1], seqused_k=used[b : b + 1],
+                               offset=lk - (e - a), **kw)  # fmt: skip
+        if lse:
+            out[a:e], lse_all[:, a:e] = r
+        else:
+            out[a:e] = r
+    return (out, lse_all) if lse else out
 
 
 def _common(fa: FlashAttnArgs) -> dict:

@@ -67,6 +67,14 @@ def flash_attn_prefill(q: Any, k: Any, v: Any, mask: Any = None, **keywords: Any
       3-D q/k/v holding the sequences one after the other, int32 (or int64) offsets
       ``[B + 1]`` from 0 to the totals; a CUDA tensor is read on the host (a
       synchronisation). No explicit mask with them.
+    - ``block_table``, ``seqused_k``: paged K/V (SPEC 11, the CPU backend so far): k and v
+      are caches ``[num_blocks, block_size, kv_heads, head_dim]`` (block_size a multiple of
+      16 from 16 to 256), ``block_table`` int32 ``[batch, max_blocks]``, ``seqused_k`` int32
+      ``[batch]`` each sequence's cache length; sequence b's cache row j is
+      ``k[block_table[b, j // block_size], j % block_size]``. q is ``[batch, rows, heads,
+      head_dim]`` (3-D: one sequence) or variable length with ``cu_seqlens_q`` alone. The
+      result is the contiguous layout's bit for bit; entries past a sequence's last block
+      are never read. Runs outside the torch operators (array call).
     - ``return_lse``: also return the log-sum-exp, float32 ``[heads, rows]`` (``[batch,
       heads, rows]`` batched, ``[heads, total_q]`` variable length): ``(out, lse)``; see
       :func:`merge_attention_states`.
@@ -158,6 +166,8 @@ def _through_torch_op(q, k, v, args: PrefillArgs) -> bool:
     operator's schema takes nothing else, and the array call gives the typed error for
     anything else."""
     if not (_is_torch(q) and _is_torch(k) and _is_torch(v)):
+        return False
+    if args.block_table is not None:  # paged K/V: not in the operators' schema yet (the array call runs it)
         return False
     optional = (args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.sinks, args.alibi_slopes)
     return all(x is None or _is_torch(x) for x in optional)

@@ -54,6 +54,11 @@ class PrefillArgs(NamedTuple):
     cta_pairs: Optional[str] = None
     cuda_form: Optional[str] = None
     cpu_isa: Optional[str] = None
+    #: Paged K/V (SPEC 11): k and v are caches [num_blocks, block_size, kv_heads, head_dim],
+    #: sequence b's cache row j in block ``block_table[b, j // block_size]``; ``seqused_k``
+    #: int32 [batch] holds each sequence's cache length (``paged.py``).
+    block_table: Any = None
+    seqused_k: Any = None
     return_lse: bool = False
 
 
@@ -106,18 +111,19 @@ def checked(a: PrefillArgs) -> PrefillArgs:
     # Made anew rather than by _replace, which costs a call about a microsecond more.
     return PrefillArgs(
         a.mask, causal, window, scale, a.cu_seqlens_q, a.cu_seqlens_k, out_dtype, device, check_finite, softcap,
-        max_bias, a.sinks, offset, layout, a.alibi_slopes, *run_options, return_lse,
+        max_bias, a.sinks, offset, layout, a.alibi_slopes, *run_options, a.block_table, a.seqused_k, return_lse,
     )  # fmt: skip
 
 
 def plan_key(a: PrefillArgs) -> tuple:
     """What of checked arguments a plan is made from, besides the arrays' layouts and the
     sequence offsets' values: the options, and of the sinks and slopes their presence and
-    the slopes' rank."""
+    the slopes' rank, and whether K/V are paged (the table's values are the key's, as the
+    sequence offsets' are)."""
     slopes = None if a.alibi_slopes is None else (len(getattr(a.alibi_slopes, "shape", ())),)
     return (
         a.causal, a.window, a.offset, a.scale, a.return_lse, a.out_dtype, a.device, a.check_finite,
-        (a.softcap, a.max_bias, a.sinks is not None, slopes), a.layout, run_options(a),
+        (a.softcap, a.max_bias, a.sinks is not None, slopes), a.layout, run_options(a), a.block_table is not None,
     )  # fmt: skip
 
 

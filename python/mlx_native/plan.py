@@ -24,11 +24,12 @@ from .checks import (
 )
 from .device import Encoder
 from .dtypes import DTYPE_CODES, numpy_dtype_of_name
-from .errors import BufferAllocationError, InvalidArgumentError, not_picklable
+from .errors import BufferAllocationError, InvalidArgumentError, UnsupportedFeatureError, not_picklable
 from .layouts import layout as read_layout
 from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
 from .options import PrefillArgs, checked, from_keywords, run_options, signature
+from .paged import cache_views, check_paged, refuse_unpaged_arguments
 
 __all__ = ["ArraySpec", "PrefillPlan"]
 
@@ -105,7 +106,12 @@ class PrefillPlan:
         qo, ko, vo = operand(q, "q"), operand(k, "k"), operand(v, "v")
         if hnd:  # the kernels read [..., rows, heads, head_dim] through these strides
             qo, ko, vo = nhd_view(qo), nhd_view(ko), nhd_view(vo)
-        check_qkv(qo, ko, vo, self.layout)
+        # Paged K/V (SPEC 11, paged.py): k and v are caches of blocks, read through a block table.
+        self._paged = None
+        paged = args.block_table is not None or args.seqused_k is not None
+        if paged:
+            refuse_unpaged_arguments(args.block_table, cu_seqlens_k, dev_arg, qo)
+        check_qkv(qo, *(cache_views(qo, ko, vo) if paged else (ko, vo)), self.layout)
         self._kv_to_half = False
         batched = qo.ndim == 4
         rows, n_heads, head_dim = qo.shape[-3:]
@@ -130,16 +136,24 @@ class PrefillPlan:
                     "an explicit mask cannot go with cu_seqlens: describe the mask (causal, window) or pad the batch "
                     "to a fixed length ([B, rows, heads, head_dim]) and pass a [B, 1, rows, kv] mask"
                 )
-            self._cu = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, rows, kv_len, causal and offset is None)
+            if paged:  # the queries' offsets alone (the caches' lengths are seqused_k's, checked by the op)
+                self._cu = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, rows, rows, False)
+            else:
+                self._cu = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, rows, kv_len, causal and offset is None)
             batch = len(self._cu[0]) - 1
         else:
             batch = qo.shape[0] if batched else 1
-            if causal and offset is None and kv_len < rows:
+            if causal and offset is None and kv_len < rows and not paged:
                 raise InvalidArgumentError(
                     f"causal with {rows} query rows and a cache of {kv_len} rows: the prompt is the end of its cache, "
                     f"which cannot be shorter (pass the whole cache as k/v, or causal=False with an explicit mask)"
                     + ("" if hnd else f"; {HND_HINT}")
                 )
+        if paged:
+            self._paged = check_paged(args.block_table, args.seqused_k, ko, vo, batch)
+            kv_len = int(self._paged.seqused_k.max(initial=0))  # an explicit mask's columns: the longest cache
+            if self._cu is not None:
+                self._cu = (self._cu[0], self._paged.cu_seqlens_k().astype(np.int32))
         self.device, self._upload = pick_device(dev_arg, qo)
         if ko.dtype == np.float32 and self.device.backend != "cpu":
             # CUDA and Metal have no float32 K/V kernels: each run converts K and V to float16
@@ -186,8 +200,9 @@ class PrefillPlan:
         self.lse_shape = (batch, n_heads, rows) if batched else (n_heads, rows)
         p = ffi.new("MlxnFlashAttnPrefillParams *")
         qs, ks, vs = (lay[1] for lay in self._layouts)
-        if not batched:
-            qs, ks, vs = (0,) + qs, (0,) + ks, (0,) + vs
+        if not batched:  # (the paged caches' strides are (block, row, head) already)
+            qs = (0,) + qs
+            ks, vs = (ks, vs) if paged else ((0,) + ks, (0,) + vs)
         p.q_strides, p.k_strides, p.v_strides = qs[:3], ks[:3], vs[:3]
         p.out_strides = out_strides
         p.mask_strides = mask_strides
@@ -209,7 +224,14 @@ class PrefillPlan:
         codes = (DTYPE_CODES[qo.dtype.name], DTYPE_CODES[ko.dtype.name], DTYPE_CODES[self.out_dtype.name])
         flags = (int(mask is not None), int(self._lse), int(self._has_sinks))
         self._options = _run_options(run_options(args))
-        check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, *flags, cq, ck, self._options[0], out))
+        if self._paged is not None:
+            pg = self._paged
+            table, used = ffi.from_buffer("int32_t[]", pg.block_table), ffi.from_buffer("int32_t[]", pg.seqused_k)
+            check(lib.mlxn_prefill_plan_new_paged(self.device.handle, p, *codes, *flags, cq, table,
+                                                  pg.block_table.shape[1], used, pg.num_blocks, pg.block_size,
+                                                  self._options[0], out))  # fmt: skip
+        else:
+            check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, *flags, cq, ck, self._options[0], out))
         self._handle = int(out[0])
         self._finalizer = weakref.finalize(self, _free, self._handle)
         ext = ffi.new("MlxnPrefillExtents *")
@@ -239,6 +261,8 @@ class PrefillPlan:
         self._enc_out = None
         self._classified = False
         self._pairs = None
+        if self._paged is not None and self._cu is None and mask is None:  # each sequence's own cache length
+            self._pairs = sum(described_pairs(rows, int(lk), causal, window, offset) for lk in self._paged.seqused_k)
 
     __init__.__signature__ = signature(__init__)  # type: ignore[attr-defined]
 
@@ -312,6 +336,8 @@ class PrefillPlan:
             desc += f", offset {self.offset}"
         if self.layout != "NHD":
             desc += f", layout {self.layout}"
+        if self._paged is not None:
+            desc += f", paged K/V (blocks of {self._paged.block_size})"
         return (
             f"PrefillPlan({what}, {rows} rows, {kv_len} cache rows, {nh}/{nkv} heads, dim {hd}, {desc}{mask}, "
             f"scale {self.scale:g}, out {self.out_dtype.name}{', lse' if self._lse else ''}, on {self.device.backend})"
@@ -552,6 +578,8 @@ class PrefillPlan:
         return (oo.obj, lo.obj) if lo is not None else oo.obj
 
     def _record(self, enc: Encoder, b: dict, classify: bool) -> None:
+        if self._paged is not None:
+            raise UnsupportedFeatureError("encode() of a paged plan (block_table): run it with run() instead")
         h = lambda x: 0 if x is None else x.handle  # noqa: E731
         # The plan's options on its own dispatches; the encoder's default for what follows.
         check(lib.mlxn_encoder_set_options(enc.handle, self._options[0]))

@@ -262,3 +262,57 @@ def merge_reference(o1, lse1, o2, lse2):
     out = np.where(total > 0, (w1 * o1 + w2 * o2) / np.where(total > 0, total, 1), 0.0)
     lse = np.where(total[..., 0] > 0, safe[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1)), -np.inf)
     return out, np.moveaxis(lse, -1, -2)
+
+
+def gather_pages(cache: np.ndarray, block_table: np.ndarray, seqused_k: np.ndarray, b: int) -> np.ndarray:
+    """SPEC 11: sequence ``b``'s cache rows ``[Lk_b, kv_heads, D]`` gathered from a paged cache
+    ``[num_blocks, block_size, kv_heads, D]`` (row j is row ``j % block_size`` of block
+    ``block_table[b, j // block_size]``): the contiguous layout a paged prefill equals."""
+    bs = cache.shape[1]
+    j = np.arange(int(seqused_k[b]))
+    return np.asarray(cache)[np.asarray(block_table)[b, j // bs], j % bs]
+
+
+def reference_paged(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    mask: Optional[np.ndarray] = None,
+    *,
+    block_table: np.ndarray,
+    seqused_k: np.ndarray,
+    cu_seqlens_q: Optional[np.ndarray] = None,
+    alibi_slopes: Optional[np.ndarray] = None,
+    **keywords: Any,
+):
+    """:func:`reference_prefill` of a paged prefill (SPEC 11): each sequence's cache gathered
+    (:func:`gather_pages`) and computed on its own, with its explicit mask's first ``Lk_b``
+    columns. q is ``[total_q, H, D]`` with ``cu_seqlens_q``, ``[B, Lq, H, D]``, or ``[Lq, H,
+    D]`` (one sequence); ``keywords`` are :func:`reference_prefill`'s. Returns ``(out, lse)``
+    shaped as the paged call's."""
+    q = np.asarray(q)
+    batch = len(seqused_k)
+    if cu_seqlens_q is not None:
+        cq = np.asarray(cu_seqlens_q, np.int64)
+        qs = [q[cq[b] : cq[b + 1]] for b in range(batch)]
+    else:
+        qs = list(q) if q.ndim == 4 else [q]
+    m = None if mask is None else np.asarray(mask)
+    if m is not None and m.ndim == 4:
+        m = m[:, 0]
+    if m is not None and m.ndim == 2:
+        m = m[None]
+    ab = None if alibi_slopes is None else np.asarray(alibi_slopes)
+    outs, lses = [], []
+    for b in range(batch):
+        kb, vb = gather_pages(k_cache, block_table, seqused_k, b), gather_pages(v_cache, block_table, seqused_k, b)
+        mb = None if m is None else m[b if m.shape[0] > 1 else 0][:, : kb.shape[0]]
+        slopes = None if ab is None else (ab[b] if ab.ndim == 2 else ab)
+        o, l = reference_prefill(qs[b], kb, vb, mb, alibi_slopes=slopes, **keywords)
+        outs.append(o)
+        lses.append(l)
+    if cu_seqlens_q is not None:
+        return np.concatenate(outs, axis=0), np.concatenate(lses, axis=1)
+    if q.ndim == 4:
+        return np.stack(outs), np.stack(lses)
+    return outs[0], lses[0]

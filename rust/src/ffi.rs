@@ -23,13 +23,14 @@ use crate::dtypes::DType;
 use crate::encoder::CommandEncoder;
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::KernelRegistry;
-use crate::options::{kv_splits_ok, CtaPairs, CudaForm, RunOptions};
 use crate::ops::flash_attn_prefill::{
     self as prefill, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillOperands,
 };
 use crate::ops::flash_attn_prefill_blk::{self, FlashAttnPrefillBlkParams};
+use crate::ops::flash_attn_prefill_paged::PagedKv;
 use crate::ops::flash_attn_prefill_plan::{FlashAttnPrefillPlan, PrefillRunBuffers};
 use crate::ops::flash_attn_prefill_tensor::{self as fa, FlashAttnPrefillTensorParams};
+use crate::options::{kv_splits_ok, CtaPairs, CudaForm, RunOptions};
 
 /// Most dimensions a buffer's shape may have through the C ABI.
 pub const MLXN_MAX_DIMS: usize = 8;
@@ -1198,6 +1199,87 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
             }
         };
         let plan = FlashAttnPrefillPlan::with_options(&ctx.device, &p, &operands, cu, options)?;
+        *out = insert(Object::Plan(Arc::new(PlanCtx { ctx, plan })));
+        Ok(())
+    })
+}
+
+/// Plan a prefill on paged K/V (SPEC 11), as [`mlxn_prefill_plan_new`] does otherwise: `k`
+/// and `v` are the caches `[num_blocks, block_size, n_kv_heads, head_dim]`, whose (block,
+/// row, head) strides are `params.k_strides` / `v_strides` (`params.kv_len` is not read);
+/// `block_table` points to `batch * max_blocks` int32 in host memory (row-major), `seqused_k`
+/// to `batch` int32 (each sequence's cache length); both are checked here (an entry a
+/// sequence reads outside `[0, num_blocks)`, a length below 0 or beyond its table row) and
+/// copied for the plan's runs. `cu_seqlens_q`: `batch + 1` int32 offsets of the queries
+/// (variable length), or null for `params.rows` query rows per sequence. `options`: the run
+/// options (null: the defaults). Runs on the CPU backend; elsewhere an `InvalidArgument`
+/// naming `block_table`.
+///
+/// # Safety
+/// `params` and `out` must be valid; the pointers hold the counts above (`cu_seqlens_q`
+/// may be null); `options` null or valid.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn mlxn_prefill_plan_new_paged(
+    dev: u64,
+    params: *const FlashAttnPrefillParams,
+    q_dtype: u32,
+    kv_dtype: u32,
+    out_dtype: u32,
+    has_mask: i32,
+    has_lse: i32,
+    has_sinks: i32,
+    cu_seqlens_q: *const i32,
+    block_table: *const i32,
+    max_blocks: u32,
+    seqused_k: *const i32,
+    num_blocks: u32,
+    block_size: u32,
+    options: *const MlxnRunOptions,
+    out: *mut u64,
+) -> i32 {
+    guard(|| {
+        let out = out_ptr(out, "out")?;
+        let options = run_options(options)?;
+        if params.is_null() {
+            return Err(MlxError::InvalidArgument("params is a null pointer".into()));
+        }
+        let p = *params;
+        let ctx = device(dev)?;
+        let flag = |x: i32, name: &str| match x {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(MlxError::InvalidArgument(format!("{name} must be 0 or 1, got {x}"))),
+        };
+        let operands = PrefillOperands {
+            q_dtype: dtype_arg(q_dtype)?,
+            kv_dtype: dtype_arg(kv_dtype)?,
+            out_dtype: dtype_arg(out_dtype)?,
+            mask: flag(has_mask, "has_mask")?,
+            lse: flag(has_lse, "has_lse")?,
+            sinks: flag(has_sinks, "has_sinks")?,
+            alibi_slopes: p.alibi_slopes != 0,
+        };
+        let batch = p.batch as usize;
+        let entries = batch.checked_mul(max_blocks as usize).ok_or_else(|| {
+            MlxError::InvalidArgument(format!("flash_attn_prefill: a block table of {batch} x {max_blocks} entries"))
+        })?;
+        let slice = |ptr: *const i32, n: usize, name: &str| -> Result<&[i32]> {
+            match (ptr.is_null(), n) {
+                (_, 0) => Ok(&[]),
+                (true, _) => Err(MlxError::InvalidArgument(format!("flash_attn_prefill: {name} is a null pointer"))),
+                (false, n) => Ok(std::slice::from_raw_parts(ptr, n)),
+            }
+        };
+        let paged = PagedKv {
+            block_table: slice(block_table, entries, "block_table")?,
+            max_blocks,
+            seqused_k: slice(seqused_k, batch, "seqused_k")?,
+            num_blocks,
+            block_size,
+        };
+        let cq = if cu_seqlens_q.is_null() { None } else { Some(std::slice::from_raw_parts(cu_seqlens_q, batch + 1)) };
+        let plan = FlashAttnPrefillPlan::new_paged(&ctx.device, &p, &operands, cq, &paged, options)?;
         *out = insert(Object::Plan(Arc::new(PlanCtx { ctx, plan })));
         Ok(())
     })

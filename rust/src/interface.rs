@@ -255,7 +255,16 @@ pub trait Backend: Send + Sync {
     /// and the choices it made, by name (`form`, `pairs`, `splits`, `isa`).
     fn choices(&self, kernel_name: &str, params: &[u8], options: &RunOptions) -> Choices {
         let _ = options;
-        Choices { workspace: self.workspace_bytes(kernel_name, params), report: vec![("form", self.kind().name().into())] }
+        Choices {
+            workspace: self.workspace_bytes(kernel_name, params),
+            report: vec![("form", self.kind().name().into())],
+        }
+    }
+    /// Whether the attention's kernels read paged K/V (`params::PREFILL_PAGED`, SPEC 11):
+    /// the op refuses a paged prefill, by name, on a backend that does not (its kernels read
+    /// K/V contiguous, and their decoder refuses the flag too).
+    fn reads_paged_kv(&self) -> bool {
+        false
     }
     /// Run the dispatches in order on the caller's stream (a CUDA stream handle) and return
     /// without waiting for them: the stream orders what the caller queues after. Backends

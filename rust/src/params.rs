@@ -363,6 +363,64 @@ pub const PREFILL_WINDOW_RIGHT: i32 = 64;
 /// each computed pair gains `-slope * |p - j|` (`p` the query's cache position).
 pub const PREFILL_ALIBI_SLOPES: i32 = 128;
 
+/// Paged K/V (SPEC 11): K and V are caches of fixed-size blocks read through a block table
+/// and each sequence's cache length (bound at `recorded::attention_slot::{PAGED, BLOCK_TABLE,
+/// SEQUSED_K}`, described by [`PagedKvParamsGpu`]); the block's K/V strides and `kv_len` then
+/// describe no tensor (the strides are 0, `kv_len` the longest sequence's cache, or the sum of
+/// them with `PREFILL_VARLEN`). Only the CPU backend takes it so far.
+pub const PREFILL_PAGED: i32 = 256;
+
+/// The paged K/V of a `PREFILL_PAGED` prefill: `k_cache`, `v_cache` `[num_blocks, block_size,
+/// n_kv_heads, head_dim]` (strides in elements), `block_table` I32 `[batch, max_blocks]`,
+/// `seqused_k` I32 `[batch]`. Sequence b's cache row j is row `j % block_size` of block
+/// `block_table[b * max_blocks + j / block_size]`. A block of its own (not fields of
+/// [`FlashAttnPrefillParamsGpu`], which the device sources declare too): only the CPU reads it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct PagedKvParamsGpu {
+    pub k_block_stride: i64,
+    pub k_row_stride: i64,
+    pub k_head_stride: i64,
+    pub v_block_stride: i64,
+    pub v_row_stride: i64,
+    pub v_head_stride: i64,
+    pub num_blocks: i32,
+    pub block_size: i32,
+    pub max_blocks: i32,
+    pub batch: i32,
+}
+
+impl PagedKvParamsGpu {
+    /// Elements of K and V the caches span (`[num_blocks, block_size, n_kv_heads, width]`),
+    /// `None` for a negative field.
+    pub fn extents(&self, n_kv_heads: i32, head_dim: i32, head_dim_v: i32) -> Option<(u64, u64)> {
+        let s = [
+            self.k_block_stride,
+            self.k_row_stride,
+            self.k_head_stride,
+            self.v_block_stride,
+            self.v_row_stride,
+            self.v_head_stride,
+        ];
+        let n = [self.num_blocks, self.block_size, n_kv_heads, head_dim, head_dim_v];
+        if s.iter().any(|&x| x < 0) || n.iter().any(|&x| x < 0) {
+            return None;
+        }
+        let u = |x: i32| x as u64;
+        let span = |st: [i64; 3], width: u64| -> u64 {
+            let counts = [u(self.num_blocks), u(self.block_size), u(n_kv_heads)];
+            if counts.contains(&0) || width == 0 {
+                return 0;
+            }
+            (0..3).fold(width, |acc, i| acc.saturating_add((counts[i] - 1).saturating_mul(st[i] as u64)))
+        };
+        Some((
+            span([self.k_block_stride, self.k_row_stride, self.k_head_stride], u(head_dim)),
+            span([self.v_block_stride, self.v_row_stride, self.v_head_stride], u(head_dim_v)),
+        ))
+    }
+}
+
 /// `flash_attn_prefill_mask_blk`: the tile table of an explicit mask over a batch
 /// (`[batch][ceil(rows / bq)][ceil(kv_len / bk)]` bytes; columns at or past `kv_len` count as
 /// masked, rows at or past `rows` are not read).

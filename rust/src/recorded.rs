@@ -16,6 +16,7 @@ use crate::params::{
     FlashAttnPrefillTensorParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_SINKS,
     PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
 };
+use crate::params::{PagedKvParamsGpu, PREFILL_PAGED};
 
 /// The slots of the attention dispatches (`flash_attn_prefill_d*` binds them all, the
 /// origin's `flash_attn_prefill_tensor_*` the first seven).
@@ -36,6 +37,11 @@ pub mod attention_slot {
     pub const WORKSPACE: u64 = 11;
     /// F32 ALiBi slopes (`PREFILL_ALIBI_SLOPES`).
     pub const ALIBI_SLOPES: u64 = 12;
+    /// Paged K/V (`PREFILL_PAGED`): the `PagedKvParamsGpu` block, the I32 block table
+    /// `[batch, max_blocks]` and the I32 cache lengths `seqused_k` `[batch]`.
+    pub const PAGED: u64 = 13;
+    pub const BLOCK_TABLE: u64 = 14;
+    pub const SEQUSED_K: u64 = 15;
 }
 
 /// The slots of both mask classifiers (`flash_attn_prefill_blk`, `flash_attn_prefill_mask_blk`).
@@ -93,6 +99,17 @@ pub struct RecordedPrefill<'d> {
     pub alibi_slopes: Option<&'d BufferBinding>,
     /// The split walk's scratch, where the op bound one.
     pub workspace: Option<&'d BufferBinding>,
+    /// Paged K/V (`PREFILL_PAGED`): `k` and `v` are then the caches of blocks.
+    pub paged: Option<RecordedPaged<'d>>,
+}
+
+/// The paged K/V of a recorded prefill: its block, checked against the caches' and the
+/// tables' sizes (the table's values are the backend's to check as it reads them).
+#[derive(Debug, Clone)]
+pub struct RecordedPaged<'d> {
+    pub params: PagedKvParamsGpu,
+    pub block_table: &'d BufferBinding,
+    pub seqused_k: &'d BufferBinding,
 }
 
 /// The bytes of one element of a `DType` code of the params block (F32 4, F16 and BF16 2).
@@ -105,11 +122,24 @@ fn element_bytes(code: i32) -> u64 {
 }
 
 impl<'d> RecordedPrefill<'d> {
-    /// Read a prefill dispatch back.
+    /// Read a prefill dispatch back, refusing paged K/V (a backend whose kernels read K/V
+    /// contiguous calls this, so a paged dispatch can never reach them).
     pub fn decode(d: &'d Dispatch) -> Decoded<Self> {
+        Self::decode_with(d, false)
+    }
+
+    /// Read a prefill dispatch back, paged K/V included (a backend that reads the pages).
+    pub fn decode_paged(d: &'d Dispatch) -> Decoded<Self> {
+        Self::decode_with(d, true)
+    }
+
+    fn decode_with(d: &'d Dispatch, pages: bool) -> Decoded<Self> {
         use attention_slot as s;
         let p: FlashAttnPrefillParamsGpu = d.constant(s::PARAMS)?;
         let has = |f: i32| p.flags & f != 0;
+        if has(PREFILL_PAGED) && !pages {
+            return Ok(Err(Broken("paged K/V (block_table) runs on the CPU backend so far")));
+        }
         let opt = |slot: u64, present: bool| if present { d.buffer(slot).map(Some) } else { Ok(None) };
         let workspace = match d.args.iter().find(|(i, _)| *i == s::WORKSPACE) {
             Some((_, BoundArg::Buffer(b))) => Some(b),
@@ -120,7 +150,13 @@ impl<'d> RecordedPrefill<'d> {
         };
         let (mask, blk) = (opt(s::MASK, has(PREFILL_MASK))?, opt(s::BLK, has(PREFILL_MASK))?);
         let (cu_q, cu_k) = (opt(s::CU_SEQLENS_Q, has(PREFILL_VARLEN))?, opt(s::CU_SEQLENS_K, has(PREFILL_VARLEN))?);
-        Ok(Self::from_parts(
+        let paged = if has(PREFILL_PAGED) {
+            let pk: PagedKvParamsGpu = d.constant(s::PAGED)?;
+            Some((pk, d.buffer(s::BLOCK_TABLE)?, d.buffer(s::SEQUSED_K)?))
+        } else {
+            None
+        };
+        let prefill = Self::from_parts(
             p,
             [d.buffer(s::Q)?, d.buffer(s::K)?, d.buffer(s::V)?, d.buffer(s::OUT)?],
             mask.zip(blk),
@@ -129,7 +165,38 @@ impl<'d> RecordedPrefill<'d> {
             opt(s::SINKS, has(PREFILL_SINKS))?,
             opt(s::ALIBI_SLOPES, has(PREFILL_ALIBI_SLOPES))?,
             workspace,
-        ))
+        );
+        Ok(match (prefill, paged) {
+            (Ok(r), Some((pk, table, used))) => r.with_pages(pk, table, used),
+            (r, _) => r,
+        })
+    }
+
+    /// This prefill with paged K/V: `k` and `v` are caches of `pk.num_blocks` blocks, each
+    /// checked to hold what the block's strides reach, as are the table and the lengths.
+    pub fn with_pages(
+        mut self,
+        pk: PagedKvParamsGpu,
+        block_table: &'d BufferBinding,
+        seqused_k: &'d BufferBinding,
+    ) -> std::result::Result<Self, Broken> {
+        let p = &self.params;
+        if p.flags & PREFILL_PAGED == 0 || pk.batch != p.batch || pk.max_blocks < 0 {
+            return Err(Broken("a paged block that is not the prefill's"));
+        }
+        if !(16..=256).contains(&pk.block_size) || pk.block_size % 16 != 0 {
+            return Err(Broken("a block size that is not a multiple of 16 from 16 to 256"));
+        }
+        let (ke, ve) = pk.extents(p.n_kv_heads, p.head_dim, p.head_dim_v).ok_or(Broken("a negative paged field"))?;
+        let kv = element_bytes(p.kv_dtype);
+        let fits = |b: &BufferBinding, need: u64| if (b.byte_len as u64) < need { Err(Broken(SHORT)) } else { Ok(()) };
+        fits(self.k, ke.saturating_mul(kv))?;
+        fits(self.v, ve.saturating_mul(kv))?;
+        let batch = p.batch.max(0) as u64;
+        fits(block_table, batch.saturating_mul(pk.max_blocks as u64).saturating_mul(4))?;
+        fits(seqused_k, batch.saturating_mul(4))?;
+        self.paged = Some(RecordedPaged { params: pk, block_table, seqused_k });
+        Ok(self)
     }
 
     /// A prefill of these parts, checked as [`decode`](Self::decode) checks a recorded one.
@@ -198,7 +265,20 @@ impl<'d> RecordedPrefill<'d> {
         present(cu_seqlens.map(|c| c.1), PREFILL_VARLEN, cu)?;
         present(sinks, PREFILL_SINKS, e.sinks.saturating_mul(4))?;
         present(alibi_slopes, PREFILL_ALIBI_SLOPES, e.alibi_slopes.saturating_mul(4))?;
-        Ok(RecordedPrefill { params: p, q, k, v, out, mask, lse, cu_seqlens, sinks, alibi_slopes, workspace })
+        Ok(RecordedPrefill {
+            params: p,
+            q,
+            k,
+            v,
+            out,
+            mask,
+            lse,
+            cu_seqlens,
+            sinks,
+            alibi_slopes,
+            workspace,
+            paged: None,
+        })
     }
 }
 
@@ -320,5 +400,37 @@ impl<'d> RecordedMaskBlk<'d> {
             return Ok(Err(Broken(SHORT_CLASSIFIER)));
         }
         Ok(Ok(RecordedMaskBlk { params: p, mask, blk, mask_bytes }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::interface::{GridSize, Pipeline};
+
+    /// A dispatch of the attention with only its params block bound.
+    fn dispatch(flags: i32) -> Dispatch {
+        let p = FlashAttnPrefillParamsGpu { flags, ..bytemuck::Zeroable::zeroed() };
+        Dispatch {
+            pipeline: Pipeline::new("flash_attn_prefill_d64", 256, std::sync::Arc::new(())),
+            args: vec![(attention_slot::PARAMS, BoundArg::Bytes(bytemuck::bytes_of(&p).to_vec()))],
+            shared: vec![],
+            grid: GridSize::new(1, 1, 1),
+            threadgroup: GridSize::new(32, 8, 1),
+            options: Default::default(),
+        }
+    }
+
+    /// The decoder every contiguous-only backend calls (CUDA's) refuses a paged dispatch
+    /// by name before reading a buffer; the CPU's decoder goes on to read its slots (here
+    /// missing: an internal error, not a refusal).
+    #[test]
+    fn only_the_paged_decoder_takes_paged_kv() {
+        let d = dispatch(PREFILL_PAGED);
+        match RecordedPrefill::decode(&d) {
+            Ok(Err(Broken(what))) => assert!(what.contains("block_table") && what.contains("CPU"), "{what}"),
+            other => panic!("a paged dispatch was not refused: {:?}", other.map(|r| r.map(|_| ()))),
+        }
+        assert!(matches!(RecordedPrefill::decode_paged(&d), Err(MlxError::Internal(_))));
     }
 }

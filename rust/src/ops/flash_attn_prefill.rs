@@ -25,13 +25,14 @@ use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg, RunOptions};
-use crate::interface::Choices;
 use crate::error::{MlxError, Result};
+use crate::interface::Choices;
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 pub use crate::params::PrefillExtents;
 use crate::params::{
-    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_LSE,
-    PREFILL_MASK, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
+    FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PagedKvParamsGpu, PREFILL_ALIBI_SLOPES,
+    PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_PAGED, PREFILL_SINKS, PREFILL_VARLEN,
+    PREFILL_WINDOW_RIGHT,
 };
 use crate::recorded::{attention_slot as slot, classifier_slot};
 
@@ -866,6 +867,34 @@ pub fn encode_validated<'a>(
     b: &FlashAttnPrefillBuffers<'a>,
     v: &ValidatedPrefill,
 ) -> Result<()> {
+    encode_validated_paged(encoder, registry, device, b, v, None)
+}
+
+/// The paged K/V of a dispatch (SPEC 11, [`super::flash_attn_prefill_paged`]): the caches'
+/// block, the I32 block table and the I32 cache lengths, bound at `PAGED`, `BLOCK_TABLE` and
+/// `SEQUSED_K` (`k` and `v` of the buffers are then the caches).
+#[derive(Debug, Clone, Copy)]
+pub struct PagedBuffers<'a> {
+    pub params: &'a PagedKvParamsGpu,
+    pub block_table: &'a MlxBuffer,
+    pub seqused_k: &'a MlxBuffer,
+}
+
+/// [`encode_validated`] of a prefill that may be paged (`pages` given exactly when its block
+/// says `PREFILL_PAGED`).
+pub fn encode_validated_paged<'a>(
+    encoder: &mut CommandEncoder,
+    registry: &mut KernelRegistry,
+    device: &MlxDevice,
+    b: &FlashAttnPrefillBuffers<'a>,
+    v: &ValidatedPrefill,
+    pages: Option<PagedBuffers<'a>>,
+) -> Result<()> {
+    if (v.gpu.flags & PREFILL_PAGED != 0) != pages.is_some() {
+        return Err(invalid(
+            "a paged prefill needs its block table and lengths, and only a paged one takes them".into(),
+        ));
+    }
     if v.empty {
         return Ok(());
     }
@@ -891,6 +920,13 @@ pub fn encode_validated<'a>(
     let q = b.q;
     let or_q = |x: Option<&'a MlxBuffer>| KernelArg::Buffer(x.unwrap_or(q));
     let workspace = b.workspace.map(|w| (slot::WORKSPACE, KernelArg::Buffer(w)));
+    let paged = pages.into_iter().flat_map(|pg| {
+        [
+            (slot::PAGED, KernelArg::Bytes(as_bytes(pg.params))),
+            (slot::BLOCK_TABLE, KernelArg::Buffer(pg.block_table)),
+            (slot::SEQUSED_K, KernelArg::Buffer(pg.seqused_k)),
+        ]
+    });
     encoder.encode_threadgroups_with_args_and_shared(
         pipeline,
         &[
@@ -909,6 +945,7 @@ pub fn encode_validated<'a>(
         ]
         .into_iter()
         .chain(workspace)
+        .chain(paged)
         .collect::<Vec<_>>(),
         &[(0, smem)],
         v.grid,

@@ -18,10 +18,12 @@ use crate::interface::{BackendKind, Choices};
 use crate::kernel_registry::KernelRegistry;
 
 use super::flash_attn_prefill::{
-    check_workspace, choices, dispatch_flash_attn_prefill_mask_blk, encode_validated, sequence_lengths,
-    validate_buffers, validate_shapes, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents, PrefillOperands,
-    ValidatedPrefill,
+    check_workspace, choices, dispatch_flash_attn_prefill_mask_blk, encode_validated_paged, sequence_lengths,
+    validate_buffers, validate_shapes, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PagedBuffers, PrefillExtents,
+    PrefillOperands, ValidatedPrefill,
 };
+use super::flash_attn_prefill_paged::{validate_paged, PagedKv};
+use crate::params::{PagedKvParamsGpu, PREFILL_PAGED};
 
 /// One planned prefill on one device.
 pub struct FlashAttnPrefillPlan {
@@ -36,6 +38,8 @@ pub struct FlashAttnPrefillPlan {
     options: RunOptions,
     /// What the backend chose under them (the workspace a run can use, 0: none).
     choices: Choices,
+    /// Paged K/V: the caches' block, the block table and the cache lengths, on the device.
+    pages: Option<(PagedKvParamsGpu, MlxBuffer, MlxBuffer)>,
 }
 
 /// The data of one run: the plan's operands (the mask only if the plan has one, lse only
@@ -97,7 +101,55 @@ impl FlashAttnPrefillPlan {
             None => None,
         };
         let choices = choices(device, &validated, &options);
-        Ok(FlashAttnPrefillPlan { device: device.clone(), params: *params, validated, blk, cu_seqlens, options, choices })
+        Ok(FlashAttnPrefillPlan {
+            device: device.clone(),
+            params: *params,
+            validated,
+            blk,
+            cu_seqlens,
+            options,
+            choices,
+            pages: None,
+        })
+    }
+
+    /// Plan a prefill on paged K/V (SPEC 11, [`validate_paged`]): `params.k_strides` and
+    /// `v_strides` are the caches' (block, row, head) strides, `cu_seqlens_q` the queries'
+    /// offsets for variable length (`None`: `params.rows` per sequence), and the block table
+    /// and the lengths, checked here, are copied to the device for every run. Refused by name
+    /// on a backend whose kernels read K/V contiguous only. `options` as in
+    /// [`with_options`](Self::with_options).
+    pub fn new_paged(
+        device: &MlxDevice,
+        params: &FlashAttnPrefillParams,
+        operands: &PrefillOperands,
+        cu_seqlens_q: Option<&[i32]>,
+        paged: &PagedKv<'_>,
+        options: RunOptions,
+    ) -> Result<Self> {
+        if !device.backend().reads_paged_kv() {
+            return Err(MlxError::InvalidArgument(format!(
+                "flash_attn_prefill: block_table (paged K/V) runs on the CPU backend so far, not on {:?}: gather \
+                 each sequence's blocks into contiguous k/v (cu_seqlens_k), or run on the CPU",
+                device.backend_kind()
+            )));
+        }
+        let pp = validate_paged(params, cu_seqlens_q, paged)?;
+        let cu = cu_seqlens_q.zip(pp.cu_seqlens_k.as_deref());
+        let mut plan = Self::with_options(device, &pp.params, operands, cu, options)?;
+        plan.validated.gpu.flags |= PREFILL_PAGED;
+        let p = &plan.validated.gpu;
+        let (k, v) = pp.gpu.extents(p.n_kv_heads, p.head_dim, p.head_dim_v).ok_or_else(|| {
+            MlxError::InvalidArgument(format!("flash_attn_prefill: a negative paged field {:?}", pp.gpu))
+        })?;
+        (plan.validated.extents.k, plan.validated.extents.v) = (k, v);
+        let upload = |v: &[i32]| -> Result<MlxBuffer> {
+            let b = device.alloc_buffer(DType::I32, &[v.len().max(1)])?;
+            b.write_bytes(0, bytemuck::cast_slice(v))?;
+            Ok(b)
+        };
+        plan.pages = Some((pp.gpu, upload(paged.block_table)?, upload(paged.seqused_k)?));
+        Ok(plan)
     }
 
     /// The device the plan runs on.
@@ -161,11 +213,13 @@ impl FlashAttnPrefillPlan {
         // The plan's options on its own dispatches only: the encoder's stay for the rest.
         let theirs = encoder.options();
         encoder.set_options(self.options);
+        let pages =
+            self.pages.as_ref().map(|(params, block_table, seqused_k)| PagedBuffers { params, block_table, seqused_k });
         let r = (|| {
             if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {
                 dispatch_flash_attn_prefill_mask_blk(encoder, registry, &self.device, mask, blk, &self.params)?;
             }
-            encode_validated(encoder, registry, &self.device, &bufs, &self.validated)
+            encode_validated_paged(encoder, registry, &self.device, &bufs, &self.validated, pages)
         })();
         encoder.set_options(theirs);
         r

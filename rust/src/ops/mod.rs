@@ -6,6 +6,7 @@
 pub mod dense_mm_capability;
 pub mod flash_attn_prefill;
 pub mod flash_attn_prefill_blk;
+pub mod flash_attn_prefill_paged;
 pub mod flash_attn_prefill_plan;
 pub mod flash_attn_prefill_tensor;
 

@@ -17,12 +17,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::flash_attn_prefill_blk::{classify_rows, MIXED, SKIP, ZERO};
-use super::prefill_tile::{self, Elem, Kv, Problem, Seq, C, NO_RIGHT, SCRATCH};
+use super::prefill_tile::{self, Elem, Kv, Pages, Problem, Seq, C, NO_RIGHT, SCRATCH};
 use super::{host_ptr, pool, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
 use crate::params::{PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_WINDOW_RIGHT};
-use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
+use crate::recorded::{Broken, RecordedMaskBlk, RecordedPaged, RecordedPrefill};
 
 /// `DType` codes of K and V.
 const KV_F32: i32 = 0;
@@ -102,7 +102,7 @@ pub(super) const fn bq_of(d: usize) -> usize {
 
 /// Entry point of `flash_attn_prefill_d<DK>[_<DV>][_bf16]`: K/V of dtype code `KV`.
 fn entry<const DK: usize, const DV: usize, const KV: i32>(d: &Dispatch) -> Result<()> {
-    let r = RecordedPrefill::decode(d)?.map_err(|Broken(what)| bad(what))?;
+    let r = RecordedPrefill::decode_paged(d)?.map_err(|Broken(what)| bad(what))?;
     if r.params.kv_dtype != KV {
         return Err(bad("the block's K/V dtype is not the kernel's"));
     }
@@ -121,6 +121,37 @@ unsafe fn read_cu(ptr: *const u8, batch: usize, total: usize) -> Result<Vec<usiz
         return Err(bad("cu_seqlens not non-decreasing from 0 up to the tensor's rows"));
     }
     Ok(cu.into_iter().map(|x| x as usize).collect())
+}
+
+/// Read and check paged K/V (SPEC 11; the op checked the same before recording): each
+/// sequence's cache length `0 <= Lk_b <= max_blocks * block_size`, and each of the first
+/// `ceil(Lk_b / block_size)` entries of its table row a block of the caches, so no row a kernel
+/// reads lies outside them. Strides in u16 units (`kvu` per element). Returns the pages, the
+/// lengths and K's and V's (row, head) strides.
+unsafe fn read_pages(pg: &RecordedPaged<'_>, kvu: usize) -> Result<(Pages, Vec<usize>, [usize; 4])> {
+    let pk = &pg.params;
+    let (batch, bs, max_blocks) = (pk.batch as usize, pk.block_size as usize, pk.max_blocks as usize);
+    let table = host_ptr(pg.block_table)? as *const i32;
+    let used_ptr = host_ptr(pg.seqused_k)? as *const i32;
+    let mut used = Vec::with_capacity(batch);
+    for b in 0..batch {
+        let lk = std::ptr::read_unaligned(used_ptr.add(b));
+        if lk < 0 || lk as usize > max_blocks * bs {
+            return Err(bad("a sequence's cache length outside its block table"));
+        }
+        let row = table.add(b * max_blocks);
+        if (0..(lk as usize).div_ceil(bs)).any(|i| !(0..pk.num_blocks).contains(&std::ptr::read_unaligned(row.add(i))))
+        {
+            return Err(bad("a block table entry outside the caches"));
+        }
+        used.push(lk as usize);
+    }
+    if !table.is_aligned() {
+        return Err(bad("a block table that is not aligned to its int32 entries"));
+    }
+    let z = |x: i64| x as usize * kvu;
+    let pages = Pages { table, block_size: bs, k_bs: z(pk.k_block_stride), v_bs: z(pk.v_block_stride) };
+    Ok((pages, used, [z(pk.k_row_stride), z(pk.k_head_stride), z(pk.v_row_stride), z(pk.v_head_stride)]))
 }
 
 /// Run one prefill at head dims (`DK`, `DV`): a recorded dispatch (the op's, or the
@@ -177,6 +208,17 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
         },
         None => None,
     };
+    // Paged K/V: the caches' strides replace the block's (which are 0, describing no tensor).
+    let paged = match &r.paged {
+        // SAFETY: the table and the lengths hold what the block says (checked by `RecordedPrefill`).
+        Some(pg) => Some(unsafe { read_pages(pg, kvu)? }),
+        None => None,
+    };
+    let kv_strides = match &paged {
+        Some((_, _, s)) => *s,
+        None => [z(p.k_row_stride) * kvu, z(p.k_head_stride) * kvu, z(p.v_row_stride) * kvu, z(p.v_head_stride) * kvu],
+    };
+    let max_blocks = r.paged.as_ref().map_or(0, |pg| pg.params.max_blocks as usize);
     let (nh, nkv, bq) = (u(p.n_heads), u(p.n_kv_heads), bq_of(DK));
     let group = nh / nkv;
     let mut pb = Problem {
@@ -185,10 +227,10 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
         nt: prefill_tile::tiles_per_item(bq * group, DK),
         q_rs: z(p.q_row_stride),
         q_hs: z(p.q_head_stride),
-        k_rs: z(p.k_row_stride) * kvu,
-        k_hs: z(p.k_head_stride) * kvu,
-        v_rs: z(p.v_row_stride) * kvu,
-        v_hs: z(p.v_head_stride) * kvu,
+        k_rs: kv_strides[0],
+        k_hs: kv_strides[1],
+        v_rs: kv_strides[2],
+        v_hs: kv_strides[3],
         o_rs: z(p.o_row_stride),
         o_hs: z(p.o_head_stride),
         mask_rs: z(p.mask_row_stride),
@@ -218,13 +260,16 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
         lse: SendPtr(lse as *mut f32),
         amx: super::amx::products(kv == Kv::BF16),
         packed: std::ptr::null(),
+        pages: paged.as_ref().map(|(pages, _, _)| *pages),
     };
+    // A paged sequence's cache length is its `seqused_k`, its rows found through its table row.
+    let used = |b: usize, lk: usize| paged.as_ref().map_or(lk, |(_, used, _)| used[b]);
     // K/V packed once for every work item where the item can read them so (the AMX item,
     // BF16 K/V): each sequence's part at `packed_at[b]`, every KV head's in turn (nothing for a
     // sequence without query rows).
     let lens = |b: usize| match &cu {
-        Some((cq, ck)) => (cq[b + 1] - cq[b], ck[b + 1] - ck[b]),
-        None => (rows, kv_len),
+        Some((cq, ck)) => (cq[b + 1] - cq[b], used(b, ck[b + 1] - ck[b])),
+        None => (rows, used(b, kv_len)),
     };
     let pack = prefill_tile::pick_pack::<DK, DV>(kv, isa);
     let mut packed_at = vec![0usize; batch + 1];
@@ -250,7 +295,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
         }
     };
     // Sequence b: its lengths and offsets (SPEC 7).
-    let seq = |b: usize| -> Seq {
+    let contiguous_seq = |b: usize| -> Seq {
         match &cu {
             Some((cq, ck)) => {
                 let (q0, k0) = (cq[b], ck[b]);
@@ -268,6 +313,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
                     blk: 0,
                     alibi: b * alibi_stride,
                     packed: packed_at[b],
+                    table: 0,
                 }
             }
             None => Seq {
@@ -283,7 +329,18 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
                 blk: b * z(p.blk_batch_stride),
                 alibi: b * alibi_stride,
                 packed: packed_at[b],
+                table: 0,
             },
+        }
+    };
+    let seq = |b: usize| -> Seq {
+        let s = contiguous_seq(b);
+        match &paged {
+            Some((_, used, _)) => {
+                let lk = used[b];
+                Seq { lk, off: place(s.lq, lk), k: 0, v: 0, table: b * max_blocks, ..s }
+            }
+            None => s,
         }
     };
     let groups = |lq: usize| lq.div_ceil(bq).div_ceil(pb.nt);

@@ -79,6 +79,10 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads, {})", threads(), simd::selected_isa())
     }
 
+    fn reads_paged_kv(&self) -> bool {
+        true // every work item loads its K/V steps through `prefill_tile::pages`
+    }
+
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
         // Linux overcommits: a huge zeroed allocation can succeed and the process be killed
         // later, when the pages are touched. More than the machine has is refused here.

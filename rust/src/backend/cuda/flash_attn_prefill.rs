@@ -23,12 +23,12 @@ use super::launch::{
 };
 use crate::error::{MlxError, Result};
 use crate::interface::{Dispatch, RunOptions};
+pub use crate::options::CtaPairs;
 use crate::params::{
     FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
     PREFILL_WINDOW_RIGHT,
 };
 use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
-pub use crate::options::CtaPairs;
 
 /// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
 /// has the wgmma form on sm_90a and its CTA-pair variants (`<entry>_pair_heads`,
@@ -345,7 +345,13 @@ pub fn attention_launch(
     workspace: Option<(u64, usize)>,
 ) -> Result<Launch> {
     let split = match workspace {
-        Some((addr, len)) => match kv_split::kv_split(p, dims, pc.ctx.multiprocessors.max(0) as u32, pc.hopper, kv_split::forced_parts(&pc.options)) {
+        Some((addr, len)) => match kv_split::kv_split(
+            p,
+            dims,
+            pc.ctx.multiprocessors.max(0) as u32,
+            pc.hopper,
+            kv_split::forced_parts(&pc.options),
+        ) {
             Some(_) if !addr.is_multiple_of(16) => {
                 return Err(MlxError::InvalidArgument(format!(
                     "{name}: the workspace's address {addr:#x} is not a multiple of 16 bytes: allocate it on its own \

@@ -22,6 +22,7 @@
 
 use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, tile_ld};
 use super::io::{load_q, load_q_pairs, store_out_t};
+use super::pages::{row, step_rows, Which};
 use super::softmax::step_max;
 use super::transforms::transform_scores;
 use super::{grow, item_subs, plan_step, start_rows, tile_view, Elem, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
@@ -95,11 +96,19 @@ pub(super) unsafe fn pack_step<S: Simd, const DK: usize, const DV: usize>(
     let c0 = step * C;
     let n = C.min(seq.lk - c0);
     let part = (pb.packed as *mut u16).add(seq.packed + g * packed_len::<DK, DV>(seq.lk));
-    let k_src = pb.k.add(seq.k + g * pb.k_hs + c0 * pb.k_rs);
-    let v_src = pb.v.add(seq.v + g * pb.v_hs + c0 * pb.v_rs);
-    let null = std::ptr::null_mut();
-    pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, 0, C, n, dkp, part.add(c0 * dkp), null);
-    pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, 0, C, n, part.add(steps * C * dkp + step * DV * C), null);
+    PACK_STAGE.with(|stage| {
+        let (ks, vs) = &mut *stage.borrow_mut();
+        let (k_src, k_rs) = step_rows(pb, seq, Which::K, g, c0, n, 0, C, DK, ks);
+        let (v_src, v_rs) = step_rows(pb, seq, Which::V, g, c0, n, 0, C, DV, vs);
+        let null = std::ptr::null_mut();
+        pack_k::<S, DK>(k_src, k_rs, pb.kv, 0, C, n, dkp, part.add(c0 * dkp), null);
+        pack_vt::<S, DV>(v_src, v_rs, pb.kv, 0, C, n, part.add(steps * C * dkp + step * DV * C), null);
+    })
+}
+
+thread_local! {
+    /// The shared packing's staging rows of paged K and V (`pages::step_rows`).
+    static PACK_STAGE: std::cell::RefCell<(Vec<u16>, Vec<u16>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// One work item on the tile unit `t` (see the module's comment): as `fma::work_item`, with
@@ -178,7 +187,9 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
     // would be. Rows further apart stay packed: at 8 KV heads of 128 they are 2 KB apart,
     // and a step's K would fall into 8 of L1's 64 sets (32 lines a set, the A tiles reloaded
     // from L2 for every pair of query blocks), which the copy, contiguous, avoids.
-    let k_in_place = pb.kv == Kv::BF16 && !k_lo && DK.is_multiple_of(32) && pb.k_rs == DK;
+    // (Per step, with the step's row stride: paged rows gathered from several blocks are
+    // contiguous, `pages::step_rows`.)
+    let k_in_place = pb.kv == Kv::BF16 && !k_lo && DK.is_multiple_of(32);
     // Only split products can meet inf . 0 (below).
     let split_scores = n_qk > 1;
     // A bfloat16 model's call (exact Q, BF16 K/V) with P in two parts: P to about 16 bits,
@@ -204,7 +215,6 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         pb.packed.add(seq.packed + g * packed_len::<DK, DV>(seq.lk))
     };
     t.configure();
-    let (k_base, v_base) = (pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs));
     let row_bytes = |d: usize| d * if pb.kv == Kv::F32 { 4 } else { 2 };
     for step in 0..steps {
         let c0 = step * C;
@@ -217,12 +227,14 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         // K's blocks `[ka, kin)` read in place where they can be (wholly before the cache's
         // end: rows past it may hold anything, or be past the caller's memory), the others
         // `[kin, kb_end)` packed.
-        let k_src = k_base.add(c0 * pb.k_rs);
+        // The rows any loader below reads: V's chunks of 32 around K's blocks of 16.
+        let (sa, sb) = (lo_all & !31, round_up(hi_all, 32));
+        let (k_src, k_rs) = step_rows(pb, seq, Which::K, g, c0, n, sa, sb, DK, &mut sc.kpage);
         let (ka, kb_end) = (lo_all & !15, round_up(hi_all, 16));
-        let kin = if k_in_place && pre.is_null() { (n & !15).clamp(ka, kb_end) } else { ka };
+        let kin = if k_in_place && k_rs == DK && pre.is_null() { (n & !15).clamp(ka, kb_end) } else { ka };
         // This step's packed K: the shared one (rows from the step's first), or this item's.
         let kb = if pre.is_null() {
-            pack_k::<S, DK>(k_src, pb.k_rs, pb.kv, kin, kb_end, n, dkp, kb.hi, kb.lo);
+            pack_k::<S, DK>(k_src, k_rs, pb.kv, kin, kb_end, n, dkp, kb.hi, kb.lo);
             kb
         } else {
             Parts { hi: pre.add(c0 * dkp) as *mut u16, lo: std::ptr::null_mut() }
@@ -230,7 +242,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         // Only the split products need it (below).
         let inf = split_scores
             && (q_inf
-                || (ka..kin).any(|j| holds_inf(k_src.add(j * pb.k_rs), DK))
+                || (ka..kin).any(|j| holds_inf(k_src.add(j * k_rs), DK))
                 || holds_inf(kb.hi.add(kin * dkp), (kb_end - kin) * dkp));
         let k_cache = Parts { hi: k_src as *mut u16, lo: std::ptr::null_mut() };
         for (k, sub) in subs.iter().enumerate() {
@@ -241,13 +253,13 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
             let q = qv.tile(k, per, ld, dkp / 2);
             let (a, b) = (sub.lo & !15, round_up(sub.hi, 16));
             if a < kin {
-                scores(t, sub, qk_terms, k_cache, pb.k_rs, q, st, ld, dkp, a, b.min(kin));
+                scores(t, sub, qk_terms, k_cache, k_rs, q, st, ld, dkp, a, b.min(kin));
             }
             if b > kin.max(a) {
                 scores(t, sub, qk_terms, kb, dkp, q, st, ld, dkp, a.max(kin), b);
             }
             if inf {
-                redo_nan_scores::<DK>(st, ld, sub, k_src, pb.k_rs, pb.kv, qt_b, r);
+                redo_nan_scores::<DK>(st, ld, sub, k_src, k_rs, pb.kv, qt_b, r);
             }
             // The scale of exact Q: on the scores here where a transform follows (SPEC 10's
             // are of the scaled scores), else in the softmax, which reads them anyway.
@@ -258,9 +270,9 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
             }
             transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st, ld, c0);
         }
-        let v_src = v_base.add(c0 * pb.v_rs);
         let vt = if pre.is_null() {
-            pack_vt::<S, DV>(v_src, pb.v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
+            let (v_src, v_rs) = step_rows(pb, seq, Which::V, g, c0, n, sa, sb, DV, &mut sc.vpage);
+            pack_vt::<S, DV>(v_src, v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
             vt
         } else {
             Parts { hi: pre.add(steps * C * dkp + step * DV * C) as *mut u16, lo: std::ptr::null_mut() }
@@ -273,8 +285,8 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
             // where they do.)
             let next = if pre.is_null() { c0 + C + k * C / nt..(c0 + C + (k + 1) * C / nt).min(seq.lk) } else { 0..0 };
             for j in next {
-                S::prefetch_span(k_base.add(j * pb.k_rs) as *const u8, row_bytes(DK));
-                S::prefetch_span(v_base.add(j * pb.v_rs) as *const u8, row_bytes(DV));
+                S::prefetch_span(row(pb, seq, Which::K, g, j) as *const u8, row_bytes(DK));
+                S::prefetch_span(row(pb, seq, Which::V, g, j) as *const u8, row_bytes(DV));
             }
             if sub.lo >= sub.hi {
                 continue;

@@ -3,6 +3,7 @@
 //! Q.K^T and P.V run as blocked FMA loops over the transposed scores.
 
 use super::io::{load_q, store_out};
+use super::pages::{step_rows, Which};
 use super::softmax::softmax_step;
 use super::transforms::transform_scores;
 use super::{grow, item_subs, plan_step, start_rows, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
@@ -45,7 +46,6 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
     start_rows(m_b, l_b, r);
     std::ptr::write_bytes(o_b, 0, r * DV);
 
-    let (k_base, v_base) = (pb.k.add(seq.k + g * pb.k_hs), pb.v.add(seq.v + g * pb.v_hs));
     for step in 0..steps {
         let c0 = step * C;
         // Cache rows of this step that exist: the last step of a cache that is not a
@@ -55,7 +55,8 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
         if lo_all >= hi_all {
             continue;
         }
-        load_tile::<S, DK>(kf, k_base.add(c0 * pb.k_rs), pb.k_rs, lo_all, hi_all, n, pb.kv);
+        let (k_step, k_rs) = step_rows(pb, seq, Which::K, g, c0, n, lo_all, hi_all, DK, &mut sc.kpage);
+        load_tile::<S, DK>(kf, k_step, k_rs, lo_all, hi_all, n, pb.kv);
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
@@ -64,8 +65,8 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
             transform_scores::<S>(pb, seq, g, sub, mt.add(k * C * bq), st_b, r, c0);
             softmax_step::<S>(st_b, m_b, l_b, ms_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
         }
-        let v_step = v_base.add(c0 * pb.v_rs);
-        accumulate::<S, DV>(st_b, v_step, pb.v_rs, pb.kv, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
+        let (v_step, v_rs) = step_rows(pb, seq, Which::V, g, c0, n, lo_all, hi_all, DV, &mut sc.vpage);
+        accumulate::<S, DV>(st_b, v_step, v_rs, pb.kv, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
     }
 
     store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b, l_b);

@@ -28,11 +28,13 @@ mod amx;
 mod amx_layout;
 mod fma;
 mod io;
+mod pages;
 mod softmax;
 mod transforms;
 
 pub(in crate::backend::cpu) use amx_layout::aligned;
 use fma::work_item;
+pub(in crate::backend::cpu) use pages::Pages;
 use transforms::load_mask;
 
 /// Cache rows per step (the tables' `bk`).
@@ -140,6 +142,9 @@ pub(super) struct Problem {
     /// K and V^T in the AMX item's layouts, packed once for every item ([`pick_pack`]), or
     /// null where each item packs its own steps.
     pub packed: *const u16,
+    /// Paged K/V (SPEC 11): `k` and `v` are caches of blocks read through a block table
+    /// ([`pages`]); `None`: each sequence's rows are contiguous from `Seq::k` / `Seq::v`.
+    pub pages: Option<Pages>,
 }
 
 // SAFETY: read-only inputs, and outputs every item writes a disjoint part of.
@@ -167,6 +172,8 @@ pub(super) struct Seq {
     /// The sequence's first element of `Problem::packed` (KV head g's part `g *
     /// packed_len(lk)` further).
     pub packed: usize,
+    /// Paged K/V: the sequence's first entry of the block table (`Problem::pages`).
+    pub table: usize,
 }
 
 /// Packs one step of one sequence's KV head into its part of `Problem::packed`.
@@ -345,6 +352,9 @@ pub(super) struct Scratch {
     ls: Vec<f32>,
     /// The AMX item's operands in the tiles' layouts.
     amx: amx::Buffers,
+    /// Paged K/V: a step's K and V rows gathered from the blocks it spans (`pages::step_rows`).
+    kpage: Vec<u16>,
+    vpage: Vec<u16>,
 }
 
 thread_local! {
@@ -556,6 +566,7 @@ mod tests {
             lse: SendPtr(std::ptr::null_mut()),
             amx: crate::backend::cpu::amx::DEFAULT_F16,
             packed: std::ptr::null(),
+            pages: None,
         }
     }
 
