@@ -220,7 +220,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     // The tile's softmax: P into pk where the last P V is done (no overlap), else left in s.
     auto softmax = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u,
                        u32 (&pk)[PC::NB][2]) {
-        const u32 m_stage = s_mask + (u32)(st * PC::NH * PC::MASK_BYTES);
+        const u32 m_stage = s_mask + (u32)(st * PC::MASK_STAGE_BYTES);
         if constexpr (PC::OVERLAP) {
             return tile_softmax<T, PC::NH, PC::MASK_BYTES, !PC::ROWSUM>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L);
         } else {
@@ -259,7 +259,7 @@ __device__ __forceinline__ void attention_pipe(const Params& p, const Launch& L,
     if (pair_is_empty<PAIR>(p, L)) return;
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_q = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
-    const PipeBars<PC::S> bars{s_q + PC::Q_BYTES + PC::S * (2 * PC::KV_BYTES + PC::NH * PC::MASK_BYTES)};
+    const PipeBars<PC::S> bars{s_q + PC::Q_BYTES + PC::S * (2 * PC::KV_BYTES + PC::MASK_STAGE_BYTES)};
     const int tid = threadIdx.x;
     if (tid == 0) init_bars<PC::CT>(bars);
     cluster_arrive();

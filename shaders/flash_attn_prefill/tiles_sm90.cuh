@@ -39,6 +39,20 @@ namespace hopper {
 #ifndef MLXN_WS_N_D128
 #define MLXN_WS_N_D128 128
 #endif
+// The d128 pipeline's register split (producer, consumers): 128 x 56 + 256 x 224 <= 65536;
+// 24 / 240 (FlashAttention-3's at this head dim) gives the consumers room for 192-row tiles.
+#ifndef MLXN_WS_PRODUCER_REGS_D128
+#define MLXN_WS_PRODUCER_REGS_D128 56
+#endif
+#ifndef MLXN_WS_CONSUMER_REGS_D128
+#define MLXN_WS_CONSUMER_REGS_D128 224
+#endif
+// Whether the d128 pipeline has room for the explicit mask's tiles (1), or not (0: only
+// described masks and none; a tile whose mask must be read traps). Tiles of 192 cache rows
+// fill the shared memory with two stages of K and V, Q beside them.
+#ifndef MLXN_WS_MASK_TILES_D128
+#define MLXN_WS_MASK_TILES_D128 1
+#endif
 #ifndef MLXN_WS_STAGES_D64
 #define MLXN_WS_STAGES_D64 2
 #endif
@@ -90,6 +104,7 @@ struct Tiles<64> {
     static constexpr int PIPE = 2, N = MLXN_WS_N_D64, STAGES = MLXN_WS_STAGES_D64;
     static constexpr int CONSUMERS = MLXN_WS_CONSUMERS_D64;
     static constexpr int PRODUCER_REGS = WsRegs<CONSUMERS>::PRODUCER, CONSUMER_REGS = WsRegs<CONSUMERS>::CONSUMER;
+    static constexpr bool MASK_TILES = true;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
 };
@@ -99,7 +114,8 @@ struct Tiles<128> {
     // 308 against 221 TFLOP/s for one double-buffered CTA, causal 16k, 32/8 heads).
     static constexpr int MINB = 2, NSTAGE = 1;
     static constexpr int PIPE = 2, N = MLXN_WS_N_D128, STAGES = 2, CONSUMERS = 2;
-    static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+    static constexpr int PRODUCER_REGS = MLXN_WS_PRODUCER_REGS_D128, CONSUMER_REGS = MLXN_WS_CONSUMER_REGS_D128;
+    static constexpr bool MASK_TILES = MLXN_WS_MASK_TILES_D128 != 0;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
 };
