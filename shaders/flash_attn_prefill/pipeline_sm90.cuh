@@ -31,13 +31,13 @@
 
 namespace hopper {
 
-// The shape and shared memory of the pipeline at head dim D: Q [D / 64][ROWS][64 halves],
+// The shape and shared memory of the pipeline at head dim D (TILES: its row of tiles_sm90.cuh): Q [D / 64][ROWS][64 halves],
 // then per stage K and V ([D / 64][N rows][64 halves] each), then per stage the mask tiles
 // of its NH steps ([ROWS queries][64] halves each), then the mbarriers and each stage's tile,
 // then (ROWSUM) each consumer warpgroup's block of ones (the B of its rows' sums' product).
-template <int D>
+template <int D, class TILES = Tiles<D>>
 struct PipeCfg {
-    typedef Tiles<D> TL;
+    typedef TILES TL;
     static constexpr int N = TL::N, NH = N / STEP, S = TL::STAGES;
     static constexpr bool OVERLAP = TL::OVERLAP, ROWSUM = TL::ROWSUM_MMA;
     // A consumer's accumulators: O (D / 2 a thread), then with ROWSUM the m64n8 one of its

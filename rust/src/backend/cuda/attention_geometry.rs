@@ -54,6 +54,14 @@ pub fn ws_form(head_dim: u32) -> bool {
     matches!(head_dim, 64 | 128 | 256)
 }
 
+/// Whether the pair forms at `head_dim` have the pipeline's shape without the explicit
+/// mask's tiles (`_wide` entry points, `tiles_sm90.cuh`'s `WideTiles`: 192-row tiles at head
+/// dim 128), which run where no explicit mask is given. Same threads and shared memory
+/// reserve as the other pair forms.
+pub fn wide_form(head_dim: u32) -> bool {
+    head_dim == 128
+}
+
 /// Consumer warpgroups of the tiled pipeline at head dim 64 (the kernel's
 /// `MLXN_WS_CONSUMERS_D64` default, `tiles_sm90.cuh`; a test reads it): three, 192 query rows
 /// a CTA, as FlashAttention-3 has it at this head dim. Head dims 128 and 256 have two.
