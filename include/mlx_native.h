@@ -30,6 +30,24 @@ typedef struct MlxnBufferInfo {
   uint32_t backend;
 } MlxnBufferInfo;
 
+// A plan's run options, as the C ABI passes them (`mlxn_prefill_plan_new`,
+// `mlxn_encoder_set_options`). Each left unset (`has_kv_splits` 0, a null name) is the
+// library's own choice, which the environment may override (the README's table); a value given wins.
+typedef struct MlxnRunOptions {
+  // CUDA, with `has_kv_splits` 1: 0 or 1 never split the walk over the cache; 2, 4, 8
+  // or 16: that many parts, where the launch can take them. With 0 the shape decides.
+  int64_t kv_splits;
+  int32_t has_kv_splits;
+  // CUDA (Hopper form): null, `auto` (head pairs where the group of query heads splits
+  // in two, else query pairs), `off` (the one-CTA forms) or `queries` (query pairs only).
+  const char *cta_pairs;
+  // CUDA: null, `auto` (the device's own form) or `portable` (the mma.sync form, built
+  // for the device's plain architecture).
+  const char *cuda_form;
+  // CPU: null or an instruction set of `mlxn_cpu_info`'s `detected`, or `amx-emulated`.
+  const char *cpu_isa;
+} MlxnRunOptions;
+
 // Shapes and strides of one dispatch. Strides are in elements. `#[repr(C)]`: the C ABI
 // passes it as it is.
 typedef struct MlxnFlashAttnPrefillTensorParams {
@@ -341,6 +359,13 @@ int32_t mlxn_buffer_free(uint64_t buf);
 // `out` must be valid.
 int32_t mlxn_encoder_new(uint64_t dev, uint64_t *out);
 
+// Record the encoder's next dispatches with the run options `options` (null: the
+// defaults), checked as `mlxn_prefill_plan_new` checks them.
+//
+// # Safety
+// `options` must be null or valid, its strings null or NUL-terminated.
+int32_t mlxn_encoder_set_options(uint64_t enc, const struct MlxnRunOptions *options);
+
 // Dispatches recorded and not yet committed.
 //
 // # Safety
@@ -450,10 +475,12 @@ int32_t mlxn_flash_attn_prefill_mask_table_bytes(const struct MlxnFlashAttnPrefi
 // dtypes (`DType` codes of q, of k and v, of out) and which optional operands there are
 // (`has_mask`, `has_lse`, `has_sinks`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
 // `cu_seqlens_k` point to `batch + 1` int32 in host memory each (checked here and copied
-// to the device); null for fixed length.
+// to the device); null for fixed length. `options`: the run options (null: the defaults),
+// each checked here; `mlxn_prefill_plan_choices` says what the backend chose under them.
 //
 // # Safety
-// `params` and `out` must be valid; the cu_seqlens pointers null or `batch + 1` values.
+// `params` and `out` must be valid; the cu_seqlens pointers null or `batch + 1` values;
+// `options` null or valid.
 int32_t mlxn_prefill_plan_new(uint64_t dev,
                               const struct MlxnFlashAttnPrefillParams *params,
                               uint32_t q_dtype,
@@ -464,6 +491,7 @@ int32_t mlxn_prefill_plan_new(uint64_t dev,
                               int32_t has_sinks,
                               const int32_t *cu_seqlens_q,
                               const int32_t *cu_seqlens_k,
+                              const struct MlxnRunOptions *options,
                               uint64_t *out);
 
 // What each operand of a plan must hold.
@@ -471,6 +499,15 @@ int32_t mlxn_prefill_plan_new(uint64_t dev,
 // # Safety
 // `out` must be valid.
 int32_t mlxn_prefill_plan_extents(uint64_t plan_handle, struct MlxnPrefillExtents *out);
+
+// What the plan's backend chose under its options, as `name=value` pairs separated by
+// `;`: `form` (`cpu`, `hopper`, `portable`, `metal`), and where they apply `arch` (the
+// CUDA target), `pairs` (the CTA-pair forms allowed), `splits` (the parts of a run given
+// its workspace; 1: none) and `isa` (the CPU's instruction set). As for [`mlxn_backends`].
+//
+// # Safety
+// As for [`mlxn_backends`].
+int32_t mlxn_prefill_plan_choices(uint64_t plan_handle, char *buf, size_t cap, size_t *needed);
 
 // Run a plan on data (FlashInfer's `run`): each operand by address (a host pointer on the
 // CPU and Metal, a device address on CUDA), holding what [`mlxn_prefill_plan_extents`]

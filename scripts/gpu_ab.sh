@@ -10,9 +10,7 @@
 #   bash scripts/gpu_ab.sh BUILD_A BUILD_B BUILD_C ... -- [bench arguments]
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
-OUT=${OUT:-/tmp/gpu-ab}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+prepare /tmp/gpu-ab
 builds=()
 if [[ " $* " == *" -- "* ]]; then
   while [ "$1" != "--" ]; do builds+=("$1"); shift; done

@@ -15,12 +15,9 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-check}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)  # the bench runs in another folder
+prepare /tmp/gpu-check
 WHEELS=${1:-}
 QUICK=${2:-}
-export PYTHONUNBUFFERED=1
 status=0
 stage() { echo; echo "==== $* ($(date +%T))"; }
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
@@ -30,8 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total 
 
 if [ -n "$WHEELS" ]; then
   stage install
-  install_wheels "$WHEELS" /tmp/site
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  use_wheels "$WHEELS" /tmp/site
 fi
 python3 -c "import mlx_native as mx, os; print(mx.version(), mx.backends(), mx.Device('cuda'), os.environ.get('MLX_NATIVE_NVRTC'))" 2>&1 | tee -a "$OUT/device.txt" || exit 3
 

@@ -12,12 +12,10 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-cpu-ab}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+prepare /tmp/gpu-cpu-ab
 WORK=/tmp/cpu-ab
 rm -rf "$WORK" && mkdir -p "$WORK"
-export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=
+export CUDA_VISIBLE_DEVICES=
 ROUNDS=${ROUNDS:-3} THREADS=${THREADS:-$(nproc)} DTYPE=${DTYPE:-bfloat16} CASES=${CASES:-causal-128 causal-256}
 letters=(A B C D E F)
 [ $# -ge 1 ] && [ $# -le ${#letters[@]} ] || { echo "gpu_cpu_ab.sh: give 1 to ${#letters[@]} wheel folders" >&2; exit 2; }

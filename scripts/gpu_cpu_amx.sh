@@ -18,14 +18,10 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-cpu-amx}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+prepare /tmp/gpu-cpu-amx "$1" /tmp/site-cpu-amx
 WORK=/tmp/cpu-amx
 rm -rf "$WORK" && mkdir -p "$WORK"
-export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=
-install_wheels "$1" /tmp/site-cpu-amx
-export PYTHONPATH=/tmp/site-cpu-amx${PYTHONPATH:+:$PYTHONPATH}
+export CUDA_VISIBLE_DEVICES=
 LOG="$OUT/run.log"
 status=0
 {

@@ -7,5 +7,24 @@ install_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$2" "$1"/*.whl || exit 2
 }
 
+# use_wheels DIR TARGET: install_wheels, then TARGET first on PYTHONPATH (so the build in
+# DIR is the mlx_native the script imports).
+use_wheels() {
+  install_wheels "$1" "$2"
+  export PYTHONPATH=$2${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# prepare DEFAULT_OUT [WHEEL_DIR TARGET]: what every script does first. OUT (the caller's,
+# else DEFAULT_OUT) is made and made absolute, since the scripts run steps in other
+# folders; Python's output is unbuffered, so logs show each line as it comes; given a wheel
+# folder, use_wheels installs it.
+prepare() {
+  OUT=${OUT:-$1}
+  mkdir -p "$OUT"
+  OUT=$(cd "$OUT" && pwd)
+  export PYTHONUNBUFFERED=1
+  if [ $# -ge 3 ]; then use_wheels "$2" "$3"; fi
+}
+
 # step TITLE: a step's heading in the log, with the time.
 step() { echo "==== $* ($(date +%T))"; }

@@ -8,11 +8,7 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-features}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-install_wheels "$1" /tmp/site
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+prepare /tmp/gpu-features "$1" /tmp/site
 status=0
 echo "==== SPEC 10 check, Hopper form ($(date +%T))"
 timeout 240 python3 "$HERE/scripts/prefill_check_features.py" --device cuda --time 2>&1 | tee "$OUT/features-sm90a.log" || status=1

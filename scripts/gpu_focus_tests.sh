@@ -12,11 +12,7 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-focus}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-install_wheels "${1:?wheel dir}" /tmp/site-focus
-export PYTHONPATH=/tmp/site-focus${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+prepare /tmp/gpu-focus "${1:?wheel dir}" /tmp/site-focus
 status=0
 cd "$HERE"
 if [ -n "${2:-}" ]; then

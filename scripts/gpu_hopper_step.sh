@@ -34,11 +34,8 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-hopper-step}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+prepare /tmp/gpu-hopper-step
 MAIN=${1:?main wheel dir} BRANCH=${2:?branch wheel dir}
-export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 late() { [ $(($(date +%s) - T0)) -gt "$1" ]; }  # late SECONDS: the call has run longer than that
 status=0

@@ -10,12 +10,8 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-mask-path}
 ROWS=${3:-8192}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-install_wheels "$1" /tmp/site
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+prepare /tmp/gpu-mask-path "$1" /tmp/site
 status=0
 bench() {  # NAME [ENV=VALUE ...]: ours alone, the explicit-mask layers
   local name=$1

@@ -12,11 +12,7 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-merge-check}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-install_wheels "${1:?wheel dir}" /tmp/site-merge
-export PYTHONPATH=/tmp/site-merge${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+prepare /tmp/gpu-merge-check "${1:?wheel dir}" /tmp/site-merge
 cd "$HERE"
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

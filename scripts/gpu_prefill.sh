@@ -8,11 +8,7 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-prefill}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-install_wheels "$1" /tmp/site
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+prepare /tmp/gpu-prefill "$1" /tmp/site
 ROWS=${2:-8192}
 status=0
 echo "==== prefill check, Hopper form ($(date +%T))"

@@ -10,9 +10,9 @@
 #
 # Uses the installed mlx_native (PYTHONPATH) and MLX_NATIVE_CUDA_SOURCE_DIR if set.
 set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-profile}
-mkdir -p "$OUT"
+prepare /tmp/gpu-profile
 CASE=${1:-causal}
 rep=/tmp/profile-$CASE
 rm -f "$rep.ncu-rep"

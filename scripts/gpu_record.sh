@@ -19,18 +19,14 @@
 # only where it is already on PYTHONPATH.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
-OUT=${OUT:-/tmp/gpu-record}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-export PYTHONUNBUFFERED=1
+prepare /tmp/gpu-record
 if [ -n "${2:-}" ] && [ -f /root/fa4/big.part.aa ]; then
   step "FlashAttention-4"
   cat /root/fa4/big.part.aa "$2/big.part.ab" > "/root/fa4/$(cat "$2/big.name")" && rm /root/fa4/big.part.aa &&
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4 /root/fa4/*.whl
 fi
 [ -d /tmp/fa4 ] && export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-install_wheels "$1" /tmp/site
-export PYTHONPATH=/tmp/site:$PYTHONPATH
+use_wheels "$1" /tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 status=0
 # part LIMIT NAME BENCH-ARGS...: one bench run, its summary printed (when PARTS names it).

@@ -11,11 +11,7 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-release}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-install_wheels "$1" /tmp/site
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+prepare /tmp/gpu-release "$1" /tmp/site
 status=0
 step "SPEC 10, Hopper form"
 timeout "${T_FEATURES:-120}" python3 "$HERE/scripts/prefill_check_features.py" --device cuda --quick --time \

@@ -10,12 +10,7 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-/tmp/gpu-run}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)  # the bench runs in another folder
-export PYTHONUNBUFFERED=1
-install_wheels "$1" /tmp/site
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+prepare /tmp/gpu-run "$1" /tmp/site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import mlx_native as mx; print(mx.version(), mx.backends(), mx.Device('auto'))" | tee -a "$OUT/device.txt" || exit 3
 status=0

@@ -18,15 +18,11 @@ set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 WHEELS=$(cd "$1" && pwd)
-OUT=${OUT:-/tmp/gpu-transformers}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-export PYTHONUNBUFFERED=1
+prepare /tmp/gpu-transformers
 # Into a folder on PYTHONPATH, not a virtual environment: the machine's python is itself a
 # virtual environment's (its CUDA build of torch), which a new one would not see.
 rm -rf /tmp/hfsite
-install_wheels "$WHEELS" /tmp/hfsite
-export PYTHONPATH=/tmp/hfsite${PYTHONPATH:+:$PYTHONPATH}
+use_wheels "$WHEELS" /tmp/hfsite
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import mlx_native as mn, torch, transformers; print(mn.version(), mn.backends(), torch.__version__, \
 torch.cuda.is_available(), transformers.__version__)" | tee -a "$OUT/device.txt" || exit 3

@@ -34,6 +34,25 @@ def check_bool(x: Any, name: str) -> bool:
     raise ArgumentTypeError(f"{name} must be True or False, got {x!r} ({type(x).__name__})")
 
 
+def check_run_options(kv_splits: Any, cta_pairs: Any, cuda_form: Any, cpu_isa: Any) -> tuple:
+    """The run options (``kv_splits``, ``cta_pairs``, ``cuda_form``, ``cpu_isa``) of their
+    types: ``None`` each (the library's choice), an integer of ``kv_splits``, names of the
+    others. Their values are checked where a plan is made (the library knows its forms and
+    this CPU's instruction sets), each refusal an ``InvalidArgumentError`` naming the option
+    and what it takes."""
+    if kv_splits is not None:
+        if not is_integer(kv_splits):
+            raise ArgumentTypeError(
+                f"kv_splits must be an integer (0 or 1: never split; 2, 4, 8 or 16 parts) or None, got {kv_splits!r} "
+                f"({type(kv_splits).__name__})"
+            )
+        kv_splits = int(kv_splits)
+    for name, x in (("cta_pairs", cta_pairs), ("cuda_form", cuda_form), ("cpu_isa", cpu_isa)):
+        if x is not None and not isinstance(x, str):
+            raise ArgumentTypeError(f"{name} must be a name (a str) or None, got {x!r} ({type(x).__name__})")
+    return kv_splits, cta_pairs, cuda_form, cpu_isa
+
+
 def check_window(window: Any, name: str = "window") -> Optional[int]:
     """``None`` or an integer >= 1 (a window of ``w`` cache rows, SPEC 6). A bool, a float
     (even 2.0) or a string is an ``ArgumentTypeError``; 0 or a negative integer an

@@ -15,6 +15,7 @@ from .checks import (
     check_max_bias,
     check_offset,
     check_out_dtype,
+    check_run_options,
     check_scale,
     check_softcap,
     check_tensor_layout,
@@ -22,7 +23,7 @@ from .checks import (
 )
 from .device import Device
 
-__all__ = ["PrefillArgs", "checked", "from_keywords", "plan_key", "signature"]
+__all__ = ["PrefillArgs", "checked", "from_keywords", "plan_key", "run_options", "signature"]
 
 
 class PrefillArgs(NamedTuple):
@@ -47,6 +48,12 @@ class PrefillArgs(NamedTuple):
     offset: Optional[int] = None
     layout: str = "NHD"
     alibi_slopes: Any = None
+    # How it runs (the plan's report, ``PrefillPlan.choices``, says what was chosen); None:
+    # the library's choice, which an environment variable may override (README's table).
+    kv_splits: Optional[int] = None
+    cta_pairs: Optional[str] = None
+    cuda_form: Optional[str] = None
+    cpu_isa: Optional[str] = None
     return_lse: bool = False
 
 
@@ -95,10 +102,11 @@ def checked(a: PrefillArgs) -> PrefillArgs:
     device = check_device(a.device)
     softcap, max_bias = check_softcap(a.softcap), check_max_bias(a.max_bias)
     out_dtype = None if a.out_dtype is None else check_out_dtype(a.out_dtype, None)  # None: q's
+    run_options = check_run_options(a.kv_splits, a.cta_pairs, a.cuda_form, a.cpu_isa)
     # Made anew rather than by _replace, which costs a call about a microsecond more.
     return PrefillArgs(
         a.mask, causal, window, scale, a.cu_seqlens_q, a.cu_seqlens_k, out_dtype, device, check_finite, softcap,
-        max_bias, a.sinks, offset, layout, a.alibi_slopes, return_lse,
+        max_bias, a.sinks, offset, layout, a.alibi_slopes, *run_options, return_lse,
     )  # fmt: skip
 
 
@@ -109,5 +117,11 @@ def plan_key(a: PrefillArgs) -> tuple:
     slopes = None if a.alibi_slopes is None else (len(getattr(a.alibi_slopes, "shape", ())),)
     return (
         a.causal, a.window, a.offset, a.scale, a.return_lse, a.out_dtype, a.device, a.check_finite,
-        (a.softcap, a.max_bias, a.sinks is not None, slopes), a.layout,
+        (a.softcap, a.max_bias, a.sinks is not None, slopes), a.layout, run_options(a),
     )  # fmt: skip
+
+
+def run_options(a: PrefillArgs) -> tuple:
+    """The run options of ``a`` (``kv_splits``, ``cta_pairs``, ``cuda_form``, ``cpu_isa``),
+    in the order of the C ABI's ``MlxnRunOptions``."""
+    return a.kv_splits, a.cta_pairs, a.cuda_form, a.cpu_isa

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from ._lib import check, ffi, lib
+from ._lib import check, ffi, get_string, lib
 from .arrays import ALLOCATION_FAILURES, Operand, allocation_error, direct_outputs, output
 from .checks import (
     check_alibi_slopes,
@@ -28,7 +28,7 @@ from .errors import BufferAllocationError, InvalidArgumentError, not_picklable
 from .layouts import layout as read_layout
 from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
-from .options import PrefillArgs, checked, from_keywords, signature
+from .options import PrefillArgs, checked, from_keywords, run_options, signature
 
 __all__ = ["ArraySpec", "PrefillPlan"]
 
@@ -71,6 +71,13 @@ class PrefillPlan:
       (the benchmarks record many and commit once); ``encoded_result()`` is its output.
     - ``visible_pairs``: the (query row, cache row) pairs the mask leaves visible, the
       useful work of SPEC 5 (None for an explicit mask planned without data).
+    - How it runs: ``kv_splits`` (CUDA: the parts each walk over the cache is cut into; 0
+      or 1 never, 2, 4, 8 or 16 always), ``cta_pairs`` (CUDA's Hopper form: ``"auto"``,
+      ``"off"`` or ``"queries"``), ``cuda_form`` (``"auto"`` or ``"portable"``, the
+      mma.sync form on any GPU) and ``cpu_isa`` (an instruction set of
+      ``cpu_info()["detected"]``, or ``"amx-emulated"``); None each: the library's choice
+      (which the environment variables of the README's table override). ``choices`` says
+      what the plan's backend chose under them.
 
     Host arrays planned for a CUDA device (``device="cuda"``) are uploaded by each run
     (``run()`` with no arrays uploads them once) and the result is downloaded into q's
@@ -201,7 +208,8 @@ class PrefillPlan:
         ck = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[1])
         codes = (DTYPE_CODES[qo.dtype.name], DTYPE_CODES[ko.dtype.name], DTYPE_CODES[self.out_dtype.name])
         flags = (int(mask is not None), int(self._lse), int(self._has_sinks))
-        check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, *flags, cq, ck, out))
+        self._options = _run_options(run_options(args))
+        check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, *flags, cq, ck, self._options[0], out))
         self._handle = int(out[0])
         self._finalizer = weakref.finalize(self, _free, self._handle)
         ext = ffi.new("MlxnPrefillExtents *")
@@ -240,6 +248,19 @@ class PrefillPlan:
     def handle(self) -> int:
         """The C ABI plan handle."""
         return self._handle
+
+    @property
+    def choices(self) -> dict:
+        """What the plan's backend chose under its options, so that a fallback shows:
+        ``form`` (``"cpu"``, ``"hopper"``, ``"portable"``, ``"metal"``), and where they
+        apply ``arch`` (the CUDA target), ``pairs`` (the CTA-pair forms allowed: ``"auto"``,
+        ``"queries"`` or ``"off"``), ``splits`` (the parts of a run given its workspace; 1
+        when the walk is not split) and ``isa`` (the CPU kernels' instruction set)."""
+        report = get_string(lib.mlxn_prefill_plan_choices, self._handle)
+        pairs = dict(item.split("=", 1) for item in report.split(";") if item)
+        if "splits" in pairs:
+            pairs["splits"] = int(pairs["splits"])
+        return pairs
 
     @property
     def has_mask(self) -> bool:
@@ -532,6 +553,15 @@ class PrefillPlan:
 
     def _record(self, enc: Encoder, b: dict, classify: bool) -> None:
         h = lambda x: 0 if x is None else x.handle  # noqa: E731
+        # The plan's options on its own dispatches; the encoder's default for what follows.
+        check(lib.mlxn_encoder_set_options(enc.handle, self._options[0]))
+        try:
+            self._record_dispatches(enc, b, classify, h)
+        finally:
+            check(lib.mlxn_encoder_set_options(enc.handle, ffi.NULL))
+        enc._hold(*[x for x in b.values() if x is not None])
+
+    def _record_dispatches(self, enc: Encoder, b: dict, classify: bool, h) -> None:
         if b["mask"] is not None and (classify or not self._classified):
             check(lib.mlxn_dispatch_flash_attn_prefill_mask_blk(enc.handle, b["mask"].handle, b["blk"].handle, self._params))
             self._classified = True
@@ -553,7 +583,6 @@ class PrefillPlan:
                 self._params,
             )
         )
-        enc._hold(*[x for x in b.values() if x is not None])
 
     def _uploaded(self, ops: "_Operands", outputs: Optional[dict] = None) -> dict:
         """Encoder buffers of a run of host arrays on a CUDA device: copies of the operands
@@ -639,6 +668,20 @@ class _Operands(NamedTuple):
     mask: Optional[Operand]
     sinks: Optional[Operand]
     alibi: Optional[Operand]
+
+
+def _run_options(options: tuple) -> tuple:
+    """The C ABI's ``MlxnRunOptions`` of ``(kv_splits, cta_pairs, cuda_form, cpu_isa)``
+    (checked for their types by ``checked``), with the strings it points to, which must
+    live as long as it is read."""
+    kv_splits, *names = options
+    o = ffi.new("MlxnRunOptions *")
+    if kv_splits is not None:  # beyond int64 only to be refused, by its value, by the library
+        o.has_kv_splits, o.kv_splits = 1, min(max(kv_splits, -(2**63)), 2**63 - 1)
+    # surrogatepass: a name that is not UTF-8 reaches the library, which refuses it by name.
+    held = [None if n is None else ffi.new("char[]", n.encode("utf-8", "surrogatepass")) for n in names]
+    o.cta_pairs, o.cuda_form, o.cpu_isa = (ffi.NULL if c is None else c for c in held)
+    return (o, held)
 
 
 def _ptr(op: Optional[Operand]) -> Optional[int]:

@@ -26,7 +26,7 @@ from .checks import OUT_DTYPES
 from .device import follow_torch_threads
 from .dtypes import dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError, UnsupportedFeatureError
-from .options import PrefillArgs, checked
+from .options import PrefillArgs, checked, run_options
 
 __all__ = ["flash_attn_prefill"]
 
@@ -38,7 +38,8 @@ _ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor? mask=None, bool causal=False, SymInt? window=None, float? scale=None, "
     "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, ScalarType? out_dtype=None, str? device=None, "
     "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None, SymInt? offset=None, "
-    'str layout="NHD", int[]? window_size=None, Tensor? alibi_slopes=None'
+    'str layout="NHD", int[]? window_size=None, Tensor? alibi_slopes=None, SymInt? kv_splits=None, '
+    "str? cta_pairs=None, str? cuda_form=None, str? cpu_isa=None"
 )
 # Defined with a schema and plain kernels rather than torch.library.custom_op: the same
 # operator to the tracers, at a fraction of custom_op's dispatch cost per eager call (about
@@ -54,9 +55,10 @@ _LIB.define(f"flash_attn_prefill_lse_autograd({_ARGS}) -> (Tensor, Tensor)")
 
 #: The schema's arguments after q, k, v, as PrefillArgs holds them but for the window's two
 #: forms: ``window`` (an int) and ``window_size`` (a two-sided window, FlashAttention's).
-_SCHEMA_NAMES = PrefillArgs._fields[:14] + ("window_size", "alibi_slopes")
+_RUN_OPTIONS = ("kv_splits", "cta_pairs", "cuda_form", "cpu_isa")
+_SCHEMA_NAMES = PrefillArgs._fields[:14] + ("window_size", "alibi_slopes") + _RUN_OPTIONS
 assert tuple(arg.split("=")[0].split()[-1] for arg in _ARGS.split(", ")[3:]) == _SCHEMA_NAMES
-_SCHEMA_DEFAULTS = PrefillArgs()[:14] + (None, None)
+_SCHEMA_DEFAULTS = PrefillArgs()[:14] + (None, None) + run_options(PrefillArgs())
 
 
 def _args_of(given: tuple, return_lse: bool) -> PrefillArgs:
@@ -64,7 +66,7 @@ def _args_of(given: tuple, return_lse: bool) -> PrefillArgs:
     arguments by position and leaves out trailing ones equal to their defaults."""
     full = given + _SCHEMA_DEFAULTS[len(given):]
     window_size = full[14]
-    args = PrefillArgs(*full[:14], alibi_slopes=full[15], return_lse=return_lse)
+    args = PrefillArgs(*full[:14], alibi_slopes=full[15], **dict(zip(_RUN_OPTIONS, full[16:])), return_lse=return_lse)
     if window_size is not None:  # a two-sided window (left, right), FlashAttention's
         args = args._replace(window=(int(window_size[0]), int(window_size[1])))
     return args
@@ -291,7 +293,7 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, args: PrefillArgs):
     else:
         op = _LSE_OP if args.return_lse else _OP
     return op(q, k, v, args.mask, args.causal, window, *args[3:6], _torch_out_dtype(args.out_dtype), *args[7:14],
-              window_size, args.alibi_slopes)  # fmt: skip
+              window_size, args.alibi_slopes, *run_options(args))  # fmt: skip
 
 
 def _schema_takes(a: PrefillArgs) -> bool:
@@ -301,6 +303,8 @@ def _schema_takes(a: PrefillArgs) -> bool:
         and (a.window is None or type(a.window) is int) and (a.scale is None or type(a.scale) is float)
         and type(a.softcap) is float and type(a.max_bias) is float and (a.offset is None or type(a.offset) is int)
         and (a.device is None or type(a.device) is str) and type(a.layout) is str
+        and (a.kv_splits is None or type(a.kv_splits) is int)
+        and all(x is None or type(x) is str for x in (a.cta_pairs, a.cuda_form, a.cpu_isa))
     )  # fmt: skip
 
 

@@ -4,7 +4,7 @@ use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::error::{MlxError, Result};
 use crate::interface::Pipeline;
-pub use crate::interface::{BoundArg, Dispatch, GridSize};
+pub use crate::interface::{BoundArg, Dispatch, GridSize, RunOptions};
 
 /// One argument of a dispatch, by reference, as the op passes it.
 #[derive(Debug, Clone, Copy)]
@@ -32,11 +32,24 @@ impl MlxDevice {
 pub struct CommandEncoder {
     device: MlxDevice,
     pending: Vec<Dispatch>,
+    /// The run options stamped on each dispatch recorded from now on.
+    options: RunOptions,
 }
 
 impl CommandEncoder {
     pub fn new(device: MlxDevice) -> Self {
-        CommandEncoder { device, pending: Vec::new() }
+        CommandEncoder { device, pending: Vec::new(), options: RunOptions::default() }
+    }
+
+    /// The run options the next dispatches carry.
+    pub fn options(&self) -> RunOptions {
+        self.options
+    }
+
+    /// Record the next dispatches with `options` (a plan's; the default: the library's
+    /// choices). Those already recorded keep theirs.
+    pub fn set_options(&mut self, options: RunOptions) {
+        self.options = options;
     }
 
     pub fn device(&self) -> &MlxDevice {
@@ -75,6 +88,7 @@ impl CommandEncoder {
             shared: shared.to_vec(),
             grid,
             threadgroup,
+            options: self.options,
         });
         Ok(())
     }

@@ -23,6 +23,7 @@ use crate::dtypes::DType;
 use crate::encoder::CommandEncoder;
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::KernelRegistry;
+use crate::options::{kv_splits_ok, CtaPairs, CudaForm, RunOptions};
 use crate::ops::flash_attn_prefill::{
     self as prefill, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillOperands,
 };
@@ -233,6 +234,76 @@ unsafe fn shape_arg(shape: *const u64, ndim: usize) -> Result<Vec<usize>> {
         .collect()
 }
 
+/// A plan's run options, as the C ABI passes them (`mlxn_prefill_plan_new`,
+/// `mlxn_encoder_set_options`). Each left unset (`has_kv_splits` 0, a null name) is the
+/// library's own choice, which the environment may override (the README's table); a value given wins.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MlxnRunOptions {
+    /// CUDA, with `has_kv_splits` 1: 0 or 1 never split the walk over the cache; 2, 4, 8
+    /// or 16: that many parts, where the launch can take them. With 0 the shape decides.
+    pub kv_splits: i64,
+    pub has_kv_splits: i32,
+    /// CUDA (Hopper form): null, `auto` (head pairs where the group of query heads splits
+    /// in two, else query pairs), `off` (the one-CTA forms) or `queries` (query pairs only).
+    pub cta_pairs: *const c_char,
+    /// CUDA: null, `auto` (the device's own form) or `portable` (the mma.sync form, built
+    /// for the device's plain architecture).
+    pub cuda_form: *const c_char,
+    /// CPU: null or an instruction set of `mlxn_cpu_info`'s `detected`, or `amx-emulated`.
+    pub cpu_isa: *const c_char,
+}
+
+/// The options `o` points to (null: the defaults), each checked: a value not understood
+/// is an error that names the option and what it takes.
+unsafe fn run_options(o: *const MlxnRunOptions) -> Result<RunOptions> {
+    if o.is_null() {
+        return Ok(RunOptions::default());
+    }
+    let o = *o;
+    let bad = |what: String| Err(MlxError::InvalidArgument(what));
+    let text = |p: *const c_char, name: &str| if p.is_null() { Ok(None) } else { c_str(p, name).map(Some) };
+    let kv_splits = match (o.has_kv_splits, o.kv_splits) {
+        (0, _) => None,
+        (1, n) if (0..=i64::from(crate::options::MAX_KV_SPLITS)).contains(&n) && kv_splits_ok(n as u32) => {
+            Some(n as u32)
+        }
+        (1, n) => {
+            return bad(format!(
+                "kv_splits={n} is not 0, 1, 2, 4, 8 or 16: pass one of them, or None to let the shape decide"
+            ))
+        }
+        (h, _) => return bad(format!("has_kv_splits must be 0 or 1, got {h}")),
+    };
+    let cta_pairs = match text(o.cta_pairs, "cta_pairs")? {
+        None => None,
+        Some(s) => match CtaPairs::parse(s) {
+            Some(p) => Some(p),
+            None => return bad(format!("cta_pairs={s:?} is not {}: pass one of them, or None", CtaPairs::NAMES)),
+        },
+    };
+    let cuda_form = match text(o.cuda_form, "cuda_form")? {
+        None => None,
+        Some(s) => match CudaForm::parse(s) {
+            Some(f) => Some(f),
+            None => return bad(format!("cuda_form={s:?} is not {}: pass one of them, or None", CudaForm::NAMES)),
+        },
+    };
+    let cpu_isa = match text(o.cpu_isa, "cpu_isa")? {
+        None => None,
+        Some(s) => match crate::backend::cpu::simd::isa_named(s) {
+            Some(i) => Some(i),
+            None => {
+                return bad(format!(
+                    "cpu_isa={s:?} is not an instruction set of this CPU: pass one of {}, or None for the best",
+                    crate::backend::cpu::simd::forceable_isas().join(", ")
+                ))
+            }
+        },
+    };
+    Ok(RunOptions { kv_splits, cta_pairs, cuda_form, cpu_isa })
+}
+
 fn dtype_arg(code: u32) -> Result<DType> {
     DType::from_code(code).ok_or_else(|| MlxError::UnsupportedDtype(format!("no dtype has code {code}")))
 }
@@ -353,18 +424,14 @@ pub unsafe extern "C" fn mlxn_cpu_use_openmp(on: i32, found: *mut i32) -> i32 {
 #[no_mangle]
 pub unsafe extern "C" fn mlxn_cuda_force_pair(mode: *const c_char) -> i32 {
     guard(|| {
-        use crate::settings::CudaPair;
         let mode = if mode.is_null() { "" } else { c_str(mode, "mode")? };
         let pair = match mode {
             "" => None,
-            "0" => Some(CudaPair::Off),
-            "queries" => Some(CudaPair::Queries),
-            "1" => Some(CudaPair::Auto),
-            _ => {
-                return Err(MlxError::InvalidArgument(format!(
+            _ => Some(CtaPairs::parse(mode).ok_or_else(|| {
+                MlxError::InvalidArgument(format!(
                     "CTA-pair mode {mode:?} is not one of \"0\", \"queries\", \"1\" (or \"\" for the default)"
-                )))
-            }
+                ))
+            })?),
         };
         crate::backend::cuda::flash_attn_prefill::force_pair(pair);
         Ok(())
@@ -762,6 +829,20 @@ pub unsafe extern "C" fn mlxn_encoder_new(dev: u64, out: *mut u64) -> i32 {
     })
 }
 
+/// Record the encoder's next dispatches with the run options `options` (null: the
+/// defaults), checked as `mlxn_prefill_plan_new` checks them.
+///
+/// # Safety
+/// `options` must be null or valid, its strings null or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_encoder_set_options(enc: u64, options: *const MlxnRunOptions) -> i32 {
+    guard(|| {
+        let o = run_options(options)?;
+        lock(&encoder(enc)?.encoder).set_options(o);
+        Ok(())
+    })
+}
+
 /// Dispatches recorded and not yet committed.
 ///
 /// # Safety
@@ -1060,10 +1141,12 @@ pub struct MlxnPrefillExtents {
 /// dtypes (`DType` codes of q, of k and v, of out) and which optional operands there are
 /// (`has_mask`, `has_lse`, `has_sinks`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
 /// `cu_seqlens_k` point to `batch + 1` int32 in host memory each (checked here and copied
-/// to the device); null for fixed length.
+/// to the device); null for fixed length. `options`: the run options (null: the defaults),
+/// each checked here; `mlxn_prefill_plan_choices` says what the backend chose under them.
 ///
 /// # Safety
-/// `params` and `out` must be valid; the cu_seqlens pointers null or `batch + 1` values.
+/// `params` and `out` must be valid; the cu_seqlens pointers null or `batch + 1` values;
+/// `options` null or valid.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn mlxn_prefill_plan_new(
@@ -1077,10 +1160,12 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
     has_sinks: i32,
     cu_seqlens_q: *const i32,
     cu_seqlens_k: *const i32,
+    options: *const MlxnRunOptions,
     out: *mut u64,
 ) -> i32 {
     guard(|| {
         let out = out_ptr(out, "out")?;
+        let options = run_options(options)?;
         if params.is_null() {
             return Err(MlxError::InvalidArgument("params is a null pointer".into()));
         }
@@ -1112,7 +1197,7 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
                 ))
             }
         };
-        let plan = FlashAttnPrefillPlan::new(&ctx.device, &p, &operands, cu)?;
+        let plan = FlashAttnPrefillPlan::with_options(&ctx.device, &p, &operands, cu, options)?;
         *out = insert(Object::Plan(Arc::new(PlanCtx { ctx, plan })));
         Ok(())
     })
@@ -1141,6 +1226,27 @@ pub unsafe extern "C" fn mlxn_prefill_plan_extents(plan_handle: u64, out: *mut M
             workspace: pc.plan.workspace_bytes(),
         };
         Ok(())
+    })
+}
+
+/// What the plan's backend chose under its options, as `name=value` pairs separated by
+/// `;`: `form` (`cpu`, `hopper`, `portable`, `metal`), and where they apply `arch` (the
+/// CUDA target), `pairs` (the CTA-pair forms allowed), `splits` (the parts of a run given
+/// its workspace; 1: none) and `isa` (the CPU's instruction set). As for [`mlxn_backends`].
+///
+/// # Safety
+/// As for [`mlxn_backends`].
+#[no_mangle]
+pub unsafe extern "C" fn mlxn_prefill_plan_choices(
+    plan_handle: u64,
+    buf: *mut c_char,
+    cap: usize,
+    needed: *mut usize,
+) -> i32 {
+    guard(|| {
+        let pc = plan(plan_handle)?;
+        let report = pc.plan.choices().report.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(";");
+        write_string(&report, buf, cap, needed)
     })
 }
 

@@ -1,5 +1,6 @@
 //! The runtime's value types and the traits a backend implements: the leaf every other
-//! module stands on. It imports only [`crate::error`] and [`crate::dtypes`].
+//! module stands on. It imports only [`crate::error`], [`crate::dtypes`] and
+//! [`crate::options`] (the run options a dispatch carries).
 //!
 //! - [`Memory`]: one allocation (or wrapped region) a backend runs kernels on;
 //!   [`BufferBinding`]: a typed byte range of one, as a dispatch binds it.
@@ -16,6 +17,7 @@ use std::sync::Arc;
 
 use crate::dtypes::DType;
 use crate::error::{MlxError, Result};
+pub use crate::options::RunOptions;
 
 /// A 3-D size (a grid of threadgroups, or the threads of one threadgroup).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,6 +183,9 @@ pub struct Dispatch {
     pub shared: Vec<(u64, u64)>,
     pub grid: GridSize,
     pub threadgroup: GridSize,
+    /// The caller's choices of how it runs (its plan's options; the default: the
+    /// library's), which the backend that runs it reads.
+    pub options: RunOptions,
 }
 
 impl Dispatch {
@@ -210,6 +215,16 @@ impl Dispatch {
     }
 }
 
+/// A backend's choices for one planned dispatch ([`Backend::choices`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choices {
+    /// Bytes of workspace a run can use (0: none).
+    pub workspace: u64,
+    /// What runs, by name: `form` (the kernels' form: `cpu`, `hopper`, `portable`, ...)
+    /// and where they apply `pairs`, `splits` and `isa`.
+    pub report: Vec<(&'static str, String)>,
+}
+
 /// A device's implementation: memory, kernel compilation and execution.
 pub trait Backend: Send + Sync {
     fn kind(&self) -> BackendKind;
@@ -233,6 +248,14 @@ pub trait Backend: Send + Sync {
     fn workspace_bytes(&self, kernel_name: &str, params: &[u8]) -> u64 {
         let _ = (kernel_name, params);
         0
+    }
+    /// What this backend will run for a dispatch of `kernel_name` with the constant block
+    /// `params` under `options`, decided when a plan is made so that a fallback is visible
+    /// there: the workspace it can use (as [`Backend::workspace_bytes`], under the options)
+    /// and the choices it made, by name (`form`, `pairs`, `splits`, `isa`).
+    fn choices(&self, kernel_name: &str, params: &[u8], options: &RunOptions) -> Choices {
+        let _ = options;
+        Choices { workspace: self.workspace_bytes(kernel_name, params), report: vec![("form", self.kind().name().into())] }
     }
     /// Run the dispatches in order on the caller's stream (a CUDA stream handle) and return
     /// without waiting for them: the stream orders what the caller queues after. Backends

@@ -8,7 +8,8 @@
 //! ([`device`], [`buffer`], [`encoder`], [`kernel_registry`]) hands their dispatches to a
 //! [`backend`]; every layer stands on [`interface`], the leaf of value types and backend
 //! traits, and the ops and backends share [`params`], the params blocks of the dispatches;
-//! [`settings`] (the environment variables, read once) is a leaf the backends read.
+//! [`settings`] (the environment variables, read once) is a leaf the backends read, over
+//! [`options`], the leaf of a plan's run options.
 //! Nothing lower imports anything higher.
 
 pub mod backend;
@@ -21,6 +22,7 @@ pub mod ffi;
 pub mod interface;
 pub mod kernel_registry;
 pub mod ops;
+pub mod options;
 pub mod params;
 pub mod recorded;
 pub mod settings;

@@ -53,10 +53,13 @@ pub struct Broken(pub &'static str);
 /// internal error of its own, [`MlxError`]).
 pub type Decoded<T> = Result<std::result::Result<T, Broken>>;
 
-/// The buffer at `slot`, checked to hold `need` bytes.
-fn sized(d: &Dispatch, slot: u64, need: u64) -> Decoded<&BufferBinding> {
-    let b = d.buffer(slot)?;
-    Ok(if (b.byte_len as u64) < need { Err(Broken(SHORT)) } else { Ok(b) })
+/// `b`, checked to hold `need` bytes: the one size check of the attention decoders.
+fn fits(b: &BufferBinding, need: u64) -> std::result::Result<&BufferBinding, Broken> {
+    if (b.byte_len as u64) < need {
+        Err(Broken(SHORT))
+    } else {
+        Ok(b)
+    }
 }
 
 /// What a buffer shorter than its strides reach breaks.
@@ -177,14 +180,13 @@ impl<'d> RecordedPrefill<'d> {
                 blk_need = blk_need.max(reach);
             }
         }
-        let fits = |b: &BufferBinding, need: u64| if (b.byte_len as u64) < need { Err(Broken(SHORT)) } else { Ok(()) };
         let kv = element_bytes(p.kv_dtype);
         fits(q, e.q.saturating_mul(element_bytes(p.q_dtype)))?;
         fits(k, e.k.saturating_mul(kv))?;
         fits(v, e.v.saturating_mul(kv))?;
         fits(out, e.out.saturating_mul(element_bytes(p.o_dtype)))?;
         let present = |b: Option<&BufferBinding>, flag: i32, need: u64| match (b, has(flag)) {
-            (Some(b), true) => fits(b, need),
+            (Some(b), true) => fits(b, need).map(|_| ()),
             (None, false) => Ok(()),
             _ => Err(Broken("a buffer bound or missing against the flags")),
         };
@@ -230,12 +232,12 @@ impl<'d> RecordedTensor<'d> {
             params: p,
             head_dim,
             bq,
-            q: take!(sized(d, s::Q, e.q)),
-            k: take!(sized(d, s::K, e.k)),
-            v: take!(sized(d, s::V, e.v)),
-            mask: take!(sized(d, s::MASK, e.mask)),
-            blk: take!(sized(d, s::BLK, e.blk)),
-            out: take!(sized(d, s::OUT, e.out)),
+            q: take!(d.buffer(s::Q).map(|b| fits(b, e.q))),
+            k: take!(d.buffer(s::K).map(|b| fits(b, e.k))),
+            v: take!(d.buffer(s::V).map(|b| fits(b, e.v))),
+            mask: take!(d.buffer(s::MASK).map(|b| fits(b, e.mask))),
+            blk: take!(d.buffer(s::BLK).map(|b| fits(b, e.blk))),
+            out: take!(d.buffer(s::OUT).map(|b| fits(b, e.out))),
         }))
     }
 

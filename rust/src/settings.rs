@@ -9,7 +9,11 @@
 //! C ABI gives them through `mlxn_settings_report`). Every variable is an override for
 //! tests, benchmarks and development; the README's table of them is the user's view.
 //!
-//! This is a leaf: it imports nothing of the library, and the layers that use a setting
+//! Four of them override the defaults of a plan's options ([`crate::options`]), which a
+//! caller's explicit option beats: `MLX_NATIVE_CPU_ISA`, `MLX_NATIVE_CUDA_ARCH`,
+//! `MLX_NATIVE_CUDA_PAIR` and `MLX_NATIVE_CUDA_KV_SPLITS`.
+//!
+//! This is a leaf: it imports only the options' parsers, and the layers that use a setting
 //! (the backends) interpret it.
 
 use std::path::PathBuf;
@@ -24,8 +28,9 @@ pub const CPU_THREADS: &str = "RAYON_NUM_THREADS";
 /// `MLX_NATIVE_CUDA_ARCH`: the NVRTC target instead of the device's own (`sm_90` on a
 /// Hopper GPU runs the portable mma.sync form).
 pub const CUDA_ARCH: &str = "MLX_NATIVE_CUDA_ARCH";
-/// `MLX_NATIVE_CUDA_PAIR`: `0` keeps the one-CTA forms, `queries` query pairs only, `1`
-/// (or unset) head pairs where the group splits in two, else query pairs.
+/// `MLX_NATIVE_CUDA_PAIR`: `0` (or `off`) keeps the one-CTA forms, `queries` query pairs
+/// only, `1` (or `auto`, or unset) head pairs where the group splits in two, else query
+/// pairs (the `cta_pairs` option's default).
 pub const CUDA_PAIR: &str = "MLX_NATIVE_CUDA_PAIR";
 /// `MLX_NATIVE_CUDA_KV_SPLITS`: force every prefill to split its walk into this many parts
 /// (a power of two up to 16; `0` or `1`: never).
@@ -58,16 +63,7 @@ pub const ALL: &[&str] = &[
     CUDA_CUBIN_DIR,
 ];
 
-/// `MLX_NATIVE_CUDA_PAIR`'s choice.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CudaPair {
-    /// The one-CTA forms only.
-    Off,
-    /// Query pairs only.
-    Queries,
-    /// Head pairs where the group of query heads splits in two, else query pairs.
-    Auto,
-}
+pub use crate::options::CtaPairs;
 
 /// `MLX_NATIVE_CUDA_CACHE`'s choice.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -84,7 +80,7 @@ pub struct Settings {
     pub cpu_isa: Option<String>,
     pub cpu_threads: Option<usize>,
     pub cuda_arch: Option<String>,
-    pub cuda_pair: CudaPair,
+    pub cuda_pair: CtaPairs,
     pub cuda_kv_splits: Option<u32>,
     pub cuda_defines: Vec<String>,
     pub cuda_source_dir: Option<PathBuf>,
@@ -150,17 +146,15 @@ pub fn read(var: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> Settings {
             None
         }
     });
-    let cuda_pair = match text(CUDA_PAIR).as_deref() {
-        None | Some("1") | Some("auto") => CudaPair::Auto,
-        Some("0") => CudaPair::Off,
-        Some("queries") => CudaPair::Queries,
-        Some(v) => {
+    let cuda_pair = match text(CUDA_PAIR) {
+        None => CtaPairs::Auto,
+        Some(v) => CtaPairs::parse(&v).unwrap_or_else(|| {
             complain(format!("{CUDA_PAIR}={v:?} is not 0, queries or 1: ignored (head pairs where they fit)"));
-            CudaPair::Auto
-        }
+            CtaPairs::Auto
+        }),
     };
     let cuda_kv_splits = text(CUDA_KV_SPLITS).and_then(|v| match v.parse::<u32>() {
-        Ok(n) if n <= 1 || (n.is_power_of_two() && n <= 16) => Some(n),
+        Ok(n) if crate::options::kv_splits_ok(n) => Some(n),
         _ => {
             complain(format!(
                 "{CUDA_KV_SPLITS}={v:?} is not 0, 1 or a power of two up to 16: ignored (the shape decides)"
@@ -237,7 +231,7 @@ mod tests {
         assert_eq!(s.cpu_isa.as_deref(), Some("avx2+fma+f16c"));
         assert_eq!(s.cpu_threads, Some(3));
         assert_eq!(s.cuda_arch.as_deref(), Some("sm_90"));
-        assert_eq!(s.cuda_pair, CudaPair::Queries);
+        assert_eq!(s.cuda_pair, CtaPairs::Queries);
         assert_eq!(s.cuda_kv_splits, Some(4));
         assert_eq!(s.cuda_defines, vec!["-DA=1", "-DB"]);
         assert!(s.cuda_trace);
@@ -253,7 +247,7 @@ mod tests {
         ]);
         assert_eq!(bad.cpu_threads, None);
         assert_eq!(bad.cuda_arch, None);
-        assert_eq!(bad.cuda_pair, CudaPair::Auto);
+        assert_eq!(bad.cuda_pair, CtaPairs::Auto);
         assert_eq!(bad.cuda_kv_splits, None);
         assert!(bad.cuda_defines.is_empty());
         assert!(!bad.cuda_trace);
@@ -275,7 +269,7 @@ mod tests {
     fn an_empty_environment_gives_the_defaults() {
         let s = settings_of(&[(CPU_ISA, ""), (CUDA_PAIR, "")]);
         assert_eq!(s.cpu_isa, None);
-        assert_eq!(s.cuda_pair, CudaPair::Auto);
+        assert_eq!(s.cuda_pair, CtaPairs::Auto);
         assert_eq!(s.cuda_kv_splits, None);
         assert_eq!(s.cpu_threads, None);
         assert!(matches!(s.cuda_cache, CudaCache::Default(_)));

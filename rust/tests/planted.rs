@@ -499,6 +499,7 @@ fn run_kernel(f: &Flat, p: &FlashAttnPrefillTensorParamsGpu) -> Vec<f32> {
         shared: vec![],
         grid: GridSize::new((p.rows as u64).div_ceil(32), p.n_heads as u64, 1),
         threadgroup: GridSize::new(32, 8, 1),
+        options: Default::default(),
     };
     kernel(&d).unwrap();
     let mut bytes = vec![0u8; out.byte_len];

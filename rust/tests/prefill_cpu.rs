@@ -657,6 +657,7 @@ fn by_hand(name: &str, kernel: CpuKernelFn, block: &[u8], b: &Buffers, swap: &[(
         shared: vec![],
         grid: GridSize::new(1, 1, 1),
         threadgroup: GridSize::new(32, 8, 1),
+        options: Default::default(),
     }
 }
 

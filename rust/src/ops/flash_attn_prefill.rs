@@ -24,7 +24,8 @@ use super::flash_attn_prefill_tensor::{
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::dtypes::DType;
-use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg};
+use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg, RunOptions};
+use crate::interface::Choices;
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 pub use crate::params::PrefillExtents;
@@ -275,14 +276,23 @@ pub struct FlashAttnPrefillBuffers<'a> {
     pub workspace: Option<&'a MlxBuffer>,
 }
 
-/// Bytes of workspace a prefill [`validate`]d as `v` can use on `device` (0: none). Give
-/// a buffer of at least this many bytes as [`FlashAttnPrefillBuffers::workspace`] to let
-/// the backend split the cache's walk (the plan's extents report it).
-pub fn workspace_bytes(device: &MlxDevice, v: &ValidatedPrefill) -> u64 {
+/// Bytes of workspace a prefill [`validate`]d as `v` can use on `device` under `options`
+/// (0: none). Give a buffer of at least this many bytes as
+/// [`FlashAttnPrefillBuffers::workspace`] to let the backend split the cache's walk (the
+/// plan's extents report it).
+pub fn workspace_bytes(device: &MlxDevice, v: &ValidatedPrefill, options: &RunOptions) -> u64 {
+    choices(device, v, options).workspace
+}
+
+/// What `device`'s backend will run for a prefill [`validate`]d as `v` under `options`
+/// (its workspace and its choices: the plan reports them). A prefill with no query row
+/// runs nothing and uses no workspace.
+pub fn choices(device: &MlxDevice, v: &ValidatedPrefill, options: &RunOptions) -> Choices {
+    let c = device.backend().choices(v.kernel, as_bytes(&v.gpu), options);
     if v.empty {
-        return 0;
+        return Choices { workspace: 0, ..c };
     }
-    device.backend().workspace_bytes(v.kernel, as_bytes(&v.gpu))
+    c
 }
 
 /// A given workspace must hold `need` bytes, the prefill's [`workspace_bytes`] (a smaller
@@ -843,7 +853,7 @@ pub fn dispatch_flash_attn_prefill(
 ) -> Result<()> {
     let v = validate(b, p)?;
     if b.workspace.is_some() {
-        check_workspace(b, workspace_bytes(device, &v))?;
+        check_workspace(b, workspace_bytes(device, &v, &encoder.options()))?;
     }
     encode_validated(encoder, registry, device, b, &v)
 }

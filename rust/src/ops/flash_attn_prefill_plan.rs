@@ -12,14 +12,14 @@
 use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::dtypes::DType;
-use crate::encoder::CommandEncoder;
+use crate::encoder::{CommandEncoder, RunOptions};
 use crate::error::{MlxError, Result};
-use crate::interface::BackendKind;
+use crate::interface::{BackendKind, Choices};
 use crate::kernel_registry::KernelRegistry;
 
 use super::flash_attn_prefill::{
-    check_workspace, dispatch_flash_attn_prefill_mask_blk, encode_validated, sequence_lengths, validate_buffers,
-    validate_shapes, workspace_bytes, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents, PrefillOperands,
+    check_workspace, choices, dispatch_flash_attn_prefill_mask_blk, encode_validated, sequence_lengths,
+    validate_buffers, validate_shapes, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents, PrefillOperands,
     ValidatedPrefill,
 };
 
@@ -32,8 +32,10 @@ pub struct FlashAttnPrefillPlan {
     blk: Option<MlxBuffer>,
     /// A variable-length batch's `cu_seqlens_q` and `cu_seqlens_k`, on the device.
     cu_seqlens: Option<(MlxBuffer, MlxBuffer)>,
-    /// Bytes of workspace a run can use (0: none).
-    workspace: u64,
+    /// The caller's run options, carried by every dispatch of a run.
+    options: RunOptions,
+    /// What the backend chose under them (the workspace a run can use, 0: none).
+    choices: Choices,
 }
 
 /// The data of one run: the plan's operands (the mask only if the plan has one, lse only
@@ -55,14 +57,26 @@ pub struct PrefillRunBuffers<'a> {
 }
 
 impl FlashAttnPrefillPlan {
-    /// Plan a prefill of `params` with these operands. `cu_seqlens`: the `(q, k)` offsets of
-    /// a variable-length batch (`batch + 1` entries each), checked here and copied to the
-    /// device; `None` for fixed length.
+    /// Plan a prefill of `params` with these operands and the library's own choices.
+    /// `cu_seqlens`: the `(q, k)` offsets of a variable-length batch (`batch + 1` entries
+    /// each), checked here and copied to the device; `None` for fixed length.
     pub fn new(
         device: &MlxDevice,
         params: &FlashAttnPrefillParams,
         operands: &PrefillOperands,
         cu_seqlens: Option<(&[i32], &[i32])>,
+    ) -> Result<Self> {
+        Self::with_options(device, params, operands, cu_seqlens, RunOptions::default())
+    }
+
+    /// [`new`](Self::new) with the caller's run options (each run's dispatches carry them;
+    /// [`choices`](Self::choices) says what the backend chose under them).
+    pub fn with_options(
+        device: &MlxDevice,
+        params: &FlashAttnPrefillParams,
+        operands: &PrefillOperands,
+        cu_seqlens: Option<(&[i32], &[i32])>,
+        options: RunOptions,
     ) -> Result<Self> {
         let lens = match cu_seqlens {
             Some((cq, ck)) => Some(sequence_lengths(params, cq, ck)?),
@@ -82,8 +96,8 @@ impl FlashAttnPrefillPlan {
             }
             None => None,
         };
-        let workspace = workspace_bytes(device, &validated);
-        Ok(FlashAttnPrefillPlan { device: device.clone(), params: *params, validated, blk, cu_seqlens, workspace })
+        let choices = choices(device, &validated, &options);
+        Ok(FlashAttnPrefillPlan { device: device.clone(), params: *params, validated, blk, cu_seqlens, options, choices })
     }
 
     /// The device the plan runs on.
@@ -100,7 +114,14 @@ impl FlashAttnPrefillPlan {
     /// Bytes of workspace a run can use to go faster (the CUDA attention splits each CTA's
     /// walk over the cache when the shape leaves the GPU idle); 0 where none helps.
     pub fn workspace_bytes(&self) -> u64 {
-        self.workspace
+        self.choices.workspace
+    }
+
+    /// What the backend chose for this plan under its options: the kernels' `form`, and
+    /// where they apply the CTA `pairs`, the KV `splits` of a run given its workspace and
+    /// the CPU's `isa`.
+    pub fn choices(&self) -> &Choices {
+        &self.choices
     }
 
     /// The operands' dtypes and which are given.
@@ -136,11 +157,18 @@ impl FlashAttnPrefillPlan {
             workspace: b.workspace,
         };
         validate_buffers(&bufs, &self.validated)?;
-        check_workspace(&bufs, self.workspace)?;
-        if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {
-            dispatch_flash_attn_prefill_mask_blk(encoder, registry, &self.device, mask, blk, &self.params)?;
-        }
-        encode_validated(encoder, registry, &self.device, &bufs, &self.validated)
+        check_workspace(&bufs, self.choices.workspace)?;
+        // The plan's options on its own dispatches only: the encoder's stay for the rest.
+        let theirs = encoder.options();
+        encoder.set_options(self.options);
+        let r = (|| {
+            if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {
+                dispatch_flash_attn_prefill_mask_blk(encoder, registry, &self.device, mask, blk, &self.params)?;
+            }
+            encode_validated(encoder, registry, &self.device, &bufs, &self.validated)
+        })();
+        encoder.set_options(theirs);
+        r
     }
 
     /// Run once and wait (`stream` `None`), or enqueue on the caller's CUDA stream and

@@ -106,7 +106,7 @@ fn entry<const DK: usize, const DV: usize, const KV: i32>(d: &Dispatch) -> Resul
     if r.params.kv_dtype != KV {
         return Err(bad("the block's K/V dtype is not the kernel's"));
     }
-    run::<DK, DV>(&r)
+    run::<DK, DV>(&r, super::isa_of(&d.options))
 }
 
 fn bad(what: &str) -> MlxError {
@@ -126,7 +126,8 @@ unsafe fn read_cu(ptr: *const u8, batch: usize, total: usize) -> Result<Vec<usiz
 /// Run one prefill at head dims (`DK`, `DV`): a recorded dispatch (the op's, or the
 /// origin's as a prefill), its block checked against the op's contract and every buffer
 /// against its extents (`RecordedPrefill`).
-pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>) -> Result<()> {
+/// `isa`: the instruction set of its inner loops (the dispatch's, `isa_of`).
+pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa: &'static str) -> Result<()> {
     let p = &r.params;
     let has = |f: i32| p.flags & f != 0;
     let (Some(q_dtype), Some(o_dtype)) = (Elem::from_code(p.q_dtype), Elem::from_code(p.o_dtype)) else {
@@ -225,7 +226,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>) -> 
         Some((cq, ck)) => (cq[b + 1] - cq[b], ck[b + 1] - ck[b]),
         None => (rows, kv_len),
     };
-    let pack = prefill_tile::pick_pack::<DK, DV>(kv);
+    let pack = prefill_tile::pick_pack::<DK, DV>(kv, isa);
     let mut packed_at = vec![0usize; batch + 1];
     let mut pack_starts = vec![0usize; batch + 1];
     for b in 0..batch {
@@ -286,7 +287,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>) -> 
         }
     };
     let groups = |lq: usize| lq.div_ceil(bq).div_ceil(pb.nt);
-    let item: prefill_tile::ItemFn = prefill_tile::pick::<DK, DV>();
+    let item: prefill_tile::ItemFn = prefill_tile::pick::<DK, DV>(isa);
     // The order of a sequence's items, which the threads take one at a time from a shared
     // counter (`pool::for_each`). With a right bound (causal) a query group sees more of the
     // cache the later it sits in the prompt, up to `groups` times the first's work: those go

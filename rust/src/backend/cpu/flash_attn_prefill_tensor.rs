@@ -34,5 +34,5 @@ fn run_head_dim<const D: usize>(d: &Dispatch) -> Result<()> {
     let bad = |Broken(what)| MlxError::Internal(format!("flash_attn_prefill_tensor (cpu): {what}"));
     let r = RecordedTensor::decode(d, D as u32)?.map_err(bad)?;
     debug_assert_eq!(r.bq as usize, bq_of(D));
-    run::<D, D>(&r.as_prefill().map_err(bad)?)
+    run::<D, D>(&r.as_prefill().map_err(bad)?, super::isa_of(&d.options))
 }

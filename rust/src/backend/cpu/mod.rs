@@ -9,7 +9,9 @@
 use std::sync::{Arc, OnceLock};
 
 use crate::error::{MlxError, Result};
-use crate::interface::{Backend, BackendKind, BufferBinding, Dispatch, KernelSource, Memory, Pipeline};
+use crate::interface::{
+    Backend, BackendKind, BufferBinding, Choices, Dispatch, KernelSource, Memory, Pipeline, RunOptions,
+};
 
 pub mod amx;
 pub mod flash_attn_prefill;
@@ -57,6 +59,12 @@ pub struct CpuPipeline {
     pub kernel: CpuKernelFn,
 }
 
+/// The instruction set a dispatch with `options` runs on: its plan's `cpu_isa` (checked
+/// against [`simd::forceable_isas`] when the options were made), else [`simd::selected_isa`].
+pub fn isa_of(options: &RunOptions) -> &'static str {
+    options.cpu_isa.unwrap_or_else(simd::selected_isa)
+}
+
 /// Threads the kernels use.
 pub fn threads() -> usize {
     pool::threads()
@@ -88,6 +96,11 @@ impl Backend for CpuBackend {
         let kernel =
             kernel(name).ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CPU implementation")))?;
         Ok(Pipeline::new(name, 1024, Arc::new(CpuPipeline { kernel })))
+    }
+
+    fn choices(&self, kernel_name: &str, params: &[u8], options: &RunOptions) -> Choices {
+        let _ = (kernel_name, params);
+        Choices { workspace: 0, report: vec![("form", "cpu".into()), ("isa", isa_of(options).into())] }
     }
 
     fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {

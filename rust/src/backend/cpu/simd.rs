@@ -681,12 +681,17 @@ pub fn forceable_isas() -> Vec<&'static str> {
     v
 }
 
+/// The instruction set `name` of [`forceable_isas`], or `None` where this CPU lacks it.
+pub fn isa_named(name: &str) -> Option<&'static str> {
+    forceable_isas().into_iter().find(|d| *d == name)
+}
+
 /// Make the kernels use the instruction set `name` (one of [`forceable_isas`]), or go back
 /// to the best one with `None`. For tests and benchmarks that compare the code paths.
 pub fn force_isa(name: Option<&str>) -> crate::error::Result<()> {
     let pick = match name {
         None | Some("") | Some("auto") => None,
-        Some(n) => Some(*forceable_isas().iter().find(|d| **d == n).ok_or_else(|| {
+        Some(n) => Some(isa_named(n).ok_or_else(|| {
             crate::error::MlxError::InvalidArgument(format!(
                 "instruction set {n:?} is not available here (available: {})",
                 forceable_isas().join(", ")

@@ -20,16 +20,16 @@ pub use super::attention_geometry::{
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
 use super::launch::{
-    contract, device_addr, device_addr_or_null, no_workspace, CudaKernel, Launch, PrepareContext, Variant,
+    contract, device_addr, device_addr_or_null, no_split, CudaKernel, Launch, PrepareContext, Variant,
 };
 use crate::error::{MlxError, Result};
-use crate::interface::Dispatch;
+use crate::interface::{Dispatch, RunOptions};
 use crate::params::{
     FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
     PREFILL_WINDOW_RIGHT,
 };
 use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
-pub use crate::settings::CudaPair;
+pub use crate::options::CtaPairs;
 
 /// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
 /// has the wgmma form on sm_90a and its CTA-pair variants (`<entry>_pair_heads`,
@@ -60,7 +60,7 @@ macro_rules! attention_kernel {
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
             merge_entry: Some(MERGE_ENTRY),
-            workspace_bytes: |hopper, sms, params| kv_split::workspace_bytes(($dk, $dv), hopper, sms, params),
+            split: |hopper, sms, params, forced| kv_split::split_of(($dk, $dv), hopper, sms, params, forced),
         }
     };
     ($name:literal, $dk:literal, $dv:literal) => {
@@ -73,7 +73,7 @@ macro_rules! attention_kernel {
             shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
             merge_entry: Some(MERGE_ENTRY),
-            workspace_bytes: |_, sms, params| kv_split::workspace_bytes(($dk, $dv), false, sms, params),
+            split: |_, sms, params, forced| kv_split::split_of(($dk, $dv), false, sms, params, forced),
         }
     };
 }
@@ -118,7 +118,7 @@ pub const KERNELS: &[CudaKernel] = &[
         shared_bytes: |_| None,
         prepare: |pc, d, _| prepare_mask_blk(pc, d),
         merge_entry: None,
-        workspace_bytes: no_workspace,
+        split: no_split,
     },
 ];
 
@@ -244,35 +244,39 @@ impl PairMode {
     }
 }
 
-/// [`force_pair`]'s choice (0: none; 1 + the `CudaPair` as below).
+/// [`force_pair`]'s choice (0: none; 1 + the `CtaPairs` as below).
 static FORCED_PAIR: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Make every launch use the CTA-pair choice `pair` (the one-CTA forms, query pairs only, or
 /// head pairs where they fit), or go back to `MLX_NATIVE_CUDA_PAIR`'s with `None`.
 /// Process-wide; for the tests and benchmarks that compare the forms.
-pub fn force_pair(pair: Option<CudaPair>) {
+pub fn force_pair(pair: Option<CtaPairs>) {
     let v = match pair {
         None => 0,
-        Some(CudaPair::Off) => 1,
-        Some(CudaPair::Queries) => 2,
-        Some(CudaPair::Auto) => 3,
+        Some(CtaPairs::Off) => 1,
+        Some(CtaPairs::Queries) => 2,
+        Some(CtaPairs::Auto) => 3,
     };
     FORCED_PAIR.store(v, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// `None`: no pairs; `Some(heads)`: pairs, head pairs allowed or not: [`force_pair`]'s
-/// choice, else `MLX_NATIVE_CUDA_PAIR`'s (read once, by `settings`).
-fn pair_setting() -> Option<bool> {
-    let pair = match FORCED_PAIR.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => CudaPair::Off,
-        2 => CudaPair::Queries,
-        3 => CudaPair::Auto,
+/// The CTA-pair choice of a dispatch with `options`: its plan's `cta_pairs`, else
+/// [`force_pair`]'s, else `MLX_NATIVE_CUDA_PAIR`'s (read once, by `settings`).
+pub fn pairs_of(options: &RunOptions) -> CtaPairs {
+    options.cta_pairs.unwrap_or_else(|| match FORCED_PAIR.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => CtaPairs::Off,
+        2 => CtaPairs::Queries,
+        3 => CtaPairs::Auto,
         _ => crate::settings::get().cuda_pair,
-    };
-    match pair {
-        CudaPair::Off => None,
-        CudaPair::Queries => Some(false),
-        CudaPair::Auto => Some(true),
+    })
+}
+
+/// `None`: no pairs; `Some(heads)`: pairs, head pairs allowed or not ([`pairs_of`]).
+fn pair_setting(options: &RunOptions) -> Option<bool> {
+    match pairs_of(options) {
+        CtaPairs::Off => None,
+        CtaPairs::Queries => Some(false),
+        CtaPairs::Auto => Some(true),
     }
 }
 
@@ -358,7 +362,7 @@ pub fn attention_launch(
     workspace: Option<(u64, usize)>,
 ) -> Result<Launch> {
     let split = match workspace {
-        Some((addr, len)) => match kv_split::kv_split(p, dims, pc.ctx.multiprocessors.max(0) as u32, pc.hopper) {
+        Some((addr, len)) => match kv_split::kv_split(p, dims, pc.ctx.multiprocessors.max(0) as u32, pc.hopper, kv_split::forced_parts(&pc.options)) {
             Some(_) if !addr.is_multiple_of(16) => {
                 return Err(MlxError::InvalidArgument(format!(
                     "{name}: the workspace's address {addr:#x} is not a multiple of 16 bytes: allocate it on its own \
@@ -466,7 +470,7 @@ fn part_launch(
     let mut maps = None;
     let mut mode = None;
     let fixed = p.flags & PREFILL_VARLEN == 0;
-    if let Some(heads_allowed) = if variants && hopper && fixed { pair_setting() } else { None } {
+    if let Some(heads_allowed) = if variants && hopper && fixed { pair_setting(&pc.options) } else { None } {
         let (nkv, kvl, nb) = (p.n_kv_heads as u32, p.kv_len as u32, p.batch as u32);
         let km = kv_tensor_map(b.k, head_dim, nkv, kvl, nb, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]);
         let vm = kv_tensor_map(b.v, head_dim, nkv, kvl, nb, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]);

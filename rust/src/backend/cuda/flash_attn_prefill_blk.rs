@@ -17,7 +17,7 @@ pub const KERNELS: &[CudaKernel] = &[CudaKernel {
     shared_bytes: |_| None,
     prepare: |pc, d, _| prepare(pc, d),
     merge_entry: None,
-    workspace_bytes: super::launch::no_workspace,
+    split: super::launch::no_split,
 }];
 
 fn prepare(pc: &PrepareContext<'_>, d: &Dispatch) -> Result<Launch> {

@@ -4,7 +4,7 @@
 //! points, geometry and CTA-pair forms).
 
 use super::flash_attn_prefill::{attention_launch, attention_pointers, attention_shared_bytes};
-use super::launch::{contract, no_workspace, CudaKernel, Launch, PrepareContext, Variant};
+use super::launch::{contract, no_split, CudaKernel, Launch, PrepareContext, Variant};
 use crate::error::Result;
 use crate::interface::Dispatch;
 use crate::recorded::{Broken, RecordedTensor};
@@ -20,7 +20,7 @@ pub const KERNELS: &[CudaKernel] = &[
         shared_bytes: |hopper| attention_shared_bytes(256, 256, hopper),
         prepare: |pc, d, variants| prepare(pc, 256, d, variants),
         merge_entry: None,
-        workspace_bytes: no_workspace,
+        split: no_split,
     },
     CudaKernel {
         name: "flash_attn_prefill_tensor_f16_d512",
@@ -31,7 +31,7 @@ pub const KERNELS: &[CudaKernel] = &[
         shared_bytes: |hopper| attention_shared_bytes(512, 512, hopper),
         prepare: |pc, d, variants| prepare(pc, 512, d, variants),
         merge_entry: None,
-        workspace_bytes: no_workspace,
+        split: no_split,
     },
 ];
 

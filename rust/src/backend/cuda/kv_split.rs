@@ -11,20 +11,21 @@
 //! smaller one) nothing is split.
 
 use super::attention_geometry::attention_geometry;
+use crate::interface::RunOptions;
 use crate::params::{FlashAttnPrefillParamsGpu, PREFILL_LSE, PREFILL_OFFSET, PREFILL_SINKS, PREFILL_VARLEN};
 
 /// Most parts a walk is cut into (the merge reads each part's lse per row).
-pub const MAX_PARTS: u32 = 16;
+pub const MAX_PARTS: u32 = crate::options::MAX_KV_SPLITS;
 /// Fewest cache steps (of 64 rows) a part should walk: below this the merge and the
 /// partial epilogues cost more than the parallelism gives.
 pub const MIN_PART_STEPS: u32 = 16;
 
-/// `MLX_NATIVE_CUDA_KV_SPLITS` (`settings`): `N` (a power of two up to [`MAX_PARTS`]) cuts
-/// every walk into N parts whatever the shape, `0` or `1` never splits; unset, the shape
-/// decides. A development and test knob, read once per process (a plan's workspace and its
-/// runs must agree).
-fn forced_parts() -> Option<u32> {
-    crate::settings::get().cuda_kv_splits
+/// The parts a dispatch with `options` is forced to: its plan's `kv_splits`, else
+/// `MLX_NATIVE_CUDA_KV_SPLITS` (`settings`, read once per process: a plan's workspace and
+/// its runs must agree). `N` (a power of two up to [`MAX_PARTS`]) cuts every walk into N
+/// parts whatever the shape, `0` or `1` never splits; `None`: the shape decides.
+pub fn forced_parts(options: &RunOptions) -> Option<u32> {
+    options.kv_splits.or(crate::settings::get().cuda_kv_splits)
 }
 
 /// How one launch splits: `parts` (a power of two from 2 to [`MAX_PARTS`]) and the
@@ -122,7 +123,8 @@ fn longest_walk(p: &FlashAttnPrefillParamsGpu, tile_rows: u32) -> u32 {
 }
 
 /// The split of a launch of `p` at head dims `dims` on a GPU of `multiprocessors` SMs in
-/// the Hopper form or not, `None` for none. Unforced: when the CTAs fill at most half the
+/// the Hopper form or not, `None` for none. `forced` ([`forced_parts`]): that many parts
+/// where the launch can take them. Unforced: when the CTAs fill at most half the
 /// GPU's CTA slots, the most parts (a power of two) that fit in them once, each of at
 /// least [`MIN_PART_STEPS`] steps of the longest walk, at most [`MAX_PARTS`].
 pub fn kv_split(
@@ -130,10 +132,11 @@ pub fn kv_split(
     dims: (u32, u32),
     multiprocessors: u32,
     hopper: bool,
+    forced: Option<u32>,
 ) -> Option<KvSplit> {
     let (rows, heads, kv_heads) = (p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32);
     let geo = attention_geometry(dims, rows, heads, kv_heads, hopper).ok()?;
-    let parts = match forced_parts() {
+    let parts = match forced {
         Some(n) => n.min(MAX_PARTS),
         None => {
             let ctas = geo.q_tiles as u64 * geo.head_groups as u64 * p.batch.max(1) as u64;
@@ -161,15 +164,26 @@ pub fn kv_split(
 
 /// Bytes of workspace a launch of the params block `params` at head dims `dims` can use
 /// (0: it is not split), for [`super::launch::CudaKernel::workspace_bytes`].
-pub fn workspace_bytes(dims: (u32, u32), hopper: bool, multiprocessors: u32, params: &[u8]) -> u64 {
+pub fn workspace_bytes(dims: (u32, u32), hopper: bool, multiprocessors: u32, params: &[u8], forced: Option<u32>) -> u64 {
+    split_of(dims, hopper, multiprocessors, params, forced).map_or(0, |s| s.bytes())
+}
+
+/// The split of a launch of the params block `params` (as [`workspace_bytes`] reads it),
+/// for [`super::launch::CudaKernel::split`]; `None` for a block of another size or one no
+/// op makes.
+pub fn split_of(
+    dims: (u32, u32),
+    hopper: bool,
+    multiprocessors: u32,
+    params: &[u8],
+    forced: Option<u32>,
+) -> Option<KvSplit> {
     if params.len() != std::mem::size_of::<FlashAttnPrefillParamsGpu>() {
-        return 0;
+        return None;
     }
     let p: FlashAttnPrefillParamsGpu = bytemuck::pod_read_unaligned(params);
-    if p.extents().is_none() {
-        return 0;
-    }
-    kv_split(&p, dims, multiprocessors, hopper).map_or(0, |s| s.bytes())
+    p.extents()?;
+    kv_split(&p, dims, multiprocessors, hopper, forced)
 }
 
 #[cfg(test)]
@@ -226,7 +240,7 @@ mod tests {
         // 512 rows x 8/8 heads at 256 against 64k (causal): 4 tiles x 8 heads = 32 CTAs on
         // 132 SMs -> 4 parts (128 CTAs); the walk of 1024 steps allows 16.
         let p = block(1, 512, 65_536, 8, 8, 256, PREFILL_CAUSAL);
-        let s = kv_split(&p, (256, 256), 132, true).unwrap();
+        let s = kv_split(&p, (256, 256), 132, true, None).unwrap();
         assert_eq!(s.parts, 4);
         assert_eq!(s.log2(), 2);
         assert_eq!((s.o_elems, s.lse_elems), (512 * 8 * 256, 512 * 8));
@@ -235,35 +249,35 @@ mod tests {
         // Two CTAs per SM at head dim 128 (the Hopper form): 40 rows x 32/8 heads -> 8 CTAs,
         // 264 slots -> 16 parts, at most MAX_PARTS; the portable form holds one -> 16 too.
         let p = block(1, 40, 65_536, 32, 8, 128, PREFILL_CAUSAL);
-        assert_eq!(kv_split(&p, (128, 128), 132, true).unwrap().parts, MAX_PARTS);
+        assert_eq!(kv_split(&p, (128, 128), 132, true, None).unwrap().parts, MAX_PARTS);
         // 3 parts fit: the power of two below, 2.
         let p = block(1, 5 * 128, 65_536, 8, 8, 256, PREFILL_CAUSAL);
         let geo = attention_geometry((256, 256), 640, 8, 8, true).unwrap();
         assert_eq!(geo.q_tiles * geo.head_groups, 40);
-        assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 2);
+        assert_eq!(kv_split(&p, (256, 256), 132, true, None).unwrap().parts, 2);
     }
 
     #[test]
     fn full_grids_and_short_walks_do_not_split() {
         // 16k rows fill the GPU many times over.
-        assert_eq!(kv_split(&block(1, 16_384, 16_384, 8, 8, 256, PREFILL_CAUSAL), (256, 256), 132, true), None);
+        assert_eq!(kv_split(&block(1, 16_384, 16_384, 8, 8, 256, PREFILL_CAUSAL), (256, 256), 132, true, None), None);
         // A cache of 1024 rows: 16 steps, one part's worth.
-        assert_eq!(kv_split(&block(1, 64, 1024, 8, 8, 256, 0), (256, 256), 132, true), None);
+        assert_eq!(kv_split(&block(1, 64, 1024, 8, 8, 256, 0), (256, 256), 132, true, None), None);
         // A window of 1024 against a 64k cache: the walk is the window's 17 steps.
         let mut p = block(1, 64, 65_536, 8, 8, 256, PREFILL_CAUSAL);
         p.window = 1024;
-        assert_eq!(kv_split(&p, (256, 256), 132, true), None);
+        assert_eq!(kv_split(&p, (256, 256), 132, true, None), None);
         // The same window of 4096: 65 steps -> 4 parts by the walk, 16 by the slots.
         p.window = 4096;
-        assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 4);
+        assert_eq!(kv_split(&p, (256, 256), 132, true, None).unwrap().parts, 4);
         // A batch of 64 such chunks fills it too.
-        assert_eq!(kv_split(&block(64, 512, 65_536, 8, 8, 256, PREFILL_CAUSAL), (256, 256), 132, true), None);
+        assert_eq!(kv_split(&block(64, 512, 65_536, 8, 8, 256, PREFILL_CAUSAL), (256, 256), 132, true, None), None);
         // Causal with an offset that puts the chunk at the cache's start: a short walk.
         let mut p = block(1, 64, 65_536, 8, 8, 256, PREFILL_CAUSAL | PREFILL_OFFSET);
         p.offset = 100;
-        assert_eq!(kv_split(&p, (256, 256), 132, true), None);
+        assert_eq!(kv_split(&p, (256, 256), 132, true, None), None);
         p.offset = 40_000;
-        assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 16);
+        assert_eq!(kv_split(&p, (256, 256), 132, true, None).unwrap().parts, 16);
     }
 
     #[test]
@@ -273,24 +287,24 @@ mod tests {
         // step (1024) -> 16 parts, as the slots allow.
         let mut p = block(1, 64, 65_536, 8, 8, 256, PREFILL_WINDOW_RIGHT);
         p.window_right = 4096;
-        assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 16);
+        assert_eq!(kv_split(&p, (256, 256), 132, true, None).unwrap().parts, 16);
         // The chunk at the cache's start (offset 0), left 1024, right 3071: steps 0..=48 -> 3
         // parts by the walk, the power of two below: 2.
         let mut p = block(1, 64, 65_536, 8, 8, 256, PREFILL_WINDOW_RIGHT | PREFILL_OFFSET);
         (p.window, p.window_right, p.offset) = (1025, 3071, 0);
-        assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 2);
+        assert_eq!(kv_split(&p, (256, 256), 132, true, None).unwrap().parts, 2);
         // A window without a right side: the first query tile walks the most (to the cache's
         // end from 1599 rows before its first row: 33 steps -> 2 parts; the last tile's 27
         // would not split).
         let mut p = block(1, 512, 65_536, 8, 8, 256, 0);
         p.window = 1600;
-        assert_eq!(kv_split(&p, (256, 256), 132, true).unwrap().parts, 2);
+        assert_eq!(kv_split(&p, (256, 256), 132, true, None).unwrap().parts, 2);
     }
 
     #[test]
     fn the_parts_write_f32_o_and_lse_without_sinks_to_the_workspace() {
         let p = block(2, 40, 4096, 8, 2, 128, PREFILL_CAUSAL | PREFILL_SINKS | PREFILL_MASK);
-        let s = kv_split(&p, (128, 128), 132, true).unwrap();
+        let s = kv_split(&p, (128, 128), 132, true, None).unwrap();
         assert_eq!((s.o_elems, s.lse_elems), (2 * 40 * 8 * 128, 2 * 40 * 8));
         let w = s.part_params(&p);
         assert_eq!(w.o_dtype, 0);
@@ -312,7 +326,7 @@ mod tests {
         // Variable length: rows are the total, the batch strides 0, lse [heads, total].
         let mut v = block(3, 100, 9000, 8, 2, 256, PREFILL_CAUSAL | PREFILL_VARLEN);
         v.max_rows = 50;
-        let s = kv_split(&v, (256, 256), 132, true).unwrap();
+        let s = kv_split(&v, (256, 256), 132, true, None).unwrap();
         assert_eq!((s.o_elems, s.lse_elems), (100 * 8 * 256, 100 * 8));
         let w = s.part_params(&v);
         assert_eq!((w.o_batch_stride, w.lse_batch_stride, w.lse_head_stride), (0, 0, 100));
@@ -321,13 +335,32 @@ mod tests {
     #[test]
     fn the_workspace_is_asked_of_a_params_block_by_its_bytes() {
         let p = block(1, 512, 65_536, 8, 8, 256, PREFILL_CAUSAL);
-        let bytes = workspace_bytes((256, 256), true, 132, bytemuck::bytes_of(&p));
-        assert_eq!(bytes, kv_split(&p, (256, 256), 132, true).unwrap().bytes());
-        assert_eq!(workspace_bytes((256, 256), true, 132, &bytemuck::bytes_of(&p)[1..]), 0, "a block of another size");
+        let bytes = workspace_bytes((256, 256), true, 132, bytemuck::bytes_of(&p), None);
+        assert_eq!(bytes, kv_split(&p, (256, 256), 132, true, None).unwrap().bytes());
+        assert_eq!(workspace_bytes((256, 256), true, 132, &bytemuck::bytes_of(&p)[1..], None), 0, "a block of another size");
         let mut bad = p;
         bad.rows = -1;
-        assert_eq!(workspace_bytes((256, 256), true, 132, bytemuck::bytes_of(&bad)), 0, "a block no op makes");
+        assert_eq!(workspace_bytes((256, 256), true, 132, bytemuck::bytes_of(&bad), None), 0, "a block no op makes");
         let big = block(1, 16_384, 16_384, 8, 8, 256, PREFILL_CAUSAL);
-        assert_eq!(workspace_bytes((256, 256), true, 132, bytemuck::bytes_of(&big)), 0);
+        assert_eq!(workspace_bytes((256, 256), true, 132, bytemuck::bytes_of(&big), None), 0);
+    }
+
+    /// A plan's `kv_splits` forces the parts whatever the shape (where the launch can take
+    /// them), `0` or `1` never splits a shape that would; it beats the variable.
+    #[test]
+    fn forced_parts_override_the_shape() {
+        let full = block(1, 16_384, 16_384, 8, 8, 256, PREFILL_CAUSAL); // fills the GPU: unsplit
+        assert_eq!(kv_split(&full, (256, 256), 132, true, None), None);
+        for n in [2, 4, 16] {
+            assert_eq!(kv_split(&full, (256, 256), 132, true, Some(n)).unwrap().parts, n);
+        }
+        let chunk = block(1, 512, 65_536, 8, 8, 256, PREFILL_CAUSAL); // a chunk: split by itself
+        assert!(kv_split(&chunk, (256, 256), 132, true, None).is_some());
+        for n in [0, 1] {
+            assert_eq!(kv_split(&chunk, (256, 256), 132, true, Some(n)), None);
+        }
+        let o = RunOptions { kv_splits: Some(8), ..RunOptions::default() };
+        assert_eq!(forced_parts(&o), Some(8));
+        assert_eq!(forced_parts(&RunOptions::default()), crate::settings::get().cuda_kv_splits);
     }
 }

@@ -9,10 +9,11 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
+use super::kv_split::KvSplit;
 use super::memory::CudaMemory;
 use super::CudaContext;
 use crate::error::{MlxError, Result};
-use crate::interface::{BoundArg, BufferBinding, Dispatch};
+use crate::interface::{BoundArg, BufferBinding, Dispatch, RunOptions};
 
 /// How the CUDA backend runs one named kernel.
 pub struct CudaKernel {
@@ -36,10 +37,12 @@ pub struct CudaKernel {
     /// The entry point of the same source that a [`Launch::merge`] launches (the
     /// attention's split-KV merge), if the kernel has one.
     pub merge_entry: Option<&'static str>,
-    /// Bytes of workspace a dispatch with this constant block (index 0) can use (the
-    /// attention's split-KV parts; 0: none), on a device of `multiprocessors` running the
-    /// kernel's Hopper form or not. The op's plan reports it; the caller brings one per run.
-    pub workspace_bytes: fn(hopper: bool, multiprocessors: u32, params: &[u8]) -> u64,
+    /// How a dispatch with this constant block (index 0) splits its walk over the cache
+    /// (the attention's split-KV parts, whose workspace the op's plan reports and the caller
+    /// brings to each run; `None`: it does not), on a device of `multiprocessors` running
+    /// the kernel's Hopper form or not, its parts forced to `forced_splits` where given
+    /// ([`super::kv_split::forced_parts`]).
+    pub split: fn(hopper: bool, multiprocessors: u32, params: &[u8], forced_splits: Option<u32>) -> Option<KvSplit>,
 }
 
 /// An entry point a kernel may launch instead of its plain one, named `<entry><suffix>`.
@@ -76,9 +79,9 @@ impl Variant {
     }
 }
 
-/// The workspace of a kernel that has no use for one.
-pub fn no_workspace(_: bool, _: u32, _: &[u8]) -> u64 {
-    0
+/// The split of a kernel that never splits.
+pub fn no_split(_: bool, _: u32, _: &[u8], _: Option<u32>) -> Option<KvSplit> {
+    None
 }
 
 /// What [`CudaKernel::prepare`] may consult besides the dispatch.
@@ -87,6 +90,8 @@ pub struct PrepareContext<'a> {
     /// The kernel runs its Hopper (wgmma) form: the module was built for sm_90a and the
     /// kernel has one.
     pub hopper: bool,
+    /// The dispatch's run options (its plan's): the CTA pairs and KV splits it allows.
+    pub options: RunOptions,
 }
 
 /// One launch, ready: geometry and the bytes of each kernel parameter.

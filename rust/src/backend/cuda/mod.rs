@@ -21,7 +21,10 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{MlxError, Result};
-use crate::interface::{Backend, BackendKind, Dispatch, KernelSource, Memory, Pipeline, SourceFile};
+use crate::interface::{
+    Backend, BackendKind, Choices, Dispatch, KernelSource, Memory, Pipeline, RunOptions, SourceFile,
+};
+use crate::options::CudaForm;
 
 pub mod attention_geometry;
 pub mod driver;
@@ -164,15 +167,14 @@ impl CudaContext {
     /// the wgmma form of the attention), `sm_XY` elsewhere. `MLX_NATIVE_CUDA_ARCH`
     /// overrides it (`sm_90` on a Hopper GPU runs the portable mma.sync form).
     pub fn arch(&self) -> String {
-        if let Some(a) = &crate::settings::get().cuda_arch {
-            return a.clone();
-        }
-        let (maj, min) = self.compute_capability;
-        if (maj, min) == (9, 0) {
-            "sm_90a".into()
-        } else {
-            format!("sm_{maj}{min}")
-        }
+        self.arch_for(None)
+    }
+
+    /// The NVRTC target for a plan's `cuda_form`: the portable form is built for the
+    /// device's plain architecture (`sm_90` on Hopper, never the `a` target the wgmma form
+    /// needs); `Auto` or none is [`arch`](Self::arch)'s rule.
+    pub fn arch_for(&self, form: Option<CudaForm>) -> String {
+        arch_of(self.compute_capability, form, crate::settings::get().cuda_arch.as_deref())
     }
 
     /// Wait for everything queued on this device's stream.
@@ -232,6 +234,24 @@ impl CudaContext {
     }
 }
 
+/// The NVRTC target of a device of compute capability `cc` for the form `form`, with
+/// `MLX_NATIVE_CUDA_ARCH`'s value `env` (an override of the default form, which an explicit
+/// `Portable` beats).
+pub fn arch_of(cc: (i32, i32), form: Option<CudaForm>, env: Option<&str>) -> String {
+    let (maj, min) = cc;
+    match (form, env) {
+        (Some(CudaForm::Portable), _) => format!("sm_{maj}{min}"),
+        (_, Some(a)) => a.to_string(),
+        _ if cc == (9, 0) => "sm_90a".into(),
+        _ => format!("sm_{maj}{min}"),
+    }
+}
+
+/// Whether a kernel built for `arch` runs its Hopper (wgmma) form, where it has one.
+pub fn is_hopper_arch(arch: &str) -> bool {
+    arch == "sm_90a"
+}
+
 fn load_module(d: &Driver, cubin: &[u8]) -> Result<CuModule> {
     let mut m: CuModule = std::ptr::null_mut();
     // SAFETY: a complete cubin image in memory.
@@ -257,6 +277,8 @@ pub struct CudaPipeline {
     entry: String,
     merge_entry: Option<&'static str>,
     arch: String,
+    /// Its source, for the same kernel in another form (a plan's `cuda_form`).
+    src: SourceFile,
 }
 
 // SAFETY: function handles of a module that lives as long as its context.
@@ -266,12 +288,29 @@ unsafe impl Sync for CudaPipeline {}
 /// A CUDA device.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
+    /// Kernels built in another form than the device's own (a plan's `cuda_form`), by name
+    /// and architecture, built on first use.
+    other_forms: Mutex<HashMap<(String, String), Pipeline>>,
 }
 
 impl CudaBackend {
     /// Open device `ordinal`.
     pub fn open(ordinal: i32) -> Result<Self> {
-        Ok(CudaBackend { ctx: CudaContext::get(ordinal)? })
+        Ok(CudaBackend { ctx: CudaContext::get(ordinal)?, other_forms: Mutex::new(HashMap::new()) })
+    }
+
+    /// The pipeline of `p`'s kernel built for `arch` (`p` itself where it was).
+    fn in_form(&self, pipeline: &Pipeline, p: &CudaPipeline, arch: String) -> Result<Pipeline> {
+        if p.arch == arch {
+            return Ok(pipeline.clone());
+        }
+        let key = (pipeline.name().to_string(), arch);
+        if let Some(other) = self.other_forms.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(other.clone());
+        }
+        let other = self.build(pipeline.name(), p.src, &key.1)?;
+        self.other_forms.lock().unwrap_or_else(|e| e.into_inner()).insert(key, other.clone());
+        Ok(other)
     }
 
     /// The device's context.
@@ -349,10 +388,56 @@ impl Backend for CudaBackend {
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
         let src =
             source.cuda.ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
+        self.build(name, src, &self.ctx.arch())
+    }
+
+    fn choices(&self, kernel_name: &str, params: &[u8], options: &RunOptions) -> Choices {
+        let arch = self.ctx.arch_for(options.cuda_form);
+        let k = kernel(kernel_name);
+        let hopper = is_hopper_arch(&arch) && k.is_some_and(|k| k.hopper_form);
+        let sms = self.ctx.multiprocessors.max(0) as u32;
+        let split = k.and_then(|k| (k.split)(hopper, sms, params, kv_split::forced_parts(options)));
+        // Pairs run only in the Hopper form of a kernel that has them (and where TMA can
+        // address K and V, which each run decides from its addresses).
+        let pairs = if hopper && k.is_some_and(|k| !k.hopper_variants.is_empty()) {
+            flash_attn_prefill::pairs_of(options).name()
+        } else {
+            "off"
+        };
+        Choices {
+            workspace: split.map_or(0, |s| s.bytes()),
+            report: vec![
+                ("form", if hopper { "hopper" } else { "portable" }.into()),
+                ("arch", arch),
+                ("pairs", pairs.into()),
+                ("splits", split.map_or(1, |s| s.parts).to_string()),
+            ],
+        }
+    }
+
+    fn workspace_bytes(&self, kernel_name: &str, params: &[u8]) -> u64 {
+        self.choices(kernel_name, params, &RunOptions::default()).workspace
+    }
+
+    fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {
+        self.launch_all(dispatches, self.ctx.stream)?;
+        self.ctx.synchronize()
+    }
+
+    fn execute_on(&self, dispatches: &[Dispatch], stream: u64) -> Result<()> {
+        // A stream of another library in this process: launching on it neither waits nor
+        // allocates, so it can be captured in a CUDA graph.
+        self.launch_all(dispatches, stream as usize as CuStream)
+    }
+}
+
+impl CudaBackend {
+    /// The pipeline of kernel `name` from `src`, built for `arch`.
+    fn build(&self, name: &str, src: SourceFile, arch: &str) -> Result<Pipeline> {
         let kernel = kernel(name);
-        let arch = self.ctx.arch();
+        let arch = arch.to_string();
         // The Hopper form runs where the module is built for sm_90a and the kernel has one.
-        let hopper = arch == "sm_90a" && kernel.is_some_and(|k| k.hopper_form);
+        let hopper = is_hopper_arch(&arch) && kernel.is_some_and(|k| k.hopper_form);
         let function = self.ctx.function(src, kernel.map_or(name, |k| k.entry), &arch)?;
         let d = self.ctx.bind()?;
         let entry = kernel.map_or(name, |k| k.entry);
@@ -402,39 +487,22 @@ impl Backend for CudaBackend {
                 entry: entry.to_string(),
                 merge_entry: kernel.and_then(|k| k.merge_entry),
                 arch,
+                src,
             }),
         ))
     }
 
-    fn workspace_bytes(&self, kernel_name: &str, params: &[u8]) -> u64 {
-        let Some(k) = kernel(kernel_name) else { return 0 };
-        let hopper = self.ctx.arch() == "sm_90a" && k.hopper_form;
-        (k.workspace_bytes)(hopper, self.ctx.multiprocessors.max(0) as u32, params)
-    }
-
-    fn execute(&self, dispatches: &[Dispatch]) -> Result<()> {
-        self.launch_all(dispatches, self.ctx.stream)?;
-        self.ctx.synchronize()
-    }
-
-    fn execute_on(&self, dispatches: &[Dispatch], stream: u64) -> Result<()> {
-        // A stream of another library in this process: launching on it neither waits nor
-        // allocates, so it can be captured in a CUDA graph.
-        self.launch_all(dispatches, stream as usize as CuStream)
-    }
-}
-
-impl CudaBackend {
     /// Launch the dispatches in order on `stream`, without waiting.
     fn launch_all(&self, dispatches: &[Dispatch], stream: CuStream) -> Result<()> {
         let d = self.ctx.bind()?;
         for dispatch in dispatches {
-            let p = dispatch.pipeline.inner::<CudaPipeline>().ok_or_else(|| {
-                MlxError::InvalidArgument(format!(
-                    "pipeline {} was not built by the CUDA backend",
-                    dispatch.pipeline.name()
-                ))
-            })?;
+            let mut p = cuda_pipeline(&dispatch.pipeline)?;
+            // The form the dispatch's options ask for (its plan's `cuda_form`), built once.
+            let other;
+            if let Some(form) = dispatch.options.cuda_form {
+                other = self.in_form(&dispatch.pipeline, p, self.ctx.arch_for(Some(form)))?;
+                p = cuda_pipeline(&other)?;
+            }
             if !Arc::ptr_eq(&p.ctx, &self.ctx) {
                 return Err(MlxError::InvalidArgument(format!(
                     "pipeline {} was built for another CUDA device",
@@ -472,7 +540,7 @@ impl CudaBackend {
                     ))
                 }),
             };
-            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper };
+            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper, options: dispatch.options };
             let prepare = |variants: bool| match p.kernel {
                 Some(k) => (k.prepare)(&pc, dispatch, variants && !p.variants.is_empty()),
                 None => launch::launch_as_encoded(&self.ctx, dispatch),
@@ -529,6 +597,13 @@ impl CudaBackend {
     }
 }
 
+/// The CUDA state of `pipeline`, which another backend's is not.
+fn cuda_pipeline(pipeline: &Pipeline) -> Result<&CudaPipeline> {
+    pipeline.inner::<CudaPipeline>().ok_or_else(|| {
+        MlxError::InvalidArgument(format!("pipeline {} was not built by the CUDA backend", pipeline.name()))
+    })
+}
+
 /// Compile the CUDA sources `files` for `arch` (no device needed): the compiler's report
 /// (ptxas resource usage per entry point), or the first compile error. A file that
 /// [`crate::settings::CUDA_SOURCE_DIR`] replaces is compiled in its replaced form, as a device would run it.
@@ -553,5 +628,32 @@ mod tests {
         for bad in ["cuda:", "cuda:-1", "cuda:x", "cuda3", "cpu"] {
             assert!(matches!(parse_name(bad), Err(MlxError::DeviceNotFound(_))), "{bad}");
         }
+    }
+
+    /// A plan's `cuda_form`: `portable` builds for the plain target (sm_90 on Hopper: the
+    /// mma.sync form) whatever `MLX_NATIVE_CUDA_ARCH` says; left to the default, the
+    /// variable overrides the device's own target, and Hopper's own is sm_90a.
+    #[test]
+    fn the_cuda_form_option_picks_the_target() {
+        let portable = Some(CudaForm::Portable);
+        assert_eq!(arch_of((9, 0), None, None), "sm_90a");
+        assert!(is_hopper_arch(&arch_of((9, 0), Some(CudaForm::Auto), None)));
+        assert_eq!(arch_of((9, 0), portable, None), "sm_90");
+        assert_eq!(arch_of((9, 0), portable, Some("sm_90a")), "sm_90", "the option beats the variable");
+        assert_eq!(arch_of((9, 0), None, Some("sm_90")), "sm_90", "the variable overrides the default");
+        assert_eq!(arch_of((8, 0), None, None), "sm_80");
+        assert_eq!(arch_of((8, 0), portable, None), "sm_80");
+        assert!(!is_hopper_arch(&arch_of((9, 0), portable, None)));
+    }
+
+    /// A plan's `cta_pairs` beats the process-wide switch (`force_pair`) and the variable.
+    #[test]
+    fn the_cta_pairs_option_beats_the_switch() {
+        use crate::options::CtaPairs;
+        for p in [CtaPairs::Auto, CtaPairs::Off, CtaPairs::Queries] {
+            let o = RunOptions { cta_pairs: Some(p), ..RunOptions::default() };
+            assert_eq!(flash_attn_prefill::pairs_of(&o), p);
+        }
+        assert_eq!(flash_attn_prefill::pairs_of(&RunOptions::default()), crate::settings::get().cuda_pair);
     }
 }

@@ -182,11 +182,10 @@ pub(super) fn packed_len<const DK: usize, const DV: usize>(lk: usize) -> usize {
 /// emulated tiles) and K/V are BF16 (their pairs are the rows' own bits, one part each): an
 /// item then reads each step's K and V^T where they were packed once, instead of packing
 /// them itself as every item that sees the step did (up to 16 items at 2048 rows).
-pub(super) fn pick_pack<const DK: usize, const DV: usize>(kv: Kv) -> Option<PackFn> {
+pub(super) fn pick_pack<const DK: usize, const DV: usize>(kv: Kv, isa: &'static str) -> Option<PackFn> {
     if kv != Kv::BF16 {
         return None;
     }
-    let isa = super::simd::selected_isa();
     #[cfg(target_arch = "x86_64")]
     {
         if isa == super::simd::AMX || (isa == super::simd::AMX_EMULATED && super::simd::has_avx512()) {
@@ -218,9 +217,8 @@ unsafe fn pack_portable<const DK: usize, const DV: usize>(pb: &Problem, seq: &Se
 /// The work-item function for the instruction set in use.
 pub(super) type ItemFn = unsafe fn(&Problem, &Seq, usize, usize, &mut Scratch);
 
-/// The work item at head dims (`DK`, `DV`) for the instruction set in use.
-pub(super) fn pick<const DK: usize, const DV: usize>() -> ItemFn {
-    let isa = super::simd::selected_isa();
+/// The work item at head dims (`DK`, `DV`) for the instruction set `isa`.
+pub(super) fn pick<const DK: usize, const DV: usize>(isa: &'static str) -> ItemFn {
     if isa == super::simd::AMX_EMULATED {
         return pick_emulated::<DK, DV>();
     }
