@@ -23,13 +23,13 @@ use crate::dtypes::DType;
 use crate::encoder::CommandEncoder;
 use crate::error::{MlxError, Result};
 use crate::kernel_registry::KernelRegistry;
-use crate::options::{kv_splits_ok, CtaPairs, CudaForm, RunOptions};
 use crate::ops::flash_attn_prefill::{
     self as prefill, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillOperands,
 };
 use crate::ops::flash_attn_prefill_blk::{self, FlashAttnPrefillBlkParams};
 use crate::ops::flash_attn_prefill_plan::{FlashAttnPrefillPlan, PrefillRunBuffers};
 use crate::ops::flash_attn_prefill_tensor::{self as fa, FlashAttnPrefillTensorParams};
+use crate::options::{kv_splits_ok, CtaPairs, CudaForm, RunOptions};
 
 /// Most dimensions a buffer's shape may have through the C ABI.
 pub const MLXN_MAX_DIMS: usize = 8;

@@ -255,7 +255,10 @@ pub trait Backend: Send + Sync {
     /// and the choices it made, by name (`form`, `pairs`, `splits`, `isa`).
     fn choices(&self, kernel_name: &str, params: &[u8], options: &RunOptions) -> Choices {
         let _ = options;
-        Choices { workspace: self.workspace_bytes(kernel_name, params), report: vec![("form", self.kind().name().into())] }
+        Choices {
+            workspace: self.workspace_bytes(kernel_name, params),
+            report: vec![("form", self.kind().name().into())],
+        }
     }
     /// Run the dispatches in order on the caller's stream (a CUDA stream handle) and return
     /// without waiting for them: the stream orders what the caller queues after. Backends

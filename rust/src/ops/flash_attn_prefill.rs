@@ -25,8 +25,8 @@ use crate::buffer::MlxBuffer;
 use crate::device::MlxDevice;
 use crate::dtypes::DType;
 use crate::encoder::{as_bytes, CommandEncoder, GridSize, KernelArg, RunOptions};
-use crate::interface::Choices;
 use crate::error::{MlxError, Result};
+use crate::interface::Choices;
 use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 pub use crate::params::PrefillExtents;
 use crate::params::{

@@ -19,8 +19,8 @@ use crate::kernel_registry::KernelRegistry;
 
 use super::flash_attn_prefill::{
     check_workspace, choices, dispatch_flash_attn_prefill_mask_blk, encode_validated, sequence_lengths,
-    validate_buffers, validate_shapes, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents, PrefillOperands,
-    ValidatedPrefill,
+    validate_buffers, validate_shapes, FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillExtents,
+    PrefillOperands, ValidatedPrefill,
 };
 
 /// One planned prefill on one device.
@@ -97,7 +97,15 @@ impl FlashAttnPrefillPlan {
             None => None,
         };
         let choices = choices(device, &validated, &options);
-        Ok(FlashAttnPrefillPlan { device: device.clone(), params: *params, validated, blk, cu_seqlens, options, choices })
+        Ok(FlashAttnPrefillPlan {
+            device: device.clone(),
+            params: *params,
+            validated,
+            blk,
+            cu_seqlens,
+            options,
+            choices,
+        })
     }
 
     /// The device the plan runs on.

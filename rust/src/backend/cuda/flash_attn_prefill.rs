@@ -12,10 +12,9 @@
 use std::ffi::c_void;
 
 pub use super::attention_geometry::{
-    attention_cta_rows, attention_geometry, attention_shared_bytes, pair_cta_rows, pair_geometry,
+    attention_cta_rows, attention_geometry, attention_shared_bytes, has_wide_entries, pair_cta_rows, pair_geometry,
     pair_queries_geometry, pair_shared_bytes, pair_walk_fits, plain_shared_bytes, wide_form, ws_consumers, ws_form,
-    ws_threads,
-    AttentionGeometry, WS_CONSUMERS_D64, WS_SHARED_BYTES,
+    ws_threads, AttentionGeometry, WS_CONSUMERS_D64, WS_SHARED_BYTES,
 };
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
@@ -24,12 +23,12 @@ use super::launch::{
 };
 use crate::error::{MlxError, Result};
 use crate::interface::{Dispatch, RunOptions};
+pub use crate::options::CtaPairs;
 use crate::params::{
     FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
     PREFILL_WINDOW_RIGHT,
 };
 use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
-pub use crate::options::CtaPairs;
 
 /// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
 /// has the wgmma form on sm_90a and its CTA-pair variants (`<entry>_pair_heads`,
@@ -362,7 +361,13 @@ pub fn attention_launch(
     workspace: Option<(u64, usize)>,
 ) -> Result<Launch> {
     let split = match workspace {
-        Some((addr, len)) => match kv_split::kv_split(p, dims, pc.ctx.multiprocessors.max(0) as u32, pc.hopper, kv_split::forced_parts(&pc.options)) {
+        Some((addr, len)) => match kv_split::kv_split(
+            p,
+            dims,
+            pc.ctx.multiprocessors.max(0) as u32,
+            pc.hopper,
+            kv_split::forced_parts(&pc.options),
+        ) {
             Some(_) if !addr.is_multiple_of(16) => {
                 return Err(MlxError::InvalidArgument(format!(
                     "{name}: the workspace's address {addr:#x} is not a multiple of 16 bytes: allocate it on its own \
@@ -726,7 +731,7 @@ mod tests {
             assert!(k.hopper_form, "{name}");
             let mut want = vec![format!("{name}_pair_heads"), format!("{name}_pair_queries")];
             // Head dim 128 also has them in the shape without the explicit mask's tiles.
-            if wide_form(if name.contains("d128") { 128 } else { 64 }) {
+            if has_wide_entries(if name.contains("d128") { 128 } else { 64 }) {
                 want.extend([format!("{name}_pair_heads_wide"), format!("{name}_pair_queries_wide")]);
                 for m in PairMode::ALL {
                     assert_eq!(m.variant(true).entry(k.entry), format!("{}_wide", m.variant(false).entry(k.entry)));

@@ -164,7 +164,13 @@ pub fn kv_split(
 
 /// Bytes of workspace a launch of the params block `params` at head dims `dims` can use
 /// (0: it is not split), for [`super::launch::CudaKernel::workspace_bytes`].
-pub fn workspace_bytes(dims: (u32, u32), hopper: bool, multiprocessors: u32, params: &[u8], forced: Option<u32>) -> u64 {
+pub fn workspace_bytes(
+    dims: (u32, u32),
+    hopper: bool,
+    multiprocessors: u32,
+    params: &[u8],
+    forced: Option<u32>,
+) -> u64 {
     split_of(dims, hopper, multiprocessors, params, forced).map_or(0, |s| s.bytes())
 }
 
@@ -337,7 +343,11 @@ mod tests {
         let p = block(1, 512, 65_536, 8, 8, 256, PREFILL_CAUSAL);
         let bytes = workspace_bytes((256, 256), true, 132, bytemuck::bytes_of(&p), None);
         assert_eq!(bytes, kv_split(&p, (256, 256), 132, true, None).unwrap().bytes());
-        assert_eq!(workspace_bytes((256, 256), true, 132, &bytemuck::bytes_of(&p)[1..], None), 0, "a block of another size");
+        assert_eq!(
+            workspace_bytes((256, 256), true, 132, &bytemuck::bytes_of(&p)[1..], None),
+            0,
+            "a block of another size"
+        );
         let mut bad = p;
         bad.rows = -1;
         assert_eq!(workspace_bytes((256, 256), true, 132, bytemuck::bytes_of(&bad), None), 0, "a block no op makes");
