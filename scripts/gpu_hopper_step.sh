@@ -26,7 +26,7 @@
 # A change of the CUDA sources alone needs no second wheel: BRANCH_SRC=DIR gives builds B, C
 # and D the sources in DIR (MLX_NATIVE_CUDA_SOURCE_DIR; e.g. the working tree's shaders/
 # beside main's wheel). DEFS_C / DEFS_D and NAME_C / NAME_D replace C's and D's defines and
-# names; TEST_BUILD (default B) is the build the CUDA tests run. BUILDS and CASES narrow the
+# names (DEFS_B / NAME_B B's); TEST_BUILD (default B) is the build the CUDA tests run. BUILDS and CASES narrow the
 # timing (e.g. BUILDS="A B" CASES="causal-64 causal-128" ROUNDS=1), T_TESTS=0 skips the
 # tests, EXTRA=0 the F16-Q and explicit-mask rounds.
 #
@@ -50,9 +50,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader |
 # whose machine code at 64 and 128 is main's (ptxas and the disassembly compared), with the
 # branch's bench (main's has no --described); d256 then runs its one-CTA form too.
 declare -A SITE=([A]=/tmp/hs-main [B]=/tmp/hs-branch [C]=/tmp/hs-branch [D]=/tmp/hs-branch)
-declare -A DEFS=([A]="" [B]="" [C]="${DEFS_C--DMLXN_WS_N_D64=64 -DMLXN_WS_N_D128=64}" [D]="${DEFS_D--DMLXN_WS_OVERLAP=0}")
+declare -A DEFS=([A]="" [B]="${DEFS_B:-}" [C]="${DEFS_C--DMLXN_WS_N_D64=64 -DMLXN_WS_N_D128=64}" [D]="${DEFS_D--DMLXN_WS_OVERLAP=0}")
 declare -A PAIR=([A]="${MAIN_PAIR:-}" [B]="" [C]="" [D]="")
-declare -A NAME=([A]="main${MAIN_PAIR:+ (one-CTA forms)}" [B]="branch" [C]="${NAME_C:-branch, 64-row tiles}" [D]="${NAME_D:-branch, no overlap}")
+declare -A NAME=([A]="main${MAIN_PAIR:+ (one-CTA forms)}" [B]="${NAME_B:-branch}" [C]="${NAME_C:-branch, 64-row tiles}" [D]="${NAME_D:-branch, no overlap}")
 declare -A SRC=([A]="" [B]="${BRANCH_SRC:-}" [C]="${BRANCH_SRC:-}" [D]="${BRANCH_SRC:-}")
 # run_build BUILD CMD...: CMD in /tmp with the build's package, sources, defines and pair setting.
 run_build() {
@@ -146,7 +146,7 @@ step "table"
 python3 - "$OUT" <<'EOF'
 import glob, json, os, sys
 out = sys.argv[1]
-names = {"A": "main", "B": "branch", "C": os.environ.get("NAME_C", "64-row tiles"), "D": os.environ.get("NAME_D", "no overlap")}
+names = {"A": "main", "B": os.environ.get("NAME_B", "branch"), "C": os.environ.get("NAME_C", "64-row tiles"), "D": os.environ.get("NAME_D", "no overlap")}
 runs = {}  # (tag kind, build) -> {case: [ms...]}, and NMSE
 for f in sorted(glob.glob(os.path.join(out, "bench-*.json"))):
     tag = os.path.basename(f)[6:-5]

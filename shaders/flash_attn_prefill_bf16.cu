@@ -7,8 +7,8 @@
 MLXN_ENTRY(flash_attn_prefill_d256_bf16, 256, ElemBF16)
 MLXN_ENTRY(flash_attn_prefill_d512_bf16, 512, ElemBF16)
 #ifdef MLXN_HOPPER
-MLXN_PAIR_ENTRY(flash_attn_prefill_d256_bf16_pair_heads, 256, PAIR_HEADS, 1, 2, ElemBF16)
-MLXN_PAIR_ENTRY(flash_attn_prefill_d256_bf16_pair_queries, 256, PAIR_QUERIES, 2, 1, ElemBF16)
-MLXN_PAIR_ENTRY(flash_attn_prefill_d512_bf16_pair_heads, 512, PAIR_HEADS, 1, 2, ElemBF16)
-MLXN_PAIR_ENTRY(flash_attn_prefill_d512_bf16_pair_queries, 512, PAIR_QUERIES, 2, 1, ElemBF16)
+MLXN_PAIR_ENTRY(flash_attn_prefill_d256_bf16_pair_heads, 256, PAIR_HEADS, 1, 2, ElemBF16, false)
+MLXN_PAIR_ENTRY(flash_attn_prefill_d256_bf16_pair_queries, 256, PAIR_QUERIES, 2, 1, ElemBF16, false)
+MLXN_PAIR_ENTRY(flash_attn_prefill_d512_bf16_pair_heads, 512, PAIR_HEADS, 1, 2, ElemBF16, false)
+MLXN_PAIR_ENTRY(flash_attn_prefill_d512_bf16_pair_queries, 512, PAIR_QUERIES, 2, 1, ElemBF16, false)
 #endif

@@ -11,7 +11,12 @@ MLXN_ENTRY(flash_attn_prefill_d128_bf16, 128, ElemBF16)
 // can address K and V by TMA (fixed length); else the forms above.
 MLXN_PAIR_ENTRIES(flash_attn_prefill_d128, 128, ElemF16)
 MLXN_PAIR_ENTRIES(flash_attn_prefill_d128_bf16, 128, ElemBF16)
+// Where no explicit mask is given: tiles of 192 cache rows, no room for mask tiles.
+MLXN_PAIR_WIDE_ENTRIES(flash_attn_prefill_d128, 128, ElemF16)
+MLXN_PAIR_WIDE_ENTRIES(flash_attn_prefill_d128_bf16, 128, ElemBF16)
 static_assert(hopper::PipeCfg<128>::SMEM <= PIPE_SMEM_RESERVED, "the d128 pipeline's shared memory: update the CUDA backend");
+static_assert(hopper::PipeCfg<128, hopper::WideTiles<128>>::SMEM <= PIPE_SMEM_RESERVED,
+              "the wide d128 pipeline's shared memory: update the CUDA backend");
 #endif
 
 // Shared memory of one CTA, for the host (rust/src/backend/cuda/flash_attn_prefill.rs).

@@ -47,10 +47,10 @@
 MLXN_ENTRY(flash_attn_prefill_tensor_f16_d256, 256, ElemF16)
 MLXN_ENTRY(flash_attn_prefill_tensor_f16_d512, 512, ElemF16)
 #ifdef MLXN_HOPPER
-MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_heads, 256, PAIR_HEADS, 1, 2, ElemF16)
-MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_queries, 256, PAIR_QUERIES, 2, 1, ElemF16)
-MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_heads, 512, PAIR_HEADS, 1, 2, ElemF16)
-MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_queries, 512, PAIR_QUERIES, 2, 1, ElemF16)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_heads, 256, PAIR_HEADS, 1, 2, ElemF16, false)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d256_pair_queries, 256, PAIR_QUERIES, 2, 1, ElemF16, false)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_heads, 512, PAIR_HEADS, 1, 2, ElemF16, false)
+MLXN_PAIR_ENTRY(flash_attn_prefill_tensor_f16_d512_pair_queries, 512, PAIR_QUERIES, 2, 1, ElemF16, false)
 #endif
 
 // Shared memory of one CTA, for the host (kept in step with Cfg by a compile-time check).

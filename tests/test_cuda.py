@@ -40,6 +40,8 @@ def test_kernels_compile_with_nvrtc_through_the_c_abi():
              for t, b in (("_tensor_f16", ""), ("", "_bf16"))]
     # Head dims 64 and 128: the tiled pipeline's pair forms (mainloop_sm90_pipe.cuh).
     pairs += [f"flash_attn_prefill_d{d}{b}_pair_{m}" for d in (64, 128) for b in ("", "_bf16") for m in ("heads", "queries")]
+    # Head dim 128 also in the shape without the explicit mask's tiles (192-row tiles).
+    pairs += [f"flash_attn_prefill_d128{b}_pair_{m}_wide" for b in ("", "_bf16") for m in ("heads", "queries")]
     dims = [f"flash_attn_prefill_{d}{b}" for d in OTHER_DIMS for b in ("", "_bf16")]
     for entry in ENTRY_POINTS + tuple(pairs) + tuple(dims):
         assert f"entry point {entry}" in report, report
@@ -63,7 +65,11 @@ def test_kernels_compile_with_nvrtc_through_the_c_abi():
             # the producer warpgroup 32, where its walk spills (measured 1.20x faster than two
             # consumer warpgroups that spill nothing: docs/benchmarks.md, 2026-12-06).
             ws64 = "_d64" in function and "_pair_" in function
-            assert stores <= (384 if ws64 else 256 if ws else 128 if allowed else 0), line
+            # The wide d128 pair forms (192-row tiles: 96 scores and 48 words of P beside O in
+            # the consumers' 240 registers, the producer's walk in 24) spill 408 / 684 bytes
+            # (heads / queries) with NVRTC 13.0.
+            wide = function.endswith("_wide")
+            assert stores <= (768 if wide else 384 if ws64 else 256 if ws else 128 if allowed else 0), line
 
 
 def test_bad_architecture_names_are_refused():

@@ -85,8 +85,13 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                         // measured 1.20x faster than two consumer warpgroups that spill
                         // nothing (docs/benchmarks.md, 2026-12-06).
                         let ws64 = arch == "sm_90a" && function.contains("_d64") && function.contains("_pair_");
+                        // The wide d128 pair forms (192-row tiles, 24 / 240 registers): 408 / 684
+                        // bytes (heads / queries) with NVRTC 13.0.
+                        let wide = arch == "sm_90a" && function.contains("_wide'");
                         let allowed = if function.contains("_xf'") || two_ctas {
                             128
+                        } else if wide {
+                            768
                         } else if ws64 {
                             384
                         } else if ws {

@@ -50,14 +50,20 @@
 // Tiles<DIM>::CONSUMERS consumer warpgroups: WS_THREADS threads with two).
 #define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)
 #define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? 128 * (hopper::Tiles<DIM>::CONSUMERS + 1) : NTHREADS)
-#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T)                                                           \
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)                                                     \
     extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
     NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) {   \
-        hopper::pair_attention<DIM, MODE, T>(MLXN_PASS, &kmap, &vmap);                                        \
+        hopper::pair_attention<DIM, MODE, T, WIDE>(MLXN_PASS, &kmap, &vmap);                                  \
     }
 // Both pair forms of one kernel: NAME_pair_heads (clusters along y) and NAME_pair_queries
 // (along x).
 #define MLXN_PAIR_ENTRIES(NAME, DIM, T)                                    \
-    MLXN_PAIR_ENTRY(NAME##_pair_heads, DIM, PAIR_HEADS, 1, 2, T)           \
-    MLXN_PAIR_ENTRY(NAME##_pair_queries, DIM, PAIR_QUERIES, 2, 1, T)
+    MLXN_PAIR_ENTRY(NAME##_pair_heads, DIM, PAIR_HEADS, 1, 2, T, false)    \
+    MLXN_PAIR_ENTRY(NAME##_pair_queries, DIM, PAIR_QUERIES, 2, 1, T, false)
+// The same in the pipeline's shape without the explicit mask's tiles (tiles_sm90.cuh's
+// WideTiles; the same threads): NAME_pair_heads_wide and NAME_pair_queries_wide, which the
+// host launches where no explicit mask is given.
+#define MLXN_PAIR_WIDE_ENTRIES(NAME, DIM, T)                                    \
+    MLXN_PAIR_ENTRY(NAME##_pair_heads_wide, DIM, PAIR_HEADS, 1, 2, T, true)     \
+    MLXN_PAIR_ENTRY(NAME##_pair_queries_wide, DIM, PAIR_QUERIES, 2, 1, T, true)
 #endif

@@ -130,12 +130,11 @@ __device__ __forceinline__ void store_rows(const Params& p, const Launch& L, con
 
 // The producer's roles: warp 0 of its warpgroup the walk, told tile by tile, and K and V by
 // TMA multicast; warp 1 the same walk and the mask tiles by cp.async.
-template <int D, int PAIR>
-__device__ __forceinline__ void pipe_producer(const PipeBars<PipeCfg<D>::S>& bars, u32 s_q, const Params& p,
+template <int D, int PAIR, class PC>
+__device__ __forceinline__ void pipe_producer(const PipeBars<PC::S>& bars, u32 s_q, const Params& p,
                                               const Launch& L, const u16* __restrict__ mask, const u8* __restrict__ blk,
                                               const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                                               const TMap* kmap, const TMap* vmap) {
-    typedef PipeCfg<D> PC;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     if (warp > 1) return;
     const PairRows r = pair_rows<PAIR>(p, L, cu_q, cu_k);
@@ -168,13 +167,12 @@ __device__ __forceinline__ void pipe_producer(const PipeBars<PipeCfg<D>::S>& bar
 }
 
 // A consumer warpgroup's role: its rows, its Q, the pipeline, the epilogue.
-template <int D, int PAIR, class T>
-__device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bars, u32 s_q, const Params& p,
+template <int D, int PAIR, class T, class PC>
+__device__ __forceinline__ void pipe_consumer(const PipeBars<PC::S>& bars, u32 s_q, const Params& p,
                                               const Launch& L, const unsigned char* __restrict__ q,
                                               const u8* __restrict__ blk, void* __restrict__ out,
                                               float* __restrict__ lse, const int* __restrict__ cu_q,
                                               const int* __restrict__ cu_k, const float* __restrict__ sinks) {
-    typedef PipeCfg<D> PC;
     typedef typename PairWalk<PAIR>::W TB;
     const int tid = threadIdx.x, lane = tid & 31;
     const int wgi = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform: descriptors in uniform registers
@@ -220,7 +218,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     // The tile's softmax: P into pk where the last P V is done (no overlap), else left in s.
     auto softmax = [&](float (&s)[PC::NS], float (&ms)[2], const TileClasses<PC::NH>& tc, int st, int u,
                        u32 (&pk)[PC::NB][2]) {
-        const u32 m_stage = s_mask + (u32)(st * PC::NH * PC::MASK_BYTES);
+        const u32 m_stage = s_mask + (u32)(st * PC::MASK_STAGE_BYTES);
         if constexpr (PC::OVERLAP) {
             return tile_softmax<T, PC::NH, PC::MASK_BYTES, !PC::ROWSUM>(s, m_run, l_run, ms, tc, u, m_stage, geo, p, L);
         } else {
@@ -240,14 +238,14 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PipeCfg<D>::S>& bar
     (void)lane;
 }
 
-// The kernel at head dims 64 and 128 for one CTA of a pair (entry.cuh's pair forms).
-template <int D, int PAIR, class T>
+// The kernel at head dims 64 and 128 for one CTA of a pair (entry.cuh's pair forms), in the
+// pipeline's shape PC (PipeCfg of a row of tiles_sm90.cuh).
+template <int D, int PAIR, class T, class PC>
 __device__ __forceinline__ void attention_pipe(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
                                                const u16* __restrict__ mask, const u8* __restrict__ blk,
                                                void* __restrict__ out, float* __restrict__ lse,
                                                const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                                                const float* __restrict__ sinks, const TMap* kmap, const TMap* vmap) {
-    typedef PipeCfg<D> PC;
     static_assert(PAIR != PAIR_NONE, "the pipeline is the pair forms'");
     if (p.flags & PREFILL_VARLEN) asm volatile("trap;");  // the host launches fixed-length pairs only
     // A launch with less shared memory than this table row lays out stops here, loudly,
@@ -259,34 +257,38 @@ __device__ __forceinline__ void attention_pipe(const Params& p, const Launch& L,
     if (pair_is_empty<PAIR>(p, L)) return;
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_q = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
-    const PipeBars<PC::S> bars{s_q + PC::Q_BYTES + PC::S * (2 * PC::KV_BYTES + PC::NH * PC::MASK_BYTES)};
+    const PipeBars<PC::S> bars{s_q + PC::Q_BYTES + PC::S * (2 * PC::KV_BYTES + PC::MASK_STAGE_BYTES)};
     const int tid = threadIdx.x;
     if (tid == 0) init_bars<PC::CT>(bars);
     cluster_arrive();
     cluster_wait();  // both CTAs' barriers exist before any tile lands in either
     if (tid >= PC::CT) {
         regs_release<PC::TL::PRODUCER_REGS>();
-        pipe_producer<D, PAIR>(bars, s_q, p, L, mask, blk, cu_q, cu_k, kmap, vmap);
+        pipe_producer<D, PAIR, PC>(bars, s_q, p, L, mask, blk, cu_q, cu_k, kmap, vmap);
         cluster_arrive();
         cluster_wait();  // the partner's consumers no longer arrive on this CTA's barriers
         return;
     }
     regs_claim<PC::TL::CONSUMER_REGS>();
-    pipe_consumer<D, PAIR, T>(bars, s_q, p, L, q, blk, out, lse, cu_q, cu_k, sinks);
+    pipe_consumer<D, PAIR, T, PC>(bars, s_q, p, L, q, blk, out, lse, cu_q, cu_k, sinks);
     cluster_wait();  // the partner no longer touches this CTA's shared memory
 }
 
 // A CTA-pair form (entry.cuh): the tiled pipeline at head dims 64 and 128, the mainloop's
-// forms at 256 and 512 (tiles_sm90.cuh's PIPE).
-template <int D, int PAIR, class T>
+// forms at 256 and 512 (tiles_sm90.cuh's PIPE); WIDE: the pipeline's shape without the
+// explicit mask's tiles (WideTiles, the `_wide` entry points).
+template <int D, int PAIR, class T, bool WIDE = false>
 __device__ __forceinline__ void pair_attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
                                                const u16* __restrict__ k, const u16* __restrict__ v,
                                                const u16* __restrict__ mask, const u8* __restrict__ blk,
                                                void* __restrict__ out, float* __restrict__ lse,
                                                const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                                                const float* __restrict__ sinks, const TMap* kmap, const TMap* vmap) {
-    if constexpr (Tiles<D>::PIPE == 2) {
-        attention_pipe<D, PAIR, T>(p, L, q, mask, blk, out, lse, cu_q, cu_k, sinks, kmap, vmap);
+    if constexpr (WIDE) {
+        attention_pipe<D, PAIR, T, PipeCfg<D, WideTiles<D>>>(p, L, q, mask, blk, out, lse, cu_q, cu_k, sinks, kmap,
+                                                             vmap);
+    } else if constexpr (Tiles<D>::PIPE == 2) {
+        attention_pipe<D, PAIR, T, PipeCfg<D>>(p, L, q, mask, blk, out, lse, cu_q, cu_k, sinks, kmap, vmap);
     } else {
         attention<D, PAIR, T, Tiles<D>::PIPE == 1>(p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, kmap, vmap);
     }

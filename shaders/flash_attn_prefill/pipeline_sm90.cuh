@@ -31,13 +31,13 @@
 
 namespace hopper {
 
-// The shape and shared memory of the pipeline at head dim D: Q [D / 64][ROWS][64 halves],
+// The shape and shared memory of the pipeline at head dim D (TILES: its row of tiles_sm90.cuh): Q [D / 64][ROWS][64 halves],
 // then per stage K and V ([D / 64][N rows][64 halves] each), then per stage the mask tiles
 // of its NH steps ([ROWS queries][64] halves each), then the mbarriers and each stage's tile,
 // then (ROWSUM) each consumer warpgroup's block of ones (the B of its rows' sums' product).
-template <int D>
+template <int D, class TILES = Tiles<D>>
 struct PipeCfg {
-    typedef Tiles<D> TL;
+    typedef TILES TL;
     static constexpr int N = TL::N, NH = N / STEP, S = TL::STAGES;
     static constexpr bool OVERLAP = TL::OVERLAP, ROWSUM = TL::ROWSUM_MMA;
     // A consumer's accumulators: O (D / 2 a thread), then with ROWSUM the m64n8 one of its
@@ -54,12 +54,15 @@ struct PipeCfg {
     static constexpr int Q_BYTES = ROWS * D * 2;
     static constexpr int KV_BYTES = N * D * 2;       // K (or V) of one stage
     static constexpr int MASK_BYTES = ROWS * STEP * 2;  // one step's mask tile
+    static constexpr bool MASK_TILES = TL::MASK_TILES;  // room for them (else a tile that needs one traps)
+    static constexpr int MASK_STAGE_BYTES = MASK_TILES ? NH * MASK_BYTES : 0;
     static constexpr int BAR_BYTES = 48 * S + 32 * S;  // the mbarriers, then each stage's tile (PipeBars)
-    static constexpr int BARS = Q_BYTES + S * (2 * KV_BYTES + NH * MASK_BYTES);  // from Q's start
+    static constexpr int BARS = Q_BYTES + S * (2 * KV_BYTES + MASK_STAGE_BYTES);  // from Q's start
     // A warpgroup's ones: one k16 x n8 block (256 bytes), read by every k-chunk's product.
     static constexpr int ONES = BARS + (BAR_BYTES + 127) / 128 * 128;
     static constexpr int SMEM = 1024 + (ROWSUM ? ONES + 2 * 256 : BARS + BAR_BYTES);
-    static_assert(N == 64 || N == 128, "tiles of one or two table steps (the products' n64 / n128)");
+    static_assert(N == 64 || N == 128 || N == 192, "tiles of one to three table steps (the products' n64 / n128 / n192)");
+    static_assert(8 + 8 * NH <= 32, "a stage's tile as put_tile writes it: 32 bytes (PipeBars)");
     static_assert(S >= 2, "the producer fills one stage while the consumers read another");
     static_assert(CW == 2 || CW == 3, "two or three consumer warpgroups");
     static_assert(!(ROWSUM && CW != 2), "the rows' sums' ones: two warpgroups' blocks");
@@ -205,6 +208,7 @@ __device__ __forceinline__ void pipe_produce_masks(const PipeBars<PC::S>& bars, 
     for (auto tl = tw.next(lane); tl.valid(); tl = tw.next(lane)) {
         if (j >= PC::S) mbar_wait(bars.empty_m(r.st), r.ph ^ 1u);
         if (tl.need_mask) {
+            if constexpr (!PC::MASK_TILES) asm volatile("trap;");  // the host launches this form without such tiles
 #pragma unroll
             for (int h = 0; h < PC::NH; ++h) {
                 if ((tl.need_mask >> h) & 1u) load_mask(r.st * PC::NH + h, tl.step(h), lane);

@@ -180,14 +180,33 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 a, u64 b, int 
     }
 }
 
-// S (m64 x nN) = Q K^T of one k-chunk: the product of the scores' width N (64 or 128).
-template <class T, int N>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 a, u64 b, int scale_d) {
-    if constexpr (N == 64) wgmma_ss_n64<T>(d, a, b, scale_d);
-    else wgmma_ss_n128<T>(d, a, b, scale_d);
+// D (m64 x n192, f32) (+)= A (64 x 16, smem) * B (n192 x 16, smem)^T; both K-major, 128-byte swizzle
+// (the scores of a tile of three 64-row steps at head dim 128).
+#define MLXN_WGMMA_SS_N192(TY) \
+    asm volatile( \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95}, %96, %97, p, 1, 1, 0, 0;\n}\n" \
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]) \
+    : "l"(a), "l"(b), "r"(scale_d));
+template <class T>
+__device__ __forceinline__ void wgmma_ss_n192(float (&d)[96], u64 a, u64 b, int scale_d) {
+    if constexpr (T::BF16) {
+        MLXN_WGMMA_SS_N192("bf16");
+    } else {
+        MLXN_WGMMA_SS_N192("f16");
+    }
 }
 
-// The first k-chunk of S = Q K^T (m64 x n64 or n128, f32): D = A * B^T, D not read (scale-d
+// S (m64 x nN) = Q K^T of one k-chunk: the product of the scores' width N (64, 128 or 192).
+template <class T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 a, u64 b, int scale_d) {
+    static_assert(N == 64 || N == 128 || N == 192, "the scores' widths with a product of their own");
+    if constexpr (N == 64) wgmma_ss_n64<T>(d, a, b, scale_d);
+    else if constexpr (N == 128) wgmma_ss_n128<T>(d, a, b, scale_d);
+    else wgmma_ss_n192<T>(d, a, b, scale_d);
+}
+
+// The first k-chunk of S = Q K^T (m64 x n64, n128 or n192, f32): D = A * B^T, D not read (scale-d
 // false), and written only ("=f"): the scores of the last tile are not an input, so the
 // compiler carries nothing from one tile's scores to the next tile's products.
 #define MLXN_WGMMA_SS_N64_Z(TY) \
@@ -202,6 +221,12 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 a, u64 b, int sc
     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]) \
     : "l"(a), "l"(b), "r"(0));
+#define MLXN_WGMMA_SS_N192_Z(TY) \
+    asm volatile( \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n192k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95}, %96, %97, p, 1, 1, 0, 0;\n}\n" \
+    : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63]), "=f"(d[64]), "=f"(d[65]), "=f"(d[66]), "=f"(d[67]), "=f"(d[68]), "=f"(d[69]), "=f"(d[70]), "=f"(d[71]), "=f"(d[72]), "=f"(d[73]), "=f"(d[74]), "=f"(d[75]), "=f"(d[76]), "=f"(d[77]), "=f"(d[78]), "=f"(d[79]), "=f"(d[80]), "=f"(d[81]), "=f"(d[82]), "=f"(d[83]), "=f"(d[84]), "=f"(d[85]), "=f"(d[86]), "=f"(d[87]), "=f"(d[88]), "=f"(d[89]), "=f"(d[90]), "=f"(d[91]), "=f"(d[92]), "=f"(d[93]), "=f"(d[94]), "=f"(d[95]) \
+    : "l"(a), "l"(b), "r"(0));
 template <class T, int N>
 __device__ __forceinline__ void wgmma_ss_zero(float (&d)[N / 2], u64 a, u64 b) {
     if constexpr (N == 64) {
@@ -210,11 +235,18 @@ __device__ __forceinline__ void wgmma_ss_zero(float (&d)[N / 2], u64 a, u64 b) {
         } else {
             MLXN_WGMMA_SS_N64_Z("f16");
         }
-    } else {
+    } else if constexpr (N == 128) {
         if constexpr (T::BF16) {
             MLXN_WGMMA_SS_N128_Z("bf16");
         } else {
             MLXN_WGMMA_SS_N128_Z("f16");
+        }
+    } else {
+        static_assert(N == 192, "the scores' widths with a product of their own");
+        if constexpr (T::BF16) {
+            MLXN_WGMMA_SS_N192_Z("bf16");
+        } else {
+            MLXN_WGMMA_SS_N192_Z("f16");
         }
     }
 }

@@ -39,6 +39,18 @@ namespace hopper {
 #ifndef MLXN_WS_N_D128
 #define MLXN_WS_N_D128 128
 #endif
+// The wide d128 pipeline (WideTiles below): its tiles' cache rows (192, or 128 to compare
+// the same shape with mask-tile room given up) and register split (producer, consumers:
+// 128 x P + 256 x C <= 65536).
+#ifndef MLXN_WS_WIDE_N_D128
+#define MLXN_WS_WIDE_N_D128 192
+#endif
+#ifndef MLXN_WS_WIDE_PRODUCER_REGS
+#define MLXN_WS_WIDE_PRODUCER_REGS 24
+#endif
+#ifndef MLXN_WS_WIDE_CONSUMER_REGS
+#define MLXN_WS_WIDE_CONSUMER_REGS 240
+#endif
 #ifndef MLXN_WS_STAGES_D64
 #define MLXN_WS_STAGES_D64 2
 #endif
@@ -90,6 +102,7 @@ struct Tiles<64> {
     static constexpr int PIPE = 2, N = MLXN_WS_N_D64, STAGES = MLXN_WS_STAGES_D64;
     static constexpr int CONSUMERS = MLXN_WS_CONSUMERS_D64;
     static constexpr int PRODUCER_REGS = WsRegs<CONSUMERS>::PRODUCER, CONSUMER_REGS = WsRegs<CONSUMERS>::CONSUMER;
+    static constexpr bool MASK_TILES = true;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
 };
@@ -100,8 +113,23 @@ struct Tiles<128> {
     static constexpr int MINB = 2, NSTAGE = 1;
     static constexpr int PIPE = 2, N = MLXN_WS_N_D128, STAGES = 2, CONSUMERS = 2;
     static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+    static constexpr bool MASK_TILES = true;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
+};
+// The d128 pipeline where no tile reads the explicit mask (described masks, or none: the host
+// launches it then, `_wide` entry points): tiles of 192 cache rows (three table steps), which
+// spread each tile's fixed costs over 1.5x the products; two stages of their K and V and Q
+// fill the shared memory, so there is no room for mask tiles (a tile that needs one traps),
+// and the consumers' 96 scores and 48 words of P beside O need FlashAttention-3's 24 / 240
+// register split. The one with mask tiles (Tiles<128>) runs the explicit masks.
+template <int D>
+struct WideTiles;
+template <>
+struct WideTiles<128> : Tiles<128> {
+    static constexpr int N = MLXN_WS_WIDE_N_D128;
+    static constexpr int PRODUCER_REGS = MLXN_WS_WIDE_PRODUCER_REGS, CONSUMER_REGS = MLXN_WS_WIDE_CONSUMER_REGS;
+    static constexpr bool MASK_TILES = false;
 };
 template <>
 struct Tiles<256> {

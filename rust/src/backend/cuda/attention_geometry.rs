@@ -54,6 +54,25 @@ pub fn ws_form(head_dim: u32) -> bool {
     matches!(head_dim, 64 | 128 | 256)
 }
 
+/// Whether the pair forms at `head_dim` launch the pipeline's shape without the explicit
+/// mask's tiles (`_wide` entry points, `tiles_sm90.cuh`'s `WideTiles`: 192-row tiles at head
+/// dim 128) where no explicit mask is given. Same threads and shared memory reserve as the
+/// other pair forms. Off until that shape has run on a GPU and been timed (docs/benchmarks.md,
+/// "Tiles of 192 cache rows at head dim 128": built and compiled, no device call started on
+/// 2026-12-07); the entry points are compiled and loaded beside the others meanwhile.
+pub fn wide_form(head_dim: u32) -> bool {
+    WIDE_LAUNCHED && head_dim == 128
+}
+
+/// Whether [`wide_form`] launches the wide shape at all (see there).
+pub const WIDE_LAUNCHED: bool = false;
+
+/// The head dims that have the wide pair forms' entry points (`MLXN_PAIR_WIDE_ENTRIES`),
+/// launched or not.
+pub fn has_wide_entries(head_dim: u32) -> bool {
+    head_dim == 128
+}
+
 /// Consumer warpgroups of the tiled pipeline at head dim 64 (the kernel's
 /// `MLXN_WS_CONSUMERS_D64` default, `tiles_sm90.cuh`; a test reads it): three, 192 query rows
 /// a CTA, as FlashAttention-3 has it at this head dim. Head dims 128 and 256 have two.

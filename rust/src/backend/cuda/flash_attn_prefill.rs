@@ -12,9 +12,9 @@
 use std::ffi::c_void;
 
 pub use super::attention_geometry::{
-    attention_cta_rows, attention_geometry, attention_shared_bytes, pair_cta_rows, pair_geometry,
-    pair_queries_geometry, pair_shared_bytes, pair_walk_fits, plain_shared_bytes, ws_consumers, ws_form, ws_threads,
-    AttentionGeometry, WS_CONSUMERS_D64, WS_SHARED_BYTES,
+    attention_cta_rows, attention_geometry, attention_shared_bytes, has_wide_entries, pair_cta_rows, pair_geometry,
+    pair_queries_geometry, pair_shared_bytes, pair_walk_fits, plain_shared_bytes, wide_form, ws_consumers, ws_form,
+    ws_threads, AttentionGeometry, WS_CONSUMERS_D64, WS_SHARED_BYTES,
 };
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
@@ -32,15 +32,28 @@ use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
 
 /// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
 /// has the wgmma form on sm_90a and its CTA-pair variants (`<entry>_pair_heads`,
-/// `_pair_queries`; head dims 64, 128, 256 and 512); else it runs the portable form
+/// `_pair_queries`; head dims 64, 128, 256 and 512), with `wide` also those in the shape
+/// without the explicit mask's tiles (`_wide`; head dim 128); else it runs the portable form
 /// everywhere. Where it runs the portable form,
 /// `<entry>_xf` is the one with SPEC 10's score transforms.
 macro_rules! attention_kernel {
     ($name:literal, $entry:literal, $dk:literal, $dv:literal, pairs) => {
+        attention_kernel!($name, $entry, $dk, $dv, [Variant::PairHeads, Variant::PairQueries])
+    };
+    ($name:literal, $entry:literal, $dk:literal, $dv:literal, pairs, wide) => {
+        attention_kernel!(
+            $name,
+            $entry,
+            $dk,
+            $dv,
+            [Variant::PairHeads, Variant::PairQueries, Variant::PairHeadsWide, Variant::PairQueriesWide]
+        )
+    };
+    ($name:literal, $entry:literal, $dk:literal, $dv:literal, [$($variant:expr),*]) => {
         CudaKernel {
             name: $name,
             entry: $entry,
-            hopper_variants: &[Variant::PairHeads, Variant::PairQueries],
+            hopper_variants: &[$($variant),*],
             hopper_form: true,
             portable_variants: &[Variant::ScoreTransforms],
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
@@ -85,8 +98,8 @@ pub const KERNELS: &[CudaKernel] = &[
     attention_kernel!("flash_attn_prefill_d96_bf16", 96, 96),
     attention_kernel!("flash_attn_prefill_d112", 112, 112),
     attention_kernel!("flash_attn_prefill_d112_bf16", 112, 112),
-    attention_kernel!("flash_attn_prefill_d128", "flash_attn_prefill_d128", 128, 128, pairs),
-    attention_kernel!("flash_attn_prefill_d128_bf16", "flash_attn_prefill_d128_bf16", 128, 128, pairs),
+    attention_kernel!("flash_attn_prefill_d128", "flash_attn_prefill_d128", 128, 128, pairs, wide),
+    attention_kernel!("flash_attn_prefill_d128_bf16", "flash_attn_prefill_d128_bf16", 128, 128, pairs, wide),
     attention_kernel!("flash_attn_prefill_d160", 160, 160),
     attention_kernel!("flash_attn_prefill_d160_bf16", 160, 160),
     attention_kernel!("flash_attn_prefill_d192", 192, 192),
@@ -209,11 +222,14 @@ pub enum PairMode {
 impl PairMode {
     pub const ALL: [PairMode; 2] = [PairMode::Heads, PairMode::Queries];
 
-    /// Its entry point among the kernel's [`CudaKernel::hopper_variants`].
-    fn variant(self) -> Variant {
-        match self {
-            PairMode::Heads => Variant::PairHeads,
-            PairMode::Queries => Variant::PairQueries,
+    /// Its entry point among the kernel's [`CudaKernel::hopper_variants`]; `wide`: in the
+    /// pipeline's shape without the explicit mask's tiles.
+    fn variant(self, wide: bool) -> Variant {
+        match (self, wide) {
+            (PairMode::Heads, false) => Variant::PairHeads,
+            (PairMode::Queries, false) => Variant::PairQueries,
+            (PairMode::Heads, true) => Variant::PairHeadsWide,
+            (PairMode::Queries, true) => Variant::PairQueriesWide,
         }
     }
 
@@ -513,7 +529,10 @@ fn part_launch(
     if let Some((km, vm)) = maps {
         l.push_bytes(bytemuck::cast_slice(&km.0));
         l.push_bytes(bytemuck::cast_slice(&vm.0));
-        l.variant = mode.map(PairMode::variant);
+        // Without an explicit mask no tile reads a mask tile: the wide shape runs, where the
+        // head dim has one.
+        let wide = wide_form(head_dim) && p.flags & PREFILL_MASK == 0;
+        l.variant = mode.map(|m| m.variant(wide));
     }
     if !hopper && (p.softcap > 0.0 || p.max_bias > 0.0 || slopes) {
         l.variant = Some(Variant::ScoreTransforms);
@@ -697,7 +716,7 @@ mod tests {
             let entries: Vec<String> = k.hopper_variants.iter().map(|v| v.entry(k.entry)).collect();
             assert_eq!(entries, names);
             for m in PairMode::ALL {
-                assert_eq!(m.variant().entry(k.entry), m.entry(hd));
+                assert_eq!(m.variant(false).entry(k.entry), m.entry(hd));
             }
         }
         // Head dims 64 and 128: pair forms named after the kernel, launched with the
@@ -710,7 +729,15 @@ mod tests {
         ] {
             let k = KERNELS.iter().find(|k| k.name == name).unwrap();
             assert!(k.hopper_form, "{name}");
-            let want = [format!("{name}_pair_heads"), format!("{name}_pair_queries")];
+            let mut want = vec![format!("{name}_pair_heads"), format!("{name}_pair_queries")];
+            // Head dim 128 also has them in the shape without the explicit mask's tiles.
+            if has_wide_entries(if name.contains("d128") { 128 } else { 64 }) {
+                want.extend([format!("{name}_pair_heads_wide"), format!("{name}_pair_queries_wide")]);
+                for m in PairMode::ALL {
+                    assert_eq!(m.variant(true).entry(k.entry), format!("{}_wide", m.variant(false).entry(k.entry)));
+                }
+            }
+            assert_eq!(name.contains("d128"), want.len() == 4, "{name}: the wide forms are head dim 128's");
             let entries: Vec<String> = k.hopper_variants.iter().map(|v| v.entry(k.entry)).collect();
             assert_eq!(entries, want);
             assert_eq!((k.shared_bytes)(true), Some(WS_SHARED_BYTES), "{name}: the limit covers the pair forms");

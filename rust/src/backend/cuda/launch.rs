@@ -52,6 +52,11 @@ pub enum Variant {
     PairHeads,
     /// Hopper: a CTA pair over neighbouring query tiles.
     PairQueries,
+    /// Hopper: [`Variant::PairHeads`] in the pipeline's shape without the explicit mask's
+    /// tiles (head dim 128: tiles of 192 cache rows; `tiles_sm90.cuh`'s `WideTiles`).
+    PairHeadsWide,
+    /// Hopper: [`Variant::PairQueries`] in that shape.
+    PairQueriesWide,
     /// The portable form with SPEC 10's score transforms (softcap, ALiBi).
     ScoreTransforms,
 }
@@ -62,6 +67,8 @@ impl Variant {
         match self {
             Variant::PairHeads => "_pair_heads",
             Variant::PairQueries => "_pair_queries",
+            Variant::PairHeadsWide => "_pair_heads_wide",
+            Variant::PairQueriesWide => "_pair_queries_wide",
             Variant::ScoreTransforms => "_xf",
         }
     }
