@@ -1167,25 +1167,8 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
     guard(|| {
         let out = out_ptr(out, "out")?;
         let options = run_options(options)?;
-        if params.is_null() {
-            return Err(MlxError::InvalidArgument("params is a null pointer".into()));
-        }
-        let p = *params;
-        let ctx = device(dev)?;
-        let flag = |x: i32, name: &str| match x {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(MlxError::InvalidArgument(format!("{name} must be 0 or 1, got {x}"))),
-        };
-        let operands = PrefillOperands {
-            q_dtype: dtype_arg(q_dtype)?,
-            kv_dtype: dtype_arg(kv_dtype)?,
-            out_dtype: dtype_arg(out_dtype)?,
-            mask: flag(has_mask, "has_mask")?,
-            lse: flag(has_lse, "has_lse")?,
-            sinks: flag(has_sinks, "has_sinks")?,
-            alibi_slopes: p.alibi_slopes != 0,
-        };
+        let (p, ctx, operands) =
+            prefill_plan_args(params, dev, [q_dtype, kv_dtype, out_dtype], [has_mask, has_lse, has_sinks])?;
         let n = p.batch as usize + 1;
         let cu = match (cu_seqlens_q.is_null(), cu_seqlens_k.is_null()) {
             (true, true) => None,
@@ -1202,6 +1185,41 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
         *out = insert(Object::Plan(Arc::new(PlanCtx { ctx, plan })));
         Ok(())
     })
+}
+
+/// A prefill plan's params, device and operands as both plan calls (`mlxn_prefill_plan_new`,
+/// `mlxn_prefill_plan_new_paged`) take them, checked in this order: `params` read (null
+/// refused), the device handle, the dtype codes (q, K/V, out) and the 0/1 flags (mask, lse,
+/// sinks).
+///
+/// # Safety
+/// `params` must be null or valid.
+unsafe fn prefill_plan_args(
+    params: *const FlashAttnPrefillParams,
+    dev: u64,
+    [q_dtype, kv_dtype, out_dtype]: [u32; 3],
+    [has_mask, has_lse, has_sinks]: [i32; 3],
+) -> Result<(FlashAttnPrefillParams, Arc<DeviceCtx>, PrefillOperands)> {
+    if params.is_null() {
+        return Err(MlxError::InvalidArgument("params is a null pointer".into()));
+    }
+    let p = *params;
+    let ctx = device(dev)?;
+    let flag = |x: i32, name: &str| match x {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(MlxError::InvalidArgument(format!("{name} must be 0 or 1, got {x}"))),
+    };
+    let operands = PrefillOperands {
+        q_dtype: dtype_arg(q_dtype)?,
+        kv_dtype: dtype_arg(kv_dtype)?,
+        out_dtype: dtype_arg(out_dtype)?,
+        mask: flag(has_mask, "has_mask")?,
+        lse: flag(has_lse, "has_lse")?,
+        sinks: flag(has_sinks, "has_sinks")?,
+        alibi_slopes: p.alibi_slopes != 0,
+    };
+    Ok((p, ctx, operands))
 }
 
 /// Plan a prefill on paged K/V (SPEC 11), as [`mlxn_prefill_plan_new`] does otherwise: `k`
@@ -1241,25 +1259,8 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new_paged(
     guard(|| {
         let out = out_ptr(out, "out")?;
         let options = run_options(options)?;
-        if params.is_null() {
-            return Err(MlxError::InvalidArgument("params is a null pointer".into()));
-        }
-        let p = *params;
-        let ctx = device(dev)?;
-        let flag = |x: i32, name: &str| match x {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(MlxError::InvalidArgument(format!("{name} must be 0 or 1, got {x}"))),
-        };
-        let operands = PrefillOperands {
-            q_dtype: dtype_arg(q_dtype)?,
-            kv_dtype: dtype_arg(kv_dtype)?,
-            out_dtype: dtype_arg(out_dtype)?,
-            mask: flag(has_mask, "has_mask")?,
-            lse: flag(has_lse, "has_lse")?,
-            sinks: flag(has_sinks, "has_sinks")?,
-            alibi_slopes: p.alibi_slopes != 0,
-        };
+        let (p, ctx, operands) =
+            prefill_plan_args(params, dev, [q_dtype, kv_dtype, out_dtype], [has_mask, has_lse, has_sinks])?;
         let batch = p.batch as usize;
         let entries = batch.checked_mul(max_blocks as usize).ok_or_else(|| {
             MlxError::InvalidArgument(format!("flash_attn_prefill: a block table of {batch} x {max_blocks} entries"))
