@@ -417,6 +417,40 @@ def test_the_attention_function_returns_sdpas_layout():
             assert torch.allclose(out, want, rtol=0, atol=2e-3)
 
 
+def test_a_bfloat16_models_kv_reach_the_cpu_kernels_uncast():
+    """On the CPU a bfloat16 model's K/V go to the kernels as they are (the CPU multiplies
+    BF16 K/V exactly, SPEC 9; on AMX that is the BF16 item the kernel benchmark times): the
+    output is the front door's on the bfloat16 K/V, and on the FMA kernels bit-identical to
+    the float16 cast's (a bfloat16 value within float16's range is exact in it). Elsewhere
+    (CUDA; here a meta tensor) they are still cast to float16."""
+    from helpers import cpu_fma_kernels
+
+    module, q, k, v = _layer_inputs(heads=8, kv_heads=2, dim=128, seq=70)
+    v = torch.randn_like(v)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    module.num_key_value_groups = 4
+    given = []
+    as_it_is = mn_hf._kv
+    mn_hf._kv = lambda x: given.append(as_it_is(x)) or given[-1]
+    try:
+        with torch.no_grad():
+            out, _ = mn_hf.attention_forward(module, q, k, v, None, scaling=0.1)
+    finally:
+        mn_hf._kv = as_it_is
+    assert [x.dtype for x in given] == [torch.bfloat16, torch.bfloat16]
+    assert given[0].data_ptr() == k.data_ptr() and given[1].data_ptr() == v.data_ptr()  # no copy
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    with torch.no_grad():
+        assert torch.equal(out, mn.flash_attn_prefill(t(q), t(k), t(v), causal=True, scale=0.1))
+        with cpu_fma_kernels():
+            out, _ = mn_hf.attention_forward(module, q, k, v, None, scaling=0.1)
+            cast = mn.flash_attn_prefill(t(q), t(k.half()), t(v.half()), causal=True, scale=0.1)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, cast)
+    meta = torch.empty(1, 2, 4, 128, dtype=torch.bfloat16, device="meta")
+    assert mn_hf._kv(meta).dtype == torch.float16
+    assert mn_hf._kv(torch.zeros(2, dtype=torch.float32)).dtype == torch.float16  # a float32 model's: cast
+
+
 def test_register_names_the_implementation():
     assert mn_hf.register("mlx_native_other") == "mlx_native_other"
     assert AttentionInterface._global_mapping["mlx_native_other"] is mn_hf.attention_forward

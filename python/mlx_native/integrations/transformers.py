@@ -9,8 +9,9 @@
 (``AttentionMaskInterface``, ``transformers_masks.py``) under one name. transformers calls
 the attention function with ``[batch, heads, seq, head_dim]`` tensors in the model's dtype;
 it passes them to :func:`mlx_native.flash_attn_prefill` as ``[batch, seq, heads, head_dim]``
-views (no copy), K and V cast to float16 (the kernels' K/V dtype), Q as it is, and returns
-``[batch, seq, heads, head_dim]`` in the model's dtype, as transformers' SDPA function does.
+views (no copy), K and V cast to float16 (the kernels' K/V dtype; a bfloat16 model's K and V
+on the CPU go as they are, see :func:`_kv`), Q as it is, and returns ``[batch, seq, heads,
+head_dim]`` in the model's dtype, as transformers' SDPA function does.
 Features the kernels do not compute (dropout, masks per head, head dims without a kernel,
 score transforms of SPEC 10 this build lacks) are refused by name with
 :class:`mlx_native.UnsupportedFeatureError` (a ``NotImplementedError``), never dropped. The
@@ -142,11 +143,18 @@ def attention_forward(
 
 
 def _kv(x: torch.Tensor) -> torch.Tensor:
-    # The one conversion: K and V in float16 (strides kept: a cast, not a layout copy). A
-    # bfloat16 model's K/V are cast too: exact for values within float16's range, and the
-    # float16 kernels multiply Q and P in float16 where the bfloat16 ones round them to
-    # bfloat16 (on CUDA; SPEC 9), which costs a Gemma 4 model's logits 0.034 against 0.02.
-    return x if x.dtype == KV_DTYPE else x.to(KV_DTYPE)
+    # The one conversion: K and V in float16 (strides kept: a cast, not a layout copy). On
+    # CUDA a bfloat16 model's K/V are cast too: exact for values within float16's range, and
+    # the float16 kernels multiply Q and P in float16 where the bfloat16 ones round them to
+    # bfloat16 (SPEC 9), which costs a Gemma 4 model's logits 0.034 against 0.02. The CPU's
+    # kernels multiply BF16 K/V exactly in f32 (SPEC 9), so there they go as they are: on
+    # the FMA kernels the same bits as the cast's (without its pass over K/V, and without
+    # its inf beyond 65504), and on AMX the BF16 item, twice as fast as the F16 one, that
+    # the kernel benchmark times (docs/benchmarks.md, "Where the in-model attention time
+    # goes").
+    if x.dtype == KV_DTYPE or (x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+        return x
+    return x.to(KV_DTYPE)
 
 
 def _explicit_mask(mask: torch.Tensor, kv_len: int) -> torch.Tensor:
