@@ -569,8 +569,8 @@ int32_t mlxn_prefill_plan_run(uint64_t plan_handle,
 // first when the plan has one. The plan's own operands go with it: its sequence offsets and,
 // for a paged plan (SPEC 11), its block table and lengths, which the buffer-level
 // [`mlxn_dispatch_flash_attn_prefill`] cannot take. `enc` must be an encoder of the plan's
-// device (on the CPU, of any CPU device: they share the host's memory). Nothing is recorded
-// if an argument is wrong.
+// device (the device handle the plan was made on), as the buffers must be. Nothing is
+// recorded if an argument is wrong.
 int32_t mlxn_prefill_plan_encode(uint64_t plan_handle,
                                  uint64_t enc,
                                  uint64_t q,

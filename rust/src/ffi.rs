@@ -1408,8 +1408,8 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
 /// first when the plan has one. The plan's own operands go with it: its sequence offsets and,
 /// for a paged plan (SPEC 11), its block table and lengths, which the buffer-level
 /// [`mlxn_dispatch_flash_attn_prefill`] cannot take. `enc` must be an encoder of the plan's
-/// device (on the CPU, of any CPU device: they share the host's memory). Nothing is recorded
-/// if an argument is wrong.
+/// device (the device handle the plan was made on), as the buffers must be. Nothing is
+/// recorded if an argument is wrong.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "C" fn mlxn_prefill_plan_encode(
@@ -1429,12 +1429,13 @@ pub extern "C" fn mlxn_prefill_plan_encode(
         let pc = plan(plan_handle)?;
         let e = encoder(enc)?;
         let (pd, ed) = (&pc.ctx.device, &e.ctx.device);
-        let same = pd.registry_id() == ed.registry_id()
-            || (pd.backend_kind() == BackendKind::Cpu && ed.backend_kind() == BackendKind::Cpu);
-        if !same {
+        if pd.registry_id() != ed.registry_id() {
             return Err(MlxError::InvalidArgument(format!(
-                "flash_attn_prefill: the encoder is of {}, the plan of {}: record on an encoder of the plan's device",
+                "flash_attn_prefill: the encoder is of device {} ({}), the plan of device {} ({}): record on an \
+                 encoder of the plan's device",
+                ed.registry_id(),
                 ed.description(),
+                pd.registry_id(),
                 pd.description()
             )));
         }
