@@ -241,8 +241,10 @@ def _fake(return_lse: bool):
                      cu_seqlens_k=args.cu_seqlens_k, alibi_slopes=args.alibi_slopes, block_table=args.block_table,
                      seqused_k=args.seqused_k)  # fmt: skip
         _check_fake_operands(named)
-        if all(_concrete(t) for t in (q, k, v, args.mask, args.sinks, args.alibi_slopes, args.block_table,
-                                      args.seqused_k, args.cu_seqlens_q)):  # fmt: skip
+        shaped = (q, k, v, args.mask, args.sinks, args.alibi_slopes)
+        if args.block_table is not None or args.seqused_k is not None:  # stand-ins of their shapes are planned
+            shaped += (args.block_table, args.seqused_k, args.cu_seqlens_q)
+        if all(_concrete(t) for t in shaped):
             _check_like_the_real_call(q, k, v, args)
         out = _fake_out(q, v, args.out_dtype)
         if not return_lse:
