@@ -562,6 +562,27 @@ int32_t mlxn_prefill_plan_run(uint64_t plan_handle,
                               uint64_t workspace,
                               uint64_t stream);
 
+// Record a run of a plan on an encoder (FlashInfer's `run`, deferred to the encoder's
+// commit), each operand as a buffer handle of the plan's device holding what
+// [`mlxn_prefill_plan_extents`] says; `mask`, `lse`, `sinks`, `alibi_slopes` and
+// `workspace` 0 as for [`mlxn_prefill_plan_run`]. The mask's classification is recorded
+// first when the plan has one. The plan's own operands go with it: its sequence offsets and,
+// for a paged plan (SPEC 11), its block table and lengths, which the buffer-level
+// [`mlxn_dispatch_flash_attn_prefill`] cannot take. `enc` must be an encoder of the plan's
+// device (the device handle the plan was made on), as the buffers must be. Nothing is
+// recorded if an argument is wrong.
+int32_t mlxn_prefill_plan_encode(uint64_t plan_handle,
+                                 uint64_t enc,
+                                 uint64_t q,
+                                 uint64_t k,
+                                 uint64_t v,
+                                 uint64_t mask,
+                                 uint64_t out,
+                                 uint64_t lse,
+                                 uint64_t sinks,
+                                 uint64_t alibi_slopes,
+                                 uint64_t workspace);
+
 // Free a prefill plan.
 int32_t mlxn_prefill_plan_free(uint64_t plan_handle);
 

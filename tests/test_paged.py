@@ -311,3 +311,218 @@ def test_paged_takes_the_run_options(rng):
     _equal(plan.run(), mn.flash_attn_prefill(q, k, v, cpu_isa="portable", **kw))
     with pytest.raises(mn.InvalidArgumentError, match="cpu_isa"):
         mn.flash_attn_prefill(q, k, v, cpu_isa="sse9", **kw)
+
+
+# ---------------------------------------------------------------------- the torch operators
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    import mlx_native.torch_ops  # noqa: F401  (registers the operators)
+
+    return torch
+
+
+def _ops_seen(torch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        """Records every operator that reaches the dispatcher."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return Seen()
+
+
+# (block_size, query lengths or None for 4-D q of 16 rows, cache lengths, heads, kv heads, causal, spare table columns)
+OPERATOR_CASES = [
+    # variable length, GQA 4/2, partial last blocks (37 = 2 blocks + 5), a table wider than needed
+    (16, [20, 9], [37, 16], 4, 2, True, 2),
+    # fixed length (4-D q), GQA 8/2, caches shorter than their tables, not causal
+    (32, None, [50, 33], 8, 2, False, 3),
+    # fixed length, causal from the cache's first row (offset 0), a cache of 0 rows (its rows see nothing:
+    # zeros, lse -inf) beside one of a block and a bit
+    (64, None, [0, 70], 4, 1, True, 1),
+]
+
+
+@pytest.mark.parametrize("case", OPERATOR_CASES, ids=["varlen-gqa-partial", "fixed-gqa-short", "fixed-causal"])
+def test_the_torch_operator_takes_paged_kv(rng, case):
+    """Torch tensors with ``block_table=``/``seqused_k=`` go through
+    ``torch.ops.mlx_native.flash_attn_prefill_lse`` (one operator reaches the dispatcher),
+    and give the float64 reference's result (SPEC 11) and the array call's bits; called on
+    the operator itself by keyword as well."""
+    torch = _torch()
+    bs, lq, lk, nh, nkv, causal, spare = case
+    d = 64
+    k, v, table, used = make_pages(rng, lk, bs, nkv, d)
+    table = np.concatenate([table, np.full((len(lk), spare), -5, np.int32)], axis=1)  # never read
+    kw = dict(causal=causal)
+    if lq is not None:
+        cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+        q = rng.uniform(-1, 1, (int(cq[-1]), nh, d)).astype(np.float32)
+        kw["cu_seqlens_q"] = cq
+    else:
+        q = rng.uniform(-1, 1, (len(lk), 16, nh, d)).astype(np.float32)
+    if causal and lq is None:
+        kw["offset"] = 0  # a cache shorter than the queries: they start at its first row
+    t = torch.from_numpy
+    tkw = {n: t(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    seen = _ops_seen(torch)
+    with seen:
+        out, lse = mn.flash_attn_prefill(t(q), t(k), t(v), block_table=t(table), seqused_k=t(used), return_lse=True,
+                                         **tkw)  # fmt: skip
+    assert [s for s in seen.seen if "mlx_native" in s] == ["mlx_native.flash_attn_prefill_lse.default"], seen.seen
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and lse.dtype == torch.float32
+    ref, ref_lse = reference_paged(q, k, v, block_table=table, seqused_k=used, scale=1 / 8, **kw)
+    assert nmse(out.numpy(), ref) < BAR
+    assert lse.shape == ref_lse.shape
+    seen_rows = np.isfinite(ref_lse)
+    assert np.allclose(lse.numpy()[seen_rows], ref_lse[seen_rows], atol=LSE_TOL)
+    assert np.isneginf(lse.numpy()[~seen_rows]).all()
+    _equal((out.numpy(), lse.numpy()), mn.flash_attn_prefill(q, k, v, block_table=table, seqused_k=used,
+                                                             return_lse=True, **kw))  # fmt: skip
+    # The operator itself, by keyword (its schema names them).
+    direct = torch.ops.mlx_native.flash_attn_prefill(t(q), t(k), t(v), block_table=t(table), seqused_k=t(used), **tkw)
+    assert torch.equal(direct, out)
+
+
+def _paged_block(q, k_cache, v_cache, table, used, cq):
+    out, lse = mn.flash_attn_prefill(q * 0.5, k_cache, v_cache, causal=True, cu_seqlens_q=cq, block_table=table,
+                                     seqused_k=used, return_lse=True)  # fmt: skip
+    return out.float().sum(-1) + 1, lse
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_traces_a_paged_call(rng, backend):
+    torch = _torch()
+    k, v, table, used = make_pages(rng, [45, 20], 16, 2, 64)
+    cq = np.array([0, 12, 30], np.int32)
+    t = torch.from_numpy
+    q = t(rng.uniform(-1, 1, (30, 4, 64)).astype(np.float32))
+    operands = (q, t(k), t(v), t(table), t(used), t(cq))
+    torch._dynamo.reset()
+    got, got_lse = torch.compile(_paged_block, fullgraph=True, backend=backend)(*operands)
+    want, want_lse = _paged_block(*operands)
+    assert torch.allclose(got, want, rtol=0, atol=1e-4) and torch.equal(got_lse, want_lse)
+    explain = torch._dynamo.explain(_paged_block)(*operands)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+
+
+def test_the_fake_kernel_shapes_paged_calls_and_refuses_what_the_real_one_does():
+    """Under FakeTensorMode (tracing) the paged operator's outputs have the real call's
+    shapes (q's, with v's head dim; lse ``[heads, total_q]``, ``[batch, heads, rows]``), in
+    either layout, and what needs no data is refused by name as the real call refuses it."""
+    torch = _torch()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    i32 = torch.int32
+    with FakeTensorMode():
+        kc = torch.empty(10, 16, 2, 64, dtype=torch.float16)
+        vc = torch.empty(10, 16, 2, 32, dtype=torch.float16)  # v's own head dim
+        table, used = torch.empty(3, 4, dtype=i32), torch.empty(3, dtype=i32)
+        cq = torch.empty(4, dtype=i32)
+        out, lse = mn.flash_attn_prefill(torch.empty(50, 8, 64), kc, vc, causal=True, cu_seqlens_q=cq,
+                                         block_table=table, seqused_k=used, return_lse=True)  # fmt: skip
+        assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((50, 8, 32), torch.float32, (8, 50), torch.float32)
+        out, lse = mn.flash_attn_prefill(torch.empty(3, 40, 8, 64, dtype=torch.bfloat16), kc, vc, block_table=table,
+                                         seqused_k=used, return_lse=True, out_dtype=torch.float16)  # fmt: skip
+        assert (out.shape, out.dtype, lse.shape) == ((3, 40, 8, 32), torch.float16, (3, 8, 40))
+        hnd = mn.flash_attn_prefill(torch.empty(3, 8, 40, 64), kc.transpose(1, 2), kc.transpose(1, 2), causal=True,
+                                    layout="HND", block_table=table, seqused_k=used)  # fmt: skip
+        assert hnd.shape == (3, 8, 40, 64)
+        q4 = torch.empty(3, 40, 8, 64)
+        refusals = [
+            (mn.UnsupportedDtypeError, ["block_table", "int32"], dict(block_table=table.long(), seqused_k=used)),
+            (mn.UnsupportedDtypeError, ["seqused_k", "int32"], dict(block_table=table, seqused_k=used.float())),
+            (mn.InvalidArgumentError, ["seqused_k", "block_table"], dict(seqused_k=used)),
+            (mn.InvalidArgumentError, ["block_table", "seqused_k"], dict(block_table=table)),
+            (mn.InvalidArgumentError, ["3 sequences"], dict(block_table=table[:2], seqused_k=used[:2])),
+            (mn.InvalidArgumentError, ["cu_seqlens_k", "seqused_k"],
+             dict(block_table=table, seqused_k=used, cu_seqlens_q=cq, cu_seqlens_k=cq, q=torch.empty(50, 8, 64))),
+            (mn.UnsupportedFeatureError, ["block_table", "CPU backend", "cu_seqlens_k"],
+             dict(block_table=table, seqused_k=used, device="cuda")),
+        ]  # fmt: skip
+        for cls, words, kw in refusals:
+            q = kw.pop("q", q4)
+            with pytest.raises(cls) as e:
+                mn.flash_attn_prefill(q, kc, kc, **kw)
+            assert all(w in str(e.value) for w in words), (words, str(e.value))
+        odd = torch.empty(10, 24, 2, 64, dtype=torch.float16)  # a block of 24 rows
+        with pytest.raises(mn.InvalidArgumentError, match="block_size"):
+            mn.flash_attn_prefill(q4, odd, odd, block_table=table, seqused_k=used)
+
+
+def test_opcheck_of_the_paged_operator(rng):
+    torch = _torch()
+    k, v, table, used = make_pages(rng, [40, 17], 16, 2, 64)
+    k, v = np.nan_to_num(k), np.nan_to_num(v)  # opcheck compares outputs of repeated runs (NaN != NaN)
+    table[table < 0] = 0  # ... and copies the table in ways that need no garbage
+    t = torch.from_numpy
+    q = t(rng.uniform(-1, 1, (2, 9, 4, 64)).astype(np.float32))
+    cq = torch.tensor([0, 5, 9], dtype=torch.int32)
+    ops = torch.ops.mlx_native
+    for op, args, kw in [
+        (ops.flash_attn_prefill.default, (q, t(k), t(v)), dict(causal=True, block_table=t(table), seqused_k=t(used))),
+        (ops.flash_attn_prefill_lse.default, (q[0], t(k), t(v)),
+         dict(causal=True, cu_seqlens_q=cq, block_table=t(table), seqused_k=t(used))),
+    ]:  # fmt: skip
+        result = torch.library.opcheck(op, args, kw)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("device", ["cuda", "metal"])
+def test_paged_torch_tensors_off_the_cpu_are_refused_by_name(rng, device):
+    """Paged K/V on a backend without it (CUDA, Metal) is an UnsupportedFeatureError naming
+    block_table and the fix, before anything runs: through the operator (a device named
+    for CPU tensors), and for CUDA tensors under FakeTensorMode (which needs no GPU: what
+    torch.compile traces on a GPU machine)."""
+    torch = _torch()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, table, used = _good(rng)
+    t = torch.from_numpy
+    words = ["block_table", "CPU backend", "cu_seqlens_k"]
+    with pytest.raises(mn.UnsupportedFeatureError) as e:
+        mn.flash_attn_prefill(t(q), t(k), t(v), block_table=t(table), seqused_k=t(used), device=device)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    if device == "cuda":
+        with FakeTensorMode():
+            qc, kc = torch.empty(2, 8, 4, 64, device="cuda"), torch.empty(10, 16, 2, 64, device="cuda").half()
+            tc, uc = torch.empty(2, 3, dtype=torch.int32), torch.empty(2, dtype=torch.int32)
+            with pytest.raises(mn.UnsupportedFeatureError) as e:
+                mn.flash_attn_prefill(qc, kc, kc, causal=True, block_table=tc, seqused_k=uc)
+        assert all(w in str(e.value) for w in words + ["cuda:0"]), str(e.value)
+
+
+# ---------------------------------------------------------------------- encoders
+
+
+def test_a_paged_plan_records_on_an_encoder(rng):
+    """``PrefillPlan.encode`` of a paged plan records the plan's own run (its block table
+    and lengths with it): several recordings on one encoder, with an explicit mask
+    classified, give ``run()``'s bits and the reference's result; an encoder of another
+    device is refused by name, and records nothing."""
+    k, v, table, used = make_pages(rng, [70, 33], 16, 2, 64)
+    q = rng.uniform(-1, 1, (2, 20, 4, 64)).astype(np.float32)
+    mask = rng.uniform(-2, 0, (2, 20, 70)).astype(np.float16)
+    for m in (None, mask):
+        device = mn.Device("cpu")
+        plan = mn.PrefillPlan(q, k, v, m, block_table=table, seqused_k=used, return_lse=True, offset=0, causal=True,
+                              device=device)  # fmt: skip
+        with mn.Device("cpu").encoder() as other:
+            with pytest.raises(mn.InvalidArgumentError, match="device"):
+                plan.encode(other)
+            assert other.pending == 0
+        with device.encoder() as enc:
+            plan.encode(enc)
+            plan.encode(enc, classify=False)
+        _equal(plan.encoded_result(), plan.run())
+        ref = reference_paged(q, k, v, m, block_table=table, seqused_k=used, offset=0, causal=True, scale=1 / 8)
+        assert nmse(plan.encoded_result()[0], ref[0]) < BAR

@@ -74,7 +74,8 @@ def flash_attn_prefill(q: Any, k: Any, v: Any, mask: Any = None, **keywords: Any
       ``k[block_table[b, j // block_size], j % block_size]``. q is ``[batch, rows, heads,
       head_dim]`` (3-D: one sequence) or variable length with ``cu_seqlens_q`` alone. The
       result is the contiguous layout's bit for bit; entries past a sequence's last block
-      are never read. Runs outside the torch operators (array call).
+      are never read. Torch tensors go through the torch operators as every other argument
+      does (``torch.compile`` traces the call without a graph break).
     - ``return_lse``: also return the log-sum-exp, float32 ``[heads, rows]`` (``[batch,
       heads, rows]`` batched, ``[heads, total_q]`` variable length): ``(out, lse)``; see
       :func:`merge_attention_states`.
@@ -104,7 +105,8 @@ def flash_attn_prefill(q: Any, k: Any, v: Any, mask: Any = None, **keywords: Any
     argument is checked before anything runs; a mistake is an ``MlxError`` that is also a
     ``ValueError`` or a ``TypeError``.
 
-    Torch tensors (q, k, v and any mask, ``cu_seqlens``, ``sinks``) go through the operator
+    Torch tensors (q, k, v and any mask, ``cu_seqlens``, ``sinks``, ``alibi_slopes``,
+    ``block_table``, ``seqused_k``) go through the operator
     ``torch.ops.mlx_native.flash_attn_prefill`` (``flash_attn_prefill_lse`` with
     ``return_lse``), so ``torch.compile(fn, fullgraph=True)`` traces a function that calls
     this without a graph break; ``device`` as a ``mlx_native.Device`` object runs outside it.
@@ -167,7 +169,6 @@ def _through_torch_op(q, k, v, args: PrefillArgs) -> bool:
     anything else."""
     if not (_is_torch(q) and _is_torch(k) and _is_torch(v)):
         return False
-    if args.block_table is not None:  # paged K/V: not in the operators' schema yet (the array call runs it)
-        return False
-    optional = (args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.sinks, args.alibi_slopes)
+    optional = (args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.sinks, args.alibi_slopes, args.block_table,
+                args.seqused_k)  # fmt: skip
     return all(x is None or _is_torch(x) for x in optional)

@@ -24,7 +24,7 @@ from .checks import (
 )
 from .device import Encoder
 from .dtypes import DTYPE_CODES, numpy_dtype_of_name
-from .errors import BufferAllocationError, InvalidArgumentError, UnsupportedFeatureError, not_picklable
+from .errors import BufferAllocationError, InvalidArgumentError, not_picklable
 from .layouts import layout as read_layout
 from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
@@ -69,7 +69,8 @@ class PrefillPlan:
       (``[..., heads, rows, head_dim]``, PyTorch SDPA's), for q, k, v and the output alike;
       read in place through the strides, written by the kernel in that layout.
     - ``encode(encoder, classify=True)`` records the planned arrays' run on an encoder
-      (the benchmarks record many and commit once); ``encoded_result()`` is its output.
+      (the benchmarks record many and commit once; paged plans too); ``encoded_result()``
+      is its output.
     - ``visible_pairs``: the (query row, cache row) pairs the mask leaves visible, the
       useful work of SPEC 5 (None for an explicit mask planned without data).
     - How it runs: ``kv_splits`` (CUDA: the parts each walk over the cache is cut into; 0
@@ -110,7 +111,7 @@ class PrefillPlan:
         self._paged = None
         paged = args.block_table is not None or args.seqused_k is not None
         if paged:
-            refuse_unpaged_arguments(args.block_table, cu_seqlens_k, dev_arg, qo)
+            refuse_unpaged_arguments(args.block_table, cu_seqlens_k, dev_arg, qo.on_cuda, str(qo.device))
         check_qkv(qo, *(cache_views(qo, ko, vo) if paged else (ko, vo)), self.layout)
         self._kv_to_half = False
         batched = qo.ndim == 4
@@ -564,7 +565,8 @@ class PrefillPlan:
         device; it runs on the library's stream when committed): the explicit mask's
         classification (unless ``classify`` is False and an earlier recording classified
         it into the plan's table), then the attention. The output is
-        :meth:`encoded_result`'s, overwritten by every recorded run."""
+        :meth:`encoded_result`'s, overwritten by every recorded run. A paged plan records
+        with its block table and lengths (and classifies its mask on every recording)."""
         self._record(encoder, self._buffers, classify)
 
     def encoded_result(self) -> Any:
@@ -578,9 +580,16 @@ class PrefillPlan:
         return (oo.obj, lo.obj) if lo is not None else oo.obj
 
     def _record(self, enc: Encoder, b: dict, classify: bool) -> None:
-        if self._paged is not None:
-            raise UnsupportedFeatureError("encode() of a paged plan (block_table): run it with run() instead")
         h = lambda x: 0 if x is None else x.handle  # noqa: E731
+        if self._paged is not None:
+            # The plan's own record (mlxn_prefill_plan_encode): it binds the block table and the
+            # lengths it holds, which the buffer-level dispatch has no operand for. It
+            # classifies an explicit mask on every recording (``classify`` is not read).
+            check(lib.mlxn_prefill_plan_encode(self._handle, enc.handle, h(b["q"]), h(b["k"]), h(b["v"]), h(b["mask"]),
+                                               h(b["out"]), h(b["lse"]), h(b.get("sinks")), h(b.get("alibi")),
+                                               h(b.get("workspace"))))  # fmt: skip
+            enc._hold(*[x for x in b.values() if x is not None])
+            return
         # The plan's options on its own dispatches; the encoder's default for what follows.
         check(lib.mlxn_encoder_set_options(enc.handle, self._options[0]))
         try:

@@ -26,7 +26,8 @@ from .checks import OUT_DTYPES
 from .device import follow_torch_threads
 from .dtypes import dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError, UnsupportedFeatureError
-from .options import PrefillArgs, checked, run_options
+from .options import PrefillArgs, checked
+from .paged import refuse_unpaged_arguments
 
 __all__ = ["flash_attn_prefill"]
 
@@ -39,7 +40,7 @@ _ARGS = (
     "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, ScalarType? out_dtype=None, str? device=None, "
     "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None, SymInt? offset=None, "
     'str layout="NHD", int[]? window_size=None, Tensor? alibi_slopes=None, SymInt? kv_splits=None, '
-    "str? cta_pairs=None, str? cuda_form=None, str? cpu_isa=None"
+    "str? cta_pairs=None, str? cuda_form=None, str? cpu_isa=None, Tensor? block_table=None, Tensor? seqused_k=None"
 )
 # Defined with a schema and plain kernels rather than torch.library.custom_op: the same
 # operator to the tracers, at a fraction of custom_op's dispatch cost per eager call (about
@@ -54,11 +55,15 @@ _LIB.define(f"flash_attn_prefill_lse_autograd({_ARGS}) -> (Tensor, Tensor)")
 
 
 #: The schema's arguments after q, k, v, as PrefillArgs holds them but for the window's two
-#: forms: ``window`` (an int) and ``window_size`` (a two-sided window, FlashAttention's).
-_RUN_OPTIONS = ("kv_splits", "cta_pairs", "cuda_form", "cpu_isa")
-_SCHEMA_NAMES = PrefillArgs._fields[:14] + ("window_size", "alibi_slopes") + _RUN_OPTIONS
+#: forms: ``window`` (an int) and ``window_size`` (a two-sided window, FlashAttention's),
+#: which stands before ``alibi_slopes``; ``return_lse`` picks the operator. ``_TAIL``: the
+#: fields after ``alibi_slopes`` (the run options, then paged K/V's ``block_table`` and
+#: ``seqused_k``), read from PrefillArgs, where the keywords are written once.
+_TAIL = PrefillArgs._fields[15:-1]
+_SCHEMA_NAMES = PrefillArgs._fields[:14] + ("window_size", "alibi_slopes") + _TAIL
 assert tuple(arg.split("=")[0].split()[-1] for arg in _ARGS.split(", ")[3:]) == _SCHEMA_NAMES
-_SCHEMA_DEFAULTS = PrefillArgs()[:14] + (None, None) + run_options(PrefillArgs())
+assert PrefillArgs._fields[14] == "alibi_slopes" and PrefillArgs._fields[-1] == "return_lse"
+_SCHEMA_DEFAULTS = PrefillArgs()[:14] + (None, None) + PrefillArgs()[15:-1]
 
 
 def _args_of(given: tuple, return_lse: bool) -> PrefillArgs:
@@ -66,7 +71,7 @@ def _args_of(given: tuple, return_lse: bool) -> PrefillArgs:
     arguments by position and leaves out trailing ones equal to their defaults."""
     full = given + _SCHEMA_DEFAULTS[len(given):]
     window_size = full[14]
-    args = PrefillArgs(*full[:14], alibi_slopes=full[15], **dict(zip(_RUN_OPTIONS, full[16:])), return_lse=return_lse)
+    args = PrefillArgs(*full[:14], full[15], *full[16:], return_lse=return_lse)
     if window_size is not None:  # a two-sided window (left, right), FlashAttention's
         args = args._replace(window=(int(window_size[0]), int(window_size[1])))
     return args
@@ -148,12 +153,15 @@ def _check_like_the_real_call(q, k, v, args: PrefillArgs) -> None:
         return None if t is None else ArraySpec(tuple(t.shape), t.dtype, tuple(t.stride()))
 
     mask, cu_seqlens_q, cu_seqlens_k, alibi_slopes = args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.alibi_slopes
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+    paged = args.block_table is not None or args.seqused_k is not None
+    if paged:  # what the real call refuses first: no table, cu_seqlens_k, a device off the CPU
+        refuse_unpaged_arguments(args.block_table, cu_seqlens_k, args.device, q.device.type == "cuda", str(q.device))
+    elif (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise InvalidArgumentError("cu_seqlens_q and cu_seqlens_k go together: pass both (variable length) or neither")
     # What is planned: the options but those no plan on layouts reads.
     planned = args._replace(
         mask=spec(mask), sinks=spec(args.sinks), cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, device="cpu",
-        return_lse=False, check_finite=False,
+        return_lse=False, check_finite=False, block_table=None, seqused_k=None,
     )  # fmt: skip
     if cu_seqlens_q is not None:
         if mask is not None:
@@ -162,18 +170,55 @@ def _check_like_the_real_call(q, k, v, args: PrefillArgs) -> None:
                 "to a fixed length ([B, rows, heads, head_dim]) and pass a [B, 1, rows, kv] mask"
             )
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
+            if cu is not None and (cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1):
                 raise InvalidArgumentError(f"{name} must be a 1-D int32 or int64 tensor of B + 1 offsets")
         # A causal prompt shorter than its cache is checked per sequence, on the values.
         if args.offset is None and (args.causal or args.window):
             planned = planned._replace(offset=0)
     planned = checked(planned)
+    batch = (q.shape[0] if q.dim() == 4 else 1) if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
     if alibi_slopes is not None:  # the slopes' values are data: their shape and dtype are planned
         from .checks import check_alibi_slopes
 
-        batch = (q.shape[0] if q.dim() == 4 else 1) if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         check_alibi_slopes(_SlopesSpec(alibi_slopes), q.shape[-2], batch, planned.max_bias, values=False)
+    if paged:
+        planned = _paged_stand_in(q, k, args, planned, batch)
     PrefillPlan.from_args(spec(q), spec(k), spec(v), planned)
+
+
+def _paged_stand_in(q, k, args: PrefillArgs, planned: PrefillArgs, batch: int) -> PrefillArgs:
+    """``planned`` with host stand-ins for the paged K/V's data, of the real ones' shapes and
+    dtypes: every sequence one block long (block 0 of each table row; none without blocks)
+    and the queries' offsets each sequence's share, so that the plan checks, by name, what
+    needs no data (the table's and the lengths' ranks, dtypes and rows against the batch, the
+    caches against each other, the block size). The values themselves (entries, lengths, a
+    causal cache shorter than its prompt, the explicit mask's columns, the longest cache's)
+    are the real call's to check: planned with an offset and without the mask."""
+    table, used = args.block_table, args.seqused_k  # (either may be None: the plan names the missing one)
+    cq = args.cu_seqlens_q
+    rows = q.shape[-3 if planned.layout == "NHD" else -2]
+    block_size = k.shape[1 if planned.layout == "NHD" else 2] if k.dim() == 4 else 0
+    blocks = table.shape[-1] if table is not None and table.dim() == 2 else 0
+    length = block_size if k.shape[0] > 0 and blocks > 0 else 0
+    stand_in = dict(
+        block_table=None if table is None else np.zeros(tuple(table.shape), _numpy_dtype(table.dtype)),
+        seqused_k=None if used is None else np.full(tuple(used.shape), length, _numpy_dtype(used.dtype)),
+        mask=None,
+    )
+    if cq is not None:  # the rows cut into the batch's sequences (offsets checked as the real call's)
+        stand_in["cu_seqlens_q"] = np.minimum(np.arange(batch + 1), 1).astype(np.int32) * rows
+    if planned.offset is None and (planned.causal or planned.window is not None):
+        stand_in["offset"] = 0
+    return planned._replace(**stand_in)
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """numpy's dtype of a torch dtype, for a stand-in that is refused as the tensor would be
+    (bfloat16 and others numpy lacks: float16, refused as any non-int32 dtype is)."""
+    try:
+        return np.dtype(str(dtype).replace("torch.", ""))
+    except TypeError:
+        return np.dtype(np.float16)
 
 
 class _SlopesSpec:
@@ -193,9 +238,13 @@ def _fake(return_lse: bool):
     def fake(q, k, v, *given):
         args = _args_of(given, return_lse)
         named = dict(q=q, k=k, v=v, mask=args.mask, sinks=args.sinks, cu_seqlens_q=args.cu_seqlens_q,
-                     cu_seqlens_k=args.cu_seqlens_k, alibi_slopes=args.alibi_slopes)  # fmt: skip
+                     cu_seqlens_k=args.cu_seqlens_k, alibi_slopes=args.alibi_slopes, block_table=args.block_table,
+                     seqused_k=args.seqused_k)  # fmt: skip
         _check_fake_operands(named)
-        if all(_concrete(t) for t in (q, k, v, args.mask, args.sinks, args.alibi_slopes)):
+        shaped = (q, k, v, args.mask, args.sinks, args.alibi_slopes)
+        if args.block_table is not None or args.seqused_k is not None:  # stand-ins of their shapes are planned
+            shaped += (args.block_table, args.seqused_k, args.cu_seqlens_q)
+        if all(_concrete(t) for t in shaped):
             _check_like_the_real_call(q, k, v, args)
         out = _fake_out(q, v, args.out_dtype)
         if not return_lse:
@@ -293,7 +342,7 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, args: PrefillArgs):
     else:
         op = _LSE_OP if args.return_lse else _OP
     return op(q, k, v, args.mask, args.causal, window, *args[3:6], _torch_out_dtype(args.out_dtype), *args[7:14],
-              window_size, args.alibi_slopes, *run_options(args))  # fmt: skip
+              window_size, *args[14:-1])  # fmt: skip
 
 
 def _schema_takes(a: PrefillArgs) -> bool:

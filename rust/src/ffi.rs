@@ -1401,6 +1401,65 @@ pub unsafe extern "C" fn mlxn_prefill_plan_run(
     })
 }
 
+/// Record a run of a plan on an encoder (FlashInfer's `run`, deferred to the encoder's
+/// commit), each operand as a buffer handle of the plan's device holding what
+/// [`mlxn_prefill_plan_extents`] says; `mask`, `lse`, `sinks`, `alibi_slopes` and
+/// `workspace` 0 as for [`mlxn_prefill_plan_run`]. The mask's classification is recorded
+/// first when the plan has one. The plan's own operands go with it: its sequence offsets and,
+/// for a paged plan (SPEC 11), its block table and lengths, which the buffer-level
+/// [`mlxn_dispatch_flash_attn_prefill`] cannot take. `enc` must be an encoder of the plan's
+/// device (the device handle the plan was made on), as the buffers must be. Nothing is
+/// recorded if an argument is wrong.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn mlxn_prefill_plan_encode(
+    plan_handle: u64,
+    enc: u64,
+    q: u64,
+    k: u64,
+    v: u64,
+    mask: u64,
+    out: u64,
+    lse: u64,
+    sinks: u64,
+    alibi_slopes: u64,
+    workspace: u64,
+) -> i32 {
+    guard(|| {
+        let pc = plan(plan_handle)?;
+        let e = encoder(enc)?;
+        let (pd, ed) = (&pc.ctx.device, &e.ctx.device);
+        if pd.registry_id() != ed.registry_id() {
+            return Err(MlxError::InvalidArgument(format!(
+                "flash_attn_prefill: the encoder is of device {} ({}), the plan of device {} ({}): record on an \
+                 encoder of the plan's device",
+                ed.registry_id(),
+                ed.description(),
+                pd.registry_id(),
+                pd.description()
+            )));
+        }
+        let (q, k, v, out) = (buffer(q)?, buffer(k)?, buffer(v)?, buffer(out)?);
+        let (mask, lse) = (optional_buffer(mask)?, optional_buffer(lse)?);
+        let (sinks, alibi_slopes, workspace) =
+            (optional_buffer(sinks)?, optional_buffer(alibi_slopes)?, optional_buffer(workspace)?);
+        let b = PrefillRunBuffers {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            mask: mask.as_ref(),
+            lse: lse.as_ref(),
+            sinks: sinks.as_ref(),
+            alibi_slopes: alibi_slopes.as_ref(),
+            workspace: workspace.as_ref(),
+        };
+        let mut encoder = lock(&e.encoder);
+        let mut registry = lock(&pc.ctx.registry);
+        pc.plan.encode(&mut encoder, &mut registry, &b)
+    })
+}
+
 /// Free a prefill plan.
 #[no_mangle]
 pub extern "C" fn mlxn_prefill_plan_free(plan_handle: u64) -> i32 {
