@@ -28,9 +28,11 @@
 # beside main's wheel). DEFS_C / DEFS_D and NAME_C / NAME_D replace C's and D's defines and
 # names (DEFS_B / NAME_B B's); TEST_BUILD (default B) is the build the CUDA tests run. BUILDS and CASES narrow the
 # timing (e.g. BUILDS="A B" CASES="causal-64 causal-128" ROUNDS=1), T_TESTS=0 skips the
-# tests, EXTRA=0 the F16-Q and explicit-mask rounds.
+# tests, EXTRA=0 the F16-Q and explicit-mask rounds, SMOKE_DIMS="256" smokes other head dims
+# (scripts/gpu_smoke_dims.py), TESTS_K the tests' -k expression (default "cuda").
 #
-# Logs and JSON go to $OUT (default /tmp/gpu-hopper-step): bench-<build><round>.json.
+# Logs and JSON go to $OUT (default /tmp/gpu-hopper-step), packed at the end into
+# hopper-step.tar.gz: bench-<build><round>.json.
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -66,7 +68,7 @@ TB=${TEST_BUILD:-B}
 step "warm the kernel caches (background)"
 for b in ${BUILDS:-A B C D}; do run_build $b timeout 200 python3 "$HERE/scripts/warm_kernels.py" > "$OUT/warm-$b.log" 2>&1 & done
 
-step "smoke: the branch's pair forms at head dims 64 and 128"
+step "smoke: the branch's pair forms at head dims ${SMOKE_DIMS:-64 and 128}"
 SMOKE='
 import numpy as np, mlx_native as mx
 from mlx_native.reference import nmse, reference_prefill
@@ -95,7 +97,10 @@ for d, kvt in [(64, np.float16), (128, np.float16), (64, "bf16")]:
     print(f"d{d} {kind} batch, window, sinks, lse: nmse {e:.2e}, lse off {le:.1e}")
     assert e < (5e-5 if bf else 1e-5) and le < (1e-2 if bf else 2e-3)
 '
-if run_build "$TB" env MLX_NATIVE_CUDA_TRACE=1 timeout 60 python3 -c "$SMOKE" > "$OUT/smoke.log" 2>&1; then
+# SMOKE_DIMS (e.g. "256"): scripts/gpu_smoke_dims.py at those head dims instead (the
+# described and explicit masks, window, sinks, lse, BF16 K/V, a batch).
+if [ -n "${SMOKE_DIMS:-}" ]; then SMOKE_CMD=("$HERE/scripts/gpu_smoke_dims.py" $SMOKE_DIMS); else SMOKE_CMD=(-c "$SMOKE"); fi
+if run_build "$TB" env MLX_NATIVE_CUDA_TRACE=1 timeout 60 python3 "${SMOKE_CMD[@]}" > "$OUT/smoke.log" 2>&1; then
   grep -v "^mlx_native cuda:" "$OUT/smoke.log"
   echo "pair launches: $(grep -c "variant Some" "$OUT/smoke.log") of $(grep -c "^mlx_native cuda:" "$OUT/smoke.log")"
   SMOKE_OK=1
@@ -108,7 +113,7 @@ fi
 if [ "$SMOKE_OK" = 1 ] && [ "${T_TESTS:-150}" != 0 ]; then
   step "CUDA tests, Hopper form (build $TB: ${NAME[$TB]})"
   (cd "$HERE" && MLX_NATIVE_CUDA_DEFINES="${DEFS[$TB]}" PYTHONPATH=${SITE[$TB]} env ${SRC[$TB]:+MLX_NATIVE_CUDA_SOURCE_DIR=${SRC[$TB]}} timeout "${T_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider -rfE \
-    -k cuda tests/test_cuda.py tests/test_cuda_split_kv.py tests/test_correctness.py \
+    -k "${TESTS_K:-cuda}" tests/test_cuda.py tests/test_cuda_split_kv.py tests/test_correctness.py \
     tests/test_front_door_transforms.py tests/test_front_door_offset.py > "$OUT/pytest.log" 2>&1) || status=$((status | 2))
   tail -n 8 "$OUT/pytest.log"
   step "CUDA tests, portable form (branch, MLX_NATIVE_CUDA_ARCH=sm_90)"
@@ -185,4 +190,7 @@ for kind, title in [("f32", "described mask, F32 Q"), ("f16", "described mask, F
         print(f"| {c} | " + " | ".join(cells) + " |")
 EOF
 echo "gpu_hopper_step status $status ($(($(date +%s) - T0)) s)"
+# A device call returns a limited count of files: the logs and JSON as one archive (the
+# table above is in the call's output).
+(cd "$OUT" && tar -czf /tmp/hopper-step.tar.gz . && rm -rf ./* && mv /tmp/hopper-step.tar.gz .)
 exit $status

@@ -49,4 +49,6 @@ part "${T_DIMS:-150}" dims-described --rows 16384 --cases dense-128 causal-128 c
 part "${T_DIMS:-150}" dims-f16 --rows 16384 --cases dense-128 causal-128 causal-64 causal-8h dense-8h --described --q-dtype float16 --peers fa4
 part "${T_LATENCY:-60}" latency --rows 512 --cases sliding --described --peers fa4 torch
 echo "gpu_record status $status ($(date +%T))"
+# A device call returns a limited count of files: the logs and JSON as one archive.
+(cd "$OUT" && tar -czf /tmp/gpu-record.tar.gz . && rm -rf ./* && mv /tmp/gpu-record.tar.gz .)
 exit $status

@@ -42,6 +42,11 @@ namespace hopper {
 // The wide d128 pipeline (WideTiles below): its tiles' cache rows (192, or 128 to compare
 // the same shape with mask-tile room given up) and register split (producer, consumers:
 // 128 x P + 256 x C <= 65536).
+// Head dim 256's loop: 1 the pipeline of mainloop_sm90_ws.cuh, 2 pipeline_sm90.cuh's (a
+// variant to time: its N is 64 there, the table's step).
+#ifndef MLXN_WS_PIPE_D256
+#define MLXN_WS_PIPE_D256 1
+#endif
 #ifndef MLXN_WS_WIDE_N_D128
 #define MLXN_WS_WIDE_N_D128 192
 #endif
@@ -134,8 +139,9 @@ struct WideTiles<128> : Tiles<128> {
 template <>
 struct Tiles<256> {
     static constexpr int MINB = 1, NSTAGE = 2;
-    static constexpr int PIPE = 1, N = 64, STAGES = 2, CONSUMERS = 2;
+    static constexpr int PIPE = MLXN_WS_PIPE_D256, N = 64, STAGES = 2, CONSUMERS = 2;
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+    static constexpr bool MASK_TILES = true;  // (PIPE 2) one 64-row mask tile a stage: 32 KB
     static constexpr bool OVERLAP = false;  // spilled at 240 registers (2026-12-01 18:05)
     static constexpr bool ROWSUM_MMA = false;  // (the PIPE 2 pipeline's alone)
 };

@@ -140,11 +140,12 @@ pub fn plain_shared_bytes(dk: u32, dv: u32, hopper: bool) -> Option<u32> {
     }
 }
 
-/// Dynamic shared memory of one CTA of the Hopper CTA-pair form at `head_dim`: the tiled
-/// pipeline's reserve at 64 and 128, else the one-CTA form's bytes (the same layout at 256
-/// and 512).
+/// Dynamic shared memory of one CTA of the Hopper CTA-pair form at `head_dim`: the
+/// warp-specialised pipelines' reserve at 64, 128 and 256 (at 256 either loop of
+/// `tiles_sm90.cuh`'s PIPE fits in it: 230 528 bytes for mainloop_sm90_ws.cuh's, 230 560 for
+/// pipeline_sm90.cuh's), else the one-CTA form's bytes (the same layout at 512).
 pub fn pair_shared_bytes(head_dim: u32) -> Option<u32> {
-    if matches!(head_dim, 64 | 128) {
+    if ws_form(head_dim) {
         Some(WS_SHARED_BYTES)
     } else {
         plain_shared_bytes(head_dim, head_dim, true)

@@ -709,7 +709,8 @@ mod tests {
     #[test]
     fn each_kernel_states_its_shared_memory_and_pair_forms() {
         assert_eq!((KERNELS[0].shared_bytes)(false), Some(164_896));
-        assert_eq!((KERNELS[0].shared_bytes)(true), Some(230_528));
+        assert_eq!((KERNELS[0].shared_bytes)(true), Some(WS_SHARED_BYTES));
+        assert_eq!(plain_shared_bytes(256, 256, true), Some(230_528));
         assert_eq!((KERNELS[1].shared_bytes)(true), Some(214_592));
         for (k, hd) in KERNELS.iter().zip([256, 512]) {
             let names: Vec<String> = PairMode::ALL.iter().map(|m| m.entry(hd)).collect();
@@ -748,6 +749,7 @@ mod tests {
             assert_eq!(plain, Some(83_008));
             assert!(plain.is_some_and(|b| 2 * (b + 1024) <= 232_448), "two plain CTAs an SM at head dim {hd}");
         }
+        assert_eq!(pair_shared_bytes(256), Some(WS_SHARED_BYTES));
         assert_eq!(pair_shared_bytes(512), Some(214_592));
     }
 
