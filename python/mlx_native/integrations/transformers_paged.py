@@ -150,8 +150,8 @@ def paged_attention_forward(
 ):
     """The attention function of a continuous-batching forward: ``query`` ``[1, heads,
     total_q, head_dim]`` (the batch's sequences packed, ``cu_seq_lens_q``), and the layer's
-    pages of transformers' ``PagedAttentionCache`` (``cache``, ``read_index``,
-    ``cu_seq_lens_k``) read through a block table: ``flash_attn_prefill(q, k_pages, v_pages,
+    pages of transformers' ``PagedAttentionCache`` (the allocator :func:`_write_only_update`
+    hands over, ``read_index``, ``cu_seq_lens_k``) read through a block table: ``flash_attn_prefill(q, k_pages, v_pages,
     block_table=, seqused_k=, cu_seqlens_q=, causal=True)`` (each sequence's queries are the
     end of its cache). ``attention_mask`` (transformers' sdpa mask for the packed batch) is
     not read: it says what ``causal`` with the lengths says. Returns ``([1, total_q, heads,
