@@ -53,9 +53,16 @@ struct CtaXY {
     u32 x, y;
 };
 __device__ __forceinline__ CtaXY cta_xy() {
-#if MLXN_TILE_ORDER_QMAJOR && defined(MLXN_HOPPER)
+// The Hopper test is the compiler's own macro, not MLXN_HOPPER: entry.cuh includes this file
+// (through mainloop_sm80.cuh) before it defines MLXN_HOPPER, so that test was false in every
+// form and the pair forms took the cluster-blind order below, which parts the two CTAs of
+// a cluster (different tiles, different KV heads: the pair's shared stages cannot
+// complete; read from the code as the cause of the hang of 2026-12-07 07:35 UTC, not yet
+// rerun on a GPU).
+#if MLXN_TILE_ORDER_QMAJOR && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // Whole clusters are moved: the cluster's index in launch order, dealt over the head
-    // groups' clusters, and the CTA's place inside its cluster kept.
+    // groups' clusters, and the CTA's place inside its cluster kept (a launch without a
+    // cluster is one of clusters of one CTA).
     u32 cx, cy, ncx, ncy, rx, ry, nx, ny;
     asm("mov.u32 %0, %%clusterid.x;" : "=r"(cx));
     asm("mov.u32 %0, %%clusterid.y;" : "=r"(cy));
