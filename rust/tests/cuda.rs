@@ -72,9 +72,11 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                         // The Hopper form at head dim 128 runs two CTAs an SM, within 128
                         // registers: ptxas spills a little there, and it is still the faster
                         // form (mainloop_sm90.cuh, HCfg).
+                        // (Its paged K/V entry, `_paged`, alike: 120 bytes.)
                         let two_ctas = arch == "sm_90a"
-                            && (function.starts_with("flash_attn_prefill_d128'")
-                                || function.starts_with("flash_attn_prefill_d128_bf16'"));
+                            && ["flash_attn_prefill_d128", "flash_attn_prefill_d128_bf16"].iter().any(|f| {
+                                [format!("{f}'"), format!("{f}_paged'")].iter().any(|g| function.starts_with(g))
+                            });
                         // The warp-specialised pair forms at head dim 256: the consumers have
                         // 240 registers (the producer warpgroup releases the rest to them), and
                         // ptxas spills up to about 60 words there; measured faster than the
@@ -88,7 +90,7 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                         // The wide d128 pair forms (192-row tiles, 24 / 240 registers): 408 / 684
                         // bytes (heads / queries) with NVRTC 13.0.
                         let wide = arch == "sm_90a" && function.contains("_wide'");
-                        let allowed = if function.contains("_xf'") || two_ctas {
+                        let allowed = if function.contains("_xf'") || function.contains("_xf_paged'") || two_ctas {
                             128
                         } else if wide {
                             768

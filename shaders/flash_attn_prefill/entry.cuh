@@ -21,21 +21,32 @@
 #define MLXN_PASS p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks
 
 // The portable form only, at (Q/K, V/O) head dims (DK, DV), products in T: NAME without
-// softcap and ALiBi, NAME_xf with them (the host picks by the params block).
+// softcap and ALiBi, NAME_xf with them (the host picks by the params block), and both on
+// paged K/V (SPEC 11): NAME_paged, NAME_xf_paged.
 #define MLXN_PORTABLE_ENTRY(NAME, DK, DV, T)                                                  \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME(MLXN_ARGS) {               \
         attention<DK, DV, T, false>(MLXN_PASS);                                               \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_xf(MLXN_ARGS) {          \
         attention<DK, DV, T, true>(MLXN_PASS);                                                \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_paged(MLXN_ARGS) {       \
+        attention<DK, DV, T, false, true>(MLXN_PASS);                                         \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_xf_paged(MLXN_ARGS) {    \
+        attention<DK, DV, T, true, true>(MLXN_PASS);                                          \
     }
 
 // The Hopper form where the compiler targets sm_90a (head dims 64, 128, 256 and 512; the
-// transforms are branches there, which cost its registers nothing), else the portable one.
+// transforms are branches there, which cost its registers nothing), else the portable one;
+// NAME_paged on paged K/V (SPEC 11: its cp.async loaders read each row through the table).
 #ifdef MLXN_HOPPER
 #define MLXN_ENTRY(NAME, D, T)                                                                \
     extern "C" __global__ void __launch_bounds__(NTHREADS, hopper::HCfg<D>::MINB) NAME(MLXN_ARGS) { \
         hopper::attention<D, PAIR_NONE, T>(MLXN_PASS);                                        \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, hopper::HCfg<D>::MINB) NAME##_paged(MLXN_ARGS) { \
+        hopper::attention<D, PAIR_NONE, T, false, true>(MLXN_PASS);                           \
     }
 #else
 #define MLXN_ENTRY(NAME, D, T) MLXN_PORTABLE_ENTRY(NAME, D, D, T)

@@ -35,6 +35,7 @@ struct Params {
 #define PREFILL_SINKS 32
 #define PREFILL_WINDOW_RIGHT 64
 #define PREFILL_ALIBI_SLOPES 128
+#define PREFILL_PAGED 256  // paged K/V (SPEC 11): the host launches the _paged entries with the launch block's table
 // DType codes of Q and O.
 #define DT_F32 0
 #define DT_F16 1
@@ -63,6 +64,16 @@ struct Launch {
     // With PREFILL_ALIBI_SLOPES: F32 [n_heads], or [batch, n_heads] at the params block's
     // alibi_batch_stride (flash-attn's alibi_slopes); else null.
     const float* alibi_slopes;
+    // Paged K/V (SPEC 11, PREFILL_PAGED; the one-CTA forms' _paged entries, never the TMA pairs): the
+    // I32 block table [batch, table_stride] and the I32 cache lengths seqused_k [batch], or
+    // null (contiguous K/V). With a table the params block's K/V batch strides are the caches'
+    // block strides (row and head strides as ever) and sequence b's cache row j is row
+    // j % block_size of block block_table[b * table_stride + j / block_size] (block_size a
+    // multiple of 16 from 16 to 256, not always a power of two); b's length is seqused_k[b].
+    const int* block_table;
+    const int* seqused_k;
+    int table_stride;
+    int block_size;
 };
 
 #define FLAG_Q_ALIGNED 1     // Q base and strides 16-byte aligned (8 elements of 16 bits, or 4 floats)

@@ -25,8 +25,8 @@ use crate::error::{MlxError, Result};
 use crate::interface::{Dispatch, RunOptions};
 pub use crate::options::CtaPairs;
 use crate::params::{
-    FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
-    PREFILL_WINDOW_RIGHT,
+    FlashAttnPrefillParamsGpu, PagedKvParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_MASK, PREFILL_OFFSET,
+    PREFILL_PAGED, PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
 };
 use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
 
@@ -35,7 +35,10 @@ use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
 /// `_pair_queries`; head dims 64, 128, 256 and 512), with `wide` also those in the shape
 /// without the explicit mask's tiles (`_wide`; head dim 128); else it runs the portable form
 /// everywhere. Where it runs the portable form,
-/// `<entry>_xf` is the one with SPEC 10's score transforms.
+/// `<entry>_xf` is the one with SPEC 10's score transforms. Paged K/V (SPEC 11) runs
+/// `<entry>_paged` (and `<entry>_xf_paged` in the portable form with the transforms): the
+/// one-CTA forms instantiated with loaders that read each row through the block table,
+/// beside the contiguous ones, which compile as before.
 macro_rules! attention_kernel {
     ($name:literal, $entry:literal, $dk:literal, $dv:literal, pairs) => {
         attention_kernel!($name, $entry, $dk, $dv, [Variant::PairHeads, Variant::PairQueries])
@@ -53,9 +56,9 @@ macro_rules! attention_kernel {
         CudaKernel {
             name: $name,
             entry: $entry,
-            hopper_variants: &[$($variant),*],
+            hopper_variants: &[$($variant,)* Variant::Paged],
             hopper_form: true,
-            portable_variants: &[Variant::ScoreTransforms],
+            portable_variants: &[Variant::ScoreTransforms, Variant::Paged, Variant::PagedScoreTransforms],
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
             merge_entry: Some(MERGE_ENTRY),
@@ -68,7 +71,7 @@ macro_rules! attention_kernel {
             entry: $name,
             hopper_variants: &[],
             hopper_form: false,
-            portable_variants: &[Variant::ScoreTransforms],
+            portable_variants: &[Variant::ScoreTransforms, Variant::Paged, Variant::PagedScoreTransforms],
             shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
             merge_entry: Some(MERGE_ENTRY),
@@ -152,6 +155,13 @@ struct AttentionLaunch {
     reserved: i32,
     /// Device address of the ALiBi slopes (`PREFILL_ALIBI_SLOPES`), else 0.
     alibi_slopes: u64,
+    /// Paged K/V (`PREFILL_PAGED`, [`PagedPointers`]): the I32 block table and the I32 cache
+    /// lengths (0 for contiguous K/V: what the kernels test), the table's row stride
+    /// (entries) and the block size (rows).
+    block_table: u64,
+    seqused_k: u64,
+    table_stride: i32,
+    block_size: i32,
 }
 
 const FLAG_Q_ALIGNED: i32 = 1;
@@ -337,6 +347,44 @@ pub struct AttentionPointers {
     pub sinks: u64,
     /// F32 ALiBi slopes (`PREFILL_ALIBI_SLOPES`).
     pub alibi_slopes: u64,
+    /// Paged K/V (`PREFILL_PAGED`, SPEC 11), else `None`.
+    pub pages: Option<PagedPointers>,
+}
+
+/// The paged K/V of a launch (SPEC 11): the device addresses of the I32 block table
+/// `[batch, table_stride]` and of the I32 cache lengths `seqused_k` `[batch]`, and the block
+/// size. The launch's params block then carries the caches' strides as K/V's (the block
+/// stride as the batch stride): [`paged_params`].
+#[derive(Debug, Clone, Copy)]
+pub struct PagedPointers {
+    pub block_table: u64,
+    pub seqused_k: u64,
+    pub table_stride: i32,
+    pub block_size: i32,
+}
+
+/// The params block a paged prefill launches with: the op's (whose K/V strides are 0,
+/// describing no tensor) with the caches' (block, row, head) strides as K/V's (batch, row,
+/// head) strides. The kernels read a row's block through the table and step by the block
+/// stride; the alignment flags follow from the same strides.
+pub fn paged_params(p: &FlashAttnPrefillParamsGpu, pk: &PagedKvParamsGpu) -> FlashAttnPrefillParamsGpu {
+    FlashAttnPrefillParamsGpu {
+        k_batch_stride: pk.k_block_stride,
+        k_row_stride: pk.k_row_stride,
+        k_head_stride: pk.k_head_stride,
+        v_batch_stride: pk.v_block_stride,
+        v_row_stride: pk.v_row_stride,
+        v_head_stride: pk.v_head_stride,
+        ..*p
+    }
+}
+
+/// Whether a params block of one of this op's kernels is a paged prefill's (`PREFILL_PAGED`):
+/// it never runs in the CTA-pair forms (their TMA tensor maps address contiguous K/V).
+pub fn is_paged(kernel_name: &str, params: &[u8]) -> bool {
+    KERNELS.iter().any(|k| k.name == kernel_name && k.merge_entry.is_some())
+        && params.len() == std::mem::size_of::<FlashAttnPrefillParamsGpu>()
+        && bytemuck::pod_read_unaligned::<FlashAttnPrefillParamsGpu>(params).flags & PREFILL_PAGED != 0
 }
 
 /// Whether O's base and strides allow its two-element stores (`FLAG_OUT_ALIGNED`).
@@ -413,6 +461,10 @@ fn merge_launch(
         window_left: 0,
         reserved: 0,
         alibi_slopes: 0,
+        block_table: 0,
+        seqused_k: 0,
+        table_stride: 0,
+        block_size: 0,
     };
     let grid = [(p.max_rows.max(1) as u32).div_ceil(MERGE_ROWS), p.n_heads as u32, p.batch as u32];
     let mut l = Launch::new(grid, [MERGE_ROWS * 32, 1, 1], 0);
@@ -475,7 +527,11 @@ fn part_launch(
     let mut maps = None;
     let mut mode = None;
     let fixed = p.flags & PREFILL_VARLEN == 0;
-    if let Some(heads_allowed) = if variants && hopper && fixed { pair_setting(&pc.options) } else { None } {
+    // Paged K/V: the one-CTA form (its cp.async loaders read each row through the table).
+    let contiguous = b.pages.is_none();
+    if let Some(heads_allowed) =
+        if variants && hopper && fixed && contiguous { pair_setting(&pc.options) } else { None }
+    {
         let (nkv, kvl, nb) = (p.n_kv_heads as u32, p.kv_len as u32, p.batch as u32);
         let km = kv_tensor_map(b.k, head_dim, nkv, kvl, nb, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]);
         let vm = kv_tensor_map(b.v, head_dim, nkv, kvl, nb, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]);
@@ -508,6 +564,10 @@ fn part_launch(
         window_left: sides.left,
         reserved: 0,
         alibi_slopes: if slopes { b.alibi_slopes } else { 0 },
+        block_table: b.pages.map_or(0, |g| g.block_table),
+        seqused_k: b.pages.map_or(0, |g| g.seqused_k),
+        table_stride: b.pages.map_or(0, |g| g.table_stride),
+        block_size: b.pages.map_or(0, |g| g.block_size),
     };
     let shared = if maps.is_some() { pair_shared_bytes(head_dim) } else { plain_shared_bytes(dims.0, dims.1, hopper) }
         .ok_or_else(|| contract(name, "no shared memory size"))?;
@@ -534,9 +594,13 @@ fn part_launch(
         let wide = wide_form(head_dim) && p.flags & PREFILL_MASK == 0;
         l.variant = mode.map(|m| m.variant(wide));
     }
-    if !hopper && (p.softcap > 0.0 || p.max_bias > 0.0 || slopes) {
-        l.variant = Some(Variant::ScoreTransforms);
-    }
+    let transforms = !hopper && (p.softcap > 0.0 || p.max_bias > 0.0 || slopes);
+    l.variant = match (b.pages.is_some(), transforms) {
+        (true, true) => Some(Variant::PagedScoreTransforms),
+        (true, false) => Some(Variant::Paged),
+        (false, true) => Some(Variant::ScoreTransforms),
+        (false, false) => l.variant,
+    };
     Ok(l)
 }
 
@@ -556,6 +620,15 @@ pub fn attention_pointers(pc: &PrepareContext<'_>, name: &str, r: &RecordedPrefi
         cu_k: opt(r.cu_seqlens.map(|c| c.1))?,
         sinks: opt(r.sinks)?,
         alibi_slopes: opt(r.alibi_slopes)?,
+        pages: match &r.paged {
+            Some(pg) => Some(PagedPointers {
+                block_table: addr(pg.block_table)?,
+                seqused_k: addr(pg.seqused_k)?,
+                table_stride: pg.params.max_blocks,
+                block_size: pg.params.block_size,
+            }),
+            None => None,
+        },
     })
 }
 
@@ -563,8 +636,11 @@ fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bo
     let name = d.pipeline.name();
     // The op validated the dispatch; a kernel that writes device memory checks what it
     // relies on (`RecordedPrefill`: the block's contract, every buffer's extent).
-    let r = RecordedPrefill::decode(d)?.map_err(|Broken(what)| contract(name, what))?;
-    let p = &r.params;
+    // Paged K/V included (SPEC 11: the decoder checked the caches, the table and the lengths
+    // against the paged block; the op checked the table's entries before it uploaded them).
+    let r = RecordedPrefill::decode_paged(d)?.map_err(|Broken(what)| contract(name, what))?;
+    let paged = r.paged.as_ref().map(|pg| paged_params(&r.params, &pg.params));
+    let p = paged.as_ref().unwrap_or(&r.params);
     if (p.head_dim as u32, p.head_dim_v as u32) != dims {
         return Err(contract(name, "the params block's head dims are not the kernel's"));
     }
@@ -605,7 +681,7 @@ mod tests {
     #[test]
     fn the_kernel_blocks_have_their_sizes() {
         assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 224);
-        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 48);
+        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 72);
     }
 
     /// A params block of `rows` queries against `kv` cache rows with these flags and sides.
@@ -713,7 +789,8 @@ mod tests {
         assert_eq!(plain_shared_bytes(256, 256, true), Some(230_528));
         assert_eq!((KERNELS[1].shared_bytes)(true), Some(214_592));
         for (k, hd) in KERNELS.iter().zip([256, 512]) {
-            let names: Vec<String> = PairMode::ALL.iter().map(|m| m.entry(hd)).collect();
+            let mut names: Vec<String> = PairMode::ALL.iter().map(|m| m.entry(hd)).collect();
+            names.push(format!("{}_paged", k.entry)); // the one-CTA form on paged K/V
             let entries: Vec<String> = k.hopper_variants.iter().map(|v| v.entry(k.entry)).collect();
             assert_eq!(entries, names);
             for m in PairMode::ALL {
@@ -739,6 +816,7 @@ mod tests {
                 }
             }
             assert_eq!(name.contains("d128"), want.len() == 4, "{name}: the wide forms are head dim 128's");
+            want.push(format!("{name}_paged")); // the one-CTA form on paged K/V
             let entries: Vec<String> = k.hopper_variants.iter().map(|v| v.entry(k.entry)).collect();
             assert_eq!(entries, want);
             assert_eq!((k.shared_bytes)(true), Some(WS_SHARED_BYTES), "{name}: the limit covers the pair forms");

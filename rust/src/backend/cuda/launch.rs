@@ -59,6 +59,11 @@ pub enum Variant {
     PairQueriesWide,
     /// The portable form with SPEC 10's score transforms (softcap, ALiBi).
     ScoreTransforms,
+    /// The one-CTA form on paged K/V (SPEC 11: the Hopper form's, or the portable form's
+    /// without the score transforms).
+    Paged,
+    /// The portable form with the score transforms on paged K/V.
+    PagedScoreTransforms,
 }
 
 impl Variant {
@@ -70,6 +75,8 @@ impl Variant {
             Variant::PairHeadsWide => "_pair_heads_wide",
             Variant::PairQueriesWide => "_pair_queries_wide",
             Variant::ScoreTransforms => "_xf",
+            Variant::Paged => "_paged",
+            Variant::PagedScoreTransforms => "_xf_paged",
         }
     }
 

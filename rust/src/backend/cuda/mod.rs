@@ -345,6 +345,10 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn reads_paged_kv(&self) -> bool {
+        true // the one-CTA forms read each K/V row through the table (`flash_attn_prefill::PagedPointers`)
+    }
+
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
         if bytes == 0 {
             return Ok(Arc::new(CudaMemory { ctx: self.ctx.clone(), ptr: 0, len: 0, owned: false }));
@@ -399,7 +403,9 @@ impl Backend for CudaBackend {
         let split = k.and_then(|k| (k.split)(hopper, sms, params, kv_split::forced_parts(options)));
         // Pairs run only in the Hopper form of a kernel that has them (and where TMA can
         // address K and V, which each run decides from its addresses).
-        let pairs = if hopper && k.is_some_and(|k| !k.hopper_variants.is_empty()) {
+        // Paged K/V runs the one-CTA forms (`flash_attn_prefill::is_paged`).
+        let paged = flash_attn_prefill::is_paged(kernel_name, params);
+        let pairs = if hopper && !paged && k.is_some_and(|k| !k.hopper_variants.is_empty()) {
             flash_attn_prefill::pairs_of(options).name()
         } else {
             "off"
