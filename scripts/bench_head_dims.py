@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 
 import mlx_native as mn
+from mlx_native.bench.timing import best_in_turn
 from mlx_native.head_dims import KERNEL_HEAD_DIMS
 
 #: The head dims timed: the new kernels' and those padded around them.
@@ -31,19 +31,6 @@ SHAPES = [("causal 1024, 8/2 heads", 1024, 8, 2, True), ("full 512, 8/8 heads", 
 
 def _next(sizes, d):
     return min(s for s in sizes if s >= d)
-
-
-def _best(fns, repeats):
-    """The best time of each of ``fns``, called in turn ``repeats`` times after a warm-up."""
-    best = [float("inf")] * len(fns)
-    for fn in fns:
-        fn()
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def _pad(x, width):
@@ -80,7 +67,7 @@ def main():
                 qp, kp, vp = _pad(q, old_on), _pad(k, old_on), _pad(v, old_on)
                 return np.ascontiguousarray(mn.flash_attn_prefill(qp, kp, vp, causal=causal, scale=scale)[..., :d])
 
-            now, old = _best([now_fn, before], args.repeats)
+            now, old = best_in_turn([now_fn, before], args.repeats)
             row = dict(shape=name, head_dim=d, now_on=now_on, now_ms=now * 1e3, before_on=old_on,
                        before_ms=old * 1e3)  # fmt: skip
             rows_out.append(row)

@@ -8,17 +8,24 @@ on the CPU").
 Each time is the best of ``--repeats`` rounds after one warm-up call, the two layouts' calls
 alternating within a round (a machine shared with other work slows both alike). The
 contiguous call is varlen (``cu_seqlens_k``), as an engine's gathered copy would be; the
-copy itself is not timed (what paging saves an engine is not in the ratio)."""
+copy itself is not timed (what paging saves an engine is not in the ratio).
+
+One sequence's prompt, or a chunk of it at the end of its cache, is a case of the benchmark
+command: ``python -m mlx_native bench --cases paged-128 paged-256 [--block-size 64]
+[--kv-len 4096]`` (ours paged against ours contiguous, and PyTorch on the gathered K/V). This
+script stays for what those cases do not run: several sequences of different cache lengths
+through one table (varlen), bfloat16 K/V under a float32 Q, and the three block sizes in one
+run."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 
 import mlx_native as mn
+from mlx_native.bench.timing import best_in_turn
 
 #: (name, query rows per sequence, cache rows per sequence, sequences, heads, KV heads, head dim)
 CASES = [
@@ -51,18 +58,6 @@ def gathered(cache, table, lens):
     return np.concatenate([cache[table[b]].reshape(-1, *cache.shape[2:])[:n] for b, n in enumerate(lens)])
 
 
-def best(fns, repeats):
-    for fn in fns:
-        fn()
-    out = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t = time.perf_counter()
-            fn()
-            out[i] = min(out[i], time.perf_counter() - t)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=None, help="the CPU kernels' threads (default: the library's)")
@@ -93,7 +88,7 @@ def main() -> None:
                 cont = mn.PrefillPlan(q, kc, vc, cu_seqlens_k=ck, **kw)
                 paged = mn.PrefillPlan(q, k, v, block_table=table, seqused_k=used, **kw)
                 assert np.array_equal(np.asarray(cont.run()), np.asarray(paged.run())), name
-                tc, tp = best([cont.run, paged.run], a.repeats)
+                tc, tp = best_in_turn([cont.run, paged.run], a.repeats)
                 rows.append(dict(case=name, kv=dt, block=bs, contiguous_ms=tc * 1e3, paged_ms=tp * 1e3))
                 print(f"| {name} | {dt} | {bs} | {tc * 1e3:.2f} | {tp * 1e3:.2f} | {tp / tc:.3f} |", flush=True)
     if a.json:

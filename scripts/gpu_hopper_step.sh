@@ -26,10 +26,13 @@
 # A change of the CUDA sources alone needs no second wheel: BRANCH_SRC=DIR gives builds B, C
 # and D the sources in DIR (MLX_NATIVE_CUDA_SOURCE_DIR; e.g. the working tree's shaders/
 # beside main's wheel). DEFS_C / DEFS_D and NAME_C / NAME_D replace C's and D's defines and
-# names (DEFS_B / NAME_B B's); TEST_BUILD (default B) is the build the CUDA tests run. BUILDS and CASES narrow the
+# names (DEFS_B / NAME_B B's); TEST_BUILD (default B) is the build the CUDA tests run. ROWS
+# gives the timed sizes (default 16384; others are tabled as "case @rows"). BUILDS and CASES narrow the
 # timing (e.g. BUILDS="A B" CASES="causal-64 causal-128" ROUNDS=1), T_TESTS=0 skips the
 # tests, EXTRA=0 the F16-Q and explicit-mask rounds, SMOKE_DIMS="256" smokes other head dims
-# (scripts/gpu_smoke_dims.py), TESTS_K the tests' -k expression (default "cuda").
+# (scripts/gpu_smoke_dims.py), TESTS_K the tests' -k expression (default "cuda"), T_SMOKE the
+# smoke's limit (default 180 s: a build with other sources or defines compiles its kernels
+# there, beside the background warm-ups; 60 s timed out at head dim 64 on 2026-12-07).
 #
 # Logs and JSON go to $OUT (default /tmp/gpu-hopper-step), packed at the end into
 # hopper-step.tar.gz: bench-<build><round>.json.
@@ -100,7 +103,7 @@ for d, kvt in [(64, np.float16), (128, np.float16), (64, "bf16")]:
 # SMOKE_DIMS (e.g. "256"): scripts/gpu_smoke_dims.py at those head dims instead (the
 # described and explicit masks, window, sinks, lse, BF16 K/V, a batch).
 if [ -n "${SMOKE_DIMS:-}" ]; then SMOKE_CMD=("$HERE/scripts/gpu_smoke_dims.py" $SMOKE_DIMS); else SMOKE_CMD=(-c "$SMOKE"); fi
-if run_build "$TB" env MLX_NATIVE_CUDA_TRACE=1 timeout 60 python3 "${SMOKE_CMD[@]}" > "$OUT/smoke.log" 2>&1; then
+if run_build "$TB" env MLX_NATIVE_CUDA_TRACE=1 timeout "${T_SMOKE:-180}" python3 "${SMOKE_CMD[@]}" > "$OUT/smoke.log" 2>&1; then
   grep -v "^mlx_native cuda:" "$OUT/smoke.log"
   echo "pair launches: $(grep -c "variant Some" "$OUT/smoke.log") of $(grep -c "^mlx_native cuda:" "$OUT/smoke.log")"
   SMOKE_OK=1
@@ -131,7 +134,7 @@ bench() {
   local b=$1 tag=$2 limit=$3
   shift 3
   echo "== $tag ${NAME[$b]} ($(date +%T))"
-  run_build $b timeout "$limit" python3 -m mlx_native bench --device cuda --no-progress --peers --rows 16384 \
+  run_build $b timeout "$limit" python3 -m mlx_native bench --device cuda --no-progress --peers --rows ${ROWS:-16384} \
     --json "$OUT/bench-$tag.json" "$@" > "$OUT/bench-$tag.log" 2>&1 || { echo "   (rc $?: $OUT/bench-$tag.log)"; status=$((status | 8)); }
 }
 CASES=${CASES:-dense-128 causal-128 causal-64 causal-8h}
@@ -160,12 +163,13 @@ for f in sorted(glob.glob(os.path.join(out, "bench-*.json"))):
     for d in rep["results"]:
         if d["impl"] != "mlx-native, attention only" or d["ms"] is None:
             continue
-        r = runs.setdefault((kind, build), {}).setdefault(d["case"], dict(ms=[], tf=[], nmse=0.0))
+        case = d["case"] if d["rows"] == 16384 else f'{d["case"]} @{d["rows"]}'
+        r = runs.setdefault((kind, build), {}).setdefault(case, dict(ms=[], tf=[], nmse=0.0))
         r["ms"].append(d["ms"])
         r["tf"].append(d["gflops"] / 1e3)
     for d in rep["results"]:
         if d["impl"] == "mlx-native" and d.get("nmse_worst_row") is not None:
-            r = runs.get((kind, build), {}).get(d["case"])
+            r = runs.get((kind, build), {}).get(d["case"] if d["rows"] == 16384 else f'{d["case"]} @{d["rows"]}')
             if r is not None:
                 r["nmse"] = max(r["nmse"], d["nmse_worst_row"])
 for kind, title in [("f32", "described mask, F32 Q"), ("f16", "described mask, F16 Q and output"), ("explicit", "explicit mask, attention alone")]:

@@ -36,12 +36,9 @@ CUDA_VISIBLE_DEVICES= timeout "${T_CPU:-60}" python3 -m pytest -q -p no:cachepro
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cpu-amx.log" | tail -n 10
 
 if [ -n "${2:-}" ]; then
-  install_wheels "$2" /tmp/site-hf
-  step "transformers forward on the CPU: bfloat16, $(nproc) threads, gemma3 and llama, 2048 tokens, 2 layers"
-  (cd /tmp && CUDA_VISIBLE_DEVICES= PYTHONPATH=/tmp/site-merge:/tmp/site-hf timeout "${T_FORWARD:-100}" python3 -m mlx_native \
-    bench --transformers --device cpu --rows 2048 --models gemma3 llama --layers 2 --dtype bfloat16 \
-    --json "$OUT/forward-bfloat16.json") > "$OUT/forward.log" 2>&1 || status=$((status | 8))
-  tail -n 9 "$OUT/forward.log"
+  # The model row, bfloat16 (scripts/gpu_forward_cpu.sh: forward-bfloat16.log / .json in $OUT).
+  OUT=$OUT DTYPES=bfloat16 T_FORWARD=${T_FORWARD:-100} bash "$HERE/scripts/gpu_forward_cpu.sh" "$1" "$2" ||
+    status=$((status | 8))
 fi
 echo "gpu_merge_check status $status (1 Hopper, 2 portable, 4 CPU, 8 forward)"
 exit $status

@@ -130,3 +130,21 @@ def random_qkv_dims(rng, rows, kv, nh, nkv, dk, dv, kv_dtype=None, batch=None):
     k = rng.uniform(-1, 1, (*lead, kv, nkv, dk)).astype(kv_dtype)
     v = rng.uniform(-1, 1, (*lead, kv, nkv, dv)).astype(kv_dtype)
     return q, k, v
+
+
+def ops_seen():
+    """A torch dispatch mode that records every operator reaching the dispatcher (in
+    ``.seen``, as strings): ``with ops_seen() as mode: ...``. torch is imported here, so
+    this module stays importable without it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpsSeen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return OpsSeen()

@@ -138,6 +138,92 @@ def test_bench_runs_ours_with_a_described_mask_and_a_half_precision_q():
         bench.run_bench(q_dtype="float64", **kw)
 
 
+def test_paged_cache_holds_the_rows_in_shuffled_blocks():
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((70, 2, 8)).astype(np.float16) for _ in range(2))
+    pc = bench.paged_cache(k, v, 16, rng)
+    assert pc.k.shape == pc.v.shape == (5, 16, 2, 8) and pc.block_size == 16
+    assert pc.block_table.dtype == np.int32 and pc.block_table.shape == (1, 5) and pc.seqused_k.tolist() == [70]
+    assert sorted(pc.block_table[0].tolist()) == list(range(5)) and pc.block_table[0].tolist() != list(range(5))
+    for cache, x in ((pc.k, k), (pc.v, v)):
+        rows = cache[pc.block_table[0]].reshape(-1, 2, 8)
+        assert np.array_equal(rows[:70], x) and not rows[70:].any()
+
+
+def test_bench_paged_cases_time_ours_paged_against_contiguous_and_torch_on_gathered_kv(capsys):
+    # Small rows: ours on the cache in shuffled blocks of 16 (a chunk of 24 rows at the end of
+    # a 40-row cache: 3 blocks, the last part-filled) and on the same rows contiguous, the two
+    # outputs bit-identical; PyTorch with the gather timed; an unpaged case beside them keeps
+    # its rows as they were (no paged fields).
+    import_test_extra("torch")
+    report = bench.run_bench(rows=[24], kv_len=40, cases=["causal-64", "paged-128", "paged-256"], repeats=1,
+                             device="cpu", peers=["torch", "reference"], progress=False, block_size=16)  # fmt: skip
+    text = capsys.readouterr().out
+    assert report["block_size"] == 16
+    assert "shuffled blocks of 16 rows" in text and "gather timed': the peer's K/V gathered" in text
+    assert text.count("(paged, blocks of 16: ") == 2 and text.count("x the contiguous time; outputs equal)") == 2
+    for d in report["results"]:
+        if d["case"] == "causal-64":
+            assert not {"block_size", "num_blocks", "paged_over_contiguous", "paged_equals_contiguous"} & set(d)
+            continue
+        assert (d["block_size"], d["num_blocks"], d["kv_len"], d["rows"]) == (16, 3, 40, 24)
+        assert d["visible_pairs"] == sum(r + 40 - 24 + 1 for r in range(24))
+    for name, dim in (("paged-128", 128), ("paged-256", 256)):
+        by = {d["impl"]: d for d in report["results"] if d["case"] == name}
+        # A chunk: no is_causal form (it aligns the prompt to the cache's start).
+        assert set(by) == {bench.OURS, bench.OURS_CONTIGUOUS, "torch sdpa, same mask, gather timed",
+                           "numpy float64 reference"}, by  # fmt: skip
+        mine, cont, torch_row = by[bench.OURS], by[bench.OURS_CONTIGUOUS], by["torch sdpa, same mask, gather timed"]
+        assert mine["head_dim"] == dim and mine["paged_equals_contiguous"] is True
+        assert mine["paged_over_contiguous"] == pytest.approx(mine["ms"] / cont["ms"])
+        assert cont["speedup_vs"] == pytest.approx(cont["ms"] / mine["ms"])  # "ours x": over the paged time
+        assert mine["nmse"] == cont["nmse"] and mine["nmse"] < 1e-5  # the same output
+        assert torch_row["peer"] == "torch" and torch_row["nmse"] < 1e-5 and torch_row["ms"] > 0
+    # At the cache's start (no chunk) the built-in causal forms run on the gathered K/V too.
+    report = bench.run_bench(rows=[32], cases=["paged-128"], repeats=1, device="cpu", peers=["torch"], progress=False,
+                             quiet=True, dtype="bfloat16", block_size=32)  # fmt: skip
+    by = {d["impl"]: d for d in report["results"]}
+    assert by["torch sdpa, is_causal, enable_gqa, gather timed"]["kv_repeated"] is False
+    assert by["torch sdpa, is_causal, gather timed"]["nmse"] < 2e-5 and by[bench.OURS]["num_blocks"] == 1
+    assert by[bench.OURS]["paged_equals_contiguous"] is True
+
+
+def test_best_in_turn_calls_in_turn_after_a_warm_up_and_keeps_the_best():
+    from mlx_native.bench import timing
+
+    calls = []
+    best = timing.best_in_turn([lambda: calls.append("a"), lambda: calls.append("b")], 2)
+    assert calls == ["a", "b"] * 3 and len(best) == 2 and all(0 <= t < 1 for t in best)
+
+
+def test_paged_cases_are_refused_by_name_off_the_cpu():
+    # CUDA and Metal run no paged K/V yet: the bench says which cases, before anything runs.
+    for kind in ("cuda", "metal"):
+        with pytest.raises(ValueError, match=rf"case\(s\) paged-128, paged-256 read paged K/V: .*CPU backend.*not on {kind}"):
+            bench.select(kind, [2048], ["causal-128", "paged-128", "paged-256"])
+    assert bench.select("cpu", [64], ["paged-256"]) == ([64], ["paged-256"])
+    assert "paged-128" not in bench.DEFAULT_CASES["cpu"] and "paged-128" not in bench.DEFAULT_CASES_GPU
+    with pytest.raises(ValueError, match="block_size"):
+        bench.run_bench(rows=[16], cases=["paged-128"], peers=[], quiet=True, progress=False, block_size=0)
+    with pytest.raises(mx.MlxError, match="block_size"):  # the library's bounds: multiples of 16
+        bench.run_bench(rows=[16], cases=["paged-128"], peers=[], quiet=True, progress=False, block_size=24)
+
+
+def test_cli_bench_paged_case_writes_its_fields(tmp_path):
+    out = tmp_path / "paged.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_native", "bench", "--device", "cpu", "--rows", "48", "--cases", "paged-256",
+         "--block-size", "32", "--repeats", "1", "--peers", "reference", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["block_size"] == 32
+    ours = next(d for d in report["results"] if d["impl"] == "mlx-native")
+    assert ours["num_blocks"] == 2 and ours["paged_equals_contiguous"] is True and ours["paged_over_contiguous"] > 0
+    assert "(paged, blocks of 32: " in r.stdout and "OK" in r.stdout
+
+
 def test_the_issue_rows_have_their_cases():
     # The speed issue's head-dim 128 and 64 rows: 32 query heads over 8 KV heads.
     for name, dim, mask in [("dense-128", 128, "zero"), ("causal-128", 128, "causal"), ("causal-64", 64, "causal")]:

@@ -22,6 +22,7 @@ import pytest
 
 import mlx_native as mn
 from mlx_native.reference import gather_pages, nmse, reference_paged
+from helpers import ops_seen
 
 BF16 = ml_dtypes.bfloat16
 BAR = 1e-5
@@ -323,23 +324,6 @@ def _torch():
     return torch
 
 
-def _ops_seen(torch):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        """Records every operator that reaches the dispatcher."""
-
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    return Seen()
-
-
 # (block_size, query lengths or None for 4-D q of 16 rows, cache lengths, heads, kv heads, causal, spare table columns)
 OPERATOR_CASES = [
     # variable length, GQA 4/2, partial last blocks (37 = 2 blocks + 5), a table wider than needed
@@ -374,7 +358,7 @@ def test_the_torch_operator_takes_paged_kv(rng, case):
         kw["offset"] = 0  # a cache shorter than the queries: they start at its first row
     t = torch.from_numpy
     tkw = {n: t(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
-    seen = _ops_seen(torch)
+    seen = ops_seen()
     with seen:
         out, lse = mn.flash_attn_prefill(t(q), t(k), t(v), block_table=t(table), seqused_k=t(used), return_lse=True,
                                          **tkw)  # fmt: skip

@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 
 import mlx_native as mn
-from helpers import import_test_extra
+from helpers import import_test_extra, ops_seen
 from mlx_native import attention
 from mlx_native.reference import nmse, reference_prefill
 
 torch = import_test_extra("torch")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 HAS_CUDA = "cuda" in mn.backends() and torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU, its driver and a CUDA build of torch")
@@ -38,18 +37,6 @@ def _op():
     import mlx_native.torch_ops  # noqa: F401  (registers the operators)
 
     return torch.ops.mlx_native
-
-
-class _OpsSeen(TorchDispatchMode):
-    """Records every operator that reaches the dispatcher."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 # ------------------------------------------------------------------ the operators on the CPU (and CUDA)
@@ -89,10 +76,10 @@ def test_variable_length_through_the_operator(rng):
 
 def test_flash_attn_prefill_on_tensors_goes_through_the_operator(rng):
     q, k, v = _qkv(rng, (20, 2, 256), (20, 1, 256))
-    with _OpsSeen() as mode:
+    with ops_seen() as mode:
         out, lse = mn.flash_attn_prefill(q, k, v, causal=True, return_lse=True)
     assert "mlx_native.flash_attn_prefill_lse.default" in mode.seen
-    with _OpsSeen() as mode:
+    with ops_seen() as mode:
         mn.flash_attn_prefill(q, k, v, causal=True)
     assert mode.seen[0] == "mlx_native.flash_attn_prefill.default"
     # Other arrays never meet torch: numpy in, the array call, numpy out.
@@ -102,7 +89,7 @@ def test_flash_attn_prefill_on_tensors_goes_through_the_operator(rng):
 def test_a_mix_of_torch_and_numpy_takes_the_array_call(rng):
     q, k, v = _qkv(rng, (20, 2, 256), (30, 1, 256))
     host_mask = np.zeros((20, 30), np.float32)
-    with _OpsSeen() as mode:
+    with ops_seen() as mode:
         out = mn.flash_attn_prefill(q, k, v, host_mask)
     assert not any(s.startswith("mlx_native.") for s in mode.seen)
     assert torch.equal(out, attention.flash_attn_prefill(q, k, v, torch.zeros(20, 30)))

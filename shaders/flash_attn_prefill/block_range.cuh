@@ -40,6 +40,41 @@ __device__ __forceinline__ Seq sequence(const Params& p, const int* __restrict__
     return s;
 }
 
+// The CTA's place in the grid's plane of query tiles (x: tile q_tiles - 1 - x, the longest
+// causal rows first) and head groups (y). MLXN_TILE_ORDER_QMAJOR (a variant to time): the
+// launch order's CTAs (clusters, on Hopper) dealt head group first, so the longest tiles of
+// every head group go in the first waves, where in the grid's own order (x fastest) one
+// group's tiles, longest to shortest, come before the next group's and the last groups'
+// longest tiles start late.
+#ifndef MLXN_TILE_ORDER_QMAJOR
+#define MLXN_TILE_ORDER_QMAJOR 0
+#endif
+struct CtaXY {
+    u32 x, y;
+};
+__device__ __forceinline__ CtaXY cta_xy() {
+#if MLXN_TILE_ORDER_QMAJOR && defined(MLXN_HOPPER)
+    // Whole clusters are moved: the cluster's index in launch order, dealt over the head
+    // groups' clusters, and the CTA's place inside its cluster kept.
+    u32 cx, cy, ncx, ncy, rx, ry, nx, ny;
+    asm("mov.u32 %0, %%clusterid.x;" : "=r"(cx));
+    asm("mov.u32 %0, %%clusterid.y;" : "=r"(cy));
+    asm("mov.u32 %0, %%nclusterid.x;" : "=r"(ncx));
+    asm("mov.u32 %0, %%nclusterid.y;" : "=r"(ncy));
+    asm("mov.u32 %0, %%cluster_ctaid.x;" : "=r"(rx));
+    asm("mov.u32 %0, %%cluster_ctaid.y;" : "=r"(ry));
+    asm("mov.u32 %0, %%cluster_nctaid.x;" : "=r"(nx));
+    asm("mov.u32 %0, %%cluster_nctaid.y;" : "=r"(ny));
+    const u32 c = cy * ncx + cx;
+    return {c / ncy * nx + rx, c % ncy * ny + ry};
+#elif MLXN_TILE_ORDER_QMAJOR
+    const u32 c = blockIdx.y * gridDim.x + blockIdx.x;
+    return {c / gridDim.y, c % gridDim.y};
+#else
+    return {blockIdx.x, blockIdx.y};
+#endif
+}
+
 // The sequence of this CTA (grid z is batch x the launch's KV parts) and its part.
 __device__ __forceinline__ int cta_sequence(const Launch& L) { return (int)(blockIdx.z >> L.kv_split_log2); }
 __device__ __forceinline__ int cta_part(const Launch& L) { return (int)(blockIdx.z & ((1u << L.kv_split_log2) - 1u)); }

@@ -44,6 +44,11 @@ namespace hopper {
 // 128 x P + 256 x C <= 65536).
 // Head dim 256's loop: 1 the pipeline of mainloop_sm90_ws.cuh, 2 pipeline_sm90.cuh's (a
 // variant to time: its N is 64 there, the table's step).
+// Whether flash_attn_prefill_d128.cu instantiates the WideTiles entry points (the host
+// passes 1 where it launches them: attention_geometry.rs WIDE_LAUNCHED).
+#ifndef MLXN_WS_WIDE_ENTRIES
+#define MLXN_WS_WIDE_ENTRIES 0
+#endif
 #ifndef MLXN_WS_PIPE_D256
 #define MLXN_WS_PIPE_D256 1
 #endif

@@ -16,25 +16,29 @@ plot), :mod:`.machine`, :mod:`.progress`, :mod:`.cli` (the command).
 
 from .cases import (
     CASES,
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_CASES,
     DEFAULT_CASES_GPU,
     DEFAULT_ROWS,
     DEFAULT_ROWS_GPU,
     GPU_BENCH_CASES,
     Case,
+    PagedCache,
     case_inputs,
     case_mask,
+    paged_cache,
     select,
     sized_case,
 )
 from .cli import NMSE_BAR, add_arguments, main, main_from_args
 from .core import REFERENCE_FULL_PAIRS, REFERENCE_SAMPLE_ROWS, run_bench
-from .ours import DEVICE_TARGET_S, OURS, OURS_ATTENTION, OURS_DESCRIBED, ours_variants
+from .ours import DEVICE_TARGET_S, OURS, OURS_ATTENTION, OURS_CONTIGUOUS, OURS_DESCRIBED, ours_variants
 from .report import plot_report, print_summary, print_table, summarize
 
 __all__ = [
     "CASES",
     "Case",
+    "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CASES",
     "DEFAULT_CASES_GPU",
     "DEFAULT_ROWS",
@@ -44,7 +48,9 @@ __all__ = [
     "NMSE_BAR",
     "OURS",
     "OURS_ATTENTION",
+    "OURS_CONTIGUOUS",
     "OURS_DESCRIBED",
+    "PagedCache",
     "REFERENCE_FULL_PAIRS",
     "REFERENCE_SAMPLE_ROWS",
     "add_arguments",
@@ -52,6 +58,7 @@ __all__ = [
     "case_mask",
     "main",
     "main_from_args",
+    "paged_cache",
     "ours_variants",
     "plot_report",
     "print_summary",

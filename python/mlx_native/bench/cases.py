@@ -4,17 +4,21 @@ default on each kind of device, and each case's inputs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import causal_mask
+from ..errors import UnsupportedFeatureError
+from ..paged import refuse_unpaged_arguments
 from ..reference import random_qkv
 
 
 @dataclass(frozen=True)
 class Case:
-    """A benchmark shape: heads, head dim and mask (``causal``, ``window`` or ``zero``)."""
+    """A benchmark shape: heads, head dim and mask (``causal``, ``window`` or ``zero``);
+    ``paged``: the K/V are also laid out as a paged cache (SPEC 11), which ours reads through
+    its block table (:func:`paged_cache`)."""
 
     name: str
     title: str
@@ -23,10 +27,11 @@ class Case:
     head_dim: int
     mask: str
     window: Optional[int] = None
+    paged: bool = False
 
     def describe(self) -> str:
         m = {"causal": "causal", "zero": "zero mask"}.get(self.mask, f"causal, window {self.window}")
-        return f"{self.title}: {self.n_heads}/{self.n_kv_heads} heads, dim {self.head_dim}, {m}"
+        return f"{self.title}: {self.n_heads}/{self.n_kv_heads} heads, dim {self.head_dim}, {m}" + (", paged K/V" if self.paged else "")
 
 
 #: SPEC section 4 (Gemma 4 26B-A4B) and dense cases.
@@ -44,8 +49,16 @@ CASES: Dict[str, Case] = {
         Case("causal-64", "causal d64", 32, 8, 64, "causal"),
         # Causal GQA at 256 (issue 26's table: 16/8 heads).
         Case("causal-256", "causal d256", 16, 8, 256, "causal"),
+        # Paged K/V (issue 29, SPEC 11): the causal-128 and causal-256 shapes with the cache
+        # in shuffled blocks of --block-size rows; ours paged against ours contiguous on the
+        # same rows, PyTorch on the K/V gathered from the blocks (the gather timed).
+        Case("paged-128", "paged d128", 32, 8, 128, "causal", paged=True),
+        Case("paged-256", "paged d256", 16, 8, 256, "causal", paged=True),
     )
 }
+#: Rows of a block of a paged case's cache (``--block-size``; the library takes multiples of
+#: 16 from 16 to 256).
+DEFAULT_BLOCK_SIZE = 16
 #: Rows and cases run when none are named, by device kind: the CPU at the sizes a CPU user
 #: prefills, a GPU at long prompts too.
 DEFAULT_ROWS = {"cpu": (1024, 2048, 4096)}
@@ -56,8 +69,8 @@ DEFAULT_CASES_GPU = ("sliding", "global", "causal-8h", "dense-8h")
 
 def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequence[str]] = None) -> Tuple[List[int], List[str]]:
     """The sorted rows and the cases of a run on a device of kind ``kind``, the defaults of
-    that kind where ``rows`` or ``cases`` is None; raises ValueError for an unknown case or
-    a row count below 1."""
+    that kind where ``rows`` or ``cases`` is None; raises ValueError for an unknown case, a
+    paged case on a kind the library runs no paged K/V on (named), or a row count below 1."""
     if rows is None:
         rows = DEFAULT_ROWS.get(kind, DEFAULT_ROWS_GPU)
     if cases is None:
@@ -65,6 +78,14 @@ def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequ
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise ValueError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    paged = [c for c in cases if CASES[c].paged]
+    if paged:
+        # The library's own refusal of paged K/V off the CPU backend (the case's name added),
+        # so that the cases run wherever the library comes to run paged K/V.
+        try:
+            refuse_unpaged_arguments(True, None, kind, False, kind)
+        except UnsupportedFeatureError as e:
+            raise ValueError(f"case(s) {', '.join(paged)} read paged K/V: {e}") from None
     rows = sorted({int(r) for r in rows})
     if not rows or rows[0] < 1:
         raise ValueError(f"rows must be positive integers, got {rows}")
@@ -99,6 +120,41 @@ def case_inputs(case: Case, rows: int, rng: np.random.Generator, kv_len: Optiona
         to = np.float16 if dtype == "float16" else bfloat16_dtype()
         q, k, v = q.astype(to), k.astype(np.float32).astype(to), v.astype(np.float32).astype(to)
     return q, k, v, case_mask(case, rows, kv)
+
+
+class PagedCache(NamedTuple):
+    """A sequence's K/V as a paged cache (SPEC 11): ``k``/``v`` ``[num_blocks, block_size,
+    kv_heads, dim]``, the int32 ``block_table`` ``[1, num_blocks]`` and ``seqused_k``
+    ``[1]``."""
+
+    k: np.ndarray
+    v: np.ndarray
+    block_table: np.ndarray
+    seqused_k: np.ndarray
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.shape[1])
+
+
+def paged_cache(k: np.ndarray, v: np.ndarray, block_size: int, rng: np.random.Generator) -> PagedCache:
+    """``k`` and ``v`` (``[kv_len, kv_heads, dim]``) as a paged cache of blocks of
+    ``block_size`` rows in a shuffled order (the table a permutation; the last block's rows
+    past ``kv_len`` zero): the same values, as an engine's block pool holds them."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    n = k.shape[0]
+    blocks = -(-n // block_size)
+    table = rng.permutation(blocks).astype(np.int32)
+
+    def pool(x):
+        rows = np.zeros((blocks * block_size,) + x.shape[1:], x.dtype)
+        rows[:n] = x
+        out = np.empty((blocks, block_size) + x.shape[1:], x.dtype)
+        out[table] = rows.reshape(out.shape)
+        return out
+
+    return PagedCache(pool(k), pool(v), table[None], np.array([n], np.int32))
 
 
 #: The cases of the former ``scripts/gpu_bench.py``, by its names: bench cases at one size

@@ -9,7 +9,7 @@ import sys
 from math import inf
 
 from .. import MlxError
-from .cases import CASES
+from .cases import CASES, DEFAULT_BLOCK_SIZE
 from .core import run_bench
 from .ours import OURS
 from .report import plot_report
@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="device name for mlx_native.Device: auto (default), cpu, cuda, cuda:N, metal")
     p.add_argument("--rows", type=int, nargs="+", default=None, help="prompt lengths (kv_len = rows; default 1024 2048 4096 on the CPU, 2048 8192 16384 on a GPU)")
     p.add_argument("--kv-len", type=int, default=None, help="cache rows (default: each prompt's own): every prompt a chunk at the end of a longer cache, as chunked prefill runs (peers with a built-in causal mode that aligns it to the cache's start are left out)")
-    p.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="shapes to run (default: sliding global dense on the CPU; sliding global causal-8h dense-8h on a GPU)")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=None, help="shapes to run (default: sliding global dense on the CPU; sliding global causal-8h dense-8h on a GPU; paged-128 and paged-256: paged K/V, CPU only so far)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help=f"rows of a block of the paged cases' cache (default {DEFAULT_BLOCK_SIZE}; multiples of 16 up to 256): ours paged against ours on the same rows contiguous, and the peers on K/V gathered from the blocks inside their time")
     p.add_argument("--described", action="store_true", help="ours takes each case's mask as its description (causal / window; none for the zero mask: SPEC 6), as a model hands it over, not as an explicit additive mask; the peers keep theirs")
     p.add_argument("--q-dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="Q's dtype and our output's (default float32; float16: what a half-precision model hands over)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up, one run of each implementation per round (the best is kept)")
@@ -80,6 +81,7 @@ def main_from_args(args) -> int:
             described=getattr(args, "described", False),
             q_dtype=getattr(args, "q_dtype", "float32"),
             dtype=args.dtype or "float32",
+            block_size=getattr(args, "block_size", DEFAULT_BLOCK_SIZE),
         )
     except (ValueError, MlxError) as e:
         print(f"bench: {e}", file=sys.stderr)

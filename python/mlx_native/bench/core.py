@@ -14,9 +14,9 @@ import numpy as np
 from .. import Device, PrefillPlan, cpu_amx_peak, cpu_fma_peak, cpu_info, version
 from ..reference import nmse, reference_attention, useful_flops
 from . import cpu_peers, cuda_peers  # noqa: F401  (each registers its peers)
-from .cases import CASES, DTYPES, Case, case_inputs, select
+from .cases import CASES, DEFAULT_BLOCK_SIZE, DTYPES, Case, case_inputs, paged_cache, select
 from .machine import machine_info, use_threads
-from .ours import OURS, OURS_ATTENTION, OURS_DESCRIBED, described_variant, ours_variants
+from .ours import OURS, OURS_ATTENTION, OURS_CONTIGUOUS, OURS_DESCRIBED, contiguous_variant, described_variant, ours_variants
 from .peers import Problem, Refused, Variant, peers_for
 from .progress import Progress
 from .report import print_table, summarize
@@ -48,6 +48,7 @@ def run_bench(
     described: bool = False,
     q_dtype: str = "float32",
     dtype: str = "float32",
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> dict:
     """Run the benchmark and return its report (what ``--json`` writes); prints the table
     to ``out`` (default stdout) unless ``quiet``.
@@ -65,7 +66,13 @@ def run_bench(
     the case's mask as its description (``causal=True``, ``window=``; none for the zero
     mask: SPEC 6) instead of the explicit additive mask, as a model hands it over (the peers
     keep theirs); ``q_dtype`` (with ``dtype`` float32) is Q's dtype and our output's
-    (``float16`` or ``bfloat16``: what a half-precision model hands over and takes back)."""
+    (``float16`` or ``bfloat16``: what a half-precision model hands over and takes back).
+    ``block_size``: the rows of a block of a paged case's cache (``paged-128``,
+    ``paged-256``; CPU devices only, so far): ours runs on the cache through a shuffled
+    block table (``OURS``) and on the same rows contiguous (``OURS_CONTIGUOUS``), their ratio
+    in ``paged_over_contiguous`` of ours' row and their outputs' equality in
+    ``paged_equals_contiguous``; the peers that run it gather the K/V from the blocks inside
+    their timed runs."""
     if threads is not None:
         use_threads(threads)
     dev = Device(device or "auto")
@@ -79,6 +86,8 @@ def run_bench(
         raise ValueError(f"q_dtype must be one of {', '.join(Q_DTYPES)}, got {q_dtype!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
     out = None if quiet else (out or sys.stdout)
 
     registered = peers_for(kind)
@@ -114,6 +123,8 @@ def run_bench(
         ours_q_dtype=q_dtype,
         results=[],
     )
+    if any(CASES[c].paged for c in cases):
+        report["block_size"] = block_size
     # The peak is measured before and after the runs and the higher kept: a load on the
     # machine lowers a measurement, never raises it. Where the CPU has AMX, its BF16 peak
     # too: the limit of the AMX kernels' products.
@@ -132,7 +143,7 @@ def run_bench(
             for r in rows:
                 report["results"].extend(
                     _one_size(case, r, r == rows[0], dev, available, repeats, sample_heads, peer_budget_s, rate, rng, bar,
-                              kv_len, Ours(described, q_dtype), dtype)
+                              kv_len, Ours(described, q_dtype), dtype, block_size)
                 )
                 if on_size is not None:
                     report["summary"] = summarize(report["results"])
@@ -168,19 +179,20 @@ class Ours:
     described: bool = False
     q_dtype: str = "float32"
 
-    def plan(self, case: Case, q, k, v, mask, dev) -> PrefillPlan:
-        """Our plan of the case on ``dev`` (scale 1, as Gemma 4 runs: SPEC 4)."""
+    def plan(self, case: Case, q, k, v, mask, dev, **paged) -> PrefillPlan:
+        """Our plan of the case on ``dev`` (scale 1, as Gemma 4 runs: SPEC 4); ``paged``:
+        ``block_table=`` and ``seqused_k=`` where ``k``/``v`` are a paged cache."""
         if self.q_dtype != "float32":
             dt = _np_dtype(self.q_dtype)
             q = q.astype(dt)
         else:
             dt = None
         if not self.described:
-            return PrefillPlan(q, k, v, mask, scale=1.0, device=dev, out_dtype=dt)
+            return PrefillPlan(q, k, v, mask, scale=1.0, device=dev, out_dtype=dt, **paged)
         # The prompt is the end of its cache (SPEC 6's default offset), as case_mask has it.
         causal = case.mask in ("causal", "window")
         window = case.window if case.mask == "window" else None
-        return PrefillPlan(q, k, v, None, causal=causal, window=window, scale=1.0, device=dev, out_dtype=dt)
+        return PrefillPlan(q, k, v, None, causal=causal, window=window, scale=1.0, device=dev, out_dtype=dt, **paged)
 
 
 def _np_dtype(name: str):
@@ -201,10 +213,11 @@ def _peaks(amx: bool) -> dict:
 
 
 def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, budget, rate, rng, bar, kv_len=None,
-              ours: Ours = Ours(), dtype="float32") -> List[dict]:  # fmt: skip
+              ours: Ours = Ours(), dtype="float32", block_size=DEFAULT_BLOCK_SIZE) -> List[dict]:  # fmt: skip
     """Every implementation on one problem, timed round-robin (one warm-up each, then
     ``repeats`` rounds of one run each, the best kept), so that a load that comes and goes
-    on the machine falls on all of them alike."""
+    on the machine falls on all of them alike. A paged case: ours on the paged cache and on
+    the same rows contiguous; the peers without ``paged_ok`` left out."""
     nh, nkv, hd = case.n_heads, case.n_kv_heads, case.head_dim
     q, k, v, mask = case_inputs(case, r, rng, kv_len, dtype)
     kv = k.shape[0]
@@ -212,13 +225,24 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
     base = dict(case=case.name, title=case.title, rows=r, kv_len=kv, n_heads=nh, n_kv_heads=nkv, head_dim=hd, mask=case.mask, window=case.window,
                 dtype=dtype)  # fmt: skip
 
+    pc = contiguous = None
+    if case.paged:
+        pc = paged_cache(k, v, block_size, rng)
+        base.update(block_size=block_size, num_blocks=int(pc.k.shape[0]))
+
     bar.step(f"{case.name} {r}: preparing {OURS}")
-    plan = ours.plan(case, q, k, v, mask, dev)
+    if pc is None:
+        plan = ours.plan(case, q, k, v, mask, dev)
+    else:
+        plan = ours.plan(case, q, pc.k, pc.v, mask, dev, block_table=pc.block_table, seqused_k=pc.seqused_k)
     flops = useful_flops(hd, nh, plan.visible_pairs)
     base.update(visible_pairs=plan.visible_pairs, useful_gflop=flops / 1e9)
     runners: List[Variant] = ours_variants(plan, dev)
+    if pc is not None:
+        contiguous = ours.plan(case, q, k, v, mask, dev)
+        runners.append(contiguous_variant(contiguous))
     described = None
-    if dev.backend == "cpu" and case.mask in ("causal", "window") and not ours.described:
+    if dev.backend == "cpu" and case.mask in ("causal", "window") and not ours.described and pc is None:
         # The same mask as a description (the prompt at the end of its cache, as case_mask).
         w = case.window if case.mask == "window" else None
         described = PrefillPlan(q, k, v, causal=True, window=w, scale=1.0, device=dev)
@@ -234,9 +258,16 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
         window=case.window if case.mask == "window" else None,
         threads=cpu_info()["threads"],
         dtype=dtype,
+        paged=pc,
     )
     for p in available:
         bar.step(f"{case.name} {r}: preparing {p.name}")
+        if pc is not None and not p.paged_ok:
+            labels.append(p.name)
+            notes[p.name] = "skipped: no paged form in the bench (its K/V gathered from the blocks in its time)"
+            meta[p.name] = dict(peer=p.name, mode=None, kv_repeated=None, calls=None)
+            bar.advance()
+            continue
         try:
             variants: List[Variant] = p.variants(problem)
         except Exception as e:  # a peer that fails to build is reported, not fatal
@@ -275,9 +306,18 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
                 errors[vt.label] = (nmse(o, ref), worst_row_nmse(o, ref))
             except Exception as e:
                 notes[vt.label] = f"failed: {type(e).__name__}: {e}"
-    del plan, described
+    same = None
+    if contiguous is not None and OURS not in notes and OURS_CONTIGUOUS not in notes:
+        same = bool(np.array_equal(np.asarray(plan.run()), np.asarray(contiguous.run())))
+    del plan, described, contiguous
     bar.advance()
-    return result_rows(base, labels, flops, best, runs, notes, errors, rate, meta)
+    out = result_rows(base, labels, flops, best, runs, notes, errors, rate, meta)
+    if pc is not None:
+        by = {d["impl"]: d for d in out}
+        mine, cont = by[OURS], by[OURS_CONTIGUOUS]
+        ratio = mine["ms"] / cont["ms"] if mine["ms"] and cont["ms"] else None
+        mine.update(paged_over_contiguous=ratio, paged_equals_contiguous=same)
+    return out
 
 
 def round_robin(runners: Sequence[Variant], repeats: int, budget: float, notes: Dict[str, str], bar, prefix: str = ""):

@@ -35,10 +35,14 @@ class TorchCpuSdpa(Peer):
     dim]`` in the run's data type (float32, float16 or bfloat16, where PyTorch takes its
     AMX path on CPUs that have one); the KV heads are repeated to the query heads beforehand
     (outside the timing), and for the built-in causal mode also given as they are with
-    ``enable_gqa`` (what a model calls)."""
+    ``enable_gqa`` (what a model calls). On a paged case (``problem.paged``) the same
+    variants, labelled ``gather timed``, each gather the K/V from the cache's blocks through
+    the block table inside its timed run (and repeat them to the query heads there too, where
+    the variant repeats them): what calling SDPA on a paged cache costs a user."""
 
     name = "torch"
     install_hint = "pip install torch"
+    paged_ok = True
 
     def missing(self) -> Optional[str]:
         try:
@@ -65,6 +69,8 @@ class TorchCpuSdpa(Peer):
         g = group(problem)
         dt = _torch_dtype(problem.dtype)
         q = _torch_heads_first(problem.q, dt)[None]
+        if problem.paged is not None:
+            return self._paged_variants(problem, q, g, dt)
         kg = _torch_heads_first(problem.k, dt)[None]
         vg = _torch_heads_first(problem.v, dt)[None]
         k = kg[0].repeat_interleave(g, dim=0).contiguous()[None]
@@ -90,6 +96,45 @@ class TorchCpuSdpa(Peer):
                 out.append(make("torch sdpa, is_causal, enable_gqa", "causal", kg, vg, is_causal=True, enable_gqa=True))
         if problem.dense:
             out.append(make("torch sdpa, no mask", "none"))
+        return out
+
+    def _paged_variants(self, problem: Problem, q, g: int, dt) -> List[Variant]:
+        import torch
+        import torch.nn.functional as F
+
+        pc = problem.paged
+        n = int(pc.seqused_k[0])
+        table = torch.from_numpy(pc.block_table[0].astype(np.int64))
+        # The caches in the run's type, as the blocks lie (float32 through ml_dtypes' bfloat16).
+        kc = torch.from_numpy(np.ascontiguousarray(pc.k.astype(np.float32))).to(dt)
+        vc = torch.from_numpy(np.ascontiguousarray(pc.v.astype(np.float32))).to(dt)
+        mask = torch.from_numpy(problem.mask.astype(np.float32)).to(dt)
+        state = {}
+
+        def gathered(cache, repeat):
+            # [blocks, block_size, kv_heads, dim] -> the sequence's rows -> [1, heads, n, dim].
+            rows = cache.index_select(0, table).flatten(0, 1)[:n].transpose(0, 1)
+            return (rows.repeat_interleave(g, dim=0) if repeat else rows)[None]
+
+        def make(label, mode, repeat=True, **kw):
+            def run():
+                with torch.inference_mode():
+                    k, v = gathered(kc, repeat), gathered(vc, repeat)
+                    state[label] = F.scaled_dot_product_attention(q, k, v, scale=problem.scale, **kw)
+
+            def output():
+                return state[label][0].permute(1, 0, 2).float().numpy()
+
+            return Variant(label, run, output, mode=mode, kv_repeated=repeat)
+
+        out = [make("torch sdpa, same mask, gather timed", "mask", attn_mask=mask)]
+        if problem.causal and problem.q.shape[0] == n:
+            out.append(make("torch sdpa, is_causal, gather timed", "causal", is_causal=True))
+            if g > 1:
+                out.append(make("torch sdpa, is_causal, enable_gqa, gather timed", "causal", False, is_causal=True,
+                                enable_gqa=True))  # fmt: skip
+        if problem.dense:
+            out.append(make("torch sdpa, no mask, gather timed", "none"))
         return out
 
 
@@ -158,9 +203,11 @@ class MlxFastSdpa(Peer):
 
 class NumpyReference(Peer):
     """``mlx_native.reference.reference_attention``: exact float64 numpy, every head (run
-    at the smallest size only; a reference, so no competitor in the summary)."""
+    at the smallest size only; a reference, so no competitor in the summary); on a paged
+    case, on the same rows contiguous."""
 
     name = "reference"
+    paged_ok = True
 
     def variants(self, problem: Problem) -> List[Variant]:
         state = {}

@@ -17,6 +17,10 @@ OURS_ATTENTION = "mlx-native, attention only"
 #: Ours given the mask as a description (``causal=True``, ``window=w``) instead of the array,
 #: on a causal or sliding case: no mask to classify or read, as a model calls it (CPU runs).
 OURS_DESCRIBED = "mlx-native, described mask"
+#: Ours on a paged case's rows contiguous (the same plan but for the layout of K/V), beside
+#: ``OURS`` on the paged cache: the ratio of the two is what reading through the block table
+#: costs (CPU runs).
+OURS_CONTIGUOUS = "mlx-native, contiguous K/V"
 #: A device run of ours repeats the prefill until about this long, then waits once.
 DEVICE_TARGET_S = 0.02
 #: The most prefills one device run records.
@@ -26,6 +30,12 @@ DEVICE_MAX_CALLS = 50
 def described_variant(plan: PrefillPlan) -> Variant:
     """``OURS_DESCRIBED`` on ``plan`` (a plan built from a description): one prefill a run."""
     return Variant(OURS_DESCRIBED, plan.run, lambda: plan.run().copy())
+
+
+def contiguous_variant(plan: PrefillPlan) -> Variant:
+    """``OURS_CONTIGUOUS`` on ``plan`` (a paged case's plan on contiguous K/V): one prefill a
+    run."""
+    return Variant(OURS_CONTIGUOUS, plan.run, lambda: plan.run().copy())
 
 
 def ours_variants(plan: PrefillPlan, dev: Device, *, calls: Optional[int] = None, batched: Optional[bool] = None) -> List[Variant]:

@@ -14,7 +14,7 @@ The peers themselves live in one module per device kind (:mod:`.cpu_peers`,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -43,6 +43,10 @@ class Problem:
     #: The data type of the run (``cases.DTYPES``): float32 (K/V given as float16, which the
     #: peer takes in float32), or float16 / bfloat16 (Q, K, V in it; the peer computes in it).
     dtype: str = "float32"
+    #: A paged case's cache (``cases.PagedCache``: ``k``/``v`` in blocks, ``block_table``,
+    #: ``seqused_k``), holding the rows of ``k``/``v``; a peer with ``paged_ok`` gathers its
+    #: K/V from it inside its timed run (as a user of a paged cache pays). None: not paged.
+    paged: Optional[Any] = None
 
 
 #: What a variant computes with, as far as the summary of a run compares peers: the same
@@ -86,6 +90,9 @@ class Peer:
     name = "peer"
     #: How to install it, for the "missing" line.
     install_hint = ""
+    #: It runs paged cases (``Problem.paged``): gathers the K/V from the blocks inside its
+    #: timed run, or is a reference on the same rows. A peer without it is left out of them.
+    paged_ok = False
 
     def missing(self) -> Optional[str]:
         """``None`` if the peer can run here, else why not."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .ours import OURS, OURS_ATTENTION
+from .ours import OURS, OURS_ATTENTION, OURS_CONTIGUOUS
 
 #: The summary's comparisons: key (``best_<key>`` in each summary entry), heading, and
 #: which timed peer rows compete in it.
@@ -111,6 +111,13 @@ def print_table(report: dict, out=None) -> None:
             f"'{OURS_ATTENTION}': without the mask classification, on the skip table of an earlier run",
             file=out,
         )
+    if "block_size" in report:
+        print(
+            f"paged cases: {OURS} reads K/V from a cache in shuffled blocks of {report['block_size']} rows through its block "
+            f"table; '{OURS_CONTIGUOUS}': the same rows contiguous; 'gather timed': the peer's K/V gathered from the "
+            "blocks (and repeated to the query heads where not enable_gqa) inside its time, as a user of the paged cache pays",
+            file=out,
+        )
     versions = {k: v for k, v in report.get("peer_versions", {}).items() if v}
     if versions:
         print("peer versions: " + "; ".join(f"{k} {v}" for k, v in versions.items()), file=out)
@@ -138,6 +145,9 @@ def print_table(report: dict, out=None) -> None:
         line = f"{lead} {d['impl']:{iw}} {_fmt(d['ms'], ms_f)} {_fmt(rate, rate_f)}{pct} {_fmt(d['nmse'], '9.1e')} {ratio:>7}"
         if d.get("note"):
             line += f"  ({d['note']})"
+        elif d.get("paged_over_contiguous") is not None:
+            same = {True: "outputs equal", False: "OUTPUTS DIFFER", None: "outputs not compared"}[d.get("paged_equals_contiguous")]
+            line += f"  (paged, blocks of {d['block_size']}: {d['paged_over_contiguous']:.3f}x the contiguous time; {same})"
         print(line, file=out)
     if gpu:
         print(file=out)

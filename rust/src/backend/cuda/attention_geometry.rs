@@ -57,20 +57,21 @@ pub fn ws_form(head_dim: u32) -> bool {
 /// Whether the pair forms at `head_dim` launch the pipeline's shape without the explicit
 /// mask's tiles (`_wide` entry points, `tiles_sm90.cuh`'s `WideTiles`: 192-row tiles at head
 /// dim 128) where no explicit mask is given. Same threads and shared memory reserve as the
-/// other pair forms. Off until that shape has run on a GPU and been timed (docs/benchmarks.md,
-/// "Tiles of 192 cache rows at head dim 128": built and compiled, no device call started on
-/// 2026-12-07); the entry points are compiled and loaded beside the others meanwhile.
+/// other pair forms. Off: the shape lost to the 128-row forms on an H100 (docs/benchmarks.md,
+/// "Tiles of 192 cache rows at head dim 128": dense 1.01x, causal 0.98x).
 pub fn wide_form(head_dim: u32) -> bool {
     WIDE_LAUNCHED && head_dim == 128
 }
 
-/// Whether [`wide_form`] launches the wide shape at all (see there).
+/// Whether [`wide_form`] launches the wide shape at all (see there). It also decides whether
+/// the kernels have its entry points: the NVRTC options pass `-DMLXN_WS_WIDE_ENTRIES=1` where
+/// it is true (`nvrtc::options`), so a build that times the shape sets it and nothing else.
 pub const WIDE_LAUNCHED: bool = false;
 
-/// The head dims that have the wide pair forms' entry points (`MLXN_PAIR_WIDE_ENTRIES`),
-/// launched or not.
+/// The head dims whose kernels have the wide pair forms' entry points
+/// (`MLXN_PAIR_WIDE_ENTRIES`): 128 where [`WIDE_LAUNCHED`], else none.
 pub fn has_wide_entries(head_dim: u32) -> bool {
-    head_dim == 128
+    WIDE_LAUNCHED && head_dim == 128
 }
 
 /// Consumer warpgroups of the tiled pipeline at head dim 64 (the kernel's

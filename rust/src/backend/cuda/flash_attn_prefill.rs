@@ -14,7 +14,7 @@ use std::ffi::c_void;
 pub use super::attention_geometry::{
     attention_cta_rows, attention_geometry, attention_shared_bytes, has_wide_entries, pair_cta_rows, pair_geometry,
     pair_queries_geometry, pair_shared_bytes, pair_walk_fits, plain_shared_bytes, wide_form, ws_consumers, ws_form,
-    ws_threads, AttentionGeometry, WS_CONSUMERS_D64, WS_SHARED_BYTES,
+    ws_threads, AttentionGeometry, WIDE_LAUNCHED, WS_CONSUMERS_D64, WS_SHARED_BYTES,
 };
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
@@ -33,7 +33,7 @@ use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
 /// One attention kernel: the op's name, its entry point, and its head dims; `pairs`: it
 /// has the wgmma form on sm_90a and its CTA-pair variants (`<entry>_pair_heads`,
 /// `_pair_queries`; head dims 64, 128, 256 and 512), with `wide` also those in the shape
-/// without the explicit mask's tiles (`_wide`; head dim 128); else it runs the portable form
+/// without the explicit mask's tiles (`_wide`; head dim 128) where `WIDE_LAUNCHED`; else it runs the portable form
 /// everywhere. Where it runs the portable form,
 /// `<entry>_xf` is the one with SPEC 10's score transforms. Paged K/V (SPEC 11) runs
 /// `<entry>_paged` (and `<entry>_xf_paged` in the portable form with the transforms): the
@@ -49,14 +49,27 @@ macro_rules! attention_kernel {
             $entry,
             $dk,
             $dv,
-            [Variant::PairHeads, Variant::PairQueries, Variant::PairHeadsWide, Variant::PairQueriesWide]
+            if WIDE_LAUNCHED {
+                &[
+                    Variant::PairHeads,
+                    Variant::PairQueries,
+                    Variant::PairHeadsWide,
+                    Variant::PairQueriesWide,
+                    Variant::Paged,
+                ]
+            } else {
+                &[Variant::PairHeads, Variant::PairQueries, Variant::Paged]
+            }
         )
     };
     ($name:literal, $entry:literal, $dk:literal, $dv:literal, [$($variant:expr),*]) => {
+        attention_kernel!($name, $entry, $dk, $dv, &[$($variant,)* Variant::Paged])
+    };
+    ($name:literal, $entry:literal, $dk:literal, $dv:literal, $variants:expr) => {
         CudaKernel {
             name: $name,
             entry: $entry,
-            hopper_variants: &[$($variant,)* Variant::Paged],
+            hopper_variants: $variants,
             hopper_form: true,
             portable_variants: &[Variant::ScoreTransforms, Variant::Paged, Variant::PagedScoreTransforms],
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
@@ -815,7 +828,11 @@ mod tests {
                     assert_eq!(m.variant(true).entry(k.entry), format!("{}_wide", m.variant(false).entry(k.entry)));
                 }
             }
-            assert_eq!(name.contains("d128"), want.len() == 4, "{name}: the wide forms are head dim 128's");
+            assert_eq!(
+                name.contains("d128") && WIDE_LAUNCHED,
+                want.len() == 4,
+                "{name}: the wide forms are head dim 128's"
+            );
             want.push(format!("{name}_paged")); // the one-CTA form on paged K/V
             let entries: Vec<String> = k.hopper_variants.iter().map(|v| v.entry(k.entry)).collect();
             assert_eq!(entries, want);

@@ -233,6 +233,9 @@ impl Nvrtc {
 /// a kernel; anything else in it is ignored).
 pub fn options(arch: &str) -> Vec<String> {
     let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-lineinfo".into()];
+    if super::attention_geometry::WIDE_LAUNCHED {
+        o.push("-DMLXN_WS_WIDE_ENTRIES=1".into()); // the d128 file's wide entry points (tiles_sm90.cuh)
+    }
     o.extend(crate::settings::get().cuda_defines.iter().cloned());
     o
 }
