@@ -22,7 +22,7 @@ use super::launch::{
     contract, device_addr, device_addr_or_null, no_split, CudaKernel, Launch, PrepareContext, Variant,
 };
 use crate::error::{MlxError, Result};
-use crate::interface::{Dispatch, RunOptions};
+use crate::interface::{BoundArg, Dispatch, RunOptions};
 pub use crate::options::CtaPairs;
 use crate::params::{
     FlashAttnPrefillParamsGpu, PagedKvParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_MASK, PREFILL_OFFSET,
@@ -37,8 +37,8 @@ use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
 /// everywhere. Where it runs the portable form,
 /// `<entry>_xf` is the one with SPEC 10's score transforms. Paged K/V (SPEC 11) runs
 /// `<entry>_paged` (and `<entry>_xf_paged` in the portable form with the transforms): the
-/// one-CTA forms instantiated with loaders that read each row through the block table,
-/// beside the contiguous ones, which compile as before.
+/// one-CTA forms instantiated with loaders that read each row through the block table, in
+/// a module of their own that only a paged launch compiles ([`CudaKernel::paged_variants`]).
 macro_rules! attention_kernel {
     ($name:literal, $entry:literal, $dk:literal, $dv:literal, pairs) => {
         attention_kernel!($name, $entry, $dk, $dv, [Variant::PairHeads, Variant::PairQueries])
@@ -50,20 +50,14 @@ macro_rules! attention_kernel {
             $dk,
             $dv,
             if WIDE_LAUNCHED {
-                &[
-                    Variant::PairHeads,
-                    Variant::PairQueries,
-                    Variant::PairHeadsWide,
-                    Variant::PairQueriesWide,
-                    Variant::Paged,
-                ]
+                &[Variant::PairHeads, Variant::PairQueries, Variant::PairHeadsWide, Variant::PairQueriesWide]
             } else {
-                &[Variant::PairHeads, Variant::PairQueries, Variant::Paged]
+                &[Variant::PairHeads, Variant::PairQueries]
             }
         )
     };
     ($name:literal, $entry:literal, $dk:literal, $dv:literal, [$($variant:expr),*]) => {
-        attention_kernel!($name, $entry, $dk, $dv, &[$($variant,)* Variant::Paged])
+        attention_kernel!($name, $entry, $dk, $dv, &[$($variant),*])
     };
     ($name:literal, $entry:literal, $dk:literal, $dv:literal, $variants:expr) => {
         CudaKernel {
@@ -71,7 +65,8 @@ macro_rules! attention_kernel {
             entry: $entry,
             hopper_variants: $variants,
             hopper_form: true,
-            portable_variants: &[Variant::ScoreTransforms, Variant::Paged, Variant::PagedScoreTransforms],
+            portable_variants: &[Variant::ScoreTransforms],
+            paged: true,
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
             merge_entry: Some(MERGE_ENTRY),
@@ -84,7 +79,8 @@ macro_rules! attention_kernel {
             entry: $name,
             hopper_variants: &[],
             hopper_form: false,
-            portable_variants: &[Variant::ScoreTransforms, Variant::Paged, Variant::PagedScoreTransforms],
+            portable_variants: &[Variant::ScoreTransforms],
+            paged: true,
             shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
             merge_entry: Some(MERGE_ENTRY),
@@ -130,6 +126,7 @@ pub const KERNELS: &[CudaKernel] = &[
         hopper_variants: &[],
         hopper_form: false,
         portable_variants: &[],
+        paged: false,
         shared_bytes: |_| None,
         prepare: |pc, d, _| prepare_mask_blk(pc, d),
         merge_entry: None,
@@ -393,11 +390,21 @@ pub fn paged_params(p: &FlashAttnPrefillParamsGpu, pk: &PagedKvParamsGpu) -> Fla
 }
 
 /// Whether a params block of one of this op's kernels is a paged prefill's (`PREFILL_PAGED`):
-/// it never runs in the CTA-pair forms (their TMA tensor maps address contiguous K/V).
+/// it never runs in the CTA-pair forms (their TMA tensor maps address contiguous K/V), and
+/// it runs the kernel's paged module ([`CudaKernel::paged_variants`]).
 pub fn is_paged(kernel_name: &str, params: &[u8]) -> bool {
-    KERNELS.iter().any(|k| k.name == kernel_name && k.merge_entry.is_some())
+    KERNELS.iter().any(|k| k.name == kernel_name && k.paged)
         && params.len() == std::mem::size_of::<FlashAttnPrefillParamsGpu>()
         && bytemuck::pod_read_unaligned::<FlashAttnPrefillParamsGpu>(params).flags & PREFILL_PAGED != 0
+}
+
+/// [`is_paged`] of a dispatch (its params block at `attention_slot::PARAMS`).
+pub fn dispatch_is_paged(d: &Dispatch) -> bool {
+    let params = d.args.iter().find_map(|(i, a)| match a {
+        BoundArg::Bytes(b) if *i == crate::recorded::attention_slot::PARAMS => Some(b.as_slice()),
+        _ => None,
+    });
+    params.is_some_and(|b| is_paged(d.pipeline.name(), b))
 }
 
 /// Whether O's base and strides allow its two-element stores (`FLAG_OUT_ALIGNED`).
@@ -802,8 +809,7 @@ mod tests {
         assert_eq!(plain_shared_bytes(256, 256, true), Some(230_528));
         assert_eq!((KERNELS[1].shared_bytes)(true), Some(214_592));
         for (k, hd) in KERNELS.iter().zip([256, 512]) {
-            let mut names: Vec<String> = PairMode::ALL.iter().map(|m| m.entry(hd)).collect();
-            names.push(format!("{}_paged", k.entry)); // the one-CTA form on paged K/V
+            let names: Vec<String> = PairMode::ALL.iter().map(|m| m.entry(hd)).collect();
             let entries: Vec<String> = k.hopper_variants.iter().map(|v| v.entry(k.entry)).collect();
             assert_eq!(entries, names);
             for m in PairMode::ALL {
@@ -833,7 +839,6 @@ mod tests {
                 want.len() == 4,
                 "{name}: the wide forms are head dim 128's"
             );
-            want.push(format!("{name}_paged")); // the one-CTA form on paged K/V
             let entries: Vec<String> = k.hopper_variants.iter().map(|v| v.entry(k.entry)).collect();
             assert_eq!(entries, want);
             assert_eq!((k.shared_bytes)(true), Some(WS_SHARED_BYTES), "{name}: the limit covers the pair forms");
@@ -846,6 +851,32 @@ mod tests {
         }
         assert_eq!(pair_shared_bytes(256), Some(WS_SHARED_BYTES));
         assert_eq!(pair_shared_bytes(512), Some(214_592));
+    }
+
+    /// Every attention kernel has a paged K/V module: the one-CTA Hopper form's `_paged`
+    /// where it runs that form, else the portable form's `_paged` and `_xf_paged`; none of
+    /// them is among the variants of the module every call loads (they are compiled only
+    /// for a paged launch).
+    #[test]
+    fn each_attention_kernel_has_its_paged_entries_apart() {
+        for k in KERNELS {
+            assert_eq!(k.paged, k.merge_entry.is_some(), "{}", k.name);
+            if !k.paged {
+                assert!(k.paged_variants(true).is_empty() && k.paged_variants(false).is_empty());
+                continue;
+            }
+            let names = |hopper| k.paged_variants(hopper).iter().map(|v| v.entry(k.entry)).collect::<Vec<_>>();
+            if k.hopper_form {
+                assert_eq!(names(true), [format!("{}_paged", k.entry)]);
+            }
+            assert_eq!(names(false), [format!("{}_paged", k.entry), format!("{}_xf_paged", k.entry)]);
+            assert!(k.paged_variants(true).iter().chain(k.paged_variants(false)).all(|v| v.is_paged()));
+            assert!(!k.hopper_variants.iter().chain(k.portable_variants).any(|v| v.is_paged()), "{}", k.name);
+        }
+        let others = super::super::flash_attn_prefill_tensor::KERNELS.iter();
+        for k in others.chain(super::super::flash_attn_prefill_blk::KERNELS) {
+            assert!(!k.paged, "{}: the origin op and the classifier read no paged K/V", k.name);
+        }
     }
 
     /// The threads the host launches the warp-specialised pair forms with are the kernel's
