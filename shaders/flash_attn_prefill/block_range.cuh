@@ -106,7 +106,8 @@ __device__ __forceinline__ Seq cta_seq_again(const Params& p, const Launch& L, c
     return cta_seq_at(p, L, cu_q, cu_k, z);
 }
 
-// Paged K/V (the one-CTA forms' _paged entries; Launch::block_table): sequence `s` of this
+#if MLXN_PAGED_ENTRIES
+// Paged K/V (the paged module's entries; Launch::block_table): sequence `s` of this
 // CTA with its cache length from seqused_k and its K/V offsets 0 (its rows are found through
 // the table, kv_row_paged).
 __device__ __forceinline__ Seq with_pages(Seq s, const Launch& L) {
@@ -131,6 +132,7 @@ __device__ __forceinline__ i64 kv_row_paged(const Launch& L, int j, i64 block_st
     const int i = j / bs;  // block sizes are multiples of 16, not always powers of two
     return (i64)__ldg(table + i) * block_stride + (i64)(j - i * bs) * row_stride;
 }
+#endif
 
 // A split launch's share of the steps [lo, hi] (non-empty or not): part `part` of the
 // 2^log2 equal shares, in order; past the end, empty. The shares depend on the

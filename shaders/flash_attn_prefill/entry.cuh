@@ -20,17 +20,15 @@
         const int* __restrict__ cu_k, const float* __restrict__ sinks
 #define MLXN_PASS p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks
 
-// MLXN_PAGED_ENTRIES (0 unless the host defines it): which entry points a module of this
-// source holds. 0, what every contiguous call loads: the contiguous forms, as if paged K/V
-// did not exist (the same entry points and the same machine code). 1: the paged K/V forms
-// alone (SPEC 11: NAME_paged, NAME_xf_paged), with the split-KV merge and without the CTA
-// pairs (TMA needs contiguous K/V). The host compiles the second module only for a paged
-// launch and caches it under its own key (rust/src/backend/cuda/nvrtc.rs module_options):
-// a user's first call compiles a head dim's source, and the paged forms would add half
-// again to that compile for every user, paged or not.
-#ifndef MLXN_PAGED_ENTRIES
-#define MLXN_PAGED_ENTRIES 0
-#endif
+// MLXN_PAGED_ENTRIES (params.cuh): which entry points a module of this source holds. 0,
+// what every contiguous call loads: the contiguous forms, as if paged K/V did not exist (the
+// same entry points, launch block and machine code). 1: the paged K/V forms alone (SPEC 11:
+// NAME_paged, NAME_xf_paged; the mainloops' K/V loaders read each row through the table),
+// with the split-KV merge and without the CTA pairs (TMA needs contiguous K/V). The host
+// compiles the second module only for a paged launch and caches it under its own key
+// (rust/src/backend/cuda/nvrtc.rs module_options): a user's first call compiles a head dim's
+// source, and the paged forms would add half again to that compile for every user, paged
+// or not.
 
 // The portable form only, at (Q/K, V/O) head dims (DK, DV), products in T: NAME without
 // softcap and ALiBi, NAME_xf with them (the host picks by the params block); with
@@ -38,10 +36,10 @@
 #if MLXN_PAGED_ENTRIES
 #define MLXN_PORTABLE_ENTRY(NAME, DK, DV, T)                                                  \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_paged(MLXN_ARGS) {       \
-        attention<DK, DV, T, false, true>(MLXN_PASS);                                         \
+        attention<DK, DV, T, false>(MLXN_PASS);                                               \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_xf_paged(MLXN_ARGS) {    \
-        attention<DK, DV, T, true, true>(MLXN_PASS);                                          \
+        attention<DK, DV, T, true>(MLXN_PASS);                                                \
     }
 #else
 #define MLXN_PORTABLE_ENTRY(NAME, DK, DV, T)                                                  \
@@ -61,7 +59,7 @@
 #if MLXN_PAGED_ENTRIES
 #define MLXN_ENTRY(NAME, D, T)                                                                \
     extern "C" __global__ void __launch_bounds__(NTHREADS, hopper::HCfg<D>::MINB) NAME##_paged(MLXN_ARGS) { \
-        hopper::attention<D, PAIR_NONE, T, false, true>(MLXN_PASS);                           \
+        hopper::attention<D, PAIR_NONE, T>(MLXN_PASS);                                        \
     }
 #else
 #define MLXN_ENTRY(NAME, D, T)                                                                \

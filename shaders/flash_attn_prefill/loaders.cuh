@@ -112,6 +112,7 @@ __device__ __forceinline__ void load_rows_f16(u32 dst, const u16* __restrict__ s
     }
 }
 
+#if MLXN_PAGED_ENTRIES
 // Paged K/V (SPEC 11): load_rows_f16 of the STEP cache rows from row `j0` of this CTA's
 // sequence, each found through the block table (kv_row_paged) from `src`, the head's column
 // 0 in block 0; rows at or past `nvalid` are zeros and are not read (nor is their table
@@ -131,6 +132,7 @@ __device__ __forceinline__ void load_rows_f16_paged(u32 dst, const u16* __restri
         copy8_f16(dst + (u32)(r * W * 2) + swz(c, r & 7), s, aligned, in);
     }
 }
+#endif
 
 // The mask tile of cache step `t` for the CTA's `qpc` query rows (`mask`: the
 // sequence's): [qpc][64] halves,

@@ -165,13 +165,17 @@ struct AttentionLaunch {
     reserved: i32,
     /// Device address of the ALiBi slopes (`PREFILL_ALIBI_SLOPES`), else 0.
     alibi_slopes: u64,
-    /// Paged K/V (`PREFILL_PAGED`, [`PagedPointers`]): the I32 block table and the I32 cache
-    /// lengths (0 for contiguous K/V: what the kernels test), the table's row stride
-    /// (entries) and the block size (rows).
-    block_table: u64,
-    seqused_k: u64,
-    table_stride: i32,
-    block_size: i32,
+}
+
+/// The kernel's `Launch` block: [`AttentionLaunch`], followed in a paged module
+/// (`MLXN_PAGED_ENTRIES`, whose entry points a paged launch runs: `pages`) by the
+/// [`PagedPointers`] its `Launch` adds.
+fn launch_block(block: &AttentionLaunch, pages: Option<PagedPointers>) -> Vec<u8> {
+    let mut bytes = bytemuck::bytes_of(block).to_vec();
+    if let Some(g) = &pages {
+        bytes.extend_from_slice(bytemuck::bytes_of(g));
+    }
+    bytes
 }
 
 const FLAG_Q_ALIGNED: i32 = 1;
@@ -365,7 +369,10 @@ pub struct AttentionPointers {
 /// `[batch, table_stride]` and of the I32 cache lengths `seqused_k` `[batch]`, and the block
 /// size. The launch's params block then carries the caches' strides as K/V's (the block
 /// stride as the batch stride): [`paged_params`].
-#[derive(Debug, Clone, Copy)]
+/// In this order the tail of a paged module's launch block ([`launch_block`]; the device's
+/// `Launch` with `MLXN_PAGED_ENTRIES`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PagedPointers {
     pub block_table: u64,
     pub seqused_k: u64,
@@ -481,16 +488,13 @@ fn merge_launch(
         window_left: 0,
         reserved: 0,
         alibi_slopes: 0,
-        block_table: 0,
-        seqused_k: 0,
-        table_stride: 0,
-        block_size: 0,
     };
     let grid = [(p.max_rows.max(1) as u32).div_ceil(MERGE_ROWS), p.n_heads as u32, p.batch as u32];
     let mut l = Launch::new(grid, [MERGE_ROWS * 32, 1, 1], 0);
     l.push_bytes(bytemuck::bytes_of(p));
     l.push_bytes(bytemuck::bytes_of(pw));
-    l.push_bytes(bytemuck::bytes_of(&block));
+    // (A paged launch's merge is the paged module's: its launch block has the pages too.)
+    l.push_bytes(&launch_block(&block, b.pages));
     for ptr in [bw.out, bw.lse, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
         l.push_ptr(ptr);
     }
@@ -584,10 +588,6 @@ fn part_launch(
         window_left: sides.left,
         reserved: 0,
         alibi_slopes: if slopes { b.alibi_slopes } else { 0 },
-        block_table: b.pages.map_or(0, |g| g.block_table),
-        seqused_k: b.pages.map_or(0, |g| g.seqused_k),
-        table_stride: b.pages.map_or(0, |g| g.table_stride),
-        block_size: b.pages.map_or(0, |g| g.block_size),
     };
     let shared = if maps.is_some() { pair_shared_bytes(head_dim) } else { plain_shared_bytes(dims.0, dims.1, hopper) }
         .ok_or_else(|| contract(name, "no shared memory size"))?;
@@ -602,7 +602,7 @@ fn part_launch(
     let threads = if maps.is_some() && ws_form(head_dim) { ws_threads(head_dim) } else { ATTENTION_THREADS };
     let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32 * parts], [threads, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(p));
-    l.push_bytes(bytemuck::bytes_of(&launch));
+    l.push_bytes(&launch_block(&launch, b.pages));
     for ptr in [b.q, b.k, b.v, b.mask, b.blk, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
         l.push_ptr(ptr);
     }
@@ -659,6 +659,10 @@ fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bo
     // Paged K/V included (SPEC 11: the decoder checked the caches, the table and the lengths
     // against the paged block; the op checked the table's entries before it uploaded them).
     let r = RecordedPrefill::decode_paged(d)?.map_err(|Broken(what)| contract(name, what))?;
+    if r.paged.is_some() != pc.paged {
+        // Their launch blocks differ (`launch_block`): never one with the other's entry point.
+        return Err(contract(name, "paged K/V runs the paged module's entry points, and only it does"));
+    }
     let paged = r.paged.as_ref().map(|pg| paged_params(&r.params, &pg.params));
     let p = paged.as_ref().unwrap_or(&r.params);
     if (p.head_dim as u32, p.head_dim_v as u32) != dims {
@@ -701,7 +705,8 @@ mod tests {
     #[test]
     fn the_kernel_blocks_have_their_sizes() {
         assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 224);
-        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 72);
+        assert_eq!(std::mem::size_of::<AttentionLaunch>(), 48);
+        assert_eq!(std::mem::size_of::<PagedPointers>(), 24); // a paged module's Launch: 72 bytes
     }
 
     /// A params block of `rows` queries against `kv` cache rows with these flags and sides.

@@ -122,6 +122,9 @@ pub struct PrepareContext<'a> {
     pub hopper: bool,
     /// The dispatch's run options (its plan's): the CTA pairs and KV splits it allows.
     pub options: RunOptions,
+    /// The kernel runs from its paged K/V module ([`CudaKernel::paged_variants`]), whose
+    /// launch block is longer.
+    pub paged: bool,
 }
 
 /// One launch, ready: geometry and the bytes of each kernel parameter.

@@ -565,7 +565,7 @@ impl CudaBackend {
                     ))
                 }),
             };
-            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper, options: dispatch.options };
+            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper, options: dispatch.options, paged: p.paged };
             let prepare = |variants: bool| match p.kernel {
                 Some(k) => (k.prepare)(&pc, dispatch, variants && !p.variants.is_empty()),
                 None => launch::launch_as_encoded(&self.ctx, dispatch),
