@@ -138,7 +138,7 @@ impl<'d> RecordedPrefill<'d> {
         let p: FlashAttnPrefillParamsGpu = d.constant(s::PARAMS)?;
         let has = |f: i32| p.flags & f != 0;
         if has(PREFILL_PAGED) && !pages {
-            return Ok(Err(Broken("paged K/V (block_table) runs on the CPU backend so far")));
+            return Ok(Err(Broken("paged K/V (block_table) runs on the CPU and CUDA backends so far")));
         }
         let opt = |slot: u64, present: bool| if present { d.buffer(slot).map(Some) } else { Ok(None) };
         let workspace = match d.args.iter().find(|(i, _)| *i == s::WORKSPACE) {
@@ -421,9 +421,9 @@ mod tests {
         }
     }
 
-    /// The decoder every contiguous-only backend calls (CUDA's) refuses a paged dispatch
+    /// The decoder a contiguous-only backend calls refuses a paged dispatch
     /// by name before reading a buffer; the CPU's decoder goes on to read its slots (here
-    /// missing: an internal error, not a refusal).
+    /// missing: an internal error, not a refusal; CUDA's too).
     #[test]
     fn only_the_paged_decoder_takes_paged_kv() {
         let d = dispatch(PREFILL_PAGED);

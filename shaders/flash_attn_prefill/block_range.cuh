@@ -113,6 +113,34 @@ __device__ __forceinline__ Seq cta_seq_again(const Params& p, const Launch& L, c
     return cta_seq_at(p, L, cu_q, cu_k, z);
 }
 
+#if MLXN_PAGED_ENTRIES
+// Paged K/V (the paged module's entries; Launch::block_table): sequence `s` of this
+// CTA with its cache length from seqused_k and its K/V offsets 0 (its rows are found through
+// the table, kv_row_paged).
+__device__ __forceinline__ Seq with_pages(Seq s, const Launch& L) {
+    s.k = 0;
+    s.v = 0;
+    s.lk = L.seqused_k[cta_sequence(L)];
+    return s;
+}
+
+// Paged K/V: the offset (elements) of cache row j of this CTA's sequence in the caches, at
+// the caches' block and row strides (the head's column 0 is the caller's base). The grid z
+// and the block size are read by asms the compiler neither merges nor hoists: what is
+// derived from them (the table row's address, the divisor's reciprocal) is made where a
+// tile loads, never kept in registers through the walk (where the contiguous path has
+// none to spare).
+__device__ __forceinline__ i64 kv_row_paged(const Launch& L, int j, i64 block_stride, i64 row_stride) {
+    u32 z;
+    int bs;
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    asm volatile("mov.b32 %0, %1;" : "=r"(bs) : "r"(L.block_size));
+    const int* __restrict__ table = L.block_table + (i64)(int)(z >> L.kv_split_log2) * L.table_stride;
+    const int i = j / bs;  // block sizes are multiples of 16, not always powers of two
+    return (i64)__ldg(table + i) * block_stride + (i64)(j - i * bs) * row_stride;
+}
+#endif
+
 // A split launch's share of the steps [lo, hi] (non-empty or not): part `part` of the
 // 2^log2 equal shares, in order; past the end, empty. The shares depend on the
 // description alone (never on the table), so a computed table and an all-ones one split

@@ -129,7 +129,7 @@ impl FlashAttnPrefillPlan {
     ) -> Result<Self> {
         if !device.backend().reads_paged_kv() {
             return Err(MlxError::InvalidArgument(format!(
-                "flash_attn_prefill: block_table (paged K/V) runs on the CPU backend so far, not on {:?}: gather \
+                "flash_attn_prefill: block_table (paged K/V) runs on the CPU and CUDA backends so far, not on {:?}: gather \
                  each sequence's blocks into contiguous k/v (cu_seqlens_k), or run on the CPU",
                 device.backend_kind()
             )));
@@ -138,6 +138,9 @@ impl FlashAttnPrefillPlan {
         let cu = cu_seqlens_q.zip(pp.cu_seqlens_k.as_deref());
         let mut plan = Self::with_options(device, &pp.params, operands, cu, options)?;
         plan.validated.gpu.flags |= PREFILL_PAGED;
+        // What the backend chooses for a paged prefill (CUDA: no CTA pairs; the workspace
+        // depends on the shape alone, so it is unchanged).
+        plan.choices = choices(device, &plan.validated, &plan.options);
         let p = &plan.validated.gpu;
         let (k, v) = pp.gpu.extents(p.n_kv_heads, p.head_dim, p.head_dim_v).ok_or_else(|| {
             MlxError::InvalidArgument(format!("flash_attn_prefill: a negative paged field {:?}", pp.gpu))
