@@ -34,7 +34,7 @@ mod transforms;
 
 pub(in crate::backend::cpu) use amx_layout::aligned;
 use fma::work_item;
-pub(in crate::backend::cpu) use pages::Pages;
+pub(in crate::backend::cpu) use pages::{Pages, Quant, QuantFormat};
 use transforms::load_mask;
 
 /// Cache rows per step (the tables' `bk`).
@@ -145,6 +145,9 @@ pub(super) struct Problem {
     /// Paged K/V (SPEC 11): `k` and `v` are caches of blocks read through a block table
     /// ([`pages`]); `None`: each sequence's rows are contiguous from `Seq::k` / `Seq::v`.
     pub pages: Option<Pages>,
+    /// Quantised K/V (SPEC 11): `k` and `v` hold bytes of this format (strides in bytes),
+    /// dequantised to f32 rows by [`pages::step_rows`]; `kv` is then `Kv::F32`.
+    pub quant: Option<Quant>,
 }
 
 // SAFETY: read-only inputs, and outputs every item writes a disjoint part of.
@@ -567,6 +570,7 @@ mod tests {
             amx: crate::backend::cpu::amx::DEFAULT_F16,
             packed: std::ptr::null(),
             pages: None,
+            quant: None,
         }
     }
 
