@@ -185,9 +185,10 @@ pub(super) unsafe fn step_rows(
         } else {
             *qz.descale.add(if which == Which::K { 0 } else { qz.n_kv_heads } + g)
         };
+        let rows = stage.as_mut_ptr() as *mut f32; // `width` u16 = `d` f32 per row
         for j in lo..hi.min(n) {
             let src = row(pb, seq, which, g, c0 + j) as *const u8;
-            dequantise_row(qz.format, src, d, factor, stage.as_mut_ptr().add(j * width) as *mut f32);
+            dequantise_row(qz.format, src, d, factor, rows.add(j * d));
         }
         return (stage.as_ptr(), width);
     }
