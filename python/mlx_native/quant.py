@@ -56,10 +56,10 @@ def kv_format(kv_dtype: Any, ko: Operand, vo: Operand) -> Optional[str]:
     ``kv_dtype`` None: k's own dtype says (torch's or ml_dtypes' float8 types); given, k
     and v are of that dtype or raw uint8 bytes of it (Q8_0: uint8 always)."""
     kn, vn = ko.dtype.name, vo.dtype.name
-    if kn != vn:
-        raise UnsupportedDtypeError(f"k is {kn} and v is {vn}: they must have one dtype")
     fmt = kv_format_name(kv_dtype)
-    if fmt is None:
+    if kn != vn and (fmt is not None or kn in _FP8 or vn in _FP8):
+        raise UnsupportedDtypeError(f"k is {kn} and v is {vn}: they must have one dtype")
+    if fmt is None:  # (other mismatches: check_qkv's, in its order)
         return kn if kn in _FP8 else None
     if kn != "uint8" and kn != fmt:
         raise UnsupportedDtypeError(
