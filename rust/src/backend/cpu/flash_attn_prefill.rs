@@ -183,7 +183,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
     if p.head_dim as usize != DK || p.head_dim_v as usize != DV {
         return Err(bad("a head dim is not the kernel's"));
     }
-    // Quantised K/V: bytes, dequantised to f32 rows as each step is loaded (`Problem::quant`).
+    // Quantised K/V: bytes, widened to f32 by the loaders as they read them (`Kv`, `Problem::quant`).
     let quant_format = match p.kv_dtype {
         7 => Some(QuantFormat::E4M3),
         8 => Some(QuantFormat::E5M2),
@@ -194,14 +194,16 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
         KV_F16 => Kv::F16,
         KV_BF16 => Kv::BF16,
         KV_F32 => Kv::F32,
-        _ if quant_format.is_some() => Kv::F32,
+        7 => Kv::E4M3(1.0),
+        8 => Kv::E5M2(1.0),
+        9 => Kv::Q8_0,
         _ => return Err(bad("a K/V dtype code that is not F16, BF16, F32 or a quantised format")),
     };
     let descale = r.descale.map(host_ptr).transpose()?.map_or(std::ptr::null(), |s| s as *const f32);
     let quant = quant_format.map(|format| Quant { format, descale, n_kv_heads: p.n_kv_heads as usize });
     // F32 K/V are addressed in u16 units: every stride and offset of K and V doubles
     // (quantised K/V in bytes, their own units).
-    let kvu = if kv == Kv::F32 && quant.is_none() { 2 } else { 1 };
+    let kvu = if kv == Kv::F32 { 2 } else { 1 };
     let u = |x: i32| x as usize;
     let z = |x: i64| x as usize;
     let (batch, rows, kv_len) = (u(p.batch), u(p.rows), u(p.kv_len));

@@ -9,11 +9,12 @@
 //! same values in the same order either way, so the result is the contiguous layout's to
 //! the bit.
 //!
-//! Quantised K/V (SPEC 11: FP8 E4M3 / E5M2 with descale factors, Q8_0): every step's rows
-//! `[lo, hi)` are dequantised into the thread's staging rows as f32 (`descale * float(x)`,
-//! `float(d) * q`), contiguous or paged alike, and the loaders read them as F32 K/V: the
-//! kernels' own arithmetic, on values exact in f32 (FP8's and Q8_0's products with an f32
-//! factor round once).
+//! Quantised K/V (SPEC 11: FP8 E4M3 / E5M2 with descale factors, Q8_0): the loaders read
+//! the bytes as they read halves (`fma::load_kv`: FP8 widened through F16, exactly, times the
+//! KV head's factor, one f32 rounding, `descale * float(x)`; Q8_0 as `float(d) * q`, exact),
+//! so a step is read in place as F16 K/V are; a step that spans blocks, or rows whose byte
+//! stride is odd (the loaders address rows in u16 units), is copied bit for bit into the
+//! staging rows first.
 
 use super::{Kv, Problem, Seq, C};
 
@@ -82,25 +83,55 @@ const fn pow2(e: i32) -> f32 {
 static E4M3: [f32; 256] = fp8_table(true);
 static E5M2: [f32; 256] = fp8_table(false);
 
-/// Row `src` of `d` values of `format` as f32 into `dst` (`factor`: FP8's descale).
+impl Problem {
+    /// The K/V element type of KV head `g`'s K or V: [`Problem::kv`] with FP8's descale
+    /// factor of the head (the loaders multiply each widened value by it: one f32 rounding,
+    /// `descale * float(x)`).
+    #[inline(always)]
+    pub(super) unsafe fn kv_of(&self, which: Which, g: usize) -> Kv {
+        let Some(qz) = self.quant else { return self.kv };
+        if qz.descale.is_null() {
+            return self.kv;
+        }
+        let f = *qz.descale.add(if which == Which::K { 0 } else { qz.n_kv_heads } + g);
+        match self.kv {
+            Kv::E4M3(_) => Kv::E4M3(f),
+            Kv::E5M2(_) => Kv::E5M2(f),
+            kv => kv,
+        }
+    }
+}
+
+/// Element `d` of the K/V row at `row` as f32, one at a time (as the vector loaders widen
+/// it: `fma::load_kv`).
 #[inline(always)]
-unsafe fn dequantise_row(format: QuantFormat, src: *const u8, d: usize, factor: f32, dst: *mut f32) {
-    match format {
-        QuantFormat::E4M3 | QuantFormat::E5M2 => {
-            let t = if format == QuantFormat::E4M3 { &E4M3 } else { &E5M2 };
-            for i in 0..d {
-                dst.add(i).write_unaligned(factor * t[*src.add(i) as usize]);
-            }
+pub(super) unsafe fn kv_value(row: *const u16, d: usize, kv: Kv) -> f32 {
+    let bytes = row as *const u8;
+    match kv {
+        Kv::F16 => half::f16::from_bits(*row.add(d)).to_f32(),
+        Kv::BF16 => half::bf16::from_bits(*row.add(d)).to_f32(),
+        Kv::F32 => *(row as *const f32).add(d),
+        Kv::E4M3(f) => f * E4M3[*bytes.add(d) as usize],
+        Kv::E5M2(f) => f * E5M2[*bytes.add(d) as usize],
+        Kv::Q8_0 => {
+            let b = bytes.add(d / 32 * 34);
+            q8_0_scale(b) * (*b.add(2 + d % 32) as i8) as f32
         }
-        QuantFormat::Q8_0 => {
-            for blk in 0..d / 32 {
-                let b = src.add(blk * 34);
-                let scale = half::f16::from_bits(u16::from_le_bytes([*b, *b.add(1)])).to_f32();
-                for i in 0..32 {
-                    dst.add(blk * 32 + i).write_unaligned(scale * (*b.add(2 + i) as i8) as f32);
-                }
-            }
-        }
+    }
+}
+
+/// The scale of the Q8_0 block at `b` (its first two bytes, a little-endian F16) as f32.
+#[inline(always)]
+pub(super) unsafe fn q8_0_scale(b: *const u8) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([*b, *b.add(1)])).to_f32()
+}
+
+/// Bytes of a quantised row of `d` values.
+fn quant_row_bytes(format: QuantFormat, d: usize) -> usize {
+    if format == QuantFormat::Q8_0 {
+        d / 32 * 34
+    } else {
+        d
     }
 }
 
@@ -175,20 +206,25 @@ pub(super) unsafe fn step_rows(
     stage: &mut Vec<u16>,
 ) -> (*const u16, usize) {
     if let Some(qz) = pb.quant {
-        // Quantised: rows [lo, hi) dequantised to f32 at their places, contiguous or paged.
-        let width = 2 * d;
+        // Quantised: bytes, strides in bytes. Read in place where the step lies in one
+        // block and the row stride is even (a whole number of the loaders' u16 units; rows
+        // are read with unaligned loads), else rows [lo, hi) copied, bit for bit, into
+        // `stage` at an even width.
+        let rs = if which == Which::K { pb.k_rs } else { pb.v_rs };
+        let hi = hi.min(n);
+        let one_block = pb.pages.is_none_or(|p| n == 0 || c0 / p.block_size == (c0 + n - 1) / p.block_size);
+        if lo >= hi || (one_block && rs.is_multiple_of(2)) {
+            return (row(pb, seq, which, g, c0), rs / 2);
+        }
+        let bytes = quant_row_bytes(qz.format, d);
+        let width = bytes.div_ceil(2);
         if stage.len() < C * width {
             stage.resize(C * width, 0);
         }
-        let factor = if qz.descale.is_null() {
-            1.0
-        } else {
-            *qz.descale.add(if which == Which::K { 0 } else { qz.n_kv_heads } + g)
-        };
-        let rows = stage.as_mut_ptr() as *mut f32; // `width` u16 = `d` f32 per row
-        for j in lo..hi.min(n) {
+        let dst = stage.as_mut_ptr() as *mut u8;
+        for j in lo..hi {
             let src = row(pb, seq, which, g, c0 + j) as *const u8;
-            dequantise_row(qz.format, src, d, factor, rows.add(j * d));
+            std::ptr::copy_nonoverlapping(src, dst.add(j * 2 * width), bytes);
         }
         return (stage.as_ptr(), width);
     }
@@ -235,11 +271,11 @@ mod tests {
             row[2 + i] = (i as i8 - 16) as u8;
             row[36 + i] = (127 - i as i32) as u8;
         }
-        let mut out = vec![0f32; 64];
-        unsafe { dequantise_row(QuantFormat::Q8_0, row.as_ptr(), 64, 1.0, out.as_mut_ptr()) };
         for i in 0..32 {
-            assert_eq!(out[i], 0.5 * (i as f32 - 16.0));
-            assert_eq!(out[32 + i], -2.0 * (127 - i as i32) as f32);
+            unsafe {
+                assert_eq!(kv_value(row.as_ptr() as *const u16, i, Kv::Q8_0), 0.5 * (i as f32 - 16.0));
+                assert_eq!(kv_value(row.as_ptr() as *const u16, 32 + i, Kv::Q8_0), -2.0 * (127 - i as i32) as f32);
+            }
         }
     }
 }
