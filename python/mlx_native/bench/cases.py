@@ -67,6 +67,9 @@ CASES: Dict[str, Case] = {
         # float16 and a bfloat16), and the peers on those 16-bit K/V.
         Case("fp8-128", "fp8 d128", 32, 8, 128, "causal", kv_quant="float8_e4m3fn"),
         Case("fp8-256", "fp8 d256", 16, 8, 256, "causal", kv_quant="float8_e4m3fn"),
+        # Q8_0 K/V (ggml's blocks, issue 29: >= 0.9x of 16-bit K/V): ours on the bytes against
+        # ours on their values rounded to float16 (not exact there: outputs differ slightly).
+        Case("q8-128", "q8_0 d128", 32, 8, 128, "causal", kv_quant="q8_0"),
     )
 }
 #: Rows of a block of a paged case's cache (``--block-size``; the library takes multiples of
@@ -144,9 +147,15 @@ def case_inputs(case: Case, rows: int, rng: np.random.Generator, kv_len: Optiona
 def quantised_kv(k: np.ndarray, v: np.ndarray, fmt: str) -> tuple:
     """``k`` and ``v`` rounded to the FP8 format ``fmt`` (ml_dtypes' type), and those values
     back in ``k``'s dtype (exact: every E4M3 value is a float16 and a bfloat16):
-    ``(k8, v8, k16, v16)``."""
+    ``(k8, v8, k16, v16)``; ``fmt`` ``"q8_0"``: Q8_0 bytes, their values rounded to ``k``'s dtype."""
     from ..dtypes import float8_dtype
 
+    if fmt == "q8_0":
+        # ggml's Q8_0 bytes; the 16-bit K/V are their values rounded to ``k``'s dtype.
+        from ..reference import dequantise, quantise_q8_0
+
+        k8, v8 = quantise_q8_0(k), quantise_q8_0(v)
+        return k8, v8, dequantise(k8, "q8_0").astype(k.dtype), dequantise(v8, "q8_0").astype(v.dtype)
     f8 = float8_dtype(fmt)
     k8, v8 = k.astype(np.float32).astype(f8), v.astype(np.float32).astype(f8)
     return k8, v8, k8.astype(np.float32).astype(k.dtype), v8.astype(np.float32).astype(v.dtype)

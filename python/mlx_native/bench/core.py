@@ -246,7 +246,8 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
 
     bar.step(f"{case.name} {r}: preparing {OURS}")
     if k8 is not None:
-        plan = ours.plan(case, q, k8, v8, mask, dev)
+        kv_dtype = {"kv_dtype": "q8_0"} if case.kv_quant == "q8_0" else {}
+        plan = ours.plan(case, q, k8, v8, mask, dev, **kv_dtype)
     elif pc is None:
         plan = ours.plan(case, q, k, v, mask, dev)
     else:
