@@ -427,6 +427,11 @@ MUTATIONS: List[Mutation] = [
       "if n == 0 || lo >= hi || true {", "paged K/V: a step that spans blocks read as one block (no gathering)"),
     M("cpu-paged-stage-rows", "cpu", P_PAGES, "stage.as_mut_ptr().add(j * width)", "stage.as_mut_ptr().add((j ^ 1) * width)",
       "paged K/V: gathered rows swapped in pairs"),
+    # Quantised K/V (SPEC 11): the dequantising loader of pages.rs (killed by its unit tests, --lib).
+    M("cpu-quant-e5m2-as-e4m3", "cpu", P_PAGES, "let t = if format == QuantFormat::E4M3 { &E4M3 } else { &E5M2 };",
+      "let t = &E4M3;", "FP8 K/V: E5M2 bytes read as E4M3"),
+    M("cpu-quant-q8-block-stride", "cpu", P_PAGES, "let b = src.add(blk * 34);", "let b = src.add(blk * 32);",
+      "Q8_0 K/V: blocks read 32 bytes apart (their scales taken from the values)"),
     M("cpu-q-head-in-group", "cpu", P_IO, "let h = g * pb.group + hh;\n            for rb in (0..pb.bq).step_by(W) {",
       "let h = g * pb.group + (hh + 1) % pb.group;\n            for rb in (0..pb.bq).step_by(W) {",
       "GQA: each query head's output from the next head of its group's Q (f32 and bf16-pair loads)", count=2),

@@ -210,6 +210,32 @@ def test_paged_cases_are_refused_by_name_on_metal():
         bench.run_bench(rows=[16], cases=["paged-128"], peers=[], quiet=True, progress=False, block_size=24)
 
 
+def test_bench_fp8_cases_time_ours_on_fp8_against_the_same_values_in_16_bits():
+    # Ours on FP8 E4M3 K/V against ours on the same values in float16 (exact): the outputs
+    # bit-identical, the speed-up in the JSON; the peers run on the 16-bit K/V.
+    report = bench.run_bench(rows=[24], kv_len=40, cases=["fp8-128"], repeats=1, device="cpu", peers=["reference"],
+                             progress=False, quiet=True)  # fmt: skip
+    by = {d["impl"]: d for d in report["results"]}
+    mine, sixteen = by[bench.OURS], by[bench.OURS_16BIT_KV]
+    assert mine["kv_quant"] == "float8_e4m3fn" and mine["fp8_equals_16bit"] is True
+    assert mine["fp8_speedup_over_16bit"] == pytest.approx(sixteen["ms"] / mine["ms"])
+    assert mine["nmse"] == sixteen["nmse"] and mine["nmse"] < 1e-5
+    for kind in ("cuda", "metal"):
+        with pytest.raises(ValueError, match=rf"case\(s\) fp8-128 read quantised K/V: .*CPU backend.*not on {kind}"):
+            bench.select(kind, [2048], ["fp8-128"])
+
+
+def test_bench_q8_0_case_times_ours_on_q8_0_bytes_against_their_values_in_16_bits():
+    # Q8_0's values are not all float16s: the 16-bit K/V are rounded, the outputs close, not equal.
+    report = bench.run_bench(rows=[24], kv_len=40, cases=["q8-128"], repeats=1, device="cpu", peers=["reference"],
+                             progress=False, quiet=True)  # fmt: skip
+    by = {d["impl"]: d for d in report["results"]}
+    mine, sixteen = by[bench.OURS], by[bench.OURS_16BIT_KV]
+    assert mine["kv_quant"] == "q8_0"
+    assert mine["fp8_speedup_over_16bit"] == pytest.approx(sixteen["ms"] / mine["ms"])
+    assert mine["nmse"] < 1e-5 and sixteen["nmse"] < 1e-5
+
+
 def test_cli_bench_paged_case_writes_its_fields(tmp_path):
     out = tmp_path / "paged.json"
     r = subprocess.run(

@@ -163,12 +163,18 @@ def _is_torch(x) -> bool:
     return mod == "torch" or mod.startswith("torch.")
 
 
+def _is_fp8(t) -> bool:
+    return str(t.dtype).startswith("torch.float8")
+
+
 def _through_torch_op(q, k, v, args: PrefillArgs) -> bool:
     """Whether every array argument is a torch tensor (the optional ones may be None): an
     operator's schema takes nothing else, and the array call gives the typed error for
     anything else."""
     if not (_is_torch(q) and _is_torch(k) and _is_torch(v)):
         return False
+    if args.kv_dtype is not None or args.k_descale is not None or args.v_descale is not None or _is_fp8(k):
+        return False  # quantised K/V: not in the operators' schema yet (the array call runs them)
     optional = (args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.sinks, args.alibi_slopes, args.block_table,
                 args.seqused_k)  # fmt: skip
     return all(x is None or _is_torch(x) for x in optional)

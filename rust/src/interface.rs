@@ -266,6 +266,11 @@ pub trait Backend: Send + Sync {
     fn reads_paged_kv(&self) -> bool {
         false
     }
+    /// Whether the attention's kernels read quantised K/V (FP8 E4M3 / E5M2 with descale
+    /// factors, Q8_0: SPEC 11): the plan refuses them, by name, on a backend that does not.
+    fn reads_quantised_kv(&self) -> bool {
+        false
+    }
     /// Run the dispatches in order on the caller's stream (a CUDA stream handle) and return
     /// without waiting for them: the stream orders what the caller queues after. Backends
     /// without streams run them now and return once they are complete.

@@ -83,6 +83,10 @@ impl Backend for CpuBackend {
         true // every work item loads its K/V steps through `prefill_tile::pages`
     }
 
+    fn reads_quantised_kv(&self) -> bool {
+        true // `prefill_tile::pages` dequantises each step's rows to f32 as it loads them
+    }
+
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
         // Linux overcommits: a huge zeroed allocation can succeed and the process be killed
         // later, when the pages are touched. More than the machine has is refused here.
