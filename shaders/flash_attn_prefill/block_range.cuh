@@ -41,25 +41,22 @@ __device__ __forceinline__ Seq sequence(const Params& p, const int* __restrict__
 }
 
 // The CTA's place in the grid's plane of query tiles (x: tile q_tiles - 1 - x, the longest
-// causal rows first) and head groups (y). MLXN_TILE_ORDER_QMAJOR (a variant to time): the
-// launch order's CTAs (clusters, on Hopper) dealt head group first, so the longest tiles of
-// every head group go in the first waves, where in the grid's own order (x fastest) one
+// causal rows first) and head groups (y). With FLAG_GROUP_FIRST (the host's choice, for
+// walks of unequal length in launches of few waves: attention_geometry.rs, group_first) the
+// launch order's CTAs (clusters, on Hopper) are dealt head group first, so the longest tiles
+// of every head group go in the first waves, where in the grid's own order (x fastest) one
 // group's tiles, longest to shortest, come before the next group's and the last groups'
-// longest tiles start late.
-#ifndef MLXN_TILE_ORDER_QMAJOR
-#define MLXN_TILE_ORDER_QMAJOR 0
-#endif
+// longest tiles start late and run alone at the end.
 struct CtaXY {
     u32 x, y;
 };
-__device__ __forceinline__ CtaXY cta_xy() {
-// The Hopper test is the compiler's own macro, not MLXN_HOPPER: entry.cuh includes this file
-// (through mainloop_sm80.cuh) before it defines MLXN_HOPPER, so that test was false in every
-// form and the pair forms took the cluster-blind order below, which parts the two CTAs of
-// a cluster (different tiles, different KV heads: the pair's shared stages cannot
-// complete; read from the code as the cause of the hang of 2026-12-07 07:35 UTC, not yet
-// rerun on a GPU).
-#if MLXN_TILE_ORDER_QMAJOR && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ CtaXY cta_xy(const Launch& L) {
+    if (!(L.flags & FLAG_GROUP_FIRST)) return {blockIdx.x, blockIdx.y};
+// The Hopper test is the compiler's own macro: entry.cuh includes this file (through
+// mainloop_sm80.cuh) before it defines MLXN_HOPPER, and an order blind to clusters parts the
+// two CTAs of a pair (different tiles and KV heads: their shared stages never complete, the
+// hang of 2026-12-07 07:35 UTC).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // Whole clusters are moved: the cluster's index in launch order, dealt over the head
     // groups' clusters, and the CTA's place inside its cluster kept (a launch without a
     // cluster is one of clusters of one CTA).
@@ -74,11 +71,9 @@ __device__ __forceinline__ CtaXY cta_xy() {
     asm("mov.u32 %0, %%cluster_nctaid.y;" : "=r"(ny));
     const u32 c = cy * ncx + cx;
     return {c / ncy * nx + rx, c % ncy * ny + ry};
-#elif MLXN_TILE_ORDER_QMAJOR
+#else
     const u32 c = blockIdx.y * gridDim.x + blockIdx.x;
     return {c / gridDim.y, c % gridDim.y};
-#else
-    return {blockIdx.x, blockIdx.y};
 #endif
 }
 

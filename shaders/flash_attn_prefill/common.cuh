@@ -148,6 +148,26 @@ __device__ __forceinline__ float exp2_approx(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+// 2^x on the FMA pipe, for a share of the softmax's exponentials (tile_softmax.cuh,
+// MLXN_EXP2_POLY_EVERY), so that they do not all queue at the SFU (16 results a cycle an SM,
+// where the FMA pipe gives 128): x = j + f with j the nearest integer (the 1.5 * 2^23 trick:
+// the sum is j + magic exactly) and f in [-0.5, 0.5]; 2^f by a degree-5 polynomial (fitted
+// to the relative error: 2.2e-7 at most in f32 arithmetic; the SFU's ex2.approx is 2^-22);
+// 2^j as a float made from t's bits (t's bits times 2^23 is j's exponent field: the magic's
+// own bits shift out) and multiplied in. x is clamped at -125 first by max.NaN, which
+// turns -inf into 2^-125 (0 once rounded to half) and keeps a NaN a NaN (it reaches f, so p).
+__device__ __forceinline__ float exp2_poly(float x) {
+    asm("max.NaN.f32 %0, %0, 0fC2FA0000;\n" : "+f"(x));  // -125
+    const float t = x + 12582912.f;
+    const float f = x - (t - 12582912.f);
+    float p = 1.32764154e-3f;
+    p = fmaf(p, f, 9.67552885e-3f);
+    p = fmaf(p, f, 5.55071346e-2f);
+    p = fmaf(p, f, 2.40221202e-1f);
+    p = fmaf(p, f, 6.93146944e-1f);
+    p = fmaf(p, f, 1.00000012f);
+    return p * __int_as_float(__float_as_int(t) * (1 << 23) + 0x3f800000);
+}
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }

@@ -76,7 +76,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const Seq sq = cta_seq(p, L, cu_q, cu_k);  // split-KV: this part's out and lse
 #endif
     const int lq = sq.lq, lk = sq.lk, off = query_offset(p, L, lq, lk);
-    const int qt = (lq + qpc - 1) / qpc - 1 - (int)cta_xy().x;  // longest causal rows first
+    const int qt = (lq + qpc - 1) / qpc - 1 - (int)cta_xy(L).x;  // longest causal rows first
     if (qt < 0) return;  // a shorter sequence than the longest: no rows here (the whole CTA)
     if (tid == 0) {
         st_shared_i64(s_seq, sq.mask);
@@ -85,11 +85,11 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     }
     __syncthreads();  // the offsets are visible to every thread, whether or not a step runs
     const int q_cta = qt * qpc;
-    const int head = (int)cta_xy().y * hpc + rg % hpc;
+    const int head = (int)cta_xy(L).y * hpc + rg % hpc;
     const int q_loc = (rg / hpc) * 32;  // first query of the row group, inside the CTA
     const int q0 = q_cta + q_loc;
     const int group = p.n_heads / p.n_kv_heads;
-    const int kvh = ((int)cta_xy().y * hpc) / group;
+    const int kvh = ((int)cta_xy(L).y * hpc) / group;
 
     // ---- Q: qh = T(scale * q), rows past lq zero.
     {
@@ -98,7 +98,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             const int r = i / CH, c = i % CH;
             const int rgi = r >> 5;
             const int qr = q_cta + (rgi / hpc) * 32 + (r & 31);
-            const int h = (int)cta_xy().y * hpc + rgi % hpc;
+            const int h = (int)cta_xy(L).y * hpc + rgi % hpc;
             u32 w[4];
             load_q_chunk<T>(w, p, L, sq, q, qr, h, c);
             st_shared_v4(s_q + (u32)(r * C::SW_K * 2) + swz(c, r & 7), w[0], w[1], w[2], w[3]);

@@ -159,19 +159,19 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #endif
     const int lq = sq.lq, lk = sq.lk, off = query_offset(p, L, lq, lk);
     const int q_tiles = (lq + qpc - 1) / qpc;       // this sequence's CTAs along the rows
-    const int qt = q_tiles - 1 - (int)cta_xy().x;  // longest causal rows first
+    const int qt = q_tiles - 1 - (int)cta_xy(L).x;  // longest causal rows first
     if constexpr (PAIR == PAIR_QUERIES) {
-        if (q_tiles - 1 - (int)(cta_xy().x & ~1u) < 0) return;  // both CTAs of the pair are empty
+        if (q_tiles - 1 - (int)(cta_xy(L).x & ~1u) < 0) return;  // both CTAs of the pair are empty
     } else {
         if (qt < 0) return;  // no rows here (for the head pairs: in both CTAs alike)
     }
     const int q_cta = qt >= 0 ? qt * qpc : lq;     // qt < 0: a query pair's empty CTA
     const int r0 = rg * 64 + wq * 16;              // first CTA row of this warp
-    const int head = (int)cta_xy().y * hpc + r0 / qpc;
+    const int head = (int)cta_xy(L).y * hpc + r0 / qpc;
     const int q_loc = r0 % qpc;                    // first query of the warp, inside the CTA
     const int q0 = q_cta + q_loc;
     const int group = p.n_heads / p.n_kv_heads;
-    const int kvh = ((int)cta_xy().y * hpc) / group;
+    const int kvh = ((int)cta_xy(L).y * hpc) / group;
 
     // ---- Q: qh = T(scale * q) in the atom layout; rows past lq zero (by the consumers).
     // QB chunks a thread at a time, all loaded before any is converted: loading and
@@ -185,7 +185,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
 #pragma unroll
             for (int b = 0; b < QB; ++b) {
                 const int i = i0 + b * NTHREADS, r = i / CH;
-                load_q_chunk_raw(raw[b], p, L, sq, q, q_cta + r % qpc, (int)cta_xy().y * hpc + r / qpc, i % CH);
+                load_q_chunk_raw(raw[b], p, L, sq, q, q_cta + r % qpc, (int)cta_xy(L).y * hpc + r / qpc, i % CH);
             }
 #pragma unroll
             for (int b = 0; b < QB; ++b) {
@@ -204,7 +204,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         wa = 0x7fffffff;
         we = -1;
         for (int m = 0; m < 2; ++m) {
-            const int qm = q_tiles - 1 - (int)((cta_xy().x & ~1u) + m);
+            const int qm = q_tiles - 1 - (int)((cta_xy(L).x & ~1u) + m);
             if (qm >= 0) {
                 wa = min(wa, qm * qpc);
                 we = max(we, min(qm * qpc + qpc, lq));

@@ -34,7 +34,7 @@ __device__ __forceinline__ PairRows pair_rows(const Params& p, const Launch& L, 
     r.lk = r.sq.lk;
     r.off = query_offset(p, L, r.lq, r.lk);
     const int qpc = L.queries_per_cta, q_tiles = (r.lq + qpc - 1) / qpc;
-    const int qt = q_tiles - 1 - (int)cta_xy().x;  // longest causal rows first
+    const int qt = q_tiles - 1 - (int)cta_xy(L).x;  // longest causal rows first
     r.q_cta = qt >= 0 ? qt * qpc : r.lq;            // qt < 0: a query pair's empty CTA
     r.wa = r.q_cta;
     r.we = min(r.q_cta + qpc, r.lq);
@@ -42,7 +42,7 @@ __device__ __forceinline__ PairRows pair_rows(const Params& p, const Launch& L, 
         r.wa = 0x7fffffff;
         r.we = -1;
         for (int m = 0; m < 2; ++m) {
-            const int qm = q_tiles - 1 - (int)((cta_xy().x & ~1u) + m);
+            const int qm = q_tiles - 1 - (int)((cta_xy(L).x & ~1u) + m);
             if (qm >= 0) {
                 r.wa = min(r.wa, qm * qpc);
                 r.we = max(r.we, min(qm * qpc + qpc, r.lq));
@@ -56,7 +56,7 @@ __device__ __forceinline__ PairRows pair_rows(const Params& p, const Launch& L, 
 template <int PAIR>
 __device__ __forceinline__ bool pair_is_empty(const Params& p, const Launch& L) {
     const int q_tiles = (p.rows + L.queries_per_cta - 1) / L.queries_per_cta;
-    return q_tiles - 1 - (int)(PAIR == PAIR_QUERIES ? cta_xy().x & ~1u : cta_xy().x) < 0;
+    return q_tiles - 1 - (int)(PAIR == PAIR_QUERIES ? cta_xy(L).x & ~1u : cta_xy(L).x) < 0;
 }
 
 // The walk of a pair's CTA (block_range.cuh): the steps its rows [wa, we) see, by the
@@ -86,7 +86,7 @@ __device__ __forceinline__ void load_q_rows(u32 s_q, int wgi, const Params& p, c
 #pragma unroll
         for (int b = 0; b < QB; ++b) {
             const int i = i0 + b * 128, r = wgi * 64 + i / CH;
-            load_q_chunk_raw(raw[b], p, L, sq, q, q_cta + r % qpc, (int)cta_xy().y * hpc + r / qpc, i % CH);
+            load_q_chunk_raw(raw[b], p, L, sq, q, q_cta + r % qpc, (int)cta_xy(L).y * hpc + r / qpc, i % CH);
         }
 #pragma unroll
         for (int b = 0; b < QB; ++b) {
@@ -146,7 +146,7 @@ __device__ __forceinline__ void pipe_producer(const PipeBars<PC::S>& bars, u32 s
     TileWalk<PC::NH, PairWalk<PAIR>> tw(walk, t, nm, sb);
     const u32 s_kv = s_q + PC::Q_BYTES, s_mask = s_kv + PC::S * 2 * PC::KV_BYTES;
     if (warp == 0) {
-        const int kvh = ((int)cta_xy().y * L.heads_per_cta) / (p.n_heads / p.n_kv_heads), seq = cta_sequence(L);
+        const int kvh = ((int)cta_xy(L).y * L.heads_per_cta) / (p.n_heads / p.n_kv_heads), seq = cta_sequence(L);
         const int last = (r.lk - 1) / STEP * STEP;  // the cache's last 64-row block (a walked tile has r.lk > 0)
         auto issue_k = [&](int st, int u, u32 bar) {
             tma_tile<D, PC::N>(kmap, s_kv + (u32)(st * 2 * PC::KV_BYTES), bar, kvh, u * PC::N, last, seq);
@@ -186,7 +186,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PC::S>& bars, u32 s
     fence_proxy_async();                    // Q and the ones (ordinary stores) before wgmma reads them
     named_barrier(PC::BAR_Q + wgi, 128);   // the warpgroup's Q is in (its products read only its rows)
     const int qpc = L.queries_per_cta, r0 = wgi * 64 + ((tid >> 5) & 3) * 16;  // the warp's first CTA row
-    const int head = (int)cta_xy().y * L.heads_per_cta + r0 / qpc, q0 = r.q_cta + r0 % qpc;
+    const int head = (int)cta_xy(L).y * L.heads_per_cta + r0 / qpc, q0 = r.q_cta + r0 % qpc;
     const bool by_distance = alibi_by_distance(p);
     PairWalk<PAIR> walk;  // for its table rows only (the producer walks)
     walk.init((p.flags & PREFILL_MASK) ? blk + r.sq.blk : nullptr, p.blk_steps, 32, r.wa, r.we);

@@ -95,3 +95,4 @@ static_assert(sizeof(Launch) == (MLXN_PAGED_ENTRIES ? 72 : 48), "the launch bloc
 #define FLAG_MASK_ALIGNED 8  // mask base and strides 16-byte aligned
 #define FLAG_OUT_ALIGNED 16  // out base and strides aligned to two elements
 #define FLAG_RIGHT_BOUND 32  // the described mask has a right bound (causal, or window_right)
+#define FLAG_GROUP_FIRST 64  // the CTAs dealt head group first (block_range.cuh, cta_xy)

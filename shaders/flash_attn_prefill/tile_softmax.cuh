@@ -95,6 +95,13 @@ __device__ __forceinline__ void mask_steps(float (&s)[NS], const TileClasses<NH>
 // 2 or 4: round robin over the chains, then added in pairs): the same rounded values in
 // another order, so the sums' last bits may change (SPEC 2 leaves the order open; the
 // one-CTA forms keep column order, so pair and one-CTA forms then differ in those bits).
+// The exponentials of every MLXN_EXP2_POLY_EVERY-th 8-column block (the last of each group)
+// on the FMA pipe (common.cuh, exp2_poly), the rest on the SFU; 0: all on the SFU. Lost
+// (docs/benchmarks.md, 2026-12-07 10:30 UTC): every 8th 0.93x-0.97x, every 4th 0.87x-0.93x;
+// the SFU's throughput is not what the softmax waits on, its instructions are.
+#ifndef MLXN_EXP2_POLY_EVERY
+#define MLXN_EXP2_POLY_EVERY 0
+#endif
 #ifndef MLXN_SUM_CHAINS
 #define MLXN_SUM_CHAINS 1
 #endif
@@ -144,7 +151,10 @@ __device__ __forceinline__ bool tile_exp_each(const float (&s)[NS], const float 
         for (int nb = 0; nb < NS / 4; ++nb) {
             float& sum = sums[nb % SC];
             const int i = nb * 4 + hh * 2;
-            const float e0 = exp2_approx(fmaf(s[i], LOG2E, -ml)), e1 = exp2_approx(fmaf(s[i + 1], LOG2E, -ml));
+            constexpr int PE = MLXN_EXP2_POLY_EVERY;
+            const float x0 = fmaf(s[i], LOG2E, -ml), x1 = fmaf(s[i + 1], LOG2E, -ml);
+            const bool poly = PE > 0 && nb % (PE > 0 ? PE : 1) == PE - 1;
+            const float e0 = poly ? exp2_poly(x0) : exp2_approx(x0), e1 = poly ? exp2_poly(x1) : exp2_approx(x1);
             const u32 pair = T::pack2(e0, e1);
             float a, b;
             T::unpack2(pair, a, b);  // dead where neither put nor the sum reads them

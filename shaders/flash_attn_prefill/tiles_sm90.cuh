@@ -61,6 +61,14 @@ namespace hopper {
 #ifndef MLXN_WS_WIDE_CONSUMER_REGS
 #define MLXN_WS_WIDE_CONSUMER_REGS 240
 #endif
+// The d128 pipeline's register split (producer, consumers: 128 x P + 256 x C <= 65536) and
+// its own overlap switch (MLXN_WS_OVERLAP's value unless given): variants to time.
+#ifndef MLXN_WS_PRODUCER_REGS_D128
+#define MLXN_WS_PRODUCER_REGS_D128 56
+#endif
+#ifndef MLXN_WS_CONSUMER_REGS_D128
+#define MLXN_WS_CONSUMER_REGS_D128 224
+#endif
 #ifndef MLXN_WS_STAGES_D64
 #define MLXN_WS_STAGES_D64 2
 #endif
@@ -82,6 +90,9 @@ namespace hopper {
 // and without it the softmax packs P once (pipeline_sm90.cuh), 2-4% faster.
 #ifndef MLXN_WS_OVERLAP
 #define MLXN_WS_OVERLAP 0
+#endif
+#ifndef MLXN_WS_OVERLAP_D128
+#define MLXN_WS_OVERLAP_D128 MLXN_WS_OVERLAP
 #endif
 
 // The rows' sums of the rounded P (SPEC 2 step 5) on the tensor cores: P V's operand times a
@@ -122,9 +133,9 @@ struct Tiles<128> {
     // 308 against 221 TFLOP/s for one double-buffered CTA, causal 16k, 32/8 heads).
     static constexpr int MINB = 2, NSTAGE = 1;
     static constexpr int PIPE = 2, N = MLXN_WS_N_D128, STAGES = 2, CONSUMERS = 2;
-    static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+    static constexpr int PRODUCER_REGS = MLXN_WS_PRODUCER_REGS_D128, CONSUMER_REGS = MLXN_WS_CONSUMER_REGS_D128;
     static constexpr bool MASK_TILES = true;
-    static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
+    static constexpr bool OVERLAP = MLXN_WS_OVERLAP_D128 != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
 };
 // The d128 pipeline where no tile reads the explicit mask (described masks, or none: the host

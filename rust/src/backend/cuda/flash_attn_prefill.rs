@@ -185,6 +185,23 @@ const FLAG_MASK_ALIGNED: i32 = 8;
 const FLAG_OUT_ALIGNED: i32 = 16;
 /// The described mask has a right bound (causal, or a two-sided window's).
 const FLAG_RIGHT_BOUND: i32 = 32;
+/// The CTAs dealt head group first (`block_range.cuh` `cta_xy`; [`group_first`]).
+const FLAG_GROUP_FIRST: i32 = 64;
+
+/// Launches of at most this many CTAs an SM deal their CTAs head group first where the
+/// walks differ in length ([`group_first`]).
+const GROUP_FIRST_MAX_WAVES: u64 = 6;
+
+/// Whether a launch deals its CTAs head group first: where its query tiles' walks differ in
+/// length (a right bound without a window: the causal rows' triangle) and its grid is a few
+/// waves of the GPU (`ctas` at most [`GROUP_FIRST_MAX_WAVES`] a multiprocessor). In the
+/// grid's own order one head group's tiles run longest to shortest before the next group's,
+/// so the last groups' longest tiles start late and run alone at the end. Measured on an H100
+/// (docs/benchmarks.md, 2026-12-07 10:30 UTC): causal d256 8/8 at 8192 rows (3.9 waves) 1.19x;
+/// at 16384 rows (7.8 waves) and at head dims 64 and 128 (10 waves and more) 0.99x-1.01x.
+fn group_first(sides: &MaskSides, ctas: u64, multiprocessors: u32) -> bool {
+    sides.bounded && sides.left == 0 && multiprocessors > 0 && ctas <= GROUP_FIRST_MAX_WAVES * multiprocessors as u64
+}
 
 /// The described mask (SPEC 6) as the kernels read it (`block_range.cuh`): query row r, at
 /// `p = r + offset` of its cache, sees cache row j iff `j < lk`, `j <= p + right` where there
@@ -576,6 +593,12 @@ fn part_launch(
         }
     }
     let parts = split.map_or(1, |s| s.parts);
+    // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
+    let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
+    let ctas = grid_x as u64 * geo.head_groups as u64 * p.batch.max(1) as u64 * parts as u64;
+    if group_first(&sides, ctas, pc.ctx.multiprocessors.max(0) as u32) {
+        flags |= FLAG_GROUP_FIRST;
+    }
     let launch = AttentionLaunch {
         heads_per_cta: geo.heads_per_cta as i32,
         queries_per_cta: geo.queries_per_cta as i32,
@@ -591,8 +614,6 @@ fn part_launch(
     };
     let shared = if maps.is_some() { pair_shared_bytes(head_dim) } else { plain_shared_bytes(dims.0, dims.1, hopper) }
         .ok_or_else(|| contract(name, "no shared memory size"))?;
-    // Query pairs: an even number of CTAs along x (an odd count's last one has no rows).
-    let grid_x = if mode == Some(PairMode::Queries) { geo.q_tiles + geo.q_tiles % 2 } else { geo.q_tiles };
     if p.batch as u64 * parts as u64 > 65_535 {
         return Err(MlxError::InvalidArgument(format!(
             "{name}: a batch of {} is more than one CUDA launch takes (65535)",
@@ -730,6 +751,21 @@ mod tests {
         let offset = if p.flags & PREFILL_OFFSET != 0 { p.offset as i64 } else { (p.kv_len - p.rows) as i64 };
         let off = offset + s.right as i64;
         j < p.kv_len as i64 && (!s.bounded || j <= r + off) && (s.left == 0 || j > r + off - s.left as i64)
+    }
+
+    #[test]
+    fn group_first_order_only_for_causal_triangles_of_few_waves() {
+        let causal = MaskSides { bounded: true, right: 0, left: 0 };
+        // Causal d256 8/8 heads at 8192 rows on 132 SMs: 512 CTAs (3.9 waves), dealt group
+        // first; at 16384 rows (1024 CTAs, 7.8 waves) in the grid's order.
+        assert!(group_first(&causal, 512, 132));
+        assert!(group_first(&causal, 6 * 132, 132));
+        assert!(!group_first(&causal, 6 * 132 + 1, 132));
+        assert!(!group_first(&causal, 1024, 132));
+        // Walks of equal length (no right bound, or a window's band): the grid's order.
+        assert!(!group_first(&MaskSides { bounded: false, right: 0, left: 0 }, 512, 132));
+        assert!(!group_first(&MaskSides { bounded: true, right: 0, left: 1024 }, 512, 132));
+        assert!(!group_first(&causal, 512, 0));
     }
 
     #[test]
