@@ -266,6 +266,12 @@ pub trait Backend: Send + Sync {
     fn reads_paged_kv(&self) -> bool {
         false
     }
+    /// Whether those kernels read paged K/V in entry points of their own (Metal: the op's
+    /// `PAGED_KERNELS`, a walk whose products differ in form from the contiguous one's), not
+    /// in the contiguous kernels themselves behind the flag (the CPU).
+    fn paged_kv_entry_points(&self) -> bool {
+        false
+    }
     /// Run the dispatches in order on the caller's stream (a CUDA stream handle) and return
     /// without waiting for them: the stream orders what the caller queues after. Backends
     /// without streams run them now and return once they are complete.

@@ -367,14 +367,15 @@ pub const PREFILL_ALIBI_SLOPES: i32 = 128;
 /// and each sequence's cache length (bound at `recorded::attention_slot::{PAGED, BLOCK_TABLE,
 /// SEQUSED_K}`, described by [`PagedKvParamsGpu`]); the block's K/V strides and `kv_len` then
 /// describe no tensor (the strides are 0, `kv_len` the longest sequence's cache, or the sum of
-/// them with `PREFILL_VARLEN`). Only the CPU backend takes it so far.
+/// them with `PREFILL_VARLEN`). The CPU and Metal backends take it so far (Metal in entry points of
+/// its own, `ops::flash_attn_prefill::PAGED_KERNELS`).
 pub const PREFILL_PAGED: i32 = 256;
 
 /// The paged K/V of a `PREFILL_PAGED` prefill: `k_cache`, `v_cache` `[num_blocks, block_size,
 /// n_kv_heads, head_dim]` (strides in elements), `block_table` I32 `[batch, max_blocks]`,
 /// `seqused_k` I32 `[batch]`. Sequence b's cache row j is row `j % block_size` of block
 /// `block_table[b * max_blocks + j / block_size]`. A block of its own (not fields of
-/// [`FlashAttnPrefillParamsGpu`], which the device sources declare too): only the CPU reads it.
+/// [`FlashAttnPrefillParamsGpu`], which the device sources declare too): the paged kernels read it.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PagedKvParamsGpu {

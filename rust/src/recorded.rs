@@ -138,7 +138,7 @@ impl<'d> RecordedPrefill<'d> {
         let p: FlashAttnPrefillParamsGpu = d.constant(s::PARAMS)?;
         let has = |f: i32| p.flags & f != 0;
         if has(PREFILL_PAGED) && !pages {
-            return Ok(Err(Broken("paged K/V (block_table) runs on the CPU backend so far")));
+            return Ok(Err(Broken("paged K/V (block_table) runs on the CPU and Metal backends so far")));
         }
         let opt = |slot: u64, present: bool| if present { d.buffer(slot).map(Some) } else { Ok(None) };
         let workspace = match d.args.iter().find(|(i, _)| *i == s::WORKSPACE) {

@@ -129,7 +129,7 @@ impl FlashAttnPrefillPlan {
     ) -> Result<Self> {
         if !device.backend().reads_paged_kv() {
             return Err(MlxError::InvalidArgument(format!(
-                "flash_attn_prefill: block_table (paged K/V) runs on the CPU backend so far, not on {:?}: gather \
+                "flash_attn_prefill: block_table (paged K/V) runs on the CPU and Metal backends so far, not on {:?}: gather \
                  each sequence's blocks into contiguous k/v (cu_seqlens_k), or run on the CPU",
                 device.backend_kind()
             )));

@@ -158,6 +158,15 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
         format!("metal ({})", self.api.name())
     }
 
+    /// Paged K/V (SPEC 11) through the `flash_attn_prefill_paged_*` entry points.
+    fn reads_paged_kv(&self) -> bool {
+        true
+    }
+
+    fn paged_kv_entry_points(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
         Ok(Arc::new(self.owned(bytes)?))
     }
