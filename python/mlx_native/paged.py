@@ -40,9 +40,10 @@ class PagedKv(NamedTuple):
 
 def refuse_unpaged_arguments(block_table: Any, cu_seqlens_k: Any, device: Any, q_on_cuda: bool, q_device: str) -> None:
     """What cannot go with paged K/V, refused by name before anything is planned: no table
-    (``seqused_k`` alone), ``cu_seqlens_k`` (the lengths are ``seqused_k``'s), and a CUDA or
-    Metal device (named, or q's, ``q_device``): paged K/V runs on the CPU backend so far. The
-    plan and the torch operators' fake kernel (which has q's device but no data) call it."""
+    (``seqused_k`` alone), ``cu_seqlens_k`` (the lengths are ``seqused_k``'s), and a CUDA
+    device (named, or q's, ``q_device``; any name but the CPU's and Metal's): paged K/V runs on
+    the CPU and Metal backends so far. The plan and the torch operators' fake kernel (which
+    has q's device but no data) call it."""
     if block_table is None:
         raise InvalidArgumentError("seqused_k goes with block_table (paged K/V): pass both, or neither")
     if cu_seqlens_k is not None:
@@ -51,11 +52,11 @@ def refuse_unpaged_arguments(block_table: Any, cu_seqlens_k: Any, device: Any, q
             "(pass cu_seqlens_q alone for variable-length queries)"
         )
     name = getattr(device, "backend", device)
-    if q_on_cuda or (isinstance(name, str) and not name.startswith("cpu")):
+    if q_on_cuda or (isinstance(name, str) and not name.startswith(("cpu", "metal"))):
         where = q_device if q_on_cuda else name
         raise UnsupportedFeatureError(
-            f"block_table (paged K/V) runs on the CPU backend so far, not on {where}: pass host arrays (device='cpu'), "
-            f"or gather each sequence's blocks into contiguous k/v and pass cu_seqlens_k"
+            f"block_table (paged K/V) runs on the CPU and Metal backends so far, not on {where}: pass host arrays "
+            f"(device='cpu'), or gather each sequence's blocks into contiguous k/v and pass cu_seqlens_k"
         )
 
 

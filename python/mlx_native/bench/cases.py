@@ -80,7 +80,7 @@ def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequ
         raise ValueError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     paged = [c for c in cases if CASES[c].paged]
     if paged:
-        # The library's own refusal of paged K/V off the CPU backend (the case's name added),
+        # The library's own refusal of paged K/V off the CPU and Metal backends (the case's name added),
         # so that the cases run wherever the library comes to run paged K/V.
         try:
             refuse_unpaged_arguments(True, None, kind, False, kind)
