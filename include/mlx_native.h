@@ -124,6 +124,17 @@ typedef struct MlxnFlashAttnPrefillParams {
   uint32_t alibi_slopes;
 } MlxnFlashAttnPrefillParams;
 
+// FP8 K/V's descale factors (SPEC 11, FlashAttention-3's `k_descale`, `v_descale`), as the
+// plan calls take them: each a null pointer with length 0 (every factor 1), one value (for
+// every KV head) or `n_kv_heads` values (one per KV head). The value of an element `x` of K
+// is `k[g] * float(x)`. Only with FP8 K/V (`kv_dtype` 7 or 8).
+typedef struct MlxnKvDescale {
+  const float *k;
+  uint32_t k_len;
+  const float *v;
+  uint32_t v_len;
+} MlxnKvDescale;
+
 // Elements each operand of a prefill plan must hold (bytes for `blk`, which the plan owns,
 // and for `workspace`).
 typedef struct MlxnPrefillExtents {
@@ -475,7 +486,9 @@ int32_t mlxn_flash_attn_prefill_mask_table_bytes(const struct MlxnFlashAttnPrefi
 // dtypes (`DType` codes of q, of k and v, of out) and which optional operands there are
 // (`has_mask`, `has_lse`, `has_sinks`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
 // `cu_seqlens_k` point to `batch + 1` int32 in host memory each (checked here and copied
-// to the device); null for fixed length. `options`: the run options (null: the defaults),
+// to the device); null for fixed length. Quantised K/V (SPEC 11, the CPU backend): `kv_dtype`
+// 7 (FP8 E4M3), 8 (FP8 E5M2) or 9 (Q8_0 blocks, K/V strides in bytes); `descale`: FP8's
+// factors ([`MlxnKvDescale`]), null for none. `options`: the run options (null: the defaults),
 // each checked here; `mlxn_prefill_plan_choices` says what the backend chose under them.
 //
 // # Safety
@@ -491,6 +504,7 @@ int32_t mlxn_prefill_plan_new(uint64_t dev,
                               int32_t has_sinks,
                               const int32_t *cu_seqlens_q,
                               const int32_t *cu_seqlens_k,
+                              const struct MlxnKvDescale *descale,
                               const struct MlxnRunOptions *options,
                               uint64_t *out);
 
@@ -522,6 +536,7 @@ int32_t mlxn_prefill_plan_new_paged(uint64_t dev,
                                     const int32_t *seqused_k,
                                     uint32_t num_blocks,
                                     uint32_t block_size,
+                                    const struct MlxnKvDescale *descale,
                                     const struct MlxnRunOptions *options,
                                     uint64_t *out);
 

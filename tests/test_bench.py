@@ -196,17 +196,41 @@ def test_best_in_turn_calls_in_turn_after_a_warm_up_and_keeps_the_best():
     assert calls == ["a", "b"] * 3 and len(best) == 2 and all(0 <= t < 1 for t in best)
 
 
-def test_paged_cases_are_refused_by_name_off_the_cpu():
-    # CUDA runs no paged K/V yet: the bench says which cases, before anything runs.
-    with pytest.raises(ValueError, match=r"case\(s\) paged-128, paged-256 read paged K/V: .*CPU and Metal.*not on cuda"):
-        bench.select("cuda", [2048], ["causal-128", "paged-128", "paged-256"])
-    assert bench.select("cpu", [64], ["paged-256"]) == ([64], ["paged-256"])
-    assert bench.select("metal", [64], ["paged-256"]) == ([64], ["paged-256"])
+def test_paged_cases_run_on_every_backend():
+    # The CPU, CUDA and Metal read paged K/V: the bench refuses the paged cases nowhere.
+    for kind in ("cpu", "cuda", "metal"):
+        assert bench.select(kind, [64], ["paged-256"]) == ([64], ["paged-256"])
     assert "paged-128" not in bench.DEFAULT_CASES["cpu"] and "paged-128" not in bench.DEFAULT_CASES_GPU
     with pytest.raises(ValueError, match="block_size"):
         bench.run_bench(rows=[16], cases=["paged-128"], peers=[], quiet=True, progress=False, block_size=0)
     with pytest.raises(mx.MlxError, match="block_size"):  # the library's bounds: multiples of 16
         bench.run_bench(rows=[16], cases=["paged-128"], peers=[], quiet=True, progress=False, block_size=24)
+
+
+def test_bench_fp8_cases_time_ours_on_fp8_against_the_same_values_in_16_bits():
+    # Ours on FP8 E4M3 K/V against ours on the same values in float16 (exact): the outputs
+    # bit-identical, the speed-up in the JSON; the peers run on the 16-bit K/V.
+    report = bench.run_bench(rows=[24], kv_len=40, cases=["fp8-128"], repeats=1, device="cpu", peers=["reference"],
+                             progress=False, quiet=True)  # fmt: skip
+    by = {d["impl"]: d for d in report["results"]}
+    mine, sixteen = by[bench.OURS], by[bench.OURS_16BIT_KV]
+    assert mine["kv_quant"] == "float8_e4m3fn" and mine["fp8_equals_16bit"] is True
+    assert mine["fp8_speedup_over_16bit"] == pytest.approx(sixteen["ms"] / mine["ms"])
+    assert mine["nmse"] == sixteen["nmse"] and mine["nmse"] < 1e-5
+    for kind in ("cuda", "metal"):
+        with pytest.raises(ValueError, match=rf"case\(s\) fp8-128 read quantised K/V: .*CPU backend.*not on {kind}"):
+            bench.select(kind, [2048], ["fp8-128"])
+
+
+def test_bench_q8_0_case_times_ours_on_q8_0_bytes_against_their_values_in_16_bits():
+    # Q8_0's values are not all float16s: the 16-bit K/V are rounded, the outputs close, not equal.
+    report = bench.run_bench(rows=[24], kv_len=40, cases=["q8-128"], repeats=1, device="cpu", peers=["reference"],
+                             progress=False, quiet=True)  # fmt: skip
+    by = {d["impl"]: d for d in report["results"]}
+    mine, sixteen = by[bench.OURS], by[bench.OURS_16BIT_KV]
+    assert mine["kv_quant"] == "q8_0"
+    assert mine["fp8_speedup_over_16bit"] == pytest.approx(sixteen["ms"] / mine["ms"])
+    assert mine["nmse"] < 1e-5 and sixteen["nmse"] < 1e-5
 
 
 def test_cli_bench_paged_case_writes_its_fields(tmp_path):

@@ -46,6 +46,10 @@ def test_kernels_compile_with_nvrtc_through_the_c_abi():
     dims = [f"flash_attn_prefill_{d}{b}" for d in OTHER_DIMS for b in ("", "_bf16")]
     for entry in ENTRY_POINTS + tuple(pairs) + tuple(dims):
         assert f"entry point {entry}" in report, report
+    # Paged K/V's entry points are a module of their own, compiled for a paged launch only
+    # (MLXN_PAGED_ENTRIES; the Rust suite compiles and checks it): not in the one every call
+    # loads.
+    assert "_paged" not in report
     # NVRTC 13.0 (what CI installs) returns ptxas's resource report; some builds return
     # none, and then there is nothing to read spills from. The forms without the score
     # transforms spill nothing; those with them (`_xf`) a little at most.

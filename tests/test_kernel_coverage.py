@@ -193,6 +193,33 @@ def _run_prefill_kernel(device, rng, dk, dv, kv_dtype):
         _close(device, kv_dtype, out, lse, *reference_prefill(q, k, v, mask, **kw), what)
 
 
+def _run_kvq_kernel(device, rng, dk, dv):
+    # The quantised K/V kernel (CPU only: docs/spec.md 11b): the calls above with K/V in E4M3
+    # (descale per KV head), E5M2 and, at multiples of 32, Q8_0, against the reference on the
+    # dequantised values (test_quant_kv.py holds the rest).
+    if device.backend != "cpu":
+        pytest.skip("quantised K/V run on the CPU backend only")
+    import ml_dtypes
+
+    from mlx_native.reference import dequantise, quantise_q8_0
+
+    formats = ["float8_e4m3fn", "float8_e5m2"] + (["q8_0"] if dk % 32 == 0 and dv % 32 == 0 else [])
+    for fmt in formats:
+        for what, kw in _prefill_calls(rng, dk, dv, F32, False):
+            q, k, v, mask = kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("mask", None)
+            if fmt == "q8_0":
+                k8, v8, extra = quantise_q8_0(k), quantise_q8_0(v), dict(kv_dtype="q8_0")
+                kd, vd = dequantise(k8, "q8_0"), dequantise(v8, "q8_0")
+            else:
+                f8 = getattr(ml_dtypes, fmt)
+                k8, v8 = k.astype(f8), v.astype(f8)
+                ks = (0.5 + rng.uniform(0, 1, k.shape[-2])).astype(np.float32)
+                extra = dict(k_descale=ks, v_descale=np.float32(1.5)) if fmt == "float8_e4m3fn" else {}
+                kd, vd = dequantise(k8, None, extra.get("k_descale")), dequantise(v8, None, extra.get("v_descale"))
+            out, lse = mn.flash_attn_prefill(q, k8, v8, mask, return_lse=True, device=device, **kw, **extra)
+            _close(device, F32, out, lse, *reference_prefill(q, kd, vd, mask, **kw), f"{fmt}, {what}")
+
+
 def _run_origin_kernel(device, rng, hd):
     # Odd strides (on Hopper the one-CTA form: no tensor map), then aligned views with a
     # query-head group of 2 and of 3 (the pair forms over heads and over query tiles).
@@ -228,6 +255,7 @@ def _kernel_cases():
         base = f"flash_attn_prefill_d{dk}" + (f"_{dv}" if dv != dk else "")
         for name, kvd in ((base, F16), (base + "_bf16", BF16), (base + "_f32", F32)):
             cases[name] = lambda device, rng, dk=dk, dv=dv, kvd=kvd: _run_prefill_kernel(device, rng, dk, dv, kvd)
+        cases[base + "_kvq"] = lambda device, rng, dk=dk, dv=dv: _run_kvq_kernel(device, rng, dk, dv)
     for hd in (256, 512):
         cases[f"flash_attn_prefill_tensor_f16_d{hd}"] = lambda device, rng, hd=hd: _run_origin_kernel(device, rng, hd)
     cases["flash_attn_prefill_blk"] = _run_blk
@@ -247,9 +275,10 @@ def test_the_kernel_cases_are_every_registered_kernel():
     # Each backend's kernels as its own source registers them; a kernel added anywhere
     # without a case above fails here.
     cases = set(KERNEL_CASES)
-    # float32 K/V kernels are the CPU's alone (CUDA and Metal get float16 copies: docs/spec.md).
-    cpu_only = {n for n in cases if n.endswith("_f32")}
-    assert len(cpu_only) == len(DIMS)
+    # float32 K/V kernels are the CPU's alone (CUDA and Metal get float16 copies: docs/spec.md),
+    # and so are the quantised K/V ones (`_kvq`: docs/spec.md 11b).
+    cpu_only = {n for n in cases if n.endswith(("_f32", "_kvq"))}
+    assert len(cpu_only) == 2 * len(DIMS)
     assert kernel_registry.cpu_kernels() == cases, "CPU: " + str(kernel_registry.cpu_kernels() ^ cases)
     shared = cases - cpu_only
     assert kernel_registry.cuda_kernels() == shared, "CUDA: " + str(kernel_registry.cuda_kernels() ^ shared)

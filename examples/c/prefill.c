@@ -94,7 +94,8 @@ int main(void) {
 
     uint64_t plan;
     CHECK(mlxn_prefill_plan_new(dev, &p, 0 /* q F32 */, 1 /* k, v F16 */, 0 /* out F32 */, 0 /* mask */, 1 /* lse */,
-                                0 /* sinks */, NULL, NULL, NULL /* run options: the library's */, &plan));
+                                0 /* sinks */, NULL, NULL, NULL /* no descale */, NULL /* run options: the library's */,
+                                &plan));
     struct MlxnPrefillExtents e;
     CHECK(mlxn_prefill_plan_extents(plan, &e));
     if (e.q != (uint64_t)ROWS * HEADS * DIM || e.lse != (uint64_t)HEADS * ROWS) {

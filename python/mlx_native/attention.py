@@ -12,6 +12,7 @@ from .arrays import layout_key
 from .options import PrefillArgs, checked, from_keywords, plan_key, signature
 from .paged import table_key
 from .plan import PrefillPlan
+from .quant import descale_key
 
 __all__ = ["flash_attn_prefill", "prefill", "clear_plan_cache", "PLAN_CACHE_SIZE"]
 
@@ -86,8 +87,13 @@ def _key(q, k, v, args: PrefillArgs) -> Optional[tuple]:
         if pages is None:
             return None
         cu = (cu, pages)
+    descale = None
+    if args.k_descale is not None or args.v_descale is not None:  # FP8's factors belong to the plan
+        descale = (descale_key(args.k_descale), descale_key(args.v_descale))
+        if False in descale:
+            return None
     try:
-        return _hashable((lq, lk, lv, lm, cu, plan_key(args)))
+        return _hashable((lq, lk, lv, lm, cu, descale, plan_key(args)))
     except TypeError:
         return None
 

@@ -426,8 +426,10 @@ def check_inputs_finite(q: Any, k: Any, v: Any, mask: Any, sinks: Any, scale: Op
     kernels read) are finite and the mask (as the caller gave it: its -inf means "masked")
     and the sinks hold no NaN or +inf; ``mask`` and ``sinks`` may be None."""
     check_q_fits_half(q, scale)
-    check_finite("k", k)
-    check_finite("v", v)
+    if k is not None:
+        check_finite("k", k)
+    if v is not None:
+        check_finite("v", v)
     if mask is not None:
         check_finite("mask", mask, allow_neg_inf=True)
     if sinks is not None:

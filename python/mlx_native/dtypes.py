@@ -18,6 +18,11 @@ DTYPE_CODES = {
     "uint16": 4,
     "uint32": 5,
     "int32": 6,
+    # Quantised K/V (SPEC 11, the CPU backend): FP8 (ml_dtypes' and torch's names) and
+    # ggml's Q8_0 blocks (uint8 arrays with kv_dtype="q8_0").
+    "float8_e4m3fn": 7,
+    "float8_e5m2": 8,
+    "q8_0": 9,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 
@@ -34,10 +39,27 @@ def bfloat16_dtype() -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def float8_dtype(name: str) -> np.dtype:
+    """numpy's ``float8_e4m3fn`` or ``float8_e5m2`` (from ml_dtypes)."""
+    try:
+        import ml_dtypes
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise UnsupportedDtypeError(
+            f"{name} arrays need the ml_dtypes package (pip install ml_dtypes); without it pass the bytes as uint8 "
+            f"with kv_dtype={name!r}"
+        ) from e
+    return np.dtype(getattr(ml_dtypes, name))
+
+
 def numpy_dtype_of_name(name: str) -> np.dtype:
-    """The numpy dtype of a dtype name (``bfloat16`` through ml_dtypes)."""
+    """The numpy dtype of a dtype name (``bfloat16`` and the float8 types through ml_dtypes;
+    Q8_0's blocks are uint8)."""
     if name == "bfloat16":
         return bfloat16_dtype()
+    if name in ("float8_e4m3fn", "float8_e5m2"):
+        return float8_dtype(name)
+    if name == "q8_0":
+        return np.dtype(np.uint8)
     if name in DTYPE_CODES or name in _OTHER:
         return np.dtype(name)
     raise UnsupportedDtypeError(f"dtype {name} is not supported")

@@ -67,7 +67,7 @@ def flash_attn_prefill(q: Any, k: Any, v: Any, mask: Any = None, **keywords: Any
       3-D q/k/v holding the sequences one after the other, int32 (or int64) offsets
       ``[B + 1]`` from 0 to the totals; a CUDA tensor is read on the host (a
       synchronisation). No explicit mask with them.
-    - ``block_table``, ``seqused_k``: paged K/V (SPEC 11, the CPU and Metal backends so far): k and v
+    - ``block_table``, ``seqused_k``: paged K/V (SPEC 11, the CPU, CUDA and Metal backends): k and v
       are caches ``[num_blocks, block_size, kv_heads, head_dim]`` (block_size a multiple of
       16 from 16 to 256), ``block_table`` int32 ``[batch, max_blocks]``, ``seqused_k`` int32
       ``[batch]`` each sequence's cache length; sequence b's cache row j is
@@ -163,12 +163,18 @@ def _is_torch(x) -> bool:
     return mod == "torch" or mod.startswith("torch.")
 
 
+def _is_fp8(t) -> bool:
+    return str(t.dtype).startswith("torch.float8")
+
+
 def _through_torch_op(q, k, v, args: PrefillArgs) -> bool:
     """Whether every array argument is a torch tensor (the optional ones may be None): an
     operator's schema takes nothing else, and the array call gives the typed error for
     anything else."""
     if not (_is_torch(q) and _is_torch(k) and _is_torch(v)):
         return False
+    if args.kv_dtype is not None or args.k_descale is not None or args.v_descale is not None or _is_fp8(k):
+        return False  # quantised K/V: not in the operators' schema yet (the array call runs them)
     optional = (args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.sinks, args.alibi_slopes, args.block_table,
                 args.seqused_k)  # fmt: skip
     return all(x is None or _is_torch(x) for x in optional)

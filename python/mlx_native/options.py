@@ -22,6 +22,7 @@ from .checks import (
     check_window_sides,
 )
 from .device import Device
+from .quant import kv_format_name
 
 __all__ = ["PrefillArgs", "checked", "from_keywords", "plan_key", "run_options", "signature"]
 
@@ -59,6 +60,12 @@ class PrefillArgs(NamedTuple):
     #: int32 [batch] holds each sequence's cache length (``paged.py``).
     block_table: Any = None
     seqused_k: Any = None
+    #: Quantised K/V (SPEC 11, the CPU backend; ``quant.py``): ``kv_dtype`` names the format
+    #: of uint8 k/v bytes ("float8_e4m3fn", "float8_e5m2", "q8_0"; None: k's own dtype), and
+    #: FP8's descale factors (None, a number, or float32 [1] / [kv_heads]).
+    kv_dtype: Any = None
+    k_descale: Any = None
+    v_descale: Any = None
     return_lse: bool = False
 
 
@@ -111,7 +118,8 @@ def checked(a: PrefillArgs) -> PrefillArgs:
     # Made anew rather than by _replace, which costs a call about a microsecond more.
     return PrefillArgs(
         a.mask, causal, window, scale, a.cu_seqlens_q, a.cu_seqlens_k, out_dtype, device, check_finite, softcap,
-        max_bias, a.sinks, offset, layout, a.alibi_slopes, *run_options, a.block_table, a.seqused_k, return_lse,
+        max_bias, a.sinks, offset, layout, a.alibi_slopes, *run_options, a.block_table, a.seqused_k,
+        kv_format_name(a.kv_dtype), a.k_descale, a.v_descale, return_lse,
     )  # fmt: skip
 
 
@@ -124,6 +132,7 @@ def plan_key(a: PrefillArgs) -> tuple:
     return (
         a.causal, a.window, a.offset, a.scale, a.return_lse, a.out_dtype, a.device, a.check_finite,
         (a.softcap, a.max_bias, a.sinks is not None, slopes), a.layout, run_options(a), a.block_table is not None,
+        a.kv_dtype,
     )  # fmt: skip
 
 

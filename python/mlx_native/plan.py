@@ -30,6 +30,7 @@ from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, ope
 from .masks import described_pairs, masked_pairs, prepare_mask
 from .options import PrefillArgs, checked, from_keywords, run_options, signature
 from .paged import cache_views, check_paged, refuse_unpaged_arguments
+from .quant import KV_FORMATS, descale_values, kv_format, logical_views, refuse_off_cpu
 
 __all__ = ["ArraySpec", "PrefillPlan"]
 
@@ -111,12 +112,28 @@ class PrefillPlan:
         self._paged = None
         paged = args.block_table is not None or args.seqused_k is not None
         if paged:
-            refuse_unpaged_arguments(args.block_table, cu_seqlens_k, dev_arg, qo.on_cuda, str(qo.device))
-        check_qkv(qo, *(cache_views(qo, ko, vo) if paged else (ko, vo)), self.layout)
+            refuse_unpaged_arguments(args.block_table, cu_seqlens_k)
+        # Quantised K/V (SPEC 11, quant.py): FP8 or Q8_0 bytes, checked as float16 stand-ins of
+        # the values' shapes; the kernels read the bytes through the arrays' own strides.
+        self._kv_format = kv_format(args.kv_dtype, ko, vo)
+        kc, vc = ko, vo
+        if self._kv_format is not None:
+            refuse_off_cpu(self._kv_format, dev_arg, qo.on_cuda, str(qo.device))
+            kc, vc = logical_views(self._kv_format, ko, vo)
+        elif args.k_descale is not None or args.v_descale is not None:
+            descale_values(args.k_descale if args.k_descale is not None else args.v_descale,
+                           "k_descale" if args.k_descale is not None else "v_descale", None, 0)  # fmt: skip
+        check_qkv(qo, *(cache_views(qo, kc, vc) if paged else (kc, vc)), self.layout)
+        if self._kv_format is not None:  # the format's own kernels (Q8_0: head dims multiples of 32)
+            check(lib.mlxn_flash_attn_prefill_supports(qo.shape[-1], vc.shape[-1], KV_FORMATS[self._kv_format]))
         self._kv_to_half = False
         batched = qo.ndim == 4
         rows, n_heads, head_dim = qo.shape[-3:]
-        kv_len, n_kv_heads, head_dim_v = ko.shape[-3], ko.shape[-2], vo.shape[-1]
+        kv_len, n_kv_heads, head_dim_v = ko.shape[-3], ko.shape[-2], vc.shape[-1]
+        self._descale = tuple(
+            descale_values(x, name, self._kv_format, n_kv_heads)
+            for x, name in ((args.k_descale, "k_descale"), (args.v_descale, "v_descale"))
+        )
         self._has_sinks = sinks is not None
         if self._has_sinks:
             check_sinks(operand(sinks, "sinks"), n_heads)
@@ -222,7 +239,9 @@ class PrefillPlan:
         out = ffi.new("uint64_t *")
         cq = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[0])
         ck = ffi.NULL if self._cu is None else ffi.from_buffer("int32_t[]", self._cu[1])
-        codes = (DTYPE_CODES[qo.dtype.name], DTYPE_CODES[ko.dtype.name], DTYPE_CODES[self.out_dtype.name])
+        kv_code = DTYPE_CODES[ko.dtype.name] if self._kv_format is None else KV_FORMATS[self._kv_format]
+        codes = (DTYPE_CODES[qo.dtype.name], kv_code, DTYPE_CODES[self.out_dtype.name])
+        descale = _descale_struct(*self._descale)
         flags = (int(mask is not None), int(self._lse), int(self._has_sinks))
         self._options = _run_options(run_options(args))
         if self._paged is not None:
@@ -230,9 +249,10 @@ class PrefillPlan:
             table, used = ffi.from_buffer("int32_t[]", pg.block_table), ffi.from_buffer("int32_t[]", pg.seqused_k)
             check(lib.mlxn_prefill_plan_new_paged(self.device.handle, p, *codes, *flags, cq, table,
                                                   pg.block_table.shape[1], used, pg.num_blocks, pg.block_size,
-                                                  self._options[0], out))  # fmt: skip
+                                                  descale[0], self._options[0], out))  # fmt: skip
         else:
-            check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, *flags, cq, ck, self._options[0], out))
+            check(lib.mlxn_prefill_plan_new(self.device.handle, p, *codes, *flags, cq, ck, descale[0], self._options[0],
+                                            out))  # fmt: skip
         self._handle = int(out[0])
         self._finalizer = weakref.finalize(self, _free, self._handle)
         ext = ffi.new("MlxnPrefillExtents *")
@@ -339,6 +359,8 @@ class PrefillPlan:
             desc += f", layout {self.layout}"
         if self._paged is not None:
             desc += f", paged K/V (blocks of {self._paged.block_size})"
+        if self._kv_format is not None:
+            desc += f", {self._kv_format} K/V" + (" with descale" if any(d is not None for d in self._descale) else "")
         return (
             f"PrefillPlan({what}, {rows} rows, {kv_len} cache rows, {nh}/{nkv} heads, dim {hd}, {desc}{mask}, "
             f"scale {self.scale:g}, out {self.out_dtype.name}{', lse' if self._lse else ''}, on {self.device.backend})"
@@ -387,7 +409,10 @@ class PrefillPlan:
         else:
             ops = self._operands(q, k, v, mask, sinks, alibi_slopes)
         if self._check_finite:
-            check_inputs_finite(ops.q.obj, ops.k.obj, ops.v.obj, mask, _obj(ops.sinks), self.scale)
+            # (Quantised K/V's bytes are not checked: a Q8_0 or raw FP8 byte is no float to check.)
+            quant = self._kv_format is not None
+            check_inputs_finite(ops.q.obj, None if quant else ops.k.obj, None if quant else ops.v.obj, mask,
+                                _obj(ops.sinks), self.scale)  # fmt: skip
         return self._launch(ops, out, lse)
 
     __call__ = run
@@ -719,6 +744,18 @@ def _run_options(options: tuple) -> tuple:
     held = [None if n is None else ffi.new("char[]", n.encode("utf-8", "surrogatepass")) for n in names]
     o.cta_pairs, o.cuda_form, o.cpu_isa = (ffi.NULL if c is None else c for c in held)
     return (o, held)
+
+
+def _descale_struct(k: Optional[np.ndarray], v: Optional[np.ndarray]) -> tuple:
+    """The C ABI's ``MlxnKvDescale`` of FP8's factors (float32 host arrays, or None each),
+    with the arrays it points to (which must live as long as it is read); NULL for none."""
+    if k is None and v is None:
+        return (ffi.NULL, None)
+    d = ffi.new("MlxnKvDescale *")
+    held = [None if x is None else ffi.from_buffer("float[]", x) for x in (k, v)]
+    d.k, d.k_len = (ffi.NULL, 0) if k is None else (held[0], k.size)
+    d.v, d.v_len = (ffi.NULL, 0) if v is None else (held[1], v.size)
+    return (d, (held, k, v))
 
 
 def _ptr(op: Optional[Operand]) -> Optional[int]:

@@ -316,3 +316,40 @@ def reference_paged(
     if q.ndim == 4:
         return np.stack(outs), np.stack(lses)
     return outs[0], lses[0]
+
+
+def quantise_q8_0(x: np.ndarray) -> np.ndarray:
+    """ggml's Q8_0 of float values ``[..., D]`` (D a multiple of 32): per 32 values along the
+    last axis the float16 scale ``d = max|x| / 127`` then 32 int8 ``round(x / d)``, as
+    ``uint8 [..., D // 32 * 34]`` (SPEC 11's layout, llama.cpp's ``quantize_row_q8_0``)."""
+    x = np.asarray(x, np.float32)
+    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // 32, 32))
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / 127.0
+    inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1), 0.0)
+    q = np.clip(np.rint(blocks * inv), -127, 127).astype(np.int8)
+    out = np.empty(blocks.shape[:-1] + (34,), np.uint8)
+    out[..., :2] = d.astype(np.float16).view(np.uint8)
+    out[..., 2:] = q.view(np.uint8)
+    return out.reshape(x.shape[:-1] + (x.shape[-1] // 32 * 34,))
+
+
+def dequantise(x: Any, kv_dtype: Optional[str] = None, descale: Any = None) -> np.ndarray:
+    """SPEC 11: quantised K/V ``[..., kv_heads, D]`` as their float64 values, exactly: FP8
+    (ml_dtypes' float8 arrays, or uint8 bytes with ``kv_dtype`` ``"float8_e4m3fn"`` /
+    ``"float8_e5m2"``) times ``descale`` (None, a number, or ``[kv_heads]``, broadcast over
+    the heads axis), or Q8_0 bytes (``kv_dtype="q8_0"``: ``float(d) * q`` per block of 32)."""
+    import ml_dtypes
+
+    a = np.asarray(x)
+    if kv_dtype == "q8_0":
+        blocks = a.reshape(a.shape[:-1] + (a.shape[-1] // 34, 34))
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float64)
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).astype(np.float64)
+        return (d * q).reshape(a.shape[:-1] + (a.shape[-1] // 34 * 32,))
+    if a.dtype == np.uint8:
+        a = a.view(getattr(ml_dtypes, kv_dtype))
+    out = a.astype(np.float64)
+    if descale is not None:
+        f = np.asarray(descale, np.float64).reshape(-1)
+        out = out * (f[:, None] if f.size > 1 else f[0])
+    return out

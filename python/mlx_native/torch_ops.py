@@ -59,11 +59,14 @@ _LIB.define(f"flash_attn_prefill_lse_autograd({_ARGS}) -> (Tensor, Tensor)")
 #: which stands before ``alibi_slopes``; ``return_lse`` picks the operator. ``_TAIL``: the
 #: fields after ``alibi_slopes`` (the run options, then paged K/V's ``block_table`` and
 #: ``seqused_k``), read from PrefillArgs, where the keywords are written once.
-_TAIL = PrefillArgs._fields[15:-1]
+_TAIL = PrefillArgs._fields[15 : PrefillArgs._fields.index("seqused_k") + 1]
+#: Quantised K/V's fields (``kv_dtype``, ``k_descale``, ``v_descale``) are not in the schema
+#: yet: a call with them runs the array call (``front_door``), outside the operators.
+_NOT_IN_SCHEMA = PrefillArgs._fields[len(_TAIL) + 15 : -1]
 _SCHEMA_NAMES = PrefillArgs._fields[:14] + ("window_size", "alibi_slopes") + _TAIL
 assert tuple(arg.split("=")[0].split()[-1] for arg in _ARGS.split(", ")[3:]) == _SCHEMA_NAMES
 assert PrefillArgs._fields[14] == "alibi_slopes" and PrefillArgs._fields[-1] == "return_lse"
-_SCHEMA_DEFAULTS = PrefillArgs()[:14] + (None, None) + PrefillArgs()[15:-1]
+_SCHEMA_DEFAULTS = PrefillArgs()[:14] + (None, None) + PrefillArgs()[15 : 15 + len(_TAIL)]
 
 
 def _args_of(given: tuple, return_lse: bool) -> PrefillArgs:
@@ -71,7 +74,7 @@ def _args_of(given: tuple, return_lse: bool) -> PrefillArgs:
     arguments by position and leaves out trailing ones equal to their defaults."""
     full = given + _SCHEMA_DEFAULTS[len(given):]
     window_size = full[14]
-    args = PrefillArgs(*full[:14], full[15], *full[16:], return_lse=return_lse)
+    args = PrefillArgs(*full[:14], full[15], *full[16:], *PrefillArgs()[15 + len(_TAIL) : -1], return_lse=return_lse)
     if window_size is not None:  # a two-sided window (left, right), FlashAttention's
         args = args._replace(window=(int(window_size[0]), int(window_size[1])))
     return args
@@ -154,8 +157,8 @@ def _check_like_the_real_call(q, k, v, args: PrefillArgs) -> None:
 
     mask, cu_seqlens_q, cu_seqlens_k, alibi_slopes = args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.alibi_slopes
     paged = args.block_table is not None or args.seqused_k is not None
-    if paged:  # what the real call refuses first: no table, cu_seqlens_k, a device off the CPU
-        refuse_unpaged_arguments(args.block_table, cu_seqlens_k, args.device, q.device.type == "cuda", str(q.device))
+    if paged:  # what the real call refuses first: no table, cu_seqlens_k
+        refuse_unpaged_arguments(args.block_table, cu_seqlens_k)
     elif (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise InvalidArgumentError("cu_seqlens_q and cu_seqlens_k go together: pass both (variable length) or neither")
     # What is planned: the options but those no plan on layouts reads.
@@ -342,7 +345,7 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, args: PrefillArgs):
     else:
         op = _LSE_OP if args.return_lse else _OP
     return op(q, k, v, args.mask, args.causal, window, *args[3:6], _torch_out_dtype(args.out_dtype), *args[7:14],
-              window_size, *args[14:-1])  # fmt: skip
+              window_size, *args[14 : 15 + len(_TAIL)])  # fmt: skip
 
 
 def _schema_takes(a: PrefillArgs) -> bool:

@@ -255,6 +255,41 @@ pub struct MlxnRunOptions {
     pub cpu_isa: *const c_char,
 }
 
+/// FP8 K/V's descale factors (SPEC 11, FlashAttention-3's `k_descale`, `v_descale`), as the
+/// plan calls take them: each a null pointer with length 0 (every factor 1), one value (for
+/// every KV head) or `n_kv_heads` values (one per KV head). The value of an element `x` of K
+/// is `k[g] * float(x)`. Only with FP8 K/V (`kv_dtype` 7 or 8).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MlxnKvDescale {
+    pub k: *const f32,
+    pub k_len: u32,
+    pub v: *const f32,
+    pub v_len: u32,
+}
+
+/// The factors `d` points to (null: none), as slices.
+///
+/// # Safety
+/// `d` null or valid, its pointers null or holding their lengths.
+unsafe fn descale_args<'a>(d: *const MlxnKvDescale) -> Result<(Option<&'a [f32]>, Option<&'a [f32]>)> {
+    if d.is_null() {
+        return Ok((None, None));
+    }
+    let d = *d;
+    let slice = |ptr: *const f32, n: u32, name: &str| -> Result<Option<&'a [f32]>> {
+        match (ptr.is_null(), n) {
+            (true, 0) => Ok(None),
+            (true, _) => Err(MlxError::InvalidArgument(format!("flash_attn_prefill: {name} is a null pointer"))),
+            (false, 0) => Err(MlxError::InvalidArgument(format!(
+                "flash_attn_prefill: {name} has no values; give one, n_kv_heads, or a null pointer (every factor 1)"
+            ))),
+            (false, n) => Ok(Some(std::slice::from_raw_parts(ptr, n as usize))),
+        }
+    };
+    Ok((slice(d.k, d.k_len, "k_descale")?, slice(d.v, d.v_len, "v_descale")?))
+}
+
 /// The options `o` points to (null: the defaults), each checked: a value not understood
 /// is an error that names the option and what it takes.
 unsafe fn run_options(o: *const MlxnRunOptions) -> Result<RunOptions> {
@@ -1142,7 +1177,9 @@ pub struct MlxnPrefillExtents {
 /// dtypes (`DType` codes of q, of k and v, of out) and which optional operands there are
 /// (`has_mask`, `has_lse`, `has_sinks`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
 /// `cu_seqlens_k` point to `batch + 1` int32 in host memory each (checked here and copied
-/// to the device); null for fixed length. `options`: the run options (null: the defaults),
+/// to the device); null for fixed length. Quantised K/V (SPEC 11, the CPU backend): `kv_dtype`
+/// 7 (FP8 E4M3), 8 (FP8 E5M2) or 9 (Q8_0 blocks, K/V strides in bytes); `descale`: FP8's
+/// factors ([`MlxnKvDescale`]), null for none. `options`: the run options (null: the defaults),
 /// each checked here; `mlxn_prefill_plan_choices` says what the backend chose under them.
 ///
 /// # Safety
@@ -1161,12 +1198,14 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
     has_sinks: i32,
     cu_seqlens_q: *const i32,
     cu_seqlens_k: *const i32,
+    descale: *const MlxnKvDescale,
     options: *const MlxnRunOptions,
     out: *mut u64,
 ) -> i32 {
     guard(|| {
         let out = out_ptr(out, "out")?;
         let options = run_options(options)?;
+        let (k_descale, v_descale) = descale_args(descale)?;
         let (p, ctx, operands) =
             prefill_plan_args(params, dev, [q_dtype, kv_dtype, out_dtype], [has_mask, has_lse, has_sinks])?;
         let n = p.batch as usize + 1;
@@ -1181,7 +1220,8 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new(
                 ))
             }
         };
-        let plan = FlashAttnPrefillPlan::with_options(&ctx.device, &p, &operands, cu, options)?;
+        let plan = FlashAttnPrefillPlan::with_options(&ctx.device, &p, &operands, cu, options)?
+            .with_descale(k_descale, v_descale)?;
         *out = insert(Object::Plan(Arc::new(PlanCtx { ctx, plan })));
         Ok(())
     })
@@ -1253,12 +1293,14 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new_paged(
     seqused_k: *const i32,
     num_blocks: u32,
     block_size: u32,
+    descale: *const MlxnKvDescale,
     options: *const MlxnRunOptions,
     out: *mut u64,
 ) -> i32 {
     guard(|| {
         let out = out_ptr(out, "out")?;
         let options = run_options(options)?;
+        let (k_descale, v_descale) = descale_args(descale)?;
         let (p, ctx, operands) =
             prefill_plan_args(params, dev, [q_dtype, kv_dtype, out_dtype], [has_mask, has_lse, has_sinks])?;
         let batch = p.batch as usize;
@@ -1280,7 +1322,8 @@ pub unsafe extern "C" fn mlxn_prefill_plan_new_paged(
             block_size,
         };
         let cq = if cu_seqlens_q.is_null() { None } else { Some(std::slice::from_raw_parts(cu_seqlens_q, batch + 1)) };
-        let plan = FlashAttnPrefillPlan::new_paged(&ctx.device, &p, &operands, cq, &paged, options)?;
+        let plan = FlashAttnPrefillPlan::new_paged(&ctx.device, &p, &operands, cq, &paged, options)?
+            .with_descale(k_descale, v_descale)?;
         *out = insert(Object::Plan(Arc::new(PlanCtx { ctx, plan })));
         Ok(())
     })

@@ -160,7 +160,7 @@ pub struct FlashAttnPrefillParamsGpu {
     pub offset: i32,
     /// Columns of V and O (`head_dim` is Q's and K's; they differ only at (576, 512)).
     pub head_dim_v: i32,
-    /// `DType` code of K and V (F16 or BF16).
+    /// `DType` code of K and V (F16, BF16, F32; the CPU's quantised F8E4M3, F8E5M2, Q8_0).
     pub kv_dtype: i32,
     /// SPEC 10: `s = softcap * tanh(s / softcap)` when above 0.
     pub softcap: f32,
@@ -229,6 +229,8 @@ impl FlashAttnPrefillParamsGpu {
             return None;
         }
         let hdv = u(self.head_dim_v);
+        // K's and V's rows in their own elements (Q8_0: bytes of blocks).
+        let (kw, vw) = (u(kv_row_width(self.kv_dtype, self.head_dim)), u(kv_row_width(self.kv_dtype, self.head_dim_v)));
         let span = |n: [u64; 3], s: [u64; 3], width: u64| -> u64 {
             if n.contains(&0) || width == 0 {
                 return 0;
@@ -245,8 +247,8 @@ impl FlashAttnPrefillParamsGpu {
         let tables = if self.blk_batch_stride == 0 { u(self.batch).min(1) } else { u(self.batch) };
         Some(PrefillExtents {
             q: span([seqs, rows, nh], [w(self.q_batch_stride), w(self.q_row_stride), w(self.q_head_stride)], hd),
-            k: span([seqs, kvl, nkv], [w(self.k_batch_stride), w(self.k_row_stride), w(self.k_head_stride)], hd),
-            v: span([seqs, kvl, nkv], [w(self.v_batch_stride), w(self.v_row_stride), w(self.v_head_stride)], hdv),
+            k: span([seqs, kvl, nkv], [w(self.k_batch_stride), w(self.k_row_stride), w(self.k_head_stride)], kw),
+            v: span([seqs, kvl, nkv], [w(self.v_batch_stride), w(self.v_row_stride), w(self.v_head_stride)], vw),
             out: span([seqs, rows, nh], [w(self.o_batch_stride), w(self.o_row_stride), w(self.o_head_stride)], hdv),
             mask: if mask {
                 span([masks, rows, 1], [w(self.mask_batch_stride), w(self.mask_row_stride), 0], kvl)
@@ -367,15 +369,35 @@ pub const PREFILL_ALIBI_SLOPES: i32 = 128;
 /// and each sequence's cache length (bound at `recorded::attention_slot::{PAGED, BLOCK_TABLE,
 /// SEQUSED_K}`, described by [`PagedKvParamsGpu`]); the block's K/V strides and `kv_len` then
 /// describe no tensor (the strides are 0, `kv_len` the longest sequence's cache, or the sum of
-/// them with `PREFILL_VARLEN`). The CPU and Metal backends take it so far (Metal in entry points of
-/// its own, `ops::flash_attn_prefill::PAGED_KERNELS`).
+/// them with `PREFILL_VARLEN`). Every backend takes it: the CPU in its kernels behind the flag,
+/// CUDA in its one-CTA forms' `_paged` entry points (whose launch carries the caches' strides as
+/// K/V's and the table's address), Metal in entry points of its own
+/// (`ops::flash_attn_prefill::PAGED_KERNELS`).
 pub const PREFILL_PAGED: i32 = 256;
+/// Quantised FP8 K/V with descale factors (SPEC 11): an F32 buffer at the descale slot,
+/// `[2][n_kv_heads]` (K's factors, then V's); without the flag every factor is 1.
+pub const PREFILL_DESCALE: i32 = 512;
+
+/// `DType` code of Q8_0 K/V (ggml's blocks of 32 values in 34 bytes).
+pub const KV_Q8_0: i32 = 9;
+
+/// Elements (bytes) of one K or V row of `d` values for the K/V `DType` code `kv_dtype`:
+/// `d` but for Q8_0, whose 32 values take 34 bytes (`d` a multiple of 32, checked by the op).
+pub fn kv_row_width(kv_dtype: i32, d: i32) -> i32 {
+    if kv_dtype == KV_Q8_0 {
+        d / 32 * 34
+    } else {
+        d
+    }
+}
 
 /// The paged K/V of a `PREFILL_PAGED` prefill: `k_cache`, `v_cache` `[num_blocks, block_size,
 /// n_kv_heads, head_dim]` (strides in elements), `block_table` I32 `[batch, max_blocks]`,
 /// `seqused_k` I32 `[batch]`. Sequence b's cache row j is row `j % block_size` of block
 /// `block_table[b * max_blocks + j / block_size]`. A block of its own (not fields of
-/// [`FlashAttnPrefillParamsGpu`], which the device sources declare too): the paged kernels read it.
+/// [`FlashAttnPrefillParamsGpu`], which the device sources declare too): the CPU and Metal's
+/// paged kernels read it, and the CUDA host turns it into its launch
+/// (`backend::cuda::flash_attn_prefill::paged_params`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PagedKvParamsGpu {

@@ -11,12 +11,12 @@
 
 use crate::error::{MlxError, Result};
 use crate::interface::{BoundArg, BufferBinding, Dispatch};
+use crate::params::{kv_row_width, PagedKvParamsGpu, PREFILL_DESCALE, PREFILL_PAGED};
 use crate::params::{
     FlashAttnPrefillBlkParamsGpu, FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu,
     FlashAttnPrefillTensorParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_SINKS,
     PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
 };
-use crate::params::{PagedKvParamsGpu, PREFILL_PAGED};
 
 /// The slots of the attention dispatches (`flash_attn_prefill_d*` binds them all, the
 /// origin's `flash_attn_prefill_tensor_*` the first seven).
@@ -42,6 +42,8 @@ pub mod attention_slot {
     pub const PAGED: u64 = 13;
     pub const BLOCK_TABLE: u64 = 14;
     pub const SEQUSED_K: u64 = 15;
+    /// FP8 K/V's descale factors (`PREFILL_DESCALE`): F32 `[2][n_kv_heads]`, K's then V's.
+    pub const DESCALE: u64 = 16;
 }
 
 /// The slots of both mask classifiers (`flash_attn_prefill_blk`, `flash_attn_prefill_mask_blk`).
@@ -101,6 +103,8 @@ pub struct RecordedPrefill<'d> {
     pub workspace: Option<&'d BufferBinding>,
     /// Paged K/V (`PREFILL_PAGED`): `k` and `v` are then the caches of blocks.
     pub paged: Option<RecordedPaged<'d>>,
+    /// FP8 K/V's descale factors (`PREFILL_DESCALE`), checked to hold `2 * n_kv_heads` F32.
+    pub descale: Option<&'d BufferBinding>,
 }
 
 /// The paged K/V of a recorded prefill: its block, checked against the caches' and the
@@ -112,34 +116,23 @@ pub struct RecordedPaged<'d> {
     pub seqused_k: &'d BufferBinding,
 }
 
-/// The bytes of one element of a `DType` code of the params block (F32 4, F16 and BF16 2).
+/// The bytes of one element of a `DType` code of the params block (F32 4, F16 and BF16 2,
+/// the quantised K/V's F8E4M3, F8E5M2 and Q8_0 bytes 1).
 fn element_bytes(code: i32) -> u64 {
-    if code == 0 {
-        4
-    } else {
-        2
+    match code {
+        0 => 4,
+        7..=9 => 1,
+        _ => 2,
     }
 }
 
 impl<'d> RecordedPrefill<'d> {
-    /// Read a prefill dispatch back, refusing paged K/V (a backend whose kernels read K/V
-    /// contiguous calls this, so a paged dispatch can never reach them).
+    /// Read a prefill dispatch back, paged K/V included (every backend's kernels read the
+    /// pages: the CPU's and CUDA's decode their dispatches here).
     pub fn decode(d: &'d Dispatch) -> Decoded<Self> {
-        Self::decode_with(d, false)
-    }
-
-    /// Read a prefill dispatch back, paged K/V included (a backend that reads the pages).
-    pub fn decode_paged(d: &'d Dispatch) -> Decoded<Self> {
-        Self::decode_with(d, true)
-    }
-
-    fn decode_with(d: &'d Dispatch, pages: bool) -> Decoded<Self> {
         use attention_slot as s;
         let p: FlashAttnPrefillParamsGpu = d.constant(s::PARAMS)?;
         let has = |f: i32| p.flags & f != 0;
-        if has(PREFILL_PAGED) && !pages {
-            return Ok(Err(Broken("paged K/V (block_table) runs on the CPU and Metal backends so far")));
-        }
         let opt = |slot: u64, present: bool| if present { d.buffer(slot).map(Some) } else { Ok(None) };
         let workspace = match d.args.iter().find(|(i, _)| *i == s::WORKSPACE) {
             Some((_, BoundArg::Buffer(b))) => Some(b),
@@ -166,10 +159,28 @@ impl<'d> RecordedPrefill<'d> {
             opt(s::ALIBI_SLOPES, has(PREFILL_ALIBI_SLOPES))?,
             workspace,
         );
-        Ok(match (prefill, paged) {
+        let prefill = match (prefill, paged) {
             (Ok(r), Some((pk, table, used))) => r.with_pages(pk, table, used),
             (r, _) => r,
-        })
+        };
+        let descale = opt(s::DESCALE, has(PREFILL_DESCALE))?;
+        Ok(prefill.and_then(|r| r.with_descale(descale)))
+    }
+
+    /// This prefill with FP8 K/V's descale factors where its block says so (`2 * n_kv_heads`
+    /// F32: K's, then V's).
+    pub fn with_descale(mut self, descale: Option<&'d BufferBinding>) -> std::result::Result<Self, Broken> {
+        let p = &self.params;
+        let fp8 = p.kv_dtype == 7 || p.kv_dtype == 8;
+        match (descale, p.flags & PREFILL_DESCALE != 0) {
+            (None, false) => Ok(self),
+            (Some(b), true) if fp8 => {
+                fits(b, (p.n_kv_heads.max(0) as u64) * 2 * 4)?;
+                self.descale = Some(b);
+                Ok(self)
+            }
+            _ => Err(Broken("descale factors bound or missing against the flags, or without FP8 K/V")),
+        }
     }
 
     /// This prefill with paged K/V: `k` and `v` are caches of `pk.num_blocks` blocks, each
@@ -187,7 +198,9 @@ impl<'d> RecordedPrefill<'d> {
         if !(16..=256).contains(&pk.block_size) || pk.block_size % 16 != 0 {
             return Err(Broken("a block size that is not a multiple of 16 from 16 to 256"));
         }
-        let (ke, ve) = pk.extents(p.n_kv_heads, p.head_dim, p.head_dim_v).ok_or(Broken("a negative paged field"))?;
+        let (ke, ve) = pk
+            .extents(p.n_kv_heads, kv_row_width(p.kv_dtype, p.head_dim), kv_row_width(p.kv_dtype, p.head_dim_v))
+            .ok_or(Broken("a negative paged field"))?;
         let kv = element_bytes(p.kv_dtype);
         let fits = |b: &BufferBinding, need: u64| if (b.byte_len as u64) < need { Err(Broken(SHORT)) } else { Ok(()) };
         fits(self.k, ke.saturating_mul(kv))?;
@@ -213,8 +226,11 @@ impl<'d> RecordedPrefill<'d> {
     ) -> std::result::Result<Self, Broken> {
         let e = p.extents().ok_or(Broken("params break the op's contract"))?;
         let has = |f: i32| p.flags & f != 0;
-        if !(0..=2).contains(&p.q_dtype) || !(0..=2).contains(&p.o_dtype) || !(0..=2).contains(&p.kv_dtype) {
-            return Err(Broken("a Q, K/V or O dtype code that is not F32, F16 or BF16"));
+        if !(0..=2).contains(&p.q_dtype) || !(0..=2).contains(&p.o_dtype) || !matches!(p.kv_dtype, 0..=2 | 7..=9) {
+            return Err(Broken("a Q or O dtype code that is not F32, F16 or BF16, or a K/V code of no K/V format"));
+        }
+        if p.kv_dtype == 9 && (p.head_dim % 32 != 0 || p.head_dim_v % 32 != 0) {
+            return Err(Broken("Q8_0 K/V with a head dim that is not a multiple of 32"));
         }
         if p.n_heads <= 0 || p.n_kv_heads <= 0 || p.n_heads % p.n_kv_heads != 0 || p.window < 0 {
             return Err(Broken("the heads do not group, or a negative window"));
@@ -278,6 +294,7 @@ impl<'d> RecordedPrefill<'d> {
             alibi_slopes,
             workspace,
             paged: None,
+            descale: None,
         })
     }
 }
@@ -421,16 +438,11 @@ mod tests {
         }
     }
 
-    /// The decoder every contiguous-only backend calls (CUDA's) refuses a paged dispatch
-    /// by name before reading a buffer; the CPU's decoder goes on to read its slots (here
-    /// missing: an internal error, not a refusal).
+    /// The decoder takes a paged dispatch (every backend reads paged K/V): it goes on to read
+    /// the paged slots (here missing: an internal error, not a refusal).
     #[test]
-    fn only_the_paged_decoder_takes_paged_kv() {
+    fn the_decoder_takes_paged_kv() {
         let d = dispatch(PREFILL_PAGED);
-        match RecordedPrefill::decode(&d) {
-            Ok(Err(Broken(what))) => assert!(what.contains("block_table") && what.contains("CPU"), "{what}"),
-            other => panic!("a paged dispatch was not refused: {:?}", other.map(|r| r.map(|_| ()))),
-        }
-        assert!(matches!(RecordedPrefill::decode_paged(&d), Err(MlxError::Internal(_))));
+        assert!(matches!(RecordedPrefill::decode(&d), Err(MlxError::Internal(_))));
     }
 }

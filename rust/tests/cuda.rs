@@ -112,6 +112,70 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
     }
 }
 
+/// The paged K/V modules (`-DMLXN_PAGED_ENTRIES=1`, compiled only for a paged launch): each
+/// attention source's `_paged` entry points (and `_xf_paged` in the portable form) with the
+/// split-KV merge, nothing else, and the contiguous modules none of them.
+#[test]
+fn paged_modules_compile_with_nvrtc_for_hopper_and_ampere() {
+    // The attention sources (the classifiers' file has no paged form).
+    let files: Vec<_> = mlx_native::default_registry()
+        .cuda_sources()
+        .into_iter()
+        .filter(|f| f.headers.iter().any(|(name, _)| *name == "flash_attn_prefill/entry.cuh"))
+        .collect();
+    for arch in ["sm_90a", "sm_80"] {
+        let report = match cuda::compile_check_paged(arch, &files) {
+            Ok(r) => r,
+            Err(MlxError::BackendUnavailable(why)) if !nvrtc_required() => {
+                eprintln!("NVRTC not found, compile check not run here: {why}");
+                return;
+            }
+            Err(e) => panic!("{arch}: {e}"),
+        };
+        let mut want: Vec<String> = Vec::new();
+        for k in cuda::kernels() {
+            let hopper = arch == "sm_90a" && k.hopper_form;
+            for e in k.paged_variants(hopper).iter().map(|v| v.entry(k.entry)).chain(k.merge_entry.map(String::from)) {
+                if !want.contains(&e) {
+                    want.push(e);
+                }
+            }
+        }
+        let mut got: Vec<String> =
+            report.lines().filter_map(|l| l.strip_prefix("entry point ")).map(String::from).collect();
+        got.sort();
+        got.dedup();
+        want.sort();
+        assert_eq!(got, want, "{arch}: the paged modules' entry points");
+        assert!(want.len() >= 20, "{arch}: {want:?}");
+        if !report.contains("ptxas info") && !nvrtc_required() {
+            return;
+        }
+        let mut function = "";
+        for line in report.lines() {
+            if let Some(i) = line.find("Compiling entry function '") {
+                function = &line[i + "Compiling entry function '".len()..];
+            }
+            if line.contains("spill stores") {
+                let stores: u32 = line
+                    .split(" bytes spill stores")
+                    .next()
+                    .and_then(|l| l.rsplit(' ').next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(u32::MAX);
+                // As their contiguous siblings: the portable form with the score transforms
+                // may spill a little, and the Hopper form at head dim 128 (two CTAs an SM
+                // within 128 registers) does.
+                let two_ctas = arch == "sm_90a"
+                    && (function.starts_with("flash_attn_prefill_d128_paged'")
+                        || function.starts_with("flash_attn_prefill_d128_bf16_paged'"));
+                let allowed = if function.contains("_xf_paged'") || two_ctas { 128 } else { 0 };
+                assert!(stores <= allowed, "{arch}: {function} spills registers: {line}");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_compile_error_carries_the_compiler_log() {
     let Ok(nv) = cuda::nvrtc::nvrtc() else {

@@ -402,7 +402,7 @@ mod front_door {
             &FlashAttnPrefillBuffers { k: &k_i32, v: &v_i32, ..b },
             &p,
             true,
-            "k and v must be F16, BF16 or F32, got I32",
+            "k and v must be F16, BF16, F32 or quantised (F8E4M3, F8E5M2, Q8_0), got I32",
         );
         refused("v f32", &dev, &FlashAttnPrefillBuffers { v: &v_f32, ..b }, &p, true, "k is F16 and v is F32");
         let out_i32 = dev.alloc_buffer(DType::I32, &[n.out]).unwrap();

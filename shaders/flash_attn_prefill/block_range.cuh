@@ -53,9 +53,16 @@ struct CtaXY {
     u32 x, y;
 };
 __device__ __forceinline__ CtaXY cta_xy() {
-#if MLXN_TILE_ORDER_QMAJOR && defined(MLXN_HOPPER)
+// The Hopper test is the compiler's own macro, not MLXN_HOPPER: entry.cuh includes this file
+// (through mainloop_sm80.cuh) before it defines MLXN_HOPPER, so that test was false in every
+// form and the pair forms took the cluster-blind order below, which parts the two CTAs of
+// a cluster (different tiles, different KV heads: the pair's shared stages cannot
+// complete; read from the code as the cause of the hang of 2026-12-07 07:35 UTC, not yet
+// rerun on a GPU).
+#if MLXN_TILE_ORDER_QMAJOR && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // Whole clusters are moved: the cluster's index in launch order, dealt over the head
-    // groups' clusters, and the CTA's place inside its cluster kept.
+    // groups' clusters, and the CTA's place inside its cluster kept (a launch without a
+    // cluster is one of clusters of one CTA).
     u32 cx, cy, ncx, ncy, rx, ry, nx, ny;
     asm("mov.u32 %0, %%clusterid.x;" : "=r"(cx));
     asm("mov.u32 %0, %%clusterid.y;" : "=r"(cy));
@@ -105,6 +112,34 @@ __device__ __forceinline__ Seq cta_seq_again(const Params& p, const Launch& L, c
     asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
     return cta_seq_at(p, L, cu_q, cu_k, z);
 }
+
+#if MLXN_PAGED_ENTRIES
+// Paged K/V (the paged module's entries; Launch::block_table): sequence `s` of this
+// CTA with its cache length from seqused_k and its K/V offsets 0 (its rows are found through
+// the table, kv_row_paged).
+__device__ __forceinline__ Seq with_pages(Seq s, const Launch& L) {
+    s.k = 0;
+    s.v = 0;
+    s.lk = L.seqused_k[cta_sequence(L)];
+    return s;
+}
+
+// Paged K/V: the offset (elements) of cache row j of this CTA's sequence in the caches, at
+// the caches' block and row strides (the head's column 0 is the caller's base). The grid z
+// and the block size are read by asms the compiler neither merges nor hoists: what is
+// derived from them (the table row's address, the divisor's reciprocal) is made where a
+// tile loads, never kept in registers through the walk (where the contiguous path has
+// none to spare).
+__device__ __forceinline__ i64 kv_row_paged(const Launch& L, int j, i64 block_stride, i64 row_stride) {
+    u32 z;
+    int bs;
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    asm volatile("mov.b32 %0, %1;" : "=r"(bs) : "r"(L.block_size));
+    const int* __restrict__ table = L.block_table + (i64)(int)(z >> L.kv_split_log2) * L.table_stride;
+    const int i = j / bs;  // block sizes are multiples of 16, not always powers of two
+    return (i64)__ldg(table + i) * block_stride + (i64)(j - i * bs) * row_stride;
+}
+#endif
 
 // A split launch's share of the steps [lo, hi] (non-empty or not): part `part` of the
 // 2^log2 equal shares, in order; past the end, empty. The shares depend on the

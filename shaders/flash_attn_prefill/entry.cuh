@@ -20,8 +20,28 @@
         const int* __restrict__ cu_k, const float* __restrict__ sinks
 #define MLXN_PASS p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks
 
+// MLXN_PAGED_ENTRIES (params.cuh): which entry points a module of this source holds. 0,
+// what every contiguous call loads: the contiguous forms, as if paged K/V did not exist (the
+// same entry points, launch block and machine code). 1: the paged K/V forms alone (SPEC 11:
+// NAME_paged, NAME_xf_paged; the mainloops' K/V loaders read each row through the table),
+// with the split-KV merge and without the CTA pairs (TMA needs contiguous K/V). The host
+// compiles the second module only for a paged launch and caches it under its own key
+// (rust/src/backend/cuda/nvrtc.rs module_options): a user's first call compiles a head dim's
+// source, and the paged forms would add half again to that compile for every user, paged
+// or not.
+
 // The portable form only, at (Q/K, V/O) head dims (DK, DV), products in T: NAME without
-// softcap and ALiBi, NAME_xf with them (the host picks by the params block).
+// softcap and ALiBi, NAME_xf with them (the host picks by the params block); with
+// MLXN_PAGED_ENTRIES both on paged K/V instead: NAME_paged, NAME_xf_paged.
+#if MLXN_PAGED_ENTRIES
+#define MLXN_PORTABLE_ENTRY(NAME, DK, DV, T)                                                  \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_paged(MLXN_ARGS) {       \
+        attention<DK, DV, T, false>(MLXN_PASS);                                               \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_xf_paged(MLXN_ARGS) {    \
+        attention<DK, DV, T, true>(MLXN_PASS);                                                \
+    }
+#else
 #define MLXN_PORTABLE_ENTRY(NAME, DK, DV, T)                                                  \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME(MLXN_ARGS) {               \
         attention<DK, DV, T, false>(MLXN_PASS);                                               \
@@ -29,14 +49,24 @@
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_xf(MLXN_ARGS) {          \
         attention<DK, DV, T, true>(MLXN_PASS);                                                \
     }
+#endif
 
 // The Hopper form where the compiler targets sm_90a (head dims 64, 128, 256 and 512; the
-// transforms are branches there, which cost its registers nothing), else the portable one.
+// transforms are branches there, which cost its registers nothing), else the portable one;
+// with MLXN_PAGED_ENTRIES NAME_paged instead (its cp.async loaders read each row through
+// the table).
 #ifdef MLXN_HOPPER
+#if MLXN_PAGED_ENTRIES
+#define MLXN_ENTRY(NAME, D, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, hopper::HCfg<D>::MINB) NAME##_paged(MLXN_ARGS) { \
+        hopper::attention<D, PAIR_NONE, T>(MLXN_PASS);                                        \
+    }
+#else
 #define MLXN_ENTRY(NAME, D, T)                                                                \
     extern "C" __global__ void __launch_bounds__(NTHREADS, hopper::HCfg<D>::MINB) NAME(MLXN_ARGS) { \
         hopper::attention<D, PAIR_NONE, T>(MLXN_PASS);                                        \
     }
+#endif
 #else
 #define MLXN_ENTRY(NAME, D, T) MLXN_PORTABLE_ENTRY(NAME, D, D, T)
 #endif
@@ -50,11 +80,16 @@
 // Tiles<DIM>::CONSUMERS consumer warpgroups: WS_THREADS threads with two).
 #define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)
 #define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? 128 * (hopper::Tiles<DIM>::CONSUMERS + 1) : NTHREADS)
+#if MLXN_PAGED_ENTRIES
+// The paged module has none (a paged launch never takes a pair form).
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)
+#else
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)                                                     \
     extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
     NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) {   \
         hopper::pair_attention<DIM, MODE, T, WIDE>(MLXN_PASS, &kmap, &vmap);                                  \
     }
+#endif
 // Both pair forms of one kernel: NAME_pair_heads (clusters along y) and NAME_pair_queries
 // (along x).
 #define MLXN_PAIR_ENTRIES(NAME, DIM, T)                                    \

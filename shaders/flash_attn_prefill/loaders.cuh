@@ -112,6 +112,28 @@ __device__ __forceinline__ void load_rows_f16(u32 dst, const u16* __restrict__ s
     }
 }
 
+#if MLXN_PAGED_ENTRIES
+// Paged K/V (SPEC 11): load_rows_f16 of the STEP cache rows from row `j0` of this CTA's
+// sequence, each found through the block table (kv_row_paged) from `src`, the head's column
+// 0 in block 0; rows at or past `nvalid` are zeros and are not read (nor is their table
+// entry). The same shared layout as load_rows_f16.
+template <int D, int W = D>
+__device__ __forceinline__ void load_rows_f16_paged(u32 dst, const u16* __restrict__ src, const Launch& L,
+                                                    i64 block_stride, i64 row_stride, int j0, int nvalid,
+                                                    bool aligned) {
+    static_assert(W % 64 == 0 && W >= D && D % 8 == 0, "shared rows: whole swizzle groups");
+    constexpr int CH = D / 8;
+    constexpr int total = STEP * CH;
+    for (int i = threadIdx.x; i < total; i += NTHREADS) {
+        const int r = i / CH, c = i % CH;
+        const bool in = r < nvalid;
+        const u16* s = src + c * 8;
+        if (in) s += kv_row_paged(L, j0 + r, block_stride, row_stride);
+        copy8_f16(dst + (u32)(r * W * 2) + swz(c, r & 7), s, aligned, in);
+    }
+}
+#endif
+
 // The mask tile of cache step `t` for the CTA's `qpc` query rows (`mask`: the
 // sequence's): [qpc][64] halves,
 // 128 bytes per row, swizzled. Rows at or past lq and columns at or past lk are zeros

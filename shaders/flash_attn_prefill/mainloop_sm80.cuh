@@ -43,6 +43,10 @@ struct Cfg {
 // T: the products' element type (ElemF16, ElemBF16). XF: the form with SPEC 10's score
 // transforms (softcap, ALiBi), a separate instantiation: at 256 and 512 the form without
 // them fills the register file exactly, and a branch left in it makes it spill.
+// In the paged module (MLXN_PAGED_ENTRIES; the entries NAME_paged and NAME_xf_paged) K/V
+// are read through the launch block's table (SPEC 11): a module of its own, so that the
+// contiguous entries compile as before (a runtime branch between the loaders cost d256 its
+// last registers: it spilled).
 template <int DK, int DV, class T, bool XF>
 __device__ __forceinline__ void attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
                                           const u16* __restrict__ k, const u16* __restrict__ v,
@@ -65,7 +69,12 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int l7 = lane & 7;
     const int rg = warp / C::G, wg = warp % C::G;
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
+#if MLXN_PAGED_ENTRIES
+    // Split-KV: this part's out and lse; the length from seqused_k, the rows through the table.
+    const Seq sq = with_pages(cta_seq(p, L, cu_q, cu_k), L);
+#else
     const Seq sq = cta_seq(p, L, cu_q, cu_k);  // split-KV: this part's out and lse
+#endif
     const int lq = sq.lq, lk = sq.lk, off = query_offset(p, L, lq, lk);
     const int qt = (lq + qpc - 1) / qpc - 1 - (int)cta_xy().x;  // longest causal rows first
     if (qt < 0) return;  // a shorter sequence than the longest: no rows here (the whole CTA)
@@ -123,6 +132,24 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const bool k_al = (L.flags & FLAG_K_ALIGNED) != 0;
     const bool v_al = (L.flags & FLAG_V_ALIGNED) != 0;
     const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
+    // K and V of step t (paged K/V: the params block's K/V batch strides are the caches'
+    // block strides).
+    auto load_k = [&](int t) {
+#if MLXN_PAGED_ENTRIES
+        load_rows_f16_paged<DK, C::SW_K>(s_k, k_base, L, p.k_batch_stride, p.k_row_stride, t * STEP, lk - t * STEP,
+                                         k_al);
+#else
+        load_rows_f16<DK, C::SW_K>(s_k, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, lk - t * STEP, k_al);
+#endif
+    };
+    auto load_v = [&](int t) {
+#if MLXN_PAGED_ENTRIES
+        load_rows_f16_paged<DV, C::SW_V>(s_v, v_base, L, p.v_batch_stride, p.v_row_stride, t * STEP, lk - t * STEP,
+                                         v_al);
+#else
+        load_rows_f16<DV, C::SW_V>(s_v, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, lk - t * STEP, v_al);
+#endif
+    };
 
     // ---- State: O (32 rows x DW columns), running max and partial sums of 4 rows.
     float o[2][C::DW / 8][4];
@@ -169,7 +196,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     TB sb = 0;  // step t's table bytes
     int t = next_active(-1, need_mask, sb);
     if (t < t_end) {
-        load_rows_f16<DK, C::SW_K>(s_k, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, lk - t * STEP, k_al);
+        load_k(t);
         if (need_mask) load_mask_tile(s_mask, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);
         cp_async_commit();
     }
@@ -177,7 +204,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     while (t < t_end) {
         cp_async_wait_all();
         __syncthreads();  // K_t and the mask tile are in; V is free (every P V of t-1 done)
-        load_rows_f16<DV, C::SW_V>(s_v, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, lk - t * STEP, v_al);
+        load_v(t);
         cp_async_commit();
 
         int tb0, tb1;
@@ -372,7 +399,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         cp_async_wait_all();
         __syncthreads();  // V_t is in, P of the step is visible, K and the mask tile are free
         if (tn < t_end) {
-            load_rows_f16<DK, C::SW_K>(s_k, k_base + (i64)tn * STEP * p.k_row_stride, p.k_row_stride, lk - tn * STEP, k_al);
+            load_k(tn);
             if (need_mask_next) load_mask_tile(s_mask, mask + ld_shared_i64(s_seq), p, lq, lk, q_cta, qpc, tn, m_al);
             cp_async_commit();
         }

@@ -78,6 +78,30 @@ __device__ __forceinline__ void load_kv_tile(u32 dst, const u16* __restrict__ sr
     }
 }
 
+#if MLXN_PAGED_ENTRIES
+// Paged K/V (SPEC 11): load_kv_tile of the 64 cache rows from row `j0` of this CTA's
+// sequence, each found through the block table (kv_row_paged) from `src`, the head's column
+// 0 in block 0; rows at or past `nvalid` are zeros and are not read (nor is their table
+// entry). The same threads, chunks and shared layout as load_kv_tile.
+template <int D>
+__device__ __forceinline__ void load_kv_tile_paged(u32 dst, const u16* __restrict__ src, const Launch& L,
+                                                   i64 block_stride, i64 row_stride, int j0, int nvalid,
+                                                   bool aligned) {
+    constexpr int CH = D / 8, RPI = NTHREADS / CH;
+    const int c = threadIdx.x % CH, r0 = threadIdx.x / CH;
+    const u16* s0 = src + c * 8;
+    const u32 d0 = dst + (u32)((c >> 3) * STEP * 128 + r0 * 128);
+    const u32 sw[2] = {(u32)(((c & 7) ^ (r0 & 7)) << 4), (u32)(((c & 7) ^ ((r0 + 4) & 7)) << 4)};
+#pragma unroll 4
+    for (int n = 0; n < STEP / RPI; ++n) {
+        const int r = r0 + n * RPI;
+        const bool in = r < nvalid;
+        const u16* s = in ? s0 + kv_row_paged(L, j0 + r, block_stride, row_stride) : s0;
+        copy8_f16(d0 + (u32)(n * RPI * 128) + sw[RPI % 8 == 0 ? 0 : (n & 1)], s, aligned, in);
+    }
+}
+#endif
+
 // The class of a warp's 16 rows in a step (0 skip, 1 masked, 2 full) and their table byte.
 struct RowsClass {
     int cls = 0, table = 0;
@@ -94,6 +118,10 @@ struct RowsClass {
 #define PAIR_HEADS 1
 #define PAIR_QUERIES 2
 // WS: the warp-specialised pipeline (mainloop_sm90_ws.cuh) instead of the loops below.
+// In the paged module (MLXN_PAGED_ENTRIES; the one-CTA form's NAME_paged entry) K/V are
+// read through the launch block's table (SPEC 11): a module of its own, so that the
+// contiguous entries compile as before (a runtime branch between the loaders made d128
+// spill more).
 template <int D, int PAIR = PAIR_NONE, class T = ElemF16, bool WS = false>
 __device__ __forceinline__ void attention(const Params& p, const Launch& L, const unsigned char* __restrict__ q,
                                           const u16* __restrict__ k, const u16* __restrict__ v,
@@ -106,6 +134,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     static_assert(!WS || (PAIR != PAIR_NONE && C::G == 1 && C::NSTAGE == 2), "the warp-specialised form: pairs, double-buffered");
     static_assert(WS || PAIR == PAIR_NONE || C::NSTAGE == 1, "double-buffered pairs are the warp-specialised form");
     static_assert(!WS || C::BAR_BYTES >= WS_BAR_BYTES, "the pipeline's mbarriers fit HCfg::BAR_BYTES");
+    static_assert(!MLXN_PAGED_ENTRIES || PAIR == PAIR_NONE, "paged K/V: the one-CTA form (TMA needs contiguous K/V)");
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_base = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
     const u32 s_q = s_base;
@@ -122,7 +151,12 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const int wgi = __shfl_sync(0xffffffffu, tid >> 7, 0), wq = warp & 3;
     const int rg = wgi / C::G, ch = wgi % C::G;    // row group, column half (head dim 512)
     const int hpc = L.heads_per_cta, qpc = L.queries_per_cta;
+#if MLXN_PAGED_ENTRIES
+    // Split-KV: this part's out and lse; the length from seqused_k, the rows through the table.
+    const Seq sq = with_pages(cta_seq(p, L, cu_q, cu_k), L);
+#else
     const Seq sq = cta_seq(p, L, cu_q, cu_k);  // split-KV: this part's out and lse
+#endif
     const int lq = sq.lq, lk = sq.lk, off = query_offset(p, L, lq, lk);
     const int q_tiles = (lq + qpc - 1) / qpc;       // this sequence's CTAs along the rows
     const int qt = q_tiles - 1 - (int)cta_xy().x;  // longest causal rows first
@@ -210,13 +244,22 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     const bool k_al = (L.flags & FLAG_K_ALIGNED) != 0;
     const bool v_al = (L.flags & FLAG_V_ALIGNED) != 0;
     const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
+    // (Paged K/V: the params block's K/V batch strides are the caches' block strides.)
     auto load_k = [&](int stage, int t) {
-        load_kv_tile<D>(s_kv + stage * 2 * C::KV_BYTES, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride,
-                        lk - t * STEP, k_al);
+        const u32 dst = s_kv + stage * 2 * C::KV_BYTES;
+#if MLXN_PAGED_ENTRIES
+        load_kv_tile_paged<D>(dst, k_base, L, p.k_batch_stride, p.k_row_stride, t * STEP, lk - t * STEP, k_al);
+#else
+        load_kv_tile<D>(dst, k_base + (i64)t * STEP * p.k_row_stride, p.k_row_stride, lk - t * STEP, k_al);
+#endif
     };
     auto load_v = [&](int stage, int t) {
-        load_kv_tile<D>(s_kv + stage * 2 * C::KV_BYTES + C::KV_BYTES, v_base + (i64)t * STEP * p.v_row_stride,
-                        p.v_row_stride, lk - t * STEP, v_al);
+        const u32 dst = s_kv + stage * 2 * C::KV_BYTES + C::KV_BYTES;
+#if MLXN_PAGED_ENTRIES
+        load_kv_tile_paged<D>(dst, v_base, L, p.v_batch_stride, p.v_row_stride, t * STEP, lk - t * STEP, v_al);
+#else
+        load_kv_tile<D>(dst, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, lk - t * STEP, v_al);
+#endif
     };
     auto load_mask = [&](int stage, int t) {
         load_mask_tile(s_mask + stage * C::MASK_BYTES, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);

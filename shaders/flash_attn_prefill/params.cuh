@@ -4,6 +4,13 @@
 
 #include "flash_attn_prefill/common.cuh"
 
+// MLXN_PAGED_ENTRIES (0 unless the host defines it): the module of a source's paged K/V
+// entry points (SPEC 11), whose K/V loaders read each row through the block table; 0, the
+// module every call loads, with contiguous K/V (entry.cuh says why they are apart).
+#ifndef MLXN_PAGED_ENTRIES
+#define MLXN_PAGED_ENTRIES 0
+#endif
+
 // Mirror of the op's params block (FlashAttnPrefillParamsGpu, rust/src/params.rs): 64-bit
 // strides in elements (the table's batch stride in bytes), then 32-bit fields.
 struct Params {
@@ -35,6 +42,7 @@ struct Params {
 #define PREFILL_SINKS 32
 #define PREFILL_WINDOW_RIGHT 64
 #define PREFILL_ALIBI_SLOPES 128
+#define PREFILL_PAGED 256  // paged K/V (SPEC 11): the host launches the _paged entries with the launch block's table
 // DType codes of Q and O.
 #define DT_F32 0
 #define DT_F16 1
@@ -63,7 +71,23 @@ struct Launch {
     // With PREFILL_ALIBI_SLOPES: F32 [n_heads], or [batch, n_heads] at the params block's
     // alibi_batch_stride (flash-attn's alibi_slopes); else null.
     const float* alibi_slopes;
+#if MLXN_PAGED_ENTRIES
+    // Paged K/V (SPEC 11, PREFILL_PAGED), in the paged module only (its launch block is these
+    // 24 bytes longer; the contiguous module's is main's): the I32 block table [batch,
+    // table_stride] and the I32 cache lengths seqused_k [batch]. The params block's K/V batch
+    // strides are the caches' block strides (row and head strides as ever) and sequence b's
+    // cache row j is row j % block_size of block block_table[b * table_stride + j /
+    // block_size] (block_size a multiple of 16 from 16 to 256, not always a power of two);
+    // b's length is seqused_k[b].
+    const int* block_table;
+    const int* seqused_k;
+    int table_stride;
+    int block_size;
+#endif
 };
+// The host's AttentionLaunch, and PagedPointers after it in the paged module
+// (rust/src/backend/cuda/flash_attn_prefill.rs).
+static_assert(sizeof(Launch) == (MLXN_PAGED_ENTRIES ? 72 : 48), "the launch block changed: update the CUDA backend");
 
 #define FLAG_Q_ALIGNED 1     // Q base and strides 16-byte aligned (8 elements of 16 bits, or 4 floats)
 #define FLAG_K_ALIGNED 2     // K base and strides 16-byte aligned

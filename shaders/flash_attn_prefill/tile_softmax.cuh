@@ -79,14 +79,42 @@ __device__ __forceinline__ void mask_steps(float (&s)[NS], const TileClasses<NH>
     if constexpr (H + 1 < NH) mask_steps<H + 1, NH, MASK_BYTES>(s, tc, u, m_stage, g, p, L);
 }
 
+// Timing variants of the softmax (docs/benchmarks.md, 2026-12-07): MLXN_ROWMAX_CHAINS, the
+// independent chains of each row's maximum (1: one chain of NS / 4 dependent maxima, as
+// before; 4: four chains of NS / 16, then two levels; the maximum is exact in any order, so
+// every bit stays); MLXN_SUM_UNROUNDED 1 sums P before its rounding to T (a variant that
+// leaves SPEC 2 step 5, to measure what the sums of the rounded values cost: one conversion
+// of each value back to f32).
+#ifndef MLXN_ROWMAX_CHAINS
+#define MLXN_ROWMAX_CHAINS 1
+#endif
+#ifndef MLXN_SUM_UNROUNDED
+#define MLXN_SUM_UNROUNDED 0
+#endif
+// The independent chains of each row's sum (1: the pairs added in column order, as before;
+// 2 or 4: round robin over the chains, then added in pairs): the same rounded values in
+// another order, so the sums' last bits may change (SPEC 2 leaves the order open; the
+// one-CTA forms keep column order, so pair and one-CTA forms then differ in those bits).
+#ifndef MLXN_SUM_CHAINS
+#define MLXN_SUM_CHAINS 1
+#endif
+
 // The maxima of this thread's two rows over the tile, across the quad that holds them.
 template <int NS>
 __device__ __forceinline__ void tile_row_max(const float (&s)[NS], float (&mx)[2]) {
+    constexpr int C = MLXN_ROWMAX_CHAINS;
+    static_assert(C == 1 || C == 2 || C == 4, "one, two or four chains");
+    static_assert((NS / 4) % C == 0, "the 8-column blocks split evenly over the chains");
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        float m = s[hh * 2];
+        float c[C];
 #pragma unroll
-        for (int nb = 0; nb < NS / 4; ++nb) m = fmaxf(m, fmaxf(s[nb * 4 + hh * 2], s[nb * 4 + hh * 2 + 1]));
+        for (int k = 0; k < C; ++k) c[k] = fmaxf(s[k * 4 + hh * 2], s[k * 4 + hh * 2 + 1]);
+#pragma unroll
+        for (int nb = C; nb < NS / 4; ++nb) c[nb % C] = fmaxf(c[nb % C], fmaxf(s[nb * 4 + hh * 2], s[nb * 4 + hh * 2 + 1]));
+        float m = c[0];
+        if constexpr (C == 2) m = fmaxf(c[0], c[1]);
+        if constexpr (C == 4) m = fmaxf(fmaxf(c[0], c[1]), fmaxf(c[2], c[3]));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         mx[hh] = m;
@@ -107,16 +135,25 @@ __device__ __forceinline__ bool tile_exp_each(const float (&s)[NS], const float 
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const float ml = m_run[hh] * LOG2E;  // the same for every pair of the row
-        float sum = 0.f;
+        constexpr int SC = MLXN_SUM_CHAINS;
+        static_assert(SC == 1 || SC == 2 || SC == 4, "one, two or four chains");
+        float sums[SC];
+#pragma unroll
+        for (int k = 0; k < SC; ++k) sums[k] = 0.f;
 #pragma unroll
         for (int nb = 0; nb < NS / 4; ++nb) {
+            float& sum = sums[nb % SC];
             const int i = nb * 4 + hh * 2;
-            const u32 pair = T::pack2(exp2_approx(fmaf(s[i], LOG2E, -ml)), exp2_approx(fmaf(s[i + 1], LOG2E, -ml)));
+            const float e0 = exp2_approx(fmaf(s[i], LOG2E, -ml)), e1 = exp2_approx(fmaf(s[i + 1], LOG2E, -ml));
+            const u32 pair = T::pack2(e0, e1);
             float a, b;
             T::unpack2(pair, a, b);  // dead where neither put nor the sum reads them
             put(nb, hh, pair, a, b);
-            if constexpr (SUM) sum += a + b;
+            if constexpr (SUM) sum += MLXN_SUM_UNROUNDED ? e0 + e1 : a + b;
         }
+        float sum = sums[0];
+        if constexpr (SC == 2) sum = sums[0] + sums[1];
+        if constexpr (SC == 4) sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
         if constexpr (SUM) l_run[hh] = l_run[hh] * ms[hh] + sum;
     }
     return __any_sync(0xffffffffu, any);

@@ -32,7 +32,7 @@ from .cases import (
 )
 from .cli import NMSE_BAR, add_arguments, main, main_from_args
 from .core import REFERENCE_FULL_PAIRS, REFERENCE_SAMPLE_ROWS, run_bench
-from .ours import DEVICE_TARGET_S, OURS, OURS_ATTENTION, OURS_CONTIGUOUS, OURS_DESCRIBED, ours_variants
+from .ours import DEVICE_TARGET_S, OURS, OURS_16BIT_KV, OURS_ATTENTION, OURS_CONTIGUOUS, OURS_DESCRIBED, ours_variants
 from .report import plot_report, print_summary, print_table, summarize
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "NMSE_BAR",
     "OURS",
     "OURS_ATTENTION",
+    "OURS_16BIT_KV",
     "OURS_CONTIGUOUS",
     "OURS_DESCRIBED",
     "PagedCache",

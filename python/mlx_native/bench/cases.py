@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import causal_mask
 from ..errors import UnsupportedFeatureError
-from ..paged import refuse_unpaged_arguments
+from ..quant import refuse_off_cpu
 from ..reference import random_qkv
 
 
@@ -28,10 +28,17 @@ class Case:
     mask: str
     window: Optional[int] = None
     paged: bool = False
+    #: Quantised K/V (SPEC 11): ours reads K/V in this format (``"float8_e4m3fn"``), the same
+    #: values in the run's 16-bit K/V beside it (:func:`quantised_kv`); None: not quantised.
+    kv_quant: Optional[str] = None
 
     def describe(self) -> str:
         m = {"causal": "causal", "zero": "zero mask"}.get(self.mask, f"causal, window {self.window}")
-        return f"{self.title}: {self.n_heads}/{self.n_kv_heads} heads, dim {self.head_dim}, {m}" + (", paged K/V" if self.paged else "")
+        return (
+            f"{self.title}: {self.n_heads}/{self.n_kv_heads} heads, dim {self.head_dim}, {m}"
+            + (", paged K/V" if self.paged else "")
+            + (f", {self.kv_quant} K/V" if self.kv_quant else "")
+        )
 
 
 #: SPEC section 4 (Gemma 4 26B-A4B) and dense cases.
@@ -54,6 +61,14 @@ CASES: Dict[str, Case] = {
         # same rows, PyTorch on the K/V gathered from the blocks (the gather timed).
         Case("paged-128", "paged d128", 32, 8, 128, "causal", paged=True),
         Case("paged-256", "paged d256", 16, 8, 256, "causal", paged=True),
+        # FP8 K/V (issue 29, SPEC 11): the causal-128 and causal-256 shapes with K/V in FP8
+        # E4M3; ours on them against ours on the same values in 16 bits (every E4M3 value is a
+        # float16 and a bfloat16), and the peers on those 16-bit K/V.
+        Case("fp8-128", "fp8 d128", 32, 8, 128, "causal", kv_quant="float8_e4m3fn"),
+        Case("fp8-256", "fp8 d256", 16, 8, 256, "causal", kv_quant="float8_e4m3fn"),
+        # Q8_0 K/V (ggml's blocks, issue 29: >= 0.9x of 16-bit K/V): ours on the bytes against
+        # ours on their values rounded to float16 (not exact there: outputs differ slightly).
+        Case("q8-128", "q8_0 d128", 32, 8, 128, "causal", kv_quant="q8_0"),
     )
 }
 #: Rows of a block of a paged case's cache (``--block-size``; the library takes multiples of
@@ -70,7 +85,8 @@ DEFAULT_CASES_GPU = ("sliding", "global", "causal-8h", "dense-8h")
 def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequence[str]] = None) -> Tuple[List[int], List[str]]:
     """The sorted rows and the cases of a run on a device of kind ``kind``, the defaults of
     that kind where ``rows`` or ``cases`` is None; raises ValueError for an unknown case, a
-    paged case on a kind the library runs no paged K/V on (named), or a row count below 1."""
+    quantised K/V case off the CPU (named), or a row count below 1 (paged cases run on every
+    backend)."""
     if rows is None:
         rows = DEFAULT_ROWS.get(kind, DEFAULT_ROWS_GPU)
     if cases is None:
@@ -78,14 +94,12 @@ def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequ
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise ValueError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
-    paged = [c for c in cases if CASES[c].paged]
-    if paged:
-        # The library's own refusal of paged K/V off the CPU and Metal backends (the case's name added),
-        # so that the cases run wherever the library comes to run paged K/V.
+    quant = [c for c in cases if CASES[c].kv_quant]
+    if quant:
         try:
-            refuse_unpaged_arguments(True, None, kind, False, kind)
+            refuse_off_cpu(CASES[quant[0]].kv_quant, kind, False, kind)
         except UnsupportedFeatureError as e:
-            raise ValueError(f"case(s) {', '.join(paged)} read paged K/V: {e}") from None
+            raise ValueError(f"case(s) {', '.join(quant)} read quantised K/V: {e}") from None
     rows = sorted({int(r) for r in rows})
     if not rows or rows[0] < 1:
         raise ValueError(f"rows must be positive integers, got {rows}")
@@ -120,6 +134,23 @@ def case_inputs(case: Case, rows: int, rng: np.random.Generator, kv_len: Optiona
         to = np.float16 if dtype == "float16" else bfloat16_dtype()
         q, k, v = q.astype(to), k.astype(np.float32).astype(to), v.astype(np.float32).astype(to)
     return q, k, v, case_mask(case, rows, kv)
+
+
+def quantised_kv(k: np.ndarray, v: np.ndarray, fmt: str) -> tuple:
+    """``k`` and ``v`` rounded to the FP8 format ``fmt`` (ml_dtypes' type), and those values
+    back in ``k``'s dtype (exact: every E4M3 value is a float16 and a bfloat16):
+    ``(k8, v8, k16, v16)``; ``fmt`` ``"q8_0"``: Q8_0 bytes, their values rounded to ``k``'s dtype."""
+    from ..dtypes import float8_dtype
+
+    if fmt == "q8_0":
+        # ggml's Q8_0 bytes; the 16-bit K/V are their values rounded to ``k``'s dtype.
+        from ..reference import dequantise, quantise_q8_0
+
+        k8, v8 = quantise_q8_0(k), quantise_q8_0(v)
+        return k8, v8, dequantise(k8, "q8_0").astype(k.dtype), dequantise(v8, "q8_0").astype(v.dtype)
+    f8 = float8_dtype(fmt)
+    k8, v8 = k.astype(np.float32).astype(f8), v.astype(np.float32).astype(f8)
+    return k8, v8, k8.astype(np.float32).astype(k.dtype), v8.astype(np.float32).astype(v.dtype)
 
 
 class PagedCache(NamedTuple):

@@ -14,9 +14,19 @@ import numpy as np
 from .. import Device, PrefillPlan, cpu_amx_peak, cpu_fma_peak, cpu_info, version
 from ..reference import nmse, reference_attention, useful_flops
 from . import cpu_peers, cuda_peers  # noqa: F401  (each registers its peers)
-from .cases import CASES, DEFAULT_BLOCK_SIZE, DTYPES, Case, case_inputs, paged_cache, select
+from .cases import CASES, DEFAULT_BLOCK_SIZE, DTYPES, Case, case_inputs, paged_cache, quantised_kv, select
 from .machine import machine_info, use_threads
-from .ours import OURS, OURS_ATTENTION, OURS_CONTIGUOUS, OURS_DESCRIBED, contiguous_variant, described_variant, ours_variants
+from .ours import (
+    OURS,
+    OURS_16BIT_KV,
+    OURS_ATTENTION,
+    OURS_CONTIGUOUS,
+    OURS_DESCRIBED,
+    contiguous_variant,
+    described_variant,
+    ours_variants,
+    sixteen_bit_variant,
+)
 from .peers import Problem, Refused, Variant, peers_for
 from .progress import Progress
 from .report import print_table, summarize
@@ -68,7 +78,7 @@ def run_bench(
     keep theirs); ``q_dtype`` (with ``dtype`` float32) is Q's dtype and our output's
     (``float16`` or ``bfloat16``: what a half-precision model hands over and takes back).
     ``block_size``: the rows of a block of a paged case's cache (``paged-128``,
-    ``paged-256``; CPU and Metal devices only, so far): ours runs on the cache through a shuffled
+    ``paged-256``; CPU, CUDA and Metal devices): ours runs on the cache through a shuffled
     block table (``OURS``) and on the same rows contiguous (``OURS_CONTIGUOUS``), their ratio
     in ``paged_over_contiguous`` of ours' row and their outputs' equality in
     ``paged_equals_contiguous``; the peers that run it gather the K/V from the blocks inside
@@ -225,13 +235,20 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
     base = dict(case=case.name, title=case.title, rows=r, kv_len=kv, n_heads=nh, n_kv_heads=nkv, head_dim=hd, mask=case.mask, window=case.window,
                 dtype=dtype)  # fmt: skip
 
-    pc = contiguous = None
+    pc = contiguous = k8 = None
+    if case.kv_quant:
+        # Ours on FP8 K/V; everyone else (and ours beside it) on the same values in 16 bits.
+        k8, v8, k, v = quantised_kv(k, v, case.kv_quant)
+        base.update(kv_quant=case.kv_quant)
     if case.paged:
         pc = paged_cache(k, v, block_size, rng)
         base.update(block_size=block_size, num_blocks=int(pc.k.shape[0]))
 
     bar.step(f"{case.name} {r}: preparing {OURS}")
-    if pc is None:
+    if k8 is not None:
+        kv_dtype = {"kv_dtype": "q8_0"} if case.kv_quant == "q8_0" else {}
+        plan = ours.plan(case, q, k8, v8, mask, dev, **kv_dtype)
+    elif pc is None:
         plan = ours.plan(case, q, k, v, mask, dev)
     else:
         plan = ours.plan(case, q, pc.k, pc.v, mask, dev, block_table=pc.block_table, seqused_k=pc.seqused_k)
@@ -241,8 +258,11 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
     if pc is not None:
         contiguous = ours.plan(case, q, k, v, mask, dev)
         runners.append(contiguous_variant(contiguous))
+    if k8 is not None:
+        contiguous = ours.plan(case, q, k, v, mask, dev)
+        runners.append(sixteen_bit_variant(contiguous))
     described = None
-    if dev.backend == "cpu" and case.mask in ("causal", "window") and not ours.described and pc is None:
+    if dev.backend == "cpu" and case.mask in ("causal", "window") and not ours.described and pc is None and k8 is None:
         # The same mask as a description (the prompt at the end of its cache, as case_mask).
         w = case.window if case.mask == "window" else None
         described = PrefillPlan(q, k, v, causal=True, window=w, scale=1.0, device=dev)
@@ -307,7 +327,8 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
             except Exception as e:
                 notes[vt.label] = f"failed: {type(e).__name__}: {e}"
     same = None
-    if contiguous is not None and OURS not in notes and OURS_CONTIGUOUS not in notes:
+    second = OURS_16BIT_KV if k8 is not None else OURS_CONTIGUOUS
+    if contiguous is not None and OURS not in notes and second not in notes:
         same = bool(np.array_equal(np.asarray(plan.run()), np.asarray(contiguous.run())))
     del plan, described, contiguous
     bar.advance()
@@ -317,6 +338,12 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
         mine, cont = by[OURS], by[OURS_CONTIGUOUS]
         ratio = mine["ms"] / cont["ms"] if mine["ms"] and cont["ms"] else None
         mine.update(paged_over_contiguous=ratio, paged_equals_contiguous=same)
+    if k8 is not None:
+        by = {d["impl"]: d for d in out}
+        mine, cont = by[OURS], by[OURS_16BIT_KV]
+        ratio = cont["ms"] / mine["ms"] if mine["ms"] and cont["ms"] else None
+        # Speed-up of FP8 over 16-bit K/V (above 1: FP8 faster); the same values, so the same output.
+        mine.update(fp8_speedup_over_16bit=ratio, fp8_equals_16bit=same)
     return out
 
 

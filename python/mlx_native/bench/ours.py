@@ -21,6 +21,9 @@ OURS_DESCRIBED = "mlx-native, described mask"
 #: ``OURS`` on the paged cache: the ratio of the two is what reading through the block table
 #: costs (CPU runs).
 OURS_CONTIGUOUS = "mlx-native, contiguous K/V"
+#: Ours on a quantised case's K/V in 16 bits (the same values), beside ``OURS`` on the FP8
+#: K/V: the ratio of the two is what reading FP8 costs or saves (CPU runs).
+OURS_16BIT_KV = "mlx-native, 16-bit K/V"
 #: A device run of ours repeats the prefill until about this long, then waits once.
 DEVICE_TARGET_S = 0.02
 #: The most prefills one device run records.
@@ -36,6 +39,11 @@ def contiguous_variant(plan: PrefillPlan) -> Variant:
     """``OURS_CONTIGUOUS`` on ``plan`` (a paged case's plan on contiguous K/V): one prefill a
     run."""
     return Variant(OURS_CONTIGUOUS, plan.run, lambda: plan.run().copy())
+
+
+def sixteen_bit_variant(plan: PrefillPlan) -> Variant:
+    """``OURS_16BIT_KV`` on ``plan`` (a quantised case's plan on 16-bit K/V): one prefill a run."""
+    return Variant(OURS_16BIT_KV, plan.run, lambda: plan.run().copy())
 
 
 def ours_variants(plan: PrefillPlan, dev: Device, *, calls: Optional[int] = None, batched: Optional[bool] = None) -> List[Variant]:

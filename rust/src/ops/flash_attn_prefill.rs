@@ -31,8 +31,8 @@ use crate::kernel_registry::{KernelRegistry, KernelSource, SourceFile};
 pub use crate::params::PrefillExtents;
 use crate::params::{
     FlashAttnPrefillMaskBlkParamsGpu, FlashAttnPrefillParamsGpu, PagedKvParamsGpu, PREFILL_ALIBI_SLOPES,
-    PREFILL_CAUSAL, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_PAGED, PREFILL_SINKS, PREFILL_VARLEN,
-    PREFILL_WINDOW_RIGHT,
+    PREFILL_CAUSAL, PREFILL_DESCALE, PREFILL_LSE, PREFILL_MASK, PREFILL_OFFSET, PREFILL_PAGED, PREFILL_SINKS,
+    PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
 };
 use crate::recorded::{attention_slot as slot, classifier_slot};
 
@@ -167,6 +167,26 @@ fn kernel_on(device: &MlxDevice, kernel: &'static str, paged: bool) -> &'static 
     PAGED_KERNELS.iter().find(|(k, _)| *k == kernel).map_or(kernel, |(_, p)| *p)
 }
 
+/// The kernels of quantised K/V (SPEC 11: FP8 E4M3 and E5M2 with descale factors, Q8_0),
+/// by head dim pair: one per pair for the three formats (the block's K/V code says which);
+/// the CPU dequantises each K/V step as it loads it. CUDA and Metal have none yet.
+pub const QUANT_KV_KERNELS: [((u32, u32), &str); 14] = [
+    ((16, 16), "flash_attn_prefill_d16_kvq"),
+    ((32, 32), "flash_attn_prefill_d32_kvq"),
+    ((48, 48), "flash_attn_prefill_d48_kvq"),
+    ((64, 64), "flash_attn_prefill_d64_kvq"),
+    ((80, 80), "flash_attn_prefill_d80_kvq"),
+    ((96, 96), "flash_attn_prefill_d96_kvq"),
+    ((112, 112), "flash_attn_prefill_d112_kvq"),
+    ((128, 128), "flash_attn_prefill_d128_kvq"),
+    ((160, 160), "flash_attn_prefill_d160_kvq"),
+    ((192, 192), "flash_attn_prefill_d192_kvq"),
+    ((224, 224), "flash_attn_prefill_d224_kvq"),
+    ((256, 256), "flash_attn_prefill_d256_kvq"),
+    ((512, 512), "flash_attn_prefill_d512_kvq"),
+    ((576, 512), "flash_attn_prefill_d576_512_kvq"),
+];
+
 /// The F32 K/V kernels have no device source: only the CPU runs them.
 static F32_KV_SOURCE: KernelSource = KernelSource { metal: None, cuda: None };
 
@@ -236,7 +256,7 @@ pub fn register(registry: &mut KernelRegistry) {
     for name in HEAD_DIMS.iter().flat_map(|(_, f16, bf16)| [*f16, *bf16]) {
         registry.register_source(name, *prefill_kernel_source(name));
     }
-    for (_, name) in F32_KV_KERNELS {
+    for (_, name) in F32_KV_KERNELS.iter().chain(QUANT_KV_KERNELS.iter()) {
         registry.register_source(name, F32_KV_SOURCE);
     }
     for (_, name) in PAGED_KERNELS {
@@ -404,9 +424,19 @@ fn kernel_name_among(registered: &[&str], head_dim: u32, head_dim_v: u32, kv_dty
             let f32 = F32_KV_KERNELS.iter().find(|(d, _)| *d == (head_dim, head_dim_v)).map(|(_, n)| *n);
             return f32.ok_or_else(unsupported);
         }
+        DType::F8E4M3 | DType::F8E5M2 | DType::Q8_0 => {
+            if kv_dtype == DType::Q8_0 && (!head_dim.is_multiple_of(32) || !head_dim_v.is_multiple_of(32)) {
+                return Err(MlxError::InvalidArgument(format!(
+                    "flash_attn_prefill: Q8_0 k and v store 32 values per block along the head dim; head_dim {head_dim} \
+                     (v {head_dim_v}) is not a multiple of 32: use FP8 or F16 K/V at this head dim"
+                )));
+            }
+            let q = QUANT_KV_KERNELS.iter().find(|(d, _)| *d == (head_dim, head_dim_v)).map(|(_, n)| *n);
+            return q.ok_or_else(unsupported);
+        }
         other => {
             return Err(MlxError::UnsupportedDtype(format!(
-                "flash_attn_prefill: k and v must be F16, BF16 or F32, got {other}"
+                "flash_attn_prefill: k and v must be F16, BF16, F32 or quantised (F8E4M3, F8E5M2, Q8_0), got {other}"
             )))
         }
     };
@@ -657,7 +687,7 @@ pub fn validate_shapes(
         return Err(invalid(format!("a stride exceeds i64: {p:?}")));
     }
     dtype_in("q", o.q_dtype, &[DType::F32, DType::F16, DType::BF16])?;
-    dtype_in("k and v", o.kv_dtype, &[DType::F16, DType::BF16, DType::F32])?;
+    dtype_in("k and v", o.kv_dtype, &[DType::F16, DType::BF16, DType::F32, DType::F8E4M3, DType::F8E5M2, DType::Q8_0])?;
     dtype_in("out", o.out_dtype, &[DType::F32, DType::F16, DType::BF16])?;
     if let Some(lens) = lens {
         if o.mask {
@@ -917,7 +947,7 @@ pub fn encode_validated<'a>(
     b: &FlashAttnPrefillBuffers<'a>,
     v: &ValidatedPrefill,
 ) -> Result<()> {
-    encode_validated_paged(encoder, registry, device, b, v, None)
+    encode_validated_paged(encoder, registry, device, b, v, None, None)
 }
 
 /// The paged K/V of a dispatch (SPEC 11, [`super::flash_attn_prefill_paged`]): the caches'
@@ -931,7 +961,8 @@ pub struct PagedBuffers<'a> {
 }
 
 /// [`encode_validated`] of a prefill that may be paged (`pages` given exactly when its block
-/// says `PREFILL_PAGED`).
+/// says `PREFILL_PAGED`) and may have FP8 K/V's descale factors (`descale`, F32 `[2][n_kv_heads]`,
+/// given exactly when it says `PREFILL_DESCALE`; bound at `DESCALE`).
 pub fn encode_validated_paged<'a>(
     encoder: &mut CommandEncoder,
     registry: &mut KernelRegistry,
@@ -939,17 +970,28 @@ pub fn encode_validated_paged<'a>(
     b: &FlashAttnPrefillBuffers<'a>,
     v: &ValidatedPrefill,
     pages: Option<PagedBuffers<'a>>,
+    descale: Option<&'a MlxBuffer>,
 ) -> Result<()> {
     if (v.gpu.flags & PREFILL_PAGED != 0) != pages.is_some() {
         return Err(invalid(
             "a paged prefill needs its block table and lengths, and only a paged one takes them".into(),
         ));
     }
+    if (v.gpu.flags & PREFILL_DESCALE != 0) != descale.is_some() {
+        return Err(invalid("a prefill with descale factors needs their buffer, and only such a one takes it".into()));
+    }
     if v.empty {
         return Ok(());
     }
     let kernel = kernel_on(device, v.kernel, pages.is_some());
     let pipeline = match registry.get_pipeline(kernel, device) {
+        Err(MlxError::KernelNotFound(_)) if v.operands.kv_dtype.is_quantised_kv() => {
+            return Err(MlxError::UnsupportedDtype(format!(
+                "flash_attn_prefill: quantised k and v ({}) run on the CPU backend so far; on CUDA and Metal pass \
+                 F16 or BF16 k and v",
+                v.operands.kv_dtype
+            )))
+        }
         Err(MlxError::KernelNotFound(_)) if v.operands.kv_dtype == DType::F32 => {
             return Err(MlxError::UnsupportedDtype(
                 "flash_attn_prefill: float32 k and v run on the CPU only; on CUDA and Metal convert them to float16 \
@@ -997,6 +1039,7 @@ pub fn encode_validated_paged<'a>(
         .into_iter()
         .chain(workspace)
         .chain(paged)
+        .chain(descale.map(|d| (slot::DESCALE, KernelArg::Buffer(d))))
         .collect::<Vec<_>>(),
         &[(0, smem)],
         v.grid,

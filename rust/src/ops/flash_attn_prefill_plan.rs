@@ -23,7 +23,7 @@ use super::flash_attn_prefill::{
     PrefillOperands, ValidatedPrefill,
 };
 use super::flash_attn_prefill_paged::{validate_paged, PagedKv};
-use crate::params::{PagedKvParamsGpu, PREFILL_PAGED};
+use crate::params::{kv_row_width, PagedKvParamsGpu, PREFILL_DESCALE, PREFILL_PAGED};
 
 /// One planned prefill on one device.
 pub struct FlashAttnPrefillPlan {
@@ -40,6 +40,8 @@ pub struct FlashAttnPrefillPlan {
     choices: Choices,
     /// Paged K/V: the caches' block, the block table and the cache lengths, on the device.
     pages: Option<(PagedKvParamsGpu, MlxBuffer, MlxBuffer)>,
+    /// FP8 K/V's descale factors (SPEC 11), F32 `[2][n_kv_heads]` on the device: K's, then V's.
+    descale: Option<MlxBuffer>,
 }
 
 /// The data of one run: the plan's operands (the mask only if the plan has one, lse only
@@ -82,6 +84,14 @@ impl FlashAttnPrefillPlan {
         cu_seqlens: Option<(&[i32], &[i32])>,
         options: RunOptions,
     ) -> Result<Self> {
+        if operands.kv_dtype.is_quantised_kv() && !device.backend().reads_quantised_kv() {
+            return Err(MlxError::InvalidArgument(format!(
+                "flash_attn_prefill: quantised k and v ({}, kv_dtype) run on the CPU backend so far, not on {:?}: \
+                 pass F16 or BF16 k and v, or run on the CPU",
+                operands.kv_dtype,
+                device.backend_kind()
+            )));
+        }
         let lens = match cu_seqlens {
             Some((cq, ck)) => Some(sequence_lengths(params, cq, ck)?),
             None => None,
@@ -110,14 +120,59 @@ impl FlashAttnPrefillPlan {
             options,
             choices,
             pages: None,
+            descale: None,
         })
+    }
+
+    /// This plan with FP8 K/V's descale factors (SPEC 11, FlashAttention-3's `k_descale`,
+    /// `v_descale`): each `None` (every factor 1), one value for every KV head, or one per KV
+    /// head (`[n_kv_heads]`); the value of an element `x` of K is `k_descale[g] * float(x)`.
+    /// Finite values only; they belong to the plan (copied to the device once, as the block
+    /// table is). Refused, by name, for K/V that are not FP8.
+    pub fn with_descale(mut self, k_descale: Option<&[f32]>, v_descale: Option<&[f32]>) -> Result<Self> {
+        if k_descale.is_none() && v_descale.is_none() {
+            return Ok(self);
+        }
+        let kv = self.validated.operands.kv_dtype;
+        if !matches!(kv, DType::F8E4M3 | DType::F8E5M2) {
+            return Err(MlxError::InvalidArgument(format!(
+                "flash_attn_prefill: k_descale and v_descale go with FP8 k and v (F8E4M3, F8E5M2), not {kv}: {}",
+                if kv == DType::Q8_0 { "Q8_0 blocks carry their own scales" } else { "leave them out" }
+            )));
+        }
+        let nkv = self.params.n_kv_heads as usize;
+        let mut factors = vec![1.0f32; 2 * nkv];
+        for (i, (name, given)) in [("k_descale", k_descale), ("v_descale", v_descale)].into_iter().enumerate() {
+            let Some(d) = given else { continue };
+            if d.len() != 1 && d.len() != nkv {
+                return Err(MlxError::InvalidArgument(format!(
+                    "flash_attn_prefill: {name} has {} values; give one (for every KV head) or n_kv_heads = {nkv} \
+                     (one per KV head)",
+                    d.len()
+                )));
+            }
+            if let Some(j) = d.iter().position(|x| !x.is_finite()) {
+                return Err(MlxError::InvalidArgument(format!(
+                    "flash_attn_prefill: {name}[{j}] is {}; descale factors must be finite",
+                    d[j]
+                )));
+            }
+            for g in 0..nkv {
+                factors[i * nkv + g] = d[if d.len() == 1 { 0 } else { g }];
+            }
+        }
+        let b = self.device.alloc_buffer(DType::F32, &[factors.len()])?;
+        b.write_bytes(0, bytemuck::cast_slice(&factors))?;
+        self.descale = Some(b);
+        self.validated.gpu.flags |= PREFILL_DESCALE;
+        Ok(self)
     }
 
     /// Plan a prefill on paged K/V (SPEC 11, [`validate_paged`]): `params.k_strides` and
     /// `v_strides` are the caches' (block, row, head) strides, `cu_seqlens_q` the queries'
     /// offsets for variable length (`None`: `params.rows` per sequence), and the block table
-    /// and the lengths, checked here, are copied to the device for every run. Refused by name
-    /// on a backend whose kernels read K/V contiguous only. `options` as in
+    /// and the lengths, checked here, are copied to the device for every run (every backend
+    /// reads paged K/V: the CPU, CUDA and Metal). `options` as in
     /// [`with_options`](Self::with_options).
     pub fn new_paged(
         device: &MlxDevice,
@@ -127,21 +182,20 @@ impl FlashAttnPrefillPlan {
         paged: &PagedKv<'_>,
         options: RunOptions,
     ) -> Result<Self> {
-        if !device.backend().reads_paged_kv() {
-            return Err(MlxError::InvalidArgument(format!(
-                "flash_attn_prefill: block_table (paged K/V) runs on the CPU and Metal backends so far, not on {:?}: gather \
-                 each sequence's blocks into contiguous k/v (cu_seqlens_k), or run on the CPU",
-                device.backend_kind()
-            )));
-        }
         let pp = validate_paged(params, cu_seqlens_q, paged)?;
         let cu = cu_seqlens_q.zip(pp.cu_seqlens_k.as_deref());
         let mut plan = Self::with_options(device, &pp.params, operands, cu, options)?;
         plan.validated.gpu.flags |= PREFILL_PAGED;
+        // What the backend chooses for a paged prefill (CUDA: no CTA pairs; the workspace
+        // depends on the shape alone, so it is unchanged).
+        plan.choices = choices(device, &plan.validated, &plan.options);
         let p = &plan.validated.gpu;
-        let (k, v) = pp.gpu.extents(p.n_kv_heads, p.head_dim, p.head_dim_v).ok_or_else(|| {
-            MlxError::InvalidArgument(format!("flash_attn_prefill: a negative paged field {:?}", pp.gpu))
-        })?;
+        let (k, v) = pp
+            .gpu
+            .extents(p.n_kv_heads, kv_row_width(p.kv_dtype, p.head_dim), kv_row_width(p.kv_dtype, p.head_dim_v))
+            .ok_or_else(|| {
+                MlxError::InvalidArgument(format!("flash_attn_prefill: a negative paged field {:?}", pp.gpu))
+            })?;
         (plan.validated.extents.k, plan.validated.extents.v) = (k, v);
         let upload = |v: &[i32]| -> Result<MlxBuffer> {
             let b = device.alloc_buffer(DType::I32, &[v.len().max(1)])?;
@@ -219,7 +273,15 @@ impl FlashAttnPrefillPlan {
             if let (Some(mask), Some(blk)) = (b.mask, self.blk.as_ref()) {
                 dispatch_flash_attn_prefill_mask_blk(encoder, registry, &self.device, mask, blk, &self.params)?;
             }
-            encode_validated_paged(encoder, registry, &self.device, &bufs, &self.validated, pages)
+            encode_validated_paged(
+                encoder,
+                registry,
+                &self.device,
+                &bufs,
+                &self.validated,
+                pages,
+                self.descale.as_ref(),
+            )
         })();
         encoder.set_options(theirs);
         r

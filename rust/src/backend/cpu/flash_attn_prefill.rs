@@ -17,7 +17,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::flash_attn_prefill_blk::{classify_rows, MIXED, SKIP, ZERO};
-use super::prefill_tile::{self, Elem, Kv, Pages, Problem, Seq, C, NO_RIGHT, SCRATCH};
+use super::prefill_tile::{self, Elem, Kv, Pages, Problem, Quant, QuantFormat, Seq, C, NO_RIGHT, SCRATCH};
 use super::{host_ptr, pool, CpuKernelFn, SendPtr};
 use crate::error::{MlxError, Result};
 use crate::interface::Dispatch;
@@ -28,6 +28,8 @@ use crate::recorded::{Broken, RecordedMaskBlk, RecordedPaged, RecordedPrefill};
 const KV_F32: i32 = 0;
 const KV_F16: i32 = 1;
 const KV_BF16: i32 = 2;
+/// Any quantised K/V code (F8E4M3 7, F8E5M2 8, Q8_0 9): the `_kvq` kernels take all three.
+const KV_QUANT: i32 = -1;
 
 /// This op's kernels, by name: every (Q/K, V) head dim with F16 and BF16 K/V.
 pub const KERNELS: &[(&str, CpuKernelFn)] = &[
@@ -73,6 +75,20 @@ pub const KERNELS: &[(&str, CpuKernelFn)] = &[
     ("flash_attn_prefill_d256_f32", entry::<256, 256, KV_F32>),
     ("flash_attn_prefill_d512_f32", entry::<512, 512, KV_F32>),
     ("flash_attn_prefill_d576_512_f32", entry::<576, 512, KV_F32>),
+    ("flash_attn_prefill_d16_kvq", entry::<16, 16, KV_QUANT>),
+    ("flash_attn_prefill_d32_kvq", entry::<32, 32, KV_QUANT>),
+    ("flash_attn_prefill_d48_kvq", entry::<48, 48, KV_QUANT>),
+    ("flash_attn_prefill_d64_kvq", entry::<64, 64, KV_QUANT>),
+    ("flash_attn_prefill_d80_kvq", entry::<80, 80, KV_QUANT>),
+    ("flash_attn_prefill_d96_kvq", entry::<96, 96, KV_QUANT>),
+    ("flash_attn_prefill_d112_kvq", entry::<112, 112, KV_QUANT>),
+    ("flash_attn_prefill_d128_kvq", entry::<128, 128, KV_QUANT>),
+    ("flash_attn_prefill_d160_kvq", entry::<160, 160, KV_QUANT>),
+    ("flash_attn_prefill_d192_kvq", entry::<192, 192, KV_QUANT>),
+    ("flash_attn_prefill_d224_kvq", entry::<224, 224, KV_QUANT>),
+    ("flash_attn_prefill_d256_kvq", entry::<256, 256, KV_QUANT>),
+    ("flash_attn_prefill_d512_kvq", entry::<512, 512, KV_QUANT>),
+    ("flash_attn_prefill_d576_512_kvq", entry::<576, 512, KV_QUANT>),
     ("flash_attn_prefill_mask_blk", run_mask_blk),
 ];
 
@@ -102,8 +118,8 @@ pub(super) const fn bq_of(d: usize) -> usize {
 
 /// Entry point of `flash_attn_prefill_d<DK>[_<DV>][_bf16]`: K/V of dtype code `KV`.
 fn entry<const DK: usize, const DV: usize, const KV: i32>(d: &Dispatch) -> Result<()> {
-    let r = RecordedPrefill::decode_paged(d)?.map_err(|Broken(what)| bad(what))?;
-    if r.params.kv_dtype != KV {
+    let r = RecordedPrefill::decode(d)?.map_err(|Broken(what)| bad(what))?;
+    if r.params.kv_dtype != KV && !(KV == KV_QUANT && (7..=9).contains(&r.params.kv_dtype)) {
         return Err(bad("the block's K/V dtype is not the kernel's"));
     }
     run::<DK, DV>(&r, super::isa_of(&d.options))
@@ -167,13 +183,26 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
     if p.head_dim as usize != DK || p.head_dim_v as usize != DV {
         return Err(bad("a head dim is not the kernel's"));
     }
+    // Quantised K/V: bytes, widened to f32 by the loaders as they read them (`Kv`, `Problem::quant`).
+    let quant_format = match p.kv_dtype {
+        7 => Some(QuantFormat::E4M3),
+        8 => Some(QuantFormat::E5M2),
+        9 => Some(QuantFormat::Q8_0),
+        _ => None,
+    };
     let kv = match p.kv_dtype {
         KV_F16 => Kv::F16,
         KV_BF16 => Kv::BF16,
         KV_F32 => Kv::F32,
-        _ => return Err(bad("a K/V dtype code that is not F16, BF16 or F32")),
+        7 => Kv::E4M3(1.0),
+        8 => Kv::E5M2(1.0),
+        9 => Kv::Q8_0,
+        _ => return Err(bad("a K/V dtype code that is not F16, BF16, F32 or a quantised format")),
     };
-    // F32 K/V are addressed in u16 units: every stride and offset of K and V doubles.
+    let descale = r.descale.map(host_ptr).transpose()?.map_or(std::ptr::null(), |s| s as *const f32);
+    let quant = quant_format.map(|format| Quant { format, descale, n_kv_heads: p.n_kv_heads as usize });
+    // F32 K/V are addressed in u16 units: every stride and offset of K and V doubles
+    // (quantised K/V in bytes, their own units).
     let kvu = if kv == Kv::F32 { 2 } else { 1 };
     let u = |x: i32| x as usize;
     let z = |x: i64| x as usize;
@@ -261,6 +290,7 @@ pub(super) fn run<const DK: usize, const DV: usize>(r: &RecordedPrefill<'_>, isa
         amx: super::amx::products(kv == Kv::BF16),
         packed: std::ptr::null(),
         pages: paged.as_ref().map(|(pages, _, _)| *pages),
+        quant,
     };
     // A paged sequence's cache length is its `seqused_k`, its rows found through its table row.
     let used = |b: usize, lk: usize| paged.as_ref().map_or(lk, |(_, used, _)| used[b]);

@@ -10,6 +10,19 @@
 /// Lanes per vector.
 pub const W: usize = 16;
 
+/// The half whose value is an FP8 E4M3 byte's times 2^-8 (NaN for 0x7f / 0xff):
+/// [`Simd::load_e4m3`]'s lanes.
+#[inline(always)]
+pub fn e4m3_half(b: u8) -> u16 {
+    let mag = (b & 0x7f) as u16;
+    let h = ((b as u16 & 0x80) << 8) | (mag << 7);
+    if mag == 0x7f {
+        0xffff
+    } else {
+        h
+    }
+}
+
 /// A 16-lane f32 vector type and its operations.
 pub trait Simd: Copy + Send + Sync + 'static {
     type V: Copy;
@@ -25,6 +38,27 @@ pub trait Simd: Copy + Send + Sync + 'static {
     unsafe fn load_f16(p: *const u16) -> Self::V;
     /// Load 16 bfloat16 values and widen them (exact: the top half of an f32).
     unsafe fn load_bf16(p: *const u16) -> Self::V;
+    /// Load 16 FP8 E5M2 bytes and widen them (exact: each is the top byte of a half).
+    #[inline(always)]
+    unsafe fn load_e5m2(p: *const u8) -> Self::V {
+        let b = std::ptr::read_unaligned(p as *const [u8; W]);
+        Self::load_f16(b.map(|x| (x as u16) << 8).as_ptr())
+    }
+    /// Load 16 FP8 E4M3 (`float8_e4m3fn`) bytes and widen them, exactly: a byte's bits less
+    /// its sign, shifted to a half's exponent and mantissa, are its value times 2^-8 (the
+    /// biases 7 and 15 differ by 8; E4M3's subnormals land on halves, normal or not), the
+    /// sign is the half's, 0x7f / 0xff become NaN (E4M3 has no infinity), and 2^8 is exact.
+    #[inline(always)]
+    unsafe fn load_e4m3(p: *const u8) -> Self::V {
+        let b = std::ptr::read_unaligned(p as *const [u8; W]);
+        Self::mul(Self::load_f16(b.map(e4m3_half).as_ptr()), Self::splat(256.0))
+    }
+    /// Load 16 int8 values and widen them (exact).
+    #[inline(always)]
+    unsafe fn load_i8(p: *const u8) -> Self::V {
+        let b = std::ptr::read_unaligned(p as *const [i8; W]);
+        Self::load(b.map(|x| x as f32).as_ptr())
+    }
     /// Round every lane to the nearest half (ties to even) and widen back.
     unsafe fn round_half(v: Self::V) -> Self::V;
     /// `a * b + c`, fused where the hardware has it.
@@ -320,6 +354,23 @@ mod x86 {
 
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
+    /// 16 FP8 E5M2 bytes as halves (16-bit lanes): the byte is the half's top byte.
+    #[inline(always)]
+    unsafe fn e5m2_halves(p: *const u8) -> __m256i {
+        _mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)))
+    }
+
+    /// 16 FP8 E4M3 bytes as the halves of `super::e4m3_half` (16-bit lanes): the byte's
+    /// value times 2^-8, NaN (all ones) for 0x7f / 0xff.
+    #[inline(always)]
+    unsafe fn e4m3_halves(p: *const u8) -> __m256i {
+        let w = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+        let mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+        let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(w, _mm256_set1_epi16(0x80)));
+        let nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
+        _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16::<7>(mag), sign), nan)
+    }
+
     /// AVX-512F (with F16C conversions through `vcvtph2ps`/`vcvtps2ph` on zmm).
     #[derive(Clone, Copy)]
     pub struct Avx512;
@@ -348,6 +399,18 @@ mod x86 {
         unsafe fn load_bf16(p: *const u16) -> __m512 {
             let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
+        }
+        #[inline(always)]
+        unsafe fn load_e5m2(p: *const u8) -> __m512 {
+            _mm512_cvtph_ps(e5m2_halves(p))
+        }
+        #[inline(always)]
+        unsafe fn load_e4m3(p: *const u8) -> __m512 {
+            _mm512_mul_ps(_mm512_cvtph_ps(e4m3_halves(p)), _mm512_set1_ps(256.0))
+        }
+        #[inline(always)]
+        unsafe fn load_i8(p: *const u8) -> __m512 {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
         }
         #[inline(always)]
         unsafe fn round_half(v: __m512) -> __m512 {
@@ -540,6 +603,28 @@ mod x86 {
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
             };
             Pair(widen(p), widen(p.add(W / 2)))
+        }
+        #[inline(always)]
+        unsafe fn load_e5m2(p: *const u8) -> Pair {
+            let h = e5m2_halves(p);
+            Pair(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)))
+        }
+        #[inline(always)]
+        unsafe fn load_e4m3(p: *const u8) -> Pair {
+            let h = e4m3_halves(p);
+            let s = _mm256_set1_ps(256.0);
+            Pair(
+                _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s),
+                _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)), s),
+            )
+        }
+        #[inline(always)]
+        unsafe fn load_i8(p: *const u8) -> Pair {
+            let b = _mm_loadu_si128(p as *const __m128i);
+            Pair(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(b))),
+            )
         }
         #[inline(always)]
         unsafe fn round_half(v: Pair) -> Pair {
@@ -1036,6 +1121,40 @@ mod tests {
         }
     }
 
+    /// The FP8 and int8 loaders against each byte's value (E4M3 from its fields; E5M2 the
+    /// half whose top byte it is), every byte in every lane, bit for bit (NaN as NaN).
+    fn check_quant_loads<S: Simd>() {
+        let e4m3 = |b: u8| {
+            let (e, m) = ((b >> 3) & 0xf, b & 7);
+            let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+            if e == 15 && m == 7 {
+                f32::NAN
+            } else if e == 0 {
+                sign * m as f32 * 2f32.powi(-9)
+            } else {
+                sign * (1.0 + m as f32 / 8.0) * 2f32.powi(e as i32 - 7)
+            }
+        };
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        for shift in 0..W {
+            let bytes: Vec<u8> = (0..256 + W).map(|i| (i + shift) as u8).collect();
+            for chunk in bytes.chunks_exact(W) {
+                let (mut a, mut b, mut c) = ([0f32; W], [0f32; W], [0f32; W]);
+                unsafe {
+                    S::store(a.as_mut_ptr(), S::load_e4m3(chunk.as_ptr()));
+                    S::store(b.as_mut_ptr(), S::load_e5m2(chunk.as_ptr()));
+                    S::store(c.as_mut_ptr(), S::load_i8(chunk.as_ptr()));
+                }
+                for (e, &x) in chunk.iter().enumerate() {
+                    assert!(same(a[e], e4m3(x)), "{} e4m3 {x:#x}: {}", S::NAME, a[e]);
+                    let h = half::f16::from_bits((x as u16) << 8).to_f32();
+                    assert!(same(b[e], h), "{} e5m2 {x:#x}: {}", S::NAME, b[e]);
+                    assert_eq!(c[e], x as i8 as f32, "{} i8 {x:#x}", S::NAME);
+                }
+            }
+        }
+    }
+
     #[test]
     fn every_detected_isa_matches_the_reference_math() {
         check_nearest_stores_and_pairs::<Portable>();
@@ -1046,6 +1165,7 @@ mod tests {
         check_bf16::<Portable>();
         check_bf16_rounding_and_stores::<Portable>();
         check_transpose::<Portable>();
+        check_quant_loads::<Portable>();
         #[cfg(target_arch = "x86_64")]
         {
             if has_avx2() {
@@ -1057,6 +1177,7 @@ mod tests {
                 check_bf16_rounding_and_stores::<Avx2>();
                 check_transpose::<Avx2>();
                 check_nearest_stores_and_pairs::<Avx2>();
+                check_quant_loads::<Avx2>();
             }
             if has_avx512() {
                 check_exp::<Avx512>();
@@ -1067,6 +1188,7 @@ mod tests {
                 check_bf16_rounding_and_stores::<Avx512>();
                 check_transpose::<Avx512>();
                 check_nearest_stores_and_pairs::<Avx512>();
+                check_quant_loads::<Avx512>();
             }
         }
     }

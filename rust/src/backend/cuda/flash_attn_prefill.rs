@@ -22,11 +22,11 @@ use super::launch::{
     contract, device_addr, device_addr_or_null, no_split, CudaKernel, Launch, PrepareContext, Variant,
 };
 use crate::error::{MlxError, Result};
-use crate::interface::{Dispatch, RunOptions};
+use crate::interface::{BoundArg, Dispatch, RunOptions};
 pub use crate::options::CtaPairs;
 use crate::params::{
-    FlashAttnPrefillParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_MASK, PREFILL_OFFSET, PREFILL_VARLEN,
-    PREFILL_WINDOW_RIGHT,
+    FlashAttnPrefillParamsGpu, PagedKvParamsGpu, PREFILL_ALIBI_SLOPES, PREFILL_CAUSAL, PREFILL_MASK, PREFILL_OFFSET,
+    PREFILL_PAGED, PREFILL_VARLEN, PREFILL_WINDOW_RIGHT,
 };
 use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
 
@@ -35,7 +35,10 @@ use crate::recorded::{Broken, RecordedMaskBlk, RecordedPrefill};
 /// `_pair_queries`; head dims 64, 128, 256 and 512), with `wide` also those in the shape
 /// without the explicit mask's tiles (`_wide`; head dim 128) where `WIDE_LAUNCHED`; else it runs the portable form
 /// everywhere. Where it runs the portable form,
-/// `<entry>_xf` is the one with SPEC 10's score transforms.
+/// `<entry>_xf` is the one with SPEC 10's score transforms. Paged K/V (SPEC 11) runs
+/// `<entry>_paged` (and `<entry>_xf_paged` in the portable form with the transforms): the
+/// one-CTA forms instantiated with loaders that read each row through the block table, in
+/// a module of their own that only a paged launch compiles ([`CudaKernel::paged_variants`]).
 macro_rules! attention_kernel {
     ($name:literal, $entry:literal, $dk:literal, $dv:literal, pairs) => {
         attention_kernel!($name, $entry, $dk, $dv, [Variant::PairHeads, Variant::PairQueries])
@@ -63,6 +66,7 @@ macro_rules! attention_kernel {
             hopper_variants: $variants,
             hopper_form: true,
             portable_variants: &[Variant::ScoreTransforms],
+            paged: true,
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
             merge_entry: Some(MERGE_ENTRY),
@@ -76,6 +80,7 @@ macro_rules! attention_kernel {
             hopper_variants: &[],
             hopper_form: false,
             portable_variants: &[Variant::ScoreTransforms],
+            paged: true,
             shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
             merge_entry: Some(MERGE_ENTRY),
@@ -121,6 +126,7 @@ pub const KERNELS: &[CudaKernel] = &[
         hopper_variants: &[],
         hopper_form: false,
         portable_variants: &[],
+        paged: false,
         shared_bytes: |_| None,
         prepare: |pc, d, _| prepare_mask_blk(pc, d),
         merge_entry: None,
@@ -159,6 +165,17 @@ struct AttentionLaunch {
     reserved: i32,
     /// Device address of the ALiBi slopes (`PREFILL_ALIBI_SLOPES`), else 0.
     alibi_slopes: u64,
+}
+
+/// The kernel's `Launch` block: [`AttentionLaunch`], followed in a paged module
+/// (`MLXN_PAGED_ENTRIES`, whose entry points a paged launch runs: `pages`) by the
+/// [`PagedPointers`] its `Launch` adds.
+fn launch_block(block: &AttentionLaunch, pages: Option<PagedPointers>) -> Vec<u8> {
+    let mut bytes = bytemuck::bytes_of(block).to_vec();
+    if let Some(g) = &pages {
+        bytes.extend_from_slice(bytemuck::bytes_of(g));
+    }
+    bytes
 }
 
 const FLAG_Q_ALIGNED: i32 = 1;
@@ -344,6 +361,57 @@ pub struct AttentionPointers {
     pub sinks: u64,
     /// F32 ALiBi slopes (`PREFILL_ALIBI_SLOPES`).
     pub alibi_slopes: u64,
+    /// Paged K/V (`PREFILL_PAGED`, SPEC 11), else `None`.
+    pub pages: Option<PagedPointers>,
+}
+
+/// The paged K/V of a launch (SPEC 11): the device addresses of the I32 block table
+/// `[batch, table_stride]` and of the I32 cache lengths `seqused_k` `[batch]`, and the block
+/// size. The launch's params block then carries the caches' strides as K/V's (the block
+/// stride as the batch stride): [`paged_params`].
+/// In this order the tail of a paged module's launch block ([`launch_block`]; the device's
+/// `Launch` with `MLXN_PAGED_ENTRIES`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct PagedPointers {
+    pub block_table: u64,
+    pub seqused_k: u64,
+    pub table_stride: i32,
+    pub block_size: i32,
+}
+
+/// The params block a paged prefill launches with: the op's (whose K/V strides are 0,
+/// describing no tensor) with the caches' (block, row, head) strides as K/V's (batch, row,
+/// head) strides. The kernels read a row's block through the table and step by the block
+/// stride; the alignment flags follow from the same strides.
+pub fn paged_params(p: &FlashAttnPrefillParamsGpu, pk: &PagedKvParamsGpu) -> FlashAttnPrefillParamsGpu {
+    FlashAttnPrefillParamsGpu {
+        k_batch_stride: pk.k_block_stride,
+        k_row_stride: pk.k_row_stride,
+        k_head_stride: pk.k_head_stride,
+        v_batch_stride: pk.v_block_stride,
+        v_row_stride: pk.v_row_stride,
+        v_head_stride: pk.v_head_stride,
+        ..*p
+    }
+}
+
+/// Whether a params block of one of this op's kernels is a paged prefill's (`PREFILL_PAGED`):
+/// it never runs in the CTA-pair forms (their TMA tensor maps address contiguous K/V), and
+/// it runs the kernel's paged module ([`CudaKernel::paged_variants`]).
+pub fn is_paged(kernel_name: &str, params: &[u8]) -> bool {
+    KERNELS.iter().any(|k| k.name == kernel_name && k.paged)
+        && params.len() == std::mem::size_of::<FlashAttnPrefillParamsGpu>()
+        && bytemuck::pod_read_unaligned::<FlashAttnPrefillParamsGpu>(params).flags & PREFILL_PAGED != 0
+}
+
+/// [`is_paged`] of a dispatch (its params block at `attention_slot::PARAMS`).
+pub fn dispatch_is_paged(d: &Dispatch) -> bool {
+    let params = d.args.iter().find_map(|(i, a)| match a {
+        BoundArg::Bytes(b) if *i == crate::recorded::attention_slot::PARAMS => Some(b.as_slice()),
+        _ => None,
+    });
+    params.is_some_and(|b| is_paged(d.pipeline.name(), b))
 }
 
 /// Whether O's base and strides allow its two-element stores (`FLAG_OUT_ALIGNED`).
@@ -425,7 +493,8 @@ fn merge_launch(
     let mut l = Launch::new(grid, [MERGE_ROWS * 32, 1, 1], 0);
     l.push_bytes(bytemuck::bytes_of(p));
     l.push_bytes(bytemuck::bytes_of(pw));
-    l.push_bytes(bytemuck::bytes_of(&block));
+    // (A paged launch's merge is the paged module's: its launch block has the pages too.)
+    l.push_bytes(&launch_block(&block, b.pages));
     for ptr in [bw.out, bw.lse, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
         l.push_ptr(ptr);
     }
@@ -482,7 +551,11 @@ fn part_launch(
     let mut maps = None;
     let mut mode = None;
     let fixed = p.flags & PREFILL_VARLEN == 0;
-    if let Some(heads_allowed) = if variants && hopper && fixed { pair_setting(&pc.options) } else { None } {
+    // Paged K/V: the one-CTA form (its cp.async loaders read each row through the table).
+    let contiguous = b.pages.is_none();
+    if let Some(heads_allowed) =
+        if variants && hopper && fixed && contiguous { pair_setting(&pc.options) } else { None }
+    {
         let (nkv, kvl, nb) = (p.n_kv_heads as u32, p.kv_len as u32, p.batch as u32);
         let km = kv_tensor_map(b.k, head_dim, nkv, kvl, nb, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]);
         let vm = kv_tensor_map(b.v, head_dim, nkv, kvl, nb, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]);
@@ -529,7 +602,7 @@ fn part_launch(
     let threads = if maps.is_some() && ws_form(head_dim) { ws_threads(head_dim) } else { ATTENTION_THREADS };
     let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32 * parts], [threads, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(p));
-    l.push_bytes(bytemuck::bytes_of(&launch));
+    l.push_bytes(&launch_block(&launch, b.pages));
     for ptr in [b.q, b.k, b.v, b.mask, b.blk, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
         l.push_ptr(ptr);
     }
@@ -541,9 +614,13 @@ fn part_launch(
         let wide = wide_form(head_dim) && p.flags & PREFILL_MASK == 0;
         l.variant = mode.map(|m| m.variant(wide));
     }
-    if !hopper && (p.softcap > 0.0 || p.max_bias > 0.0 || slopes) {
-        l.variant = Some(Variant::ScoreTransforms);
-    }
+    let transforms = !hopper && (p.softcap > 0.0 || p.max_bias > 0.0 || slopes);
+    l.variant = match (b.pages.is_some(), transforms) {
+        (true, true) => Some(Variant::PagedScoreTransforms),
+        (true, false) => Some(Variant::Paged),
+        (false, true) => Some(Variant::ScoreTransforms),
+        (false, false) => l.variant,
+    };
     Ok(l)
 }
 
@@ -563,6 +640,15 @@ pub fn attention_pointers(pc: &PrepareContext<'_>, name: &str, r: &RecordedPrefi
         cu_k: opt(r.cu_seqlens.map(|c| c.1))?,
         sinks: opt(r.sinks)?,
         alibi_slopes: opt(r.alibi_slopes)?,
+        pages: match &r.paged {
+            Some(pg) => Some(PagedPointers {
+                block_table: addr(pg.block_table)?,
+                seqused_k: addr(pg.seqused_k)?,
+                table_stride: pg.params.max_blocks,
+                block_size: pg.params.block_size,
+            }),
+            None => None,
+        },
     })
 }
 
@@ -570,8 +656,15 @@ fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bo
     let name = d.pipeline.name();
     // The op validated the dispatch; a kernel that writes device memory checks what it
     // relies on (`RecordedPrefill`: the block's contract, every buffer's extent).
+    // Paged K/V included (SPEC 11: the decoder checked the caches, the table and the lengths
+    // against the paged block; the op checked the table's entries before it uploaded them).
     let r = RecordedPrefill::decode(d)?.map_err(|Broken(what)| contract(name, what))?;
-    let p = &r.params;
+    if r.paged.is_some() != pc.paged {
+        // Their launch blocks differ (`launch_block`): never one with the other's entry point.
+        return Err(contract(name, "paged K/V runs the paged module's entry points, and only it does"));
+    }
+    let paged = r.paged.as_ref().map(|pg| paged_params(&r.params, &pg.params));
+    let p = paged.as_ref().unwrap_or(&r.params);
     if (p.head_dim as u32, p.head_dim_v as u32) != dims {
         return Err(contract(name, "the params block's head dims are not the kernel's"));
     }
@@ -613,6 +706,7 @@ mod tests {
     fn the_kernel_blocks_have_their_sizes() {
         assert_eq!(std::mem::size_of::<FlashAttnPrefillParamsGpu>(), 224);
         assert_eq!(std::mem::size_of::<AttentionLaunch>(), 48);
+        assert_eq!(std::mem::size_of::<PagedPointers>(), 24); // a paged module's Launch: 72 bytes
     }
 
     /// A params block of `rows` queries against `kv` cache rows with these flags and sides.
@@ -762,6 +856,32 @@ mod tests {
         }
         assert_eq!(pair_shared_bytes(256), Some(WS_SHARED_BYTES));
         assert_eq!(pair_shared_bytes(512), Some(214_592));
+    }
+
+    /// Every attention kernel has a paged K/V module: the one-CTA Hopper form's `_paged`
+    /// where it runs that form, else the portable form's `_paged` and `_xf_paged`; none of
+    /// them is among the variants of the module every call loads (they are compiled only
+    /// for a paged launch).
+    #[test]
+    fn each_attention_kernel_has_its_paged_entries_apart() {
+        for k in KERNELS {
+            assert_eq!(k.paged, k.merge_entry.is_some(), "{}", k.name);
+            if !k.paged {
+                assert!(k.paged_variants(true).is_empty() && k.paged_variants(false).is_empty());
+                continue;
+            }
+            let names = |hopper| k.paged_variants(hopper).iter().map(|v| v.entry(k.entry)).collect::<Vec<_>>();
+            if k.hopper_form {
+                assert_eq!(names(true), [format!("{}_paged", k.entry)]);
+            }
+            assert_eq!(names(false), [format!("{}_paged", k.entry), format!("{}_xf_paged", k.entry)]);
+            assert!(k.paged_variants(true).iter().chain(k.paged_variants(false)).all(|v| v.is_paged()));
+            assert!(!k.hopper_variants.iter().chain(k.portable_variants).any(|v| v.is_paged()), "{}", k.name);
+        }
+        let others = super::super::flash_attn_prefill_tensor::KERNELS.iter();
+        for k in others.chain(super::super::flash_attn_prefill_blk::KERNELS) {
+            assert!(!k.paged, "{}: the origin op and the classifier read no paged K/V", k.name);
+        }
     }
 
     /// The threads the host launches the warp-specialised pair forms with are the kernel's

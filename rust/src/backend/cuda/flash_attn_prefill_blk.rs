@@ -14,6 +14,7 @@ pub const KERNELS: &[CudaKernel] = &[CudaKernel {
     hopper_variants: &[],
     hopper_form: false,
     portable_variants: &[],
+    paged: false,
     shared_bytes: |_| None,
     prepare: |pc, d, _| prepare(pc, d),
     merge_entry: None,

@@ -29,6 +29,10 @@ pub struct CudaKernel {
     /// Entry points it may launch instead where it runs its portable form (the form with
     /// SPEC 10's score transforms).
     pub portable_variants: &'static [Variant],
+    /// Whether its source has paged K/V entry points (SPEC 11, [`CudaKernel::paged_variants`]).
+    /// They are a module of their own, compiled for the first paged launch
+    /// (`nvrtc::module_options`), not in the module the variants above come from.
+    pub paged: bool,
     /// Dynamic shared memory one CTA needs beyond the default 48 KiB; `hopper`: it runs its
     /// Hopper form.
     pub shared_bytes: fn(hopper: bool) -> Option<u32>,
@@ -45,6 +49,19 @@ pub struct CudaKernel {
     pub split: fn(hopper: bool, multiprocessors: u32, params: &[u8], forced_splits: Option<u32>) -> Option<KvSplit>,
 }
 
+impl CudaKernel {
+    /// The entry points of its paged K/V module (`-DMLXN_PAGED_ENTRIES=1`) in the form it
+    /// runs (`hopper`: the Hopper form's one-CTA `_paged`; else the portable form's `_paged`
+    /// and `_xf_paged`); none where it has no such module.
+    pub fn paged_variants(&self, hopper: bool) -> &'static [Variant] {
+        match (self.paged, hopper) {
+            (false, _) => &[],
+            (true, true) => &[Variant::Paged],
+            (true, false) => &[Variant::Paged, Variant::PagedScoreTransforms],
+        }
+    }
+}
+
 /// An entry point a kernel may launch instead of its plain one, named `<entry><suffix>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
@@ -59,6 +76,11 @@ pub enum Variant {
     PairQueriesWide,
     /// The portable form with SPEC 10's score transforms (softcap, ALiBi).
     ScoreTransforms,
+    /// The one-CTA form on paged K/V (SPEC 11: the Hopper form's, or the portable form's
+    /// without the score transforms), from the kernel's paged module.
+    Paged,
+    /// The portable form with the score transforms on paged K/V, from the paged module.
+    PagedScoreTransforms,
 }
 
 impl Variant {
@@ -70,7 +92,15 @@ impl Variant {
             Variant::PairHeadsWide => "_pair_heads_wide",
             Variant::PairQueriesWide => "_pair_queries_wide",
             Variant::ScoreTransforms => "_xf",
+            Variant::Paged => "_paged",
+            Variant::PagedScoreTransforms => "_xf_paged",
         }
+    }
+
+    /// Whether it is an entry point of a kernel's paged K/V module
+    /// ([`CudaKernel::paged_variants`]).
+    pub fn is_paged(self) -> bool {
+        matches!(self, Variant::Paged | Variant::PagedScoreTransforms)
     }
 
     /// Its entry point for a kernel whose plain one is `entry`.
@@ -92,6 +122,9 @@ pub struct PrepareContext<'a> {
     pub hopper: bool,
     /// The dispatch's run options (its plan's): the CTA pairs and KV splits it allows.
     pub options: RunOptions,
+    /// The kernel runs from its paged K/V module ([`CudaKernel::paged_variants`]), whose
+    /// launch block is longer.
+    pub paged: bool,
 }
 
 /// One launch, ready: geometry and the bytes of each kernel parameter.
@@ -103,7 +136,8 @@ pub struct Launch {
     params: Vec<Vec<u64>>,
     /// The variant to launch instead of the plain entry point (one of the kernel's
     /// [`CudaKernel::hopper_variants`] in the Hopper form, [`CudaKernel::portable_variants`]
-    /// in the portable one; another is an error, never the plain entry point in its place).
+    /// in the portable one, [`CudaKernel::paged_variants`] on paged K/V; another is an error,
+    /// never the plain entry point in its place).
     pub variant: Option<Variant>,
     /// A launch of the kernel's [`CudaKernel::merge_entry`] right after this one, on the same
     /// stream (it reads what this one wrote).

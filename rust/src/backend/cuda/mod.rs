@@ -63,9 +63,10 @@ pub struct CudaContext {
     pub multiprocessors: i32,
     /// Most shared memory one block may opt in to, bytes.
     pub max_shared_per_block: i32,
-    /// Loaded modules by source (file name and text) and architecture (one module holds all entry
-    /// points of a file).
-    modules: Mutex<HashMap<(u64, String), Module>>,
+    /// Loaded modules by source (file name and text), architecture and entry set (one module
+    /// holds all entry points of a file; a second one, its paged K/V entry points, is built
+    /// for a paged launch: [`nvrtc::module_options`]).
+    modules: Mutex<HashMap<(u64, String, bool), Module>>,
 }
 
 #[derive(Clone, Copy)]
@@ -188,9 +189,9 @@ impl CudaContext {
         )
     }
 
-    /// The module of `source` for `arch` (compiled or loaded once), and its function
-    /// `entry`.
-    fn function(&self, src: SourceFile, entry: &str, arch: &str) -> Result<CuFunction> {
+    /// The module of `source` for `arch` (compiled or loaded once; `paged`: its module of
+    /// paged K/V entry points), and its function `entry`.
+    fn function(&self, src: SourceFile, entry: &str, arch: &str, paged: bool) -> Result<CuFunction> {
         let text = sources::compiled_source(src)?;
         let (file, source) = (src.name, text.as_str());
         let d = self.bind()?;
@@ -203,18 +204,19 @@ impl CudaContext {
                 h.finish()
             },
             arch.to_string(),
+            paged,
         );
         let module = {
             let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
             match mods.get(&key) {
                 Some(m) => *m,
                 None => {
-                    let m = match load_module(d, &nvrtc::cubin(file, source, arch)?) {
+                    let m = match load_module(d, &nvrtc::cubin(file, source, arch, paged)?) {
                         Ok(m) => m,
                         Err(_) => {
                             // A damaged cache file: compile afresh once.
-                            nvrtc::forget(file, source, arch);
-                            load_module(d, &nvrtc::cubin(file, source, arch)?)?
+                            nvrtc::forget(file, source, arch, paged);
+                            load_module(d, &nvrtc::cubin(file, source, arch, paged)?)?
                         }
                     };
                     mods.insert(key, Module(m));
@@ -277,7 +279,10 @@ pub struct CudaPipeline {
     entry: String,
     merge_entry: Option<&'static str>,
     arch: String,
-    /// Its source, for the same kernel in another form (a plan's `cuda_form`).
+    /// Built from the source's paged K/V module ([`CudaKernel::paged_variants`]: `function`
+    /// is the `_paged` entry point), which a paged launch runs.
+    paged: bool,
+    /// Its source, for the same kernel in another form (a plan's `cuda_form`) or on paged K/V.
     src: SourceFile,
 }
 
@@ -288,9 +293,9 @@ unsafe impl Sync for CudaPipeline {}
 /// A CUDA device.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
-    /// Kernels built in another form than the device's own (a plan's `cuda_form`), by name
-    /// and architecture, built on first use.
-    other_forms: Mutex<HashMap<(String, String), Pipeline>>,
+    /// Kernels built in another form than the device's own (a plan's `cuda_form`) or from
+    /// their paged K/V module, by name, architecture and module, built on first use.
+    other_forms: Mutex<HashMap<(String, String, bool), Pipeline>>,
 }
 
 impl CudaBackend {
@@ -299,16 +304,17 @@ impl CudaBackend {
         Ok(CudaBackend { ctx: CudaContext::get(ordinal)?, other_forms: Mutex::new(HashMap::new()) })
     }
 
-    /// The pipeline of `p`'s kernel built for `arch` (`p` itself where it was).
-    fn in_form(&self, pipeline: &Pipeline, p: &CudaPipeline, arch: String) -> Result<Pipeline> {
-        if p.arch == arch {
+    /// The pipeline of `p`'s kernel built for `arch` from the module of its contiguous or
+    /// (`paged`) its paged K/V entry points (`p` itself where it was).
+    fn in_form(&self, pipeline: &Pipeline, p: &CudaPipeline, arch: String, paged: bool) -> Result<Pipeline> {
+        if p.arch == arch && p.paged == paged {
             return Ok(pipeline.clone());
         }
-        let key = (pipeline.name().to_string(), arch);
+        let key = (pipeline.name().to_string(), arch, paged);
         if let Some(other) = self.other_forms.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(other.clone());
         }
-        let other = self.build(pipeline.name(), p.src, &key.1)?;
+        let other = self.build(pipeline.name(), p.src, &key.1, paged)?;
         self.other_forms.lock().unwrap_or_else(|e| e.into_inner()).insert(key, other.clone());
         Ok(other)
     }
@@ -388,7 +394,8 @@ impl Backend for CudaBackend {
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
         let src =
             source.cuda.ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
-        self.build(name, src, &self.ctx.arch())
+        // The contiguous module: a paged launch builds its own on first use (`launch_all`).
+        self.build(name, src, &self.ctx.arch(), false)
     }
 
     fn choices(&self, kernel_name: &str, params: &[u8], options: &RunOptions) -> Choices {
@@ -399,7 +406,9 @@ impl Backend for CudaBackend {
         let split = k.and_then(|k| (k.split)(hopper, sms, params, kv_split::forced_parts(options)));
         // Pairs run only in the Hopper form of a kernel that has them (and where TMA can
         // address K and V, which each run decides from its addresses).
-        let pairs = if hopper && k.is_some_and(|k| !k.hopper_variants.is_empty()) {
+        // Paged K/V runs the one-CTA forms (`flash_attn_prefill::is_paged`).
+        let paged = flash_attn_prefill::is_paged(kernel_name, params);
+        let pairs = if hopper && !paged && k.is_some_and(|k| !k.hopper_variants.is_empty()) {
             flash_attn_prefill::pairs_of(options).name()
         } else {
             "off"
@@ -432,29 +441,37 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// The pipeline of kernel `name` from `src`, built for `arch`.
-    fn build(&self, name: &str, src: SourceFile, arch: &str) -> Result<Pipeline> {
+    /// The pipeline of kernel `name` from `src`, built for `arch`; `paged`: from the source's
+    /// module of paged K/V entry points (compiled with `-DMLXN_PAGED_ENTRIES=1`, only for a
+    /// paged launch), whose plain function is the `_paged` one.
+    fn build(&self, name: &str, src: SourceFile, arch: &str, paged: bool) -> Result<Pipeline> {
         let kernel = kernel(name);
         let arch = arch.to_string();
         // The Hopper form runs where the module is built for sm_90a and the kernel has one.
         let hopper = is_hopper_arch(&arch) && kernel.is_some_and(|k| k.hopper_form);
-        let function = self.ctx.function(src, kernel.map_or(name, |k| k.entry), &arch)?;
-        let d = self.ctx.bind()?;
-        let entry = kernel.map_or(name, |k| k.entry);
+        let base = kernel.map_or(name, |k| k.entry);
         let variant_list: &[Variant] = match kernel {
+            Some(k) if paged => k.paged_variants(hopper),
             Some(k) if hopper => k.hopper_variants,
             Some(k) => k.portable_variants,
             None => &[],
         };
+        if paged && variant_list.is_empty() {
+            return Err(MlxError::Internal(format!("{name}: no paged K/V entry points")));
+        }
+        let entry = if paged { Variant::Paged.entry(base) } else { base.to_string() };
+        let function = self.ctx.function(src, &entry, &arch, paged)?;
+        let d = self.ctx.bind()?;
         let variants = variant_list
             .iter()
             .map(|&v| {
-                let e = v.entry(entry);
-                Ok((v, self.ctx.function(src, &e, &arch)?, e))
+                let e = v.entry(base);
+                Ok((v, self.ctx.function(src, &e, &arch, paged)?, e))
             })
             .collect::<Result<Vec<_>>>()?;
+        // (Each module has the merge: every attention source includes it.)
         let merge = match kernel.and_then(|k| k.merge_entry) {
-            Some(entry) => Some(self.ctx.function(src, entry, &arch)?),
+            Some(entry) => Some(self.ctx.function(src, entry, &arch, paged)?),
             None => None,
         };
         if let Some(smem) = kernel.and_then(|k| (k.shared_bytes)(hopper)) {
@@ -484,9 +501,10 @@ impl CudaBackend {
                 merge,
                 kernel,
                 hopper,
-                entry: entry.to_string(),
+                entry,
                 merge_entry: kernel.and_then(|k| k.merge_entry),
                 arch,
+                paged,
                 src,
             }),
         ))
@@ -497,10 +515,13 @@ impl CudaBackend {
         let d = self.ctx.bind()?;
         for dispatch in dispatches {
             let mut p = cuda_pipeline(&dispatch.pipeline)?;
-            // The form the dispatch's options ask for (its plan's `cuda_form`), built once.
+            // The form the dispatch's options ask for (its plan's `cuda_form`), and on paged K/V
+            // the kernel's paged module, each built once.
+            let arch = dispatch.options.cuda_form.map_or_else(|| p.arch.clone(), |f| self.ctx.arch_for(Some(f)));
+            let paged = flash_attn_prefill::dispatch_is_paged(dispatch);
             let other;
-            if let Some(form) = dispatch.options.cuda_form {
-                other = self.in_form(&dispatch.pipeline, p, self.ctx.arch_for(Some(form)))?;
+            if arch != p.arch || paged != p.paged {
+                other = self.in_form(&dispatch.pipeline, p, arch, paged)?;
                 p = cuda_pipeline(&other)?;
             }
             if !Arc::ptr_eq(&p.ctx, &self.ctx) {
@@ -540,7 +561,7 @@ impl CudaBackend {
                     ))
                 }),
             };
-            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper, options: dispatch.options };
+            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper, options: dispatch.options, paged: p.paged };
             let prepare = |variants: bool| match p.kernel {
                 Some(k) => (k.prepare)(&pc, dispatch, variants && !p.variants.is_empty()),
                 None => launch::launch_as_encoded(&self.ctx, dispatch),
@@ -607,12 +628,23 @@ fn cuda_pipeline(pipeline: &Pipeline) -> Result<&CudaPipeline> {
 /// Compile the CUDA sources `files` for `arch` (no device needed): the compiler's report
 /// (ptxas resource usage per entry point), or the first compile error. A file that
 /// [`crate::settings::CUDA_SOURCE_DIR`] replaces is compiled in its replaced form, as a device would run it.
+/// The modules every call loads; [`compile_check_paged`] for the paged K/V ones.
 pub fn compile_check(arch: &str, files: &[SourceFile]) -> Result<String> {
+    compile_check_modules(arch, files, false)
+}
+
+/// [`compile_check`] of the sources' paged K/V modules (`-DMLXN_PAGED_ENTRIES=1`, which a
+/// paged launch compiles: [`nvrtc::module_options`]).
+pub fn compile_check_paged(arch: &str, files: &[SourceFile]) -> Result<String> {
+    compile_check_modules(arch, files, true)
+}
+
+fn compile_check_modules(arch: &str, files: &[SourceFile], paged: bool) -> Result<String> {
     let mut report = String::new();
     for &f in files {
         let text = sources::compiled_source(f)?;
-        let log = nvrtc::compile_report(f.name, &text, arch)?;
-        report.push_str(&format!("== {} ({arch})\n{log}\n", f.name));
+        let log = nvrtc::compile_report(f.name, &text, arch, paged)?;
+        report.push_str(&format!("== {} ({arch}{})\n{log}\n", f.name, if paged { ", paged" } else { "" }));
     }
     Ok(report)
 }

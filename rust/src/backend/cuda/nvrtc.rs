@@ -228,13 +228,26 @@ impl Nvrtc {
     }
 }
 
-/// The options a kernel is compiled with for `arch` (`sm_90a`, `sm_80`, ...).
-/// `MLX_NATIVE_CUDA_DEFINES` adds `-D` options (a development knob, for timing variants of
-/// a kernel; anything else in it is ignored).
+/// The options a kernel is compiled with for `arch` (`sm_90a`, `sm_80`, ...): those of the
+/// module every call loads ([`module_options`] without the paged entry points).
 pub fn options(arch: &str) -> Vec<String> {
+    module_options(arch, false)
+}
+
+/// The options of a module for `arch`; `paged`: the module of a source's paged K/V entry
+/// points (SPEC 11), `-DMLXN_PAGED_ENTRIES=1` (`shaders/flash_attn_prefill/entry.cuh`),
+/// which the backend compiles only for a paged launch: in the module every call loads they
+/// would add half again to the compile a user's first call waits for, paged or not. The
+/// options are part of the cache key ([`cubin`]), so the two modules of a source are cached
+/// apart. `MLX_NATIVE_CUDA_DEFINES` adds `-D` options (a development knob, for timing
+/// variants of a kernel; anything else in it is ignored).
+pub fn module_options(arch: &str, paged: bool) -> Vec<String> {
     let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-lineinfo".into()];
     if super::attention_geometry::WIDE_LAUNCHED {
         o.push("-DMLXN_WS_WIDE_ENTRIES=1".into()); // the d128 file's wide entry points (tiles_sm90.cuh)
+    }
+    if paged {
+        o.push("-DMLXN_PAGED_ENTRIES=1".into());
     }
     o.extend(crate::settings::get().cuda_defines.iter().cloned());
     o
@@ -289,12 +302,13 @@ pub fn cache_file_name(file: &str, source: &str, arch: &str) -> Result<String> {
 type CubinKey = (u64, String);
 static CUBINS: OnceLock<Mutex<HashMap<CubinKey, Arc<Vec<u8>>>>> = OnceLock::new();
 
-/// The cubin of `source` for `arch`: from this process's cache, else the disk cache, else
-/// compiled with NVRTC (and then cached in both). A disk cache folder or file that fails
-/// the checks of [`DiskCache`] is not used (warned once on stderr); that is never an error.
-pub fn cubin(file: &str, source: &str, arch: &str) -> Result<Arc<Vec<u8>>> {
+/// The cubin of `source` for `arch` (`paged`: its module of paged K/V entry points,
+/// [`module_options`]): from this process's cache, else the disk cache, else compiled with
+/// NVRTC (and then cached in both). A disk cache folder or file that fails the checks of
+/// [`DiskCache`] is not used (warned once on stderr); that is never an error.
+pub fn cubin(file: &str, source: &str, arch: &str, paged: bool) -> Result<Arc<Vec<u8>>> {
     let nv = nvrtc()?;
-    let opts = options(arch);
+    let opts = module_options(arch, paged);
     let key = cache_key(nv, &opts, source);
     let cache = CUBINS.get_or_init(|| Mutex::new(HashMap::new()));
     if let Some(c) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&(key, arch.to_string())) {
@@ -356,9 +370,9 @@ fn fetch(nv: &Nvrtc, file: &str, source: &str, opts: &[String], name: &str, dir:
 
 /// Forget a cubin that the driver refused (a damaged cache file): the next call compiles.
 /// Removes it from this process's cache, and it and its hash file from the disk cache.
-pub fn forget(file: &str, source: &str, arch: &str) {
+pub fn forget(file: &str, source: &str, arch: &str, paged: bool) {
     if let Ok(nv) = nvrtc() {
-        let key = cache_key(nv, &options(arch), source);
+        let key = cache_key(nv, &module_options(arch, paged), source);
         if let Some(c) = CUBINS.get() {
             c.lock().unwrap_or_else(|e| e.into_inner()).remove(&(key, arch.to_string()));
         }
@@ -627,10 +641,11 @@ impl DiskCache {
     pub fn remove(&self, _name: &str) {}
 }
 
-/// Compile `source` for `arch` without a device, with ptxas's resource report: the log.
-pub fn compile_report(file: &str, source: &str, arch: &str) -> Result<String> {
+/// Compile `source` for `arch` without a device, with ptxas's resource report: the log
+/// (`paged`: of its module of paged K/V entry points, [`module_options`]).
+pub fn compile_report(file: &str, source: &str, arch: &str, paged: bool) -> Result<String> {
     let nv = nvrtc()?;
-    let mut opts = options(arch);
+    let mut opts = module_options(arch, paged);
     opts.push("--ptxas-options=-v".into());
     let (cubin, log) = nv.compile(file, source, &opts)?;
     let (maj, min) = nv.version();
@@ -716,5 +731,17 @@ mod tests {
     #[test]
     fn options_name_the_architecture() {
         assert_eq!(options("sm_90a")[0], "--gpu-architecture=sm_90a");
+    }
+
+    /// The paged K/V entry points are a module of their own, under its own cache key; the
+    /// module every call loads is built without the define.
+    #[test]
+    fn only_the_paged_module_defines_its_entries() {
+        let define = "-DMLXN_PAGED_ENTRIES=1".to_string();
+        assert!(!options("sm_90a").contains(&define));
+        assert_eq!(options("sm_80"), module_options("sm_80", false));
+        let paged = module_options("sm_90a", true);
+        assert!(paged.contains(&define));
+        assert_eq!(paged.iter().filter(|o| **o != define).cloned().collect::<Vec<_>>(), options("sm_90a"));
     }
 }

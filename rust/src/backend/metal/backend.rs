@@ -159,10 +159,6 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
     }
 
     /// Paged K/V (SPEC 11) through the `flash_attn_prefill_paged_*` entry points.
-    fn reads_paged_kv(&self) -> bool {
-        true
-    }
-
     fn paged_kv_entry_points(&self) -> bool {
         true
     }

@@ -22,7 +22,7 @@
 
 use super::amx_layout::{aligned, pack_k, pack_q, pack_vt, tile_ld};
 use super::io::{load_q, load_q_pairs, store_out_t};
-use super::pages::{row, step_rows, Which};
+use super::pages::{kv_value, row, step_rows, Which};
 use super::softmax::step_max;
 use super::transforms::transform_scores;
 use super::{grow, item_subs, plan_step, start_rows, tile_view, Elem, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
@@ -101,8 +101,8 @@ pub(super) unsafe fn pack_step<S: Simd, const DK: usize, const DV: usize>(
         let (k_src, k_rs) = step_rows(pb, seq, Which::K, g, c0, n, 0, C, DK, ks);
         let (v_src, v_rs) = step_rows(pb, seq, Which::V, g, c0, n, 0, C, DV, vs);
         let null = std::ptr::null_mut();
-        pack_k::<S, DK>(k_src, k_rs, pb.kv, 0, C, n, dkp, part.add(c0 * dkp), null);
-        pack_vt::<S, DV>(v_src, v_rs, pb.kv, 0, C, n, part.add(steps * C * dkp + step * DV * C), null);
+        pack_k::<S, DK>(k_src, k_rs, pb.kv_of(Which::K, g), 0, C, n, dkp, part.add(c0 * dkp), null);
+        pack_vt::<S, DV>(v_src, v_rs, pb.kv_of(Which::V, g), 0, C, n, part.add(steps * C * dkp + step * DV * C), null);
     })
 }
 
@@ -215,7 +215,13 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         pb.packed.add(seq.packed + g * packed_len::<DK, DV>(seq.lk))
     };
     t.configure();
-    let row_bytes = |d: usize| d * if pb.kv == Kv::F32 { 4 } else { 2 };
+    let row_bytes = |d: usize| match pb.kv {
+        Kv::F32 => 4 * d,
+        Kv::F16 | Kv::BF16 => 2 * d,
+        Kv::E4M3(_) | Kv::E5M2(_) => d,
+        Kv::Q8_0 => d / 32 * 34,
+    };
+    let (k_kv, v_kv) = (pb.kv_of(Which::K, g), pb.kv_of(Which::V, g));
     for step in 0..steps {
         let c0 = step * C;
         let n = C.min(seq.lk - c0);
@@ -234,7 +240,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         let kin = if k_in_place && k_rs == DK && pre.is_null() { (n & !15).clamp(ka, kb_end) } else { ka };
         // This step's packed K: the shared one (rows from the step's first), or this item's.
         let kb = if pre.is_null() {
-            pack_k::<S, DK>(k_src, k_rs, pb.kv, kin, kb_end, n, dkp, kb.hi, kb.lo);
+            pack_k::<S, DK>(k_src, k_rs, k_kv, kin, kb_end, n, dkp, kb.hi, kb.lo);
             kb
         } else {
             Parts { hi: pre.add(c0 * dkp) as *mut u16, lo: std::ptr::null_mut() }
@@ -259,7 +265,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
                 scores(t, sub, qk_terms, kb, dkp, q, st, ld, dkp, a.max(kin), b);
             }
             if inf {
-                redo_nan_scores::<DK>(st, ld, sub, k_src, k_rs, pb.kv, qt_b, r);
+                redo_nan_scores::<DK>(st, ld, sub, k_src, k_rs, k_kv, qt_b, r);
             }
             // The scale of exact Q: on the scores here where a transform follows (SPEC 10's
             // are of the scaled scores), else in the softmax, which reads them anyway.
@@ -272,7 +278,7 @@ pub(super) unsafe fn work_item<S: Simd, T: TileUnit, const DK: usize, const DV: 
         }
         let vt = if pre.is_null() {
             let (v_src, v_rs) = step_rows(pb, seq, Which::V, g, c0, n, sa, sb, DV, &mut sc.vpage);
-            pack_vt::<S, DV>(v_src, v_rs, pb.kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
+            pack_vt::<S, DV>(v_src, v_rs, v_kv, lo_all & !31, round_up(hi_all, 32), n, vt.hi, vt.lo);
             vt
         } else {
             Parts { hi: pre.add(steps * C * dkp + step * DV * C) as *mut u16, lo: std::ptr::null_mut() }
@@ -349,11 +355,7 @@ unsafe fn redo_nan_scores<const DK: usize>(
             let mut acc = 0.0f32;
             for d in 0..DK {
                 let row = k.add(j * k_rs);
-                let kd = match kv {
-                    Kv::F16 => half::f16::from_bits(*row.add(d)).to_f32(),
-                    Kv::BF16 => half::bf16::from_bits(*row.add(d)).to_f32(),
-                    Kv::F32 => *(row as *const f32).add(d),
-                };
+                let kd = kv_value(row, d, kv);
                 acc += kd * *qt.add(d * r + i);
             }
             *s = acc;

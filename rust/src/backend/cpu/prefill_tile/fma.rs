@@ -3,7 +3,7 @@
 //! Q.K^T and P.V run as blocked FMA loops over the transposed scores.
 
 use super::io::{load_q, store_out};
-use super::pages::{step_rows, Which};
+use super::pages::{q8_0_scale, step_rows, Which};
 use super::softmax::softmax_step;
 use super::transforms::transform_scores;
 use super::{grow, item_subs, plan_step, start_rows, Kv, Problem, Scratch, Seq, Sub, C, MAX_NT};
@@ -43,6 +43,7 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
     let subs = &mut subs[..nt];
 
     load_q::<S, DK>(pb, seq, g, subs, qt_b, r, false);
+    let (k_kv, v_kv) = (pb.kv_of(Which::K, g), pb.kv_of(Which::V, g));
     start_rows(m_b, l_b, r);
     std::ptr::write_bytes(o_b, 0, r * DV);
 
@@ -56,7 +57,7 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
             continue;
         }
         let (k_step, k_rs) = step_rows(pb, seq, Which::K, g, c0, n, lo_all, hi_all, DK, &mut sc.kpage);
-        load_tile::<S, DK>(kf, k_step, k_rs, lo_all, hi_all, n, pb.kv);
+        load_tile::<S, DK>(kf, k_step, k_rs, lo_all, hi_all, n, k_kv);
         for (k, sub) in subs.iter().enumerate() {
             if sub.lo >= sub.hi {
                 continue;
@@ -66,20 +67,29 @@ pub(super) unsafe fn work_item<S: Simd, const DK: usize, const DV: usize>(
             softmax_step::<S>(st_b, m_b, l_b, ms_b, r, sub.ib, sub.ie, sub.lo, sub.hi);
         }
         let (v_step, v_rs) = step_rows(pb, seq, Which::V, g, c0, n, lo_all, hi_all, DV, &mut sc.vpage);
-        accumulate::<S, DV>(st_b, v_step, v_rs, pb.kv, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
+        accumulate::<S, DV>(st_b, v_step, v_rs, v_kv, vf, o_b, ms_b, r, subs, lo_all, hi_all, n);
     }
 
     store_out::<S, DV>(pb, seq, g, subs, o_b, m_b, l_b, l_b);
 }
 
 /// W elements of K or V from column `col` of the row at `row`, widened to f32 from F16 or
-/// BF16 (F32 read as it is; its rows are addressed in u16 units, twice its elements).
+/// BF16 (F32 read as it is; its rows are addressed in u16 units, twice its elements), or
+/// from quantised bytes (FP8 times the head's descale factor, one rounding; Q8_0 times its
+/// block's scale, exact).
 #[inline(always)]
 pub(super) unsafe fn load_kv<S: Simd>(row: *const u16, col: usize, kv: Kv) -> S::V {
     match kv {
         Kv::F16 => S::load_f16(row.add(col)),
         Kv::BF16 => S::load_bf16(row.add(col)),
         Kv::F32 => S::load((row as *const f32).add(col)),
+        Kv::E4M3(f) => S::mul(S::load_e4m3((row as *const u8).add(col)), S::splat(f)),
+        Kv::E5M2(f) => S::mul(S::load_e5m2((row as *const u8).add(col)), S::splat(f)),
+        // A vector's 16 columns lie in one block of 32 (`col` is a multiple of W).
+        Kv::Q8_0 => {
+            let b = (row as *const u8).add(col / 32 * 34);
+            S::mul(S::load_i8(b.add(2 + col % 32)), S::splat(q8_0_scale(b)))
+        }
     }
 }
 

@@ -34,7 +34,7 @@ mod transforms;
 
 pub(in crate::backend::cpu) use amx_layout::aligned;
 use fma::work_item;
-pub(in crate::backend::cpu) use pages::Pages;
+pub(in crate::backend::cpu) use pages::{Pages, Quant, QuantFormat};
 use transforms::load_mask;
 
 /// Cache rows per step (the tables' `bk`).
@@ -56,12 +56,18 @@ pub(super) const NO_RIGHT: i64 = i64::MAX / 4;
 
 /// Element types of K and V. F32 K/V are addressed in u16 units (strides and offsets doubled
 /// by the kernel's entry), so only a row's column index needs the element's width
-/// ([`fma::load_kv`]).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+/// ([`fma::load_kv`]). Quantised K/V (SPEC 11) are bytes, which the loaders widen to f32 as
+/// they widen halves: FP8 with the KV head's descale factor (`Problem::kv` holds 1;
+/// [`Problem::kv_of`] the head's), Q8_0 with each block's scale. Their rows are addressed
+/// in u16 units too, from row pointers and strides that [`pages::step_rows`] makes even.
+#[derive(Clone, Copy, PartialEq, Debug)]
 pub(super) enum Kv {
     F16,
     BF16,
     F32,
+    E4M3(f32),
+    E5M2(f32),
+    Q8_0,
 }
 
 /// Element types of Q and O, by their `DType` codes.
@@ -145,6 +151,10 @@ pub(super) struct Problem {
     /// Paged K/V (SPEC 11): `k` and `v` are caches of blocks read through a block table
     /// ([`pages`]); `None`: each sequence's rows are contiguous from `Seq::k` / `Seq::v`.
     pub pages: Option<Pages>,
+    /// Quantised K/V (SPEC 11): `k` and `v` hold bytes of this format (strides in bytes),
+    /// which the loaders widen as they read them (`kv` is `Kv::E4M3`, `E5M2` or `Q8_0`;
+    /// FP8's factors through [`Problem::kv_of`]).
+    pub quant: Option<Quant>,
 }
 
 // SAFETY: read-only inputs, and outputs every item writes a disjoint part of.
@@ -567,6 +577,7 @@ mod tests {
             amx: crate::backend::cpu::amx::DEFAULT_F16,
             packed: std::ptr::null(),
             pages: None,
+            quant: None,
         }
     }
 
