@@ -19,7 +19,8 @@ How each family runs a mutant (the repository's sources are never touched):
 - metal: the mutated .metal file goes into a scratch folder named by MLXN_METAL_SHADER_DIR;
   the emulator is built from it (a mutant that does not compile is reported, not counted),
   then `pytest -x tests/test_metal_emulator_prefill.py tests/test_metal_emulator.py
-  tests/test_metal_emulator_transforms.py tests/test_metal_emulator_coverage.py` (the
+  tests/test_metal_emulator_transforms.py tests/test_metal_emulator_coverage.py
+  tests/test_metal_emulator_paged.py` (the
   front door's kernels first, then the origin's entry points, the score transforms and
   issue 27's coverage gaps; the tests that plant bugs of their own and the emulator's
   self-tests left out).
@@ -192,8 +193,8 @@ MUTATIONS: List[Mutation] = [
       "if (c > hi(r_last) || lo(r_first) >= last) {", "a step skipped whose last row only the tile's first row sees"),
     M("metal-step-skip-diagonal", "metal", T_METAL, "if (c > hi(r_last) || lo(r_first) > last) {",
       "if (c >= hi(r_last) || lo(r_first) > last) {", "a step skipped whose first row only the tile's last row sees"),
-    M("metal-out-row", "metal", T_METAL, "        if (row < valid) {\n            const float s = srow[row];",
-      "        if (row <= valid) {\n            const float s = srow[row];", "one output row past the prompt written"),
+    M("metal-out-row", "metal", T_METAL, "            if (row < valid) {\n                const float s = srow[row];",
+      "            if (row <= valid) {\n                const float s = srow[row];", "one output row past the prompt written"),
     M("metal-zero-guard", "metal", T_METAL, "s == 0.0f ? 0.0f : co[i] / s", "co[i] / s",
       "a fully masked row divides 0 by 0"),
     M("metal-lse-no-max", "metal", T_METAL, "m_run[i] + log(s_run[i])", "log(s_run[i])", "lse without the running max"),
@@ -630,6 +631,36 @@ MUTATIONS += [
 ]
 
 
+# ---------------------------------------------------------------- Metal: paged K/V (SPEC 11)
+# The paged entry points' loaders (kv_walk, paged_row): K in sub-tiles of 16 rows in place in
+# their blocks, V gathered a slice of columns at a time through the table. Killed by
+# tests/test_metal_emulator_paged.py (bit-identity with the contiguous layout, NaN outside
+# every sequence's rows) and its entry-point cases in tests/test_metal_emulator_coverage.py.
+MUTATIONS += [
+    M("metal-paged-table-entry", "metal", T_METAL, "cache + ulong(table[j / block_size]) * ulong(block_stride)",
+      "cache + ulong(table[(j + 1) / block_size]) * ulong(block_stride)", "paged K/V: a block's last row read from the next block"),
+    M("metal-paged-row-in-block", "metal", T_METAL, "ulong(j % block_size) * ulong(row_stride) + head;",
+      "ulong(j % 16) * ulong(row_stride) + head;", "paged K/V: rows placed in a block as if blocks held 16"),
+    M("metal-paged-k-head", "metal", T_METAL, "const ulong k_head_at = ulong(g) * ulong(pg.k_head_stride);",
+      "const ulong k_head_at = ulong(g) * ulong(pg.v_head_stride);", "paged K/V: K heads at V's head stride"),
+    M("metal-paged-v-head", "metal", T_METAL, "const ulong v_head_at = ulong(g) * ulong(pg.v_head_stride);",
+      "const ulong v_head_at = ulong(0) * ulong(pg.v_head_stride);", "paged K/V: every query head reads KV head 0's V"),
+    M("metal-paged-k-subtile", "metal", T_METAL, "const int j = c + sub * PAGE_ROWS;", "const int j = c;",
+      "paged K/V: every sub-tile of a step's K reads the step's first rows"),
+    M("metal-paged-k-row-stride", "metal", T_METAL, "array<int32_t, 2>({1, int32_t(pg.k_row_stride)}));",
+      "array<int32_t, 2>({1, int32_t(pg.v_row_stride)}));", "paged K/V: K rows at V's row stride"),
+    M("metal-paged-v-slice", "metal", T_METAL, "v_head_at, j)[w * VW + e % VW];", "v_head_at, j)[e % VW];",
+      "paged K/V: every slice of O gathers V's first columns"),
+    M("metal-paged-v-barrier", "metal", T_METAL,
+      "                threadgroup_barrier(mem_flags::mem_threadgroup);\n                tg_kv_tensor<KT> tv(",
+      "                tg_kv_tensor<KT> tv(", "paged K/V: the product reads V's slice before every thread has gathered it"),
+    M("metal-paged-length", "metal", T_METAL, "        lk = seqused_k[b];", "        lk = p.kv_len;",
+      "paged K/V: every sequence's cache taken as the longest's (fixed-length queries)"),
+    M("metal-paged-o-slice-col", "metal", T_METAL, "const int col = w * walk::width + idx[0];", "const int col = idx[0];",
+      "paged K/V: every slice of O written over the first"),
+]
+
+
 # ---------------------------------------------------------------- issue 27's coverage gaps
 # Each a plausible one-line slip in code that no test reached before (the four classes of
 # issue 27); killed by tests/test_metal_emulator_coverage.py. The entry-point slips sit in
@@ -740,7 +771,8 @@ def _cargo_killer(out: str) -> str:
 
 METAL_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_metal_emulator_prefill.py",
                "tests/test_metal_emulator.py", "tests/test_metal_emulator_transforms.py",
-               "tests/test_metal_emulator_coverage.py", "-k", "not caught and not test_emulator_"]  # fmt: skip
+               "tests/test_metal_emulator_coverage.py", "tests/test_metal_emulator_paged.py",
+               "-k", "not caught and not test_emulator_"]  # fmt: skip
 
 
 def _select(cmd: List[str], args) -> List[str]:

@@ -113,6 +113,20 @@ struct FlashAttnPrefillParams {
     int alibi_batch_stride;  // with PREFILL_ALIBI_SLOPES: slopes from one sequence to the next (0 or n_heads)
 };
 
+// Mirror of PagedKvParamsGpu (rust/src/params.rs): 6 longs, then 4 words. Strides in elements.
+struct PagedKvParams {
+    long k_block_stride;
+    long k_row_stride;
+    long k_head_stride;
+    long v_block_stride;
+    long v_row_stride;
+    long v_head_stride;
+    int num_blocks;
+    int block_size;
+    int max_blocks;
+    int batch;
+};
+
 // FlashAttnPrefillParams::flags (PREFILL_* in rust/src/params.rs).
 constant constexpr int PREFILL_CAUSAL = 1;
 constant constexpr int PREFILL_MASK = 2;
@@ -122,6 +136,7 @@ constant constexpr int PREFILL_OFFSET = 16;
 constant constexpr int PREFILL_SINKS = 32;
 constant constexpr int PREFILL_WINDOW_RIGHT = 64;
 constant constexpr int PREFILL_ALIBI_SLOPES = 128;
+constant constexpr int PREFILL_PAGED = 256;  // the _paged entry points' only: K/V through a block table
 
 // DType codes of Q and O (rust/src/dtypes.rs).
 constant constexpr int DTYPE_F32 = 0;
@@ -136,10 +151,49 @@ constant constexpr int NW = 32;
 // exp(s - M) stays below e^8 and fits in half.
 constant constexpr float RESCALE_THRESHOLD = 8.0f;
 
+// Paged K/V (SPEC 11): cache rows per sub-tile of a step's K. Blocks hold a multiple of 16
+// rows and steps start at multiples of 64, so the 16 rows of a sub-tile lie in one block.
+constant constexpr int PAGE_ROWS = 16;
+
 using tg_half_tensor = tensor<threadgroup half, dextents<int32_t, 2>, tensor_inline>;
 using tg_float_tensor = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>;
 template <typename KT>
 using dev_kv_tensor = tensor<device KT, dextents<int32_t, 2>, tensor_inline>;
+template <typename KT>
+using tg_kv_tensor = tensor<threadgroup KT, dextents<int32_t, 2>, tensor_inline>;
+
+// How a tile reads K and V (the right operands of its two products).
+//   contiguous: each step's rows in place, one K tensor of C rows and one V tensor of DV
+//     columns; O is one cooperative tensor of Q x DV.
+//   paged (SPEC 11): K in sub-tiles of PAGE_ROWS rows, each in place in its block; V a slice
+//     of `width` columns at a time, its rows gathered through the block table into the scores'
+//     threadgroup memory (free while P.V runs), so that each P.V product still sums over the
+//     step's rows in one run, as the contiguous one does (the result is the same to the bit);
+//     O is DV / width cooperative tensors of Q x width.
+template <int DV, int Q, typename KT, bool PAGED>
+struct kv_walk {
+    static constexpr int k_rows = C;
+    static constexpr int width = DV;
+    using v_tensor = dev_kv_tensor<KT>;
+};
+template <int DV, int Q, typename KT>
+struct kv_walk<DV, Q, KT, true> {
+    static constexpr int k_rows = PAGE_ROWS;
+    // The widest of 64, 32, 16 columns that divides DV and whose C rows of 2-byte elements fit
+    // in the scores' Q x C floats.
+    static constexpr int width = DV % 64 == 0 && 64 <= 2 * Q ? 64 : (DV % 32 == 0 && 32 <= 2 * Q ? 32 : 16);
+    static_assert(DV % width == 0 && C * width * 2 <= Q * C * 4, "V's slices fit the scores' memory");
+    using v_tensor = tg_kv_tensor<KT>;
+};
+
+// Paged K/V: the first of rows j.. of a sequence whose block table row is `table` (row j %
+// block_size of block table[j / block_size]), at a KV head's offset `head`.
+template <typename KT>
+inline device const KT * paged_row(device const KT * cache, device const int * table, int block_size,
+                                   long block_stride, long row_stride, ulong head, int j)
+{
+    return cache + ulong(table[j / block_size]) * ulong(block_stride) + ulong(j % block_size) * ulong(row_stride) + head;
+}
 
 // SPEC 10: the ALiBi slope of head h (1 without ALiBi): n2 = 2^floor(log2(n_heads)),
 // 2^(-max_bias / n2 * (h + 1)) for h < n2, else 2^(-max_bias / 2 / n2 * (2 (h - n2) + 1)).
@@ -218,7 +272,7 @@ inline void store_o(device uchar * out, int dtype, ulong at, float x)
     }
 }
 
-template <int DK, int DV, int Q, typename KT>
+template <int DK, int DV, int Q, typename KT, bool PAGED = false>
 void flash_attn_prefill_tile(
     FlashAttnPrefillParams p,
     device const uchar * q,
@@ -232,6 +286,9 @@ void flash_attn_prefill_tile(
     device const int * cu_k,
     device const float * sinks,
     device const float * alibi,
+    PagedKvParams pg,
+    device const int * block_table,
+    device const int * seqused_k,
     threadgroup uchar * smem,
     uint3 tgpig,
     ushort lane,
@@ -249,6 +306,9 @@ void flash_attn_prefill_tile(
         lq = cu_q[b + 1] - q_start;
         k_start = cu_k[b];
         lk = cu_k[b + 1] - k_start;
+    }
+    if (PAGED) {
+        lk = seqused_k[b];  // the sequence's rows, through its row of the block table
     }
     const int tile = int(tgpig.x);
     const int r0 = tile * Q;
@@ -308,19 +368,26 @@ void flash_attn_prefill_tile(
     tg_half_tensor tq(sq, dextents<int32_t, 2>(DK, Q), array<int32_t, 2>({1, DK}));
     tg_float_tensor ts(ss, dextents<int32_t, 2>(C, Q), array<int32_t, 2>({1, C}));
 
-    // S[Q][C] = Q[Q][DK] . K[C][DK]^T, and O[Q][DV] += P[Q][C] . V[C][DV].
-    constexpr auto qk_desc = matmul2d_descriptor(Q, C, DK, false, true, false,
+    // S[Q][C] = Q[Q][DK] . K[C][DK]^T, and O[Q][DV] += P[Q][C] . V[C][DV] (kv_walk: paged, S in
+    // sub-tiles of K's rows and O in slices of V's columns; contiguous, one of each).
+    using walk = kv_walk<DV, Q, KT, PAGED>;
+    constexpr int NS = DV / walk::width;  // O's slices
+    constexpr auto qk_desc = matmul2d_descriptor(Q, walk::k_rows, DK, false, true, false,
                                                  matmul2d_descriptor::mode::multiply);
-    constexpr auto pv_desc = matmul2d_descriptor(Q, DV, C, false, false, false,
+    constexpr auto pv_desc = matmul2d_descriptor(Q, walk::width, C, false, false, false,
                                                  matmul2d_descriptor::mode::multiply_accumulate);
     matmul2d<qk_desc, execution_simdgroups<SG>> qk;
     matmul2d<pv_desc, execution_simdgroups<SG>> pv;
 
     auto cs = qk.template get_destination_cooperative_tensor<tg_half_tensor, dev_kv_tensor<KT>, float>();
-    auto co = pv.template get_destination_cooperative_tensor<tg_half_tensor, dev_kv_tensor<KT>, float>();
-    for (ushort i = 0; i < co.get_capacity(); ++i) {
-        if (co.is_valid_element(i)) {
-            co[i] = 0.0f;
+    using o_tensor = decltype(pv.template get_destination_cooperative_tensor<tg_half_tensor, typename walk::v_tensor, float>());
+    o_tensor cos[NS];
+    for (int w = 0; w < NS; ++w) {
+        thread o_tensor & co = cos[w];
+        for (ushort i = 0; i < co.get_capacity(); ++i) {
+            if (co.is_valid_element(i)) {
+                co[i] = 0.0f;
+            }
         }
     }
 
@@ -334,6 +401,10 @@ void flash_attn_prefill_tile(
 
     device const KT * k_head = k + k_at + ulong(g) * ulong(p.k_head_stride);
     device const KT * v_head = v + v_at + ulong(g) * ulong(p.v_head_stride);
+    // Paged: the sequence's row of the block table, and the KV head's offset in a cache row.
+    device const int * table = block_table + ulong(b) * ulong(pg.max_blocks);
+    const ulong k_head_at = ulong(g) * ulong(pg.k_head_stride);
+    const ulong v_head_at = ulong(g) * ulong(pg.v_head_stride);
     device const half * mask_seq = mask + ulong(b) * ulong(p.mask_batch_stride);
     device const uchar * blk_row =
         blk + ulong(b) * ulong(p.blk_batch_stride) + ulong(r0 / p.blk_bq) * ulong(p.blk_steps);
@@ -352,10 +423,23 @@ void flash_attn_prefill_tile(
 
         // 2. Scores of this step into ss. The K tensor holds the step's kn rows only; columns
         // past them are set to -inf below, whatever they hold.
-        dev_kv_tensor<KT> tk(const_cast<device KT *>(k_head + ulong(c) * ulong(p.k_row_stride)),
-                             dextents<int32_t, 2>(DK, kn), array<int32_t, 2>({1, int32_t(p.k_row_stride)}));
-        qk.run(tq, tk, cs);
-        cs.store(ts);
+        if constexpr (PAGED) {
+            // Each sub-tile's rows in place in their block; a sub-tile past the step's rows is
+            // not run (its columns are past the cache: -inf below).
+            for (int sub = 0; sub * PAGE_ROWS < kn; ++sub) {
+                const int j = c + sub * PAGE_ROWS;
+                device const KT * rows = paged_row(k, table, pg.block_size, pg.k_block_stride, pg.k_row_stride, k_head_at, j);
+                dev_kv_tensor<KT> tk(const_cast<device KT *>(rows), dextents<int32_t, 2>(DK, min(PAGE_ROWS, kn - sub * PAGE_ROWS)),
+                                     array<int32_t, 2>({1, int32_t(pg.k_row_stride)}));
+                qk.run(tq, tk, cs);
+                cs.store(tg_float_tensor(ss + sub * PAGE_ROWS, dextents<int32_t, 2>(PAGE_ROWS, Q), array<int32_t, 2>({1, C})));
+            }
+        } else {
+            dev_kv_tensor<KT> tk(const_cast<device KT *>(k_head + ulong(c) * ulong(p.k_row_stride)),
+                                 dextents<int32_t, 2>(DK, kn), array<int32_t, 2>({1, int32_t(p.k_row_stride)}));
+            qk.run(tq, tk, cs);
+            cs.store(ts);
+        }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         // 3. Softmax of this simdgroup's rows: visibility and mask, lazy max, half P, row sums.
@@ -414,17 +498,40 @@ void flash_attn_prefill_tile(
         // 4. O = O * ms (only when some row moved its max), then O += P . V over the step's kn
         // rows (P is 0 past them, and V past them is outside the tensor).
         if (*sflag == step) {
-            for (ushort i = 0; i < co.get_capacity(); ++i) {
-                if (co.is_valid_element(i)) {
-                    const auto idx = co.get_multidimensional_index(i);
-                    co[i] *= srow[idx[1]];
+            for (int w = 0; w < NS; ++w) {
+                thread o_tensor & co = cos[w];
+                for (ushort i = 0; i < co.get_capacity(); ++i) {
+                    if (co.is_valid_element(i)) {
+                        const auto idx = co.get_multidimensional_index(i);
+                        co[i] *= srow[idx[1]];
+                    }
                 }
             }
         }
         tg_half_tensor tp(sp, dextents<int32_t, 2>(kn, Q), array<int32_t, 2>({1, C}));
-        dev_kv_tensor<KT> tv(const_cast<device KT *>(v_head + ulong(c) * ulong(p.v_row_stride)),
-                             dextents<int32_t, 2>(DV, kn), array<int32_t, 2>({1, int32_t(p.v_row_stride)}));
-        pv.run(tp, tv, co);
+        if constexpr (PAGED) {
+            // V a slice of VW columns at a time: the step's kn rows gathered, each through the
+            // block table, into ss (every thread has read its scores), then one product over
+            // all of them into the slice's O.
+            constexpr int VW = walk::width;
+            threadgroup KT * sv = (threadgroup KT *) ss;
+            for (int w = 0; w < NS; ++w) {
+                for (int e = tid; e < kn * VW; e += SG * NW) {
+                    const int j = c + e / VW;
+                    sv[e] = paged_row(v, table, pg.block_size, pg.v_block_stride, pg.v_row_stride, v_head_at, j)[w * VW + e % VW];
+                }
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                tg_kv_tensor<KT> tv(sv, dextents<int32_t, 2>(VW, kn), array<int32_t, 2>({1, VW}));
+                pv.run(tp, tv, cos[w]);
+                // Every thread is done with the slice before the next one (or the next step's
+                // scores) overwrites it: run() is not a barrier.
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+            }
+        } else {
+            dev_kv_tensor<KT> tv(const_cast<device KT *>(v_head + ulong(c) * ulong(p.v_row_stride)),
+                                 dextents<int32_t, 2>(DV, kn), array<int32_t, 2>({1, int32_t(p.v_row_stride)}));
+            pv.run(tp, tv, cos[0]);
+        }
     }
 
     // 5. O / S per row; a row that saw nothing (S == 0) is zeros, and its lse -inf. With
@@ -455,17 +562,20 @@ void flash_attn_prefill_tile(
         }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (ushort i = 0; i < co.get_capacity(); ++i) {
-        if (!co.is_valid_element(i)) {
-            continue;
-        }
-        const auto idx = co.get_multidimensional_index(i);
-        const int row = idx[1];
-        const int col = idx[0];
-        if (row < valid) {
-            const float s = srow[row];
-            const ulong at = o_at + ulong(r0 + row) * ulong(p.o_row_stride) + ulong(h) * ulong(p.o_head_stride);
-            store_o(out, p.o_dtype, at + ulong(col), s == 0.0f ? 0.0f : co[i] / s);
+    for (int w = 0; w < NS; ++w) {
+        thread o_tensor & co = cos[w];
+        for (ushort i = 0; i < co.get_capacity(); ++i) {
+            if (!co.is_valid_element(i)) {
+                continue;
+            }
+            const auto idx = co.get_multidimensional_index(i);
+            const int row = idx[1];
+            const int col = w * walk::width + idx[0];
+            if (row < valid) {
+                const float s = srow[row];
+                const ulong at = o_at + ulong(r0 + row) * ulong(p.o_row_stride) + ulong(h) * ulong(p.o_head_stride);
+                store_o(out, p.o_dtype, at + ulong(col), s == 0.0f ? 0.0f : co[i] / s);
+            }
         }
     }
 }
@@ -494,8 +604,39 @@ void flash_attn_prefill_tile(
         ushort lane [[thread_index_in_simdgroup]],                                                               \
         ushort sg [[simdgroup_index_in_threadgroup]])                                                            \
     {                                                                                                            \
-        flash_attn_prefill_tile<DK, DV, BQ, KV>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, smem, \
-                                                tgpig, lane, sg);                                                \
+        flash_attn_prefill_tile<DK, DV, BQ, KV>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi,          \
+                                                PagedKvParams{}, nullptr, nullptr, smem, tgpig, lane, sg);       \
+    }
+
+// The paged K/V entry points (SPEC 11), flash_attn_prefill_paged_<NAME>: the same body reading
+// K and V through a block table (kv_walk), with the contiguous entry points' bindings and the
+// paged block (PagedKvParams) at 13, the block table (I32 [batch][max_blocks]) at 14 and each
+// sequence's cache length (I32 [batch]) at 15. The params block's K/V strides describe no
+// tensor then (0); the caches' are the paged block's.
+#define INSTANTIATE_PREFILL_PAGED(NAME, DK, DV, BQ, KV)                                                          \
+    kernel void flash_attn_prefill_paged_##NAME(                                                                 \
+        constant FlashAttnPrefillParams & p [[buffer(0)]],                                                       \
+        device const uchar * q [[buffer(1)]],                                                                    \
+        device const KV * k [[buffer(2)]],                                                                       \
+        device const KV * v [[buffer(3)]],                                                                       \
+        device const half * mask [[buffer(4)]],                                                                  \
+        device const uchar * blk [[buffer(5)]],                                                                  \
+        device uchar * out [[buffer(6)]],                                                                        \
+        device float * lse [[buffer(7)]],                                                                        \
+        device const int * cu_q [[buffer(8)]],                                                                   \
+        device const int * cu_k [[buffer(9)]],                                                                   \
+        device const float * sinks [[buffer(10)]],                                                               \
+        device const float * alibi [[buffer(12)]],                                                               \
+        constant PagedKvParams & pg [[buffer(13)]],                                                              \
+        device const int * block_table [[buffer(14)]],                                                           \
+        device const int * seqused_k [[buffer(15)]],                                                             \
+        threadgroup uchar * smem [[threadgroup(0)]],                                                             \
+        uint3 tgpig [[threadgroup_position_in_grid]],                                                            \
+        ushort lane [[thread_index_in_simdgroup]],                                                               \
+        ushort sg [[simdgroup_index_in_threadgroup]])                                                            \
+    {                                                                                                            \
+        flash_attn_prefill_tile<DK, DV, BQ, KV, true>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, \
+                                                      pg, block_table, seqused_k, smem, tgpig, lane, sg);        \
     }
 
 INSTANTIATE_PREFILL(d16, 16, 16, 32, half)
@@ -526,6 +667,35 @@ INSTANTIATE_PREFILL(d512, 512, 512, 16, half)
 INSTANTIATE_PREFILL(d512_bf16, 512, 512, 16, bfloat)
 INSTANTIATE_PREFILL(d576_512, 576, 512, 16, half)
 INSTANTIATE_PREFILL(d576_512_bf16, 576, 512, 16, bfloat)
+
+INSTANTIATE_PREFILL_PAGED(d16, 16, 16, 32, half)
+INSTANTIATE_PREFILL_PAGED(d16_bf16, 16, 16, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d32, 32, 32, 32, half)
+INSTANTIATE_PREFILL_PAGED(d32_bf16, 32, 32, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d48, 48, 48, 32, half)
+INSTANTIATE_PREFILL_PAGED(d48_bf16, 48, 48, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d64, 64, 64, 32, half)
+INSTANTIATE_PREFILL_PAGED(d64_bf16, 64, 64, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d80, 80, 80, 32, half)
+INSTANTIATE_PREFILL_PAGED(d80_bf16, 80, 80, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d96, 96, 96, 32, half)
+INSTANTIATE_PREFILL_PAGED(d96_bf16, 96, 96, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d112, 112, 112, 32, half)
+INSTANTIATE_PREFILL_PAGED(d112_bf16, 112, 112, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d128, 128, 128, 32, half)
+INSTANTIATE_PREFILL_PAGED(d128_bf16, 128, 128, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d160, 160, 160, 32, half)
+INSTANTIATE_PREFILL_PAGED(d160_bf16, 160, 160, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d192, 192, 192, 32, half)
+INSTANTIATE_PREFILL_PAGED(d192_bf16, 192, 192, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d224, 224, 224, 32, half)
+INSTANTIATE_PREFILL_PAGED(d224_bf16, 224, 224, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d256, 256, 256, 32, half)
+INSTANTIATE_PREFILL_PAGED(d256_bf16, 256, 256, 32, bfloat)
+INSTANTIATE_PREFILL_PAGED(d512, 512, 512, 16, half)
+INSTANTIATE_PREFILL_PAGED(d512_bf16, 512, 512, 16, bfloat)
+INSTANTIATE_PREFILL_PAGED(d576_512, 576, 512, 16, half)
+INSTANTIATE_PREFILL_PAGED(d576_512_bf16, 576, 512, 16, bfloat)
 
 // The origin op as a prefill: one sequence of `rows` query rows over a cache of kv_pad rows,
 // the explicit mask [rows][mask_row_stride] with its table (tiles of Q x C), F32 Q, F32 O
@@ -576,8 +746,8 @@ kernel void flash_attn_prefill_tensor_f16_d256(
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
     flash_attn_prefill_tile<256, 256, 32, half>(origin_params<256, 32>(p), (device const uchar *) q, k, v, mask, blk,
-                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, nullptr, smem, tgpig,
-                                                lane, sg);
+                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, nullptr, PagedKvParams{},
+                                                nullptr, nullptr, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_tensor_f16_d512(
@@ -594,6 +764,6 @@ kernel void flash_attn_prefill_tensor_f16_d512(
     ushort sg [[simdgroup_index_in_threadgroup]])
 {
     flash_attn_prefill_tile<512, 512, 16, half>(origin_params<512, 16>(p), (device const uchar *) q, k, v, mask, blk,
-                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, nullptr, smem, tgpig,
-                                                lane, sg);
+                                                (device uchar *) out, nullptr, nullptr, nullptr, nullptr, nullptr, PagedKvParams{},
+                                                nullptr, nullptr, smem, tgpig, lane, sg);
 }

@@ -196,12 +196,9 @@ def test_best_in_turn_calls_in_turn_after_a_warm_up_and_keeps_the_best():
     assert calls == ["a", "b"] * 3 and len(best) == 2 and all(0 <= t < 1 for t in best)
 
 
-def test_paged_cases_are_refused_by_name_on_metal():
-    # Metal runs no paged K/V yet: the bench says which cases, before anything runs; the CPU
-    # and CUDA take them (the library's own check).
-    with pytest.raises(ValueError, match=r"case\(s\) paged-128, paged-256 read paged K/V: .*CPU and CUDA backends.*not on metal"):
-        bench.select("metal", [2048], ["causal-128", "paged-128", "paged-256"])
-    for kind in ("cpu", "cuda"):
+def test_paged_cases_run_on_every_backend():
+    # The CPU, CUDA and Metal read paged K/V: the bench refuses the paged cases nowhere.
+    for kind in ("cpu", "cuda", "metal"):
         assert bench.select(kind, [64], ["paged-256"]) == ([64], ["paged-256"])
     assert "paged-128" not in bench.DEFAULT_CASES["cpu"] and "paged-128" not in bench.DEFAULT_CASES_GPU
     with pytest.raises(ValueError, match="block_size"):

@@ -364,8 +364,8 @@ def test_a_missing_barrier_is_caught(build_dir, rng):
     # reads rows other simdgroups have not stored yet (matmul2d run() is no barrier either).
     bad = mutated(
         build_dir,
-        "cs.store(ts);\n        threadgroup_barrier(mem_flags::mem_threadgroup);",
-        "cs.store(ts);",
+        "cs.store(ts);\n        }\n        threadgroup_barrier(mem_flags::mem_threadgroup);",
+        "cs.store(ts);\n        }\n",
     )
     c = make_case(rng, 50, 2, 1, 256, 200, mask="peer")
     outs = [emu_attention(bad, c, schedule=s)[0] for s in ("forward", "reverse")]

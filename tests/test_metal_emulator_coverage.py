@@ -6,7 +6,8 @@ backends are test_kernel_coverage.py's, whose references and cases these reuse:
 1. ALiBi at 6 and 12 heads (two and four heads past n2), explicit and described masks,
    GQA and not, against the float64 reference with SPEC 10's slopes written out;
 2. every entry point the emulator registers from `shaders/*.metal` (it lists them itself)
-   dispatched against the float64 reference, and a test that the parameters are that list:
+   dispatched against the float64 reference (a paged one, SPEC 11, also bit for bit against
+   its contiguous twin), and a test that the parameters are that list:
    before, 6 of the 18 prefill kernels (d80, d112, d192 with F16 K/V; d96, d256, d576/512
    with BF16 K/V) ran in no test;
 3. a NaN of full payload in an explicit mask at a visible pair stays NaN in its row's F16
@@ -32,6 +33,7 @@ from helpers import KERNEL_DIMS, make_case
 from planted_cases import crafted_blk_mask, spec_blk
 from test_kernel_coverage import FULL_NANS, _bf16_q_case, alibi_case, slope_reference, spec_slopes
 from test_metal_emulator import emu_attention, emu_blk
+from test_metal_emulator_paged import paginate, same_as_contiguous
 from test_metal_emulator_prefill import (
     BF16,
     BQ,
@@ -106,6 +108,15 @@ def _prefill_entry(emu, rng, dk, dv, kv_dtype):
     check(c, out, lse)
 
 
+def _paged_entry(emu, rng, dk, dv, kv_dtype, bs):
+    # Paged K/V (SPEC 11) through the head dim's paged entry point: variable length, GQA 2,
+    # causal with a window, sinks and lse; bit for bit the contiguous entry point's result.
+    c = varlen_case(rng, lq=[9, 20], lk=[40, 70], nh=4, nkv=2, hd=dk, hdv=dv, kv_dtype=kv_dtype, causal=True,
+                    window=50, scale=0.5, sinks=rng.uniform(-2, 2, 4).astype(np.float32))  # fmt: skip
+    out, lse, _ = same_as_contiguous(emu, c, paginate(rng, c, bs))
+    check(c, out, lse, cpu=False)
+
+
 def _origin_entry(emu, rng, hd):
     c = make_case(rng, 45, 4, 2, hd, 130, scale=0.7, mask="peer")
     out, blk = emu_attention(emu, c)
@@ -132,6 +143,10 @@ def _entries():
     for dk, dv in DIMS:
         for kvd in (F16, BF16):
             cases[kernel_name(dk, dv, kvd)] = lambda emu, rng, dk=dk, dv=dv, kvd=kvd: _prefill_entry(emu, rng, dk, dv, kvd)
+            bs = (16, 48, 256)[len(cases) % 3]  # blocks of a quarter step, of a step and a half, of four steps
+            cases[kernel_name(dk, dv, kvd, paged=True)] = (
+                lambda emu, rng, dk=dk, dv=dv, kvd=kvd, bs=bs: _paged_entry(emu, rng, dk, dv, kvd, bs)
+            )
     for hd in (256, 512):
         cases[f"flash_attn_prefill_tensor_f16_d{hd}"] = lambda emu, rng, hd=hd: _origin_entry(emu, rng, hd)
     cases["flash_attn_prefill_blk"] = _blk_entry

@@ -36,7 +36,7 @@ F32 = np.dtype(np.float32)
 DTYPE_CODE = {F32: 0, F16: 1, BF16: 2}
 
 # PREFILL_* (rust/src/params.rs)
-CAUSAL, MASK, VARLEN, LSE, OFFSET, SINKS, WINDOW_RIGHT, ALIBI_SLOPES = 1, 2, 4, 8, 16, 32, 64, 128
+CAUSAL, MASK, VARLEN, LSE, OFFSET, SINKS, WINDOW_RIGHT, ALIBI_SLOPES, PAGED = 1, 2, 4, 8, 16, 32, 64, 128, 256
 
 THREADS = (32, 8, 1)
 STEP = 64
@@ -54,9 +54,10 @@ def threadgroup_memory(hd: int) -> int:
     return cdiv(bq * hd * 2 + bq * STEP * (4 + 2) + bq * 4 + 4, 16) * 16
 
 
-def kernel_name(hd: int, hdv: int, kv_dtype) -> str:
-    """The op's kernel of a (Q/K, V) head dim pair and K/V dtype (HEAD_DIMS)."""
-    name = f"flash_attn_prefill_d{hd}" + (f"_{hdv}" if hdv != hd else "")
+def kernel_name(hd: int, hdv: int, kv_dtype, paged: bool = False) -> str:
+    """The op's kernel of a (Q/K, V) head dim pair and K/V dtype (HEAD_DIMS); ``paged``: its
+    Metal entry point for paged K/V (PAGED_KERNELS)."""
+    name = f"flash_attn_prefill_{'paged_' if paged else ''}d{hd}" + (f"_{hdv}" if hdv != hd else "")
     return name + ("_bf16" if np.dtype(kv_dtype) == BF16 else "")
 MASK_BLK_FORMAT = "<2q6i"  # FlashAttnPrefillMaskBlkParamsGpu
 
@@ -241,10 +242,15 @@ def emu_mask_blk(emu, mask: np.ndarray, bq: int, **kw) -> np.ndarray:
     return res[2]
 
 
-def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
+def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, pages=None, **kw):
     """flash_attn_prefill as the op encodes it (threadgroup memory: the op's unless given);
     the explicit mask's tables from the emulated classifier unless given. Checks that only
-    the output views changed, and all of them. Returns (out, lse or None, blk or None)."""
+    the output views changed, and all of them. Returns (out, lse or None, blk or None).
+
+    ``pages``: paged K/V (SPEC 11; test_metal_emulator_paged.py's ``Pages``) holding the
+    rows of ``c``'s K and V: the paged entry point with the caches at 2 and 3, their block
+    (``pages.block``) at 13, the table at 14 and the lengths at 15, and K/V strides 0 in the
+    params block, as the op binds them."""
     hd, hdv, nh, bq = c.head_dim, c.head_dim_v, c.n_heads, BQ[c.head_dim]
     nkv = c.k.shape[-2]
     batch, rows, kv = c.batch, c.rows, c.kv_len
@@ -270,6 +276,8 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
     flags |= SINKS if c.sinks is not None else 0
     right = c.window_right is not None and not c.causal
     flags |= (WINDOW_RIGHT if right else 0) | (ALIBI_SLOPES if c.alibi is not None else 0)
+    flags |= PAGED if pages is not None else 0
+    kv_strides = (lambda x: (0, 0, 0)) if pages is not None else strides3
     alibi_stride = nh if c.alibi is not None and np.asarray(c.alibi).ndim == 2 else 0
     blk_rows, blk_steps = cdiv(rows, bq), cdiv(kv, STEP)
     mask_strides = (0, 0)
@@ -280,7 +288,7 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
     lse_strides = ((0, _el(lse, 0)) if c.varlen else (_el(lse, 0), _el(lse, 1))) if c.lse else (0, 0)
     params = struct.pack(
         PREFILL_FORMAT,
-        *strides3(c.q), *strides3(c.k), *strides3(c.v), *strides3(o),
+        *strides3(c.q), *kv_strides(c.k), *kv_strides(c.v), *strides3(o),
         *mask_strides, *lse_strides,
         blk_rows * blk_steps if c.mask is not None and mask_strides[0] != 0 else 0,
         batch, rows, kv, nh, nkv, hd, max_rows, c.window, flags,
@@ -302,10 +310,14 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, **kw):
         10: np.asarray(c.sinks, np.float32) if c.sinks is not None else qbuf,
         12: np.ascontiguousarray(c.alibi, np.float32).reshape(-1) if c.alibi is not None else qbuf,
     }  # fmt: skip
+    constants = {0: params}
+    if pages is not None:
+        buffers.update({2: pages.k_buf, 3: pages.v_buf, 14: pages.table, 15: pages.used})
+        constants[13] = pages.block
     if batch > 0 and max_rows > 0:
         res = emu.dispatch(
-            kernel_name(hd, hdv, c.k.dtype), (cdiv(max_rows, bq), nh, batch), THREADS, buffers=buffers, constants={0: params},
-            threadgroup_memory={0: tg_memory or threadgroup_memory(hd)}, **kw,
+            kernel_name(hd, hdv, c.k.dtype, pages is not None), (cdiv(max_rows, bq), nh, batch), THREADS, buffers=buffers,
+            constants=constants, threadgroup_memory={0: tg_memory or threadgroup_memory(hd)}, **kw,
         )  # fmt: skip
         ob = _put_back(ob, o, res[6])
         lb = _put_back(lb, lse, res[7]) if c.lse else lb
@@ -379,7 +391,7 @@ def cpu_front_door(c: Prefill) -> np.ndarray:
     out = mx.flash_attn_prefill(
         c.q, c.k, c.v, c.mask, causal=c.causal, window=c.window_arg, scale=c.scale, cu_seqlens_q=c.cu_q,
         cu_seqlens_k=c.cu_k, out_dtype=np.float32, device="cpu", softcap=c.softcap, max_bias=c.max_bias,
-        sinks=c.sinks, alibi_slopes=c.alibi,
+        sinks=c.sinks, alibi_slopes=c.alibi, offset=c.offset,
     )  # fmt: skip
     return np.asarray(out)
 

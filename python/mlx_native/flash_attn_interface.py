@@ -24,7 +24,7 @@ What maps how (FlashAttention's name -> ours):
   seqlen_q]`` (varlen ``[heads, total_q]``); the probabilities themselves are not returned
   (FlashAttention returns them only with dropout, for its tests).
 - ``block_table`` (``flash_attn_varlen_func``, ``flash_attn_with_kvcache``): paged caches
-  ``[num_blocks, block_size, kv_heads, head_dim]`` (SPEC 11; the CPU and CUDA backends so far), the
+  ``[num_blocks, block_size, kv_heads, head_dim]`` (SPEC 11; the CPU, CUDA and Metal backends), the
   cache lengths from ``cu_seqlens_k`` / ``cache_seqlens``.
 - ``dropout_p > 0`` is refused (inference only); ``deterministic`` is accepted: every run
   is deterministic.
@@ -141,7 +141,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out ``[total_q, heads, head_dim]`` or ``(out, softmax_lse [heads, total_q], None)``.
     ``block_table`` int32 ``[batch, max_blocks]``: k/v are paged caches ``[num_blocks,
     block_size, kv_heads, head_dim]`` and ``cu_seqlens_k`` the sequences' cache lengths as
-    offsets (FlashAttention's convention; SPEC 11, the CPU and CUDA backends so far)."""
+    offsets (FlashAttention's convention; SPEC 11, the CPU, CUDA and Metal backends)."""
     fa = _fa_args("flash_attn_varlen_func", args, keywords)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, fa)
 
@@ -186,8 +186,8 @@ def flash_attn_with_kvcache(
     """FlashAttention 2's ``flash_attn_with_kvcache`` for attention against a cache that is
     already written: q ``[batch, seqlen_q, heads, head_dim]``; k_cache/v_cache ``[batch,
     seqlen_cache, kv_heads, head_dim]``, or paged ``[num_blocks, block_size, kv_heads,
-    head_dim]`` with ``block_table`` int32 ``[batch, max_blocks]`` (SPEC 11, the CPU and
-    CUDA backends so far); ``cache_seqlens`` (an int or int32 ``[batch]``; None: the whole cache) the cache
+    head_dim]`` with ``block_table`` int32 ``[batch, max_blocks]`` (SPEC 11, the CPU, CUDA
+    and Metal backends); ``cache_seqlens`` (an int or int32 ``[batch]``; None: the whole cache) the cache
     lengths, to whose ends the queries are aligned (causal, window). Returns out, or ``(out,
     softmax_lse [batch, heads, seqlen_q])`` with ``return_softmax_lse``. Appending ``k``/``v``
     to the cache, rotary embeddings, ``cache_batch_idx`` and ``cache_leftpad`` are refused

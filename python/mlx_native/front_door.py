@@ -67,7 +67,7 @@ def flash_attn_prefill(q: Any, k: Any, v: Any, mask: Any = None, **keywords: Any
       3-D q/k/v holding the sequences one after the other, int32 (or int64) offsets
       ``[B + 1]`` from 0 to the totals; a CUDA tensor is read on the host (a
       synchronisation). No explicit mask with them.
-    - ``block_table``, ``seqused_k``: paged K/V (SPEC 11, the CPU and CUDA backends so far): k and v
+    - ``block_table``, ``seqused_k``: paged K/V (SPEC 11, the CPU, CUDA and Metal backends): k and v
       are caches ``[num_blocks, block_size, kv_heads, head_dim]`` (block_size a multiple of
       16 from 16 to 256), ``block_table`` int32 ``[batch, max_blocks]``, ``seqused_k`` int32
       ``[batch]`` each sequence's cache length; sequence b's cache row j is

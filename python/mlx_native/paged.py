@@ -17,9 +17,9 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from .arrays import Operand
-from .errors import InvalidArgumentError, UnsupportedDtypeError, UnsupportedFeatureError
+from .errors import InvalidArgumentError, UnsupportedDtypeError
 
-__all__ = ["PagedKv", "cache_views", "check_paged", "refuse_unpaged_arguments", "refuse_unpaged_backend", "table_key"]
+__all__ = ["PagedKv", "cache_views", "check_paged", "refuse_unpaged_arguments", "table_key"]
 
 _LAYOUT = "[num_blocks, block_size, kv_heads, head_dim]"
 
@@ -38,31 +38,17 @@ class PagedKv(NamedTuple):
         return np.concatenate([[0], np.cumsum(self.seqused_k, dtype=np.int64)])
 
 
-def refuse_unpaged_arguments(block_table: Any, cu_seqlens_k: Any, device: Any, q_on_cuda: bool, q_device: str) -> None:
+def refuse_unpaged_arguments(block_table: Any, cu_seqlens_k: Any) -> None:
     """What cannot go with paged K/V, refused by name before anything is planned: no table
-    (``seqused_k`` alone), ``cu_seqlens_k`` (the lengths are ``seqused_k``'s), and a Metal
-    device (named): paged K/V runs on the CPU and CUDA backends so far. The plan and the
-    torch operators' fake kernel (which has q's device but no data) call it; ``q_on_cuda``
-    and ``q_device`` stay for the callers (CUDA tensors take paged K/V)."""
+    (``seqused_k`` alone) and ``cu_seqlens_k`` (the lengths are ``seqused_k``'s). Every backend
+    reads paged K/V (the CPU, CUDA and Metal). The plan and the torch operators' fake kernel
+    (which has q's device but no data) call it."""
     if block_table is None:
         raise InvalidArgumentError("seqused_k goes with block_table (paged K/V): pass both, or neither")
     if cu_seqlens_k is not None:
         raise InvalidArgumentError(
             "cu_seqlens_k goes with contiguous k/v; with block_table each sequence's cache length is seqused_k "
             "(pass cu_seqlens_q alone for variable-length queries)"
-        )
-    name = getattr(device, "backend", device)
-    if not q_on_cuda and isinstance(name, str) and not name.startswith(("cpu", "cuda", "auto")):
-        refuse_unpaged_backend(name)
-
-
-def refuse_unpaged_backend(backend: str) -> None:
-    """Paged K/V on a backend whose kernels read K/V contiguous (Metal): an
-    UnsupportedFeatureError naming block_table and the two ways out."""
-    if not backend.startswith(("cpu", "cuda")):
-        raise UnsupportedFeatureError(
-            f"block_table (paged K/V) runs on the CPU and CUDA backends so far, not on {backend}: pass host arrays "
-            f"(device='cpu'), or gather each sequence's blocks into contiguous k/v and pass cu_seqlens_k"
         )
 
 

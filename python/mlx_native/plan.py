@@ -29,7 +29,7 @@ from .layouts import layout as read_layout
 from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, operand, pick_device, span
 from .masks import described_pairs, masked_pairs, prepare_mask
 from .options import PrefillArgs, checked, from_keywords, run_options, signature
-from .paged import cache_views, check_paged, refuse_unpaged_arguments, refuse_unpaged_backend
+from .paged import cache_views, check_paged, refuse_unpaged_arguments
 from .quant import KV_FORMATS, descale_values, kv_format, logical_views, refuse_off_cpu
 
 __all__ = ["ArraySpec", "PrefillPlan"]
@@ -112,7 +112,7 @@ class PrefillPlan:
         self._paged = None
         paged = args.block_table is not None or args.seqused_k is not None
         if paged:
-            refuse_unpaged_arguments(args.block_table, cu_seqlens_k, dev_arg, qo.on_cuda, str(qo.device))
+            refuse_unpaged_arguments(args.block_table, cu_seqlens_k)
         # Quantised K/V (SPEC 11, quant.py): FP8 or Q8_0 bytes, checked as float16 stand-ins of
         # the values' shapes; the kernels read the bytes through the arrays' own strides.
         self._kv_format = kv_format(args.kv_dtype, ko, vo)
@@ -173,8 +173,6 @@ class PrefillPlan:
             if self._cu is not None:
                 self._cu = (self._cu[0], self._paged.cu_seqlens_k().astype(np.int32))
         self.device, self._upload = pick_device(dev_arg, qo)
-        if paged:  # "auto" (or no device) may have picked Metal
-            refuse_unpaged_backend(self.device.backend)
         if ko.dtype == np.float32 and self.device.backend != "cpu":
             # CUDA and Metal have no float32 K/V kernels: each run converts K and V to float16
             # (round to nearest even, with the arrays' own library on their device), and the

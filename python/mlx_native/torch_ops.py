@@ -157,8 +157,8 @@ def _check_like_the_real_call(q, k, v, args: PrefillArgs) -> None:
 
     mask, cu_seqlens_q, cu_seqlens_k, alibi_slopes = args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.alibi_slopes
     paged = args.block_table is not None or args.seqused_k is not None
-    if paged:  # what the real call refuses first: no table, cu_seqlens_k, a Metal device
-        refuse_unpaged_arguments(args.block_table, cu_seqlens_k, args.device, q.device.type == "cuda", str(q.device))
+    if paged:  # what the real call refuses first: no table, cu_seqlens_k
+        refuse_unpaged_arguments(args.block_table, cu_seqlens_k)
     elif (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise InvalidArgumentError("cu_seqlens_q and cu_seqlens_k go together: pass both (variable length) or neither")
     # What is planned: the options but those no plan on layouts reads.

@@ -260,10 +260,11 @@ pub trait Backend: Send + Sync {
             report: vec![("form", self.kind().name().into())],
         }
     }
-    /// Whether the attention's kernels read paged K/V (`params::PREFILL_PAGED`, SPEC 11):
-    /// the op refuses a paged prefill, by name, on a backend that does not (its kernels read
-    /// K/V contiguous, and their decoder refuses the flag too).
-    fn reads_paged_kv(&self) -> bool {
+    /// Whether the attention's kernels read paged K/V in entry points of their own (Metal: the
+    /// op's `PAGED_KERNELS`, a walk whose products differ in form from the contiguous one's),
+    /// not in the contiguous kernels themselves behind the flag (the CPU; CUDA picks its
+    /// `_paged` entry points in its own host).
+    fn paged_kv_entry_points(&self) -> bool {
         false
     }
     /// Whether the attention's kernels read quantised K/V (FP8 E4M3 / E5M2 with descale

@@ -53,11 +53,16 @@ mod tests {
     /// outside `REGISTERED_KERNELS` (the ones some backend of this build lacks).
     #[test]
     fn every_registered_kernel_has_a_form_in_every_backend() {
-        use crate::ops::flash_attn_prefill::{F32_KV_KERNELS, HEAD_DIMS, QUANT_KV_KERNELS, REGISTERED_KERNELS};
+        use crate::ops::flash_attn_prefill::{F32_KV_KERNELS, HEAD_DIMS, PAGED_KERNELS, QUANT_KV_KERNELS, REGISTERED_KERNELS};
         let registry = super::default_registry();
         let names = registry.kernel_names();
-        assert_eq!(names.len(), 4 + 4 * HEAD_DIMS.len(), "{names:?}");
+        assert_eq!(names.len(), 4 + 6 * HEAD_DIMS.len(), "{names:?}");
         for name in names {
+            // Paged K/V's entry points: Metal's alone (elsewhere the kernel itself reads them).
+            if PAGED_KERNELS.iter().any(|(_, n)| *n == name) {
+                assert_eq!(crate::backend::metal::function_of(name), name, "{name}: no Metal function");
+                continue;
+            }
             // F32 K/V: the CPU's alone (CUDA and Metal callers convert K/V to F16 first); so far
             // quantised K/V too (SPEC 11: the plan refuses them by name elsewhere).
             if F32_KV_KERNELS.iter().chain(QUANT_KV_KERNELS.iter()).any(|(_, n)| *n == name) {

@@ -369,8 +369,10 @@ pub const PREFILL_ALIBI_SLOPES: i32 = 128;
 /// and each sequence's cache length (bound at `recorded::attention_slot::{PAGED, BLOCK_TABLE,
 /// SEQUSED_K}`, described by [`PagedKvParamsGpu`]); the block's K/V strides and `kv_len` then
 /// describe no tensor (the strides are 0, `kv_len` the longest sequence's cache, or the sum of
-/// them with `PREFILL_VARLEN`). The CPU and CUDA backends take it so far (CUDA in its one-CTA
-/// forms, whose launch carries the caches' strides as K/V's and the table's address).
+/// them with `PREFILL_VARLEN`). Every backend takes it: the CPU in its kernels behind the flag,
+/// CUDA in its one-CTA forms' `_paged` entry points (whose launch carries the caches' strides as
+/// K/V's and the table's address), Metal in entry points of its own
+/// (`ops::flash_attn_prefill::PAGED_KERNELS`).
 pub const PREFILL_PAGED: i32 = 256;
 /// Quantised FP8 K/V with descale factors (SPEC 11): an F32 buffer at the descale slot,
 /// `[2][n_kv_heads]` (K's factors, then V's); without the flag every factor is 1.
@@ -393,8 +395,9 @@ pub fn kv_row_width(kv_dtype: i32, d: i32) -> i32 {
 /// n_kv_heads, head_dim]` (strides in elements), `block_table` I32 `[batch, max_blocks]`,
 /// `seqused_k` I32 `[batch]`. Sequence b's cache row j is row `j % block_size` of block
 /// `block_table[b * max_blocks + j / block_size]`. A block of its own (not fields of
-/// [`FlashAttnPrefillParamsGpu`], which the device sources declare too): the CPU reads it, and
-/// the CUDA host turns it into its launch (`backend::cuda::flash_attn_prefill::paged_params`).
+/// [`FlashAttnPrefillParamsGpu`], which the device sources declare too): the CPU and Metal's
+/// paged kernels read it, and the CUDA host turns it into its launch
+/// (`backend::cuda::flash_attn_prefill::paged_params`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PagedKvParamsGpu {

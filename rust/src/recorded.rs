@@ -127,24 +127,12 @@ fn element_bytes(code: i32) -> u64 {
 }
 
 impl<'d> RecordedPrefill<'d> {
-    /// Read a prefill dispatch back, refusing paged K/V (a backend whose kernels read K/V
-    /// contiguous calls this, so a paged dispatch can never reach them).
+    /// Read a prefill dispatch back, paged K/V included (every backend's kernels read the
+    /// pages: the CPU's and CUDA's decode their dispatches here).
     pub fn decode(d: &'d Dispatch) -> Decoded<Self> {
-        Self::decode_with(d, false)
-    }
-
-    /// Read a prefill dispatch back, paged K/V included (a backend that reads the pages).
-    pub fn decode_paged(d: &'d Dispatch) -> Decoded<Self> {
-        Self::decode_with(d, true)
-    }
-
-    fn decode_with(d: &'d Dispatch, pages: bool) -> Decoded<Self> {
         use attention_slot as s;
         let p: FlashAttnPrefillParamsGpu = d.constant(s::PARAMS)?;
         let has = |f: i32| p.flags & f != 0;
-        if has(PREFILL_PAGED) && !pages {
-            return Ok(Err(Broken("paged K/V (block_table) runs on the CPU and CUDA backends so far")));
-        }
         let opt = |slot: u64, present: bool| if present { d.buffer(slot).map(Some) } else { Ok(None) };
         let workspace = match d.args.iter().find(|(i, _)| *i == s::WORKSPACE) {
             Some((_, BoundArg::Buffer(b))) => Some(b),
@@ -450,16 +438,11 @@ mod tests {
         }
     }
 
-    /// The decoder a contiguous-only backend calls refuses a paged dispatch
-    /// by name before reading a buffer; the CPU's decoder goes on to read its slots (here
-    /// missing: an internal error, not a refusal; CUDA's too).
+    /// The decoder takes a paged dispatch (every backend reads paged K/V): it goes on to read
+    /// the paged slots (here missing: an internal error, not a refusal).
     #[test]
-    fn only_the_paged_decoder_takes_paged_kv() {
+    fn the_decoder_takes_paged_kv() {
         let d = dispatch(PREFILL_PAGED);
-        match RecordedPrefill::decode(&d) {
-            Ok(Err(Broken(what))) => assert!(what.contains("block_table") && what.contains("CPU"), "{what}"),
-            other => panic!("a paged dispatch was not refused: {:?}", other.map(|r| r.map(|_| ()))),
-        }
-        assert!(matches!(RecordedPrefill::decode_paged(&d), Err(MlxError::Internal(_))));
+        assert!(matches!(RecordedPrefill::decode(&d), Err(MlxError::Internal(_))));
     }
 }

@@ -10,7 +10,6 @@ import numpy as np
 
 from .. import causal_mask
 from ..errors import UnsupportedFeatureError
-from ..paged import refuse_unpaged_arguments
 from ..quant import refuse_off_cpu
 from ..reference import random_qkv
 
@@ -86,7 +85,8 @@ DEFAULT_CASES_GPU = ("sliding", "global", "causal-8h", "dense-8h")
 def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequence[str]] = None) -> Tuple[List[int], List[str]]:
     """The sorted rows and the cases of a run on a device of kind ``kind``, the defaults of
     that kind where ``rows`` or ``cases`` is None; raises ValueError for an unknown case, a
-    paged case on a kind the library runs no paged K/V on (named), or a row count below 1."""
+    quantised K/V case off the CPU (named), or a row count below 1 (paged cases run on every
+    backend)."""
     if rows is None:
         rows = DEFAULT_ROWS.get(kind, DEFAULT_ROWS_GPU)
     if cases is None:
@@ -94,14 +94,6 @@ def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequ
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise ValueError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
-    paged = [c for c in cases if CASES[c].paged]
-    if paged:
-        # The library's own refusal of paged K/V where it reads none (Metal; the case's name added),
-        # so that the cases run wherever the library comes to run paged K/V.
-        try:
-            refuse_unpaged_arguments(True, None, kind, False, kind)
-        except UnsupportedFeatureError as e:
-            raise ValueError(f"case(s) {', '.join(paged)} read paged K/V: {e}") from None
     quant = [c for c in cases if CASES[c].kv_quant]
     if quant:
         try:

@@ -78,7 +78,7 @@ def run_bench(
     keep theirs); ``q_dtype`` (with ``dtype`` float32) is Q's dtype and our output's
     (``float16`` or ``bfloat16``: what a half-precision model hands over and takes back).
     ``block_size``: the rows of a block of a paged case's cache (``paged-128``,
-    ``paged-256``; CPU and CUDA devices, so far): ours runs on the cache through a shuffled
+    ``paged-256``; CPU, CUDA and Metal devices): ours runs on the cache through a shuffled
     block table (``OURS``) and on the same rows contiguous (``OURS_CONTIGUOUS``), their ratio
     in ``paged_over_contiguous`` of ours' row and their outputs' equality in
     ``paged_equals_contiguous``; the peers that run it gather the K/V from the blocks inside

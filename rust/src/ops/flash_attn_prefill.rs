@@ -120,6 +120,53 @@ pub const F32_KV_KERNELS: [((u32, u32), &str); 14] = [
     ((576, 512), "flash_attn_prefill_d576_512_f32"),
 ];
 
+/// The entry points that read paged K/V (SPEC 11) on a backend whose paged walk is a kernel of
+/// its own (`Backend::paged_kv_entry_points`: Metal), by the kernel of [`REGISTERED_KERNELS`]
+/// they stand for. Elsewhere a paged prefill runs that kernel itself, with `PREFILL_PAGED`.
+pub const PAGED_KERNELS: [(&str, &str); 28] = [
+    ("flash_attn_prefill_d16", "flash_attn_prefill_paged_d16"),
+    ("flash_attn_prefill_d16_bf16", "flash_attn_prefill_paged_d16_bf16"),
+    ("flash_attn_prefill_d32", "flash_attn_prefill_paged_d32"),
+    ("flash_attn_prefill_d32_bf16", "flash_attn_prefill_paged_d32_bf16"),
+    ("flash_attn_prefill_d48", "flash_attn_prefill_paged_d48"),
+    ("flash_attn_prefill_d48_bf16", "flash_attn_prefill_paged_d48_bf16"),
+    ("flash_attn_prefill_d64", "flash_attn_prefill_paged_d64"),
+    ("flash_attn_prefill_d64_bf16", "flash_attn_prefill_paged_d64_bf16"),
+    ("flash_attn_prefill_d80", "flash_attn_prefill_paged_d80"),
+    ("flash_attn_prefill_d80_bf16", "flash_attn_prefill_paged_d80_bf16"),
+    ("flash_attn_prefill_d96", "flash_attn_prefill_paged_d96"),
+    ("flash_attn_prefill_d96_bf16", "flash_attn_prefill_paged_d96_bf16"),
+    ("flash_attn_prefill_d112", "flash_attn_prefill_paged_d112"),
+    ("flash_attn_prefill_d112_bf16", "flash_attn_prefill_paged_d112_bf16"),
+    ("flash_attn_prefill_d128", "flash_attn_prefill_paged_d128"),
+    ("flash_attn_prefill_d128_bf16", "flash_attn_prefill_paged_d128_bf16"),
+    ("flash_attn_prefill_d160", "flash_attn_prefill_paged_d160"),
+    ("flash_attn_prefill_d160_bf16", "flash_attn_prefill_paged_d160_bf16"),
+    ("flash_attn_prefill_d192", "flash_attn_prefill_paged_d192"),
+    ("flash_attn_prefill_d192_bf16", "flash_attn_prefill_paged_d192_bf16"),
+    ("flash_attn_prefill_d224", "flash_attn_prefill_paged_d224"),
+    ("flash_attn_prefill_d224_bf16", "flash_attn_prefill_paged_d224_bf16"),
+    ("flash_attn_prefill_d256", "flash_attn_prefill_paged_d256"),
+    ("flash_attn_prefill_d256_bf16", "flash_attn_prefill_paged_d256_bf16"),
+    ("flash_attn_prefill_d512", "flash_attn_prefill_paged_d512"),
+    ("flash_attn_prefill_d512_bf16", "flash_attn_prefill_paged_d512_bf16"),
+    ("flash_attn_prefill_d576_512", "flash_attn_prefill_paged_d576_512"),
+    ("flash_attn_prefill_d576_512_bf16", "flash_attn_prefill_paged_d576_512_bf16"),
+];
+
+/// The paged entry points are Metal's only.
+static PAGED_SOURCE: KernelSource = KernelSource { metal: Some(FLASH_ATTN_PREFILL_TENSOR_METAL), cuda: None };
+
+/// The kernel that runs a prefill of `kernel` on `device`: its paged entry point
+/// ([`PAGED_KERNELS`]) where the prefill is paged and the backend has such entry points (a
+/// kernel without one, F32 K/V's, stays itself: Metal has neither form of it).
+fn kernel_on(device: &MlxDevice, kernel: &'static str, paged: bool) -> &'static str {
+    if !paged || !device.backend().paged_kv_entry_points() {
+        return kernel;
+    }
+    PAGED_KERNELS.iter().find(|(k, _)| *k == kernel).map_or(kernel, |(_, p)| *p)
+}
+
 /// The kernels of quantised K/V (SPEC 11: FP8 E4M3 and E5M2 with descale factors, Q8_0),
 /// by head dim pair: one per pair for the three formats (the block's K/V code says which);
 /// the CPU dequantises each K/V step as it loads it. CUDA and Metal have none yet.
@@ -211,6 +258,9 @@ pub fn register(registry: &mut KernelRegistry) {
     }
     for (_, name) in F32_KV_KERNELS.iter().chain(QUANT_KV_KERNELS.iter()) {
         registry.register_source(name, F32_KV_SOURCE);
+    }
+    for (_, name) in PAGED_KERNELS {
+        registry.register_source(name, PAGED_SOURCE);
     }
     registry.register_source(K_PREFILL_MASK_BLK, FLASH_ATTN_PREFILL_MASK_BLK_SHADER_SOURCE);
 }
@@ -933,7 +983,8 @@ pub fn encode_validated_paged<'a>(
     if v.empty {
         return Ok(());
     }
-    let pipeline = match registry.get_pipeline(v.kernel, device) {
+    let kernel = kernel_on(device, v.kernel, pages.is_some());
+    let pipeline = match registry.get_pipeline(kernel, device) {
         Err(MlxError::KernelNotFound(_)) if v.operands.kv_dtype.is_quantised_kv() => {
             return Err(MlxError::UnsupportedDtype(format!(
                 "flash_attn_prefill: quantised k and v ({}) run on the CPU backend so far; on CUDA and Metal pass \
@@ -953,7 +1004,7 @@ pub fn encode_validated_paged<'a>(
     if pipeline.max_total_threads_per_threadgroup() < 32 * SIMDGROUPS {
         return Err(invalid(format!(
             "{}: pipeline allows {} threads per threadgroup, needs {}",
-            v.kernel,
+            kernel,
             pipeline.max_total_threads_per_threadgroup(),
             32 * SIMDGROUPS
         )));

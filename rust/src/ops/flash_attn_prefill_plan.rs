@@ -171,8 +171,8 @@ impl FlashAttnPrefillPlan {
     /// Plan a prefill on paged K/V (SPEC 11, [`validate_paged`]): `params.k_strides` and
     /// `v_strides` are the caches' (block, row, head) strides, `cu_seqlens_q` the queries'
     /// offsets for variable length (`None`: `params.rows` per sequence), and the block table
-    /// and the lengths, checked here, are copied to the device for every run. Refused by name
-    /// on a backend whose kernels read K/V contiguous only. `options` as in
+    /// and the lengths, checked here, are copied to the device for every run (every backend
+    /// reads paged K/V: the CPU, CUDA and Metal). `options` as in
     /// [`with_options`](Self::with_options).
     pub fn new_paged(
         device: &MlxDevice,
@@ -182,13 +182,6 @@ impl FlashAttnPrefillPlan {
         paged: &PagedKv<'_>,
         options: RunOptions,
     ) -> Result<Self> {
-        if !device.backend().reads_paged_kv() {
-            return Err(MlxError::InvalidArgument(format!(
-                "flash_attn_prefill: block_table (paged K/V) runs on the CPU and CUDA backends so far, not on {:?}: gather \
-                 each sequence's blocks into contiguous k/v (cu_seqlens_k), or run on the CPU",
-                device.backend_kind()
-            )));
-        }
         let pp = validate_paged(params, cu_seqlens_q, paged)?;
         let cu = cu_seqlens_q.zip(pp.cu_seqlens_k.as_deref());
         let mut plan = Self::with_options(device, &pp.params, operands, cu, options)?;

@@ -118,7 +118,7 @@ pub(super) const fn bq_of(d: usize) -> usize {
 
 /// Entry point of `flash_attn_prefill_d<DK>[_<DV>][_bf16]`: K/V of dtype code `KV`.
 fn entry<const DK: usize, const DV: usize, const KV: i32>(d: &Dispatch) -> Result<()> {
-    let r = RecordedPrefill::decode_paged(d)?.map_err(|Broken(what)| bad(what))?;
+    let r = RecordedPrefill::decode(d)?.map_err(|Broken(what)| bad(what))?;
     if r.params.kv_dtype != KV && !(KV == KV_QUANT && (7..=9).contains(&r.params.kv_dtype)) {
         return Err(bad("the block's K/V dtype is not the kernel's"));
     }

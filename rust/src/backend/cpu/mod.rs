@@ -79,10 +79,6 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads, {})", threads(), simd::selected_isa())
     }
 
-    fn reads_paged_kv(&self) -> bool {
-        true // every work item loads its K/V steps through `prefill_tile::pages`
-    }
-
     fn reads_quantised_kv(&self) -> bool {
         true // `prefill_tile::pages` dequantises each step's rows to f32 as it loads them
     }

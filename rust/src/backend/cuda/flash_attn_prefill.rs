@@ -679,7 +679,7 @@ fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bo
     // relies on (`RecordedPrefill`: the block's contract, every buffer's extent).
     // Paged K/V included (SPEC 11: the decoder checked the caches, the table and the lengths
     // against the paged block; the op checked the table's entries before it uploaded them).
-    let r = RecordedPrefill::decode_paged(d)?.map_err(|Broken(what)| contract(name, what))?;
+    let r = RecordedPrefill::decode(d)?.map_err(|Broken(what)| contract(name, what))?;
     if r.paged.is_some() != pc.paged {
         // Their launch blocks differ (`launch_block`): never one with the other's entry point.
         return Err(contract(name, "paged K/V runs the paged module's entry points, and only it does"));

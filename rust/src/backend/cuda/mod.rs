@@ -351,10 +351,6 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn reads_paged_kv(&self) -> bool {
-        true // the one-CTA forms read each K/V row through the table (`flash_attn_prefill::PagedPointers`)
-    }
-
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
         if bytes == 0 {
             return Ok(Arc::new(CudaMemory { ctx: self.ctx.clone(), ptr: 0, len: 0, owned: false }));

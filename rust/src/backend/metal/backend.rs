@@ -158,6 +158,11 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
         format!("metal ({})", self.api.name())
     }
 
+    /// Paged K/V (SPEC 11) through the `flash_attn_prefill_paged_*` entry points.
+    fn paged_kv_entry_points(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
         Ok(Arc::new(self.owned(bytes)?))
     }

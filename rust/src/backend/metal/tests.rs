@@ -430,8 +430,13 @@ fn off_macos_metal_is_unavailable_and_auto_is_the_cpu() {
 
 use crate::ops::flash_attn_prefill::{
     dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_blk_params, validate,
-    FlashAttnPrefillBuffers, FlashAttnPrefillParams, HEAD_DIMS, K_PREFILL_D256, K_PREFILL_D512, K_PREFILL_MASK_BLK,
+    FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillOperands, HEAD_DIMS, K_PREFILL_D256, K_PREFILL_D512,
+    K_PREFILL_MASK_BLK, PAGED_KERNELS,
 };
+use crate::ops::flash_attn_prefill_paged::PagedKv;
+use crate::ops::flash_attn_prefill_plan::{FlashAttnPrefillPlan, PrefillRunBuffers};
+use crate::options::RunOptions;
+use crate::params::{FlashAttnPrefillParamsGpu, PagedKvParamsGpu, PREFILL_PAGED};
 
 fn prefill_registry() -> KernelRegistry {
     let mut reg = default_registry();
@@ -680,7 +685,105 @@ fn the_prefill_op_names_metal_entry_points_of_its_sources() {
     for name in [K_TENSOR_F16_D256, K_TENSOR_F16_D512, K_BLK_F16] {
         reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
-    assert_eq!(be.api().pipelines.load(Ordering::Relaxed), prefill.len() + 3);
+    // The paged entry points, one for each kernel of both dtypes.
+    let plain: Vec<&str> = HEAD_DIMS.iter().flat_map(|(_, f16, bf16)| [*f16, *bf16]).collect();
+    assert_eq!(PAGED_KERNELS.iter().map(|(k, _)| *k).collect::<Vec<_>>(), plain);
+    for (_, name) in PAGED_KERNELS {
+        assert_eq!(super::function_of(name), name);
+        reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    assert_eq!(be.api().pipelines.load(Ordering::Relaxed), prefill.len() + 3 + PAGED_KERNELS.len());
+}
+
+#[test]
+fn a_paged_plan_runs_the_paged_entry_point_with_its_table_and_lengths() {
+    // Two sequences of 20 query rows over caches of 40 and 33 rows in blocks of 16 (SPEC 11):
+    // the plan's run binds what the contiguous prefill binds, with K/V strides 0 in its block,
+    // the paged block at 13, the table at 14 and the lengths at 15, and runs the paged entry
+    // point of its head dim (the contiguous kernel's name would read K/V in place).
+    let (dev, be) = fake_device(FakeMetal::new());
+    let mut reg = prefill_registry();
+    let (blocks, bs, nkv, hd) = (8u64, 16u64, 2u64, 128u64);
+    let p = FlashAttnPrefillParams {
+        q_strides: [20 * 4 * hd, 4 * hd, hd],
+        k_strides: [bs * nkv * hd, nkv * hd, hd],
+        v_strides: [bs * nkv * hd, nkv * hd, hd],
+        out_strides: [20 * 4 * hd, 4 * hd, hd],
+        mask_strides: [0, 0],
+        lse_strides: [0, 0],
+        batch: 2,
+        rows: 20,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: hd as u32,
+        causal: 1,
+        scale: 0.5,
+        ..Default::default()
+    };
+    let operands = PrefillOperands {
+        q_dtype: DType::F32,
+        kv_dtype: DType::BF16,
+        out_dtype: DType::F32,
+        mask: false,
+        lse: false,
+        sinks: false,
+        alibi_slopes: false,
+    };
+    let (table, used) = ([5, 2, 7, -1, 3, 6, 0, -9], [40, 33]);
+    let paged =
+        PagedKv { block_table: &table, max_blocks: 4, seqused_k: &used, num_blocks: blocks as u32, block_size: 16 };
+    let plan = FlashAttnPrefillPlan::new_paged(&dev, &p, &operands, None, &paged, RunOptions::default()).unwrap();
+    let q = dev.alloc_buffer(DType::F32, &[2 * 20 * 4 * hd as usize]).unwrap();
+    let k = dev.alloc_buffer(DType::BF16, &[(blocks * bs * nkv * hd) as usize]).unwrap();
+    let v = dev.alloc_buffer(DType::BF16, &[(blocks * bs * nkv * hd) as usize]).unwrap();
+    let out = dev.alloc_buffer(DType::F32, &[2 * 20 * 4 * hd as usize]).unwrap();
+    let run = PrefillRunBuffers {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        mask: None,
+        lse: None,
+        sinks: None,
+        alibi_slopes: None,
+        workspace: None,
+    };
+    plan.run(&mut reg, &run, None).unwrap();
+    let rec = be.api().last_run();
+    assert_eq!(rec[0], Recorded::SetPipeline("flash_attn_prefill_paged_d128_bf16".into()));
+    let bytes_at = |index| {
+        rec.iter().find_map(|r| match r {
+            Recorded::SetBytes { index: i, bytes } if *i == index => Some(bytes.clone()),
+            _ => None,
+        })
+    };
+    let block: FlashAttnPrefillParamsGpu = bytemuck::pod_read_unaligned(&bytes_at(0).unwrap());
+    assert_eq!((block.k_row_stride, block.k_head_stride, block.v_batch_stride), (0, 0, 0));
+    assert_eq!((block.kv_len, block.flags & PREFILL_PAGED), (40, PREFILL_PAGED));
+    let pg: PagedKvParamsGpu = bytemuck::pod_read_unaligned(&bytes_at(13).unwrap());
+    assert_eq!(
+        (pg.k_block_stride, pg.k_row_stride, pg.k_head_stride),
+        ((bs * nkv * hd) as i64, (nkv * hd) as i64, hd as i64)
+    );
+    assert_eq!((pg.num_blocks, pg.block_size, pg.max_blocks, pg.batch), (8, 16, 4, 2));
+    let buffer_at = |index| {
+        rec.iter().find_map(|r| match r {
+            Recorded::SetBuffer { index: i, buffer, .. } if *i == index => Some(*buffer),
+            _ => None,
+        })
+    };
+    assert_eq!((buffer_at(2), buffer_at(3)), (Some(buffer_id(&k)), Some(buffer_id(&v))));
+    let contents = |id: usize| {
+        let (ptr, len) = be.api().buffers.lock().unwrap()[&id];
+        // SAFETY: the fake's buffer of `len` bytes at `ptr`, alive with the plan.
+        unsafe { std::slice::from_raw_parts(ptr as *const i32, len / 4) }.to_vec()
+    };
+    assert_eq!(contents(buffer_at(14).unwrap())[..8], table);
+    assert_eq!(contents(buffer_at(15).unwrap())[..2], used);
+    assert_eq!(
+        rec.last(),
+        Some(&Recorded::DispatchThreadgroups { grid: GridSize::new(1, 4, 2), threadgroup: GridSize::new(32, 8, 1) })
+    );
 }
 
 #[test]
