@@ -31,8 +31,9 @@ is a function of its own rather than an ``attn_implementation`` name:
   ``read_index`` (the first row of each page, divided by the page size: a few ints per
   page), so K and V are read in place from the cache's pages: no gather, no copy.
 
-Refused by name (:class:`mlx_native.UnsupportedFeatureError`): a model off the CPU (paged K/V
-runs on the CPU backend so far), sliding-window layers (transformers' sliding allocator keeps
+Refused by name (:class:`mlx_native.UnsupportedFeatureError`): a model off the CPU (the paged
+kernels run on CUDA and Metal too, but this integration's replacement of transformers' cache
+update is built and tested against its CPU index path only), sliding-window layers (transformers' sliding allocator keeps
 a ring of pages that no block table describes), a float32 model (its cache holds float32
 K/V; the kernels would need a converted copy of the whole cache: run the model in bfloat16 or
 float16), dropout, softcap, attention sinks, a page size the kernels do not take (a multiple
@@ -74,7 +75,9 @@ def check_model(model: torch.nn.Module) -> None:
     if device.type != "cpu":
         raise UnsupportedFeatureError(
             f"mlx_native's paged attention for transformers' continuous batching runs on the CPU so far, not on "
-            f"{device}: paged K/V (block_table) runs on the CPU backend only; use attn_implementation='sdpa' there"
+            f"{device}: this integration is built and tested against transformers' CPU path only (the paged kernels "
+            "themselves run on CUDA: call mn.flash_attn_prefill with block_table= there); use "
+            "attn_implementation='sdpa' for this model"
         )
     from transformers.generation.continuous_batching.cache import group_layers_by_attn_type  # noqa: PLC0415
 
