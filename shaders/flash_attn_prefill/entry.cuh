@@ -30,10 +30,40 @@
 // source, and the paged forms would add half again to that compile for every user, paged
 // or not.
 
+// MLXN_QUANT_ENTRIES (params.cuh): the module of a source's quantised K/V entry points
+// (SPEC 11; FP8 E4M3 / E5M2, Q8_0: the params block's kv_dtype says which), NAME_kvq (and
+// NAME_xf_kvq in the portable form), with MLXN_PAGED_ENTRIES NAME_paged_kvq (and
+// NAME_xf_paged_kvq): the one-CTA forms whose K/V loaders widen the bytes to F16 in shared
+// memory (loaders.cuh load_rows_quant), the products in F16. Only the F16 instantiations
+// (T = ElemF16) have them: quantised K/V are no BF16 K/V, and the BF16 forms would only add to
+// the module's compile. A module of its own, as the paged one is (compiled on the first
+// quantised launch, under its own cache key): the contiguous module keeps its machine code
+// and its compile time, and a quantised call compiles only its own entry points. Paged and
+// quantised together are a fourth module (both defines), not the quant module with both
+// walks: a user of quantised K/V calls one layout, and one module of each would double the
+// first call's compile for every quantised user.
+#define MLXN_IF_F16_ElemF16(...) __VA_ARGS__
+#define MLXN_IF_F16_ElemBF16(...)
+#define MLXN_IF_F16(T, ...) MLXN_IF_F16_##T(__VA_ARGS__)
+#if MLXN_QUANT_ENTRIES && MLXN_PAGED_ENTRIES
+#define MLXN_MODULE_SUFFIX(NAME) NAME##_paged_kvq
+#define MLXN_MODULE_XF_SUFFIX(NAME) NAME##_xf_paged_kvq
+#elif MLXN_QUANT_ENTRIES
+#define MLXN_MODULE_SUFFIX(NAME) NAME##_kvq
+#define MLXN_MODULE_XF_SUFFIX(NAME) NAME##_xf_kvq
+#endif
+
 // The portable form only, at (Q/K, V/O) head dims (DK, DV), products in T: NAME without
 // softcap and ALiBi, NAME_xf with them (the host picks by the params block); with
-// MLXN_PAGED_ENTRIES both on paged K/V instead: NAME_paged, NAME_xf_paged.
-#if MLXN_PAGED_ENTRIES
+// MLXN_PAGED_ENTRIES both on paged K/V instead: NAME_paged, NAME_xf_paged; with
+// MLXN_QUANT_ENTRIES (F16 only) the quant module's names above.
+#if MLXN_QUANT_ENTRIES
+#define MLXN_PORTABLE_ENTRY(NAME, DK, DV, T)                                                               \
+    MLXN_IF_F16(T, extern "C" __global__ void __launch_bounds__(NTHREADS, 1)                               \
+                       MLXN_MODULE_SUFFIX(NAME)(MLXN_ARGS) { attention<DK, DV, T, false>(MLXN_PASS); }     \
+                   extern "C" __global__ void __launch_bounds__(NTHREADS, 1)                               \
+                       MLXN_MODULE_XF_SUFFIX(NAME)(MLXN_ARGS) { attention<DK, DV, T, true>(MLXN_PASS); })
+#elif MLXN_PAGED_ENTRIES
 #define MLXN_PORTABLE_ENTRY(NAME, DK, DV, T)                                                  \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1) NAME##_paged(MLXN_ARGS) {       \
         attention<DK, DV, T, false>(MLXN_PASS);                                               \
@@ -54,9 +84,14 @@
 // The Hopper form where the compiler targets sm_90a (head dims 64, 128, 256 and 512; the
 // transforms are branches there, which cost its registers nothing), else the portable one;
 // with MLXN_PAGED_ENTRIES NAME_paged instead (its cp.async loaders read each row through
-// the table).
+// the table); with MLXN_QUANT_ENTRIES (F16 only) NAME_kvq or NAME_paged_kvq (its loaders
+// widen the bytes).
 #ifdef MLXN_HOPPER
-#if MLXN_PAGED_ENTRIES
+#if MLXN_QUANT_ENTRIES
+#define MLXN_ENTRY(NAME, D, T)                                                                             \
+    MLXN_IF_F16(T, extern "C" __global__ void __launch_bounds__(NTHREADS, hopper::HCfg<D>::MINB)           \
+                       MLXN_MODULE_SUFFIX(NAME)(MLXN_ARGS) { hopper::attention<D, PAIR_NONE, T>(MLXN_PASS); })
+#elif MLXN_PAGED_ENTRIES
 #define MLXN_ENTRY(NAME, D, T)                                                                \
     extern "C" __global__ void __launch_bounds__(NTHREADS, hopper::HCfg<D>::MINB) NAME##_paged(MLXN_ARGS) { \
         hopper::attention<D, PAIR_NONE, T>(MLXN_PASS);                                        \
@@ -80,8 +115,9 @@
 // Tiles<DIM>::CONSUMERS consumer warpgroups: WS_THREADS threads with two).
 #define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)
 #define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? 128 * (hopper::Tiles<DIM>::CONSUMERS + 1) : NTHREADS)
-#if MLXN_PAGED_ENTRIES
-// The paged module has none (a paged launch never takes a pair form).
+#if MLXN_PAGED_ENTRIES || MLXN_QUANT_ENTRIES
+// The paged and quant modules have none (a paged or quantised launch never takes a pair form:
+// the TMA copies K/V as they are, neither through a table nor widened).
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)
 #else
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)                                                     \

@@ -127,13 +127,42 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     };
     auto next_active = [&](int t, bool& need_mask, TB& sb) -> int { return walk.next(t, lane, need_mask, sb); };
 
+#if !MLXN_QUANT_ENTRIES
     const u16* k_base = k + sq.k + (i64)kvh * p.k_head_stride;
     const u16* v_base = v + sq.v + (i64)kvh * p.v_head_stride;
+#endif
     const bool k_al = (L.flags & FLAG_K_ALIGNED) != 0;
     const bool v_al = (L.flags & FLAG_V_ALIGNED) != 0;
     const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
     // K and V of step t (paged K/V: the params block's K/V batch strides are the caches'
     // block strides).
+#if MLXN_QUANT_ENTRIES
+    // Quantised K/V (the quant modules): the bytes widened to F16 in the same layout, K/V's
+    // offsets and strides in bytes; K's descale factor multiplies the scores.
+    const u8* kq_base = reinterpret_cast<const u8*>(k) + sq.k + (i64)kvh * p.k_head_stride;
+    const u8* vq_base = reinterpret_cast<const u8*>(v) + sq.v + (i64)kvh * p.v_head_stride;
+    const float kd = kdescale(p, L, kvh);
+    auto load_k = [&](int t) {
+        auto chunk = [](int r, int c) -> u32 { return (u32)(r * C::SW_K * 2) + swz(c, r & 7); };
+#if MLXN_PAGED_ENTRIES
+        load_rows_quant<DK>(s_k, chunk, kq_base, L, p.k_batch_stride, p.k_row_stride, t * STEP, lk - t * STEP,
+                            p.kv_dtype, k_al);
+#else
+        load_rows_quant<DK>(s_k, chunk, kq_base + (i64)t * STEP * p.k_row_stride, L, 0, p.k_row_stride, 0,
+                            lk - t * STEP, p.kv_dtype, k_al);
+#endif
+    };
+    auto load_v = [&](int t) {
+        auto chunk = [](int r, int c) -> u32 { return (u32)(r * C::SW_V * 2) + swz(c, r & 7); };
+#if MLXN_PAGED_ENTRIES
+        load_rows_quant<DV>(s_v, chunk, vq_base, L, p.v_batch_stride, p.v_row_stride, t * STEP, lk - t * STEP,
+                            p.kv_dtype, v_al);
+#else
+        load_rows_quant<DV>(s_v, chunk, vq_base + (i64)t * STEP * p.v_row_stride, L, 0, p.v_row_stride, 0,
+                            lk - t * STEP, p.kv_dtype, v_al);
+#endif
+    };
+#else
     auto load_k = [&](int t) {
 #if MLXN_PAGED_ENTRIES
         load_rows_f16_paged<DK, C::SW_K>(s_k, k_base, L, p.k_batch_stride, p.k_row_stride, t * STEP, lk - t * STEP,
@@ -150,6 +179,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         load_rows_f16<DV, C::SW_V>(s_v, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, lk - t * STEP, v_al);
 #endif
     };
+#endif
 
     // ---- State: O (32 rows x DW columns), running max and partial sums of 4 rows.
     float o[2][C::DW / 8][4];
@@ -238,6 +268,15 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                 }
             }
 
+#if MLXN_QUANT_ENTRIES
+            // SPEC 11: K's value is descale * x; the products took x.
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nb = 0; nb < C::NB; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nb][e] *= kd;
+#endif
             if (XF && p.softcap > 0.f) {
                 const float inv = 1.f / p.softcap;
 #pragma unroll
@@ -470,7 +509,11 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             if (r >= lq) continue;
             float o_scale;
             softmax_sink(p, sinks, head, m_run[mt][hh], lt[mt][hh], o_scale);
+#if MLXN_QUANT_ENTRIES
+            const float inv = lt[mt][hh] > 0.f ? o_scale / lt[mt][hh] * vdescale(p, L, kvh) : 0.f;  // V's factor
+#else
             const float inv = lt[mt][hh] > 0.f ? o_scale / lt[mt][hh] : 0.f;
+#endif
             const i64 dst = o_seq + (i64)r * p.o_row_stride + (i64)head * p.o_head_stride + wd0 + tig * 2;
 #pragma unroll
             for (int nb = 0; nb < C::DW / 8; ++nb)

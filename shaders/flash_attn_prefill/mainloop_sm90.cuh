@@ -239,12 +239,43 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         return c;
     };
 
+#if !MLXN_QUANT_ENTRIES
     const u16* k_base = k + sq.k + (i64)kvh * p.k_head_stride;
     const u16* v_base = v + sq.v + (i64)kvh * p.v_head_stride;
+#endif
     const bool k_al = (L.flags & FLAG_K_ALIGNED) != 0;
     const bool v_al = (L.flags & FLAG_V_ALIGNED) != 0;
     const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
     // (Paged K/V: the params block's K/V batch strides are the caches' block strides.)
+#if MLXN_QUANT_ENTRIES
+    // Quantised K/V (the quant modules): the bytes widened to F16 in the atom layout, K/V's
+    // offsets and strides in bytes; K's descale factor multiplies the scores.
+    static_assert(PAIR == PAIR_NONE && !WS, "quantised K/V: the one-CTA form (the TMA cannot widen)");
+    const u8* kq_base = reinterpret_cast<const u8*>(k) + sq.k + (i64)kvh * p.k_head_stride;
+    const u8* vq_base = reinterpret_cast<const u8*>(v) + sq.v + (i64)kvh * p.v_head_stride;
+    const float kd = kdescale(p, L, kvh);
+    auto atom = [](int r, int c) -> u32 { return (u32)((c >> 3) * STEP * 128 + r * 128) + (u32)(((c & 7) ^ (r & 7)) << 4); };
+    auto load_k = [&](int stage, int t) {
+        const u32 dst = s_kv + stage * 2 * C::KV_BYTES;
+#if MLXN_PAGED_ENTRIES
+        load_rows_quant<D>(dst, atom, kq_base, L, p.k_batch_stride, p.k_row_stride, t * STEP, lk - t * STEP,
+                           p.kv_dtype, k_al);
+#else
+        load_rows_quant<D>(dst, atom, kq_base + (i64)t * STEP * p.k_row_stride, L, 0, p.k_row_stride, 0,
+                           lk - t * STEP, p.kv_dtype, k_al);
+#endif
+    };
+    auto load_v = [&](int stage, int t) {
+        const u32 dst = s_kv + stage * 2 * C::KV_BYTES + C::KV_BYTES;
+#if MLXN_PAGED_ENTRIES
+        load_rows_quant<D>(dst, atom, vq_base, L, p.v_batch_stride, p.v_row_stride, t * STEP, lk - t * STEP,
+                           p.kv_dtype, v_al);
+#else
+        load_rows_quant<D>(dst, atom, vq_base + (i64)t * STEP * p.v_row_stride, L, 0, p.v_row_stride, 0,
+                           lk - t * STEP, p.kv_dtype, v_al);
+#endif
+    };
+#else
     auto load_k = [&](int stage, int t) {
         const u32 dst = s_kv + stage * 2 * C::KV_BYTES;
 #if MLXN_PAGED_ENTRIES
@@ -261,6 +292,7 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         load_kv_tile<D>(dst, v_base + (i64)t * STEP * p.v_row_stride, p.v_row_stride, lk - t * STEP, v_al);
 #endif
     };
+#endif
     auto load_mask = [&](int stage, int t) {
         load_mask_tile(s_mask + stage * C::MASK_BYTES, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al);
     };
@@ -334,6 +366,11 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
                 wgmma_wait0();
                 fence_regs(s);
             }
+#if MLXN_QUANT_ENTRIES
+            // SPEC 11: K's value is descale * x; the product took x.
+#pragma unroll
+            for (int i = 0; i < C::NS; ++i) s[i] *= kd;
+#endif
             if (p.softcap > 0.f) {
                 const float inv = 1.f / p.softcap;
 #pragma unroll
@@ -630,7 +667,11 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         if (r >= lq) continue;
         float o_scale;
         softmax_sink(p, sinks, head, m_run[hh], lt[hh], o_scale);
+#if MLXN_QUANT_ENTRIES
+        const float inv = lt[hh] > 0.f ? o_scale / lt[hh] * vdescale(p, L, kvh) : 0.f;  // V's factor
+#else
         const float inv = lt[hh] > 0.f ? o_scale / lt[hh] : 0.f;
+#endif
         const i64 dst = sq.o + (i64)r * p.o_row_stride + (i64)head * p.o_head_stride + wd0 + tig * 2;
 #pragma unroll
         for (int nb = 0; nb < C::DW / 8; ++nb)

@@ -10,6 +10,14 @@
 #ifndef MLXN_PAGED_ENTRIES
 #define MLXN_PAGED_ENTRIES 0
 #endif
+// MLXN_QUANT_ENTRIES (0 unless the host defines it): the module of a source's quantised K/V
+// entry points (SPEC 11: FP8 E4M3 / E5M2 with descale factors, Q8_0), whose K/V loaders
+// widen the bytes to F16 in shared memory. With MLXN_PAGED_ENTRIES as well: those entry
+// points on paged K/V (the two defines are orthogonal: one picks how a row is found, the
+// other how its bytes become halves; entry.cuh says why each pair is a module of its own).
+#ifndef MLXN_QUANT_ENTRIES
+#define MLXN_QUANT_ENTRIES 0
+#endif
 
 // Mirror of the op's params block (FlashAttnPrefillParamsGpu, rust/src/params.rs): 64-bit
 // strides in elements (the table's batch stride in bytes), then 32-bit fields.
@@ -43,10 +51,15 @@ struct Params {
 #define PREFILL_WINDOW_RIGHT 64
 #define PREFILL_ALIBI_SLOPES 128
 #define PREFILL_PAGED 256  // paged K/V (SPEC 11): the host launches the _paged entries with the launch block's table
+#define PREFILL_DESCALE 512  // FP8 K/V's descale factors (SPEC 11): the quant module's Launch::descale
 // DType codes of Q and O.
 #define DT_F32 0
 #define DT_F16 1
 #define DT_BF16 2
+// DType codes of quantised K/V (the quant module's kv_dtype; K/V strides then in bytes).
+#define DT_F8E4M3 7
+#define DT_F8E5M2 8
+#define DT_Q8_0 9
 
 // What the CUDA backend adds: the CTA geometry it chose and the alignment of the buffers.
 struct Launch {
@@ -84,10 +97,17 @@ struct Launch {
     int table_stride;
     int block_size;
 #endif
+#if MLXN_QUANT_ENTRIES
+    // Quantised K/V (SPEC 11), in the quant modules only (these 8 bytes after the paged
+    // fields where both are there): with PREFILL_DESCALE, FP8 K/V's F32 descale factors
+    // [2][n_kv_heads] (K's, then V's); else null.
+    const float* descale;
+#endif
 };
-// The host's AttentionLaunch, and PagedPointers after it in the paged module
-// (rust/src/backend/cuda/flash_attn_prefill.rs).
-static_assert(sizeof(Launch) == (MLXN_PAGED_ENTRIES ? 72 : 48), "the launch block changed: update the CUDA backend");
+// The host's AttentionLaunch, then PagedPointers in a paged module and the descale pointer in
+// a quant module (rust/src/backend/cuda/flash_attn_prefill.rs launch_block).
+static_assert(sizeof(Launch) == 48 + (MLXN_PAGED_ENTRIES ? 24 : 0) + (MLXN_QUANT_ENTRIES ? 8 : 0),
+              "the launch block changed: update the CUDA backend");
 
 #define FLAG_Q_ALIGNED 1     // Q base and strides 16-byte aligned (8 elements of 16 bits, or 4 floats)
 #define FLAG_K_ALIGNED 2     // K base and strides 16-byte aligned
