@@ -169,7 +169,9 @@ fn kernel_on(device: &MlxDevice, kernel: &'static str, paged: bool) -> &'static 
 
 /// The kernels of quantised K/V (SPEC 11: FP8 E4M3 and E5M2 with descale factors, Q8_0),
 /// by head dim pair: one per pair for the three formats (the block's K/V code says which);
-/// the CPU dequantises each K/V step as it loads it. CUDA and Metal have none yet.
+/// the CPU dequantises each K/V step as it loads it, CUDA runs its F16 kernel's source in
+/// that source's quant module (its loaders widen the bytes to F16 in shared memory:
+/// `backend/cuda/flash_attn_prefill.rs` `quant_kernel!`). Metal has none yet.
 pub const QUANT_KV_KERNELS: [((u32, u32), &str); 14] = [
     ((16, 16), "flash_attn_prefill_d16_kvq"),
     ((32, 32), "flash_attn_prefill_d32_kvq"),
@@ -189,6 +191,13 @@ pub const QUANT_KV_KERNELS: [((u32, u32), &str); 14] = [
 
 /// The F32 K/V kernels have no device source: only the CPU runs them.
 static F32_KV_SOURCE: KernelSource = KernelSource { metal: None, cuda: None };
+
+/// The device source of a quantised K/V kernel at head dims `dims`: the CUDA file of the F16
+/// kernel of those dims (whose quant module holds its entry points); no Metal one.
+fn quant_kv_source(dims: (u32, u32)) -> KernelSource {
+    let f16 = HEAD_DIMS.iter().find(|(d, _, _)| *d == dims).map_or("", |(_, f16, _)| *f16);
+    KernelSource { metal: None, cuda: prefill_kernel_source(f16).cuda }
+}
 
 /// The explicit mask's classifier.
 pub const K_PREFILL_MASK_BLK: &str = "flash_attn_prefill_mask_blk";
@@ -256,8 +265,11 @@ pub fn register(registry: &mut KernelRegistry) {
     for name in HEAD_DIMS.iter().flat_map(|(_, f16, bf16)| [*f16, *bf16]) {
         registry.register_source(name, *prefill_kernel_source(name));
     }
-    for (_, name) in F32_KV_KERNELS.iter().chain(QUANT_KV_KERNELS.iter()) {
+    for (_, name) in F32_KV_KERNELS {
         registry.register_source(name, F32_KV_SOURCE);
+    }
+    for (dims, name) in QUANT_KV_KERNELS {
+        registry.register_source(name, quant_kv_source(dims));
     }
     for (_, name) in PAGED_KERNELS {
         registry.register_source(name, PAGED_SOURCE);
@@ -987,7 +999,7 @@ pub fn encode_validated_paged<'a>(
     let pipeline = match registry.get_pipeline(kernel, device) {
         Err(MlxError::KernelNotFound(_)) if v.operands.kv_dtype.is_quantised_kv() => {
             return Err(MlxError::UnsupportedDtype(format!(
-                "flash_attn_prefill: quantised k and v ({}) run on the CPU backend so far; on CUDA and Metal pass \
+                "flash_attn_prefill: quantised k and v ({}) run on the CPU and CUDA backends so far; on Metal pass \
                  F16 or BF16 k and v",
                 v.operands.kv_dtype
             )))

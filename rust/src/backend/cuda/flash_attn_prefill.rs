@@ -19,7 +19,7 @@ pub use super::attention_geometry::{
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
 use super::launch::{
-    contract, device_addr, device_addr_or_null, no_split, CudaKernel, Launch, PrepareContext, Variant,
+    contract, device_addr, device_addr_or_null, no_split, CudaKernel, Launch, ModuleKind, PrepareContext, Variant,
 };
 use crate::error::{MlxError, Result};
 use crate::interface::{BoundArg, Dispatch, RunOptions};
@@ -67,6 +67,7 @@ macro_rules! attention_kernel {
             hopper_form: true,
             portable_variants: &[Variant::ScoreTransforms],
             paged: true,
+            quant: false,
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
             merge_entry: Some(MERGE_ENTRY),
@@ -81,10 +82,36 @@ macro_rules! attention_kernel {
             hopper_form: false,
             portable_variants: &[Variant::ScoreTransforms],
             paged: true,
+            quant: false,
             shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
             merge_entry: Some(MERGE_ENTRY),
             split: |_, sms, params, forced| kv_split::split_of(($dk, $dv), false, sms, params, forced),
+        }
+    };
+}
+
+/// A quantised K/V kernel (SPEC 11, the op's `QUANT_KV_KERNELS`: FP8 E4M3 / E5M2, Q8_0): the
+/// F16 kernel of its head dims (`$entry`, whose source it shares) in the source's quant module
+/// (`-DMLXN_QUANT_ENTRIES=1`, [`ModuleKind`]): `<entry>_kvq` (and `_xf_kvq` in the portable
+/// form), on paged K/V `<entry>_paged_kvq` (`_xf_paged_kvq`) from the module with both
+/// defines. The one-CTA forms only (`hopper`: the Hopper form's on sm_90a; the TMA of the
+/// pair forms copies bytes, it cannot widen them), with the F16 kernel's shared memory (the
+/// tiles are F16 in shared memory).
+macro_rules! quant_kernel {
+    ($name:literal, $entry:literal, $dk:literal, $dv:literal, $hopper:literal) => {
+        CudaKernel {
+            name: $name,
+            entry: $entry,
+            hopper_variants: &[],
+            hopper_form: $hopper,
+            portable_variants: &[],
+            paged: true,
+            quant: true,
+            shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper && $hopper),
+            prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
+            merge_entry: Some(MERGE_ENTRY),
+            split: |hopper, sms, params, forced| kv_split::split_of(($dk, $dv), hopper && $hopper, sms, params, forced),
         }
     };
 }
@@ -120,6 +147,20 @@ pub const KERNELS: &[CudaKernel] = &[
     attention_kernel!("flash_attn_prefill_d224_bf16", 224, 224),
     attention_kernel!("flash_attn_prefill_d576_512", 576, 512),
     attention_kernel!("flash_attn_prefill_d576_512_bf16", 576, 512),
+    quant_kernel!("flash_attn_prefill_d16_kvq", "flash_attn_prefill_d16", 16, 16, false),
+    quant_kernel!("flash_attn_prefill_d32_kvq", "flash_attn_prefill_d32", 32, 32, false),
+    quant_kernel!("flash_attn_prefill_d48_kvq", "flash_attn_prefill_d48", 48, 48, false),
+    quant_kernel!("flash_attn_prefill_d64_kvq", "flash_attn_prefill_d64", 64, 64, true),
+    quant_kernel!("flash_attn_prefill_d80_kvq", "flash_attn_prefill_d80", 80, 80, false),
+    quant_kernel!("flash_attn_prefill_d96_kvq", "flash_attn_prefill_d96", 96, 96, false),
+    quant_kernel!("flash_attn_prefill_d112_kvq", "flash_attn_prefill_d112", 112, 112, false),
+    quant_kernel!("flash_attn_prefill_d128_kvq", "flash_attn_prefill_d128", 128, 128, true),
+    quant_kernel!("flash_attn_prefill_d160_kvq", "flash_attn_prefill_d160", 160, 160, false),
+    quant_kernel!("flash_attn_prefill_d192_kvq", "flash_attn_prefill_d192", 192, 192, false),
+    quant_kernel!("flash_attn_prefill_d224_kvq", "flash_attn_prefill_d224", 224, 224, false),
+    quant_kernel!("flash_attn_prefill_d256_kvq", "flash_attn_prefill_tensor_f16_d256", 256, 256, true),
+    quant_kernel!("flash_attn_prefill_d512_kvq", "flash_attn_prefill_tensor_f16_d512", 512, 512, true),
+    quant_kernel!("flash_attn_prefill_d576_512_kvq", "flash_attn_prefill_d576_512", 576, 512, false),
     CudaKernel {
         name: "flash_attn_prefill_mask_blk",
         entry: "flash_attn_prefill_mask_blk",
@@ -127,6 +168,7 @@ pub const KERNELS: &[CudaKernel] = &[
         hopper_form: false,
         portable_variants: &[],
         paged: false,
+        quant: false,
         shared_bytes: |_| None,
         prepare: |pc, d, _| prepare_mask_blk(pc, d),
         merge_entry: None,
@@ -169,13 +211,36 @@ struct AttentionLaunch {
 
 /// The kernel's `Launch` block: [`AttentionLaunch`], followed in a paged module
 /// (`MLXN_PAGED_ENTRIES`, whose entry points a paged launch runs: `pages`) by the
-/// [`PagedPointers`] its `Launch` adds.
-fn launch_block(block: &AttentionLaunch, pages: Option<PagedPointers>) -> Vec<u8> {
+/// [`PagedPointers`] its `Launch` adds, and in a quant module (`MLXN_QUANT_ENTRIES`: `descale`
+/// given, the factors' address or 0) by the descale factors' address.
+fn launch_block(block: &AttentionLaunch, pages: Option<PagedPointers>, descale: Option<u64>) -> Vec<u8> {
     let mut bytes = bytemuck::bytes_of(block).to_vec();
     if let Some(g) = &pages {
         bytes.extend_from_slice(bytemuck::bytes_of(g));
     }
+    if let Some(d) = descale {
+        bytes.extend_from_slice(&d.to_ne_bytes());
+    }
     bytes
+}
+
+/// Whether a params block's K/V dtype code is a quantised format's (SPEC 11: F8E4M3 7,
+/// F8E5M2 8, Q8_0 9), which the quant modules read.
+pub fn is_quantised_code(kv_dtype: i32) -> bool {
+    matches!(kv_dtype, 7..=9)
+}
+
+/// The alignment of K or V (base `base`, strides `strides` in elements) that its loaders
+/// take as `FLAG_K_ALIGNED` / `FLAG_V_ALIGNED`: 16-bit K/V, 16-byte loads (base and strides
+/// multiples of 16 bytes, 8 elements); FP8 (bytes), 16-byte loads of 16 values (multiples of
+/// 16 bytes); Q8_0 (bytes; blocks of 34), 2-byte loads (base and strides even).
+fn kv_aligned(kv_dtype: i32, base: u64, strides: [i64; 3]) -> bool {
+    let (bytes, elems) = match kv_dtype {
+        7 | 8 => (16, 16),
+        9 => (2, 2),
+        _ => (16, 8),
+    };
+    base.is_multiple_of(bytes) && strides.iter().all(|&s| s % elems == 0)
 }
 
 const FLAG_Q_ALIGNED: i32 = 1;
@@ -380,6 +445,9 @@ pub struct AttentionPointers {
     pub alibi_slopes: u64,
     /// Paged K/V (`PREFILL_PAGED`, SPEC 11), else `None`.
     pub pages: Option<PagedPointers>,
+    /// Quantised K/V (SPEC 11, a quant module's launch): the F32 descale factors' address
+    /// (`PREFILL_DESCALE`) or 0; `None` for 16-bit K/V.
+    pub descale: Option<u64>,
 }
 
 /// The paged K/V of a launch (SPEC 11): the device addresses of the I32 block table
@@ -511,7 +579,7 @@ fn merge_launch(
     l.push_bytes(bytemuck::bytes_of(p));
     l.push_bytes(bytemuck::bytes_of(pw));
     // (A paged launch's merge is the paged module's: its launch block has the pages too.)
-    l.push_bytes(&launch_block(&block, b.pages));
+    l.push_bytes(&launch_block(&block, b.pages, b.descale));
     for ptr in [bw.out, bw.lse, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
         l.push_ptr(ptr);
     }
@@ -540,10 +608,10 @@ fn part_launch(
     if aligned(b.q, &[p.q_batch_stride, p.q_row_stride, p.q_head_stride], q_elems, 16) {
         flags |= FLAG_Q_ALIGNED;
     }
-    if aligned(b.k, &[p.k_batch_stride, p.k_row_stride, p.k_head_stride], 8, 16) {
+    if kv_aligned(p.kv_dtype, b.k, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]) {
         flags |= FLAG_K_ALIGNED;
     }
-    if aligned(b.v, &[p.v_batch_stride, p.v_row_stride, p.v_head_stride], 8, 16) {
+    if kv_aligned(p.kv_dtype, b.v, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]) {
         flags |= FLAG_V_ALIGNED;
     }
     if aligned(b.mask, &[p.mask_batch_stride, p.mask_row_stride], 8, 16) {
@@ -568,10 +636,11 @@ fn part_launch(
     let mut maps = None;
     let mut mode = None;
     let fixed = p.flags & PREFILL_VARLEN == 0;
-    // Paged K/V: the one-CTA form (its cp.async loaders read each row through the table).
-    let contiguous = b.pages.is_none();
+    // Paged K/V: the one-CTA form (its cp.async loaders read each row through the table);
+    // quantised K/V too (its loaders widen the bytes; the TMA copies them as they are).
+    let module = ModuleKind { paged: b.pages.is_some(), quant: b.descale.is_some() };
     if let Some(heads_allowed) =
-        if variants && hopper && fixed && contiguous { pair_setting(&pc.options) } else { None }
+        if variants && hopper && fixed && module == ModuleKind::CONTIGUOUS { pair_setting(&pc.options) } else { None }
     {
         let (nkv, kvl, nb) = (p.n_kv_heads as u32, p.kv_len as u32, p.batch as u32);
         let km = kv_tensor_map(b.k, head_dim, nkv, kvl, nb, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]);
@@ -623,7 +692,7 @@ fn part_launch(
     let threads = if maps.is_some() && ws_form(head_dim) { ws_threads(head_dim) } else { ATTENTION_THREADS };
     let mut l = Launch::new([grid_x, geo.head_groups, p.batch as u32 * parts], [threads, 1, 1], shared);
     l.push_bytes(bytemuck::bytes_of(p));
-    l.push_bytes(&launch_block(&launch, b.pages));
+    l.push_bytes(&launch_block(&launch, b.pages, b.descale));
     for ptr in [b.q, b.k, b.v, b.mask, b.blk, b.out, b.lse, b.cu_q, b.cu_k, b.sinks] {
         l.push_ptr(ptr);
     }
@@ -636,13 +705,20 @@ fn part_launch(
         l.variant = mode.map(|m| m.variant(wide));
     }
     let transforms = !hopper && (p.softcap > 0.0 || p.max_bias > 0.0 || slopes);
-    l.variant = match (b.pages.is_some(), transforms) {
-        (true, true) => Some(Variant::PagedScoreTransforms),
-        (true, false) => Some(Variant::Paged),
-        (false, true) => Some(Variant::ScoreTransforms),
-        (false, false) => l.variant,
-    };
+    l.variant = entry_variant(module, transforms, l.variant);
     Ok(l)
+}
+
+/// The entry point a launch of the module `module` runs (as a variant of the kernel's plain
+/// one; `None`: the plain one): the paged / quant module's, with or without the score
+/// transforms (`transforms`: the portable form with softcap or ALiBi), else the contiguous
+/// module's transforms form, else `pair` (the CTA-pair form chosen, or none).
+pub fn entry_variant(module: ModuleKind, transforms: bool, pair: Option<Variant>) -> Option<Variant> {
+    if module != ModuleKind::CONTIGUOUS || transforms {
+        Variant::of_module(module, transforms)
+    } else {
+        pair
+    }
 }
 
 /// The device addresses of a recorded prefill's buffers (0 for an absent one).
@@ -670,6 +746,7 @@ pub fn attention_pointers(pc: &PrepareContext<'_>, name: &str, r: &RecordedPrefi
             }),
             None => None,
         },
+        descale: if is_quantised_code(r.params.kv_dtype) { Some(opt(r.descale)?) } else { None },
     })
 }
 
@@ -680,9 +757,13 @@ fn prepare(pc: &PrepareContext<'_>, dims: (u32, u32), d: &Dispatch, variants: bo
     // Paged K/V included (SPEC 11: the decoder checked the caches, the table and the lengths
     // against the paged block; the op checked the table's entries before it uploaded them).
     let r = RecordedPrefill::decode(d)?.map_err(|Broken(what)| contract(name, what))?;
-    if r.paged.is_some() != pc.paged {
+    if r.paged.is_some() != pc.module.paged {
         // Their launch blocks differ (`launch_block`): never one with the other's entry point.
         return Err(contract(name, "paged K/V runs the paged module's entry points, and only it does"));
+    }
+    if is_quantised_code(r.params.kv_dtype) != pc.module.quant {
+        // Their loaders and launch blocks differ: never one with the other's entry point.
+        return Err(contract(name, "quantised K/V runs the quant module's entry points, and only it does"));
     }
     let paged = r.paged.as_ref().map(|pg| paged_params(&r.params, &pg.params));
     let p = paged.as_ref().unwrap_or(&r.params);
@@ -902,6 +983,11 @@ mod tests {
     fn each_attention_kernel_has_its_paged_entries_apart() {
         for k in KERNELS {
             assert_eq!(k.paged, k.merge_entry.is_some(), "{}", k.name);
+            if k.quant {
+                // Its paged entries are the paged quant module's (quant_variants).
+                assert!(k.paged_variants(true).is_empty() && k.paged_variants(false).is_empty(), "{}", k.name);
+                continue;
+            }
             if !k.paged {
                 assert!(k.paged_variants(true).is_empty() && k.paged_variants(false).is_empty());
                 continue;
@@ -982,10 +1068,143 @@ mod tests {
         assert_eq!(checked, pairs, "one check per head-dim pair of the portable form");
         // Each kernel of a head-dim pair without the wgmma form reserves the portable bytes.
         for k in KERNELS.iter().filter(|k| k.name != "flash_attn_prefill_mask_blk") {
+            let name = k.name.trim_end_matches("_kvq");
             let wgmma = ["_d64", "_d128", "_d256", "_d512"]
                 .iter()
-                .any(|d| k.name.ends_with(d) || k.name.contains(&format!("{d}_bf16")));
+                .any(|d| name.ends_with(d) || name.contains(&format!("{d}_bf16")));
             assert_eq!((k.shared_bytes)(true) != (k.shared_bytes)(false), wgmma, "{}", k.name);
         }
+    }
+
+    /// Every quantised K/V kernel of the op (`QUANT_KV_KERNELS`) has its CUDA kernel: the F16
+    /// kernel of its head dims run from the source's quant module, in the same form (Hopper
+    /// where the F16 one has it) with the same shared memory and merge, no pair forms; its
+    /// entry points are `<entry>_kvq` (and `_xf_kvq` in the portable form) and on paged K/V
+    /// `<entry>_paged_kvq` (`_xf_paged_kvq`), none of them in any other module.
+    #[test]
+    fn each_quantised_kernel_runs_its_f16_kernel_from_the_quant_modules() {
+        use crate::ops::flash_attn_prefill::{HEAD_DIMS, QUANT_KV_KERNELS};
+        let quant: Vec<&CudaKernel> = KERNELS.iter().filter(|k| k.quant).collect();
+        assert_eq!(quant.len(), QUANT_KV_KERNELS.len());
+        for (dims, name) in QUANT_KV_KERNELS {
+            let k = quant.iter().find(|k| k.name == name).unwrap_or_else(|| panic!("{name}: no CUDA kernel"));
+            let f16_name = HEAD_DIMS.iter().find(|(d, _, _)| *d == dims).map(|(_, f16, _)| *f16).unwrap();
+            let f16 = KERNELS.iter().find(|k| k.name == f16_name).unwrap();
+            assert_eq!(k.entry, f16.entry, "{name}: the F16 kernel's entry point");
+            assert_eq!(k.hopper_form, f16.hopper_form, "{name}");
+            assert!(k.paged && !f16.quant);
+            assert!(
+                k.hopper_variants.is_empty() && k.portable_variants.is_empty(),
+                "{name}: no contiguous-module entries"
+            );
+            assert_eq!(k.merge_entry, f16.merge_entry);
+            for hopper in [false, true] {
+                assert_eq!((k.shared_bytes)(hopper), (f16.shared_bytes)(hopper && f16.hopper_form), "{name}");
+            }
+            let names =
+                |hopper, paged| k.quant_variants(hopper, paged).iter().map(|v| v.entry(k.entry)).collect::<Vec<_>>();
+            let e = k.entry;
+            if k.hopper_form {
+                assert_eq!(names(true, false), [format!("{e}_kvq")]);
+                assert_eq!(names(true, true), [format!("{e}_paged_kvq")]);
+            }
+            assert_eq!(names(false, false), [format!("{e}_kvq"), format!("{e}_xf_kvq")]);
+            assert_eq!(names(false, true), [format!("{e}_paged_kvq"), format!("{e}_xf_paged_kvq")]);
+            for hopper in [false, true] {
+                assert!(k.module_variants(ModuleKind::CONTIGUOUS, hopper).is_empty());
+                assert!(k.module_variants(ModuleKind::PAGED, hopper).is_empty());
+                for module in [ModuleKind::QUANT, ModuleKind::PAGED_QUANT] {
+                    let vs = k.module_variants(module, hopper);
+                    assert!(!vs.is_empty() && vs.iter().all(|v| v.module() == module), "{name} {module:?}");
+                    // The module's plain entry point is the first of them.
+                    assert_eq!(module.plain_variant(), Some(vs[0]));
+                }
+            }
+        }
+        // No other kernel has quant entry points, and none of its modules lists one.
+        for k in KERNELS.iter().filter(|k| !k.quant) {
+            for hopper in [false, true] {
+                assert!(k.quant_variants(hopper, false).is_empty() && k.quant_variants(hopper, true).is_empty());
+                for module in [ModuleKind::CONTIGUOUS, ModuleKind::PAGED] {
+                    assert!(k.module_variants(module, hopper).iter().all(|v| !v.is_quant()), "{}", k.name);
+                }
+            }
+        }
+    }
+
+    /// The entry point a launch runs: its module's (paged, quant, both; with or without the
+    /// transforms), never a pair form outside the contiguous module.
+    #[test]
+    fn a_launch_runs_its_modules_entry_point() {
+        let all = [ModuleKind::CONTIGUOUS, ModuleKind::PAGED, ModuleKind::QUANT, ModuleKind::PAGED_QUANT];
+        for module in all {
+            for transforms in [false, true] {
+                for pair in [None, Some(Variant::PairHeads), Some(Variant::PairQueriesWide)] {
+                    let v = entry_variant(module, transforms, pair);
+                    let want = match (module == ModuleKind::CONTIGUOUS, transforms) {
+                        (true, false) => pair,
+                        _ => Variant::of_module(module, transforms),
+                    };
+                    assert_eq!(v, want);
+                    assert_eq!(v.map_or(ModuleKind::CONTIGUOUS, |v| v.module()), module, "{module:?} {transforms}");
+                }
+            }
+        }
+        assert_eq!(entry_variant(ModuleKind::QUANT, false, None), Some(Variant::Quant));
+        assert_eq!(entry_variant(ModuleKind::QUANT, true, None), Some(Variant::QuantScoreTransforms));
+        assert_eq!(entry_variant(ModuleKind::PAGED_QUANT, false, Some(Variant::PairHeads)), Some(Variant::PagedQuant));
+        assert_eq!(entry_variant(ModuleKind::PAGED_QUANT, true, None), Some(Variant::PagedQuantScoreTransforms));
+        assert_eq!(Variant::PagedQuantScoreTransforms.entry("e"), "e_xf_paged_kvq");
+    }
+
+    /// The launch block of each module is the device's `Launch` (params.cuh's check): 48
+    /// bytes, the paged tail 24, the quant tail (the descale factors' address) 8 after it.
+    #[test]
+    fn each_modules_launch_block_is_the_devices() {
+        let block: AttentionLaunch = bytemuck::Zeroable::zeroed();
+        let pages = PagedPointers { block_table: 1, seqused_k: 2, table_stride: 3, block_size: 4 };
+        assert_eq!(launch_block(&block, None, None).len(), 48);
+        assert_eq!(launch_block(&block, Some(pages), None).len(), 72);
+        assert_eq!(launch_block(&block, None, Some(0)).len(), 56);
+        let both = launch_block(&block, Some(pages), Some(0x1234_5678_9abc));
+        assert_eq!(both.len(), 80);
+        assert_eq!(both[72..], 0x1234_5678_9abc_u64.to_ne_bytes(), "the descale pointer last");
+        let params = include_str!("../../../../shaders/flash_attn_prefill/params.cuh");
+        assert!(params.contains(
+            "static_assert(sizeof(Launch) == 48 + (MLXN_PAGED_ENTRIES ? 24 : 0) + (MLXN_QUANT_ENTRIES ? 8 : 0),"
+        ));
+        let q = params.split("#if MLXN_QUANT_ENTRIES\n").nth(1).expect("the quant fields of Launch");
+        let fields = q.split("#endif").next().unwrap();
+        let code: Vec<&str> = fields.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("//")).collect();
+        assert_eq!(code, ["const float* descale;"], "one field: the descale pointer");
+        assert!(fields.contains("const float* descale;"));
+        assert!(params.contains("#define PREFILL_DESCALE 512"));
+        assert_eq!(crate::params::PREFILL_DESCALE, 512);
+        for (code, name) in [(7, "DT_F8E4M3"), (8, "DT_F8E5M2"), (9, "DT_Q8_0")] {
+            assert!(params.contains(&format!("#define {name} {code}\n")), "{name}");
+            assert!(is_quantised_code(code));
+        }
+        assert!(!(0..=2).any(is_quantised_code));
+    }
+
+    /// The alignment flags of K/V as each format's loader reads them: 16-bit K/V, 16 bytes
+    /// (8 elements); FP8, 16 bytes (16 elements); Q8_0, even addresses and strides.
+    #[test]
+    fn quantised_kv_alignment_is_each_loaders() {
+        for code in [0, 1, 2] {
+            assert!(kv_aligned(code, 4096, [1024, 128, 8]));
+            assert!(!kv_aligned(code, 4096, [1024, 128, 4]));
+            assert!(!kv_aligned(code, 4104, [1024, 128, 8]));
+        }
+        for code in [7, 8] {
+            assert!(kv_aligned(code, 4096, [2048, 256, 128]));
+            assert!(kv_aligned(code, 4096, [0, 16, 16]));
+            assert!(!kv_aligned(code, 4096, [2048, 256, 8]), "8 bytes: no 16-byte loads");
+            assert!(!kv_aligned(code, 4104, [2048, 256, 128]));
+        }
+        // Q8_0: rows of 34-byte blocks (head dim 128: 136 bytes).
+        assert!(kv_aligned(9, 4098, [136 * 64, 136 * 2, 136]));
+        assert!(!kv_aligned(9, 4097, [136 * 64, 136 * 2, 136]));
+        assert!(!kv_aligned(9, 4098, [136 * 64, 273, 136]));
     }
 }

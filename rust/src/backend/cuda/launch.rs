@@ -33,6 +33,11 @@ pub struct CudaKernel {
     /// They are a module of their own, compiled for the first paged launch
     /// (`nvrtc::module_options`), not in the module the variants above come from.
     pub paged: bool,
+    /// Whether it is a quantised K/V kernel (SPEC 11, the op's `_kvq` kernels: FP8 E4M3 /
+    /// E5M2 with descale factors, Q8_0): every launch of it runs its source's quant module
+    /// (`-DMLXN_QUANT_ENTRIES=1`, [`ModuleKind`]), compiled for its first pipeline, never the
+    /// module the variants above come from.
+    pub quant: bool,
     /// Dynamic shared memory one CTA needs beyond the default 48 KiB; `hopper`: it runs its
     /// Hopper form.
     pub shared_bytes: fn(hopper: bool) -> Option<u32>,
@@ -49,12 +54,93 @@ pub struct CudaKernel {
     pub split: fn(hopper: bool, multiprocessors: u32, params: &[u8], forced_splits: Option<u32>) -> Option<KvSplit>,
 }
 
+/// Which entry points of a source a module holds (the defines it is compiled with,
+/// `nvrtc::module_options`): the contiguous forms (every F16 / BF16 K/V call's), the paged
+/// K/V forms (`-DMLXN_PAGED_ENTRIES=1`), the quantised K/V forms (`-DMLXN_QUANT_ENTRIES=1`),
+/// or both (paged quantised K/V). Each is compiled on its first launch and cached under its
+/// own key, so a call of one kind never waits for the others' compile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct ModuleKind {
+    pub paged: bool,
+    pub quant: bool,
+}
+
+impl ModuleKind {
+    /// The module every F16 / BF16 K/V call loads.
+    pub const CONTIGUOUS: ModuleKind = ModuleKind { paged: false, quant: false };
+    pub const PAGED: ModuleKind = ModuleKind { paged: true, quant: false };
+    pub const QUANT: ModuleKind = ModuleKind { paged: false, quant: true };
+    pub const PAGED_QUANT: ModuleKind = ModuleKind { paged: true, quant: true };
+
+    /// The `-D` options that select its entry points (`shaders/flash_attn_prefill/params.cuh`).
+    pub fn defines(self) -> Vec<&'static str> {
+        let mut d = Vec::new();
+        if self.paged {
+            d.push("-DMLXN_PAGED_ENTRIES=1");
+        }
+        if self.quant {
+            d.push("-DMLXN_QUANT_ENTRIES=1");
+        }
+        d
+    }
+
+    /// The variant whose entry point is a kernel's plain one in this module (`None`: the
+    /// contiguous module's plain entry point itself).
+    pub fn plain_variant(self) -> Option<Variant> {
+        match (self.paged, self.quant) {
+            (false, false) => None,
+            (true, false) => Some(Variant::Paged),
+            (false, true) => Some(Variant::Quant),
+            (true, true) => Some(Variant::PagedQuant),
+        }
+    }
+
+    /// For reports: `""`, `", paged"`, `", quant"`, `", paged, quant"`.
+    pub fn label(self) -> &'static str {
+        match (self.paged, self.quant) {
+            (false, false) => "",
+            (true, false) => ", paged",
+            (false, true) => ", quant",
+            (true, true) => ", paged, quant",
+        }
+    }
+}
+
 impl CudaKernel {
+    /// The entry points of the module `module` it may launch in the form it runs (`hopper`):
+    /// the contiguous module's variants, or the paged / quant modules' ([`Self::paged_variants`],
+    /// [`Self::quant_variants`]).
+    pub fn module_variants(&self, module: ModuleKind, hopper: bool) -> &'static [Variant] {
+        match (module.paged, module.quant) {
+            (false, false) if hopper => self.hopper_variants,
+            (false, false) => self.portable_variants,
+            (true, false) => self.paged_variants(hopper),
+            (paged, true) => self.quant_variants(hopper, paged),
+        }
+    }
+
+    /// The entry points of its quant module (`-DMLXN_QUANT_ENTRIES=1`, with `paged` also
+    /// `-DMLXN_PAGED_ENTRIES=1`) in the form it runs (`hopper`: the Hopper form's one-CTA
+    /// `_kvq` / `_paged_kvq`; else the portable form's with and without the score
+    /// transforms); none where it is no quantised K/V kernel (paged ones only where it has a
+    /// paged module).
+    pub fn quant_variants(&self, hopper: bool, paged: bool) -> &'static [Variant] {
+        if !self.quant || (paged && !self.paged) {
+            return &[];
+        }
+        match (paged, hopper) {
+            (false, true) => &[Variant::Quant],
+            (false, false) => &[Variant::Quant, Variant::QuantScoreTransforms],
+            (true, true) => &[Variant::PagedQuant],
+            (true, false) => &[Variant::PagedQuant, Variant::PagedQuantScoreTransforms],
+        }
+    }
+
     /// The entry points of its paged K/V module (`-DMLXN_PAGED_ENTRIES=1`) in the form it
     /// runs (`hopper`: the Hopper form's one-CTA `_paged`; else the portable form's `_paged`
     /// and `_xf_paged`); none where it has no such module.
     pub fn paged_variants(&self, hopper: bool) -> &'static [Variant] {
-        match (self.paged, hopper) {
+        match (self.paged && !self.quant, hopper) {
             (false, _) => &[],
             (true, true) => &[Variant::Paged],
             (true, false) => &[Variant::Paged, Variant::PagedScoreTransforms],
@@ -81,6 +167,15 @@ pub enum Variant {
     Paged,
     /// The portable form with the score transforms on paged K/V, from the paged module.
     PagedScoreTransforms,
+    /// The one-CTA form on quantised K/V (SPEC 11; the Hopper form's, or the portable form's
+    /// without the score transforms), from the kernel's quant module.
+    Quant,
+    /// The portable form with the score transforms on quantised K/V, from the quant module.
+    QuantScoreTransforms,
+    /// [`Variant::Quant`] on paged quantised K/V, from the module with both defines.
+    PagedQuant,
+    /// [`Variant::QuantScoreTransforms`] on paged quantised K/V.
+    PagedQuantScoreTransforms,
 }
 
 impl Variant {
@@ -94,13 +189,48 @@ impl Variant {
             Variant::ScoreTransforms => "_xf",
             Variant::Paged => "_paged",
             Variant::PagedScoreTransforms => "_xf_paged",
+            Variant::Quant => "_kvq",
+            Variant::QuantScoreTransforms => "_xf_kvq",
+            Variant::PagedQuant => "_paged_kvq",
+            Variant::PagedQuantScoreTransforms => "_xf_paged_kvq",
         }
     }
 
-    /// Whether it is an entry point of a kernel's paged K/V module
-    /// ([`CudaKernel::paged_variants`]).
+    /// Whether it is an entry point of a module on paged K/V ([`CudaKernel::paged_variants`],
+    /// and the paged ones of [`CudaKernel::quant_variants`]).
     pub fn is_paged(self) -> bool {
-        matches!(self, Variant::Paged | Variant::PagedScoreTransforms)
+        matches!(
+            self,
+            Variant::Paged | Variant::PagedScoreTransforms | Variant::PagedQuant | Variant::PagedQuantScoreTransforms
+        )
+    }
+
+    /// Whether it is an entry point of a quant module ([`CudaKernel::quant_variants`]).
+    pub fn is_quant(self) -> bool {
+        matches!(
+            self,
+            Variant::Quant | Variant::QuantScoreTransforms | Variant::PagedQuant | Variant::PagedQuantScoreTransforms
+        )
+    }
+
+    /// The module whose entry point it is.
+    pub fn module(self) -> ModuleKind {
+        ModuleKind { paged: self.is_paged(), quant: self.is_quant() }
+    }
+
+    /// The variant of the module `module` a launch runs: the form with the score transforms
+    /// (`transforms`, the portable form's) or without.
+    pub fn of_module(module: ModuleKind, transforms: bool) -> Option<Variant> {
+        match (module.paged, module.quant, transforms) {
+            (false, false, false) => None,
+            (false, false, true) => Some(Variant::ScoreTransforms),
+            (true, false, false) => Some(Variant::Paged),
+            (true, false, true) => Some(Variant::PagedScoreTransforms),
+            (false, true, false) => Some(Variant::Quant),
+            (false, true, true) => Some(Variant::QuantScoreTransforms),
+            (true, true, false) => Some(Variant::PagedQuant),
+            (true, true, true) => Some(Variant::PagedQuantScoreTransforms),
+        }
     }
 
     /// Its entry point for a kernel whose plain one is `entry`.
@@ -122,9 +252,9 @@ pub struct PrepareContext<'a> {
     pub hopper: bool,
     /// The dispatch's run options (its plan's): the CTA pairs and KV splits it allows.
     pub options: RunOptions,
-    /// The kernel runs from its paged K/V module ([`CudaKernel::paged_variants`]), whose
-    /// launch block is longer.
-    pub paged: bool,
+    /// The module the kernel runs from (paged K/V, quantised K/V: [`ModuleKind`]), whose
+    /// launch block is longer than the contiguous module's.
+    pub module: ModuleKind,
 }
 
 /// One launch, ready: geometry and the bytes of each kernel parameter.

@@ -38,6 +38,7 @@ pub mod nvrtc;
 pub mod sources;
 
 use driver::{driver, CuContext, CuDevicePtr, CuFunction, CuModule, CuStream, Driver};
+pub use launch::ModuleKind;
 use launch::{CudaKernel, Launch, PrepareContext, Variant};
 pub use memory::CudaMemory;
 
@@ -64,9 +65,9 @@ pub struct CudaContext {
     /// Most shared memory one block may opt in to, bytes.
     pub max_shared_per_block: i32,
     /// Loaded modules by source (file name and text), architecture and entry set (one module
-    /// holds all entry points of a file; a second one, its paged K/V entry points, is built
-    /// for a paged launch: [`nvrtc::module_options`]).
-    modules: Mutex<HashMap<(u64, String, bool), Module>>,
+    /// holds all entry points of a file; others, its paged and quantised K/V entry points,
+    /// are built for such a launch: [`ModuleKind`], [`nvrtc::module_options`]).
+    modules: Mutex<HashMap<(u64, String, ModuleKind), Module>>,
 }
 
 #[derive(Clone, Copy)]
@@ -189,9 +190,9 @@ impl CudaContext {
         )
     }
 
-    /// The module of `source` for `arch` (compiled or loaded once; `paged`: its module of
-    /// paged K/V entry points), and its function `entry`.
-    fn function(&self, src: SourceFile, entry: &str, arch: &str, paged: bool) -> Result<CuFunction> {
+    /// The module of `source` for `arch` (compiled or loaded once; `module`: which of its
+    /// entry points), and its function `entry`.
+    fn function(&self, src: SourceFile, entry: &str, arch: &str, module: ModuleKind) -> Result<CuFunction> {
         let text = sources::compiled_source(src)?;
         let (file, source) = (src.name, text.as_str());
         let d = self.bind()?;
@@ -204,19 +205,19 @@ impl CudaContext {
                 h.finish()
             },
             arch.to_string(),
-            paged,
+            module,
         );
         let module = {
             let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
             match mods.get(&key) {
                 Some(m) => *m,
                 None => {
-                    let m = match load_module(d, &nvrtc::cubin(file, source, arch, paged)?) {
+                    let m = match load_module(d, &nvrtc::cubin(file, source, arch, module)?) {
                         Ok(m) => m,
                         Err(_) => {
                             // A damaged cache file: compile afresh once.
-                            nvrtc::forget(file, source, arch, paged);
-                            load_module(d, &nvrtc::cubin(file, source, arch, paged)?)?
+                            nvrtc::forget(file, source, arch, module);
+                            load_module(d, &nvrtc::cubin(file, source, arch, module)?)?
                         }
                     };
                     mods.insert(key, Module(m));
@@ -279,9 +280,10 @@ pub struct CudaPipeline {
     entry: String,
     merge_entry: Option<&'static str>,
     arch: String,
-    /// Built from the source's paged K/V module ([`CudaKernel::paged_variants`]: `function`
-    /// is the `_paged` entry point), which a paged launch runs.
-    paged: bool,
+    /// The module of the source it was built from ([`ModuleKind`]; paged K/V: `function` is
+    /// the `_paged` entry point, which a paged launch runs; a quantised K/V kernel's the
+    /// `_kvq` or `_paged_kvq` one).
+    module: ModuleKind,
     /// Its source, for the same kernel in another form (a plan's `cuda_form`) or on paged K/V.
     src: SourceFile,
 }
@@ -295,7 +297,7 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     /// Kernels built in another form than the device's own (a plan's `cuda_form`) or from
     /// their paged K/V module, by name, architecture and module, built on first use.
-    other_forms: Mutex<HashMap<(String, String, bool), Pipeline>>,
+    other_forms: Mutex<HashMap<(String, String, ModuleKind), Pipeline>>,
 }
 
 impl CudaBackend {
@@ -304,17 +306,17 @@ impl CudaBackend {
         Ok(CudaBackend { ctx: CudaContext::get(ordinal)?, other_forms: Mutex::new(HashMap::new()) })
     }
 
-    /// The pipeline of `p`'s kernel built for `arch` from the module of its contiguous or
-    /// (`paged`) its paged K/V entry points (`p` itself where it was).
-    fn in_form(&self, pipeline: &Pipeline, p: &CudaPipeline, arch: String, paged: bool) -> Result<Pipeline> {
-        if p.arch == arch && p.paged == paged {
+    /// The pipeline of `p`'s kernel built for `arch` from the module `module` (`p` itself
+    /// where it was).
+    fn in_form(&self, pipeline: &Pipeline, p: &CudaPipeline, arch: String, module: ModuleKind) -> Result<Pipeline> {
+        if p.arch == arch && p.module == module {
             return Ok(pipeline.clone());
         }
-        let key = (pipeline.name().to_string(), arch, paged);
+        let key = (pipeline.name().to_string(), arch, module);
         if let Some(other) = self.other_forms.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(other.clone());
         }
-        let other = self.build(pipeline.name(), p.src, &key.1, paged)?;
+        let other = self.build(pipeline.name(), p.src, &key.1, module)?;
         self.other_forms.lock().unwrap_or_else(|e| e.into_inner()).insert(key, other.clone());
         Ok(other)
     }
@@ -394,8 +396,9 @@ impl Backend for CudaBackend {
     fn compile(&self, name: &str, source: &KernelSource) -> Result<Pipeline> {
         let src =
             source.cuda.ok_or_else(|| MlxError::KernelNotFound(format!("kernel {name} has no CUDA implementation")))?;
-        // The contiguous module: a paged launch builds its own on first use (`launch_all`).
-        self.build(name, src, &self.ctx.arch(), false)
+        // The contiguous module: a paged launch builds its own on first use (`launch_all`); a
+        // quantised K/V kernel's every launch runs its quant module.
+        self.build(name, src, &self.ctx.arch(), kernel_module(name, false))
     }
 
     fn choices(&self, kernel_name: &str, params: &[u8], options: &RunOptions) -> Choices {
@@ -424,6 +427,12 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// FP8 (with descale factors) and Q8_0 K/V through each kernel's quant module
+    /// (`CudaKernel::quant`; the loaders widen the bytes to F16 in shared memory).
+    fn reads_quantised_kv(&self) -> bool {
+        true
+    }
+
     fn workspace_bytes(&self, kernel_name: &str, params: &[u8]) -> u64 {
         self.choices(kernel_name, params, &RunOptions::default()).workspace
     }
@@ -441,37 +450,33 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// The pipeline of kernel `name` from `src`, built for `arch`; `paged`: from the source's
-    /// module of paged K/V entry points (compiled with `-DMLXN_PAGED_ENTRIES=1`, only for a
-    /// paged launch), whose plain function is the `_paged` one.
-    fn build(&self, name: &str, src: SourceFile, arch: &str, paged: bool) -> Result<Pipeline> {
+    /// The pipeline of kernel `name` from `src`, built for `arch` from its module `module`
+    /// (the paged K/V entry points, compiled with `-DMLXN_PAGED_ENTRIES=1` only for a paged
+    /// launch, whose plain function is the `_paged` one; the quantised K/V ones,
+    /// `-DMLXN_QUANT_ENTRIES=1`, `_kvq` / `_paged_kvq`).
+    fn build(&self, name: &str, src: SourceFile, arch: &str, module: ModuleKind) -> Result<Pipeline> {
         let kernel = kernel(name);
         let arch = arch.to_string();
         // The Hopper form runs where the module is built for sm_90a and the kernel has one.
         let hopper = is_hopper_arch(&arch) && kernel.is_some_and(|k| k.hopper_form);
         let base = kernel.map_or(name, |k| k.entry);
-        let variant_list: &[Variant] = match kernel {
-            Some(k) if paged => k.paged_variants(hopper),
-            Some(k) if hopper => k.hopper_variants,
-            Some(k) => k.portable_variants,
-            None => &[],
-        };
-        if paged && variant_list.is_empty() {
-            return Err(MlxError::Internal(format!("{name}: no paged K/V entry points")));
+        let variant_list = kernel.map_or(&[][..], |k| k.module_variants(module, hopper));
+        if module != ModuleKind::CONTIGUOUS && variant_list.is_empty() {
+            return Err(MlxError::Internal(format!("{name}: no entry points in its module {module:?}")));
         }
-        let entry = if paged { Variant::Paged.entry(base) } else { base.to_string() };
-        let function = self.ctx.function(src, &entry, &arch, paged)?;
+        let entry = module.plain_variant().map_or_else(|| base.to_string(), |v| v.entry(base));
+        let function = self.ctx.function(src, &entry, &arch, module)?;
         let d = self.ctx.bind()?;
         let variants = variant_list
             .iter()
             .map(|&v| {
                 let e = v.entry(base);
-                Ok((v, self.ctx.function(src, &e, &arch, paged)?, e))
+                Ok((v, self.ctx.function(src, &e, &arch, module)?, e))
             })
             .collect::<Result<Vec<_>>>()?;
         // (Each module has the merge: every attention source includes it.)
         let merge = match kernel.and_then(|k| k.merge_entry) {
-            Some(entry) => Some(self.ctx.function(src, entry, &arch, paged)?),
+            Some(entry) => Some(self.ctx.function(src, entry, &arch, module)?),
             None => None,
         };
         if let Some(smem) = kernel.and_then(|k| (k.shared_bytes)(hopper)) {
@@ -504,7 +509,7 @@ impl CudaBackend {
                 entry,
                 merge_entry: kernel.and_then(|k| k.merge_entry),
                 arch,
-                paged,
+                module,
                 src,
             }),
         ))
@@ -516,12 +521,13 @@ impl CudaBackend {
         for dispatch in dispatches {
             let mut p = cuda_pipeline(&dispatch.pipeline)?;
             // The form the dispatch's options ask for (its plan's `cuda_form`), and on paged K/V
-            // the kernel's paged module, each built once.
+            // the kernel's paged module (a quantised K/V kernel's paged quant module), each
+            // built once.
             let arch = dispatch.options.cuda_form.map_or_else(|| p.arch.clone(), |f| self.ctx.arch_for(Some(f)));
-            let paged = flash_attn_prefill::dispatch_is_paged(dispatch);
+            let module = kernel_module(dispatch.pipeline.name(), flash_attn_prefill::dispatch_is_paged(dispatch));
             let other;
-            if arch != p.arch || paged != p.paged {
-                other = self.in_form(&dispatch.pipeline, p, arch, paged)?;
+            if arch != p.arch || module != p.module {
+                other = self.in_form(&dispatch.pipeline, p, arch, module)?;
                 p = cuda_pipeline(&other)?;
             }
             if !Arc::ptr_eq(&p.ctx, &self.ctx) {
@@ -561,7 +567,7 @@ impl CudaBackend {
                     ))
                 }),
             };
-            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper, options: dispatch.options, paged: p.paged };
+            let pc = PrepareContext { ctx: &self.ctx, hopper: p.hopper, options: dispatch.options, module: p.module };
             let prepare = |variants: bool| match p.kernel {
                 Some(k) => (k.prepare)(&pc, dispatch, variants && !p.variants.is_empty()),
                 None => launch::launch_as_encoded(&self.ctx, dispatch),
@@ -628,25 +634,34 @@ fn cuda_pipeline(pipeline: &Pipeline) -> Result<&CudaPipeline> {
 /// Compile the CUDA sources `files` for `arch` (no device needed): the compiler's report
 /// (ptxas resource usage per entry point), or the first compile error. A file that
 /// [`crate::settings::CUDA_SOURCE_DIR`] replaces is compiled in its replaced form, as a device would run it.
-/// The modules every call loads; [`compile_check_paged`] for the paged K/V ones.
+/// The modules every call loads; [`compile_check_paged`] for the paged K/V ones,
+/// [`compile_check_module`] for any.
 pub fn compile_check(arch: &str, files: &[SourceFile]) -> Result<String> {
-    compile_check_modules(arch, files, false)
+    compile_check_module(arch, files, ModuleKind::CONTIGUOUS)
 }
 
 /// [`compile_check`] of the sources' paged K/V modules (`-DMLXN_PAGED_ENTRIES=1`, which a
 /// paged launch compiles: [`nvrtc::module_options`]).
 pub fn compile_check_paged(arch: &str, files: &[SourceFile]) -> Result<String> {
-    compile_check_modules(arch, files, true)
+    compile_check_module(arch, files, ModuleKind::PAGED)
 }
 
-fn compile_check_modules(arch: &str, files: &[SourceFile], paged: bool) -> Result<String> {
+/// [`compile_check`] of the sources' module `module` (the quantised K/V ones:
+/// [`ModuleKind::QUANT`], [`ModuleKind::PAGED_QUANT`]).
+pub fn compile_check_module(arch: &str, files: &[SourceFile], module: ModuleKind) -> Result<String> {
     let mut report = String::new();
     for &f in files {
         let text = sources::compiled_source(f)?;
-        let log = nvrtc::compile_report(f.name, &text, arch, paged)?;
-        report.push_str(&format!("== {} ({arch}{})\n{log}\n", f.name, if paged { ", paged" } else { "" }));
+        let log = nvrtc::compile_report(f.name, &text, arch, module)?;
+        report.push_str(&format!("== {} ({arch}{})\n{log}\n", f.name, module.label()));
     }
     Ok(report)
+}
+
+/// The module a launch of kernel `name` runs (`paged`: on paged K/V): a quantised K/V
+/// kernel's quant module ([`CudaKernel::quant`]), with the paged define where `paged`.
+fn kernel_module(name: &str, paged: bool) -> ModuleKind {
+    ModuleKind { paged, quant: kernel(name).is_some_and(|k| k.quant) }
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use libloading::Library;
 
+use super::launch::ModuleKind;
 use crate::error::{MlxError, Result};
 
 type NvrtcResult = c_int;
@@ -229,26 +230,25 @@ impl Nvrtc {
 }
 
 /// The options a kernel is compiled with for `arch` (`sm_90a`, `sm_80`, ...): those of the
-/// module every call loads ([`module_options`] without the paged entry points).
+/// module every call loads ([`module_options`] of the contiguous module).
 pub fn options(arch: &str) -> Vec<String> {
-    module_options(arch, false)
+    module_options(arch, ModuleKind::CONTIGUOUS)
 }
 
-/// The options of a module for `arch`; `paged`: the module of a source's paged K/V entry
-/// points (SPEC 11), `-DMLXN_PAGED_ENTRIES=1` (`shaders/flash_attn_prefill/entry.cuh`),
-/// which the backend compiles only for a paged launch: in the module every call loads they
-/// would add half again to the compile a user's first call waits for, paged or not. The
-/// options are part of the cache key ([`cubin`]), so the two modules of a source are cached
+/// The options of a module for `arch`; `module`: which entry points of the source it holds
+/// ([`ModuleKind`]): the paged K/V ones (SPEC 11), `-DMLXN_PAGED_ENTRIES=1`, and the
+/// quantised K/V ones, `-DMLXN_QUANT_ENTRIES=1` (`shaders/flash_attn_prefill/entry.cuh`),
+/// which the backend compiles only for a paged or quantised launch: in the module every call
+/// loads they would add to the compile a user's first call waits for, whatever its K/V. The
+/// options are part of the cache key ([`cubin`]), so the modules of a source are cached
 /// apart. `MLX_NATIVE_CUDA_DEFINES` adds `-D` options (a development knob, for timing
 /// variants of a kernel; anything else in it is ignored).
-pub fn module_options(arch: &str, paged: bool) -> Vec<String> {
+pub fn module_options(arch: &str, module: ModuleKind) -> Vec<String> {
     let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "-lineinfo".into()];
     if super::attention_geometry::WIDE_LAUNCHED {
         o.push("-DMLXN_WS_WIDE_ENTRIES=1".into()); // the d128 file's wide entry points (tiles_sm90.cuh)
     }
-    if paged {
-        o.push("-DMLXN_PAGED_ENTRIES=1".into());
-    }
+    o.extend(module.defines().into_iter().map(String::from));
     o.extend(crate::settings::get().cuda_defines.iter().cloned());
     o
 }
@@ -302,13 +302,13 @@ pub fn cache_file_name(file: &str, source: &str, arch: &str) -> Result<String> {
 type CubinKey = (u64, String);
 static CUBINS: OnceLock<Mutex<HashMap<CubinKey, Arc<Vec<u8>>>>> = OnceLock::new();
 
-/// The cubin of `source` for `arch` (`paged`: its module of paged K/V entry points,
+/// The cubin of `source` for `arch` (`module`: which of its entry points,
 /// [`module_options`]): from this process's cache, else the disk cache, else compiled with
 /// NVRTC (and then cached in both). A disk cache folder or file that fails the checks of
 /// [`DiskCache`] is not used (warned once on stderr); that is never an error.
-pub fn cubin(file: &str, source: &str, arch: &str, paged: bool) -> Result<Arc<Vec<u8>>> {
+pub fn cubin(file: &str, source: &str, arch: &str, module: ModuleKind) -> Result<Arc<Vec<u8>>> {
     let nv = nvrtc()?;
-    let opts = module_options(arch, paged);
+    let opts = module_options(arch, module);
     let key = cache_key(nv, &opts, source);
     let cache = CUBINS.get_or_init(|| Mutex::new(HashMap::new()));
     if let Some(c) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&(key, arch.to_string())) {
@@ -370,9 +370,9 @@ fn fetch(nv: &Nvrtc, file: &str, source: &str, opts: &[String], name: &str, dir:
 
 /// Forget a cubin that the driver refused (a damaged cache file): the next call compiles.
 /// Removes it from this process's cache, and it and its hash file from the disk cache.
-pub fn forget(file: &str, source: &str, arch: &str, paged: bool) {
+pub fn forget(file: &str, source: &str, arch: &str, module: ModuleKind) {
     if let Ok(nv) = nvrtc() {
-        let key = cache_key(nv, &module_options(arch, paged), source);
+        let key = cache_key(nv, &module_options(arch, module), source);
         if let Some(c) = CUBINS.get() {
             c.lock().unwrap_or_else(|e| e.into_inner()).remove(&(key, arch.to_string()));
         }
@@ -642,10 +642,10 @@ impl DiskCache {
 }
 
 /// Compile `source` for `arch` without a device, with ptxas's resource report: the log
-/// (`paged`: of its module of paged K/V entry points, [`module_options`]).
-pub fn compile_report(file: &str, source: &str, arch: &str, paged: bool) -> Result<String> {
+/// (`module`: which of its entry points, [`module_options`]).
+pub fn compile_report(file: &str, source: &str, arch: &str, module: ModuleKind) -> Result<String> {
     let nv = nvrtc()?;
-    let mut opts = module_options(arch, paged);
+    let mut opts = module_options(arch, module);
     opts.push("--ptxas-options=-v".into());
     let (cubin, log) = nv.compile(file, source, &opts)?;
     let (maj, min) = nv.version();
@@ -739,9 +739,33 @@ mod tests {
     fn only_the_paged_module_defines_its_entries() {
         let define = "-DMLXN_PAGED_ENTRIES=1".to_string();
         assert!(!options("sm_90a").contains(&define));
-        assert_eq!(options("sm_80"), module_options("sm_80", false));
-        let paged = module_options("sm_90a", true);
+        assert_eq!(options("sm_80"), module_options("sm_80", ModuleKind::CONTIGUOUS));
+        let paged = module_options("sm_90a", ModuleKind::PAGED);
         assert!(paged.contains(&define));
         assert_eq!(paged.iter().filter(|o| **o != define).cloned().collect::<Vec<_>>(), options("sm_90a"));
+    }
+
+    /// The quantised K/V entry points are modules of their own (contiguous and paged), each
+    /// under its own cache key; no other module has the define, and the four modules' options
+    /// differ only by their defines.
+    #[test]
+    fn only_the_quant_modules_define_their_entries() {
+        let quant = "-DMLXN_QUANT_ENTRIES=1".to_string();
+        let paged = "-DMLXN_PAGED_ENTRIES=1".to_string();
+        for arch in ["sm_90a", "sm_80"] {
+            let base = options(arch);
+            assert!(!base.contains(&quant));
+            assert!(!module_options(arch, ModuleKind::PAGED).contains(&quant));
+            let q = module_options(arch, ModuleKind::QUANT);
+            assert!(q.contains(&quant) && !q.contains(&paged));
+            assert_eq!(q.iter().filter(|o| **o != quant).cloned().collect::<Vec<_>>(), base);
+            let pq = module_options(arch, ModuleKind::PAGED_QUANT);
+            assert!(pq.contains(&quant) && pq.contains(&paged));
+            assert_eq!(pq.iter().filter(|o| **o != quant && **o != paged).cloned().collect::<Vec<_>>(), base);
+            let all = [ModuleKind::CONTIGUOUS, ModuleKind::PAGED, ModuleKind::QUANT, ModuleKind::PAGED_QUANT];
+            let distinct: std::collections::HashSet<Vec<String>> =
+                all.iter().map(|&m| module_options(arch, m)).collect();
+            assert_eq!(distinct.len(), 4, "each module its own options, so its own cache key");
+        }
     }
 }
