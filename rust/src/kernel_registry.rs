@@ -46,6 +46,16 @@ impl KernelRegistry {
         names
     }
 
+    /// The CUDA source file of kernel `name`, if it has one.
+    pub fn cuda_source_of(&self, name: &str) -> Option<SourceFile> {
+        self.sources.get(name).and_then(|s| s.cuda)
+    }
+
+    /// Whether kernel `name` has a Metal source.
+    pub fn has_metal_source(&self, name: &str) -> bool {
+        self.sources.get(name).is_some_and(|s| s.metal.is_some())
+    }
+
     /// Every distinct CUDA source file of the registered kernels, by file name.
     pub fn cuda_sources(&self) -> Vec<SourceFile> {
         let mut files: Vec<SourceFile> = self.sources.values().filter_map(|s| s.cuda).collect();

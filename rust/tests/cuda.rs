@@ -176,6 +176,94 @@ fn paged_modules_compile_with_nvrtc_for_hopper_and_ampere() {
     }
 }
 
+/// The quantised K/V modules (`-DMLXN_QUANT_ENTRIES=1`, with `-DMLXN_PAGED_ENTRIES=1` for
+/// paged quantised K/V; compiled only for such a launch): each F16 attention source's `_kvq`
+/// entry points (`_paged_kvq`; and `_xf_kvq` / `_xf_paged_kvq` in the portable form) with the
+/// split-KV merge, nothing else (no BF16 forms, no pair forms), spilling no more than their
+/// F16 siblings allow.
+#[test]
+fn quant_modules_compile_with_nvrtc_for_hopper_and_ampere() {
+    let quant_kernels: Vec<_> = cuda::kernels().filter(|k| k.quant).collect();
+    assert_eq!(quant_kernels.len(), 14, "a quantised K/V kernel per head dim pair");
+    // The sources of the quantised K/V kernels: the F16 attention files.
+    let registry = mlx_native::default_registry();
+    let files: Vec<_> = registry
+        .cuda_sources()
+        .into_iter()
+        .filter(|f| quant_kernels.iter().any(|k| registry.cuda_source_of(k.name).is_some_and(|s| s.name == f.name)))
+        .collect();
+    assert_eq!(files.len(), 13, "one file per head dim pair (256 and 512 share the origin's)");
+    // Each is its F16 kernel's file (the entry points it names are that kernel's), and none
+    // has a Metal source (Metal refuses quantised K/V by name).
+    for (dims, name) in mlx_native::ops::flash_attn_prefill::QUANT_KV_KERNELS {
+        let (_, f16, _) = mlx_native::ops::flash_attn_prefill::HEAD_DIMS.iter().find(|(d, _, _)| *d == dims).unwrap();
+        let file = |n: &str| registry.cuda_source_of(n).map(|f| f.name);
+        assert!(file(name).is_some() && file(name) == file(f16), "{name}: {:?}, {f16}: {:?}", file(name), file(f16));
+        assert!(!registry.has_metal_source(name), "{name}");
+        let k = quant_kernels.iter().find(|k| k.name == name).expect("a CUDA kernel per quantised K/V kernel");
+        assert_eq!(k.entry, cuda::kernel(f16).unwrap().entry);
+    }
+    for arch in ["sm_90a", "sm_80"] {
+        for module in [cuda::ModuleKind::QUANT, cuda::ModuleKind::PAGED_QUANT] {
+            let report = match cuda::compile_check_module(arch, &files, module) {
+                Ok(r) => r,
+                Err(MlxError::BackendUnavailable(why)) if !nvrtc_required() => {
+                    eprintln!("NVRTC not found, compile check not run here: {why}");
+                    return;
+                }
+                Err(e) => panic!("{arch} {module:?}: {e}"),
+            };
+            let mut want: Vec<String> = Vec::new();
+            for k in &quant_kernels {
+                let hopper = arch == "sm_90a" && k.hopper_form;
+                let entries = k.quant_variants(hopper, module.paged).iter().map(|v| v.entry(k.entry));
+                for e in entries.chain(k.merge_entry.map(String::from)) {
+                    if !want.contains(&e) {
+                        want.push(e);
+                    }
+                }
+            }
+            let mut got: Vec<String> =
+                report.lines().filter_map(|l| l.strip_prefix("entry point ")).map(String::from).collect();
+            got.sort();
+            got.dedup();
+            want.sort();
+            assert_eq!(got, want, "{arch} {module:?}: the quant modules' entry points");
+            assert!(want.len() >= 15, "{arch}: {want:?}");
+            if !report.contains("ptxas info") && !nvrtc_required() {
+                return;
+            }
+            let mut function = "";
+            for line in report.lines() {
+                if let Some(i) = line.find("Compiling entry function '") {
+                    function = &line[i + "Compiling entry function '".len()..];
+                }
+                if line.contains("spill stores") {
+                    let stores: u32 = line
+                        .split(" bytes spill stores")
+                        .next()
+                        .and_then(|l| l.rsplit(' ').next())
+                        .and_then(|n| n.parse().ok())
+                        .unwrap_or(u32::MAX);
+                    // As their F16 siblings: the portable form with the score transforms may
+                    // spill a little, and the Hopper form at head dim 128 (two CTAs an SM
+                    // within 128 registers) does, a little more with the widening loader
+                    // (docs/spec.md 11b: 132 bytes, the F16 form 116).
+                    let two_ctas = arch == "sm_90a" && function.starts_with("flash_attn_prefill_d128_");
+                    let allowed = if function.contains("_xf_") {
+                        128
+                    } else if two_ctas {
+                        160
+                    } else {
+                        0
+                    };
+                    assert!(stores <= allowed, "{arch} {module:?}: {function} spills registers: {line}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_compile_error_carries_the_compiler_log() {
     let Ok(nv) = cuda::nvrtc::nvrtc() else {
