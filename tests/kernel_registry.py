@@ -59,11 +59,12 @@ def cpu_kernels() -> Set[str]:
 
 def cuda_kernels() -> Set[str]:
     """Names of the CUDA backend's kernels: `name: "..."` fields and the first argument of
-    each `attention_kernel!(...)` row of its tables."""
+    each `attention_kernel!(...)` and `quant_kernel!(...)` row of its tables."""
     names = set()
     for body in _tables(ROOT / "rust" / "src" / "backend" / "cuda"):
         names |= set(re.findall(r'\bname:\s*"(\w+)"', body))
         names |= set(re.findall(r'attention_kernel!\(\s*"(\w+)"', body))
+        names |= set(re.findall(r'quant_kernel!\(\s*"(\w+)"', body))
     return names
 
 

@@ -194,18 +194,19 @@ def _run_prefill_kernel(device, rng, dk, dv, kv_dtype):
 
 
 def _run_kvq_kernel(device, rng, dk, dv):
-    # The quantised K/V kernel (CPU only: docs/spec.md 11b): the calls above with K/V in E4M3
-    # (descale per KV head), E5M2 and, at multiples of 32, Q8_0, against the reference on the
-    # dequantised values (test_quant_kv.py holds the rest).
-    if device.backend != "cpu":
-        pytest.skip("quantised K/V run on the CPU backend only")
+    # The quantised K/V kernel (the CPU and CUDA: docs/spec.md 11b): the calls above with K/V
+    # in E4M3 (descale per KV head), E5M2 and, at multiples of 32, Q8_0, against the reference
+    # on the dequantised values (test_quant_kv.py and test_cuda_quant.py hold the rest; on
+    # CUDA the split walk's call too, and test_cuda_quant.py launches every quant entry point).
+    if device.backend not in ("cpu", "cuda"):
+        pytest.skip("quantised K/V run on the CPU and CUDA backends only")
     import ml_dtypes
 
     from mlx_native.reference import dequantise, quantise_q8_0
 
     formats = ["float8_e4m3fn", "float8_e5m2"] + (["q8_0"] if dk % 32 == 0 and dv % 32 == 0 else [])
     for fmt in formats:
-        for what, kw in _prefill_calls(rng, dk, dv, F32, False):
+        for what, kw in _prefill_calls(rng, dk, dv, F32, device.backend == "cuda"):
             q, k, v, mask = kw.pop("q"), kw.pop("k"), kw.pop("v"), kw.pop("mask", None)
             if fmt == "q8_0":
                 k8, v8, extra = quantise_q8_0(k), quantise_q8_0(v), dict(kv_dtype="q8_0")
@@ -275,13 +276,15 @@ def test_the_kernel_cases_are_every_registered_kernel():
     # Each backend's kernels as its own source registers them; a kernel added anywhere
     # without a case above fails here.
     cases = set(KERNEL_CASES)
-    # float32 K/V kernels are the CPU's alone (CUDA and Metal get float16 copies: docs/spec.md),
-    # and so are the quantised K/V ones (`_kvq`: docs/spec.md 11b).
-    cpu_only = {n for n in cases if n.endswith(("_f32", "_kvq"))}
-    assert len(cpu_only) == 2 * len(DIMS)
+    # float32 K/V kernels are the CPU's alone (CUDA and Metal get float16 copies: docs/spec.md);
+    # the quantised K/V ones (`_kvq`: docs/spec.md 11b) the CPU's and CUDA's, not Metal's.
+    cpu_only = {n for n in cases if n.endswith("_f32")}
+    kvq = {n for n in cases if n.endswith("_kvq")}
+    assert len(cpu_only) == len(kvq) == len(DIMS)
     assert kernel_registry.cpu_kernels() == cases, "CPU: " + str(kernel_registry.cpu_kernels() ^ cases)
-    shared = cases - cpu_only
-    assert kernel_registry.cuda_kernels() == shared, "CUDA: " + str(kernel_registry.cuda_kernels() ^ shared)
+    shared = cases - cpu_only - kvq
+    cuda = shared | kvq
+    assert kernel_registry.cuda_kernels() == cuda, "CUDA: " + str(kernel_registry.cuda_kernels() ^ cuda)
     # Metal has a paged entry point (SPEC 11) of each prefill kernel besides: the op's
     # PAGED_KERNELS, run in the emulator by test_metal_emulator_coverage.py's every-entry test.
     metal = kernel_registry.metal_entries()

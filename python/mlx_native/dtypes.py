@@ -18,7 +18,7 @@ DTYPE_CODES = {
     "uint16": 4,
     "uint32": 5,
     "int32": 6,
-    # Quantised K/V (SPEC 11, the CPU backend): FP8 (ml_dtypes' and torch's names) and
+    # Quantised K/V (SPEC 11, the CPU and CUDA backends): FP8 (ml_dtypes' and torch's names) and
     # ggml's Q8_0 blocks (uint8 arrays with kv_dtype="q8_0").
     "float8_e4m3fn": 7,
     "float8_e5m2": 8,

@@ -60,7 +60,7 @@ class PrefillArgs(NamedTuple):
     #: int32 [batch] holds each sequence's cache length (``paged.py``).
     block_table: Any = None
     seqused_k: Any = None
-    #: Quantised K/V (SPEC 11, the CPU backend; ``quant.py``): ``kv_dtype`` names the format
+    #: Quantised K/V (SPEC 11, the CPU and CUDA backends; ``quant.py``): ``kv_dtype`` names the format
     #: of uint8 k/v bytes ("float8_e4m3fn", "float8_e5m2", "q8_0"; None: k's own dtype), and
     #: FP8's descale factors (None, a number, or float32 [1] / [kv_heads]).
     kv_dtype: Any = None

@@ -1177,7 +1177,7 @@ pub struct MlxnPrefillExtents {
 /// dtypes (`DType` codes of q, of k and v, of out) and which optional operands there are
 /// (`has_mask`, `has_lse`, `has_sinks`: 0 or 1). For a variable-length batch `cu_seqlens_q` and
 /// `cu_seqlens_k` point to `batch + 1` int32 in host memory each (checked here and copied
-/// to the device); null for fixed length. Quantised K/V (SPEC 11, the CPU backend): `kv_dtype`
+/// to the device); null for fixed length. Quantised K/V (SPEC 11, the CPU and CUDA backends): `kv_dtype`
 /// 7 (FP8 E4M3), 8 (FP8 E5M2) or 9 (Q8_0 blocks, K/V strides in bytes); `descale`: FP8's
 /// factors ([`MlxnKvDescale`]), null for none. `options`: the run options (null: the defaults),
 /// each checked here; `mlxn_prefill_plan_choices` says what the backend chose under them.
