@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import causal_mask
 from ..errors import UnsupportedFeatureError
-from ..quant import refuse_off_cpu
+from ..quant import refuse_on_metal
 from ..reference import random_qkv
 
 
@@ -85,8 +85,8 @@ DEFAULT_CASES_GPU = ("sliding", "global", "causal-8h", "dense-8h")
 def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequence[str]] = None) -> Tuple[List[int], List[str]]:
     """The sorted rows and the cases of a run on a device of kind ``kind``, the defaults of
     that kind where ``rows`` or ``cases`` is None; raises ValueError for an unknown case, a
-    quantised K/V case off the CPU (named), or a row count below 1 (paged cases run on every
-    backend)."""
+    quantised K/V case on Metal (named; the CPU and CUDA read them), or a row count below 1
+    (paged cases run on every backend)."""
     if rows is None:
         rows = DEFAULT_ROWS.get(kind, DEFAULT_ROWS_GPU)
     if cases is None:
@@ -97,7 +97,7 @@ def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequ
     quant = [c for c in cases if CASES[c].kv_quant]
     if quant:
         try:
-            refuse_off_cpu(CASES[quant[0]].kv_quant, kind, False, kind)
+            refuse_on_metal(CASES[quant[0]].kv_quant, kind)
         except UnsupportedFeatureError as e:
             raise ValueError(f"case(s) {', '.join(quant)} read quantised K/V: {e}") from None
     rows = sorted({int(r) for r in rows})

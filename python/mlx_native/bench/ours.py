@@ -22,7 +22,7 @@ OURS_DESCRIBED = "mlx-native, described mask"
 #: costs (CPU runs).
 OURS_CONTIGUOUS = "mlx-native, contiguous K/V"
 #: Ours on a quantised case's K/V in 16 bits (the same values), beside ``OURS`` on the FP8
-#: K/V: the ratio of the two is what reading FP8 costs or saves (CPU runs).
+#: K/V: the ratio of the two is what reading FP8 costs or saves (CPU and CUDA runs).
 OURS_16BIT_KV = "mlx-native, 16-bit K/V"
 #: A device run of ours repeats the prefill until about this long, then waits once.
 DEVICE_TARGET_S = 0.02
