@@ -61,7 +61,7 @@ _LIB.define(f"flash_attn_prefill_lse_autograd({_ARGS}) -> (Tensor, Tensor)")
 #: which stands before ``alibi_slopes``; ``return_lse`` picks the operator. ``_TAIL``: the
 #: fields after ``alibi_slopes`` (the run options, paged K/V's ``block_table`` and
 #: ``seqused_k``, quantised K/V's ``kv_dtype`` (a format name), ``k_descale`` and
-#: ``v_descale`` (float32 tensors: a number is made one, ``_schema_form``)), read from
+#: ``v_descale`` (float32 tensors: a number is made one, ``_quantised_schema_form``)), read from
 #: PrefillArgs, where the keywords are written once.
 _TAIL = PrefillArgs._fields[15:-1]
 _SCHEMA_NAMES = PrefillArgs._fields[:14] + ("window_size", "alibi_slopes") + _TAIL
