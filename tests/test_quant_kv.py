@@ -10,7 +10,8 @@ per KV head or one for all) and ggml's Q8_0 blocks, contiguous and paged.
 - Paged caches with fuzzed block tables (unused blocks and rows past each cache hold NaN
   bytes): bit-identical to the contiguous quantised call.
 - The same bytes as uint8 with ``kv_dtype=`` and as float8 arrays (numpy's ml_dtypes and
-  torch's) give the same result, to the bit.
+  torch's) give the same result, to the bit; torch tensors go through the operators
+  (``torch.compile(fullgraph=True)`` traces them as one graph; the fake kernel shapes them).
 - Every mistake refused by name before anything runs; Metal refuses quantised K/V with
   ``UnsupportedFeatureError`` naming ``kv_dtype`` (CUDA runs them: test_cuda_quant.py)."""
 
@@ -249,6 +250,57 @@ def test_fp8_as_bytes_as_ml_dtypes_and_as_torch_are_one_result(rng, fmt):
     c = mn.flash_attn_prefill(torch.from_numpy(q), kt, vt, causal=True, k_descale=torch.from_numpy(kd), v_descale=3.0)
     assert isinstance(c, torch.Tensor)
     assert np.array_equal(a, b) and np.array_equal(a, c.numpy())
+
+
+def _fp8_block(q, k, v, kd):
+    out, lse = mn.flash_attn_prefill(q * 0.5, k, v, causal=True, k_descale=kd, v_descale=2.0, return_lse=True)
+    return out.float().sum(-1) + 1, lse
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_traces_a_quantised_call(rng, backend):
+    """Quantised K/V go through the operators (their schema has kv_dtype, k_descale and
+    v_descale): a compiled function that calls with FP8 tensors, a descale tensor and a
+    number, or with Q8_0 bytes and kv_dtype, is one graph, and computes the eager result."""
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy
+    q = t(rng.uniform(-1, 1, (40, 4, 64)).astype(np.float32))
+    k8 = t(quantise(rng, (70, 2, 64), "float8_e4m3fn").view(np.uint8)).view(torch.float8_e4m3fn)
+    v8 = t(quantise(rng, (70, 2, 64), "float8_e4m3fn").view(np.uint8)).view(torch.float8_e4m3fn)
+    kd = torch.tensor([0.5, 1.5])
+    torch._dynamo.reset()
+    got, got_lse = torch.compile(_fp8_block, fullgraph=True, backend=backend)(q, k8, v8, kd)
+    want, want_lse = _fp8_block(q, k8, v8, kd)
+    assert torch.allclose(got, want, rtol=0, atol=1e-4) and torch.equal(got_lse, want_lse)
+    explain = torch._dynamo.explain(_fp8_block)(q, k8, v8, kd)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    # Q8_0 bytes with kv_dtype, through the operator by keyword (the schema names them).
+    kq, vq = t(quantise(rng, (70, 2, 64), "q8_0")), t(quantise(rng, (70, 2, 64), "q8_0"))
+    direct = torch.ops.mlx_native.flash_attn_prefill(q, kq, vq, causal=True, kv_dtype="q8_0")
+    assert np.array_equal(direct.numpy(), mn.flash_attn_prefill(q.numpy(), kq.numpy(), vq.numpy(), causal=True, kv_dtype="q8_0"))
+
+
+def test_the_fake_kernel_shapes_quantised_calls_and_refuses_what_the_real_one_does():
+    """Under FakeTensorMode the quantised call's output has the real one's shape (v's head
+    dim; a Q8_0 row of n blocks holds 32 n values), and what needs no data is refused by
+    name: a descale of the wrong length, a descale with Q8_0, an unknown kv_dtype."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(50, 8, 128)
+        k8 = torch.empty(90, 2, 128, dtype=torch.float8_e5m2)
+        out = mn.flash_attn_prefill(q, k8, k8, causal=True, k_descale=torch.empty(2), v_descale=0.5)
+        assert (out.shape, out.dtype) == ((50, 8, 128), torch.float32)
+        kq = torch.empty(90, 2, 128 // 32 * 34, dtype=torch.uint8)
+        out = mn.flash_attn_prefill(q, kq, kq, kv_dtype="q8_0", out_dtype=torch.float16)
+        assert (out.shape, out.dtype) == ((50, 8, 128), torch.float16)
+        with pytest.raises(mn.InvalidArgumentError, match="k_descale has 3 values"):
+            mn.flash_attn_prefill(q, k8, k8, k_descale=torch.empty(3))
+        with pytest.raises(mn.InvalidArgumentError, match="Q8_0 blocks carry their own scales"):
+            mn.flash_attn_prefill(q, kq, kq, kv_dtype="q8_0", v_descale=torch.empty(1))
+        with pytest.raises(mn.UnsupportedDtypeError, match="kv_dtype 'int4'"):
+            mn.flash_attn_prefill(q, kq, kq, kv_dtype="int4")
 
 
 def test_a_plan_on_quantised_kv_runs_again_and_writes_nothing_when_refused(rng):

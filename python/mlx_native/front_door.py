@@ -106,7 +106,8 @@ def flash_attn_prefill(q: Any, k: Any, v: Any, mask: Any = None, **keywords: Any
     ``ValueError`` or a ``TypeError``.
 
     Torch tensors (q, k, v and any mask, ``cu_seqlens``, ``sinks``, ``alibi_slopes``,
-    ``block_table``, ``seqused_k``) go through the operator
+    ``block_table``, ``seqused_k``, ``k_descale``, ``v_descale``; quantised K/V included) go
+    through the operator
     ``torch.ops.mlx_native.flash_attn_prefill`` (``flash_attn_prefill_lse`` with
     ``return_lse``), so ``torch.compile(fn, fullgraph=True)`` traces a function that calls
     this without a graph break; ``device`` as a ``mlx_native.Device`` object runs outside it.
@@ -163,18 +164,14 @@ def _is_torch(x) -> bool:
     return mod == "torch" or mod.startswith("torch.")
 
 
-def _is_fp8(t) -> bool:
-    return str(t.dtype).startswith("torch.float8")
-
-
 def _through_torch_op(q, k, v, args: PrefillArgs) -> bool:
     """Whether every array argument is a torch tensor (the optional ones may be None): an
     operator's schema takes nothing else, and the array call gives the typed error for
     anything else."""
     if not (_is_torch(q) and _is_torch(k) and _is_torch(v)):
         return False
-    if args.kv_dtype is not None or args.k_descale is not None or args.v_descale is not None or _is_fp8(k):
-        return False  # quantised K/V: not in the operators' schema yet (the array call runs them)
     optional = (args.mask, args.cu_seqlens_q, args.cu_seqlens_k, args.sinks, args.alibi_slopes, args.block_table,
                 args.seqused_k)  # fmt: skip
-    return all(x is None or _is_torch(x) for x in optional)
+    # Quantised K/V's descale factors: tensors, or numbers (the operator makes those tensors).
+    descales = all(x is None or type(x) in (int, float) or _is_torch(x) for x in (args.k_descale, args.v_descale))
+    return descales and all(x is None or _is_torch(x) for x in optional)

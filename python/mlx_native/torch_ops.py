@@ -28,6 +28,7 @@ from .dtypes import dtype_name, numpy_dtype_of_name
 from .errors import InvalidArgumentError, UnsupportedDtypeError, UnsupportedFeatureError
 from .options import PrefillArgs, checked
 from .paged import refuse_unpaged_arguments
+from .quant import kv_format_name
 
 __all__ = ["flash_attn_prefill"]
 
@@ -40,7 +41,8 @@ _ARGS = (
     "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, ScalarType? out_dtype=None, str? device=None, "
     "bool check_finite=False, float softcap=0.0, float max_bias=0.0, Tensor? sinks=None, SymInt? offset=None, "
     'str layout="NHD", int[]? window_size=None, Tensor? alibi_slopes=None, SymInt? kv_splits=None, '
-    "str? cta_pairs=None, str? cuda_form=None, str? cpu_isa=None, Tensor? block_table=None, Tensor? seqused_k=None"
+    "str? cta_pairs=None, str? cuda_form=None, str? cpu_isa=None, Tensor? block_table=None, Tensor? seqused_k=None, "
+    "str? kv_dtype=None, Tensor? k_descale=None, Tensor? v_descale=None"
 )
 # Defined with a schema and plain kernels rather than torch.library.custom_op: the same
 # operator to the tracers, at a fraction of custom_op's dispatch cost per eager call (about
@@ -57,12 +59,11 @@ _LIB.define(f"flash_attn_prefill_lse_autograd({_ARGS}) -> (Tensor, Tensor)")
 #: The schema's arguments after q, k, v, as PrefillArgs holds them but for the window's two
 #: forms: ``window`` (an int) and ``window_size`` (a two-sided window, FlashAttention's),
 #: which stands before ``alibi_slopes``; ``return_lse`` picks the operator. ``_TAIL``: the
-#: fields after ``alibi_slopes`` (the run options, then paged K/V's ``block_table`` and
-#: ``seqused_k``), read from PrefillArgs, where the keywords are written once.
-_TAIL = PrefillArgs._fields[15 : PrefillArgs._fields.index("seqused_k") + 1]
-#: Quantised K/V's fields (``kv_dtype``, ``k_descale``, ``v_descale``) are not in the schema
-#: yet: a call with them runs the array call (``front_door``), outside the operators.
-_NOT_IN_SCHEMA = PrefillArgs._fields[len(_TAIL) + 15 : -1]
+#: fields after ``alibi_slopes`` (the run options, paged K/V's ``block_table`` and
+#: ``seqused_k``, quantised K/V's ``kv_dtype`` (a format name), ``k_descale`` and
+#: ``v_descale`` (float32 tensors: a number is made one, ``_quantised_schema_form``)), read from
+#: PrefillArgs, where the keywords are written once.
+_TAIL = PrefillArgs._fields[15:-1]
 _SCHEMA_NAMES = PrefillArgs._fields[:14] + ("window_size", "alibi_slopes") + _TAIL
 assert tuple(arg.split("=")[0].split()[-1] for arg in _ARGS.split(", ")[3:]) == _SCHEMA_NAMES
 assert PrefillArgs._fields[14] == "alibi_slopes" and PrefillArgs._fields[-1] == "return_lse"
@@ -74,7 +75,7 @@ def _args_of(given: tuple, return_lse: bool) -> PrefillArgs:
     arguments by position and leaves out trailing ones equal to their defaults."""
     full = given + _SCHEMA_DEFAULTS[len(given):]
     window_size = full[14]
-    args = PrefillArgs(*full[:14], full[15], *full[16:], *PrefillArgs()[15 + len(_TAIL) : -1], return_lse=return_lse)
+    args = PrefillArgs(*full[:14], full[15], *full[16:], return_lse=return_lse)
     if window_size is not None:  # a two-sided window (left, right), FlashAttention's
         args = args._replace(window=(int(window_size[0]), int(window_size[1])))
     return args
@@ -104,15 +105,16 @@ def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.detach() if t is not None and t.requires_grad else t
 
 
-def _fake_out(q: Tensor, v: Tensor, out_dtype: Optional[torch.dtype]) -> Tensor:
+def _fake_out(q: Tensor, v: Tensor, out_dtype: Optional[torch.dtype], kv_dtype: Optional[str] = None) -> Tensor:
     if q.dim() not in (3, 4):
         raise InvalidArgumentError(
             f"q must be 3-D [rows, heads, head_dim] or 4-D [batch, rows, heads, head_dim] (layout=\"NHD\"), or "
             f"[heads, rows, head_dim] / [batch, heads, rows, head_dim] (layout=\"HND\"), got {q.dim()} axes"
         )
-    # Shaped like q (in its layout) with v's head dim (576/512: MLA), contiguous, as the real
-    # call returns it.
-    return q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype if out_dtype is None else out_dtype)
+    # Shaped like q (in its layout) with v's head dim (576/512: MLA; a Q8_0 row of n blocks
+    # of 34 bytes holds 32 n values), contiguous, as the real call returns it.
+    dv = v.shape[-1] // 34 * 32 if kv_dtype == "q8_0" else v.shape[-1]
+    return q.new_empty(q.shape[:-1] + (dv,), dtype=q.dtype if out_dtype is None else out_dtype)
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -135,6 +137,7 @@ def _check_fake_operands(named: dict) -> None:
         )
     # The arrays the kernel reads sit on q's device (the sequence offsets are read on the
     # host, and a host mask is copied to q's device, as the real call does).
+    # The descale factors are read on the host (the plan's), from a tensor anywhere.
     for name in ("k", "v", "mask", "sinks", "alibi_slopes"):
         t = named[name]
         if t is not None and t.device != named["q"].device and not (name == "mask" and t.device.type == "cpu"):
@@ -165,6 +168,7 @@ def _check_like_the_real_call(q, k, v, args: PrefillArgs) -> None:
     planned = args._replace(
         mask=spec(mask), sinks=spec(args.sinks), cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, device="cpu",
         return_lse=False, check_finite=False, block_table=None, seqused_k=None,
+        k_descale=_descale_stand_in(args.k_descale), v_descale=_descale_stand_in(args.v_descale),
     )  # fmt: skip
     if cu_seqlens_q is not None:
         if mask is not None:
@@ -187,6 +191,12 @@ def _check_like_the_real_call(q, k, v, args: PrefillArgs) -> None:
     if paged:
         planned = _paged_stand_in(q, k, args, planned, batch)
     PrefillPlan.from_args(spec(q), spec(k), spec(v), planned)
+
+
+def _descale_stand_in(t: Optional[Tensor]) -> Optional[np.ndarray]:
+    """A host stand-in of a descale tensor: its shape and dtype, every factor 1 (the values
+    are data: the real call checks them)."""
+    return None if t is None else np.ones(tuple(t.shape), _numpy_dtype(t.dtype))
 
 
 def _paged_stand_in(q, k, args: PrefillArgs, planned: PrefillArgs, batch: int) -> PrefillArgs:
@@ -242,14 +252,14 @@ def _fake(return_lse: bool):
         args = _args_of(given, return_lse)
         named = dict(q=q, k=k, v=v, mask=args.mask, sinks=args.sinks, cu_seqlens_q=args.cu_seqlens_q,
                      cu_seqlens_k=args.cu_seqlens_k, alibi_slopes=args.alibi_slopes, block_table=args.block_table,
-                     seqused_k=args.seqused_k)  # fmt: skip
+                     seqused_k=args.seqused_k, k_descale=args.k_descale, v_descale=args.v_descale)  # fmt: skip
         _check_fake_operands(named)
-        shaped = (q, k, v, args.mask, args.sinks, args.alibi_slopes)
+        shaped = (q, k, v, args.mask, args.sinks, args.alibi_slopes, args.k_descale, args.v_descale)
         if args.block_table is not None or args.seqused_k is not None:  # stand-ins of their shapes are planned
             shaped += (args.block_table, args.seqused_k, args.cu_seqlens_q)
         if all(_concrete(t) for t in shaped):
             _check_like_the_real_call(q, k, v, args)
-        out = _fake_out(q, v, args.out_dtype)
+        out = _fake_out(q, v, args.out_dtype, kv_format_name(args.kv_dtype))
         if not return_lse:
             return out
         # lse is [batch, heads, rows] ([heads, rows] 3-D) in either layout.
@@ -334,6 +344,8 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, args: PrefillArgs):
         # first ran eagerly or refused by the schema: checking them in a trace would only
         # break the graph.
         args = checked(args)
+    if args.kv_dtype is not None or args.k_descale is not None or args.v_descale is not None:
+        args = _quantised_schema_form(args)
     # A two-sided window travels as window_size=[left, right] (the schema's window is an int).
     window, window_size = args.window, None
     if isinstance(window, (tuple, list)):
@@ -346,6 +358,18 @@ def flash_attn_prefill(q: Tensor, k: Tensor, v: Tensor, args: PrefillArgs):
         op = _LSE_OP if args.return_lse else _OP
     return op(q, k, v, args.mask, args.causal, window, *args[3:6], _torch_out_dtype(args.out_dtype), *args[7:14],
               window_size, *args[14 : 15 + len(_TAIL)])  # fmt: skip
+
+
+def _quantised_schema_form(a: PrefillArgs) -> PrefillArgs:
+    """Quantised K/V's options as the schema holds them: ``kv_dtype`` as its format name (a
+    torch or numpy dtype named, an unknown name refused by name here), and a descale factor
+    given as a number as a float32 tensor of one value, on the host (the factors belong to
+    the plan, which reads them there). Tensors stay as they are (the real call checks them);
+    ``front_door`` sends anything else to the array call, for its typed errors."""
+    def tensor(x: Any) -> Any:
+        return torch.tensor([float(x)], dtype=torch.float32) if isinstance(x, (int, float)) else x
+
+    return a._replace(kv_dtype=kv_format_name(a.kv_dtype), k_descale=tensor(a.k_descale), v_descale=tensor(a.v_descale))
 
 
 def _schema_takes(a: PrefillArgs) -> bool:

@@ -268,11 +268,14 @@ pub struct MlxnKvDescale {
     pub v_len: u32,
 }
 
+/// K's and V's descale factors, each absent or a slice.
+type DescalePair<'a> = (Option<&'a [f32]>, Option<&'a [f32]>);
+
 /// The factors `d` points to (null: none), as slices.
 ///
 /// # Safety
 /// `d` null or valid, its pointers null or holding their lengths.
-unsafe fn descale_args<'a>(d: *const MlxnKvDescale) -> Result<(Option<&'a [f32]>, Option<&'a [f32]>)> {
+unsafe fn descale_args<'a>(d: *const MlxnKvDescale) -> Result<DescalePair<'a>> {
     if d.is_null() {
         return Ok((None, None));
     }

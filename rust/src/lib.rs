@@ -53,7 +53,9 @@ mod tests {
     /// outside `REGISTERED_KERNELS` (the ones some backend of this build lacks).
     #[test]
     fn every_registered_kernel_has_a_form_in_every_backend() {
-        use crate::ops::flash_attn_prefill::{F32_KV_KERNELS, HEAD_DIMS, PAGED_KERNELS, QUANT_KV_KERNELS, REGISTERED_KERNELS};
+        use crate::ops::flash_attn_prefill::{
+            F32_KV_KERNELS, HEAD_DIMS, PAGED_KERNELS, QUANT_KV_KERNELS, REGISTERED_KERNELS,
+        };
         let registry = super::default_registry();
         let names = registry.kernel_names();
         assert_eq!(names.len(), 4 + 6 * HEAD_DIMS.len(), "{names:?}");

@@ -227,7 +227,7 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PC::S>& bars, u32 s
         }
     };
     pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax);
-    if (wgi == 0) named_barrier(PC::BAR_TURN, 256);  // the last warpgroup's last hand-over
+    if (PC::TURNS && wgi == 0) named_barrier(PC::BAR_TURN, 256);  // the last warpgroup's last hand-over
     cluster_arrive();                          // done with the partner's barriers
     if constexpr (PC::ROWSUM) {
         l_run[0] = o[D / 2];  // the sums' accumulator: rows g8 and g8 + 8, every column the whole row's

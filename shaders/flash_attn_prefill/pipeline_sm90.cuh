@@ -40,6 +40,7 @@ struct PipeCfg {
     typedef TILES TL;
     static constexpr int N = TL::N, NH = N / STEP, S = TL::STAGES;
     static constexpr bool OVERLAP = TL::OVERLAP, ROWSUM = TL::ROWSUM_MMA;
+    static constexpr bool TURNS = MLXN_WS_TURNS != 0;  // the consumers' products take turns (tiles_sm90.cuh)
     // A consumer's accumulators: O (D / 2 a thread), then with ROWSUM the m64n8 one of its
     // rows' sums (4 a thread), so that O's rescale and register fences cover both.
     static constexpr int NO = D / 2 + (ROWSUM ? 4 : 0);
@@ -244,10 +245,15 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
     // Turns: warpgroup w issues after bar.sync on barrier BAR_TURN + w, then hands the turn
     // to the next in the ring (bar.arrive on its barrier; each barrier: the one that waits
     // and the one that hands over, 256 threads). Warpgroup 0 takes the first turn.
+    // Without turns (MLXN_WS_TURNS 0, a variant to time) each warpgroup issues when it is ready.
     constexpr int CW = PC::CW;
-    if (wgi == CW - 1) named_barrier_arrive(PC::BAR_TURN, 256);
-    auto turn = [&]() { named_barrier(PC::BAR_TURN + wgi, 256); };
-    auto hand_over = [&]() { named_barrier_arrive(PC::BAR_TURN + (wgi + 1 == CW ? 0 : wgi + 1), 256); };
+    if (PC::TURNS && wgi == CW - 1) named_barrier_arrive(PC::BAR_TURN, 256);
+    auto turn = [&]() {
+        if constexpr (PC::TURNS) named_barrier(PC::BAR_TURN + wgi, 256);
+    };
+    auto hand_over = [&]() {
+        if constexpr (PC::TURNS) named_barrier_arrive(PC::BAR_TURN + (wgi + 1 == CW ? 0 : wgi + 1), 256);
+    };
     auto release = [&](u32 bar) {
         __syncwarp();
         if (lane == 0) release_pair(bar);

@@ -69,6 +69,20 @@ namespace hopper {
 #ifndef MLXN_WS_CONSUMER_REGS_D128
 #define MLXN_WS_CONSUMER_REGS_D128 224
 #endif
+// The d128 pipeline's stages, and whether its stages keep room for the explicit mask's tiles
+// (without it, 3 stages of K and V fit: a launch whose tiles need a mask tile then traps, so
+// such a build is timed on described masks only). Variants to time.
+#ifndef MLXN_WS_STAGES_D128
+#define MLXN_WS_STAGES_D128 2
+#endif
+#ifndef MLXN_WS_MASK_TILES_D128
+#define MLXN_WS_MASK_TILES_D128 1
+#endif
+// Whether the pipeline's consumer warpgroups issue their products in turns (a ring of named
+// barriers, pipeline_sm90.cuh; 0: each issues when ready, a variant to time).
+#ifndef MLXN_WS_TURNS
+#define MLXN_WS_TURNS 1
+#endif
 #ifndef MLXN_WS_STAGES_D64
 #define MLXN_WS_STAGES_D64 2
 #endif
@@ -132,9 +146,9 @@ struct Tiles<128> {
     // Plain: two CTAs an SM, single-buffered (two such CTAs fit in shared memory; measured
     // 308 against 221 TFLOP/s for one double-buffered CTA, causal 16k, 32/8 heads).
     static constexpr int MINB = 2, NSTAGE = 1;
-    static constexpr int PIPE = 2, N = MLXN_WS_N_D128, STAGES = 2, CONSUMERS = 2;
+    static constexpr int PIPE = 2, N = MLXN_WS_N_D128, STAGES = MLXN_WS_STAGES_D128, CONSUMERS = 2;
     static constexpr int PRODUCER_REGS = MLXN_WS_PRODUCER_REGS_D128, CONSUMER_REGS = MLXN_WS_CONSUMER_REGS_D128;
-    static constexpr bool MASK_TILES = true;
+    static constexpr bool MASK_TILES = MLXN_WS_MASK_TILES_D128 != 0;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP_D128 != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
 };

@@ -17,6 +17,7 @@
 //! staging rows first.
 
 use super::{Kv, Problem, Seq, C};
+use crate::backend::cpu::simd::e4m3_half;
 
 /// A quantised K/V format (its `DType` code 7, 8 or 9).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -38,50 +39,6 @@ pub(in crate::backend::cpu) struct Quant {
 // SAFETY: the factors are read-only while the kernel runs.
 unsafe impl Send for Quant {}
 unsafe impl Sync for Quant {}
-
-/// The f32 value of each FP8 byte, E4M3 (`float8_e4m3fn`: exponent bias 7, no infinity,
-/// 0x7f / 0xff NaN) or E5M2 (bias 15, IEEE's infinities and NaNs): exact, every FP8 value
-/// is an f32.
-const fn fp8_table(e4m3: bool) -> [f32; 256] {
-    let (mbits, bias) = if e4m3 { (3u32, 7i32) } else { (2u32, 15i32) };
-    let emax = if e4m3 { 15 } else { 31 };
-    let mut t = [0.0f32; 256];
-    let mut b = 0usize;
-    while b < 256 {
-        let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0f32 };
-        let e = ((b as u32 & 0x7f) >> mbits) as i32;
-        let m = (b as u32) & ((1 << mbits) - 1);
-        let frac = m as f32 / (1u32 << mbits) as f32;
-        t[b] = if e4m3 && e == emax && m == (1 << mbits) - 1 {
-            f32::NAN
-        } else if !e4m3 && e == emax {
-            if m == 0 {
-                sign * f32::INFINITY
-            } else {
-                f32::NAN
-            }
-        } else if e == 0 {
-            sign * frac * pow2(1 - bias)
-        } else {
-            sign * (1.0 + frac) * pow2(e - bias)
-        };
-        b += 1;
-    }
-    t
-}
-
-const fn pow2(e: i32) -> f32 {
-    let mut x = 1.0f32;
-    let mut i = 0;
-    while i < e.abs() {
-        x = if e > 0 { x * 2.0 } else { x * 0.5 };
-        i += 1;
-    }
-    x
-}
-
-static E4M3: [f32; 256] = fp8_table(true);
-static E5M2: [f32; 256] = fp8_table(false);
 
 impl Problem {
     /// The K/V element type of KV head `g`'s K or V: [`Problem::kv`] with FP8's descale
@@ -111,8 +68,10 @@ pub(super) unsafe fn kv_value(row: *const u16, d: usize, kv: Kv) -> f32 {
         Kv::F16 => half::f16::from_bits(*row.add(d)).to_f32(),
         Kv::BF16 => half::bf16::from_bits(*row.add(d)).to_f32(),
         Kv::F32 => *(row as *const f32).add(d),
-        Kv::E4M3(f) => f * E4M3[*bytes.add(d) as usize],
-        Kv::E5M2(f) => f * E5M2[*bytes.add(d) as usize],
+        // The vector loaders' decoding (simd.rs), one byte at a time: E4M3 through the half
+        // whose value is the byte's times 2^-8, E5M2 as the top byte of a half.
+        Kv::E4M3(f) => f * (half::f16::from_bits(e4m3_half(*bytes.add(d))).to_f32() * 256.0),
+        Kv::E5M2(f) => f * half::f16::from_bits((*bytes.add(d) as u16) << 8).to_f32(),
         Kv::Q8_0 => {
             let b = bytes.add(d / 32 * 34);
             q8_0_scale(b) * (*b.add(2 + d % 32) as i8) as f32
@@ -250,21 +209,72 @@ pub(super) unsafe fn step_rows(
 mod tests {
     use super::*;
 
+    // The formats' values from their definitions (sign, exponent, mantissa), the reference the
+    // loaders' bit tricks are checked against.
+    /// The f32 value of each FP8 byte, E4M3 (`float8_e4m3fn`: exponent bias 7, no infinity,
+    /// 0x7f / 0xff NaN) or E5M2 (bias 15, IEEE's infinities and NaNs): exact, every FP8 value
+    /// is an f32.
+    const fn fp8_table(e4m3: bool) -> [f32; 256] {
+        let (mbits, bias) = if e4m3 { (3u32, 7i32) } else { (2u32, 15i32) };
+        let emax = if e4m3 { 15 } else { 31 };
+        let mut t = [0.0f32; 256];
+        let mut b = 0usize;
+        while b < 256 {
+            let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0f32 };
+            let e = ((b as u32 & 0x7f) >> mbits) as i32;
+            let m = (b as u32) & ((1 << mbits) - 1);
+            let frac = m as f32 / (1u32 << mbits) as f32;
+            t[b] = if e4m3 && e == emax && m == (1 << mbits) - 1 {
+                f32::NAN
+            } else if !e4m3 && e == emax {
+                if m == 0 {
+                    sign * f32::INFINITY
+                } else {
+                    f32::NAN
+                }
+            } else if e == 0 {
+                sign * frac * pow2(1 - bias)
+            } else {
+                sign * (1.0 + frac) * pow2(e - bias)
+            };
+            b += 1;
+        }
+        t
+    }
+
+    const fn pow2(e: i32) -> f32 {
+        let mut x = 1.0f32;
+        let mut i = 0;
+        while i < e.abs() {
+            x = if e > 0 { x * 2.0 } else { x * 0.5 };
+            i += 1;
+        }
+        x
+    }
+
+    static E4M3: [f32; 256] = fp8_table(true);
+    static E5M2: [f32; 256] = fp8_table(false);
+
     #[test]
-    fn fp8_tables_hold_the_formats_values() {
+    fn fp8_bytes_decode_to_the_formats_values() {
         // E4M3: 0x38 = 1.0, 0x7e = 448 (the largest), 0x01 = 2^-9 (the smallest subnormal).
         assert_eq!((E4M3[0x38], E4M3[0x7e], E4M3[0x01], E4M3[0xb8]), (1.0, 448.0, 2f32.powi(-9), -1.0));
         assert!(E4M3[0x7f].is_nan() && E4M3[0xff].is_nan());
-        // E5M2 is the top byte of an F16.
-        for b in 0..256u32 {
-            let h = half::f16::from_bits((b << 8) as u16).to_f32();
-            assert!(h == E5M2[b as usize] || (h.is_nan() && E5M2[b as usize].is_nan()), "{b:#x}");
+        let same = |a: f32, b: f32| a == b || (a.is_nan() && b.is_nan());
+        for b in 0..=255u8 {
+            // Every byte, as the scalar loader reads it (descale 1, then 0.5 exactly).
+            for (kv, table) in [(Kv::E4M3(1.0), &E4M3), (Kv::E5M2(1.0), &E5M2)] {
+                let got = unsafe { kv_value([b as u16].as_ptr(), 0, kv) };
+                assert!(same(got, table[b as usize]), "{kv:?} {b:#x}: {got} against {}", table[b as usize]);
+            }
+            let half_e4m3 = unsafe { kv_value([b as u16].as_ptr(), 0, Kv::E4M3(0.5)) };
+            assert!(same(half_e4m3, 0.5 * E4M3[b as usize]), "{b:#x}");
         }
     }
 
     #[test]
     fn q8_0_rows_are_scale_times_the_bytes() {
-        let mut row = vec![0u8; 68];
+        let mut row = [0u8; 68];
         row[..2].copy_from_slice(&half::f16::from_f32(0.5).to_bits().to_le_bytes());
         row[34..36].copy_from_slice(&half::f16::from_f32(-2.0).to_bits().to_le_bytes());
         for i in 0..32 {
