@@ -43,7 +43,7 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                     return; // this NVRTC build returns no resource report
                 }
                 // The attention kernels keep O, S and P in registers: a spill is a bug.
-                let spills: Vec<&str> = report.lines().filter(|l| l.contains("spill stores")).collect();
+                let spills = entry_spills(&report);
                 // The merge is one entry point of each attention source (all but the
                 // classifiers' file), listed once above.
                 let merges = report.matches("entry point flash_attn_prefill_split_merge\n").count();
@@ -54,53 +54,41 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
                     entries.len() + merges - 1,
                     "{arch}: one resource line per entry point:\n{report}"
                 );
-                let mut function = "";
-                for line in report.lines() {
-                    if let Some(i) = line.find("Compiling entry function '") {
-                        function = &line[i + "Compiling entry function '".len()..];
-                    }
-                    if line.contains("spill stores") {
-                        // The portable form with the score transforms (`_xf`) may spill a
-                        // little at the widest head dims, where the form without them fills
-                        // the register file exactly; every other form spills nothing.
-                        let stores: u32 = line
-                            .split(" bytes spill stores")
-                            .next()
-                            .and_then(|l| l.rsplit(' ').next())
-                            .and_then(|n| n.parse().ok())
-                            .unwrap_or(u32::MAX);
-                        // The Hopper form at head dim 128 runs two CTAs an SM, within 128
-                        // registers: ptxas spills a little there, and it is still the faster
-                        // form (mainloop_sm90.cuh, HCfg).
-                        let two_ctas = arch == "sm_90a"
-                            && (function.starts_with("flash_attn_prefill_d128'")
-                                || function.starts_with("flash_attn_prefill_d128_bf16'"));
-                        // The warp-specialised pair forms at head dim 256: the consumers have
-                        // 240 registers (the producer warpgroup releases the rest to them), and
-                        // ptxas spills up to about 60 words there; measured faster than the
-                        // form that spills nothing (docs/benchmarks.md, 2026-12-01 18:05).
-                        let ws = arch == "sm_90a" && function.contains("d256") && function.contains("_pair_");
-                        // The pair forms at head dim 64: three consumer warpgroups of 160
-                        // registers leave the producer warpgroup 32, where its walk spills;
-                        // measured 1.20x faster than two consumer warpgroups that spill
-                        // nothing (docs/benchmarks.md, 2026-12-06).
-                        let ws64 = arch == "sm_90a" && function.contains("_d64") && function.contains("_pair_");
-                        // The wide d128 pair forms (192-row tiles, 24 / 240 registers): 408 / 684
-                        // bytes (heads / queries) with NVRTC 13.0.
-                        let wide = arch == "sm_90a" && function.contains("_wide'");
-                        let allowed = if function.contains("_xf'") || two_ctas {
-                            128
-                        } else if wide {
-                            768
-                        } else if ws64 {
-                            384
-                        } else if ws {
-                            256
-                        } else {
-                            0
-                        };
-                        assert!(stores <= allowed, "{arch}: {function} spills registers: {line}");
-                    }
+                for (function, stores, line) in entry_spills(&report) {
+                    // The portable form with the score transforms (`_xf`) may spill a
+                    // little at the widest head dims, where the form without them fills
+                    // the register file exactly; every other form spills nothing.
+                    // The Hopper form at head dim 128 runs two CTAs an SM, within 128
+                    // registers: ptxas spills a little there, and it is still the faster
+                    // form (mainloop_sm90.cuh, HCfg).
+                    let two_ctas = arch == "sm_90a"
+                        && (function.starts_with("flash_attn_prefill_d128'")
+                            || function.starts_with("flash_attn_prefill_d128_bf16'"));
+                    // The warp-specialised pair forms at head dim 256: the consumers have
+                    // 240 registers (the producer warpgroup releases the rest to them), and
+                    // ptxas spills up to about 60 words there; measured faster than the
+                    // form that spills nothing (docs/benchmarks.md, 2026-12-01 18:05).
+                    let ws = arch == "sm_90a" && function.contains("d256") && function.contains("_pair_");
+                    // The pair forms at head dim 64: three consumer warpgroups of 160
+                    // registers leave the producer warpgroup 32, where its walk spills;
+                    // measured 1.20x faster than two consumer warpgroups that spill
+                    // nothing (docs/benchmarks.md, 2026-12-06).
+                    let ws64 = arch == "sm_90a" && function.contains("_d64") && function.contains("_pair_");
+                    // The wide d128 pair forms (192-row tiles, 24 / 240 registers): 408 / 684
+                    // bytes (heads / queries) with NVRTC 13.0.
+                    let wide = arch == "sm_90a" && function.contains("_wide'");
+                    let allowed = if function.contains("_xf'") || two_ctas {
+                        128
+                    } else if wide {
+                        768
+                    } else if ws64 {
+                        384
+                    } else if ws {
+                        256
+                    } else {
+                        0
+                    };
+                    assert!(stores <= allowed, "{arch}: {function} spills registers: {line}");
                 }
             }
             Err(MlxError::BackendUnavailable(why)) if !nvrtc_required() => {
@@ -110,6 +98,29 @@ fn kernel_sources_compile_with_nvrtc_for_hopper_and_ampere() {
             Err(e) => panic!("{arch}: {e}"),
         }
     }
+}
+
+/// Each entry point's spill line of a ptxas report: the function's name (as ptxas quotes it,
+/// with its closing quote), its bytes of spill stores (u32::MAX where the line does not parse)
+/// and the line.
+fn entry_spills(report: &str) -> Vec<(&str, u32, &str)> {
+    let mut function = "";
+    let mut out = Vec::new();
+    for line in report.lines() {
+        if let Some(i) = line.find("Compiling entry function '") {
+            function = &line[i + "Compiling entry function '".len()..];
+        }
+        if line.contains("spill stores") {
+            let stores = line
+                .split(" bytes spill stores")
+                .next()
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(u32::MAX);
+            out.push((function, stores, line));
+        }
+    }
+    out
 }
 
 /// The paged K/V modules (`-DMLXN_PAGED_ENTRIES=1`, compiled only for a paged launch): each
@@ -151,27 +162,15 @@ fn paged_modules_compile_with_nvrtc_for_hopper_and_ampere() {
         if !report.contains("ptxas info") && !nvrtc_required() {
             return;
         }
-        let mut function = "";
-        for line in report.lines() {
-            if let Some(i) = line.find("Compiling entry function '") {
-                function = &line[i + "Compiling entry function '".len()..];
-            }
-            if line.contains("spill stores") {
-                let stores: u32 = line
-                    .split(" bytes spill stores")
-                    .next()
-                    .and_then(|l| l.rsplit(' ').next())
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or(u32::MAX);
-                // As their contiguous siblings: the portable form with the score transforms
-                // may spill a little, and the Hopper form at head dim 128 (two CTAs an SM
-                // within 128 registers) does.
-                let two_ctas = arch == "sm_90a"
-                    && (function.starts_with("flash_attn_prefill_d128_paged'")
-                        || function.starts_with("flash_attn_prefill_d128_bf16_paged'"));
-                let allowed = if function.contains("_xf_paged'") || two_ctas { 128 } else { 0 };
-                assert!(stores <= allowed, "{arch}: {function} spills registers: {line}");
-            }
+        for (function, stores, line) in entry_spills(&report) {
+            // As their contiguous siblings: the portable form with the score transforms
+            // may spill a little, and the Hopper form at head dim 128 (two CTAs an SM
+            // within 128 registers) does.
+            let two_ctas = arch == "sm_90a"
+                && (function.starts_with("flash_attn_prefill_d128_paged'")
+                    || function.starts_with("flash_attn_prefill_d128_bf16_paged'"));
+            let allowed = if function.contains("_xf_paged'") || two_ctas { 128 } else { 0 };
+            assert!(stores <= allowed, "{arch}: {function} spills registers: {line}");
         }
     }
 }
@@ -233,32 +232,20 @@ fn quant_modules_compile_with_nvrtc_for_hopper_and_ampere() {
             if !report.contains("ptxas info") && !nvrtc_required() {
                 return;
             }
-            let mut function = "";
-            for line in report.lines() {
-                if let Some(i) = line.find("Compiling entry function '") {
-                    function = &line[i + "Compiling entry function '".len()..];
-                }
-                if line.contains("spill stores") {
-                    let stores: u32 = line
-                        .split(" bytes spill stores")
-                        .next()
-                        .and_then(|l| l.rsplit(' ').next())
-                        .and_then(|n| n.parse().ok())
-                        .unwrap_or(u32::MAX);
-                    // As their F16 siblings: the portable form with the score transforms may
-                    // spill a little, and the Hopper form at head dim 128 (two CTAs an SM
-                    // within 128 registers) does, a little more with the widening loader
-                    // (docs/spec.md 11b: 132 bytes, the F16 form 116).
-                    let two_ctas = arch == "sm_90a" && function.starts_with("flash_attn_prefill_d128_");
-                    let allowed = if function.contains("_xf_") {
-                        128
-                    } else if two_ctas {
-                        160
-                    } else {
-                        0
-                    };
-                    assert!(stores <= allowed, "{arch} {module:?}: {function} spills registers: {line}");
-                }
+            for (function, stores, line) in entry_spills(&report) {
+                // As their F16 siblings: the portable form with the score transforms may
+                // spill a little, and the Hopper form at head dim 128 (two CTAs an SM
+                // within 128 registers) does, a little more with the widening loader
+                // (docs/spec.md 11b: 132 bytes, the F16 form 116).
+                let two_ctas = arch == "sm_90a" && function.starts_with("flash_attn_prefill_d128_");
+                let allowed = if function.contains("_xf_") {
+                    128
+                } else if two_ctas {
+                    160
+                } else {
+                    0
+                };
+                assert!(stores <= allowed, "{arch} {module:?}: {function} spills registers: {line}");
             }
         }
     }
