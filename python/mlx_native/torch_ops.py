@@ -136,8 +136,8 @@ def _check_fake_operands(named: dict) -> None:
             f"{named[real[0]].device}: pass every operand with its data on one device"
         )
     # The arrays the kernel reads sit on q's device (the sequence offsets are read on the
-    # host, and a host mask is copied to q's device, as the real call does).
-    # The descale factors are read on the host (the plan's), from a tensor anywhere.
+    # host, and a host mask is copied to q's device, as the real call does; the descale
+    # factors, the plan's, are read on the host from a tensor on any device: not listed).
     for name in ("k", "v", "mask", "sinks", "alibi_slopes"):
         t = named[name]
         if t is not None and t.device != named["q"].device and not (name == "mask" and t.device.type == "cpu"):

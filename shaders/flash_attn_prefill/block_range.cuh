@@ -42,11 +42,11 @@ __device__ __forceinline__ Seq sequence(const Params& p, const int* __restrict__
 
 // The CTA's place in the grid's plane of query tiles (x: tile q_tiles - 1 - x, the longest
 // causal rows first) and head groups (y). With FLAG_GROUP_FIRST (the host's choice, for
-// walks of unequal length in launches of few waves: attention_geometry.rs, group_first) the
-// launch order's CTAs (clusters, on Hopper) are dealt head group first, so the longest tiles
-// of every head group go in the first waves, where in the grid's own order (x fastest) one
-// group's tiles, longest to shortest, come before the next group's and the last groups'
-// longest tiles start late and run alone at the end.
+// walks of unequal length in launches of few waves: backend/cuda/flash_attn_prefill.rs,
+// group_first) the launch order's CTAs (clusters, on Hopper) are dealt head group first, so
+// the longest tiles of every head group go in the first waves, where in the grid's own order
+// (x fastest) one group's tiles, longest to shortest, come before the next group's and the
+// last groups' longest tiles start late and run alone at the end.
 struct CtaXY {
     u32 x, y;
 };
