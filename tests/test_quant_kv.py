@@ -316,6 +316,46 @@ def test_a_plan_on_quantised_kv_runs_again_and_writes_nothing_when_refused(rng):
     assert (out == 7.0).all()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged"])
+def test_an_encoded_quantised_plan_is_its_run(rng, fmt, paged):
+    """A plan's encoder record carries what only the plan holds (the format, the descale
+    factors, the table): a Q8_0 plan's uint8 bytes are bound as Q8_0, and FP8 K/V with
+    descale factors (contiguous: every other row of a bigger cache, float8_e5m2 among
+    them) give the run's result to the bit."""
+    nh, nkv, d = 4, 2, 64
+    kw = kw_of(fmt, *((None, None) if fmt == "q8_0" else (np.array([0.5, 2.0], np.float32), 1.5)))
+    if paged:
+        k, v, table, used = make_pages(rng, [90, 33], 16, nkv, d, fmt)
+        q = rng.uniform(-1, 1, (70, nh, d)).astype(np.float32)
+        kw.update(block_table=table, seqused_k=used, cu_seqlens_q=np.array([0, 40, 70], np.int32))
+    else:
+        q = rng.uniform(-1, 1, (1, 40, nh, d)).astype(np.float32)
+        k = quantise(rng, (1, 192, nkv, d), fmt)[:, ::2]
+        v = quantise(rng, (1, 192, nkv, d), fmt)[:, ::2]
+    plan = mn.PrefillPlan(q, k, v, None, causal=True, **kw)
+    want = plan.run()
+    with plan.device.encoder() as enc:
+        plan.encode(enc)
+    assert np.array_equal(plan.encoded_result(), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_upload_span_of_quantised_kv_is_its_bytes(rng, fmt):
+    """What a run of host arrays on a CUDA device uploads (layouts.span: the elements from
+    the first to the last, a strided view kept as it is) for every format, float8_e5m2
+    among them (numpy cannot rebuild that dtype from its array interface)."""
+    from mlx_native.arrays import Operand
+    from mlx_native.layouts import span
+
+    k = quantise(rng, (2, 24, 3, 64), fmt)[:, ::3]
+    flat = span(Operand.of(k, "k"))
+    assert flat.dtype == k.dtype
+    whole = np.ascontiguousarray(quantise(rng, (2, 24, 3, 64), fmt))
+    assert np.array_equal(span(Operand.of(whole, "k")).view(np.uint8), whole.reshape(-1).view(np.uint8))
+    assert np.array_equal(flat.view(np.uint8)[: k[0, 0].size], k[0, 0].reshape(-1).view(np.uint8))
+
+
 def _call(rng, fmt="float8_e4m3fn", d=64, nkv=2, **kw):
     q = rng.uniform(-1, 1, (8, 4, d)).astype(np.float32)
     k, v = quantise(rng, (16, nkv, d), fmt), quantise(rng, (16, nkv, d), fmt)

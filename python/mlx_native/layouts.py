@@ -108,7 +108,11 @@ def span(op: Operand) -> np.ndarray:
     """A host operand's elements from its first to its last, as a flat numpy view."""
     a = op.host_array()
     n = op.span_elements()
-    return np.lib.stride_tricks.as_strided(a, shape=(n,), strides=(a.itemsize,), writeable=False)
+    # Through unsigned integers of the same width: as_strided rebuilds the array from its
+    # array interface, whose type string numpy cannot read back for every dtype
+    # (ml_dtypes' float8_e5m2 is '<f1').
+    bits = a.view(np.dtype(f"u{a.itemsize}")) if a.itemsize in (1, 2, 4, 8) else a
+    return np.lib.stride_tricks.as_strided(bits, shape=(n,), strides=(a.itemsize,), writeable=False).view(a.dtype)
 
 
 def check_qkv(qo: Operand, ko: Operand, vo: Operand, tensor_layout: str = "NHD") -> None:

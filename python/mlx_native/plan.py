@@ -572,7 +572,7 @@ class PrefillPlan:
         if self._upload:
             return self._uploaded(ops, self._output_buffers())
         dev = self.device
-        b = {name: None if op is None else dev.wrap(op, span=True) for name, op in zip(_Operands._fields, ops)}
+        b = self._tagged({name: None if op is None else dev.wrap(op, span=True) for name, op in zip(_Operands._fields, ops)})
         # The outputs are arrays of q's library, which encoded_result returns.
         oo = ops.q.new_empty(self.shape, self.out_dtype)
         lo = ops.q.new_empty(self.lse_shape, np.float32) if self._lse else None
@@ -606,10 +606,11 @@ class PrefillPlan:
 
     def _record(self, enc: Encoder, b: dict, classify: bool) -> None:
         h = lambda x: 0 if x is None else x.handle  # noqa: E731
-        if self._paged is not None:
+        if self._paged is not None or self._kv_format is not None:
             # The plan's own record (mlxn_prefill_plan_encode): it binds the block table and the
-            # lengths it holds, which the buffer-level dispatch has no operand for. It
-            # classifies an explicit mask on every recording (``classify`` is not read).
+            # lengths it holds, and quantised K/V's format and descale factors, which the
+            # buffer-level dispatch has no operand for. It classifies an explicit mask on every
+            # recording (``classify`` is not read).
             check(lib.mlxn_prefill_plan_encode(self._handle, enc.handle, h(b["q"]), h(b["k"]), h(b["v"]), h(b["mask"]),
                                                h(b["out"]), h(b["lse"]), h(b.get("sinks")), h(b.get("alibi")),
                                                h(b.get("workspace"))))  # fmt: skip
@@ -658,6 +659,15 @@ class PrefillPlan:
         b = dict(outputs)
         for name, op in zip(_Operands._fields, ops):
             b[name] = None if op is None else self.device.buffer(span(op))
+        return self._tagged(b)
+
+    def _tagged(self, b: dict) -> dict:
+        """``b`` with Q8_0 K/V's buffers (uint8 bytes as bound or uploaded) as views of
+        dtype Q8_0, the dtype the op checks quantised K/V's buffers against (float8 arrays
+        carry theirs)."""
+        if self._kv_format == "q8_0":
+            for name in ("k", "v"):
+                b[name] = _q8_0_view(b[name])
         return b
 
     def _output_buffers(self, out: Any = None, lse: Any = None) -> dict:
@@ -744,6 +754,14 @@ def _run_options(options: tuple) -> tuple:
     held = [None if n is None else ffi.new("char[]", n.encode("utf-8", "surrogatepass")) for n in names]
     o.cta_pairs, o.cuda_form, o.cpu_isa = (ffi.NULL if c is None else c for c in held)
     return (o, held)
+
+
+def _q8_0_view(buf: Any) -> Any:
+    """A view of ``buf``'s bytes of dtype Q8_0 (the same memory; it keeps ``buf`` alive)."""
+    dims = ffi.new("uint64_t[]", [buf.nbytes])
+    out = ffi.new("uint64_t *")
+    check(lib.mlxn_buffer_view(buf.handle, 0, buf.nbytes, KV_FORMATS["q8_0"], dims, 1, out))
+    return type(buf)(buf.device, out[0], np.dtype(np.uint8), (buf.nbytes,), owner=buf, writable=buf.writable)
 
 
 def _descale_struct(k: Optional[np.ndarray], v: Optional[np.ndarray]) -> tuple:
