@@ -31,6 +31,16 @@
 
 namespace hopper {
 
+// A timing variant (docs/benchmarks.md, "Each CTA of a pair on its own K/V"): 1, each CTA of
+// a pair loads its own K/V tiles (the TMA's multicast to itself alone) and waits only for
+// its own consumers before refilling a stage, so the two CTAs no longer hold each other
+// back; K/V cross L2 twice as often. 0 (the default): a pair shares every tile.
+#ifndef MLXN_WS_SOLO
+#define MLXN_WS_SOLO 0
+#endif
+// The CTAs whose consumers release a stage, and into which a tile's boxes are multicast.
+constexpr int PIPE_PEERS = MLXN_WS_SOLO ? 1 : 2;
+
 // The shape and shared memory of the pipeline at head dim D (TILES: its row of tiles_sm90.cuh): Q [D / 64][ROWS][64 halves],
 // then per stage K and V ([D / 64][N rows][64 halves] each), then per stage the mask tiles
 // of its NH steps ([ROWS queries][64] halves each), then the mbarriers and each stage's tile,
@@ -101,8 +111,8 @@ __device__ __forceinline__ void init_bars(const PipeBars<S>& bars) {
         mbar_init(bars.full_k(st), 1);   // the producer's expect_tx (or, at the end, its arrival)
         mbar_init(bars.full_v(st), 1);
         mbar_init(bars.full_m(st), 32);  // each producer lane, once its copies are in
-        mbar_init(bars.empty_k(st), 2 * CT / 32);  // every consumer warp of both CTAs
-        mbar_init(bars.empty_v(st), 2 * CT / 32);
+        mbar_init(bars.empty_k(st), PIPE_PEERS * CT / 32);  // every consumer warp of both CTAs (SOLO: of this one)
+        mbar_init(bars.empty_v(st), PIPE_PEERS * CT / 32);
         mbar_init(bars.empty_m(st), CT);  // every consumer thread of this CTA (its own tiles)
     }
     fence_mbar_init();
@@ -135,9 +145,10 @@ __device__ __forceinline__ void tma_tile(const TMap* map, u32 dst, u32 bar, int 
     const int rank = (int)cluster_rank();
 #pragma unroll
     for (int i = 0; i < NBOX; ++i) {
-        if ((i & 1) == rank)
+        if (PIPE_PEERS == 1 || (i & 1) == rank)
             tma_load_4d_mc(dst + (u32)((i / NH) * N * 128 + (i % NH) * 64 * 128), map, (i / NH) * 64, kvh,
-                           min(row0 + (i % NH) * 64, last_row), seq, bar, 3);
+                           min(row0 + (i % NH) * 64, last_row), seq, bar,
+                           PIPE_PEERS == 1 ? (unsigned short)(1u << rank) : (unsigned short)3);
     }
 }
 
@@ -225,6 +236,10 @@ __device__ __forceinline__ void pipe_produce_masks(const PipeBars<PC::S>& bars, 
 
 // This warp is done with a stage's K (or V): one arrival on that barrier in both CTAs.
 __device__ __forceinline__ void release_pair(u32 bar) {
+    if constexpr (PIPE_PEERS == 1) {
+        mbar_arrive_cluster(bar, cluster_rank());
+        return;
+    }
 #pragma unroll
     for (u32 rank = 0; rank < 2; ++rank) mbar_arrive_cluster(bar, rank);
 }
