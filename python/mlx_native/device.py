@@ -404,12 +404,13 @@ class Buffer:
 
     def view(self, byte_offset: int, shape: Sequence[int] | int, dtype: Any = None) -> "Buffer":
         """A buffer over the bytes of ``shape`` elements of ``dtype`` (default: this
-        buffer's) starting ``byte_offset`` bytes in: the same memory, no copy. It keeps
-        this buffer's memory (and the array it wraps) alive."""
+        buffer's; a numpy dtype, or a C ABI dtype's name such as ``"q8_0"``) starting
+        ``byte_offset`` bytes in: the same memory, no copy. It keeps this buffer's memory
+        (and the array it wraps) alive."""
         shape = check_shape(shape)
         byte_offset = check_int(byte_offset, "byte_offset")
-        dt = self.dtype if dtype is None else np.dtype(dtype)
-        code = _dtype_code(dt)
+        code = _dtype_code(self.dtype if dtype is None else dtype)
+        dt = _numpy_dtype(code)
         nbytes = int(np.prod(shape, dtype=object)) * dt.itemsize
         if nbytes >= 2**63 or int(byte_offset) >= 2**63:
             raise InvalidArgumentError(f"a view of {nbytes} bytes at {byte_offset} exceeds any buffer")

@@ -66,8 +66,9 @@ def numpy_dtype_of_name(name: str) -> np.dtype:
 
 
 def dtype_code(dtype: Any) -> int:
-    """The C ABI code of a buffer dtype."""
-    name = np.dtype(dtype).name
+    """The C ABI code of a buffer dtype: a numpy dtype, or a C ABI dtype's name (``"q8_0"``,
+    which no numpy dtype names)."""
+    name = dtype if isinstance(dtype, str) and dtype in DTYPE_CODES else np.dtype(dtype).name
     if name not in DTYPE_CODES:
         raise UnsupportedDtypeError(f"dtype {name} is not supported (supported: {', '.join(DTYPE_CODES)})")
     return DTYPE_CODES[name]

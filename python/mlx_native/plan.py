@@ -667,7 +667,7 @@ class PrefillPlan:
         carry theirs)."""
         if self._kv_format == "q8_0":
             for name in ("k", "v"):
-                b[name] = _q8_0_view(b[name])
+                b[name] = b[name].view(0, b[name].nbytes, "q8_0")
         return b
 
     def _output_buffers(self, out: Any = None, lse: Any = None) -> dict:
@@ -754,14 +754,6 @@ def _run_options(options: tuple) -> tuple:
     held = [None if n is None else ffi.new("char[]", n.encode("utf-8", "surrogatepass")) for n in names]
     o.cta_pairs, o.cuda_form, o.cpu_isa = (ffi.NULL if c is None else c for c in held)
     return (o, held)
-
-
-def _q8_0_view(buf: Any) -> Any:
-    """A view of ``buf``'s bytes of dtype Q8_0 (the same memory; it keeps ``buf`` alive)."""
-    dims = ffi.new("uint64_t[]", [buf.nbytes])
-    out = ffi.new("uint64_t *")
-    check(lib.mlxn_buffer_view(buf.handle, 0, buf.nbytes, KV_FORMATS["q8_0"], dims, 1, out))
-    return type(buf)(buf.device, out[0], np.dtype(np.uint8), (buf.nbytes,), owner=buf, writable=buf.writable)
 
 
 def _descale_struct(k: Optional[np.ndarray], v: Optional[np.ndarray]) -> tuple:

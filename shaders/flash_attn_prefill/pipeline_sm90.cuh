@@ -234,10 +234,11 @@ __device__ __forceinline__ void pipe_produce_masks(const PipeBars<PC::S>& bars, 
     }
 }
 
-// This warp is done with a stage's K (or V): one arrival on that barrier in both CTAs.
+// This warp is done with a stage's K (or V): one arrival on that barrier in both CTAs (with
+// MLXN_WS_SOLO, in this CTA alone).
 __device__ __forceinline__ void release_pair(u32 bar) {
     if constexpr (PIPE_PEERS == 1) {
-        mbar_arrive_cluster(bar, cluster_rank());
+        mbar_arrive(bar);
         return;
     }
 #pragma unroll
