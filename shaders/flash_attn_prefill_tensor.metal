@@ -35,8 +35,17 @@
 // at 4, blk at 5, O (F32) at 6; a grid of (ceil(rows / Q), n_heads, 1) threadgroups. They run
 // the same body as one sequence over a cache of kv_pad rows with an explicit mask.
 //
-// Both: threadgroups of (32, 8, 1) threads, one block of threadgroup memory at index 0 of
-// threadgroup_memory_bytes(head_dim) bytes.
+// flash_attn_prefill_d<DK>[_<DV>]_kvq and flash_attn_prefill_paged_d<DK>[_<DV>]_kvq (SPEC 11,
+// quantised K/V): K and V as bytes, FP8 E4M3 or E5M2 or ggml's Q8_0 blocks (the params
+// block's kv_dtype; strides in bytes), widened to half as they are read (kv_walk), FP8's
+// descale factors (F32 [2][n_kv_heads], K's then V's, with PREFILL_DESCALE) at 16: K's
+// multiply the scores, V's the output. Every FP8 value is a half, so with factors of 1 the
+// result is the F16 kernel's on the same values, to the bit; Q8_0's float(d) * q is rounded
+// once to half (as CUDA's loaders round it). Their threadgroup memory is
+// quant_threadgroup_memory_bytes(head_dim) (longer at 512 and 576: kv_walk).
+//
+// All: threadgroups of (32, 8, 1) threads, one block of threadgroup memory at index 0 of
+// threadgroup_memory_bytes(head_dim) bytes (the _kvq ones' own, above).
 //
 // Only what Apple documents is relied on: the layout of a cooperative tensor among the
 // threads is implementation defined, so its elements are reached only through get_capacity,
@@ -137,11 +146,15 @@ constant constexpr int PREFILL_SINKS = 32;
 constant constexpr int PREFILL_WINDOW_RIGHT = 64;
 constant constexpr int PREFILL_ALIBI_SLOPES = 128;
 constant constexpr int PREFILL_PAGED = 256;  // the _paged entry points' only: K/V through a block table
+constant constexpr int PREFILL_DESCALE = 512;  // the _kvq entry points' only: FP8 descale factors at 16
 
 // DType codes of Q and O (rust/src/dtypes.rs).
 constant constexpr int DTYPE_F32 = 0;
 constant constexpr int DTYPE_F16 = 1;
 constant constexpr int DTYPE_BF16 = 2;
+// ... and of quantised K/V (the _kvq entry points' kv_dtype).
+constant constexpr int KV_F8E5M2 = 8;
+constant constexpr int KV_Q8_0 = 9;
 
 // Cache rows per step (the blk table's bk), simdgroups and their width.
 constant constexpr int C = 64;
@@ -170,20 +183,42 @@ using tg_kv_tensor = tensor<threadgroup KT, dextents<int32_t, 2>, tensor_inline>
 //     threadgroup memory (free while P.V runs), so that each P.V product still sums over the
 //     step's rows in one run, as the contiguous one does (the result is the same to the bit);
 //     O is DV / width cooperative tensors of Q x width.
-template <int DV, int Q, typename KT, bool PAGED>
-struct kv_walk {
-    static constexpr int k_rows = C;
-    static constexpr int width = DV;
-    using v_tensor = dev_kv_tensor<KT>;
-};
-template <int DV, int Q, typename KT>
-struct kv_walk<DV, Q, KT, true> {
-    static constexpr int k_rows = PAGE_ROWS;
+//   quantised (SPEC 11, contiguous or paged): K in sub-tiles of k_rows rows, each widened to
+//     half into the scores' and probabilities' threadgroup memory (Q x C x 6 bytes, free until
+//     the scores are stored: each sub-tile's scores wait in a cooperative tensor of their own
+//     until the step's last one has run); 16 rows where they fit there, else 8 (head dims 512
+//     and 576, whose threadgroup memory reaches past it: quant_threadgroup_memory_bytes). V as
+//     paged V, widened to half as it is gathered. A half tile holds the same values as the
+//     FP8 bytes, so the products are the 16-bit kernel's.
+template <int DV, int Q>
+struct gathered_v {
     // The widest of 64, 32, 16 columns that divides DV and whose C rows of 2-byte elements fit
     // in the scores' Q x C floats.
     static constexpr int width = DV % 64 == 0 && 64 <= 2 * Q ? 64 : (DV % 32 == 0 && 32 <= 2 * Q ? 32 : 16);
     static_assert(DV % width == 0 && C * width * 2 <= Q * C * 4, "V's slices fit the scores' memory");
+};
+template <int DK, int DV, int Q, typename KT, bool PAGED, bool QUANT>
+struct kv_walk {
+    static constexpr int k_rows = C;
+    static constexpr int width = DV;
+    using k_tensor = dev_kv_tensor<KT>;
+    using v_tensor = dev_kv_tensor<KT>;
+};
+template <int DK, int DV, int Q, typename KT>
+struct kv_walk<DK, DV, Q, KT, true, false> {
+    static constexpr int k_rows = PAGE_ROWS;
+    static constexpr int width = gathered_v<DV, Q>::width;
+    using k_tensor = dev_kv_tensor<KT>;
     using v_tensor = tg_kv_tensor<KT>;
+    using v_element = KT;
+};
+template <int DK, int DV, int Q, typename KT, bool PAGED>
+struct kv_walk<DK, DV, Q, KT, PAGED, true> {
+    static constexpr int k_rows = PAGE_ROWS * DK * 2 <= Q * C * 6 ? PAGE_ROWS : PAGE_ROWS / 2;
+    static constexpr int width = gathered_v<DV, Q>::width;
+    using k_tensor = tg_half_tensor;
+    using v_tensor = tg_half_tensor;
+    using v_element = half;
 };
 
 // Paged K/V: the first of rows j.. of a sequence whose block table row is `table` (row j %
@@ -193,6 +228,33 @@ inline device const KT * paged_row(device const KT * cache, device const int * t
                                    long block_stride, long row_stride, ulong head, int j)
 {
     return cache + ulong(table[j / block_size]) * ulong(block_stride) + ulong(j % block_size) * ulong(row_stride) + head;
+}
+
+// One FP8 byte as half, exactly (every E4M3 and E5M2 value is a half): E5M2 is a half's top
+// byte; E4M3's bits but the sign, shifted into a half's exponent and mantissa, are its value
+// times 2^-8 (subnormals too), so times 256 in half (exact); 0x7f and 0xff are E4M3's NaN.
+inline half fp8_to_half(uchar x, int fmt)
+{
+    if (fmt == KV_F8E5M2) {
+        return as_type<half>(ushort(ushort(x) << 8));
+    }
+    if ((x & 0x7f) == 0x7f) {
+        return as_type<half>(ushort(0x7e00));
+    }
+    const half m = as_type<half>(ushort(ushort(x & 0x7f) << 7)) * half(256.0f);
+    return (x & 0x80) != 0 ? -m : m;
+}
+
+// Value i of a quantised K/V row (`row`: its first byte; format `fmt`, the kv_dtype code) as
+// half: FP8 exactly; Q8_0's float(d) * q of its block (exact in float), rounded once.
+inline half kv_value(device const uchar * row, int i, int fmt)
+{
+    if (fmt == KV_Q8_0) {
+        device const uchar * blk = row + (i / 32) * 34;
+        const half d = as_type<half>(ushort(ushort(blk[0]) | ushort(ushort(blk[1]) << 8)));
+        return half(float(d) * float(as_type<char>(blk[2 + i % 32])));
+    }
+    return fp8_to_half(row[i], fmt);
 }
 
 // SPEC 10: the ALiBi slope of head h (1 without ALiBi): n2 = 2^floor(log2(n_heads)),
@@ -272,7 +334,7 @@ inline void store_o(device uchar * out, int dtype, ulong at, float x)
     }
 }
 
-template <int DK, int DV, int Q, typename KT, bool PAGED = false>
+template <int DK, int DV, int Q, typename KT, bool PAGED = false, bool QUANT = false>
 void flash_attn_prefill_tile(
     FlashAttnPrefillParams p,
     device const uchar * q,
@@ -289,6 +351,7 @@ void flash_attn_prefill_tile(
     PagedKvParams pg,
     device const int * block_table,
     device const int * seqused_k,
+    device const float * descale,
     threadgroup uchar * smem,
     uint3 tgpig,
     ushort lane,
@@ -370,7 +433,7 @@ void flash_attn_prefill_tile(
 
     // S[Q][C] = Q[Q][DK] . K[C][DK]^T, and O[Q][DV] += P[Q][C] . V[C][DV] (kv_walk: paged, S in
     // sub-tiles of K's rows and O in slices of V's columns; contiguous, one of each).
-    using walk = kv_walk<DV, Q, KT, PAGED>;
+    using walk = kv_walk<DK, DV, Q, KT, PAGED, QUANT>;
     constexpr int NS = DV / walk::width;  // O's slices
     constexpr auto qk_desc = matmul2d_descriptor(Q, walk::k_rows, DK, false, true, false,
                                                  matmul2d_descriptor::mode::multiply);
@@ -379,7 +442,8 @@ void flash_attn_prefill_tile(
     matmul2d<qk_desc, execution_simdgroups<SG>> qk;
     matmul2d<pv_desc, execution_simdgroups<SG>> pv;
 
-    auto cs = qk.template get_destination_cooperative_tensor<tg_half_tensor, dev_kv_tensor<KT>, float>();
+    auto cs = qk.template get_destination_cooperative_tensor<tg_half_tensor, typename walk::k_tensor, float>();
+    using k_scores = decltype(cs);
     using o_tensor = decltype(pv.template get_destination_cooperative_tensor<tg_half_tensor, typename walk::v_tensor, float>());
     o_tensor cos[NS];
     for (int w = 0; w < NS; ++w) {
@@ -408,6 +472,11 @@ void flash_attn_prefill_tile(
     device const half * mask_seq = mask + ulong(b) * ulong(p.mask_batch_stride);
     device const uchar * blk_row =
         blk + ulong(b) * ulong(p.blk_batch_stride) + ulong(r0 / p.blk_bq) * ulong(p.blk_steps);
+    // Quantised K/V: FP8's descale factors of this KV head (1 without them: a product by 1
+    // changes no bit).
+    const bool descaled = QUANT && (p.flags & PREFILL_DESCALE) != 0;
+    const float kd = descaled ? descale[g] : 1.0f;
+    const float vd = descaled ? descale[p.n_kv_heads + g] : 1.0f;
 
     for (int step = 0; step < n_steps; ++step) {
         // The step's class: the description's for the tile's rows and the table's byte (2
@@ -423,7 +492,36 @@ void flash_attn_prefill_tile(
 
         // 2. Scores of this step into ss. The K tensor holds the step's kn rows only; columns
         // past them are set to -inf below, whatever they hold.
-        if constexpr (PAGED) {
+        if constexpr (QUANT) {
+            // Each sub-tile's rows widened to half over the scores' memory, one product each
+            // into its own scores; stored once every sub-tile has run. A sub-tile past the
+            // step's rows is not run (its columns are past the cache: -inf below).
+            constexpr int KR = walk::k_rows;
+            threadgroup half * sk = (threadgroup half *) ss;
+            k_scores csub[C / KR];
+            int subs = 0;
+            for (; subs * KR < kn; ++subs) {
+                const int rows = min(KR, kn - subs * KR);
+                for (int e = tid; e < rows * DK; e += SG * NW) {
+                    const int j = c + subs * KR + e / DK;
+                    device const KT * row = PAGED ? paged_row(k, table, pg.block_size, pg.k_block_stride, pg.k_row_stride, k_head_at, j)
+                                                  : k_head + ulong(j) * ulong(p.k_row_stride);
+                    sk[e] = kv_value(row, e % DK, p.kv_dtype);
+                }
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                tg_half_tensor tk(sk, dextents<int32_t, 2>(DK, rows), array<int32_t, 2>({1, DK}));
+                qk.run(tq, tk, csub[subs]);
+                // Every thread is done with the sub-tile before the next one (or the scores)
+                // overwrites it: run() is not a barrier.
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+            }
+            for (int sub = 0; sub < subs; ++sub) {
+                csub[sub].store(tg_float_tensor(ss + sub * KR, dextents<int32_t, 2>(KR, Q), array<int32_t, 2>({1, C})));
+            }
+            if (tid == 0) {
+                *sflag = -1;  // at 512 and 576 the sub-tiles reach over the row scales and this flag
+            }
+        } else if constexpr (PAGED) {
             // Each sub-tile's rows in place in their block; a sub-tile past the step's rows is
             // not run (its columns are past the cache: -inf below).
             for (int sub = 0; sub * PAGE_ROWS < kn; ++sub) {
@@ -447,8 +545,8 @@ void flash_attn_prefill_tile(
         bool rescaled = false;
         for (int i = 0; i < R; ++i) {
             const int row = int(sg) * R + i;
-            float s0 = ss[row * C + lane];
-            float s1 = ss[row * C + lane + NW];
+            float s0 = ss[row * C + lane] * kd;  // K's descale factor (SPEC 11)
+            float s1 = ss[row * C + lane + NW] * kd;
             if (softcap > 0.0f) {
                 s0 = softcap * precise::tanh(s0 / softcap);
                 s1 = softcap * precise::tanh(s1 / softcap);
@@ -509,19 +607,25 @@ void flash_attn_prefill_tile(
             }
         }
         tg_half_tensor tp(sp, dextents<int32_t, 2>(kn, Q), array<int32_t, 2>({1, C}));
-        if constexpr (PAGED) {
-            // V a slice of VW columns at a time: the step's kn rows gathered, each through the
-            // block table, into ss (every thread has read its scores), then one product over
-            // all of them into the slice's O.
+        if constexpr (PAGED || QUANT) {
+            // V a slice of VW columns at a time: the step's kn rows gathered (paged: each
+            // through the block table; quantised: widened to half), into ss (every thread has
+            // read its scores), then one product over all of them into the slice's O.
             constexpr int VW = walk::width;
-            threadgroup KT * sv = (threadgroup KT *) ss;
+            threadgroup typename walk::v_element * sv = (threadgroup typename walk::v_element *) ss;
             for (int w = 0; w < NS; ++w) {
                 for (int e = tid; e < kn * VW; e += SG * NW) {
                     const int j = c + e / VW;
-                    sv[e] = paged_row(v, table, pg.block_size, pg.v_block_stride, pg.v_row_stride, v_head_at, j)[w * VW + e % VW];
+                    device const KT * row = PAGED ? paged_row(v, table, pg.block_size, pg.v_block_stride, pg.v_row_stride, v_head_at, j)
+                                                  : v_head + ulong(j) * ulong(p.v_row_stride);
+                    if constexpr (QUANT) {
+                        sv[e] = kv_value(row, w * VW + e % VW, p.kv_dtype);
+                    } else {
+                        sv[e] = row[w * VW + e % VW];
+                    }
                 }
                 threadgroup_barrier(mem_flags::mem_threadgroup);
-                tg_kv_tensor<KT> tv(sv, dextents<int32_t, 2>(VW, kn), array<int32_t, 2>({1, VW}));
+                typename walk::v_tensor tv(sv, dextents<int32_t, 2>(VW, kn), array<int32_t, 2>({1, VW}));
                 pv.run(tp, tv, cos[w]);
                 // Every thread is done with the slice before the next one (or the next step's
                 // scores) overwrites it: run() is not a barrier.
@@ -574,7 +678,7 @@ void flash_attn_prefill_tile(
             if (row < valid) {
                 const float s = srow[row];
                 const ulong at = o_at + ulong(r0 + row) * ulong(p.o_row_stride) + ulong(h) * ulong(p.o_head_stride);
-                store_o(out, p.o_dtype, at + ulong(col), s == 0.0f ? 0.0f : co[i] / s);
+                store_o(out, p.o_dtype, at + ulong(col), s == 0.0f ? 0.0f : co[i] / s * vd);  // V's descale factor
             }
         }
     }
@@ -604,8 +708,8 @@ void flash_attn_prefill_tile(
         ushort lane [[thread_index_in_simdgroup]],                                                               \
         ushort sg [[simdgroup_index_in_threadgroup]])                                                            \
     {                                                                                                            \
-        flash_attn_prefill_tile<DK, DV, BQ, KV>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi,          \
-                                                PagedKvParams{}, nullptr, nullptr, smem, tgpig, lane, sg);       \
+        flash_attn_prefill_tile<DK, DV, BQ, KV>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi,       \
+                                                PagedKvParams{}, nullptr, nullptr, nullptr, smem, tgpig, lane, sg); \
     }
 
 // The paged K/V entry points (SPEC 11), flash_attn_prefill_paged_<NAME>: the same body reading
@@ -636,7 +740,64 @@ void flash_attn_prefill_tile(
         ushort sg [[simdgroup_index_in_threadgroup]])                                                            \
     {                                                                                                            \
         flash_attn_prefill_tile<DK, DV, BQ, KV, true>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, alibi, \
-                                                      pg, block_table, seqused_k, smem, tgpig, lane, sg);        \
+                                                      pg, block_table, seqused_k, nullptr, smem, tgpig, lane, sg); \
+    }
+
+// The quantised K/V entry points (SPEC 11), flash_attn_prefill_<NAME> and
+// flash_attn_prefill_paged_<NAME> with NAME d<DK>[_<DV>]_kvq: the contiguous and the paged
+// bodies with K and V as bytes (the params block's kv_dtype says which format) widened to
+// half as they are read (kv_walk), each with its layout's bindings and FP8's descale factors
+// (F32 [2][n_kv_heads]; with PREFILL_DESCALE) at 16.
+#define INSTANTIATE_PREFILL_KVQ(NAME, DK, DV, BQ)                                                                \
+    kernel void flash_attn_prefill_##NAME(                                                                       \
+        constant FlashAttnPrefillParams & p [[buffer(0)]],                                                       \
+        device const uchar * q [[buffer(1)]],                                                                    \
+        device const uchar * k [[buffer(2)]],                                                                    \
+        device const uchar * v [[buffer(3)]],                                                                    \
+        device const half * mask [[buffer(4)]],                                                                  \
+        device const uchar * blk [[buffer(5)]],                                                                  \
+        device uchar * out [[buffer(6)]],                                                                        \
+        device float * lse [[buffer(7)]],                                                                        \
+        device const int * cu_q [[buffer(8)]],                                                                   \
+        device const int * cu_k [[buffer(9)]],                                                                   \
+        device const float * sinks [[buffer(10)]],                                                               \
+        device const float * alibi [[buffer(12)]],                                                               \
+        device const float * descale [[buffer(16)]],                                                             \
+        threadgroup uchar * smem [[threadgroup(0)]],                                                             \
+        uint3 tgpig [[threadgroup_position_in_grid]],                                                            \
+        ushort lane [[thread_index_in_simdgroup]],                                                               \
+        ushort sg [[simdgroup_index_in_threadgroup]])                                                            \
+    {                                                                                                            \
+        flash_attn_prefill_tile<DK, DV, BQ, uchar, false, true>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, \
+                                                                alibi, PagedKvParams{}, nullptr, nullptr, descale,  \
+                                                                smem, tgpig, lane, sg);                             \
+    }
+#define INSTANTIATE_PREFILL_PAGED_KVQ(NAME, DK, DV, BQ)                                                          \
+    kernel void flash_attn_prefill_paged_##NAME(                                                                 \
+        constant FlashAttnPrefillParams & p [[buffer(0)]],                                                       \
+        device const uchar * q [[buffer(1)]],                                                                    \
+        device const uchar * k [[buffer(2)]],                                                                    \
+        device const uchar * v [[buffer(3)]],                                                                    \
+        device const half * mask [[buffer(4)]],                                                                  \
+        device const uchar * blk [[buffer(5)]],                                                                  \
+        device uchar * out [[buffer(6)]],                                                                        \
+        device float * lse [[buffer(7)]],                                                                        \
+        device const int * cu_q [[buffer(8)]],                                                                   \
+        device const int * cu_k [[buffer(9)]],                                                                   \
+        device const float * sinks [[buffer(10)]],                                                               \
+        device const float * alibi [[buffer(12)]],                                                               \
+        constant PagedKvParams & pg [[buffer(13)]],                                                              \
+        device const int * block_table [[buffer(14)]],                                                           \
+        device const int * seqused_k [[buffer(15)]],                                                             \
+        device const float * descale [[buffer(16)]],                                                             \
+        threadgroup uchar * smem [[threadgroup(0)]],                                                             \
+        uint3 tgpig [[threadgroup_position_in_grid]],                                                            \
+        ushort lane [[thread_index_in_simdgroup]],                                                               \
+        ushort sg [[simdgroup_index_in_threadgroup]])                                                            \
+    {                                                                                                            \
+        flash_attn_prefill_tile<DK, DV, BQ, uchar, true, true>(p, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks,  \
+                                                               alibi, pg, block_table, seqused_k, descale, smem,    \
+                                                               tgpig, lane, sg);                                    \
     }
 
 INSTANTIATE_PREFILL(d16, 16, 16, 32, half)
@@ -696,6 +857,34 @@ INSTANTIATE_PREFILL_PAGED(d512, 512, 512, 16, half)
 INSTANTIATE_PREFILL_PAGED(d512_bf16, 512, 512, 16, bfloat)
 INSTANTIATE_PREFILL_PAGED(d576_512, 576, 512, 16, half)
 INSTANTIATE_PREFILL_PAGED(d576_512_bf16, 576, 512, 16, bfloat)
+INSTANTIATE_PREFILL_KVQ(d16_kvq, 16, 16, 32)
+INSTANTIATE_PREFILL_KVQ(d32_kvq, 32, 32, 32)
+INSTANTIATE_PREFILL_KVQ(d48_kvq, 48, 48, 32)
+INSTANTIATE_PREFILL_KVQ(d64_kvq, 64, 64, 32)
+INSTANTIATE_PREFILL_KVQ(d80_kvq, 80, 80, 32)
+INSTANTIATE_PREFILL_KVQ(d96_kvq, 96, 96, 32)
+INSTANTIATE_PREFILL_KVQ(d112_kvq, 112, 112, 32)
+INSTANTIATE_PREFILL_KVQ(d128_kvq, 128, 128, 32)
+INSTANTIATE_PREFILL_KVQ(d160_kvq, 160, 160, 32)
+INSTANTIATE_PREFILL_KVQ(d192_kvq, 192, 192, 32)
+INSTANTIATE_PREFILL_KVQ(d224_kvq, 224, 224, 32)
+INSTANTIATE_PREFILL_KVQ(d256_kvq, 256, 256, 32)
+INSTANTIATE_PREFILL_KVQ(d512_kvq, 512, 512, 16)
+INSTANTIATE_PREFILL_KVQ(d576_512_kvq, 576, 512, 16)
+INSTANTIATE_PREFILL_PAGED_KVQ(d16_kvq, 16, 16, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d32_kvq, 32, 32, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d48_kvq, 48, 48, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d64_kvq, 64, 64, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d80_kvq, 80, 80, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d96_kvq, 96, 96, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d112_kvq, 112, 112, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d128_kvq, 128, 128, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d160_kvq, 160, 160, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d192_kvq, 192, 192, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d224_kvq, 224, 224, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d256_kvq, 256, 256, 32)
+INSTANTIATE_PREFILL_PAGED_KVQ(d512_kvq, 512, 512, 16)
+INSTANTIATE_PREFILL_PAGED_KVQ(d576_512_kvq, 576, 512, 16)
 
 // The origin op as a prefill: one sequence of `rows` query rows over a cache of kv_pad rows,
 // the explicit mask [rows][mask_row_stride] with its table (tiles of Q x C), F32 Q, F32 O
@@ -747,7 +936,7 @@ kernel void flash_attn_prefill_tensor_f16_d256(
 {
     flash_attn_prefill_tile<256, 256, 32, half>(origin_params<256, 32>(p), (device const uchar *) q, k, v, mask, blk,
                                                 (device uchar *) out, nullptr, nullptr, nullptr, nullptr, nullptr, PagedKvParams{},
-                                                nullptr, nullptr, smem, tgpig, lane, sg);
+                                                nullptr, nullptr, nullptr, smem, tgpig, lane, sg);
 }
 
 kernel void flash_attn_prefill_tensor_f16_d512(
@@ -765,5 +954,5 @@ kernel void flash_attn_prefill_tensor_f16_d512(
 {
     flash_attn_prefill_tile<512, 512, 16, half>(origin_params<512, 16>(p), (device const uchar *) q, k, v, mask, blk,
                                                 (device uchar *) out, nullptr, nullptr, nullptr, nullptr, nullptr, PagedKvParams{},
-                                                nullptr, nullptr, smem, tgpig, lane, sg);
+                                                nullptr, nullptr, nullptr, smem, tgpig, lane, sg);
 }

@@ -37,6 +37,9 @@ DTYPE_CODE = {F32: 0, F16: 1, BF16: 2}
 
 # PREFILL_* (rust/src/params.rs)
 CAUSAL, MASK, VARLEN, LSE, OFFSET, SINKS, WINDOW_RIGHT, ALIBI_SLOPES, PAGED = 1, 2, 4, 8, 16, 32, 64, 128, 256
+DESCALE = 512
+# Quantised K/V's kv_dtype codes (rust/src/dtypes.rs), by format name (SPEC 11).
+KV_CODE = {"float8_e4m3fn": 7, "float8_e5m2": 8, "q8_0": 9}
 
 THREADS = (32, 8, 1)
 STEP = 64
@@ -54,10 +57,21 @@ def threadgroup_memory(hd: int) -> int:
     return cdiv(bq * hd * 2 + bq * STEP * (4 + 2) + bq * 4 + 4, 16) * 16
 
 
-def kernel_name(hd: int, hdv: int, kv_dtype, paged: bool = False) -> str:
+def quant_threadgroup_memory(hd: int) -> int:
+    """The op's quant_threadgroup_memory_bytes: a K sub-tile of 16 rows (8 where 16 do not fit
+    the scores' and probabilities' memory) widened to half, from the scores' offset on."""
+    bq = BQ[hd]
+    k_rows = 16 if 16 * hd * 2 <= bq * STEP * 6 else 8
+    return cdiv(bq * hd * 2 + max(bq * STEP * (4 + 2) + bq * 4 + 4, k_rows * hd * 2), 16) * 16
+
+
+def kernel_name(hd: int, hdv: int, kv_dtype, paged: bool = False, kv_format: Optional[str] = None) -> str:
     """The op's kernel of a (Q/K, V) head dim pair and K/V dtype (HEAD_DIMS); ``paged``: its
-    Metal entry point for paged K/V (PAGED_KERNELS)."""
+    Metal entry point for paged K/V (PAGED_KERNELS); ``kv_format``: quantised K/V's
+    (QUANT_KV_KERNELS, whatever the format)."""
     name = f"flash_attn_prefill_{'paged_' if paged else ''}d{hd}" + (f"_{hdv}" if hdv != hd else "")
+    if kv_format is not None:
+        return name + "_kvq"
     return name + ("_bf16" if np.dtype(kv_dtype) == BF16 else "")
 MASK_BLK_FORMAT = "<2q6i"  # FlashAttnPrefillMaskBlkParamsGpu
 
@@ -110,6 +124,10 @@ class Prefill:
     # data (float32 [H] or [B, H]).
     window_right: Optional[int] = None
     alibi: Optional[np.ndarray] = None
+    # SPEC 11: quantised K/V (k and v uint8 views of the bytes, strides in bytes): the format
+    # (KV_CODE's names), and FP8's descale factors float32 [2, Hkv] (K's, then V's).
+    kv_format: Optional[str] = None
+    descale: Optional[np.ndarray] = None
 
     @property
     def window_arg(self):
@@ -129,7 +147,7 @@ class Prefill:
 
     @property
     def head_dim_v(self) -> int:
-        return self.v.shape[-1]
+        return self.v.shape[-1] // 34 * 32 if self.kv_format == "q8_0" else self.v.shape[-1]
 
     @property
     def n_heads(self) -> int:
@@ -167,6 +185,10 @@ def _values(rng, shape, dtype) -> np.ndarray:
 
 
 def _nan_base(shape, dtype) -> np.ndarray:
+    """NaN of ``dtype``; bytes (quantised K/V) 0x7f, NaN in both FP8 formats (and 0x7f7f, a
+    Q8_0 block's scale, a NaN half)."""
+    if np.dtype(dtype) == np.uint8:
+        return np.full(shape, 0x7F, np.uint8)
     return np.full(shape, np.nan, np.float32).astype(dtype)
 
 
@@ -277,6 +299,7 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, pages=None, **kw):
     right = c.window_right is not None and not c.causal
     flags |= (WINDOW_RIGHT if right else 0) | (ALIBI_SLOPES if c.alibi is not None else 0)
     flags |= PAGED if pages is not None else 0
+    flags |= DESCALE if c.descale is not None else 0
     kv_strides = (lambda x: (0, 0, 0)) if pages is not None else strides3
     alibi_stride = nh if c.alibi is not None and np.asarray(c.alibi).ndim == 2 else 0
     blk_rows, blk_steps = cdiv(rows, bq), cdiv(kv, STEP)
@@ -293,7 +316,7 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, pages=None, **kw):
         blk_rows * blk_steps if c.mask is not None and mask_strides[0] != 0 else 0,
         batch, rows, kv, nh, nkv, hd, max_rows, c.window, flags,
         DTYPE_CODE[c.q.dtype], DTYPE_CODE[c.o_dtype], blk_rows, blk_steps, bq, c.scale, c.offset or 0,
-        hdv, DTYPE_CODE[c.k.dtype], c.softcap, c.max_bias, c.window_right if right else 0, alibi_stride,
+        hdv, KV_CODE[c.kv_format] if c.kv_format else DTYPE_CODE[c.k.dtype], c.softcap, c.max_bias, c.window_right if right else 0, alibi_stride,
     )  # fmt: skip
     assert len(params) == 224
     qbuf = _span(c.q)
@@ -311,13 +334,17 @@ def emu_prefill(emu, c: Prefill, *, blk=None, tg_memory=None, pages=None, **kw):
         12: np.ascontiguousarray(c.alibi, np.float32).reshape(-1) if c.alibi is not None else qbuf,
     }  # fmt: skip
     constants = {0: params}
+    if c.kv_format is not None:  # the descale factors, or Q bound unread (as the op binds them)
+        buffers[16] = np.ascontiguousarray(c.descale, np.float32).reshape(-1) if c.descale is not None else qbuf
     if pages is not None:
         buffers.update({2: pages.k_buf, 3: pages.v_buf, 14: pages.table, 15: pages.used})
         constants[13] = pages.block
     if batch > 0 and max_rows > 0:
         res = emu.dispatch(
-            kernel_name(hd, hdv, c.k.dtype, pages is not None), (cdiv(max_rows, bq), nh, batch), THREADS, buffers=buffers,
-            constants=constants, threadgroup_memory={0: tg_memory or threadgroup_memory(hd)}, **kw,
+            kernel_name(hd, hdv, c.k.dtype, pages is not None, c.kv_format), (cdiv(max_rows, bq), nh, batch), THREADS,
+            buffers=buffers, constants=constants,
+            threadgroup_memory={0: tg_memory or (quant_threadgroup_memory if c.kv_format else threadgroup_memory)(hd)},
+            **kw,
         )  # fmt: skip
         ob = _put_back(ob, o, res[6])
         lb = _put_back(lb, lse, res[7]) if c.lse else lb

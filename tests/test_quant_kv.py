@@ -12,8 +12,8 @@ per KV head or one for all) and ggml's Q8_0 blocks, contiguous and paged.
 - The same bytes as uint8 with ``kv_dtype=`` and as float8 arrays (numpy's ml_dtypes and
   torch's) give the same result, to the bit; torch tensors go through the operators
   (``torch.compile(fullgraph=True)`` traces them as one graph; the fake kernel shapes them).
-- Every mistake refused by name before anything runs; Metal refuses quantised K/V with
-  ``UnsupportedFeatureError`` naming ``kv_dtype`` (CUDA runs them: test_cuda_quant.py)."""
+- Every mistake refused by name before anything runs (CUDA runs them: test_cuda_quant.py;
+  Metal: test_metal_emulator_quant.py)."""
 
 from __future__ import annotations
 
@@ -374,7 +374,6 @@ def _call(rng, fmt="float8_e4m3fn", d=64, nkv=2, **kw):
         (dict(fmt="q8_0", kv_dtype="q8_0", k_descale=1.0), mn.InvalidArgumentError, ["Q8_0 blocks carry their own"]),
         (dict(kv_dtype="q4_0"), mn.UnsupportedDtypeError, ["kv_dtype 'q4_0'"]),
         (dict(kv_dtype="float8_e5m2"), mn.UnsupportedDtypeError, ["kv_dtype='float8_e5m2'", "float8_e4m3fn"]),
-        (dict(device="metal"), mn.UnsupportedFeatureError, ["kv_dtype float8_e4m3fn", "CPU and CUDA", "metal"]),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )

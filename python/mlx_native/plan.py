@@ -30,7 +30,7 @@ from .layouts import HND_HINT, ArraySpec, check_qkv, nhd_view, norm_strides, ope
 from .masks import described_pairs, masked_pairs, prepare_mask
 from .options import PrefillArgs, checked, from_keywords, run_options, signature
 from .paged import cache_views, check_paged, refuse_unpaged_arguments
-from .quant import KV_FORMATS, descale_values, kv_format, logical_views, refuse_on_metal
+from .quant import KV_FORMATS, descale_values, kv_format, logical_views
 
 __all__ = ["ArraySpec", "PrefillPlan"]
 
@@ -118,7 +118,6 @@ class PrefillPlan:
         self._kv_format = kv_format(args.kv_dtype, ko, vo)
         kc, vc = ko, vo
         if self._kv_format is not None:
-            refuse_on_metal(self._kv_format, dev_arg)
             kc, vc = logical_views(self._kv_format, ko, vo)
         elif args.k_descale is not None or args.v_descale is not None:
             descale_values(args.k_descale if args.k_descale is not None else args.v_descale,

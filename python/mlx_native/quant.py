@@ -1,5 +1,5 @@
-"""Quantised K/V (SPEC 11) for :class:`~mlx_native.PrefillPlan`, on the CPU and CUDA backends
-(Metal refuses them):
+"""Quantised K/V (SPEC 11) for :class:`~mlx_native.PrefillPlan`, on every backend (the CPU,
+CUDA and Metal):
 
 - FP8: ``k`` and ``v`` of dtype ``float8_e4m3fn`` or ``float8_e5m2`` (torch's, or numpy
   arrays of ml_dtypes' types), or raw ``uint8`` bytes with ``kv_dtype="float8_e4m3fn"`` /
@@ -10,8 +10,7 @@
   int8 ``q`` (the value ``float(d) * q``); head dims multiples of 32.
 
 Here: the format of a call (from ``kv_dtype`` and k's dtype), the views q/k/v are checked
-against each other with (the head dim a Q8_0 row holds), the refusal on Metal, and the
-descale factors as host values, which belong to the plan (as a block table's do). The op
+against each other with (the head dim a Q8_0 row holds), and the descale factors as host values, which belong to the plan (as a block table's do). The op
 checks them again (``rust/src/ops/flash_attn_prefill_plan.rs``)."""
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ import numpy as np
 
 from .arrays import Operand
 from .dtypes import dtype_name
-from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedDtypeError, UnsupportedFeatureError
+from .errors import ArgumentTypeError, InvalidArgumentError, UnsupportedDtypeError
 
-__all__ = ["KV_FORMATS", "kv_format", "logical_views", "refuse_on_metal", "descale_values", "descale_key", "kv_format_name"]
+__all__ = ["KV_FORMATS", "kv_format", "logical_views", "descale_values", "descale_key", "kv_format_name"]
 
 #: The quantised K/V formats, by name, and their C ABI dtype codes.
 KV_FORMATS = {"float8_e4m3fn": 7, "float8_e5m2": 8, "q8_0": 9}
@@ -89,18 +88,6 @@ def logical_views(fmt: str, ko: Operand, vo: Operand) -> tuple:
         return dataclasses.replace(op, shape=shape, dtype=np.dtype(np.float16))
 
     return view(ko, "k"), view(vo, "v")
-
-
-def refuse_on_metal(fmt: str, device: Any) -> None:
-    """Quantised K/V run on the CPU and CUDA backends (CUDA: each kernel's quant module,
-    docs/spec.md 11b); a Metal device is refused by name before anything is planned (the
-    library refuses it too, ``Backend::reads_quantised_kv``)."""
-    name = getattr(device, "backend", device)
-    if isinstance(name, str) and name.startswith("metal"):
-        raise UnsupportedFeatureError(
-            f"kv_dtype {fmt} (quantised K/V) runs on the CPU and CUDA backends so far, not on {name}: pass host "
-            f"arrays (device='cpu'), or float16 / bfloat16 k and v"
-        )
 
 
 def descale_values(x: Any, name: str, fmt: Optional[str], n_kv_heads: int) -> Optional[np.ndarray]:

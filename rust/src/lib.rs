@@ -58,7 +58,7 @@ mod tests {
         };
         let registry = super::default_registry();
         let names = registry.kernel_names();
-        assert_eq!(names.len(), 4 + 6 * HEAD_DIMS.len(), "{names:?}");
+        assert_eq!(names.len(), 4 + 7 * HEAD_DIMS.len(), "{names:?}");
         for name in names {
             // Paged K/V's entry points: Metal's alone (elsewhere the kernel itself reads them).
             if PAGED_KERNELS.iter().any(|(_, n)| *n == name) {
@@ -66,9 +66,15 @@ mod tests {
                 continue;
             }
             // F32 K/V: the CPU's alone (CUDA and Metal callers convert K/V to F16 first); so far
-            // quantised K/V too (SPEC 11: the plan refuses them by name elsewhere).
-            if F32_KV_KERNELS.iter().chain(QUANT_KV_KERNELS.iter()).any(|(_, n)| *n == name) {
+            if F32_KV_KERNELS.iter().any(|(_, n)| *n == name) {
                 assert!(crate::backend::cpu::kernel(name).is_some(), "{name}: no CPU form");
+                continue;
+            }
+            // Quantised K/V (SPEC 11): every backend's, CUDA's in its F16 kernel's quant module.
+            if QUANT_KV_KERNELS.iter().any(|(_, n)| *n == name) {
+                assert!(crate::backend::cpu::kernel(name).is_some(), "{name}: no CPU form");
+                assert!(crate::backend::cuda::kernel(name).is_some(), "{name}: no CUDA launcher");
+                assert_eq!(crate::backend::metal::function_of(name), name, "{name}: no Metal function");
                 continue;
             }
             let attention = HEAD_DIMS.iter().any(|(_, a, b)| *a == name || *b == name);

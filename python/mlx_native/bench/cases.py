@@ -9,8 +9,6 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import causal_mask
-from ..errors import UnsupportedFeatureError
-from ..quant import refuse_on_metal
 from ..reference import random_qkv
 
 
@@ -94,12 +92,6 @@ def select(kind: str, rows: Optional[Sequence[int]] = None, cases: Optional[Sequ
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise ValueError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
-    quant = [c for c in cases if CASES[c].kv_quant]
-    if quant:
-        try:
-            refuse_on_metal(CASES[quant[0]].kv_quant, kind)
-        except UnsupportedFeatureError as e:
-            raise ValueError(f"case(s) {', '.join(quant)} read quantised K/V: {e}") from None
     rows = sorted({int(r) for r in rows})
     if not rows or rows[0] < 1:
         raise ValueError(f"rows must be positive integers, got {rows}")

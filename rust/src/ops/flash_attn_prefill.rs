@@ -123,7 +123,7 @@ pub const F32_KV_KERNELS: [((u32, u32), &str); 14] = [
 /// The entry points that read paged K/V (SPEC 11) on a backend whose paged walk is a kernel of
 /// its own (`Backend::paged_kv_entry_points`: Metal), by the kernel of [`REGISTERED_KERNELS`]
 /// they stand for. Elsewhere a paged prefill runs that kernel itself, with `PREFILL_PAGED`.
-pub const PAGED_KERNELS: [(&str, &str); 28] = [
+pub const PAGED_KERNELS: [(&str, &str); 42] = [
     ("flash_attn_prefill_d16", "flash_attn_prefill_paged_d16"),
     ("flash_attn_prefill_d16_bf16", "flash_attn_prefill_paged_d16_bf16"),
     ("flash_attn_prefill_d32", "flash_attn_prefill_paged_d32"),
@@ -152,6 +152,21 @@ pub const PAGED_KERNELS: [(&str, &str); 28] = [
     ("flash_attn_prefill_d512_bf16", "flash_attn_prefill_paged_d512_bf16"),
     ("flash_attn_prefill_d576_512", "flash_attn_prefill_paged_d576_512"),
     ("flash_attn_prefill_d576_512_bf16", "flash_attn_prefill_paged_d576_512_bf16"),
+    // Quantised K/V (SPEC 11): their paged walk.
+    ("flash_attn_prefill_d16_kvq", "flash_attn_prefill_paged_d16_kvq"),
+    ("flash_attn_prefill_d32_kvq", "flash_attn_prefill_paged_d32_kvq"),
+    ("flash_attn_prefill_d48_kvq", "flash_attn_prefill_paged_d48_kvq"),
+    ("flash_attn_prefill_d64_kvq", "flash_attn_prefill_paged_d64_kvq"),
+    ("flash_attn_prefill_d80_kvq", "flash_attn_prefill_paged_d80_kvq"),
+    ("flash_attn_prefill_d96_kvq", "flash_attn_prefill_paged_d96_kvq"),
+    ("flash_attn_prefill_d112_kvq", "flash_attn_prefill_paged_d112_kvq"),
+    ("flash_attn_prefill_d128_kvq", "flash_attn_prefill_paged_d128_kvq"),
+    ("flash_attn_prefill_d160_kvq", "flash_attn_prefill_paged_d160_kvq"),
+    ("flash_attn_prefill_d192_kvq", "flash_attn_prefill_paged_d192_kvq"),
+    ("flash_attn_prefill_d224_kvq", "flash_attn_prefill_paged_d224_kvq"),
+    ("flash_attn_prefill_d256_kvq", "flash_attn_prefill_paged_d256_kvq"),
+    ("flash_attn_prefill_d512_kvq", "flash_attn_prefill_paged_d512_kvq"),
+    ("flash_attn_prefill_d576_512_kvq", "flash_attn_prefill_paged_d576_512_kvq"),
 ];
 
 /// The paged entry points are Metal's only.
@@ -171,7 +186,9 @@ fn kernel_on(device: &MlxDevice, kernel: &'static str, paged: bool) -> &'static 
 /// by head dim pair: one per pair for the three formats (the block's K/V code says which);
 /// the CPU dequantises each K/V step as it loads it, CUDA runs its F16 kernel's source in
 /// that source's quant module (its loaders widen the bytes to F16 in shared memory:
-/// `backend/cuda/flash_attn_prefill.rs` `quant_kernel!`). Metal has none yet.
+/// `backend/cuda/flash_attn_prefill.rs` `quant_kernel!`), Metal entry points of their own
+/// (`shaders/flash_attn_prefill_tensor.metal`: K sub-tiles and V slices widened to half in
+/// threadgroup memory; paged, [`PAGED_KERNELS`]).
 pub const QUANT_KV_KERNELS: [((u32, u32), &str); 14] = [
     ((16, 16), "flash_attn_prefill_d16_kvq"),
     ((32, 32), "flash_attn_prefill_d32_kvq"),
@@ -192,11 +209,11 @@ pub const QUANT_KV_KERNELS: [((u32, u32), &str); 14] = [
 /// The F32 K/V kernels have no device source: only the CPU runs them.
 static F32_KV_SOURCE: KernelSource = KernelSource { metal: None, cuda: None };
 
-/// The device source of a quantised K/V kernel at head dims `dims`: the CUDA file of the F16
-/// kernel of those dims (whose quant module holds its entry points); no Metal one.
+/// The device sources of a quantised K/V kernel at head dims `dims`: the CUDA file of the F16
+/// kernel of those dims (whose quant module holds its entry points) and the Metal file.
 fn quant_kv_source(dims: (u32, u32)) -> KernelSource {
     let f16 = HEAD_DIMS.iter().find(|(d, _, _)| *d == dims).map_or("", |(_, f16, _)| *f16);
-    KernelSource { metal: None, cuda: prefill_kernel_source(f16).cuda }
+    *prefill_kernel_source(f16)
 }
 
 /// The explicit mask's classifier.
@@ -471,6 +488,18 @@ pub fn threadgroup_memory_bytes(head_dim: u32) -> Result<u64> {
     let c = CACHE_ROWS_PER_STEP as u64;
     let raw = q * head_dim as u64 * 2 + q * c * (4 + 2) + q * 4 + 4;
     Ok(raw.div_ceil(16) * 16)
+}
+
+/// Threadgroup memory of one dispatch of a quantised K/V Metal kernel (`_kvq`): the queries,
+/// then from the scores' offset on the larger of the 16-bit kernel's rest and one K sub-tile
+/// widened to half (16 rows where they fit the scores' and probabilities' memory, else 8:
+/// head dims 512 and 576, whose sub-tile reaches past it), padded to 16.
+pub fn quant_threadgroup_memory_bytes(head_dim: u32) -> Result<u64> {
+    let q = mask_tile_rows(head_dim)? as u64;
+    let (c, d) = (CACHE_ROWS_PER_STEP as u64, head_dim as u64);
+    let rest = q * c * (4 + 2) + q * 4 + 4;
+    let k_rows = if 16 * d * 2 <= q * c * 6 { 16 } else { 8 };
+    Ok((q * d * 2 + rest.max(k_rows * d * 2)).div_ceil(16) * 16)
 }
 
 /// Bytes of the explicit mask's tile table for `p`: `[batch or 1][ceil(rows / bq)][ceil(kv_len / 64)]`
@@ -999,7 +1028,7 @@ pub fn encode_validated_paged<'a>(
     let pipeline = match registry.get_pipeline(kernel, device) {
         Err(MlxError::KernelNotFound(_)) if v.operands.kv_dtype.is_quantised_kv() => {
             return Err(MlxError::UnsupportedDtype(format!(
-                "flash_attn_prefill: quantised k and v ({}) run on the CPU and CUDA backends so far; on Metal pass \
+                "flash_attn_prefill: quantised k and v ({}) have no kernel at these head dims in this build; pass \
                  F16 or BF16 k and v",
                 v.operands.kv_dtype
             )))
@@ -1021,7 +1050,9 @@ pub fn encode_validated_paged<'a>(
             32 * SIMDGROUPS
         )));
     }
-    let smem = threadgroup_memory_bytes(v.gpu.head_dim as u32)?;
+    let quantised = v.operands.kv_dtype.is_quantised_kv();
+    let smem =
+        if quantised { quant_threadgroup_memory_bytes } else { threadgroup_memory_bytes }(v.gpu.head_dim as u32)?;
     let q = b.q;
     let or_q = |x: Option<&'a MlxBuffer>| KernelArg::Buffer(x.unwrap_or(q));
     let workspace = b.workspace.map(|w| (slot::WORKSPACE, KernelArg::Buffer(w)));
@@ -1051,7 +1082,9 @@ pub fn encode_validated_paged<'a>(
         .into_iter()
         .chain(workspace)
         .chain(paged)
-        .chain(descale.map(|d| (slot::DESCALE, KernelArg::Buffer(d))))
+        // A quantised kernel's descale factors, or Q bound unread (Metal binds every argument
+        // an entry point declares).
+        .chain(quantised.then(|| (slot::DESCALE, or_q(descale))))
         .collect::<Vec<_>>(),
         &[(0, smem)],
         v.grid,

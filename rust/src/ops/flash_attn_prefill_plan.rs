@@ -86,8 +86,8 @@ impl FlashAttnPrefillPlan {
     ) -> Result<Self> {
         if operands.kv_dtype.is_quantised_kv() && !device.backend().reads_quantised_kv() {
             return Err(MlxError::InvalidArgument(format!(
-                "flash_attn_prefill: quantised k and v ({}, kv_dtype) run on the CPU and CUDA backends so far, not \
-                 on {:?}: pass F16 or BF16 k and v, or run on the CPU or CUDA",
+                "flash_attn_prefill: quantised k and v ({}, kv_dtype) are not read by the {:?} backend: pass F16 \
+                 or BF16 k and v, or run on the CPU, CUDA or Metal",
                 operands.kv_dtype,
                 device.backend_kind()
             )));

@@ -163,6 +163,12 @@ impl<A: MetalApi> Backend for MetalBackend<A> {
         true
     }
 
+    /// Quantised K/V (SPEC 11) through the `_kvq` entry points (K and V widened to half in
+    /// threadgroup memory as they are read).
+    fn reads_quantised_kv(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn Memory>> {
         Ok(Arc::new(self.owned(bytes)?))
     }

@@ -4,7 +4,8 @@
 //! launched as the op encodes them (`ceil(max_rows / bq) x n_heads x batch` threadgroups of
 //! 32 x 8 threads with `threadgroup_memory_bytes(head_dim)` of threadgroup memory at index 0;
 //! the classifier `steps x table_rows x batch` threadgroups of 32 threads). A paged prefill
-//! (SPEC 11) runs `flash_attn_prefill_paged_*`, the op's `PAGED_KERNELS`.
+//! (SPEC 11) runs `flash_attn_prefill_paged_*`, the op's `PAGED_KERNELS`; quantised K/V the
+//! `_kvq` ones (`QUANT_KV_KERNELS`).
 
 use super::MetalKernel;
 
@@ -69,4 +70,35 @@ pub const KERNELS: &[MetalKernel] = &[
     MetalKernel { name: "flash_attn_prefill_paged_d512_bf16", function: "flash_attn_prefill_paged_d512_bf16" },
     MetalKernel { name: "flash_attn_prefill_paged_d576_512", function: "flash_attn_prefill_paged_d576_512" },
     MetalKernel { name: "flash_attn_prefill_paged_d576_512_bf16", function: "flash_attn_prefill_paged_d576_512_bf16" },
+    // Quantised K/V (SPEC 11: FP8 E4M3 / E5M2 with descale factors at 16, Q8_0; the params
+    // block's kv_dtype says which), contiguous and paged (the op's QUANT_KV_KERNELS and
+    // their PAGED_KERNELS), with quant_threadgroup_memory_bytes of threadgroup memory.
+    MetalKernel { name: "flash_attn_prefill_d16_kvq", function: "flash_attn_prefill_d16_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d32_kvq", function: "flash_attn_prefill_d32_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d48_kvq", function: "flash_attn_prefill_d48_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d64_kvq", function: "flash_attn_prefill_d64_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d80_kvq", function: "flash_attn_prefill_d80_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d96_kvq", function: "flash_attn_prefill_d96_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d112_kvq", function: "flash_attn_prefill_d112_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d128_kvq", function: "flash_attn_prefill_d128_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d160_kvq", function: "flash_attn_prefill_d160_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d192_kvq", function: "flash_attn_prefill_d192_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d224_kvq", function: "flash_attn_prefill_d224_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d256_kvq", function: "flash_attn_prefill_d256_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d512_kvq", function: "flash_attn_prefill_d512_kvq" },
+    MetalKernel { name: "flash_attn_prefill_d576_512_kvq", function: "flash_attn_prefill_d576_512_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d16_kvq", function: "flash_attn_prefill_paged_d16_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d32_kvq", function: "flash_attn_prefill_paged_d32_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d48_kvq", function: "flash_attn_prefill_paged_d48_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d64_kvq", function: "flash_attn_prefill_paged_d64_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d80_kvq", function: "flash_attn_prefill_paged_d80_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d96_kvq", function: "flash_attn_prefill_paged_d96_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d112_kvq", function: "flash_attn_prefill_paged_d112_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d128_kvq", function: "flash_attn_prefill_paged_d128_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d160_kvq", function: "flash_attn_prefill_paged_d160_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d192_kvq", function: "flash_attn_prefill_paged_d192_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d224_kvq", function: "flash_attn_prefill_paged_d224_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d256_kvq", function: "flash_attn_prefill_paged_d256_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d512_kvq", function: "flash_attn_prefill_paged_d512_kvq" },
+    MetalKernel { name: "flash_attn_prefill_paged_d576_512_kvq", function: "flash_attn_prefill_paged_d576_512_kvq" },
 ];

@@ -431,7 +431,7 @@ fn off_macos_metal_is_unavailable_and_auto_is_the_cpu() {
 use crate::ops::flash_attn_prefill::{
     dispatch_flash_attn_prefill, dispatch_flash_attn_prefill_mask_blk, mask_blk_params, validate,
     FlashAttnPrefillBuffers, FlashAttnPrefillParams, PrefillOperands, HEAD_DIMS, K_PREFILL_D256, K_PREFILL_D512,
-    K_PREFILL_MASK_BLK, PAGED_KERNELS,
+    K_PREFILL_MASK_BLK, PAGED_KERNELS, QUANT_KV_KERNELS,
 };
 use crate::ops::flash_attn_prefill_paged::PagedKv;
 use crate::ops::flash_attn_prefill_plan::{FlashAttnPrefillPlan, PrefillRunBuffers};
@@ -685,14 +685,26 @@ fn the_prefill_op_names_metal_entry_points_of_its_sources() {
     for name in [K_TENSOR_F16_D256, K_TENSOR_F16_D512, K_BLK_F16] {
         reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
-    // The paged entry points, one for each kernel of both dtypes.
-    let plain: Vec<&str> = HEAD_DIMS.iter().flat_map(|(_, f16, bf16)| [*f16, *bf16]).collect();
+    // The quantised K/V entry points, one per head dim pair.
+    for (_, name) in QUANT_KV_KERNELS {
+        assert_eq!(super::function_of(name), name);
+        reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    // The paged entry points, one for each kernel of both dtypes and each quantised one.
+    let plain: Vec<&str> = HEAD_DIMS
+        .iter()
+        .flat_map(|(_, f16, bf16)| [*f16, *bf16])
+        .chain(QUANT_KV_KERNELS.iter().map(|(_, n)| *n))
+        .collect();
     assert_eq!(PAGED_KERNELS.iter().map(|(k, _)| *k).collect::<Vec<_>>(), plain);
     for (_, name) in PAGED_KERNELS {
         assert_eq!(super::function_of(name), name);
         reg.get_pipeline(name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
     }
-    assert_eq!(be.api().pipelines.load(Ordering::Relaxed), prefill.len() + 3 + PAGED_KERNELS.len());
+    assert_eq!(
+        be.api().pipelines.load(Ordering::Relaxed),
+        prefill.len() + 3 + QUANT_KV_KERNELS.len() + PAGED_KERNELS.len()
+    );
 }
 
 #[test]
@@ -794,4 +806,106 @@ fn the_fake_library_lists_declared_and_macro_instantiated_entry_points() {
                   MAKE(a, half)\n\
                   MAKE(b_bf16, bfloat)\n";
     assert_eq!(super::fake::entry_points(source), ["plain", "pre_a", "pre_b_bf16"]);
+}
+
+#[test]
+fn a_quantised_plan_runs_the_kvq_entry_points_with_its_descale_factors() {
+    // FP8 E5M2 K/V at (576, 512) with factors per KV head, contiguous then paged (SPEC 11): the
+    // plan's run names the `_kvq` entry point (paged: its `_paged_` one), binds the factors
+    // (K's, then V's) at 16, gives the kernel the quantised walk's threadgroup memory (longer
+    // than the 16-bit kernel's at 576) and its format in the block's kv_dtype; without factors
+    // Q is bound at 16, unread.
+    use crate::ops::flash_attn_prefill::{quant_threadgroup_memory_bytes, threadgroup_memory_bytes};
+    use crate::params::PREFILL_DESCALE;
+    let (dev, be) = fake_device(FakeMetal::new());
+    let mut reg = prefill_registry();
+    let (rows, kv, nh, nkv, hd, hdv) = (20u64, 48u64, 4u64, 2u64, 576u64, 512u64);
+    let p = FlashAttnPrefillParams {
+        q_strides: [rows * nh * hd, nh * hd, hd],
+        k_strides: [kv * nkv * hd, nkv * hd, hd],
+        v_strides: [kv * nkv * hd, nkv * hd, hd],
+        out_strides: [rows * nh * hdv, nh * hdv, hdv],
+        batch: 1,
+        rows: rows as u32,
+        kv_len: kv as u32,
+        n_heads: nh as u32,
+        n_kv_heads: nkv as u32,
+        head_dim: hd as u32,
+        head_dim_v: hdv as u32,
+        causal: 1,
+        scale: 0.5,
+        ..Default::default()
+    };
+    let operands = PrefillOperands {
+        q_dtype: DType::F32,
+        kv_dtype: DType::F8E5M2,
+        out_dtype: DType::F32,
+        mask: false,
+        lse: false,
+        sinks: false,
+        alibi_slopes: false,
+    };
+    let q = dev.alloc_buffer(DType::F32, &[(rows * nh * hd) as usize]).unwrap();
+    let k = dev.alloc_buffer(DType::F8E5M2, &[(kv * nkv * hd) as usize]).unwrap();
+    let v = dev.alloc_buffer(DType::F8E5M2, &[(kv * nkv * hd) as usize]).unwrap();
+    let out = dev.alloc_buffer(DType::F32, &[(rows * nh * hdv) as usize]).unwrap();
+    let run = PrefillRunBuffers {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        mask: None,
+        lse: None,
+        sinks: None,
+        alibi_slopes: None,
+        workspace: None,
+    };
+    let recorded = |be: &MetalBackend<FakeMetal>| be.api().last_run();
+    let buffer_at = |rec: &[Recorded], index| {
+        rec.iter().find_map(|r| match r {
+            Recorded::SetBuffer { index: i, buffer, .. } if *i == index => Some(*buffer),
+            _ => None,
+        })
+    };
+    let block_of = |rec: &[Recorded]| -> FlashAttnPrefillParamsGpu {
+        let bytes = rec.iter().find_map(|r| match r {
+            Recorded::SetBytes { index: 0, bytes } => Some(bytes.clone()),
+            _ => None,
+        });
+        bytemuck::pod_read_unaligned(&bytes.unwrap())
+    };
+    let smem = quant_threadgroup_memory_bytes(hd as u32).unwrap();
+    assert!(smem > threadgroup_memory_bytes(hd as u32).unwrap() && smem <= 32 * 1024);
+
+    let plan = FlashAttnPrefillPlan::new(&dev, &p, &operands, None)
+        .unwrap()
+        .with_descale(Some(&[0.5, 2.0]), Some(&[3.0]))
+        .unwrap();
+    plan.run(&mut reg, &run, None).unwrap();
+    let rec = recorded(&be);
+    assert_eq!(rec[0], Recorded::SetPipeline("flash_attn_prefill_d576_512_kvq".into()));
+    let block = block_of(&rec);
+    assert_eq!((block.kv_dtype, block.flags & PREFILL_DESCALE), (DType::F8E5M2 as i32, PREFILL_DESCALE));
+    let factors = buffer_at(&rec, 16).expect("descale factors at 16");
+    let contents = {
+        let (ptr, len) = be.api().buffers.lock().unwrap()[&factors];
+        // SAFETY: the fake's buffer of `len` bytes at `ptr`, alive with the plan.
+        unsafe { std::slice::from_raw_parts(ptr as *const f32, len / 4) }.to_vec()
+    };
+    assert_eq!(contents[..4], [0.5, 2.0, 3.0, 3.0]);
+    assert!(rec.contains(&Recorded::SetThreadgroupMemoryLength { index: 0, bytes: smem }));
+
+    // Paged, without factors: the paged quantised entry point, Q at 16.
+    let (table, used) = ([2, 0, 1], [kv as i32]);
+    let paged = PagedKv { block_table: &table, max_blocks: 3, seqused_k: &used, num_blocks: 3, block_size: 16 };
+    let mut pp = p;
+    pp.k_strides = [16 * nkv * hd, nkv * hd, hd];
+    pp.v_strides = pp.k_strides;
+    let plan = FlashAttnPrefillPlan::new_paged(&dev, &pp, &operands, None, &paged, RunOptions::default()).unwrap();
+    plan.run(&mut reg, &run, None).unwrap();
+    let rec = recorded(&be);
+    assert_eq!(rec[0], Recorded::SetPipeline("flash_attn_prefill_paged_d576_512_kvq".into()));
+    assert_eq!(block_of(&rec).flags & (PREFILL_DESCALE | PREFILL_PAGED), PREFILL_PAGED);
+    assert_eq!(buffer_at(&rec, 16), Some(buffer_id(&q)));
+    assert!(rec.contains(&Recorded::SetThreadgroupMemoryLength { index: 0, bytes: smem }));
 }
