@@ -661,12 +661,13 @@ class PrefillPlan:
         return self._tagged(b)
 
     def _tagged(self, b: dict) -> dict:
-        """``b`` with Q8_0 K/V's buffers (uint8 bytes as bound or uploaded) as views of
-        dtype Q8_0, the dtype the op checks quantised K/V's buffers against (float8 arrays
-        carry theirs)."""
-        if self._kv_format == "q8_0":
+        """``b`` with quantised K/V's buffers of raw bytes (uint8, as bound or uploaded: Q8_0's
+        always, FP8's given with ``kv_dtype``) as views of the format's dtype, the dtype the op
+        checks quantised K/V's buffers against (float8 arrays carry theirs)."""
+        if self._kv_format is not None:
             for name in ("k", "v"):
-                b[name] = b[name].view(0, b[name].nbytes, "q8_0")
+                if b[name].dtype == np.uint8:
+                    b[name] = b[name].view(0, b[name].nbytes, self._kv_format)
         return b
 
     def _output_buffers(self, out: Any = None, lse: Any = None) -> dict:

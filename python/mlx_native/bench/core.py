@@ -257,10 +257,10 @@ def _one_size(case: Case, r, smallest, dev, available, repeats, sample_heads, bu
     runners: List[Variant] = ours_variants(plan, dev)
     if pc is not None:
         contiguous = ours.plan(case, q, k, v, mask, dev)
-        runners.append(contiguous_variant(contiguous))
+        runners.append(contiguous_variant(contiguous, dev, runners[0].calls))
     if k8 is not None:
         contiguous = ours.plan(case, q, k, v, mask, dev)
-        runners.append(sixteen_bit_variant(contiguous))
+        runners.append(sixteen_bit_variant(contiguous, dev, runners[0].calls))
     described = None
     if dev.backend == "cpu" and case.mask in ("causal", "window") and not ours.described and pc is None and k8 is None:
         # The same mask as a description (the prompt at the end of its cache, as case_mask).
