@@ -649,17 +649,73 @@ MUTATIONS += [
       "paged K/V: every sub-tile of a step's K reads the step's first rows"),
     M("metal-paged-k-row-stride", "metal", T_METAL, "array<int32_t, 2>({1, int32_t(pg.k_row_stride)}));",
       "array<int32_t, 2>({1, int32_t(pg.v_row_stride)}));", "paged K/V: K rows at V's row stride"),
-    M("metal-paged-v-slice", "metal", T_METAL, "v_head_at, j)[w * VW + e % VW];", "v_head_at, j)[e % VW];",
+    M("metal-paged-v-slice", "metal", T_METAL, "sv[e] = row[w * VW + e % VW];", "sv[e] = row[e % VW];",
       "paged K/V: every slice of O gathers V's first columns"),
     M("metal-paged-v-barrier", "metal", T_METAL,
-      "                threadgroup_barrier(mem_flags::mem_threadgroup);\n                tg_kv_tensor<KT> tv(",
-      "                tg_kv_tensor<KT> tv(", "paged K/V: the product reads V's slice before every thread has gathered it"),
+      "                threadgroup_barrier(mem_flags::mem_threadgroup);\n                typename walk::v_tensor tv(",
+      "                typename walk::v_tensor tv(",
+      "paged and quantised K/V: the product reads V's slice before every thread has gathered it"),
     M("metal-paged-length", "metal", T_METAL, "        lk = seqused_k[b];", "        lk = p.kv_len;",
       "paged K/V: every sequence's cache taken as the longest's (fixed-length queries)"),
     M("metal-paged-o-slice-col", "metal", T_METAL, "const int col = w * walk::width + idx[0];", "const int col = idx[0];",
       "paged K/V: every slice of O written over the first"),
 ]
 
+
+# ---------------------------------------------------------------- Metal: quantised K/V (SPEC 11)
+# The _kvq entry points' widening (fp8_to_half, kv_value) and walk (K sub-tiles over the
+# scores' memory, V slices, the descale factors). Killed by tests/test_metal_emulator_quant.py
+# (bit-identity with the F16 kernel on the same values, every finite FP8 byte, descale per KV
+# head against the reference) and the _kvq cases of tests/test_metal_emulator_coverage.py.
+MUTATIONS += [
+    M("metal-kvq-e4m3-scale", "metal", T_METAL, "(ushort(x & 0x7f) << 7)) * half(256.0f);",
+      "(ushort(x & 0x7f) << 7)) * half(128.0f);", "E4M3 widened to half its value"),
+    M("metal-kvq-e4m3-sign", "metal", T_METAL, "return (x & 0x80) != 0 ? -m : m;", "return m;",
+      "E4M3: negative values widened as positive"),
+    M("metal-kvq-e5m2-shift", "metal", T_METAL, "return as_type<half>(ushort(ushort(x) << 8));",
+      "return as_type<half>(ushort(ushort(x) << 7));", "E5M2 read as a half's bits one place too low"),
+    M("metal-kvq-q8-scale-bytes", "metal", T_METAL, "ushort(ushort(blk[0]) | ushort(ushort(blk[1]) << 8))",
+      "ushort(ushort(blk[1]) | ushort(ushort(blk[0]) << 8))", "Q8_0: the block's F16 scale read big-endian"),
+    M("metal-kvq-q8-block-bytes", "metal", T_METAL, "device const uchar * blk = row + (i / 32) * 34;",
+      "device const uchar * blk = row + (i / 32) * 32;", "Q8_0: blocks taken as 32 bytes, not 34"),
+    M("metal-kvq-q8-unsigned", "metal", T_METAL, "float(as_type<char>(blk[2 + i % 32]))", "float(blk[2 + i % 32])",
+      "Q8_0: the int8 values read as unsigned"),
+    M("metal-kvq-k-subtile-rows", "metal", T_METAL, "const int j = c + subs * KR + e / DK;", "const int j = c + e / DK;",
+      "quantised K/V: every sub-tile of a step's K widened from the step's first rows"),
+    M("metal-kvq-k-subtile-store", "metal", T_METAL, "csub[sub].store(tg_float_tensor(ss + sub * KR,",
+      "csub[sub].store(tg_float_tensor(ss,", "quantised K/V: every sub-tile's scores stored over the first's"),
+    M("metal-kvq-k-descale", "metal", T_METAL, "float s0 = ss[row * C + lane] * kd;", "float s0 = ss[row * C + lane];",
+      "FP8: K's descale factor left off the even columns' scores"),
+    M("metal-kvq-v-descale", "metal", T_METAL, "0.0f : co[i] / s * vd);", "0.0f : co[i] / s);",
+      "FP8: V's descale factor left off the output"),
+    M("metal-kvq-v-descale-index", "metal", T_METAL, "descale[p.n_kv_heads + g]", "descale[g]",
+      "FP8: V's factors read from K's"),
+    M("metal-kvq-entry-d128", "metal", T_METAL, "INSTANTIATE_PREFILL_KVQ(d128_kvq, 128, 128, 32)",
+      "INSTANTIATE_PREFILL_KVQ(d128_kvq, 128, 128, 16)",
+      "flash_attn_prefill_d128_kvq: 16 query rows per threadgroup where the op's tiles have 32"),
+]
+
+# ---------------------------------------------------------------- CUDA: quantised K/V (SPEC 11)
+# The quant modules' loaders (loaders.cuh: fp8x4_to_f16, quant16_to_f16) and the descale
+# factors folded into the mainloops. Killed on a GPU by tests/test_cuda_quant.py (FP8 to the
+# bit against F16 on every finite byte, descale one to the bit, against the reference with
+# factors and Q8_0; the whole file is slow: `--select` narrows it, docs/reliability.md).
+FP8_INT = {"MLX_NATIVE_CUDA_DEFINES": "-DMLXN_FP8_CVT_INT=1"}  # the widening sm_80 runs
+MUTATIONS += [
+    M("cuda-kvq-e4m3-cvt-halves", "cuda", CU_LOADERS, "mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l;",
+      "mov.b32 {h, l}, %2; cvt.rn.f16x2.e4m3x2 %0, l;", "E4M3 (sm_89+): a word's two byte pairs widened in swapped places"),
+    M("cuda-kvq-e4m3-int-scale", "cuda", CU_LOADERS, "u32 h = hmul2(mag, 0x5c005c00u) | sign;",
+      "u32 h = hmul2(mag, 0x58005800u) | sign;", "E4M3 (the integer widening): values times 128, not 256",
+      env=FP8_INT),
+    M("cuda-kvq-q8-block-bytes", "cuda", CU_LOADERS, "const u8* blk = row + (c2 >> 1) * 34;",
+      "const u8* blk = row + (c2 >> 1) * 32;", "Q8_0: blocks taken as 32 bytes, not 34"),
+    M("cuda-kvq-q8-half-block", "cuda", CU_LOADERS, "const u8* qs = blk + 2 + (c2 & 1) * 16;",
+      "const u8* qs = blk + 2;", "Q8_0: a block's second 16 values read from its first"),
+    M("cuda-kvq-k-descale-hopper", "cuda", CU_SM90, "for (int i = 0; i < C::NS; ++i) s[i] *= kd;",
+      "for (int i = 1; i < C::NS; ++i) s[i] *= kd;", "Hopper form: K's descale factor left off a score register"),
+    M("cuda-kvq-v-descale-portable", "cuda", CU_SM80, "o_scale / lt[mt][hh] * vdescale(p, L, kvh) : 0.f;",
+      "o_scale / lt[mt][hh] : 0.f;", "portable form: V's descale factor left off the output", env=PORTABLE),
+]
 
 # ---------------------------------------------------------------- issue 27's coverage gaps
 # Each a plausible one-line slip in code that no test reached before (the four classes of
@@ -772,7 +828,7 @@ def _cargo_killer(out: str) -> str:
 METAL_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_metal_emulator_prefill.py",
                "tests/test_metal_emulator.py", "tests/test_metal_emulator_transforms.py",
                "tests/test_metal_emulator_coverage.py", "tests/test_metal_emulator_paged.py",
-               "-k", "not caught and not test_emulator_"]  # fmt: skip
+               "tests/test_metal_emulator_quant.py", "-k", "not caught and not test_emulator_"]  # fmt: skip
 
 
 def _select(cmd: List[str], args) -> List[str]:
@@ -890,7 +946,7 @@ print("WARM OK")
 
 CUDA_TESTS = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "tests/test_planted.py",
               "tests/test_correctness.py", "tests/test_cuda.py", "tests/test_cuda_split_kv.py",
-              "tests/test_kernel_coverage.py",
+              "tests/test_kernel_coverage.py", "tests/test_cuda_quant.py",
               "-k", "cuda and not source_dir and not compile and not torch and not cupy and not wrap and not forced"
               " and not entry_point_is_launched"]  # fmt: skip
 

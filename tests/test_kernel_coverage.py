@@ -194,12 +194,11 @@ def _run_prefill_kernel(device, rng, dk, dv, kv_dtype):
 
 
 def _run_kvq_kernel(device, rng, dk, dv):
-    # The quantised K/V kernel (the CPU and CUDA: docs/spec.md 11b): the calls above with K/V
+    # The quantised K/V kernel (every backend: docs/spec.md 11b): the calls above with K/V
     # in E4M3 (descale per KV head), E5M2 and, at multiples of 32, Q8_0, against the reference
-    # on the dequantised values (test_quant_kv.py and test_cuda_quant.py hold the rest; on
-    # CUDA the split walk's call too, and test_cuda_quant.py launches every quant entry point).
-    if device.backend not in ("cpu", "cuda"):
-        pytest.skip("quantised K/V run on the CPU and CUDA backends only")
+    # on the dequantised values (test_quant_kv.py, test_cuda_quant.py and
+    # test_metal_emulator_quant.py hold the rest; on CUDA the split walk's call too, and
+    # test_cuda_quant.py launches every quant entry point).
     import ml_dtypes
 
     from mlx_native.reference import dequantise, quantise_q8_0
@@ -277,22 +276,22 @@ def test_the_kernel_cases_are_every_registered_kernel():
     # without a case above fails here.
     cases = set(KERNEL_CASES)
     # float32 K/V kernels are the CPU's alone (CUDA and Metal get float16 copies: docs/spec.md);
-    # the quantised K/V ones (`_kvq`: docs/spec.md 11b) the CPU's and CUDA's, not Metal's.
+    # the quantised K/V ones (`_kvq`: docs/spec.md 11b) every backend's.
     cpu_only = {n for n in cases if n.endswith("_f32")}
     kvq = {n for n in cases if n.endswith("_kvq")}
     assert len(cpu_only) == len(kvq) == len(DIMS)
     assert kernel_registry.cpu_kernels() == cases, "CPU: " + str(kernel_registry.cpu_kernels() ^ cases)
-    shared = cases - cpu_only - kvq
-    cuda = shared | kvq
-    assert kernel_registry.cuda_kernels() == cuda, "CUDA: " + str(kernel_registry.cuda_kernels() ^ cuda)
+    shared = cases - cpu_only
+    assert kernel_registry.cuda_kernels() == shared, "CUDA: " + str(kernel_registry.cuda_kernels() ^ shared)
     # Metal has a paged entry point (SPEC 11) of each prefill kernel besides: the op's
     # PAGED_KERNELS, run in the emulator by test_metal_emulator_coverage.py's every-entry test.
     metal = kernel_registry.metal_entries()
     metal_paged = {n for n in metal if n.startswith("flash_attn_prefill_paged_")}
     assert metal - metal_paged == shared, "Metal: " + str((metal - metal_paged) ^ shared)
-    prefill = {n for n in shared if re.fullmatch(r"flash_attn_prefill_d\w+", n)}
+    prefill = {n for n in shared - kvq if re.fullmatch(r"flash_attn_prefill_d\w+", n)}
     assert kernel_registry.op_registered_kernels() == prefill
-    assert metal_paged == {n.replace("flash_attn_prefill_", "flash_attn_prefill_paged_", 1) for n in prefill}
+    paged_of = {n.replace("flash_attn_prefill_", "flash_attn_prefill_paged_", 1) for n in prefill | kvq}
+    assert metal_paged == paged_of, "Metal paged: " + str(metal_paged ^ paged_of)
     # The CUDA entry points the calls must reach, by form (the Hopper list is what NVRTC
     # reports for sm_90a: test_cuda.py's compile test names them).
     hopper, portable = kernel_registry.cuda_entries(True), kernel_registry.cuda_entries(False)

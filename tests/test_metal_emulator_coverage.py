@@ -34,6 +34,7 @@ from planted_cases import crafted_blk_mask, spec_blk
 from test_kernel_coverage import FULL_NANS, _bf16_q_case, alibi_case, slope_reference, spec_slopes
 from test_metal_emulator import emu_attention, emu_blk
 from test_metal_emulator_paged import paginate, same_as_contiguous
+from test_metal_emulator_quant import fp8_twins, q8_twins, same_run
 from test_metal_emulator_prefill import (
     BF16,
     BQ,
@@ -117,6 +118,16 @@ def _paged_entry(emu, rng, dk, dv, kv_dtype, bs):
     check(c, out, lse, cpu=False)
 
 
+def _kvq_entry(emu, rng, dk, dv, fmt, bs):
+    # Quantised K/V (SPEC 11) through the head dim's _kvq entry point (paged where ``bs``):
+    # variable length, GQA 2, causal with a window and lse; bit for bit the F16 entry point's
+    # result on the same values (test_metal_emulator_quant.py holds the rest).
+    c = varlen_case(rng, lq=[9, 20], lk=[40, 70], nh=4, nkv=2, hd=dk, hdv=dv, causal=True, window=50, scale=0.5)
+    cq = q8_twins(c) if fmt == "q8_0" else fp8_twins(c, fmt)
+    out, lse = same_run(emu, c, cq, paginate(rng, cq, bs) if bs else None)
+    check(c, out, lse, cpu=False)
+
+
 def _origin_entry(emu, rng, hd):
     c = make_case(rng, 45, 4, 2, hd, 130, scale=0.7, mask="peer")
     out, blk = emu_attention(emu, c)
@@ -146,6 +157,14 @@ def _entries():
             bs = (16, 48, 256)[len(cases) % 3]  # blocks of a quarter step, of a step and a half, of four steps
             cases[kernel_name(dk, dv, kvd, paged=True)] = (
                 lambda emu, rng, dk=dk, dv=dv, kvd=kvd, bs=bs: _paged_entry(emu, rng, dk, dv, kvd, bs)
+            )
+    for i, (dk, dv) in enumerate(DIMS):
+        # The formats in turn (Q8_0 at head dims of its 32-value blocks).
+        fmt = ("float8_e4m3fn", "float8_e5m2", "q8_0")[i % 3]
+        fmt = "float8_e4m3fn" if fmt == "q8_0" and (dk % 32 or dv % 32) else fmt
+        for bs in (None, (16, 48, 256)[i % 3]):
+            cases[kernel_name(dk, dv, None, paged=bs is not None, kv_format=fmt)] = (
+                lambda emu, rng, dk=dk, dv=dv, fmt=fmt, bs=bs: _kvq_entry(emu, rng, dk, dv, fmt, bs)
             )
     for hd in (256, 512):
         cases[f"flash_attn_prefill_tensor_f16_d{hd}"] = lambda emu, rng, hd=hd: _origin_entry(emu, rng, hd)

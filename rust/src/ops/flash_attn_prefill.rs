@@ -1169,6 +1169,19 @@ mod tests {
     }
 
     #[test]
+    fn quantised_kernels_take_more_threadgroup_memory_only_where_a_k_sub_tile_needs_it() {
+        // Up to 256 (32 query rows) 16 rows of K fit the scores' and probabilities' memory;
+        // at 512 and 576 (16 rows) 8 rows reach past it; all within Metal's 32 KiB.
+        for (d, _, _) in HEAD_DIMS {
+            let (plain, quant) = (threadgroup_memory_bytes(d.0).unwrap(), quant_threadgroup_memory_bytes(d.0).unwrap());
+            assert_eq!(quant == plain, d.0 <= 256, "head dim {}", d.0);
+            assert!(quant <= 32 * 1024);
+        }
+        assert_eq!(quant_threadgroup_memory_bytes(512).unwrap(), 16 * 512 * 2 + 8 * 512 * 2);
+        assert_eq!(quant_threadgroup_memory_bytes(576).unwrap(), 16 * 576 * 2 + 8 * 576 * 2);
+    }
+
+    #[test]
     fn spans_count_every_axis() {
         assert_eq!(span([2, 3, 4], [1000, 100, 10], 8), 1000 + 200 + 30 + 8);
         assert_eq!(span([0, 3, 4], [1000, 100, 10], 8), 0);
