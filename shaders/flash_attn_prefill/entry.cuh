@@ -115,10 +115,27 @@
 // Tiles<DIM>::CONSUMERS consumer warpgroups: WS_THREADS threads with two).
 #define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)
 #define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? 128 * (hopper::Tiles<DIM>::CONSUMERS + 1) : NTHREADS)
-#if MLXN_PAGED_ENTRIES || MLXN_QUANT_ENTRIES
-// The paged and quant modules have none (a paged or quantised launch never takes a pair form:
-// the TMA copies K/V as they are, neither through a table nor widened).
+#if MLXN_QUANT_ENTRIES
+// The quant modules have none (a quantised launch never takes a pair form: the TMA copies
+// K/V as they are, it cannot widen them).
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)
+#elif MLXN_PAGED_ENTRIES
+// The paged module's: NAME_paged at head dims 64, 128 and 256 (the pipelined and
+// warp-specialised forms; paged_tma.cuh), whose tensor maps are of the caches' blocks (head
+// dim, KV heads, rows of a block, blocks) and whose boxes go through the table. Head dim
+// 512's pair form has none (a paged launch runs its one-CTA form), nor has the shape without
+// the mask's tiles (WIDE).
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE) MLXN_PAIR_ENTRY_PAGED_##DIM(NAME, DIM, MODE, CX, CY, T)
+#define MLXN_PAIR_ENTRY_PAGED(NAME, DIM, MODE, CX, CY, T)                                                     \
+    extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
+    NAME##_paged(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap,                                        \
+                 const __grid_constant__ hopper::TMap vmap) {                                                 \
+        hopper::pair_attention<DIM, MODE, T, false>(MLXN_PASS, &kmap, &vmap);                                 \
+    }
+#define MLXN_PAIR_ENTRY_PAGED_64(...) MLXN_PAIR_ENTRY_PAGED(__VA_ARGS__)
+#define MLXN_PAIR_ENTRY_PAGED_128(...) MLXN_PAIR_ENTRY_PAGED(__VA_ARGS__)
+#define MLXN_PAIR_ENTRY_PAGED_256(...) MLXN_PAIR_ENTRY_PAGED(__VA_ARGS__)
+#define MLXN_PAIR_ENTRY_PAGED_512(...)
 #else
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)                                                     \
     extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
@@ -134,7 +151,11 @@
 // The same in the pipeline's shape without the explicit mask's tiles (tiles_sm90.cuh's
 // WideTiles; the same threads): NAME_pair_heads_wide and NAME_pair_queries_wide, which the
 // host launches where no explicit mask is given.
+#if MLXN_PAGED_ENTRIES
+#define MLXN_PAIR_WIDE_ENTRIES(NAME, DIM, T)
+#else
 #define MLXN_PAIR_WIDE_ENTRIES(NAME, DIM, T)                                    \
     MLXN_PAIR_ENTRY(NAME##_pair_heads_wide, DIM, PAIR_HEADS, 1, 2, T, true)     \
     MLXN_PAIR_ENTRY(NAME##_pair_queries_wide, DIM, PAIR_QUERIES, 2, 1, T, true)
+#endif
 #endif

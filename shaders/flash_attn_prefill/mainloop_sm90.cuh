@@ -5,6 +5,7 @@
 #include "flash_attn_prefill/loaders.cuh"
 #include "flash_attn_prefill/softmax.cuh"
 #include "flash_attn_prefill/mainloop_sm90_ws.cuh"
+#include "flash_attn_prefill/paged_tma.cuh"
 #include "flash_attn_prefill/sm90_ptx.cuh"
 #include "flash_attn_prefill/tiles_sm90.cuh"
 
@@ -134,7 +135,8 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     static_assert(!WS || (PAIR != PAIR_NONE && C::G == 1 && C::NSTAGE == 2), "the warp-specialised form: pairs, double-buffered");
     static_assert(WS || PAIR == PAIR_NONE || C::NSTAGE == 1, "double-buffered pairs are the warp-specialised form");
     static_assert(!WS || C::BAR_BYTES >= WS_BAR_BYTES, "the pipeline's mbarriers fit HCfg::BAR_BYTES");
-    static_assert(!MLXN_PAGED_ENTRIES || PAIR == PAIR_NONE, "paged K/V: the one-CTA form (TMA needs contiguous K/V)");
+    static_assert(!MLXN_PAGED_ENTRIES || PAIR == PAIR_NONE || WS,
+                  "paged K/V: the one-CTA form, or the warp-specialised pair form (its boxes through the table)");
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_base = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
     const u32 s_q = s_base;
@@ -504,12 +506,18 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
     };
 
     // PAIR: this CTA's half of a tile's boxes (64 rows x 64 halves, 8 KB each), for both.
+    // Paged (the WS form): each box as boxes of a block's rows through the table
+    // (paged_tma.cuh; V's rows past the cache's end are zeroed by v_in below).
     auto tma_half = [&](const TMap* map, u32 dst, u32 bar, int t) {
         const int rank = (int)cluster_rank();
 #pragma unroll
         for (int i = 0; i < D / 128; ++i) {
             const int cb = rank * (D / 128) + i;
+#if MLXN_PAGED_ENTRIES
+            tma_box_paged(dst + (u32)(cb * STEP * 128), map, L, cb, kvh, t * STEP, lk, bar, 3);
+#else
             tma_load_4d_mc(dst + (u32)(cb * STEP * 128), map, cb * 64, kvh, t * STEP, cta_sequence(L), bar, 3);
+#endif
         }
     };
     if constexpr (PAIR != PAIR_NONE && !WS) {
@@ -533,8 +541,26 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
         auto load_mask_warp = [&](int st, int t, int lane) {
             load_mask_tile(s_mask + st * C::MASK_BYTES, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al, lane, 32);
         };
+        // V of step t in stage st: paged, its rows past the cache's end zeroed in this CTA's
+        // copy, each warpgroup before its own product (the other's writes are the same zeros),
+        // fenced for the tensor cores, met at the warpgroup's barrier (3 + wgi: the turns are
+        // 1 and 2).
+        auto v_in = [&](int st, int t) {
+#if MLXN_PAGED_ENTRIES
+            const int from = lk - t * STEP;
+            if (from < STEP) {
+                st = __shfl_sync(0xffffffffu, st, 0);
+                zero_tile_rows<D>(s_kv + st * 2 * C::KV_BYTES + C::KV_BYTES, STEP, from, tid & 127, 128);
+                fence_proxy_async();
+                named_barrier(3 + wgi, 128);
+            }
+#else
+            (void)st;
+            (void)t;
+#endif
+        };
         if (!ws_pipeline(s_bar, C::KV_BYTES, steps, t, need_mask, sb, s_ws, o, next_active, wg_computes, step_class, qk_ws,
-                         pv_issue, scores_and_softmax, issue_k, issue_v, load_mask_warp))
+                         pv_issue, scores_and_softmax, issue_k, issue_v, load_mask_warp, v_in))
             return;  // the producer warpgroup
     } else if constexpr (C::NSTAGE == 2) {
         if (t < steps) {

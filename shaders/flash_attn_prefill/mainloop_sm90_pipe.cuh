@@ -29,7 +29,11 @@ template <int PAIR>
 __device__ __forceinline__ PairRows pair_rows(const Params& p, const Launch& L, const int* __restrict__ cu_q,
                                               const int* __restrict__ cu_k) {
     PairRows r;
+#if MLXN_PAGED_ENTRIES
+    r.sq = with_pages(cta_seq(p, L, cu_q, cu_k), L);  // the length from seqused_k; rows through the table
+#else
     r.sq = cta_seq(p, L, cu_q, cu_k);
+#endif
     r.lq = r.sq.lq;
     r.lk = r.sq.lk;
     r.off = query_offset(p, L, r.lq, r.lk);
@@ -147,6 +151,16 @@ __device__ __forceinline__ void pipe_producer(const PipeBars<PC::S>& bars, u32 s
     const u32 s_kv = s_q + PC::Q_BYTES, s_mask = s_kv + PC::S * 2 * PC::KV_BYTES;
     if (warp == 0) {
         const int kvh = ((int)cta_xy(L).y * L.heads_per_cta) / (p.n_heads / p.n_kv_heads), seq = cta_sequence(L);
+#if MLXN_PAGED_ENTRIES
+        auto issue_k = [&](int st, int u, u32 bar) {
+            tma_tile_paged<D, PC::N>(kmap, s_kv + (u32)(st * 2 * PC::KV_BYTES), bar, L, kvh, u * PC::N, r.lk);
+        };
+        auto issue_v = [&](int st, int u, u32 bar) {
+            tma_tile_paged<D, PC::N>(vmap, s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES), bar, L, kvh, u * PC::N,
+                                     r.lk);
+        };
+        (void)seq;
+#else
         const int last = (r.lk - 1) / STEP * STEP;  // the cache's last 64-row block (a walked tile has r.lk > 0)
         auto issue_k = [&](int st, int u, u32 bar) {
             tma_tile<D, PC::N>(kmap, s_kv + (u32)(st * 2 * PC::KV_BYTES), bar, kvh, u * PC::N, last, seq);
@@ -155,6 +169,7 @@ __device__ __forceinline__ void pipe_producer(const PipeBars<PC::S>& bars, u32 s
             tma_tile<D, PC::N>(vmap, s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES), bar, kvh, u * PC::N, last,
                                seq);
         };
+#endif
         pipe_produce_kv<PC>(bars, tw, lane, issue_k, issue_v);
     } else {
         const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
@@ -226,7 +241,24 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PC::S>& bars, u32 s
                                                                                p, L, pk);
         }
     };
-    pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax);
+    // V of tile u in stage st: paged, its rows past the cache's end zeroed in this CTA's
+    // copy (paged_tma.cuh), each warpgroup before its own product (the other's writes are the
+    // same zeros), then fenced for the tensor cores and met at the warpgroup's barrier.
+    auto v_in = [&](int st, int u) {
+#if MLXN_PAGED_ENTRIES
+        const int from = r.lk - u * PC::N;
+        if (from < PC::N) {
+            st = __shfl_sync(0xffffffffu, st, 0);
+            zero_tile_rows<D>(s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES), PC::N, from, tid & 127, 128);
+            fence_proxy_async();
+            named_barrier(PC::BAR_Q + wgi, 128);
+        }
+#else
+        (void)st;
+        (void)u;
+#endif
+    };
+    pipe_consume<PC, T, TB>(bars, o, classes, qk, pv, softmax, v_in);
     if (PC::TURNS && wgi == 0) named_barrier(PC::BAR_TURN, 256);  // the last warpgroup's last hand-over
     cluster_arrive();                          // done with the partner's barriers
     if constexpr (PC::ROWSUM) {

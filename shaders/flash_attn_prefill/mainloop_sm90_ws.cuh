@@ -48,13 +48,15 @@ __device__ __forceinline__ u32 ws_parity(int j) { return (u32)(j >> 1) & 1u; }
 // (into s), pv_issue(stage), scores_and_softmax(t, stage, sb, act, cls) (the step's softmax once
 // s holds its scores; act and cls are wg_computes and step_class, computed beforehand),
 // issue_k(stage, t, bar) and issue_v(stage, t, bar) (this CTA's half of the boxes, for
-// both), load_mask(stage, t, lane) (the producer warp's share of a mask tile).
+// both), load_mask(stage, t, lane) (the producer warp's share of a mask tile), v_in(stage, t)
+// (V of step t is in, before any product reads it: the paged forms zero its rows past the
+// cache's end there, paged_tma.cuh; else nothing).
 template <class TB, int NS, int NO, class Next, class Computes, class Class, class QK, class PV, class Softmax,
-          class IssueK, class IssueV, class LoadMask>
+          class IssueK, class IssueV, class LoadMask, class VIn>
 __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, int t, bool nm, TB sb, float (&s)[NS],
                                             float (&o)[NO], Next& next_active, Computes& wg_computes, Class& step_class,
                                             QK& qk_issue, PV& pv_issue, Softmax& scores_and_softmax, IssueK& issue_k,
-                                            IssueV& issue_v, LoadMask& load_mask) {
+                                            IssueV& issue_v, LoadMask& load_mask, VIn& v_in) {
     const WsBars bars{s_bar};
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if (tid == 0) {
@@ -119,13 +121,16 @@ __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, 
     // Turns: warpgroup w issues its products after bar.sync on barrier 1 + w, then hands
     // the turn to the other (bar.arrive on its barrier). Warpgroup 0 takes the first turn.
     if (wgi == 1) named_barrier_arrive(1, NTHREADS);
-    int st = 0, j = 0;
+    int st = 0, j = 0, tp = 0;  // tp: the last step walked
     bool act_prev = false;
     bool act = t < steps && wg_computes(t, sb);  // then each step's, while the last one's products run
     while (true) {
         const bool more = t < steps;
         if (more) mbar_wait(bars.full_k(st), ws_parity(j));
-        if (j >= 1) mbar_wait(bars.full_v(st ^ 1), ws_parity(j - 1));
+        if (j >= 1) {
+            mbar_wait(bars.full_v(st ^ 1), ws_parity(j - 1));
+            v_in(st ^ 1, tp);
+        }
         named_barrier(1 + wgi, NTHREADS);
         if (act_prev) pv_issue(st ^ 1);  // O += P V of the last step
         if (act) qk_issue(st);
@@ -157,6 +162,7 @@ __device__ __forceinline__ bool ws_pipeline(u32 s_bar, int kv_bytes, int steps, 
         act = act_next;
         ++j;
         st ^= 1;
+        tp = t;
         t = tn;
         sb = sbn;
     }

@@ -25,6 +25,7 @@
 
 #include "flash_attn_prefill/loaders.cuh"
 #include "flash_attn_prefill/mainloop_sm90_ws.cuh"
+#include "flash_attn_prefill/paged_tma.cuh"
 #include "flash_attn_prefill/tile_softmax.cuh"
 #include "flash_attn_prefill/tile_walk.cuh"
 #include "flash_attn_prefill/tiles_sm90.cuh"
@@ -152,6 +153,24 @@ __device__ __forceinline__ void tma_tile(const TMap* map, u32 dst, u32 bar, int 
     }
 }
 
+#if MLXN_PAGED_ENTRIES
+// tma_tile on a paged cache (paged_tma.cuh): the same boxes, each as boxes of a block's rows
+// found through the table; the rows past the cache's end (lk) are the consumers' to zero.
+template <int D, int N>
+__device__ __forceinline__ void tma_tile_paged(const TMap* map, u32 dst, u32 bar, const Launch& L, int kvh, int row0,
+                                               int lk) {
+    constexpr int NH = N / STEP, NBOX = (D / 64) * NH;
+    const int rank = (int)cluster_rank();
+#pragma unroll
+    for (int i = 0; i < NBOX; ++i) {
+        if (PIPE_PEERS == 1 || (i & 1) == rank)
+            tma_box_paged(dst + (u32)((i / NH) * N * 128 + (i % NH) * 64 * 128), map, L, i / NH, kvh,
+                          row0 + (i % NH) * 64, lk, bar,
+                          PIPE_PEERS == 1 ? (unsigned short)(1u << rank) : (unsigned short)3);
+    }
+}
+#endif
+
 // A tile as the producer tells it to the consumers (written before the arrival that
 // completes the stage's K barrier, which releases it): u (below 0: the walk is done), the
 // steps walked, each step's table bytes.
@@ -252,10 +271,12 @@ __device__ __forceinline__ void release_pair(u32 bar) {
 // of a kernel whose waits it finds in paths it cannot prove uniform (C7514-C7520).
 // classes(t, sb, table): the class of the warp's rows in step t; qk(st, s) and pv(st, pk):
 // the products of a stage, issued, not committed; softmax(s, ms, classes, st, u) leaves P in
-// s and the rows' rescale factors in ms. TB: the walk's packed table bytes.
-template <class PC, class T, class TB, class Classes, class QK, class PV, class Softmax, int NO>
+// s and the rows' rescale factors in ms; v_in(st, u): V of tile u is in stage st, before
+// any product reads it (the paged forms zero its rows past the cache's end there; else
+// nothing). TB: the walk's packed table bytes.
+template <class PC, class T, class TB, class Classes, class QK, class PV, class Softmax, class VIn, int NO>
 __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float (&o)[NO], Classes& classes, QK& qk,
-                                             PV& pv, Softmax& softmax) {
+                                             PV& pv, Softmax& softmax, VIn& v_in) {
     const int lane = threadIdx.x & 31;
     const int wgi = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
     // Turns: warpgroup w issues after bar.sync on barrier BAR_TURN + w, then hands the turn
@@ -275,6 +296,7 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
         if (lane == 0) release_pair(bar);
     };
     Ring r, rp;         // this tile's stage; the last tile's
+    int up = 0;         // the last tile's u
     float ms[2];        // the last softmax's rescale of O, applied before its P V
     u32 pk[PC::NB][2];  // P of the last tile, P V's operand
     // The tile of stage q, once its K is in (or the end of the walk).
@@ -308,11 +330,13 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
     }
     while (true) {  // tile j: its Q K^T, and P V of tile j - 1
         rp = r;
+        up = cur.u;
         r.advance(PC::S);
         cur = tile_at(r);
         if (!cur.valid()) break;
         float s[PC::NS];  // a fresh array each tile: nothing carried from one tile's scores to the next
         mbar_wait(bars.full_v(rp.st), rp.ph);
+        v_in(rp.st, up);
         turn();
         qk(r.st, s);
         wgmma_commit();
@@ -342,6 +366,7 @@ __device__ __forceinline__ void pipe_consume(const PipeBars<PC::S>& bars, float 
     }
     // P V of the last tile (in stage rp; r holds the end of the walk).
     mbar_wait(bars.full_v(rp.st), rp.ph);
+    v_in(rp.st, up);
     turn();
     rescale_o(o, ms);
     pv(rp.st, pk);

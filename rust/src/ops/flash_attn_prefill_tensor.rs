@@ -55,6 +55,7 @@ pub const FLASH_ATTN_PREFILL_CUDA_PARTS: &[(&str, &str)] = &[
     ("flash_attn_prefill/mainloop_sm80.cuh", include_str!("../../../shaders/flash_attn_prefill/mainloop_sm80.cuh")),
     ("flash_attn_prefill/sm90_ptx.cuh", include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh")),
     ("flash_attn_prefill/tiles_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/tiles_sm90.cuh")),
+    ("flash_attn_prefill/paged_tma.cuh", include_str!("../../../shaders/flash_attn_prefill/paged_tma.cuh")),
     ("flash_attn_prefill/tile_walk.cuh", include_str!("../../../shaders/flash_attn_prefill/tile_walk.cuh")),
     ("flash_attn_prefill/tile_softmax.cuh", include_str!("../../../shaders/flash_attn_prefill/tile_softmax.cuh")),
     ("flash_attn_prefill/pipeline_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/pipeline_sm90.cuh")),
