@@ -162,6 +162,7 @@ fn paged_modules_compile_with_nvrtc_for_hopper_and_ampere() {
         if !report.contains("ptxas info") && !nvrtc_required() {
             return;
         }
+        let mut spilled = Vec::new();
         for (function, stores, line) in entry_spills(&report) {
             // As their contiguous siblings: the portable form with the score transforms
             // may spill a little, and the Hopper form at head dim 128 (two CTAs an SM
@@ -169,9 +170,25 @@ fn paged_modules_compile_with_nvrtc_for_hopper_and_ampere() {
             let two_ctas = arch == "sm_90a"
                 && (function.starts_with("flash_attn_prefill_d128_paged'")
                     || function.starts_with("flash_attn_prefill_d128_bf16_paged'"));
-            let allowed = if function.contains("_xf_paged'") || two_ctas { 128 } else { 0 };
-            assert!(stores <= allowed, "{arch}: {function} spills registers: {line}");
+            // The pair forms' paged twins spill as their contiguous siblings do (head dim 256:
+            // the consumers at 240 registers; 64: the producer warpgroup at 32), the producer
+            // a little more for its boxes through the table: 230 / 168 bytes (d256 queries /
+            // heads) and 436 / 342 (d64) with NVRTC 13.0.
+            let pair = arch == "sm_90a" && function.contains("_pair_");
+            let allowed = if function.contains("_xf_paged'") || two_ctas {
+                128
+            } else if pair && function.contains("_d64") {
+                448
+            } else if pair && function.contains("d256") {
+                256
+            } else {
+                0
+            };
+            if stores > allowed {
+                spilled.push(format!("{function}: {line}"));
+            }
         }
+        assert!(spilled.is_empty(), "{arch}: entry points that spill registers:\n{}", spilled.join("\n"));
     }
 }
 

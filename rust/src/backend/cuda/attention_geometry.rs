@@ -54,6 +54,22 @@ pub fn ws_form(head_dim: u32) -> bool {
     matches!(head_dim, 64 | 128 | 256)
 }
 
+/// Whether the paged module has the Hopper CTA-pair forms at `head_dim` (SPEC 11;
+/// `shaders/flash_attn_prefill/paged_tma.cuh`): the warp-specialised ones, whose consumers
+/// zero V's rows past a paged cache's end before a product reads them. Head dim 512's pair
+/// form has no paged twin: a paged launch there runs the one-CTA form.
+pub const fn paged_pair_form(head_dim: u32) -> bool {
+    matches!(head_dim, 64 | 128 | 256)
+}
+
+/// Whether the host launches the paged module's pair forms ([`paged_pair_form`]) for paged
+/// K/V with fixed-length queries on Hopper. They are compiled and compile-checked (their
+/// entry points, their spills) everywhere NVRTC runs, but no GPU has run them yet (written
+/// 2026-12-07 when no device machine was lent): until `scripts/gpu_paged_pairs.sh` passes on
+/// one, a paged launch runs the one-CTA forms, as before (issue 29). Set true with that
+/// run of record.
+pub const PAGED_PAIRS_LAUNCHED: bool = false;
+
 /// Whether the pair forms at `head_dim` launch the pipeline's shape without the explicit
 /// mask's tiles (`_wide` entry points, `tiles_sm90.cuh`'s `WideTiles`: 192-row tiles at head
 /// dim 128) where no explicit mask is given. Same threads and shared memory reserve as the

@@ -12,9 +12,10 @@
 use std::ffi::c_void;
 
 pub use super::attention_geometry::{
-    attention_cta_rows, attention_geometry, attention_shared_bytes, has_wide_entries, pair_cta_rows, pair_geometry,
-    pair_queries_geometry, pair_shared_bytes, pair_walk_fits, plain_shared_bytes, wide_form, ws_consumers, ws_form,
-    ws_threads, AttentionGeometry, WIDE_LAUNCHED, WS_CONSUMERS_D64, WS_SHARED_BYTES,
+    attention_cta_rows, attention_geometry, attention_shared_bytes, has_wide_entries, paged_pair_form, pair_cta_rows,
+    pair_geometry, pair_queries_geometry, pair_shared_bytes, pair_walk_fits, plain_shared_bytes, wide_form,
+    ws_consumers, ws_form, ws_threads, AttentionGeometry, PAGED_PAIRS_LAUNCHED, WIDE_LAUNCHED, WS_CONSUMERS_D64,
+    WS_SHARED_BYTES,
 };
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
@@ -67,6 +68,7 @@ macro_rules! attention_kernel {
             hopper_form: true,
             portable_variants: &[Variant::ScoreTransforms],
             paged: true,
+            paged_pairs: paged_pair_form($dk),
             quant: false,
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
@@ -82,6 +84,7 @@ macro_rules! attention_kernel {
             hopper_form: false,
             portable_variants: &[Variant::ScoreTransforms],
             paged: true,
+            paged_pairs: false,
             quant: false,
             shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
@@ -107,6 +110,7 @@ macro_rules! quant_kernel {
             hopper_form: $hopper,
             portable_variants: &[],
             paged: true,
+            paged_pairs: false,
             quant: true,
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper && $hopper),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
@@ -168,6 +172,7 @@ pub const KERNELS: &[CudaKernel] = &[
         hopper_form: false,
         portable_variants: &[],
         paged: false,
+        paged_pairs: false,
         quant: false,
         shared_bytes: |_| None,
         prepare: |pc, d, _| prepare_mask_blk(pc, d),
@@ -389,20 +394,73 @@ fn pair_setting(options: &RunOptions) -> Option<bool> {
 /// sequences), boxes of 64 x 1 x 64 x 1 halves, 128-byte swizzle; rows past a sequence's
 /// cache land as zeros. `None` where TMA cannot address the view.
 fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_len: u32, batch: u32, strides: [i64; 3]) -> Option<TensorMap> {
-    let encode = driver::driver().ok()?.cuTensorMapEncodeTiled?;
-    let [batch_stride, row_stride, head_stride] = strides.map(|s| s as u64 * 2);
-    // A dimension of extent 1 never steps: any valid stride does.
-    let head = if n_kv == 1 { head_dim as u64 * 2 } else { head_stride };
+    let [batch_stride, row_stride, _] = strides.map(|s| s as u64 * 2);
     // One sequence: the stride past its whole cache (the driver refuses a 4-d map whose
     // outer stride does not cover the dimension inside it).
     let seq = if batch == 1 { row_stride.saturating_mul(kv_len as u64) } else { batch_stride };
+    encode_kv_map(base, head_dim, n_kv, [kv_len, batch], 64, [strides[2] as u64 * 2, row_stride, seq])
+}
+
+/// Rows of one box of a paged cache's map: the largest of 64, 32 and 16 that divides the
+/// block size (a multiple of 16), so that a box never crosses a block (the kernel's
+/// `paged_box_rows`, `shaders/flash_attn_prefill/paged_tma.cuh`).
+pub fn paged_box_rows(block_size: u32) -> u32 {
+    if block_size.is_multiple_of(64) {
+        64
+    } else if block_size.is_multiple_of(32) {
+        32
+    } else {
+        16
+    }
+}
+
+/// The tensor map of a paged K or V cache (SPEC 11) for the paged CTA-pair forms: dims
+/// (head dim, KV heads, rows of a block, blocks) at the caches' (head, row, block) strides,
+/// boxes of 64 x 1 x [`paged_box_rows`] x 1 halves, 128-byte swizzle. The kernel finds each
+/// box's block through the table. `None` where TMA cannot address the caches.
+fn kv_paged_tensor_map(
+    base: u64,
+    head_dim: u32,
+    n_kv: u32,
+    blocks: u32,
+    block_size: u32,
+    strides: [i64; 3],
+) -> Option<TensorMap> {
+    let [block_stride, row_stride, head_stride] = strides.map(|s| s as u64 * 2);
+    // One block: the stride past its rows (as one sequence's above).
+    let block = if blocks == 1 { row_stride.saturating_mul(block_size as u64) } else { block_stride };
+    encode_kv_map(
+        base,
+        head_dim,
+        n_kv,
+        [block_size, blocks],
+        paged_box_rows(block_size),
+        [head_stride, row_stride, block],
+    )
+}
+
+/// A 4-d map of F16 / BF16 K or V (TMA reads bits: either dtype is 16 bits): dims (head dim,
+/// KV heads, rows, outer), strides in bytes of the last three, boxes of 64 x 1 x `box_rows`
+/// x 1, 128-byte swizzle.
+fn encode_kv_map(
+    base: u64,
+    head_dim: u32,
+    n_kv: u32,
+    [rows, outer]: [u32; 2],
+    box_rows: u32,
+    strides: [u64; 3],
+) -> Option<TensorMap> {
+    let encode = driver::driver().ok()?.cuTensorMapEncodeTiled?;
+    let [head_stride, row_stride, outer_stride] = strides;
+    // A dimension of extent 1 never steps: any valid stride does.
+    let head = if n_kv == 1 { head_dim as u64 * 2 } else { head_stride };
     let ok = |s: u64| s > 0 && s.is_multiple_of(16) && s < (1 << 40);
-    if !base.is_multiple_of(16) || !ok(row_stride) || !ok(head) || !ok(seq) || kv_len == 0 {
+    if !base.is_multiple_of(16) || !ok(row_stride) || !ok(head) || !ok(outer_stride) || rows == 0 || outer == 0 {
         return None;
     }
-    let dims = [head_dim as u64, n_kv as u64, kv_len as u64, batch as u64];
-    let strides = [head, row_stride, seq];
-    let boxes = [64u32, 1, 64, 1];
+    let dims = [head_dim as u64, n_kv as u64, rows as u64, outer as u64];
+    let strides = [head, row_stride, outer_stride];
+    let boxes = [64u32, 1, box_rows, 1];
     let elem = [1u32, 1, 1, 1];
     let mut map = TensorMap([0; 16]);
     // SAFETY: every array has the documented length for rank 4; the map is written in place.
@@ -445,6 +503,9 @@ pub struct AttentionPointers {
     pub alibi_slopes: u64,
     /// Paged K/V (`PREFILL_PAGED`, SPEC 11), else `None`.
     pub pages: Option<PagedPointers>,
+    /// Paged K/V: the caches' blocks (`num_blocks`: the extent of the pair forms' tensor
+    /// maps); else 0.
+    pub kv_blocks: u32,
     /// Quantised K/V (SPEC 11, a quant module's launch): the F32 descale factors' address
     /// (`PREFILL_DESCALE`) or 0; `None` for 16-bit K/V.
     pub descale: Option<u64>,
@@ -482,8 +543,8 @@ pub fn paged_params(p: &FlashAttnPrefillParamsGpu, pk: &PagedKvParamsGpu) -> Fla
 }
 
 /// Whether a params block of one of this op's kernels is a paged prefill's (`PREFILL_PAGED`):
-/// it never runs in the CTA-pair forms (their TMA tensor maps address contiguous K/V), and
-/// it runs the kernel's paged module ([`CudaKernel::paged_variants`]).
+/// it runs the kernel's paged module ([`CudaKernel::paged_variants`]; CTA pairs only where
+/// that module has them, [`paged_pair_form`]).
 pub fn is_paged(kernel_name: &str, params: &[u8]) -> bool {
     KERNELS.iter().any(|k| k.name == kernel_name && k.paged)
         && params.len() == std::mem::size_of::<FlashAttnPrefillParamsGpu>()
@@ -629,22 +690,42 @@ fn part_launch(
         return Err(contract(name, "ALiBi slopes with max_bias, or without their buffer"));
     }
     // CTA pairs sharing each K/V tile (Hopper): where TMA can address K and V (fixed
-    // length: a sequence's K/V is one box range of the map); head pairs where the group of
+    // length: a sequence's K/V is one box range of the map; paged, where PAGED_PAIRS_LAUNCHED:
+    // a box is a block's rows, found through the table, at head dims 64, 128 and 256); head pairs where the group of
     // query heads splits in two, else pairs of query tiles; either only where its walk can
     // carry the explicit mask's table bytes of its rows (the 192-row CTAs at head dim 64
     // of a group of one head: none, the one-CTA forms run them).
     let mut maps = None;
     let mut mode = None;
     let fixed = p.flags & PREFILL_VARLEN == 0;
-    // Paged K/V: the one-CTA form (its cp.async loaders read each row through the table);
-    // quantised K/V too (its loaders widen the bytes; the TMA copies them as they are).
+    // Quantised K/V: the one-CTA form (its loaders widen the bytes; the TMA copies them as
+    // they are).
     let module = ModuleKind { paged: b.pages.is_some(), quant: b.descale.is_some() };
+    let pair_module = module == ModuleKind::CONTIGUOUS
+        || (module == ModuleKind::PAGED && PAGED_PAIRS_LAUNCHED && paged_pair_form(head_dim));
     if let Some(heads_allowed) =
-        if variants && hopper && fixed && module == ModuleKind::CONTIGUOUS { pair_setting(&pc.options) } else { None }
+        if variants && hopper && fixed && pair_module { pair_setting(&pc.options) } else { None }
     {
-        let (nkv, kvl, nb) = (p.n_kv_heads as u32, p.kv_len as u32, p.batch as u32);
-        let km = kv_tensor_map(b.k, head_dim, nkv, kvl, nb, [p.k_batch_stride, p.k_row_stride, p.k_head_stride]);
-        let vm = kv_tensor_map(b.v, head_dim, nkv, kvl, nb, [p.v_batch_stride, p.v_row_stride, p.v_head_stride]);
+        let nkv = p.n_kv_heads as u32;
+        let kstrides = [p.k_batch_stride, p.k_row_stride, p.k_head_stride];
+        let vstrides = [p.v_batch_stride, p.v_row_stride, p.v_head_stride];
+        let (km, vm) = match b.pages {
+            // (The params block's K/V batch strides are the caches' block strides.)
+            Some(pg) => {
+                let (blocks, bs) = (b.kv_blocks, pg.block_size.max(0) as u32);
+                (
+                    kv_paged_tensor_map(b.k, head_dim, nkv, blocks, bs, kstrides),
+                    kv_paged_tensor_map(b.v, head_dim, nkv, blocks, bs, vstrides),
+                )
+            }
+            None => {
+                let (kvl, nb) = (p.kv_len as u32, p.batch as u32);
+                (
+                    kv_tensor_map(b.k, head_dim, nkv, kvl, nb, kstrides),
+                    kv_tensor_map(b.v, head_dim, nkv, kvl, nb, vstrides),
+                )
+            }
+        };
         if let (Some(km), Some(vm)) = (km, vm) {
             let (rows, nh, nkv) = (p.max_rows.max(1) as u32, p.n_heads as u32, p.n_kv_heads as u32);
             let masked = p.flags & PREFILL_MASK != 0;
@@ -700,8 +781,8 @@ fn part_launch(
         l.push_bytes(bytemuck::cast_slice(&km.0));
         l.push_bytes(bytemuck::cast_slice(&vm.0));
         // Without an explicit mask no tile reads a mask tile: the wide shape runs, where the
-        // head dim has one.
-        let wide = wide_form(head_dim) && p.flags & PREFILL_MASK == 0;
+        // head dim has one (the contiguous module's alone).
+        let wide = wide_form(head_dim) && p.flags & PREFILL_MASK == 0 && module == ModuleKind::CONTIGUOUS;
         l.variant = mode.map(|m| m.variant(wide));
     }
     let transforms = !hopper && (p.softcap > 0.0 || p.max_bias > 0.0 || slopes);
@@ -714,10 +795,12 @@ fn part_launch(
 /// transforms (`transforms`: the portable form with softcap or ALiBi), else the contiguous
 /// module's transforms form, else `pair` (the CTA-pair form chosen, or none).
 pub fn entry_variant(module: ModuleKind, transforms: bool, pair: Option<Variant>) -> Option<Variant> {
-    if module != ModuleKind::CONTIGUOUS || transforms {
-        Variant::of_module(module, transforms)
-    } else {
-        pair
+    match pair {
+        // A pair form chosen on paged K/V: its twin in the paged module.
+        // (part_launch never chooses a form without a twin, the wide ones, on paged K/V.)
+        Some(v) if module == ModuleKind::PAGED && !transforms && v.paged_pair().is_some() => v.paged_pair(),
+        _ if module != ModuleKind::CONTIGUOUS || transforms => Variant::of_module(module, transforms),
+        _ => pair,
     }
 }
 
@@ -746,6 +829,7 @@ pub fn attention_pointers(pc: &PrepareContext<'_>, name: &str, r: &RecordedPrefi
             }),
             None => None,
         },
+        kv_blocks: r.paged.as_ref().map_or(0, |pg| pg.params.num_blocks.max(0) as u32),
         descale: if is_quantised_code(r.params.kv_dtype) { Some(opt(r.descale)?) } else { None },
     })
 }
@@ -993,9 +1077,20 @@ mod tests {
                 continue;
             }
             let names = |hopper| k.paged_variants(hopper).iter().map(|v| v.entry(k.entry)).collect::<Vec<_>>();
-            if k.hopper_form {
+            if k.hopper_form && k.paged_pairs {
+                // The pair forms' twins at head dims 64, 128 and 256 (paged_pair_form).
+                let e = k.entry;
+                assert_eq!(
+                    names(true),
+                    [format!("{e}_paged"), format!("{e}_pair_heads_paged"), format!("{e}_pair_queries_paged")]
+                );
+                assert!(k.hopper_variants.contains(&Variant::PairHeads), "{}", k.name);
+            } else if k.hopper_form {
                 assert_eq!(names(true), [format!("{}_paged", k.entry)]);
             }
+            let d = k.name.trim_start_matches("flash_attn_prefill_d").split('_').next().unwrap();
+            let pairs_here = k.hopper_variants.contains(&Variant::PairHeads) && paged_pair_form(d.parse().unwrap());
+            assert_eq!(k.paged_pairs, pairs_here, "{}", k.name);
             assert_eq!(names(false), [format!("{}_paged", k.entry), format!("{}_xf_paged", k.entry)]);
             assert!(k.paged_variants(true).iter().chain(k.paged_variants(false)).all(|v| v.is_paged()));
             assert!(!k.hopper_variants.iter().chain(k.portable_variants).any(|v| v.is_paged()), "{}", k.name);
@@ -1141,8 +1236,10 @@ mod tests {
             for transforms in [false, true] {
                 for pair in [None, Some(Variant::PairHeads), Some(Variant::PairQueriesWide)] {
                     let v = entry_variant(module, transforms, pair);
+                    let twin = pair.and_then(|p| p.paged_pair());
                     let want = match (module == ModuleKind::CONTIGUOUS, transforms) {
                         (true, false) => pair,
+                        (false, false) if module == ModuleKind::PAGED && twin.is_some() => twin,
                         _ => Variant::of_module(module, transforms),
                     };
                     assert_eq!(v, want);
@@ -1155,6 +1252,13 @@ mod tests {
         assert_eq!(entry_variant(ModuleKind::PAGED_QUANT, false, Some(Variant::PairHeads)), Some(Variant::PagedQuant));
         assert_eq!(entry_variant(ModuleKind::PAGED_QUANT, true, None), Some(Variant::PagedQuantScoreTransforms));
         assert_eq!(Variant::PagedQuantScoreTransforms.entry("e"), "e_xf_paged_kvq");
+        // A pair form on paged K/V runs its twin in the paged module.
+        assert_eq!(entry_variant(ModuleKind::PAGED, false, Some(Variant::PairHeads)), Some(Variant::PairHeadsPaged));
+        assert_eq!(
+            entry_variant(ModuleKind::PAGED, false, Some(Variant::PairQueries)),
+            Some(Variant::PairQueriesPaged)
+        );
+        assert_eq!(Variant::PairQueriesPaged.entry("e"), "e_pair_queries_paged");
     }
 
     /// The launch block of each module is the device's `Launch` (params.cuh's check): 48

@@ -15,6 +15,7 @@ pub const KERNELS: &[CudaKernel] = &[CudaKernel {
     hopper_form: false,
     portable_variants: &[],
     paged: false,
+    paged_pairs: false,
     quant: false,
     shared_bytes: |_| None,
     prepare: |pc, d, _| prepare(pc, d),

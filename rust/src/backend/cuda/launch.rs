@@ -33,6 +33,9 @@ pub struct CudaKernel {
     /// They are a module of their own, compiled for the first paged launch
     /// (`nvrtc::module_options`), not in the module the variants above come from.
     pub paged: bool,
+    /// Whether its paged module has CTA-pair forms in the Hopper form (`<entry>_pair_heads_paged`,
+    /// `_pair_queries_paged`: head dims 64, 128 and 256, `attention_geometry::paged_pair_form`).
+    pub paged_pairs: bool,
     /// Whether it is a quantised K/V kernel (SPEC 11, the op's `_kvq` kernels: FP8 E4M3 /
     /// E5M2 with descale factors, Q8_0): every launch of it runs its source's quant module
     /// (`-DMLXN_QUANT_ENTRIES=1`, [`ModuleKind`]), compiled for its first pipeline, never the
@@ -137,11 +140,13 @@ impl CudaKernel {
     }
 
     /// The entry points of its paged K/V module (`-DMLXN_PAGED_ENTRIES=1`) in the form it
-    /// runs (`hopper`: the Hopper form's one-CTA `_paged`; else the portable form's `_paged`
-    /// and `_xf_paged`); none where it has no such module.
+    /// runs (`hopper`: the Hopper form's one-CTA `_paged`, with its CTA-pair forms
+    /// `_pair_heads_paged` and `_pair_queries_paged` where it has them; else the portable
+    /// form's `_paged` and `_xf_paged`); none where it has no such module.
     pub fn paged_variants(&self, hopper: bool) -> &'static [Variant] {
         match (self.paged && !self.quant, hopper) {
             (false, _) => &[],
+            (true, true) if self.paged_pairs => &[Variant::Paged, Variant::PairHeadsPaged, Variant::PairQueriesPaged],
             (true, true) => &[Variant::Paged],
             (true, false) => &[Variant::Paged, Variant::PagedScoreTransforms],
         }
@@ -160,6 +165,11 @@ pub enum Variant {
     PairHeadsWide,
     /// Hopper: [`Variant::PairQueries`] in that shape.
     PairQueriesWide,
+    /// Hopper: [`Variant::PairHeads`] on paged K/V (SPEC 11), from the paged module: its
+    /// TMA boxes are found through the block table.
+    PairHeadsPaged,
+    /// Hopper: [`Variant::PairQueries`] on paged K/V, from the paged module.
+    PairQueriesPaged,
     /// The portable form with SPEC 10's score transforms (softcap, ALiBi).
     ScoreTransforms,
     /// The one-CTA form on paged K/V (SPEC 11: the Hopper form's, or the portable form's
@@ -186,6 +196,8 @@ impl Variant {
             Variant::PairQueries => "_pair_queries",
             Variant::PairHeadsWide => "_pair_heads_wide",
             Variant::PairQueriesWide => "_pair_queries_wide",
+            Variant::PairHeadsPaged => "_pair_heads_paged",
+            Variant::PairQueriesPaged => "_pair_queries_paged",
             Variant::ScoreTransforms => "_xf",
             Variant::Paged => "_paged",
             Variant::PagedScoreTransforms => "_xf_paged",
@@ -201,8 +213,23 @@ impl Variant {
     pub fn is_paged(self) -> bool {
         matches!(
             self,
-            Variant::Paged | Variant::PagedScoreTransforms | Variant::PagedQuant | Variant::PagedQuantScoreTransforms
+            Variant::Paged
+                | Variant::PagedScoreTransforms
+                | Variant::PagedQuant
+                | Variant::PagedQuantScoreTransforms
+                | Variant::PairHeadsPaged
+                | Variant::PairQueriesPaged
         )
+    }
+
+    /// A contiguous CTA-pair form's twin in the paged module (`None`: it has none, as the
+    /// shape without the mask's tiles, or it is no pair form).
+    pub fn paged_pair(self) -> Option<Variant> {
+        match self {
+            Variant::PairHeads => Some(Variant::PairHeadsPaged),
+            Variant::PairQueries => Some(Variant::PairQueriesPaged),
+            _ => None,
+        }
     }
 
     /// Whether it is an entry point of a quant module ([`CudaKernel::quant_variants`]).

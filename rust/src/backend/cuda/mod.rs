@@ -408,10 +408,12 @@ impl Backend for CudaBackend {
         let sms = self.ctx.multiprocessors.max(0) as u32;
         let split = k.and_then(|k| (k.split)(hopper, sms, params, kv_split::forced_parts(options)));
         // Pairs run only in the Hopper form of a kernel that has them (and where TMA can
-        // address K and V, which each run decides from its addresses).
-        // Paged K/V runs the one-CTA forms (`flash_attn_prefill::is_paged`).
+        // address K and V, which each run decides from its addresses); on paged K/V
+        // (`flash_attn_prefill::is_paged`) where its paged module has them too and the host
+        // launches them (`PAGED_PAIRS_LAUNCHED`).
         let paged = flash_attn_prefill::is_paged(kernel_name, params);
-        let pairs = if hopper && !paged && k.is_some_and(|k| !k.hopper_variants.is_empty()) {
+        let paged_pairs = |k: &CudaKernel| k.paged_pairs && flash_attn_prefill::PAGED_PAIRS_LAUNCHED;
+        let pairs = if hopper && k.is_some_and(|k| !k.hopper_variants.is_empty() && (!paged || paged_pairs(k))) {
             flash_attn_prefill::pairs_of(options).name()
         } else {
             "off"
