@@ -1,14 +1,16 @@
 """Paged K/V (SPEC 11) on CUDA: k/v caches ``[num_blocks, block_size, kv_heads, head_dim]``
 read through a block table and ``seqused_k`` by the one-CTA forms (the Hopper form's
-cp.async loaders on sm_90a, and the portable mma.sync form, ``cuda_form="portable"``); a
-paged plan never launches the CTA-pair forms (their TMA tensor maps address contiguous K/V).
+cp.async loaders on sm_90a, and the portable mma.sync form, ``cuda_form="portable"``) and,
+on sm_90a at head dims 64, 128 and 256 with fixed-length queries, by the paged module's
+CTA-pair forms (TMA boxes of a block's rows found through the table).
 
 - Bit-identity with the contiguous layout on the same device and form (SPEC 11): block sizes
   16, 32, 48 (no step aligns with it), 64 and 256, shuffled tables with garbage past each
   sequence's last block, GQA, causal, windows, lse, sinks, variable-length and fixed-length
   queries, float16 and bfloat16 K/V, the head dims of both forms, split walks.
 - The float64 reference (``reference_paged``).
-- What is never read: unused blocks and the rows past each cache's end hold NaN.
+- What is never read: unused blocks and the rows past each cache's end hold NaN (the pair
+  forms' TMA copies a last block's rows past the end: their consumers zero V's there).
 
 Shapes are small. Without a CUDA device every test is skipped (the CPU suite,
 ``test_paged.py``, holds the same cases on the CPU backend)."""
@@ -222,3 +224,104 @@ def test_every_paged_entry_point(rng, form, kv_dtype, softcap, dk, dv):
     ref, _ = reference_paged(q, k, v, block_table=table, seqused_k=used, cu_seqlens_q=cq, causal=True,
                              softcap=softcap, scale=1 / np.sqrt(dk))  # fmt: skip
     assert nmse(paged[0], ref) < BARS[np.dtype(kv_dtype)]
+
+
+# ------------------------------------------------- the CTA-pair forms on paged K/V (Hopper)
+
+#: Block sizes of the pair forms' cases: boxes of 16 rows (16, 48: no 32- or 64-row box
+#: divides them), of 64 (64, 256; 256: a tile inside one block).
+PAIR_BLOCKS = [16, 48, 64, 256]
+
+
+def _pairs(q, k, v, mask=None, pairs="auto", **kw):
+    """One call on CUDA in the library's form with CTA pairs as asked (``auto``: head pairs
+    where the group splits, else query pairs; ``queries``; ``off``), never split."""
+    plan = mn.PrefillPlan(q, k, v, mask, device="cuda", kv_splits=0, cta_pairs=pairs, **kw)
+    return plan.run(), plan
+
+
+@needs_gpu
+@pytest.mark.parametrize("pairs", ["auto", "queries"])
+@pytest.mark.parametrize("kv_dtype", [np.float16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("bs", PAIR_BLOCKS)
+def test_paged_pair_forms_are_each_sequences_contiguous_result(rng, pairs, kv_dtype, d, bs):
+    """Fixed-length queries against paged caches of different lengths (partial last blocks
+    whose rows past the end are NaN, one cache as long as the prompt, one past several
+    tiles), GQA, causal, an explicit mask with a skipped step, CTA pairs asked for: each
+    sequence's output and lse are those of its own contiguous call in the form the paged
+    plan reports (``choices["pairs"]``: on sm_90a the paged module's pair forms, their boxes
+    found through the table and V's rows past the end zeroed, where the host launches them;
+    else ``off``, the one-CTA forms), bit for bit, and the batch matches the reference."""
+    lq, lk, nh, nkv = 100, [300, 100, 129], 8, 2
+    k, v, table, used = make_pages(rng, lk, bs, nkv, d, dtype=kv_dtype)
+    q = rng.uniform(-1, 1, (len(lk), lq, nh, d)).astype(np.float32)
+    mask = rng.uniform(-1, 1, (len(lk), lq, max(lk))).astype(np.float16)
+    mask[:, :, 64:128] = -np.inf  # a skipped step
+    (out, lse), plan = _pairs(q, k, v, mask, pairs, causal=True, block_table=table, seqused_k=used, return_lse=True)
+    form = plan.choices["pairs"]
+    assert form in (pairs, "off"), plan.choices
+    assert np.isfinite(out).all()
+    for b, n in enumerate(lk):
+        kb, vb = gather_pages(k, table, used, b), gather_pages(v, table, used, b)
+        one, _ = _pairs(q[b], kb, vb, np.ascontiguousarray(mask[b, :, :n]), form, causal=True, return_lse=True)
+        _bits((out[b], lse[b]), one)
+    ref, _ = reference_paged(q, k, v, mask, block_table=table, seqused_k=used, causal=True, scale=1 / np.sqrt(d))
+    assert nmse(out, ref) < BARS[np.dtype(kv_dtype)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_paged_pair_forms_without_a_mask(rng, d):
+    """The described masks alone (a two-sided window, sinks) on paged caches with CTA pairs
+    asked for: each sequence's contiguous result in the paged plan's form, bit for bit (a
+    cache of one row, one of a block and a row, one of many tiles)."""
+    lq, lk, nh, nkv, bs = 70, [1, 17, 200], 4, 1, 16
+    k, v, table, used = make_pages(rng, lk, bs, nkv, d)
+    q = rng.uniform(-1, 1, (len(lk), lq, nh, d)).astype(np.float32)
+    sinks = rng.uniform(-1, 1, nh).astype(np.float32)
+    kw = dict(window=(50, 50), sinks=sinks, return_lse=True)
+    (out, lse), plan = _pairs(q, k, v, block_table=table, seqused_k=used, **kw)
+    assert np.isfinite(out).all()
+    for b, n in enumerate(lk):
+        kb, vb = gather_pages(k, table, used, b), gather_pages(v, table, used, b)
+        _bits((out[b], lse[b]), _pairs(q[b], kb, vb, pairs=plan.choices["pairs"], **kw)[0])
+
+
+_TRACED_PAIRS = """
+import sys, numpy as np, pytest
+import mlx_native as mn
+from test_paged import make_pages
+k, v, table, used = make_pages(np.random.default_rng(0), [100], 16, 2, 128)
+q = np.zeros((1, 64, 8, 128), np.float32)
+plan = mn.PrefillPlan(q, k, v, device="cuda", causal=True, block_table=table, seqused_k=used, cta_pairs="auto")
+print("PAIRS", plan.choices["pairs"], plan.choices["form"])
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1], "-k", "test_paged_pair_forms"]))
+"""
+
+
+@needs_gpu
+def test_traced_paged_pairs_launch_what_the_plans_report():
+    """The two tests above again in a process of their own with the launch trace on: where
+    a paged plan reports CTA pairs (sm_90a, the host launching the paged pair forms), every
+    paged pair entry point (``<entry>_pair_heads_paged``, ``_pair_queries_paged``, head dims
+    64, 128 and 256, float16 and bfloat16) is launched; where it reports ``off``, none is."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MLX_NATIVE_CUDA_TRACE": "1"}
+    env.pop("MLX_NATIVE_CUDA_PAIR", None)
+    run = subprocess.run([sys.executable, "-c", _TRACED_PAIRS, __file__], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(__file__), timeout=1200)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    reported = run.stdout.split("PAIRS ", 1)[1].split()[0]
+    launched = {e for e in re.findall(r" entry (\w+) arch \w+$", run.stderr, re.M) if "_pair_" in e and "_paged" in e}
+    want = {
+        f"{e}_pair_{m}_paged"
+        for e in ("flash_attn_prefill_d64", "flash_attn_prefill_d64_bf16", "flash_attn_prefill_d128",
+                  "flash_attn_prefill_d128_bf16", "flash_attn_prefill_tensor_f16_d256", "flash_attn_prefill_d256_bf16")
+        for m in ("heads", "queries")
+    }  # fmt: skip
+    assert launched == (want if reported != "off" else set()), (reported, sorted(launched ^ want))
