@@ -104,6 +104,7 @@ P_MOD, P_FMA, P_IO = f"{P_DIR}/mod.rs", f"{P_DIR}/fma.rs", f"{P_DIR}/io.rs"
 P_TR, P_SM = f"{P_DIR}/transforms.rs", f"{P_DIR}/softmax.rs"
 P_AMX, P_LAYOUT = f"{P_DIR}/amx.rs", f"{P_DIR}/amx_layout.rs"
 P_PAGES = f"{P_DIR}/pages.rs"
+P_SIMD = "rust/src/backend/cpu/simd.rs"
 AMX_EMU, AMX_GEMM, AMX_MOD = "rust/src/backend/cpu/amx/emulated.rs", "rust/src/backend/cpu/amx/gemm.rs", "rust/src/backend/cpu/amx/mod.rs"
 F_RS = "rust/src/backend/cpu/flash_attn_prefill.rs"
 B_RS = "rust/src/backend/cpu/flash_attn_prefill_blk.rs"
@@ -434,6 +435,25 @@ MUTATIONS: List[Mutation] = [
     M("cpu-quant-q8-block-stride", "cpu", P_FMA, "let b = (row as *const u8).add(col / 32 * 34);",
       "let b = (row as *const u8).add(col / 32 * 32);",
       "Q8_0 K/V: blocks read 32 bytes apart (their scales taken from the values)"),
+    # The FP8 widening of simd.rs (each instruction set's lanes against the scalar e4m3_half
+    # and the bytes' exact values, for all 256 bytes; killed by its unit tests, --lib).
+    M("cpu-quant-e4m3-nan-lost", "cpu", P_SIMD,
+      "_mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16::<7>(mag), sign), nan)",
+      "_mm256_or_si256(_mm256_slli_epi16::<7>(mag), sign)", "FP8 E4M3: 0x7f / 0xff widened to 480 (no NaN), AVX2 and AVX-512"),
+    M("cpu-quant-e4m3-sign-bit", "cpu", P_SIMD,
+      "let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(w, _mm256_set1_epi16(0x80)));",
+      "let sign = _mm256_slli_epi16::<7>(_mm256_and_si256(w, _mm256_set1_epi16(0x80)));",
+      "FP8 E4M3: the sign put in the half's exponent (AVX2 and AVX-512)"),
+    M("cpu-quant-e4m3-scale-512", "cpu", P_SIMD,
+      "_mm512_mul_ps(_mm512_cvtph_ps(e4m3_halves(p)), _mm512_set1_ps(256.0))",
+      "_mm512_mul_ps(_mm512_cvtph_ps(e4m3_halves(p)), _mm512_set1_ps(128.0))",
+      "FP8 E4M3: the bias difference 2^8 taken as 2^7 (AVX-512)"),
+    M("cpu-quant-e4m3-scalar-nan", "cpu", P_SIMD, "    if mag == 0x7f {", "    if mag == 0x7e {",
+      "FP8 E4M3: the scalar widening's NaN moved to 0x7e (the portable lanes)"),
+    M("cpu-quant-e5m2-low-byte", "cpu", P_SIMD,
+      "_mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)))",
+      "_mm256_slli_epi16::<7>(_mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i)))",
+      "FP8 E5M2: the byte shifted one bit short of the half's top byte (AVX2 and AVX-512)"),
     M("cpu-q-head-in-group", "cpu", P_IO, "let h = g * pb.group + hh;\n            for rb in (0..pb.bq).step_by(W) {",
       "let h = g * pb.group + (hh + 1) % pb.group;\n            for rb in (0..pb.bq).step_by(W) {",
       "GQA: each query head's output from the next head of its group's Q (f32 and bf16-pair loads)", count=2),
