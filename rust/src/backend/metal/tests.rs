@@ -38,6 +38,30 @@ struct Attention {
     p: FlashAttnPrefillTensorParams,
 }
 
+/// The constant bytes a recorded run set at argument `index` (the first such), if any.
+fn bytes_at(rec: &[Recorded], index: u64) -> Option<Vec<u8>> {
+    rec.iter().find_map(|r| match r {
+        Recorded::SetBytes { index: i, bytes } if *i == index => Some(bytes.clone()),
+        _ => None,
+    })
+}
+
+/// The buffer (the fake's id) a recorded run bound at argument `index` (the first such), if any.
+fn buffer_at(rec: &[Recorded], index: u64) -> Option<usize> {
+    rec.iter().find_map(|r| match r {
+        Recorded::SetBuffer { index: i, buffer, .. } if *i == index => Some(*buffer),
+        _ => None,
+    })
+}
+
+/// The contents of the fake's buffer `id` as `T`s (the plan that owns it alive).
+fn contents_of<T: bytemuck::Pod>(be: &MetalBackend<FakeMetal>, id: usize) -> Vec<T> {
+    let (ptr, len) = be.api().buffers.lock().unwrap()[&id];
+    // SAFETY: the fake's buffer of `len` bytes at `ptr`, alive with the plan; Pod reads any bits.
+    let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+    bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect()
+}
+
 fn attention(dev: &MlxDevice, head_dim: u32) -> Attention {
     let (rows, nh, nkv, kv_pad) = (45u32, 4u32, 2u32, 192u32);
     let bq = if head_dim == 256 { 32 } else { 16 };
@@ -763,35 +787,18 @@ fn a_paged_plan_runs_the_paged_entry_point_with_its_table_and_lengths() {
     plan.run(&mut reg, &run, None).unwrap();
     let rec = be.api().last_run();
     assert_eq!(rec[0], Recorded::SetPipeline("flash_attn_prefill_paged_d128_bf16".into()));
-    let bytes_at = |index| {
-        rec.iter().find_map(|r| match r {
-            Recorded::SetBytes { index: i, bytes } if *i == index => Some(bytes.clone()),
-            _ => None,
-        })
-    };
-    let block: FlashAttnPrefillParamsGpu = bytemuck::pod_read_unaligned(&bytes_at(0).unwrap());
+    let block: FlashAttnPrefillParamsGpu = bytemuck::pod_read_unaligned(&bytes_at(&rec, 0).unwrap());
     assert_eq!((block.k_row_stride, block.k_head_stride, block.v_batch_stride), (0, 0, 0));
     assert_eq!((block.kv_len, block.flags & PREFILL_PAGED), (40, PREFILL_PAGED));
-    let pg: PagedKvParamsGpu = bytemuck::pod_read_unaligned(&bytes_at(13).unwrap());
+    let pg: PagedKvParamsGpu = bytemuck::pod_read_unaligned(&bytes_at(&rec, 13).unwrap());
     assert_eq!(
         (pg.k_block_stride, pg.k_row_stride, pg.k_head_stride),
         ((bs * nkv * hd) as i64, (nkv * hd) as i64, hd as i64)
     );
     assert_eq!((pg.num_blocks, pg.block_size, pg.max_blocks, pg.batch), (8, 16, 4, 2));
-    let buffer_at = |index| {
-        rec.iter().find_map(|r| match r {
-            Recorded::SetBuffer { index: i, buffer, .. } if *i == index => Some(*buffer),
-            _ => None,
-        })
-    };
-    assert_eq!((buffer_at(2), buffer_at(3)), (Some(buffer_id(&k)), Some(buffer_id(&v))));
-    let contents = |id: usize| {
-        let (ptr, len) = be.api().buffers.lock().unwrap()[&id];
-        // SAFETY: the fake's buffer of `len` bytes at `ptr`, alive with the plan.
-        unsafe { std::slice::from_raw_parts(ptr as *const i32, len / 4) }.to_vec()
-    };
-    assert_eq!(contents(buffer_at(14).unwrap())[..8], table);
-    assert_eq!(contents(buffer_at(15).unwrap())[..2], used);
+    assert_eq!((buffer_at(&rec, 2), buffer_at(&rec, 3)), (Some(buffer_id(&k)), Some(buffer_id(&v))));
+    assert_eq!(contents_of::<i32>(&be, buffer_at(&rec, 14).unwrap())[..8], table);
+    assert_eq!(contents_of::<i32>(&be, buffer_at(&rec, 15).unwrap())[..2], used);
     assert_eq!(
         rec.last(),
         Some(&Recorded::DispatchThreadgroups { grid: GridSize::new(1, 4, 2), threadgroup: GridSize::new(32, 8, 1) })
@@ -861,19 +868,8 @@ fn a_quantised_plan_runs_the_kvq_entry_points_with_its_descale_factors() {
         workspace: None,
     };
     let recorded = |be: &MetalBackend<FakeMetal>| be.api().last_run();
-    let buffer_at = |rec: &[Recorded], index| {
-        rec.iter().find_map(|r| match r {
-            Recorded::SetBuffer { index: i, buffer, .. } if *i == index => Some(*buffer),
-            _ => None,
-        })
-    };
-    let block_of = |rec: &[Recorded]| -> FlashAttnPrefillParamsGpu {
-        let bytes = rec.iter().find_map(|r| match r {
-            Recorded::SetBytes { index: 0, bytes } => Some(bytes.clone()),
-            _ => None,
-        });
-        bytemuck::pod_read_unaligned(&bytes.unwrap())
-    };
+    let block_of =
+        |rec: &[Recorded]| -> FlashAttnPrefillParamsGpu { bytemuck::pod_read_unaligned(&bytes_at(rec, 0).unwrap()) };
     let smem = quant_threadgroup_memory_bytes(hd as u32).unwrap();
     assert!(smem > threadgroup_memory_bytes(hd as u32).unwrap() && smem <= 32 * 1024);
 
@@ -887,12 +883,7 @@ fn a_quantised_plan_runs_the_kvq_entry_points_with_its_descale_factors() {
     let block = block_of(&rec);
     assert_eq!((block.kv_dtype, block.flags & PREFILL_DESCALE), (DType::F8E5M2 as i32, PREFILL_DESCALE));
     let factors = buffer_at(&rec, 16).expect("descale factors at 16");
-    let contents = {
-        let (ptr, len) = be.api().buffers.lock().unwrap()[&factors];
-        // SAFETY: the fake's buffer of `len` bytes at `ptr`, alive with the plan.
-        unsafe { std::slice::from_raw_parts(ptr as *const f32, len / 4) }.to_vec()
-    };
-    assert_eq!(contents[..4], [0.5, 2.0, 3.0, 3.0]);
+    assert_eq!(contents_of::<f32>(&be, factors)[..4], [0.5, 2.0, 3.0, 3.0]);
     assert!(rec.contains(&Recorded::SetThreadgroupMemoryLength { index: 0, bytes: smem }));
 
     // Paged, without factors: the paged quantised entry point, Q at 16.
