@@ -293,3 +293,64 @@ pub(super) unsafe fn accumulate_block<S: Simd, const D: usize, const IB: usize, 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::pages::kv_value;
+    use super::*;
+    use crate::backend::cpu::simd::Portable;
+
+    /// The vector loader of each instruction set against the scalar one (`kv_value`, itself
+    /// checked against each format's values in pages.rs): FP8 E4M3 and E5M2 with a descale
+    /// factor, every byte in every lane, and Q8_0 rows of two blocks at each vector's column,
+    /// bit for bit (NaN as NaN).
+    fn check_load_kv<S: Simd>() {
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        let mut got = [0f32; W];
+        for shift in 0..W {
+            let bytes: Vec<u8> = (0..256 + W).map(|i| (i + shift) as u8).collect();
+            for kv in [Kv::E4M3(0.75), Kv::E5M2(0.75), Kv::E4M3(1.0), Kv::E5M2(1.0)] {
+                for col in (0..256).step_by(W) {
+                    unsafe { S::store(got.as_mut_ptr(), load_kv::<S>(bytes.as_ptr() as *const u16, col, kv)) };
+                    for (e, &g) in got.iter().enumerate() {
+                        let want = unsafe { kv_value(bytes.as_ptr() as *const u16, col + e, kv) };
+                        assert!(same(g, want), "{} {kv:?} byte {:#x}: {g} against {want}", S::NAME, bytes[col + e]);
+                    }
+                }
+            }
+        }
+        // Q8_0: two blocks (scales 0.5 and -3), every int8 value at every place of a block.
+        let mut row = [0u8; 68];
+        for (b, d) in [(0usize, 0.5f32), (1, -3.0)] {
+            row[b * 34..b * 34 + 2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+        }
+        for shift in 0..8 {
+            for i in 0..32 {
+                row[2 + i] = (i * 8 + shift) as u8;
+                row[36 + i] = (255 - i * 8 - shift) as u8;
+            }
+            for col in (0..64).step_by(W) {
+                unsafe { S::store(got.as_mut_ptr(), load_kv::<S>(row.as_ptr() as *const u16, col, Kv::Q8_0)) };
+                for (e, &g) in got.iter().enumerate() {
+                    let want = unsafe { kv_value(row.as_ptr() as *const u16, col + e, Kv::Q8_0) };
+                    assert_eq!(g.to_bits(), want.to_bits(), "{} q8_0 column {}", S::NAME, col + e);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_vector_kv_loaders_are_the_scalar_one() {
+        check_load_kv::<Portable>();
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::backend::cpu::simd::{has_avx2, has_avx512, Avx2, Avx512};
+            if has_avx2() {
+                check_load_kv::<Avx2>();
+            }
+            if has_avx512() {
+                check_load_kv::<Avx512>();
+            }
+        }
+    }
+}
