@@ -45,11 +45,13 @@ def _bits(a, b):
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"max diff {np.abs(x.astype(float) - y).max()}"
 
 
-def _cuda(q, k, v, mask=None, form="auto", splits=0, **kw):
+def _cuda(q, k, v, mask=None, form="auto", splits=0, pairs="off", **kw):
     """One call on CUDA through a plan of host arrays (uploaded, run, downloaded), in the
-    given form, the walk split as asked (0: never) and no CTA pairs, so that a paged plan
-    and a contiguous one launch the same kernel; returns the run's result and the plan."""
-    plan = mn.PrefillPlan(q, k, v, mask, device="cuda", cuda_form=form, kv_splits=splits, cta_pairs="off", **kw)
+    given form, the walk split as asked (0: never) and CTA pairs as asked (by default none,
+    so that a paged plan and a contiguous one launch the same kernel; ``auto``: head pairs
+    where the group splits, else query pairs; ``queries``); returns the run's result and the
+    plan."""
+    plan = mn.PrefillPlan(q, k, v, mask, device="cuda", cuda_form=form, kv_splits=splits, cta_pairs=pairs, **kw)
     return plan.run(), plan
 
 
@@ -233,13 +235,6 @@ def test_every_paged_entry_point(rng, form, kv_dtype, softcap, dk, dv):
 PAIR_BLOCKS = [16, 48, 64, 256]
 
 
-def _pairs(q, k, v, mask=None, pairs="auto", **kw):
-    """One call on CUDA in the library's form with CTA pairs as asked (``auto``: head pairs
-    where the group splits, else query pairs; ``queries``; ``off``), never split."""
-    plan = mn.PrefillPlan(q, k, v, mask, device="cuda", kv_splits=0, cta_pairs=pairs, **kw)
-    return plan.run(), plan
-
-
 @needs_gpu
 @pytest.mark.parametrize("pairs", ["auto", "queries"])
 @pytest.mark.parametrize("kv_dtype", [np.float16, BF16], ids=["f16", "bf16"])
@@ -258,13 +253,14 @@ def test_paged_pair_forms_are_each_sequences_contiguous_result(rng, pairs, kv_dt
     q = rng.uniform(-1, 1, (len(lk), lq, nh, d)).astype(np.float32)
     mask = rng.uniform(-1, 1, (len(lk), lq, max(lk))).astype(np.float16)
     mask[:, :, 64:128] = -np.inf  # a skipped step
-    (out, lse), plan = _pairs(q, k, v, mask, pairs, causal=True, block_table=table, seqused_k=used, return_lse=True)
+    (out, lse), plan = _cuda(q, k, v, mask, pairs=pairs, causal=True, block_table=table, seqused_k=used,
+                             return_lse=True)
     form = plan.choices["pairs"]
     assert form in (pairs, "off"), plan.choices
     assert np.isfinite(out).all()
     for b, n in enumerate(lk):
         kb, vb = gather_pages(k, table, used, b), gather_pages(v, table, used, b)
-        one, _ = _pairs(q[b], kb, vb, np.ascontiguousarray(mask[b, :, :n]), form, causal=True, return_lse=True)
+        one, _ = _cuda(q[b], kb, vb, np.ascontiguousarray(mask[b, :, :n]), pairs=form, causal=True, return_lse=True)
         _bits((out[b], lse[b]), one)
     ref, _ = reference_paged(q, k, v, mask, block_table=table, seqused_k=used, causal=True, scale=1 / np.sqrt(d))
     assert nmse(out, ref) < BARS[np.dtype(kv_dtype)]
@@ -281,11 +277,11 @@ def test_paged_pair_forms_without_a_mask(rng, d):
     q = rng.uniform(-1, 1, (len(lk), lq, nh, d)).astype(np.float32)
     sinks = rng.uniform(-1, 1, nh).astype(np.float32)
     kw = dict(window=(50, 50), sinks=sinks, return_lse=True)
-    (out, lse), plan = _pairs(q, k, v, block_table=table, seqused_k=used, **kw)
+    (out, lse), plan = _cuda(q, k, v, pairs="auto", block_table=table, seqused_k=used, **kw)
     assert np.isfinite(out).all()
     for b, n in enumerate(lk):
         kb, vb = gather_pages(k, table, used, b), gather_pages(v, table, used, b)
-        _bits((out[b], lse[b]), _pairs(q[b], kb, vb, pairs=plan.choices["pairs"], **kw)[0])
+        _bits((out[b], lse[b]), _cuda(q[b], kb, vb, pairs=plan.choices["pairs"], **kw)[0])
 
 
 _TRACED_PAIRS = """

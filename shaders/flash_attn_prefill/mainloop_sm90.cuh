@@ -542,18 +542,12 @@ __device__ __forceinline__ void attention(const Params& p, const Launch& L, cons
             load_mask_tile(s_mask + st * C::MASK_BYTES, mask + sq.mask, p, lq, lk, q_cta, qpc, t, m_al, lane, 32);
         };
         // V of step t in stage st: paged, its rows past the cache's end zeroed in this CTA's
-        // copy, each warpgroup before its own product (the other's writes are the same zeros),
-        // fenced for the tensor cores, met at the warpgroup's barrier (3 + wgi: the turns are
-        // 1 and 2).
+        // copy before the warpgroup's product (paged_tma.cuh; its barrier 3 + wgi: the turns
+        // are 1 and 2).
         auto v_in = [&](int st, int t) {
 #if MLXN_PAGED_ENTRIES
-            const int from = lk - t * STEP;
-            if (from < STEP) {
-                st = __shfl_sync(0xffffffffu, st, 0);
-                zero_tile_rows<D>(s_kv + st * 2 * C::KV_BYTES + C::KV_BYTES, STEP, from, tid & 127, 128);
-                fence_proxy_async();
-                named_barrier(3 + wgi, 128);
-            }
+            st = __shfl_sync(0xffffffffu, st, 0);
+            zero_v_past_end<D>(s_kv + st * 2 * C::KV_BYTES + C::KV_BYTES, STEP, lk - t * STEP, 3 + wgi);
 #else
             (void)st;
             (void)t;

@@ -242,17 +242,12 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PC::S>& bars, u32 s
         }
     };
     // V of tile u in stage st: paged, its rows past the cache's end zeroed in this CTA's
-    // copy (paged_tma.cuh), each warpgroup before its own product (the other's writes are the
-    // same zeros), then fenced for the tensor cores and met at the warpgroup's barrier.
+    // copy before the warpgroup's product (paged_tma.cuh; the warpgroup's barrier is its Q's).
     auto v_in = [&](int st, int u) {
 #if MLXN_PAGED_ENTRIES
-        const int from = r.lk - u * PC::N;
-        if (from < PC::N) {
-            st = __shfl_sync(0xffffffffu, st, 0);
-            zero_tile_rows<D>(s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES), PC::N, from, tid & 127, 128);
-            fence_proxy_async();
-            named_barrier(PC::BAR_Q + wgi, 128);
-        }
+        st = __shfl_sync(0xffffffffu, st, 0);
+        zero_v_past_end<D>(s_kv + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES), PC::N, r.lk - u * PC::N,
+                           PC::BAR_Q + wgi);
 #else
         (void)st;
         (void)u;

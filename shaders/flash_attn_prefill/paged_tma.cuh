@@ -10,7 +10,7 @@
 // (every step that reaches past the end is a class-1 step, whose pairs not visible are set,
 // not added to) and their P is zero, but P V would still carry a NaN of V (0 x NaN), so the
 // consumers zero V's rows past the end in their own copy of a tile before its product
-// (zero_tile_rows). The contiguous pair forms need no such step: their map ends at the
+// (zero_v_past_end). The contiguous pair forms need no such step: their map ends at the
 // sequence's cache and the TMA writes zeros past it.
 #pragma once
 
@@ -53,18 +53,23 @@ __device__ __forceinline__ void tma_box_paged(u32 dst, const TMap* map, const La
     }
 }
 
-// Rows `from` .. rows - 1 of a K / V tile in the atom layout (D / 64 column blocks of
-// `rows` rows x 128 bytes) set to zero by threads tid, tid + n, ... of `n` (the swizzle
-// moves chunks inside a row only, so whole rows are plain byte ranges). The caller fences
-// (fence_proxy_async) and meets its threads at a barrier before a product reads the tile.
+// A consumer warpgroup's V tile (`rows` rows in the atom layout: D / 64 column blocks of
+// rows x 128 bytes) once it is in: where the cache ends inside it (`from`, the tile's first
+// row past the end, below rows), its rows from there set to zero by the warpgroup's 128
+// threads (the swizzle moves chunks inside a row only, so whole rows are plain byte ranges),
+// fenced for the tensor cores and met at the warpgroup's named barrier `bar_id`; else
+// nothing. The other warpgroups' writes to the same tile are the same zeros.
 template <int D>
-__device__ __forceinline__ void zero_tile_rows(u32 tile, int rows, int from, int tid, int n) {
+__device__ __forceinline__ void zero_v_past_end(u32 tile, int rows, int from, int bar_id) {
+    if (from >= rows) return;
     from = max(from, 0);
     const int chunks = (rows - from) * 8;  // 16-byte chunks of one column block's rows
-    for (int i = tid; i < (D / 64) * chunks; i += n) {
+    for (int i = (int)threadIdx.x & 127; i < (D / 64) * chunks; i += 128) {
         const int cb = i / chunks, c = i - cb * chunks;
         st_shared_v4(tile + (u32)(cb * rows * 128 + from * 128 + c * 16), 0u, 0u, 0u, 0u);
     }
+    fence_proxy_async();
+    named_barrier(bar_id, 128);
 }
 
 }  // namespace hopper

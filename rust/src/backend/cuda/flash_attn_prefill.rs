@@ -394,11 +394,11 @@ fn pair_setting(options: &RunOptions) -> Option<bool> {
 /// sequences), boxes of 64 x 1 x 64 x 1 halves, 128-byte swizzle; rows past a sequence's
 /// cache land as zeros. `None` where TMA cannot address the view.
 fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_len: u32, batch: u32, strides: [i64; 3]) -> Option<TensorMap> {
-    let [batch_stride, row_stride, _] = strides.map(|s| s as u64 * 2);
+    let [batch_stride, row_stride, head_stride] = strides.map(|s| s as u64 * 2);
     // One sequence: the stride past its whole cache (the driver refuses a 4-d map whose
     // outer stride does not cover the dimension inside it).
     let seq = if batch == 1 { row_stride.saturating_mul(kv_len as u64) } else { batch_stride };
-    encode_kv_map(base, head_dim, n_kv, [kv_len, batch], 64, [strides[2] as u64 * 2, row_stride, seq])
+    encode_kv_map(base, head_dim, n_kv, [kv_len, batch], 64, [head_stride, row_stride, seq])
 }
 
 /// Rows of one box of a paged cache's map: the largest of 64, 32 and 16 that divides the
