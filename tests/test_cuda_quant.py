@@ -12,8 +12,9 @@ whose loaders widen the bytes to F16 in shared memory (docs/spec.md 11b).
   bit, both forms, contiguous and paged, and every finite FP8 byte widens to its half
   (``test_every_fp8_byte_is_its_half``); the integer widening that sm_80 runs is checked on
   this GPU too (``MLXN_FP8_CVT_INT`` in a process of its own).
-- A quantised plan never takes the CTA-pair forms; split walks; the score transforms; every
-  quant entry point of the form the GPU runs is launched (the launch trace).
+- Split walks; the score transforms; every quant entry point of the form the GPU runs is
+  launched (the launch trace). The CTA-pair forms on FP8 K/V (which plans take them, their
+  results) are test_cuda_quant_pairs.py's.
 
 Shapes are small. Without a CUDA device every test is skipped (the CPU suite,
 ``test_quant_kv.py``, holds the same formats on the CPU backend)."""
@@ -311,19 +312,6 @@ def test_quantised_score_transforms_on_cuda(rng, form, fmt, paged):
         kc, vc = quantise(rng, (2, 130, nkv, d), fmt), quantise(rng, (2, 130, nkv, d), fmt)
         out, _ = _cuda(q, kc, vc, **kw)
         ref, _ = reference_prefill(q, values(kc, fmt, kd), values(vc, fmt, vd), **rkw)
-    assert nmse(out, ref) < BAR
-
-
-@needs_gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_a_quantised_plan_never_takes_the_pair_forms(rng, fmt):
-    """With CTA pairs allowed (the default choice; fixed length, aligned K/V: where an F16
-    plan takes them on Hopper), a quantised plan runs the one-CTA form."""
-    q = rng.uniform(-1, 1, (2, 256, 8, 128)).astype(np.float32)
-    k, v = quantise(rng, (2, 256, 2, 128), fmt), quantise(rng, (2, 256, 2, 128), fmt)
-    (out, plan) = _cuda(q, k, v, causal=True, pairs="auto", **kw_of(fmt))
-    assert plan.choices["pairs"] == "off", plan.choices
-    ref, _ = reference_prefill(q, values(k, fmt), values(v, fmt), causal=True, scale=1 / np.sqrt(128))
     assert nmse(out, ref) < BAR
 
 

@@ -194,9 +194,10 @@ fn paged_modules_compile_with_nvrtc_for_hopper_and_ampere() {
 
 /// The quantised K/V modules (`-DMLXN_QUANT_ENTRIES=1`, with `-DMLXN_PAGED_ENTRIES=1` for
 /// paged quantised K/V; compiled only for such a launch): each F16 attention source's `_kvq`
-/// entry points (`_paged_kvq`; and `_xf_kvq` / `_xf_paged_kvq` in the portable form) with the
-/// split-KV merge, nothing else (no BF16 forms, no pair forms), spilling no more than their
-/// F16 siblings allow.
+/// entry points (`_paged_kvq`; and `_xf_kvq` / `_xf_paged_kvq` in the portable form; and on
+/// sm_90a at head dims 64, 128 and 256 the FP8 pair forms `_pair_heads_kvq` /
+/// `_pair_queries_kvq`) with the split-KV merge, nothing else (no BF16 forms, no paged pair
+/// forms), spilling no more than their F16 siblings allow.
 #[test]
 fn quant_modules_compile_with_nvrtc_for_hopper_and_ampere() {
     let quant_kernels: Vec<_> = cuda::kernels().filter(|k| k.quant).collect();
@@ -255,8 +256,15 @@ fn quant_modules_compile_with_nvrtc_for_hopper_and_ampere() {
                 // within 128 registers) does, a little more with the widening loader
                 // (docs/spec.md 11b: 132 bytes, the F16 form 116).
                 let two_ctas = arch == "sm_90a" && function.starts_with("flash_attn_prefill_d128_");
+                // The FP8 pair forms (quant_pipe.cuh): head dim 64 as its F16 sibling (the
+                // producer's 32 registers; measured 184 bytes), 256 as the F16 form in the
+                // same pipeline (PIPE 2: 306 / 378 bytes there, 288 / 348 here), 128 a
+                // few words (12 bytes at pair heads).
+                let pair = arch == "sm_90a" && function.contains("_pair_");
                 let allowed = if function.contains("_xf_") {
                     128
+                } else if pair && (function.contains("_d64") || function.contains("d256")) {
+                    384
                 } else if two_ctas {
                     160
                 } else {

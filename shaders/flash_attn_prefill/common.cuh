@@ -69,6 +69,9 @@ __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
 __device__ __forceinline__ void st_shared_i64(u32 addr, long long v) {
     asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(addr), "l"(v) : "memory");
 }

@@ -115,10 +115,25 @@
 // Tiles<DIM>::CONSUMERS consumer warpgroups: WS_THREADS threads with two).
 #define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)
 #define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? 128 * (hopper::Tiles<DIM>::CONSUMERS + 1) : NTHREADS)
-#if MLXN_QUANT_ENTRIES
-// The quant modules have none (a quantised launch never takes a pair form: the TMA copies
-// K/V as they are, it cannot widen them).
+#if MLXN_QUANT_ENTRIES && MLXN_PAGED_ENTRIES
+// The paged quant module has none (a paged quantised launch runs the one-CTA forms).
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)
+#elif MLXN_QUANT_ENTRIES
+// The quant module's: NAME_kvq at head dims 64, 128 and 256, F16 only (quant_pipe.cuh: the
+// TMA copies FP8 K/V's bytes, which the producer's converter warps widen to F16), whose
+// tensor maps read the FP8 rows as 16-bit elements; no explicit mask (no mask tiles).
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE) MLXN_PAIR_ENTRY_QUANT_##DIM(NAME, DIM, MODE, CX, CY, T)
+#define MLXN_PAIR_ENTRY_QUANT(NAME, DIM, MODE, CX, CY, T)                                                     \
+    MLXN_IF_F16(T, extern "C" __global__ void __cluster_dims__(CX, CY, 1)                                     \
+                       __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)                                           \
+                           NAME##_kvq(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap,                   \
+                                      const __grid_constant__ hopper::TMap vmap) {                            \
+                               hopper::pair_attention<DIM, MODE, T, false>(MLXN_PASS, &kmap, &vmap);          \
+                           })
+#define MLXN_PAIR_ENTRY_QUANT_64(...) MLXN_PAIR_ENTRY_QUANT(__VA_ARGS__)
+#define MLXN_PAIR_ENTRY_QUANT_128(...) MLXN_PAIR_ENTRY_QUANT(__VA_ARGS__)
+#define MLXN_PAIR_ENTRY_QUANT_256(...) MLXN_PAIR_ENTRY_QUANT(__VA_ARGS__)
+#define MLXN_PAIR_ENTRY_QUANT_512(...)
 #elif MLXN_PAGED_ENTRIES
 // The paged module's: NAME_paged at head dims 64, 128 and 256 (the pipelined and
 // warp-specialised forms; paged_tma.cuh), whose tensor maps are of the caches' blocks (head
@@ -151,7 +166,7 @@
 // The same in the pipeline's shape without the explicit mask's tiles (tiles_sm90.cuh's
 // WideTiles; the same threads): NAME_pair_heads_wide and NAME_pair_queries_wide, which the
 // host launches where no explicit mask is given.
-#if MLXN_PAGED_ENTRIES
+#if MLXN_PAGED_ENTRIES || MLXN_QUANT_ENTRIES
 #define MLXN_PAIR_WIDE_ENTRIES(NAME, DIM, T)
 #else
 #define MLXN_PAIR_WIDE_ENTRIES(NAME, DIM, T)                                    \

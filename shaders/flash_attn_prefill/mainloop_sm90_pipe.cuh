@@ -14,6 +14,7 @@
 #include "flash_attn_prefill/epilogue.cuh"
 #include "flash_attn_prefill/mainloop_sm90.cuh"
 #include "flash_attn_prefill/pipeline_sm90.cuh"
+#include "flash_attn_prefill/quant_pipe.cuh"
 
 namespace hopper {
 
@@ -133,14 +134,30 @@ __device__ __forceinline__ void store_rows(const Params& p, const Launch& L, con
 }
 
 // The producer's roles: warp 0 of its warpgroup the walk, told tile by tile, and K and V by
-// TMA multicast; warp 1 the same walk and the mask tiles by cp.async.
+// TMA multicast; warp 1 the same walk and the mask tiles by cp.async. Quantised K/V
+// (quant_pipe.cuh): warp 0's TMA copies each tile's bytes into the raw slots, and warps 2
+// and 3 widen them into the stages.
 template <int D, int PAIR, class PC>
 __device__ __forceinline__ void pipe_producer(const PipeBars<PC::S>& bars, u32 s_q, const Params& p,
                                               const Launch& L, const u16* __restrict__ mask, const u8* __restrict__ blk,
                                               const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                                               const TMap* kmap, const TMap* vmap) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+#if MLXN_QUANT_ENTRIES && !MLXN_PAGED_ENTRIES
+    const RawBars<PC::RS> rb{bars.base + (u32)(80 * PC::S)};
+    const u32 s_raw = s_q + PC::RAW;
+    auto raw_k = [&](int st) { return s_raw + (u32)(st * 2 * PC::RAW_BYTES); };
+    auto raw_v = [&](int st) { return s_raw + (u32)(st * 2 * PC::RAW_BYTES + PC::RAW_BYTES); };
+    if (warp >= 4 - CONVERTERS) {
+        const u32 s_stages = s_q + PC::Q_BYTES;
+        auto stage_k = [&](int st) { return s_stages + (u32)(st * 2 * PC::KV_BYTES); };
+        auto stage_v = [&](int st) { return s_stages + (u32)(st * 2 * PC::KV_BYTES + PC::KV_BYTES); };
+        quant_convert_kv<PC>(bars, rb, warp - (4 - CONVERTERS), lane, p.kv_dtype, stage_k, stage_v, raw_k, raw_v);
+        return;
+    }
+#else
     if (warp > 1) return;
+#endif
     const PairRows r = pair_rows<PAIR>(p, L, cu_q, cu_k);
     PairWalk<PAIR> walk;
     pair_walk<PAIR>(walk, p, L, r, blk);
@@ -151,7 +168,19 @@ __device__ __forceinline__ void pipe_producer(const PipeBars<PC::S>& bars, u32 s
     const u32 s_kv = s_q + PC::Q_BYTES, s_mask = s_kv + PC::S * 2 * PC::KV_BYTES;
     if (warp == 0) {
         const int kvh = ((int)cta_xy(L).y * L.heads_per_cta) / (p.n_heads / p.n_kv_heads), seq = cta_sequence(L);
-#if MLXN_PAGED_ENTRIES
+#if MLXN_QUANT_ENTRIES && !MLXN_PAGED_ENTRIES
+        // The raw boxes: IB bytes of a row (the map's IB / 2 16-bit elements), 64 rows.
+        constexpr int IB = D < 128 ? D : 128;
+        const int last = (r.lk - 1) / STEP * STEP;
+        auto issue_k = [&](int st, int u, u32 bar) {
+            tma_boxes<D / IB, IB, PC::N>(kmap, raw_k(st), bar, kvh, u * PC::N, last, seq);
+        };
+        auto issue_v = [&](int st, int u, u32 bar) {
+            tma_boxes<D / IB, IB, PC::N>(vmap, raw_v(st), bar, kvh, u * PC::N, last, seq);
+        };
+        pipe_produce_kv<PC::RS, PC::RAW_BYTES>(rb, tw, lane, issue_k, issue_v);
+        return;
+#elif MLXN_PAGED_ENTRIES
         auto issue_k = [&](int st, int u, u32 bar) {
             tma_tile_paged<D, PC::N>(kmap, s_kv + (u32)(st * 2 * PC::KV_BYTES), bar, L, kvh, u * PC::N, r.lk);
         };
@@ -170,7 +199,7 @@ __device__ __forceinline__ void pipe_producer(const PipeBars<PC::S>& bars, u32 s
                                seq);
         };
 #endif
-        pipe_produce_kv<PC>(bars, tw, lane, issue_k, issue_v);
+        pipe_produce_kv<PC::S, PC::KV_BYTES>(bars, tw, lane, issue_k, issue_v);
     } else {
         const bool m_al = (L.flags & FLAG_MASK_ALIGNED) != 0;
         auto load_mask = [&](int slot, int ts, int ln) {
@@ -205,7 +234,12 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PC::S>& bars, u32 s
     const bool by_distance = alibi_by_distance(p);
     PairWalk<PAIR> walk;  // for its table rows only (the producer walks)
     walk.init((p.flags & PREFILL_MASK) ? blk + r.sq.blk : nullptr, p.blk_steps, 32, r.wa, r.we);
-    const RowGeom geo{r0 % qpc, r.q_cta, r.lk, r.off, head, lane >> 2, lane & 3, by_distance};
+    RowGeom geo{r0 % qpc, r.q_cta, r.lk, r.off, head, lane >> 2, lane & 3, by_distance};
+#if MLXN_QUANT_ENTRIES
+    // SPEC 11: K's value is descale x the FP8 value the product took (the scores' factor).
+    const int kvh = head / (p.n_heads / p.n_kv_heads);
+    geo.kd = kdescale(p, L, kvh);
+#endif
     float o[PC::NO];  // O, then (ROWSUM) the rows' sums: PipeCfg::NO
 #pragma unroll
     for (int i = 0; i < PC::NO; ++i) o[i] = 0.f;
@@ -260,6 +294,12 @@ __device__ __forceinline__ void pipe_consumer(const PipeBars<PC::S>& bars, u32 s
         l_run[0] = o[D / 2];  // the sums' accumulator: rows g8 and g8 + 8, every column the whole row's
         l_run[1] = o[D / 2 + 2];
     }
+#if MLXN_QUANT_ENTRIES
+    // V's factor: O's rows are sums of P times the FP8 values of V.
+    const float vd = vdescale(p, L, kvh);
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= vd;
+#endif
     store_rows<D, PC::ROWSUM>(p, L, cta_seq_again(p, L, cu_q, cu_k), r.lq, q0, head,
                               *reinterpret_cast<const float(*)[D / 2]>(&o[0]), m_run, l_run, out, lse, sinks);
     (void)lane;
@@ -284,9 +324,16 @@ __device__ __forceinline__ void attention_pipe(const Params& p, const Launch& L,
     if (pair_is_empty<PAIR>(p, L)) return;
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s_q = (smem_addr(smem) + 1023u) & ~1023u;  // swizzle atoms need 1 KB alignment
-    const PipeBars<PC::S> bars{s_q + PC::Q_BYTES + PC::S * (2 * PC::KV_BYTES + PC::MASK_STAGE_BYTES)};
+    const PipeBars<PC::S> bars{s_q + PC::BARS};
     const int tid = threadIdx.x;
+#if MLXN_QUANT_ENTRIES && !MLXN_PAGED_ENTRIES
+    if (tid == 0) {
+        init_raw_bars(RawBars<PC::RS>{bars.base + (u32)(80 * PC::S)});
+        init_bars<PC::CT>(bars, CONVERTERS);  // (fences the raw slots' barriers too)
+    }
+#else
     if (tid == 0) init_bars<PC::CT>(bars);
+#endif
     cluster_arrive();
     cluster_wait();  // both CTAs' barriers exist before any tile lands in either
     if (tid >= PC::CT) {
@@ -311,6 +358,11 @@ __device__ __forceinline__ void pair_attention(const Params& p, const Launch& L,
                                                void* __restrict__ out, float* __restrict__ lse,
                                                const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                                                const float* __restrict__ sinks, const TMap* kmap, const TMap* vmap) {
+#if MLXN_QUANT_ENTRIES && !MLXN_PAGED_ENTRIES
+    attention_pipe<D, PAIR, T, PipeCfg<D, QuantTiles<D>>>(p, L, q, mask, blk, out, lse, cu_q, cu_k, sinks, kmap, vmap);
+    (void)k;
+    (void)v;
+#else
     if constexpr (WIDE) {
         attention_pipe<D, PAIR, T, PipeCfg<D, WideTiles<D>>>(p, L, q, mask, blk, out, lse, cu_q, cu_k, sinks, kmap,
                                                              vmap);
@@ -319,6 +371,7 @@ __device__ __forceinline__ void pair_attention(const Params& p, const Launch& L,
     } else {
         attention<D, PAIR, T, Tiles<D>::PIPE == 1>(p, L, q, k, v, mask, blk, out, lse, cu_q, cu_k, sinks, kmap, vmap);
     }
+#endif
 }
 
 }  // namespace hopper

@@ -40,15 +40,19 @@ namespace hopper {
 #define MLXN_WS_SOLO 0
 #endif
 // The CTAs whose consumers release a stage, and into which a tile's boxes are multicast.
-constexpr int PIPE_PEERS = MLXN_WS_SOLO ? 1 : 2;
+// The quant module's pairs (quant_pipe.cuh) widen each CTA's own copy of a tile: its own.
+constexpr int PIPE_PEERS = (MLXN_WS_SOLO || MLXN_QUANT_ENTRIES) ? 1 : 2;
 
 // The shape and shared memory of the pipeline at head dim D (TILES: its row of tiles_sm90.cuh): Q [D / 64][ROWS][64 halves],
 // then per stage K and V ([D / 64][N rows][64 halves] each), then per stage the mask tiles
-// of its NH steps ([ROWS queries][64] halves each), then the mbarriers and each stage's tile,
-// then (ROWSUM) each consumer warpgroup's block of ones (the B of its rows' sums' product).
+// of its NH steps ([ROWS queries][64] halves each), then (quantised K/V, RS > 0) RS raw
+// slots of a tile's K and V bytes as the TMA copies them (quant_pipe.cuh), then the
+// mbarriers and each stage's tile (then the raw slots' mbarriers and records), then
+// (ROWSUM) each consumer warpgroup's block of ones (the B of its rows' sums' product).
 template <int D, class TILES = Tiles<D>>
 struct PipeCfg {
     typedef TILES TL;
+    static constexpr int HEAD_DIM = D;
     static constexpr int N = TL::N, NH = N / STEP, S = TL::STAGES;
     static constexpr bool OVERLAP = TL::OVERLAP, ROWSUM = TL::ROWSUM_MMA;
     static constexpr bool TURNS = MLXN_WS_TURNS != 0;  // the consumers' products take turns (tiles_sm90.cuh)
@@ -68,8 +72,11 @@ struct PipeCfg {
     static constexpr int MASK_BYTES = ROWS * STEP * 2;  // one step's mask tile
     static constexpr bool MASK_TILES = TL::MASK_TILES;  // room for them (else a tile that needs one traps)
     static constexpr int MASK_STAGE_BYTES = MASK_TILES ? NH * MASK_BYTES : 0;
-    static constexpr int BAR_BYTES = 48 * S + 32 * S;  // the mbarriers, then each stage's tile (PipeBars)
-    static constexpr int BARS = Q_BYTES + S * (2 * KV_BYTES + MASK_STAGE_BYTES);  // from Q's start
+    static constexpr int RS = TL::RAW_SLOTS, RAW_BYTES = N * D;  // raw slots; one K (or V) tile's bytes
+    static constexpr int RAW = Q_BYTES + S * (2 * KV_BYTES + MASK_STAGE_BYTES);  // the raw slots, from Q's start
+    static constexpr int RAW_BAR_BYTES = 64 * RS;  // RawBars: four mbarriers and a tile's record a slot
+    static constexpr int BAR_BYTES = 48 * S + 32 * S + RAW_BAR_BYTES;  // the mbarriers, then each stage's tile (PipeBars)
+    static constexpr int BARS = RAW + RS * 2 * RAW_BYTES;  // from Q's start
     // A warpgroup's ones: one k16 x n8 block (256 bytes), read by every k-chunk's product.
     static constexpr int ONES = BARS + (BAR_BYTES + 127) / 128 * 128;
     static constexpr int SMEM = 1024 + (ROWSUM ? ONES + 2 * 256 : BARS + BAR_BYTES);
@@ -78,6 +85,7 @@ struct PipeCfg {
     static_assert(S >= 2, "the producer fills one stage while the consumers read another");
     static_assert(CW == 2 || CW == 3, "two or three consumer warpgroups");
     static_assert(!(ROWSUM && CW != 2), "the rows' sums' ones: two warpgroups' blocks");
+    static_assert(RS == 0 || !MASK_TILES, "the raw slots take the mask tiles' room");
     static_assert(TL::PRODUCER_REGS % 8 == 0 && TL::CONSUMER_REGS % 8 == 0, "setmaxnreg takes multiples of 8");
     static_assert(128 * TL::PRODUCER_REGS + CT * TL::CONSUMER_REGS <= THREADS * (65536 / THREADS / 8 * 8),
                   "the consumers' claim must fit what the producer releases");
@@ -106,11 +114,13 @@ struct PipeBars {
 // (the partner's TMA completes bytes on this CTA's full barriers, its consumers arrive on
 // this CTA's empty ones).
 template <int CT, int S>
-__device__ __forceinline__ void init_bars(const PipeBars<S>& bars) {
+__device__ __forceinline__ void init_bars(const PipeBars<S>& bars, u32 fillers = 1) {
 #pragma unroll
     for (int st = 0; st < S; ++st) {
-        mbar_init(bars.full_k(st), 1);   // the producer's expect_tx (or, at the end, its arrival)
-        mbar_init(bars.full_v(st), 1);
+        // The producer's expect_tx (or, at the end, its arrival); quantised K/V, each
+        // converter warp's arrival (quant_pipe.cuh).
+        mbar_init(bars.full_k(st), fillers);
+        mbar_init(bars.full_v(st), fillers);
         mbar_init(bars.full_m(st), 32);  // each producer lane, once its copies are in
         mbar_init(bars.empty_k(st), PIPE_PEERS * CT / 32);  // every consumer warp of both CTAs (SOLO: of this one)
         mbar_init(bars.empty_v(st), PIPE_PEERS * CT / 32);
@@ -133,24 +143,41 @@ struct Ring {
     }
 };
 
-// This CTA's share of a tile's boxes (64 rows x 64 columns of a tensor map, 8 KB each), for
-// both CTAs: box i of the tile's (D / 64) x NH is column block i / NH and row block i % NH;
-// CTA r issues boxes r, r + 2, ... (at head dim 64 with tiles of 64 rows, CTA 0 the one box).
-// A row block past the cache (the last tile's second step, never walked: its scores are
-// -inf and its P zero) is read from the cache's last block, `last_row`, instead: finite rows
-// that change nothing, where a box wholly outside the tensor is something the pipeline need
-// not rely on (the rows of a partial block past the cache are zeros, as in the other forms).
-template <int D, int N>
-__device__ __forceinline__ void tma_tile(const TMap* map, u32 dst, u32 bar, int kvh, int row0, int last_row, int seq) {
-    constexpr int NH = N / STEP, NBOX = (D / 64) * NH;
+// This CTA's share of a tile's boxes (64 rows each, IB bytes of a row wide), for both CTAs:
+// box i of the tile's CB x NH is column block i / NH and row block i % NH, at dst + (i / NH)
+// x N x IB + (i % NH) x 64 x IB; CTA r issues boxes r, r + 2, ... (at head dim 64 with tiles
+// of 64 rows, CTA 0 the one box; with PIPE_PEERS 1 every box, to itself alone).
+// box(dst, cb, rb, cta_mask): issue column block cb, row block rb into dst for the CTAs in
+// cta_mask.
+template <int CB, int IB, int N, class Box>
+__device__ __forceinline__ void own_boxes(u32 dst, Box box) {
+    constexpr int NH = N / STEP, NBOX = CB * NH;
     const int rank = (int)cluster_rank();
 #pragma unroll
     for (int i = 0; i < NBOX; ++i) {
         if (PIPE_PEERS == 1 || (i & 1) == rank)
-            tma_load_4d_mc(dst + (u32)((i / NH) * N * 128 + (i % NH) * 64 * 128), map, (i / NH) * 64, kvh,
-                           min(row0 + (i % NH) * 64, last_row), seq, bar,
-                           PIPE_PEERS == 1 ? (unsigned short)(1u << rank) : (unsigned short)3);
+            box(dst + (u32)((i / NH) * N * IB + (i % NH) * 64 * IB), i / NH, i % NH,
+                PIPE_PEERS == 1 ? (unsigned short)(1u << rank) : (unsigned short)3);
     }
+}
+
+// A tile's boxes from a map whose boxes are IB bytes (IB / 2 16-bit elements) wide, rows
+// from row0. A row block past the cache (the last tile's second step, never walked: its
+// scores are -inf and its P zero) is read from the cache's last block, `last_row`, instead:
+// finite rows that change nothing, where a box wholly outside the tensor is something the
+// pipeline need not rely on (the rows of a partial block past the cache are zeros, as in the
+// other forms).
+template <int CB, int IB, int N>
+__device__ __forceinline__ void tma_boxes(const TMap* map, u32 dst, u32 bar, int kvh, int row0, int last_row, int seq) {
+    own_boxes<CB, IB, N>(dst, [&](u32 d, int cb, int rb, unsigned short ctas) {
+        tma_load_4d_mc(d, map, cb * (IB / 2), kvh, min(row0 + rb * 64, last_row), seq, bar, ctas);
+    });
+}
+
+// A tile of 16-bit K or V: D / 64 column blocks of 128-byte boxes (the stage's layout).
+template <int D, int N>
+__device__ __forceinline__ void tma_tile(const TMap* map, u32 dst, u32 bar, int kvh, int row0, int last_row, int seq) {
+    tma_boxes<D / 64, 128, N>(map, dst, bar, kvh, row0, last_row, seq);
 }
 
 #if MLXN_PAGED_ENTRIES
@@ -159,15 +186,9 @@ __device__ __forceinline__ void tma_tile(const TMap* map, u32 dst, u32 bar, int 
 template <int D, int N>
 __device__ __forceinline__ void tma_tile_paged(const TMap* map, u32 dst, u32 bar, const Launch& L, int kvh, int row0,
                                                int lk) {
-    constexpr int NH = N / STEP, NBOX = (D / 64) * NH;
-    const int rank = (int)cluster_rank();
-#pragma unroll
-    for (int i = 0; i < NBOX; ++i) {
-        if (PIPE_PEERS == 1 || (i & 1) == rank)
-            tma_box_paged(dst + (u32)((i / NH) * N * 128 + (i % NH) * 64 * 128), map, L, i / NH, kvh,
-                          row0 + (i % NH) * 64, lk, bar,
-                          PIPE_PEERS == 1 ? (unsigned short)(1u << rank) : (unsigned short)3);
-    }
+    own_boxes<D / 64, 128, N>(dst, [&](u32 d, int cb, int rb, unsigned short ctas) {
+        tma_box_paged(d, map, L, cb, kvh, row0 + rb * 64, lk, bar, ctas);
+    });
 }
 #endif
 
@@ -192,35 +213,36 @@ __device__ __forceinline__ Tile<NH, TB> get_tile(u32 addr) {
 // The producer's K/V warp: every tile of the walk, told to the consumers, its K into stage
 // j % S and V of the tile before into its stage (the consumers issue K_j's and V_{j-1}'s
 // products together, so K_j comes first); then the end of the walk in the next stage.
-// issue_k(st, u, bar), issue_v(st, u, bar): the TMA boxes of tile u.
-template <class PC, class TW, class IssueK, class IssueV>
-__device__ __forceinline__ void pipe_produce_kv(const PipeBars<PC::S>& bars, TW& tw, int lane, IssueK& issue_k,
-                                                IssueV& issue_v) {
+// issue_k(st, u, bar), issue_v(st, u, bar): the TMA boxes of tile u, BYTES of them. BARS:
+// the ring's mbarriers and tile records (PipeBars; quantised K/V, the raw slots' RawBars of
+// quant_pipe.cuh, whose converter warps fill the stages).
+template <int S, int BYTES, class Bars, class TW, class IssueK, class IssueV>
+__device__ __forceinline__ void pipe_produce_kv(const Bars& bars, TW& tw, int lane, IssueK& issue_k, IssueV& issue_v) {
     Ring r, rv;  // the stage of this tile's K; that of the last tile's V
     int j = 0, uv = 0;
     auto fill_v = [&]() {  // V of tile j - 1, once that stage's V of tile j - 1 - S is released
-        if (j - 1 >= PC::S) mbar_wait(bars.empty_v(rv.st), rv.ph ^ 1u);
+        if (j - 1 >= S) mbar_wait(bars.empty_v(rv.st), rv.ph ^ 1u);
         if (lane == 0) {
-            mbar_expect_tx(bars.full_v(rv.st), (u32)PC::KV_BYTES);
+            mbar_expect_tx(bars.full_v(rv.st), (u32)BYTES);
             issue_v(rv.st, uv, bars.full_v(rv.st));
         }
     };
     for (auto tl = tw.next(lane); tl.valid(); tl = tw.next(lane)) {
-        if (j >= PC::S) mbar_wait(bars.empty_k(r.st), r.ph ^ 1u);
+        if (j >= S) mbar_wait(bars.empty_k(r.st), r.ph ^ 1u);
         if (lane == 0) {
             put_tile(bars.tile(r.st), tl);
-            mbar_expect_tx(bars.full_k(r.st), (u32)PC::KV_BYTES);
+            mbar_expect_tx(bars.full_k(r.st), (u32)BYTES);
             issue_k(r.st, tl.u, bars.full_k(r.st));
         }
         if (j >= 1) fill_v();
         rv = r;
         uv = tl.u;
-        r.advance(PC::S);
+        r.advance(S);
         ++j;
     }
     if (j >= 1) fill_v();  // the last tile's V
     // The end: a tile of u -1 and the K barrier's arrival, with no bytes to wait for.
-    if (j >= PC::S) mbar_wait(bars.empty_k(r.st), r.ph ^ 1u);
+    if (j >= S) mbar_wait(bars.empty_k(r.st), r.ph ^ 1u);
     if (lane == 0) {
         put_tile(bars.tile(r.st), decltype(tw.next(lane)){});
         mbar_arrive(bars.full_k(r.st));
@@ -258,10 +280,10 @@ __device__ __forceinline__ void pipe_produce_masks(const PipeBars<PC::S>& bars, 
 __device__ __forceinline__ void release_pair(u32 bar) {
     if constexpr (PIPE_PEERS == 1) {
         mbar_arrive(bar);
-        return;
-    }
+    } else {
 #pragma unroll
-    for (u32 rank = 0; rank < 2; ++rank) mbar_arrive_cluster(bar, rank);
+        for (u32 rank = 0; rank < 2; ++rank) mbar_arrive_cluster(bar, rank);
+    }
 }
 
 // A consumer warpgroup over the whole walk; O, m_run and l_run (in softmax) hold its rows

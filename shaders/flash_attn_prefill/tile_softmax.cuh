@@ -22,6 +22,9 @@ struct RowGeom {
     int lk, off, head;
     int g8, tig;       // the thread's rows (g8, g8 + 8) and column pair (tig) in an 8 x 8 block
     bool by_distance;  // ALiBi by distance (softmax.cuh)
+#if MLXN_QUANT_ENTRIES
+    float kd = 1.f;  // quantised K's descale factor (quant_pipe.cuh): the scores' first factor
+#endif
 };
 
 // Step H of a tile (cache step t, this warp's class cls and table byte tb; its mask tile at
@@ -208,6 +211,10 @@ template <int NH, int MASK_BYTES, int NS>
 __device__ __forceinline__ void tile_scores(float (&s)[NS], float (&mx)[2], const TileClasses<NH>& tc, int u,
                                             u32 m_stage, const RowGeom& g, const Params& p, const Launch& L) {
     static_assert(NS == NH * 32, "32 scores a thread per 64-row step");
+#if MLXN_QUANT_ENTRIES
+#pragma unroll
+    for (int i = 0; i < NS; ++i) s[i] *= g.kd;  // SPEC 11: before anything else, as the one-CTA forms
+#endif
     if (p.softcap > 0.f) {
         const float inv = 1.f / p.softcap;
 #pragma unroll

@@ -140,6 +140,7 @@ struct Tiles<64> {
     static constexpr bool MASK_TILES = true;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
+    static constexpr int RAW_SLOTS = 0;  // quantised K/V's raw slots (QuantTiles)
 };
 template <>
 struct Tiles<128> {
@@ -151,6 +152,7 @@ struct Tiles<128> {
     static constexpr bool MASK_TILES = MLXN_WS_MASK_TILES_D128 != 0;
     static constexpr bool OVERLAP = MLXN_WS_OVERLAP_D128 != 0;
     static constexpr bool ROWSUM_MMA = MLXN_WS_ROWSUM_MMA != 0;
+    static constexpr int RAW_SLOTS = 0;  // quantised K/V's raw slots (QuantTiles)
 };
 // The d128 pipeline where no tile reads the explicit mask (described masks, or none: the host
 // launches it then, `_wide` entry points): tiles of 192 cache rows (three table steps), which
@@ -174,7 +176,20 @@ struct Tiles<256> {
     static constexpr bool MASK_TILES = true;  // (PIPE 2) one 64-row mask tile a stage: 32 KB
     static constexpr bool OVERLAP = false;  // spilled at 240 registers (2026-12-01 18:05)
     static constexpr bool ROWSUM_MMA = false;  // (the PIPE 2 pipeline's alone)
+    static constexpr int RAW_SLOTS = 0;  // quantised K/V's raw slots (QuantTiles)
 };
+// The quant module's pair forms (quant_pipe.cuh): the pipeline of PIPE 2 at every head dim
+// it runs (256 too, in 64-row tiles: as fast as PIPE 1's loop there, docs/benchmarks.md,
+// 2026-12-07), with RAW_SLOTS raw slots of each tile's FP8 bytes where the mask tiles
+// were (a quant pair form runs without an explicit mask): two at 64 and 128, one at 256,
+// whose two stages of F16 K and V and 128 rows of Q leave room for one.
+template <int D>
+struct QuantTiles : Tiles<D> {
+    static constexpr int PIPE = 2;
+    static constexpr bool MASK_TILES = false;
+    static constexpr int RAW_SLOTS = D == 256 ? 1 : 2;
+};
+
 template <>
 struct Tiles<512> {
     static constexpr int MINB = 1, NSTAGE = 1;  // the tiles take 192 KB
@@ -182,6 +197,7 @@ struct Tiles<512> {
     static constexpr int PRODUCER_REGS = 0, CONSUMER_REGS = 0;
     static constexpr bool OVERLAP = false;
     static constexpr bool ROWSUM_MMA = false;
+    static constexpr int RAW_SLOTS = 0;  // quantised K/V's raw slots (QuantTiles)
 };
 
 }  // namespace hopper

@@ -56,6 +56,7 @@ pub const FLASH_ATTN_PREFILL_CUDA_PARTS: &[(&str, &str)] = &[
     ("flash_attn_prefill/sm90_ptx.cuh", include_str!("../../../shaders/flash_attn_prefill/sm90_ptx.cuh")),
     ("flash_attn_prefill/tiles_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/tiles_sm90.cuh")),
     ("flash_attn_prefill/paged_tma.cuh", include_str!("../../../shaders/flash_attn_prefill/paged_tma.cuh")),
+    ("flash_attn_prefill/quant_pipe.cuh", include_str!("../../../shaders/flash_attn_prefill/quant_pipe.cuh")),
     ("flash_attn_prefill/tile_walk.cuh", include_str!("../../../shaders/flash_attn_prefill/tile_walk.cuh")),
     ("flash_attn_prefill/tile_softmax.cuh", include_str!("../../../shaders/flash_attn_prefill/tile_softmax.cuh")),
     ("flash_attn_prefill/pipeline_sm90.cuh", include_str!("../../../shaders/flash_attn_prefill/pipeline_sm90.cuh")),

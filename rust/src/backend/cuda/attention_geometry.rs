@@ -70,6 +70,23 @@ pub const fn paged_pair_form(head_dim: u32) -> bool {
 /// run of record.
 pub const PAGED_PAIRS_LAUNCHED: bool = false;
 
+/// Whether the quant module has the Hopper CTA-pair forms at `head_dim` (SPEC 11, FP8 K/V;
+/// `shaders/flash_attn_prefill/quant_pipe.cuh`): the pipeline's, whose producer widens each
+/// tile's FP8 bytes to F16 in shared memory after the TMA copies them; the head dims of the
+/// paged twins. Q8_0 (blocks of 34 bytes, which the TMA's 16-byte strides cannot address in
+/// general) and head dim 512 run the one-CTA forms.
+pub const fn quant_pair_form(head_dim: u32) -> bool {
+    paged_pair_form(head_dim)
+}
+
+/// Whether the host launches the quant module's pair forms ([`quant_pair_form`]) for FP8 K/V
+/// with fixed-length queries and no explicit mask (the forms keep no room for mask tiles) on
+/// Hopper. Compiled and compile-checked everywhere NVRTC runs; written 2026-12-08 when no
+/// device machine could be had: until `scripts/gpu_quant_pairs.sh` passes on a GPU, a
+/// quantised launch runs the one-CTA forms, as before (issue 29). Set true with that run of
+/// record.
+pub const QUANT_PAIRS_LAUNCHED: bool = false;
+
 /// Whether the pair forms at `head_dim` launch the pipeline's shape without the explicit
 /// mask's tiles (`_wide` entry points, `tiles_sm90.cuh`'s `WideTiles`: 192-row tiles at head
 /// dim 128) where no explicit mask is given. Same threads and shared memory reserve as the

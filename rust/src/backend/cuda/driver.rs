@@ -64,6 +64,7 @@ pub type TensorMapEncodeTiled = unsafe extern "C" fn(
 ) -> CuResult;
 // CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion
 pub const TENSOR_MAP_FLOAT16: c_int = 6;
+pub const TENSOR_MAP_SWIZZLE_64B: c_int = 2;
 pub const TENSOR_MAP_SWIZZLE_128B: c_int = 3;
 pub const TENSOR_MAP_L2_256B: c_int = 3;
 

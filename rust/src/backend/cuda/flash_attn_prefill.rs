@@ -13,9 +13,9 @@ use std::ffi::c_void;
 
 pub use super::attention_geometry::{
     attention_cta_rows, attention_geometry, attention_shared_bytes, has_wide_entries, paged_pair_form, pair_cta_rows,
-    pair_geometry, pair_queries_geometry, pair_shared_bytes, pair_walk_fits, plain_shared_bytes, wide_form,
-    ws_consumers, ws_form, ws_threads, AttentionGeometry, PAGED_PAIRS_LAUNCHED, WIDE_LAUNCHED, WS_CONSUMERS_D64,
-    WS_SHARED_BYTES,
+    pair_geometry, pair_queries_geometry, pair_shared_bytes, pair_walk_fits, plain_shared_bytes, quant_pair_form,
+    wide_form, ws_consumers, ws_form, ws_threads, AttentionGeometry, PAGED_PAIRS_LAUNCHED, QUANT_PAIRS_LAUNCHED,
+    WIDE_LAUNCHED, WS_CONSUMERS_D64, WS_SHARED_BYTES,
 };
 use super::driver::{self, TensorMap};
 use super::kv_split::{self, KvSplit};
@@ -69,6 +69,7 @@ macro_rules! attention_kernel {
             portable_variants: &[Variant::ScoreTransforms],
             paged: true,
             paged_pairs: paged_pair_form($dk),
+            quant_pairs: false,
             quant: false,
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper),
             prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants),
@@ -85,6 +86,7 @@ macro_rules! attention_kernel {
             portable_variants: &[Variant::ScoreTransforms],
             paged: true,
             paged_pairs: false,
+            quant_pairs: false,
             quant: false,
             shared_bytes: |_| attention_shared_bytes($dk, $dv, false),
             prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
@@ -98,9 +100,11 @@ macro_rules! attention_kernel {
 /// F16 kernel of its head dims (`$entry`, whose source it shares) in the source's quant module
 /// (`-DMLXN_QUANT_ENTRIES=1`, [`ModuleKind`]): `<entry>_kvq` (and `_xf_kvq` in the portable
 /// form), on paged K/V `<entry>_paged_kvq` (`_xf_paged_kvq`) from the module with both
-/// defines. The one-CTA forms only (`hopper`: the Hopper form's on sm_90a; the TMA of the
-/// pair forms copies bytes, it cannot widen them), with the F16 kernel's shared memory (the
-/// tiles are F16 in shared memory).
+/// defines. The one-CTA forms (`hopper`: the Hopper form's on sm_90a), and in the Hopper
+/// form at head dims 64, 128 and 256 the CTA-pair forms on FP8 K/V (`<entry>_pair_heads_kvq`,
+/// `_pair_queries_kvq`: the TMA copies the bytes, the producer widens them;
+/// [`quant_pair_form`]), with the F16 kernel's shared memory (the tiles are F16 in shared
+/// memory).
 macro_rules! quant_kernel {
     ($name:literal, $entry:literal, $dk:literal, $dv:literal, $hopper:literal) => {
         CudaKernel {
@@ -111,9 +115,10 @@ macro_rules! quant_kernel {
             portable_variants: &[],
             paged: true,
             paged_pairs: false,
+            quant_pairs: $hopper && quant_pair_form($dk),
             quant: true,
             shared_bytes: |hopper| attention_shared_bytes($dk, $dv, hopper && $hopper),
-            prepare: |pc, d, _| prepare(pc, ($dk, $dv), d, false),
+            prepare: |pc, d, variants| prepare(pc, ($dk, $dv), d, variants && $hopper && quant_pair_form($dk)),
             merge_entry: Some(MERGE_ENTRY),
             split: |hopper, sms, params, forced| kv_split::split_of(($dk, $dv), hopper && $hopper, sms, params, forced),
         }
@@ -173,6 +178,7 @@ pub const KERNELS: &[CudaKernel] = &[
         portable_variants: &[],
         paged: false,
         paged_pairs: false,
+        quant_pairs: false,
         quant: false,
         shared_bytes: |_| None,
         prepare: |pc, d, _| prepare_mask_blk(pc, d),
@@ -398,7 +404,7 @@ fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_len: u32, batch: u32, s
     // One sequence: the stride past its whole cache (the driver refuses a 4-d map whose
     // outer stride does not cover the dimension inside it).
     let seq = if batch == 1 { row_stride.saturating_mul(kv_len as u64) } else { batch_stride };
-    encode_kv_map(base, head_dim, n_kv, [kv_len, batch], 64, [head_stride, row_stride, seq])
+    encode_kv_map(base, KvMapShape::halves(head_dim), n_kv, [kv_len, batch], 64, [head_stride, row_stride, seq])
 }
 
 /// Rows of one box of a paged cache's map: the largest of 64, 32 and 16 that divides the
@@ -431,7 +437,7 @@ fn kv_paged_tensor_map(
     let block = if blocks == 1 { row_stride.saturating_mul(block_size as u64) } else { block_stride };
     encode_kv_map(
         base,
-        head_dim,
+        KvMapShape::halves(head_dim),
         n_kv,
         [block_size, blocks],
         paged_box_rows(block_size),
@@ -439,12 +445,68 @@ fn kv_paged_tensor_map(
     )
 }
 
-/// A 4-d map of F16 / BF16 K or V (TMA reads bits: either dtype is 16 bits): dims (head dim,
-/// KV heads, rows, outer), strides in bytes of the last three, boxes of 64 x 1 x `box_rows`
-/// x 1, 128-byte swizzle.
-fn encode_kv_map(
+/// Whether a launch of the quant module with params `p` at `head_dim` runs its pair forms
+/// (where TMA can address K and V): FP8 K/V (Q8_0's 34-byte blocks leave rows the TMA's
+/// 16-byte strides cannot address in general) without an explicit mask (the forms keep no
+/// room for mask tiles: a tile that needs one traps), at [`quant_pair_form`]'s head dims,
+/// where [`QUANT_PAIRS_LAUNCHED`].
+pub fn quant_pairs_apply(p: &FlashAttnPrefillParamsGpu, head_dim: u32) -> bool {
+    QUANT_PAIRS_LAUNCHED
+        && quant_pair_form(head_dim)
+        && matches!(p.kv_dtype, 7 | 8)
+        && p.flags & (PREFILL_MASK | PREFILL_PAGED) == 0
+}
+
+/// [`quant_pairs_apply`] of a params block (the plan's choices), at kernel `k`'s head dim.
+pub fn quant_pairs_apply_to(params: &[u8], k: &CudaKernel) -> bool {
+    params.len() == std::mem::size_of::<FlashAttnPrefillParamsGpu>() && {
+        let p = bytemuck::pod_read_unaligned::<FlashAttnPrefillParamsGpu>(params);
+        quant_pairs_apply(&p, p.head_dim as u32) && k.quant
+    }
+}
+
+/// The tensor map of FP8 K or V (SPEC 11) for the quant module's CTA-pair forms: each row's
+/// `head_dim` bytes read as `head_dim / 2` 16-bit elements (the TMA copies bits), dims as
+/// [`kv_tensor_map`]'s, strides in bytes, boxes of 64 rows and `min(head_dim, 128)` bytes
+/// with the swizzle of that width (the kernel's raw slots, `quant_pipe.cuh`). `None` where
+/// TMA cannot address the view.
+fn kv_fp8_tensor_map(
     base: u64,
     head_dim: u32,
+    n_kv: u32,
+    kv_len: u32,
+    batch: u32,
+    strides: [i64; 3],
+) -> Option<TensorMap> {
+    let [batch_stride, row_stride, head_stride] = strides.map(|s| s as u64);
+    let seq = if batch == 1 { row_stride.saturating_mul(kv_len as u64) } else { batch_stride };
+    let box_bytes = head_dim.min(128);
+    let swizzle = if box_bytes == 128 { driver::TENSOR_MAP_SWIZZLE_128B } else { driver::TENSOR_MAP_SWIZZLE_64B };
+    let shape = KvMapShape { elems: head_dim / 2, box_elems: box_bytes / 2, swizzle };
+    encode_kv_map(base, shape, n_kv, [kv_len, batch], 64, [head_stride, row_stride, seq])
+}
+
+/// A row of a K/V tensor map as the TMA reads it: `elems` 16-bit elements, boxes of
+/// `box_elems` of them with the swizzle `swizzle` (a `driver::TENSOR_MAP_SWIZZLE_*`).
+struct KvMapShape {
+    elems: u32,
+    box_elems: u32,
+    swizzle: std::ffi::c_int,
+}
+
+impl KvMapShape {
+    /// F16 / BF16 rows of `head_dim`: boxes of 64 elements (128 bytes), 128-byte swizzle.
+    fn halves(head_dim: u32) -> KvMapShape {
+        KvMapShape { elems: head_dim, box_elems: 64, swizzle: driver::TENSOR_MAP_SWIZZLE_128B }
+    }
+}
+
+/// A 4-d map of 16-bit K or V (TMA reads bits: F16, BF16, or FP8 bytes in pairs): dims (a
+/// row's elements, KV heads, rows, outer), strides in bytes of the last three, boxes of
+/// `shape.box_elems` x 1 x `box_rows` x 1.
+fn encode_kv_map(
+    base: u64,
+    shape: KvMapShape,
     n_kv: u32,
     [rows, outer]: [u32; 2],
     box_rows: u32,
@@ -453,14 +515,14 @@ fn encode_kv_map(
     let encode = driver::driver().ok()?.cuTensorMapEncodeTiled?;
     let [head_stride, row_stride, outer_stride] = strides;
     // A dimension of extent 1 never steps: any valid stride does.
-    let head = if n_kv == 1 { head_dim as u64 * 2 } else { head_stride };
+    let head = if n_kv == 1 { shape.elems as u64 * 2 } else { head_stride };
     let ok = |s: u64| s > 0 && s.is_multiple_of(16) && s < (1 << 40);
     if !base.is_multiple_of(16) || !ok(row_stride) || !ok(head) || !ok(outer_stride) || rows == 0 || outer == 0 {
         return None;
     }
-    let dims = [head_dim as u64, n_kv as u64, rows as u64, outer as u64];
+    let dims = [shape.elems as u64, n_kv as u64, rows as u64, outer as u64];
     let strides = [head, row_stride, outer_stride];
-    let boxes = [64u32, 1, box_rows, 1];
+    let boxes = [shape.box_elems, 1, box_rows, 1];
     let elem = [1u32, 1, 1, 1];
     let mut map = TensorMap([0; 16]);
     // SAFETY: every array has the documented length for rank 4; the map is written in place.
@@ -475,7 +537,7 @@ fn encode_kv_map(
             boxes.as_ptr(),
             elem.as_ptr(),
             0,
-            driver::TENSOR_MAP_SWIZZLE_128B,
+            shape.swizzle,
             driver::TENSOR_MAP_L2_256B,
             0,
         )
@@ -698,11 +760,13 @@ fn part_launch(
     let mut maps = None;
     let mut mode = None;
     let fixed = p.flags & PREFILL_VARLEN == 0;
-    // Quantised K/V: the one-CTA form (its loaders widen the bytes; the TMA copies them as
-    // they are).
+    // Quantised K/V: the one-CTA form (its loaders widen the bytes), or where
+    // QUANT_PAIRS_LAUNCHED, FP8 K/V without an explicit mask in the quant module's pair forms
+    // (the TMA copies the bytes, the producer widens them; no room for mask tiles).
     let module = ModuleKind { paged: b.pages.is_some(), quant: b.descale.is_some() };
     let pair_module = module == ModuleKind::CONTIGUOUS
-        || (module == ModuleKind::PAGED && PAGED_PAIRS_LAUNCHED && paged_pair_form(head_dim));
+        || (module == ModuleKind::PAGED && PAGED_PAIRS_LAUNCHED && paged_pair_form(head_dim))
+        || (module == ModuleKind::QUANT && quant_pairs_apply(p, head_dim));
     if let Some(heads_allowed) =
         if variants && hopper && fixed && pair_module { pair_setting(&pc.options) } else { None }
     {
@@ -710,6 +774,14 @@ fn part_launch(
         let kstrides = [p.k_batch_stride, p.k_row_stride, p.k_head_stride];
         let vstrides = [p.v_batch_stride, p.v_row_stride, p.v_head_stride];
         let (km, vm) = match b.pages {
+            // FP8: strides in bytes, each row read as head_dim / 2 16-bit elements.
+            None if module.quant => {
+                let (kvl, nb) = (p.kv_len as u32, p.batch as u32);
+                (
+                    kv_fp8_tensor_map(b.k, head_dim, nkv, kvl, nb, kstrides),
+                    kv_fp8_tensor_map(b.v, head_dim, nkv, kvl, nb, vstrides),
+                )
+            }
             // (The params block's K/V batch strides are the caches' block strides.)
             Some(pg) => {
                 let (blocks, bs) = (b.kv_blocks, pg.block_size.max(0) as u32);
@@ -799,6 +871,8 @@ pub fn entry_variant(module: ModuleKind, transforms: bool, pair: Option<Variant>
         // A pair form chosen on paged K/V: its twin in the paged module.
         // (part_launch never chooses a form without a twin, the wide ones, on paged K/V.)
         Some(v) if module == ModuleKind::PAGED && !transforms && v.paged_pair().is_some() => v.paged_pair(),
+        // And on quantised K/V its twin in the quant module.
+        Some(v) if module == ModuleKind::QUANT && !transforms && v.quant_pair().is_some() => v.quant_pair(),
         _ if module != ModuleKind::CONTIGUOUS || transforms => Variant::of_module(module, transforms),
         _ => pair,
     }
@@ -1173,8 +1247,9 @@ mod tests {
 
     /// Every quantised K/V kernel of the op (`QUANT_KV_KERNELS`) has its CUDA kernel: the F16
     /// kernel of its head dims run from the source's quant module, in the same form (Hopper
-    /// where the F16 one has it) with the same shared memory and merge, no pair forms; its
-    /// entry points are `<entry>_kvq` (and `_xf_kvq` in the portable form) and on paged K/V
+    /// where the F16 one has it) with the same shared memory and merge; its entry points are
+    /// `<entry>_kvq` (and `_xf_kvq` in the portable form; in the Hopper form at head dims 64,
+    /// 128 and 256 the pair forms `_pair_heads_kvq` and `_pair_queries_kvq`) and on paged K/V
     /// `<entry>_paged_kvq` (`_xf_paged_kvq`), none of them in any other module.
     #[test]
     fn each_quantised_kernel_runs_its_f16_kernel_from_the_quant_modules() {
@@ -1199,8 +1274,16 @@ mod tests {
             let names =
                 |hopper, paged| k.quant_variants(hopper, paged).iter().map(|v| v.entry(k.entry)).collect::<Vec<_>>();
             let e = k.entry;
-            if k.hopper_form {
+            // The Hopper form's pair forms on FP8 K/V at head dims 64, 128 and 256.
+            let pairs_here = k.hopper_form && quant_pair_form(dims.0);
+            assert_eq!(k.quant_pairs, pairs_here, "{name}");
+            if pairs_here {
+                let want = [format!("{e}_kvq"), format!("{e}_pair_heads_kvq"), format!("{e}_pair_queries_kvq")];
+                assert_eq!(names(true, false), want);
+            } else if k.hopper_form {
                 assert_eq!(names(true, false), [format!("{e}_kvq")]);
+            }
+            if k.hopper_form {
                 assert_eq!(names(true, true), [format!("{e}_paged_kvq")]);
             }
             assert_eq!(names(false, false), [format!("{e}_kvq"), format!("{e}_xf_kvq")]);
@@ -1237,9 +1320,11 @@ mod tests {
                 for pair in [None, Some(Variant::PairHeads), Some(Variant::PairQueriesWide)] {
                     let v = entry_variant(module, transforms, pair);
                     let twin = pair.and_then(|p| p.paged_pair());
+                    let quant_twin = pair.and_then(|p| p.quant_pair());
                     let want = match (module == ModuleKind::CONTIGUOUS, transforms) {
                         (true, false) => pair,
                         (false, false) if module == ModuleKind::PAGED && twin.is_some() => twin,
+                        (false, false) if module == ModuleKind::QUANT && quant_twin.is_some() => quant_twin,
                         _ => Variant::of_module(module, transforms),
                     };
                     assert_eq!(v, want);
@@ -1259,6 +1344,17 @@ mod tests {
             Some(Variant::PairQueriesPaged)
         );
         assert_eq!(Variant::PairQueriesPaged.entry("e"), "e_pair_queries_paged");
+        // And on quantised K/V its twin in the quant module (the paged quant module has none).
+        assert_eq!(entry_variant(ModuleKind::QUANT, false, Some(Variant::PairHeads)), Some(Variant::PairHeadsQuant));
+        assert_eq!(
+            entry_variant(ModuleKind::QUANT, false, Some(Variant::PairQueries)),
+            Some(Variant::PairQueriesQuant)
+        );
+        assert_eq!(
+            entry_variant(ModuleKind::QUANT, true, Some(Variant::PairHeads)),
+            Some(Variant::QuantScoreTransforms)
+        );
+        assert_eq!(Variant::PairQueriesQuant.entry("e"), "e_pair_queries_kvq");
     }
 
     /// The launch block of each module is the device's `Launch` (params.cuh's check): 48

@@ -16,6 +16,7 @@ pub const KERNELS: &[CudaKernel] = &[CudaKernel {
     portable_variants: &[],
     paged: false,
     paged_pairs: false,
+    quant_pairs: false,
     quant: false,
     shared_bytes: |_| None,
     prepare: |pc, d, _| prepare(pc, d),

@@ -36,6 +36,10 @@ pub struct CudaKernel {
     /// Whether its paged module has CTA-pair forms in the Hopper form (`<entry>_pair_heads_paged`,
     /// `_pair_queries_paged`: head dims 64, 128 and 256, `attention_geometry::paged_pair_form`).
     pub paged_pairs: bool,
+    /// Whether its quant module has CTA-pair forms in the Hopper form (`<entry>_pair_heads_kvq`,
+    /// `_pair_queries_kvq`: FP8 K/V at head dims 64, 128 and 256,
+    /// `attention_geometry::quant_pair_form`).
+    pub quant_pairs: bool,
     /// Whether it is a quantised K/V kernel (SPEC 11, the op's `_kvq` kernels: FP8 E4M3 /
     /// E5M2 with descale factors, Q8_0): every launch of it runs its source's quant module
     /// (`-DMLXN_QUANT_ENTRIES=1`, [`ModuleKind`]), compiled for its first pipeline, never the
@@ -132,6 +136,7 @@ impl CudaKernel {
             return &[];
         }
         match (paged, hopper) {
+            (false, true) if self.quant_pairs => &[Variant::Quant, Variant::PairHeadsQuant, Variant::PairQueriesQuant],
             (false, true) => &[Variant::Quant],
             (false, false) => &[Variant::Quant, Variant::QuantScoreTransforms],
             (true, true) => &[Variant::PagedQuant],
@@ -170,6 +175,11 @@ pub enum Variant {
     PairHeadsPaged,
     /// Hopper: [`Variant::PairQueries`] on paged K/V, from the paged module.
     PairQueriesPaged,
+    /// Hopper: [`Variant::PairHeads`] on FP8 K/V (SPEC 11), from the quant module: its
+    /// producer widens each tile's bytes to F16 after the TMA copies them.
+    PairHeadsQuant,
+    /// Hopper: [`Variant::PairQueries`] on FP8 K/V, from the quant module.
+    PairQueriesQuant,
     /// The portable form with SPEC 10's score transforms (softcap, ALiBi).
     ScoreTransforms,
     /// The one-CTA form on paged K/V (SPEC 11: the Hopper form's, or the portable form's
@@ -198,6 +208,8 @@ impl Variant {
             Variant::PairQueriesWide => "_pair_queries_wide",
             Variant::PairHeadsPaged => "_pair_heads_paged",
             Variant::PairQueriesPaged => "_pair_queries_paged",
+            Variant::PairHeadsQuant => "_pair_heads_kvq",
+            Variant::PairQueriesQuant => "_pair_queries_kvq",
             Variant::ScoreTransforms => "_xf",
             Variant::Paged => "_paged",
             Variant::PagedScoreTransforms => "_xf_paged",
@@ -232,11 +244,25 @@ impl Variant {
         }
     }
 
+    /// A contiguous CTA-pair form's twin in the quant module (`None`: it has none).
+    pub fn quant_pair(self) -> Option<Variant> {
+        match self {
+            Variant::PairHeads => Some(Variant::PairHeadsQuant),
+            Variant::PairQueries => Some(Variant::PairQueriesQuant),
+            _ => None,
+        }
+    }
+
     /// Whether it is an entry point of a quant module ([`CudaKernel::quant_variants`]).
     pub fn is_quant(self) -> bool {
         matches!(
             self,
-            Variant::Quant | Variant::QuantScoreTransforms | Variant::PagedQuant | Variant::PagedQuantScoreTransforms
+            Variant::Quant
+                | Variant::QuantScoreTransforms
+                | Variant::PagedQuant
+                | Variant::PagedQuantScoreTransforms
+                | Variant::PairHeadsQuant
+                | Variant::PairQueriesQuant
         )
     }
 

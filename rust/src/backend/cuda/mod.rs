@@ -410,10 +410,13 @@ impl Backend for CudaBackend {
         // Pairs run only in the Hopper form of a kernel that has them (and where TMA can
         // address K and V, which each run decides from its addresses); on paged K/V
         // (`flash_attn_prefill::is_paged`) where its paged module has them too and the host
-        // launches them (`PAGED_PAIRS_LAUNCHED`).
+        // launches them (`PAGED_PAIRS_LAUNCHED`); on quantised K/V where its quant module has
+        // them and the launch is one they run (`quant_pairs_apply`: FP8, no explicit mask).
         let paged = flash_attn_prefill::is_paged(kernel_name, params);
         let paged_pairs = |k: &CudaKernel| k.paged_pairs && flash_attn_prefill::PAGED_PAIRS_LAUNCHED;
-        let pairs = if hopper && k.is_some_and(|k| !k.hopper_variants.is_empty() && (!paged || paged_pairs(k))) {
+        let quant_pairs = |k: &CudaKernel| k.quant_pairs && flash_attn_prefill::quant_pairs_apply_to(params, k);
+        let contiguous_pairs = |k: &CudaKernel| !k.hopper_variants.is_empty() && (!paged || paged_pairs(k));
+        let pairs = if hopper && k.is_some_and(|k| contiguous_pairs(k) || quant_pairs(k)) {
             flash_attn_prefill::pairs_of(options).name()
         } else {
             "off"
