@@ -292,7 +292,8 @@ k, v, table, used = make_pages(np.random.default_rng(0), [100], 16, 2, 128)
 q = np.zeros((1, 64, 8, 128), np.float32)
 plan = mn.PrefillPlan(q, k, v, device="cuda", causal=True, block_table=table, seqused_k=used, cta_pairs="auto")
 print("PAIRS", plan.choices["pairs"], plan.choices["form"])
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1], "-k", "test_paged_pair_forms"]))
+# -s: pytest's capture of stderr would swallow the launch trace
+sys.exit(pytest.main(["-q", "-s", "-p", "no:cacheprovider", sys.argv[1], "-k", "test_paged_pair_forms"]))
 """
 
 

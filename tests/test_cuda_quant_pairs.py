@@ -127,7 +127,8 @@ q = np.zeros((1, 64, 8, 128), np.float32)
 k = quantise(np.random.default_rng(0), (1, 64, 2, 128), "float8_e4m3fn")
 plan = mn.PrefillPlan(q, k, k, device="cuda", causal=True, cta_pairs="auto")
 print("PAIRS", plan.choices["pairs"])
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", sys.argv[1], "-k", "are_the_f16_pair_forms"]))
+# -s: pytest's capture of stderr would swallow the launch trace
+sys.exit(pytest.main(["-q", "-s", "-p", "no:cacheprovider", sys.argv[1], "-k", "are_the_f16_pair_forms"]))
 """
 
 
