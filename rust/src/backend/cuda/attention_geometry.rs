@@ -63,12 +63,11 @@ pub const fn paged_pair_form(head_dim: u32) -> bool {
 }
 
 /// Whether the host launches the paged module's pair forms ([`paged_pair_form`]) for paged
-/// K/V with fixed-length queries on Hopper. They are compiled and compile-checked (their
-/// entry points, their spills) everywhere NVRTC runs, but no GPU has run them yet (written
-/// 2026-12-07 when no device machine was lent): until `scripts/gpu_paged_pairs.sh` passes on
-/// one, a paged launch runs the one-CTA forms, as before (issue 29). Set true with that
-/// run of record.
-pub const PAGED_PAIRS_LAUNCHED: bool = false;
+/// K/V with fixed-length queries on Hopper: on an H100 (2026-12-08, docs/benchmarks.md)
+/// `scripts/gpu_paged_pairs.sh`'s tests passed (each sequence's contiguous result in the same
+/// pair form, bit for bit) and they ran at 0.53x-0.84x of contiguous K/V where the one-CTA
+/// forms run at 0.32x-0.42x. false: a paged launch runs the one-CTA forms.
+pub const PAGED_PAIRS_LAUNCHED: bool = true;
 
 /// Whether the quant module has the Hopper CTA-pair forms at `head_dim` (SPEC 11, FP8 K/V;
 /// `shaders/flash_attn_prefill/quant_pipe.cuh`): the pipeline's, whose producer widens each
@@ -81,11 +80,11 @@ pub const fn quant_pair_form(head_dim: u32) -> bool {
 
 /// Whether the host launches the quant module's pair forms ([`quant_pair_form`]) for FP8 K/V
 /// with fixed-length queries and no explicit mask (the forms keep no room for mask tiles) on
-/// Hopper. Compiled and compile-checked everywhere NVRTC runs; written 2026-12-08 when no
-/// device machine could be had: until `scripts/gpu_quant_pairs.sh` passes on a GPU, a
-/// quantised launch runs the one-CTA forms, as before (issue 29). Set true with that run of
-/// record.
-pub const QUANT_PAIRS_LAUNCHED: bool = false;
+/// Hopper: on an H100 (2026-12-08, docs/benchmarks.md) `scripts/gpu_quant_pairs.sh`'s tests
+/// passed (with descale 1 the F16 pair forms' bits at head dims 64 and 128) and they ran at
+/// 0.44x-0.55x of 16-bit K/V where the one-CTA forms run at 0.32x-0.42x. false: a quantised
+/// launch runs the one-CTA forms.
+pub const QUANT_PAIRS_LAUNCHED: bool = true;
 
 /// Whether the pair forms at `head_dim` launch the pipeline's shape without the explicit
 /// mask's tiles (`_wide` entry points, `tiles_sm90.cuh`'s `WideTiles`: 192-row tiles at head
