@@ -26,5 +26,18 @@ prepare() {
   if [ $# -ge 3 ]; then use_wheels "$2" "$3"; fi
 }
 
+# bench NAME ARGS...: one `python -m mlx_native bench` run (5 repeats, ARGS as given: the
+# device, the peers, the cases), run from /tmp (the installed wheel, not the checkout),
+# within T_BENCH seconds (default 120); its report at $OUT/bench-NAME.json, its log beside
+# it, its table printed; a failure sets bit 4 of the caller's `status`.
+bench() {
+  local name=$1
+  shift
+  step "bench $name: $*"
+  (cd /tmp && timeout "${T_BENCH:-120}" python3 -m mlx_native bench --no-progress --described \
+    --repeats 5 "$@" --json "$OUT/bench-$name.json") > "$OUT/bench-$name.log" 2>&1 || status=$((status | 4))
+  sed -n '/^case /,$p' "$OUT/bench-$name.log" | head -n 30
+}
+
 # step TITLE: a step's heading in the log, with the time.
 step() { echo "==== $* ($(date +%T))"; }

@@ -39,15 +39,6 @@ timeout "${T_TESTS:-300}" python3 -m pytest -q -p no:cacheprovider -rfE tests/te
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-cuda.log" | tail -n 25
 fi
 
-# bench NAME ARGS...: one bench run, its report at $OUT/bench-NAME.json.
-bench() {
-  local name=$1
-  shift
-  step "bench $name: $*"
-  (cd /tmp && timeout "${T_BENCH:-120}" python3 -m mlx_native bench --no-progress --described \
-    --repeats 5 "$@" --json "$OUT/bench-$name.json") > "$OUT/bench-$name.log" 2>&1 || status=$((status | 4))
-  sed -n '/^case /,$p' "$OUT/bench-$name.log" | head -n 30
-}
 if [ "${BENCH:-1}" = 1 ]; then
   bench paged16 --device cuda --peers --rows "${PROMPT:-16384}" --cases paged-128 paged-256 --block-size 16
   bench paged256 --device cuda --peers --rows "${PROMPT:-16384}" --cases paged-128 paged-256 --block-size 256

@@ -50,20 +50,11 @@ timeout "${T_CUDA:-150}" python3 -m pytest -q -p no:cacheprovider -rfE tests/tes
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-cuda.log" | tail -n 25
 fi
 
-# bench NAME ARGS...: one bench run, its report at $OUT/bench-NAME.json.
-bench() {
-  local name=$1
-  shift
-  step "bench $name: $*"
-  (cd /tmp && timeout "${T_BENCH:-120}" python3 -m mlx_native bench --device cuda --no-progress --described \
-    --peers --repeats 5 "$@" --json "$OUT/bench-$name.json") > "$OUT/bench-$name.log" 2>&1 || status=$((status | 4))
-  sed -n '/^case /,$p' "$OUT/bench-$name.log" | head -n 30
-}
 if [ "${BENCH:-1}" = 1 ]; then
-  bench chunk --rows "${CHUNK:-2048}" --kv-len "${CACHE:-32768}" --cases fp8-128 q8-128
-  bench prompt --rows "${PROMPT:-16384}" --cases fp8-128 fp8-256 q8-128
-  bench paged16 --rows "${PROMPT:-16384}" --cases paged-128 paged-256 --block-size 16
-  bench paged256 --rows "${PROMPT:-16384}" --cases paged-128 paged-256 --block-size 256
+  bench chunk --device cuda --peers --rows "${CHUNK:-2048}" --kv-len "${CACHE:-32768}" --cases fp8-128 q8-128
+  bench prompt --device cuda --peers --rows "${PROMPT:-16384}" --cases fp8-128 fp8-256 q8-128
+  bench paged16 --device cuda --peers --rows "${PROMPT:-16384}" --cases paged-128 paged-256 --block-size 16
+  bench paged256 --device cuda --peers --rows "${PROMPT:-16384}" --cases paged-128 paged-256 --block-size 256
 fi
 echo "gpu_quant_check status $status"
 exit $status

@@ -31,17 +31,9 @@ wait -n || status=1
 wait -n || status=1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT"/pytest-quant-*.log | tail -n 40
 
-bench() {
-  local name=$1
-  shift
-  step "bench $name: $*"
-  (cd /tmp && timeout "${T_BENCH:-120}" python3 -m mlx_native bench --device cuda --no-progress --described \
-    --peers --repeats 5 "$@" --json "$OUT/bench-$name.json") > "$OUT/bench-$name.log" 2>&1 || status=$((status | 4))
-  sed -n '/^case /,$p' "$OUT/bench-$name.log" | head -n 30
-}
 if [ "${BENCH:-1}" = 1 ]; then
-  bench chunk --rows "${CHUNK:-2048}" --kv-len "${CACHE:-32768}" --cases fp8-128
-  bench prompt --rows "${PROMPT:-16384}" --cases fp8-128 fp8-256
+  bench chunk --device cuda --peers --rows "${CHUNK:-2048}" --kv-len "${CACHE:-32768}" --cases fp8-128
+  bench prompt --device cuda --peers --rows "${PROMPT:-16384}" --cases fp8-128 fp8-256
 fi
 echo "gpu_quant_pairs status $status"
 exit $status
