@@ -115,48 +115,37 @@
 // Tiles<DIM>::CONSUMERS consumer warpgroups: WS_THREADS threads with two).
 #define MLXN_PAIR_WS(DIM) (hopper::Tiles<DIM>::PIPE != 0)
 #define MLXN_PAIR_THREADS(DIM) (MLXN_PAIR_WS(DIM) ? 128 * (hopper::Tiles<DIM>::CONSUMERS + 1) : NTHREADS)
+// One pair form's entry point FN: the pair kernel of DIM in mode MODE (clusters of CX x CY),
+// its K and V tensor maps as grid constants.
+#define MLXN_PAIR_KERNEL(FN, DIM, MODE, CX, CY, T, WIDE)                                                      \
+    extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
+    FN(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) {     \
+        hopper::pair_attention<DIM, MODE, T, WIDE>(MLXN_PASS, &kmap, &vmap);                                  \
+    }
+// The head dims whose pair forms have twins in the paged and quant modules (the pipelined
+// and warp-specialised forms: 64, 128 and 256; head dim 512's pair form has none, a paged or
+// quantised launch there runs its one-CTA form).
+#define MLXN_PAIR_TWIN_64(...) __VA_ARGS__
+#define MLXN_PAIR_TWIN_128(...) __VA_ARGS__
+#define MLXN_PAIR_TWIN_256(...) __VA_ARGS__
+#define MLXN_PAIR_TWIN_512(...)
 #if MLXN_QUANT_ENTRIES && MLXN_PAGED_ENTRIES
 // The paged quant module has none (a paged quantised launch runs the one-CTA forms).
 #define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)
 #elif MLXN_QUANT_ENTRIES
-// The quant module's: NAME_kvq at head dims 64, 128 and 256, F16 only (quant_pipe.cuh: the
-// TMA copies FP8 K/V's bytes, which the producer's converter warps widen to F16), whose
-// tensor maps read the FP8 rows as 16-bit elements; no explicit mask (no mask tiles).
-#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE) MLXN_PAIR_ENTRY_QUANT_##DIM(NAME, DIM, MODE, CX, CY, T)
-#define MLXN_PAIR_ENTRY_QUANT(NAME, DIM, MODE, CX, CY, T)                                                     \
-    MLXN_IF_F16(T, extern "C" __global__ void __cluster_dims__(CX, CY, 1)                                     \
-                       __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)                                           \
-                           NAME##_kvq(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap,                   \
-                                      const __grid_constant__ hopper::TMap vmap) {                            \
-                               hopper::pair_attention<DIM, MODE, T, false>(MLXN_PASS, &kmap, &vmap);          \
-                           })
-#define MLXN_PAIR_ENTRY_QUANT_64(...) MLXN_PAIR_ENTRY_QUANT(__VA_ARGS__)
-#define MLXN_PAIR_ENTRY_QUANT_128(...) MLXN_PAIR_ENTRY_QUANT(__VA_ARGS__)
-#define MLXN_PAIR_ENTRY_QUANT_256(...) MLXN_PAIR_ENTRY_QUANT(__VA_ARGS__)
-#define MLXN_PAIR_ENTRY_QUANT_512(...)
+// The quant module's: NAME_kvq, F16 only (quant_pipe.cuh: the TMA copies FP8 K/V's bytes,
+// which the producer's converter warps widen to F16), whose tensor maps read the FP8 rows
+// as 16-bit elements; no explicit mask (no mask tiles), nor the WIDE shape.
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE) \
+    MLXN_PAIR_TWIN_##DIM(MLXN_IF_F16(T, MLXN_PAIR_KERNEL(NAME##_kvq, DIM, MODE, CX, CY, T, false)))
 #elif MLXN_PAGED_ENTRIES
-// The paged module's: NAME_paged at head dims 64, 128 and 256 (the pipelined and
-// warp-specialised forms; paged_tma.cuh), whose tensor maps are of the caches' blocks (head
-// dim, KV heads, rows of a block, blocks) and whose boxes go through the table. Head dim
-// 512's pair form has none (a paged launch runs its one-CTA form), nor has the shape without
-// the mask's tiles (WIDE).
-#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE) MLXN_PAIR_ENTRY_PAGED_##DIM(NAME, DIM, MODE, CX, CY, T)
-#define MLXN_PAIR_ENTRY_PAGED(NAME, DIM, MODE, CX, CY, T)                                                     \
-    extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
-    NAME##_paged(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap,                                        \
-                 const __grid_constant__ hopper::TMap vmap) {                                                 \
-        hopper::pair_attention<DIM, MODE, T, false>(MLXN_PASS, &kmap, &vmap);                                 \
-    }
-#define MLXN_PAIR_ENTRY_PAGED_64(...) MLXN_PAIR_ENTRY_PAGED(__VA_ARGS__)
-#define MLXN_PAIR_ENTRY_PAGED_128(...) MLXN_PAIR_ENTRY_PAGED(__VA_ARGS__)
-#define MLXN_PAIR_ENTRY_PAGED_256(...) MLXN_PAIR_ENTRY_PAGED(__VA_ARGS__)
-#define MLXN_PAIR_ENTRY_PAGED_512(...)
+// The paged module's: NAME_paged (paged_tma.cuh), whose tensor maps are of the caches'
+// blocks (head dim, KV heads, rows of a block, blocks) and whose boxes go through the
+// table; not the shape without the mask's tiles (WIDE).
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE) \
+    MLXN_PAIR_TWIN_##DIM(MLXN_PAIR_KERNEL(NAME##_paged, DIM, MODE, CX, CY, T, false))
 #else
-#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE)                                                     \
-    extern "C" __global__ void __cluster_dims__(CX, CY, 1) __launch_bounds__(MLXN_PAIR_THREADS(DIM), 1)     \
-    NAME(MLXN_ARGS, const __grid_constant__ hopper::TMap kmap, const __grid_constant__ hopper::TMap vmap) {   \
-        hopper::pair_attention<DIM, MODE, T, WIDE>(MLXN_PASS, &kmap, &vmap);                                  \
-    }
+#define MLXN_PAIR_ENTRY(NAME, DIM, MODE, CX, CY, T, WIDE) MLXN_PAIR_KERNEL(NAME, DIM, MODE, CX, CY, T, WIDE)
 #endif
 // Both pair forms of one kernel: NAME_pair_heads (clusters along y) and NAME_pair_queries
 // (along x).

@@ -144,7 +144,7 @@ __device__ __forceinline__ void pipe_producer(const PipeBars<PC::S>& bars, u32 s
                                               const TMap* kmap, const TMap* vmap) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
 #if MLXN_QUANT_ENTRIES && !MLXN_PAGED_ENTRIES
-    const RawBars<PC::RS> rb{bars.base + (u32)(80 * PC::S)};
+    const RawBars<PC::RS> rb = raw_bars<PC>(bars);
     const u32 s_raw = s_q + PC::RAW;
     auto raw_k = [&](int st) { return s_raw + (u32)(st * 2 * PC::RAW_BYTES); };
     auto raw_v = [&](int st) { return s_raw + (u32)(st * 2 * PC::RAW_BYTES + PC::RAW_BYTES); };
@@ -328,7 +328,7 @@ __device__ __forceinline__ void attention_pipe(const Params& p, const Launch& L,
     const int tid = threadIdx.x;
 #if MLXN_QUANT_ENTRIES && !MLXN_PAGED_ENTRIES
     if (tid == 0) {
-        init_raw_bars(RawBars<PC::RS>{bars.base + (u32)(80 * PC::S)});
+        init_raw_bars(raw_bars<PC>(bars));
         init_bars<PC::CT>(bars, CONVERTERS);  // (fences the raw slots' barriers too)
     }
 #else

@@ -108,6 +108,7 @@ struct PipeBars {
     __device__ __forceinline__ u32 empty_k(int st) const { return at(3, st); }
     __device__ __forceinline__ u32 empty_v(int st) const { return at(4, st); }
     __device__ __forceinline__ u32 empty_m(int st) const { return at(5, st); }
+    __device__ __forceinline__ u32 end() const { return tile(S); }  // the first byte past them
 };
 
 // The mbarriers, by one thread, before the cluster barrier that publishes them to both CTAs

@@ -45,6 +45,12 @@ struct RawBars {
     __device__ __forceinline__ u32 empty_v(int st) const { return at(3, st); }
 };
 
+// The raw slots' mbarriers of a pipeline, right after its PipeBars (PipeCfg::BAR_BYTES).
+template <class PC>
+__device__ __forceinline__ RawBars<PC::RS> raw_bars(const PipeBars<PC::S>& bars) {
+    return RawBars<PC::RS>{bars.end()};
+}
+
 template <int RS>
 __device__ __forceinline__ void init_raw_bars(const RawBars<RS>& rb) {
 #pragma unroll

@@ -396,15 +396,24 @@ fn pair_setting(options: &RunOptions) -> Option<bool> {
     }
 }
 
-/// The tensor map of K or V for the CTA-pair form: dims (head dim, KV heads, cache rows,
-/// sequences), boxes of 64 x 1 x 64 x 1 halves, 128-byte swizzle; rows past a sequence's
-/// cache land as zeros. `None` where TMA cannot address the view.
-fn kv_tensor_map(base: u64, head_dim: u32, n_kv: u32, kv_len: u32, batch: u32, strides: [i64; 3]) -> Option<TensorMap> {
-    let [batch_stride, row_stride, head_stride] = strides.map(|s| s as u64 * 2);
+/// The tensor map of K or V for the CTA-pair form: dims (a row's elements, KV heads, cache
+/// rows, sequences), boxes of `shape`'s width x 1 x 64 x 1; rows past a sequence's cache land
+/// as zeros. `strides` in K/V's elements of `elem_bytes` each (2: F16 / BF16; 1: FP8 bytes,
+/// read as 16-bit pairs, [`KvMapShape::fp8`]). `None` where TMA cannot address the view.
+fn kv_tensor_map(
+    base: u64,
+    shape: KvMapShape,
+    elem_bytes: u64,
+    n_kv: u32,
+    kv_len: u32,
+    batch: u32,
+    strides: [i64; 3],
+) -> Option<TensorMap> {
+    let [batch_stride, row_stride, head_stride] = strides.map(|s| s as u64 * elem_bytes);
     // One sequence: the stride past its whole cache (the driver refuses a 4-d map whose
     // outer stride does not cover the dimension inside it).
     let seq = if batch == 1 { row_stride.saturating_mul(kv_len as u64) } else { batch_stride };
-    encode_kv_map(base, KvMapShape::halves(head_dim), n_kv, [kv_len, batch], 64, [head_stride, row_stride, seq])
+    encode_kv_map(base, shape, n_kv, [kv_len, batch], 64, [head_stride, row_stride, seq])
 }
 
 /// Rows of one box of a paged cache's map: the largest of 64, 32 and 16 that divides the
@@ -457,33 +466,12 @@ pub fn quant_pairs_apply(p: &FlashAttnPrefillParamsGpu, head_dim: u32) -> bool {
         && p.flags & (PREFILL_MASK | PREFILL_PAGED) == 0
 }
 
-/// [`quant_pairs_apply`] of a params block (the plan's choices), at kernel `k`'s head dim.
-pub fn quant_pairs_apply_to(params: &[u8], k: &CudaKernel) -> bool {
+/// [`quant_pairs_apply`] of a params block (the plan's choices), at its head dim.
+pub fn quant_pairs_apply_to(params: &[u8]) -> bool {
     params.len() == std::mem::size_of::<FlashAttnPrefillParamsGpu>() && {
         let p = bytemuck::pod_read_unaligned::<FlashAttnPrefillParamsGpu>(params);
-        quant_pairs_apply(&p, p.head_dim as u32) && k.quant
+        quant_pairs_apply(&p, p.head_dim as u32)
     }
-}
-
-/// The tensor map of FP8 K or V (SPEC 11) for the quant module's CTA-pair forms: each row's
-/// `head_dim` bytes read as `head_dim / 2` 16-bit elements (the TMA copies bits), dims as
-/// [`kv_tensor_map`]'s, strides in bytes, boxes of 64 rows and `min(head_dim, 128)` bytes
-/// with the swizzle of that width (the kernel's raw slots, `quant_pipe.cuh`). `None` where
-/// TMA cannot address the view.
-fn kv_fp8_tensor_map(
-    base: u64,
-    head_dim: u32,
-    n_kv: u32,
-    kv_len: u32,
-    batch: u32,
-    strides: [i64; 3],
-) -> Option<TensorMap> {
-    let [batch_stride, row_stride, head_stride] = strides.map(|s| s as u64);
-    let seq = if batch == 1 { row_stride.saturating_mul(kv_len as u64) } else { batch_stride };
-    let box_bytes = head_dim.min(128);
-    let swizzle = if box_bytes == 128 { driver::TENSOR_MAP_SWIZZLE_128B } else { driver::TENSOR_MAP_SWIZZLE_64B };
-    let shape = KvMapShape { elems: head_dim / 2, box_elems: box_bytes / 2, swizzle };
-    encode_kv_map(base, shape, n_kv, [kv_len, batch], 64, [head_stride, row_stride, seq])
 }
 
 /// A row of a K/V tensor map as the TMA reads it: `elems` 16-bit elements, boxes of
@@ -498,6 +486,15 @@ impl KvMapShape {
     /// F16 / BF16 rows of `head_dim`: boxes of 64 elements (128 bytes), 128-byte swizzle.
     fn halves(head_dim: u32) -> KvMapShape {
         KvMapShape { elems: head_dim, box_elems: 64, swizzle: driver::TENSOR_MAP_SWIZZLE_128B }
+    }
+
+    /// FP8 rows of `head_dim` bytes (SPEC 11, the quant module's pair forms) read as
+    /// `head_dim / 2` 16-bit elements (the TMA copies bits): boxes of `min(head_dim, 128)`
+    /// bytes with the swizzle of that width (the kernel's raw slots, `quant_pipe.cuh`).
+    fn fp8(head_dim: u32) -> KvMapShape {
+        let box_bytes = head_dim.min(128);
+        let swizzle = if box_bytes == 128 { driver::TENSOR_MAP_SWIZZLE_128B } else { driver::TENSOR_MAP_SWIZZLE_64B };
+        KvMapShape { elems: head_dim / 2, box_elems: box_bytes / 2, swizzle }
     }
 }
 
@@ -774,14 +771,6 @@ fn part_launch(
         let kstrides = [p.k_batch_stride, p.k_row_stride, p.k_head_stride];
         let vstrides = [p.v_batch_stride, p.v_row_stride, p.v_head_stride];
         let (km, vm) = match b.pages {
-            // FP8: strides in bytes, each row read as head_dim / 2 16-bit elements.
-            None if module.quant => {
-                let (kvl, nb) = (p.kv_len as u32, p.batch as u32);
-                (
-                    kv_fp8_tensor_map(b.k, head_dim, nkv, kvl, nb, kstrides),
-                    kv_fp8_tensor_map(b.v, head_dim, nkv, kvl, nb, vstrides),
-                )
-            }
             // (The params block's K/V batch strides are the caches' block strides.)
             Some(pg) => {
                 let (blocks, bs) = (b.kv_blocks, pg.block_size.max(0) as u32);
@@ -792,9 +781,12 @@ fn part_launch(
             }
             None => {
                 let (kvl, nb) = (p.kv_len as u32, p.batch as u32);
+                // FP8 (the quant module's): strides in bytes, a row read as 16-bit pairs.
+                let (shape, bytes): (fn(u32) -> KvMapShape, u64) =
+                    if module.quant { (KvMapShape::fp8, 1) } else { (KvMapShape::halves, 2) };
                 (
-                    kv_tensor_map(b.k, head_dim, nkv, kvl, nb, kstrides),
-                    kv_tensor_map(b.v, head_dim, nkv, kvl, nb, vstrides),
+                    kv_tensor_map(b.k, shape(head_dim), bytes, nkv, kvl, nb, kstrides),
+                    kv_tensor_map(b.v, shape(head_dim), bytes, nkv, kvl, nb, vstrides),
                 )
             }
         };

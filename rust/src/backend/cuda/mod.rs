@@ -414,7 +414,7 @@ impl Backend for CudaBackend {
         // them and the launch is one they run (`quant_pairs_apply`: FP8, no explicit mask).
         let paged = flash_attn_prefill::is_paged(kernel_name, params);
         let paged_pairs = |k: &CudaKernel| k.paged_pairs && flash_attn_prefill::PAGED_PAIRS_LAUNCHED;
-        let quant_pairs = |k: &CudaKernel| k.quant_pairs && flash_attn_prefill::quant_pairs_apply_to(params, k);
+        let quant_pairs = |k: &CudaKernel| k.quant_pairs && flash_attn_prefill::quant_pairs_apply_to(params);
         let contiguous_pairs = |k: &CudaKernel| !k.hopper_variants.is_empty() && (!paged || paged_pairs(k));
         let pairs = if hopper && k.is_some_and(|k| contiguous_pairs(k) || quant_pairs(k)) {
             flash_attn_prefill::pairs_of(options).name()
