@@ -18,6 +18,7 @@ __all__ = [
     "lse_tolerance",
     "make_case",
     "run_low_level",
+    "traced_pair_run",
 ]
 
 #: The (Q/K, V) head dims with kernels of their own (the op's HEAD_DIMS, docs/spec.md "Head
@@ -148,3 +149,27 @@ def ops_seen():
             return func(*args, **(kwargs or {}))
 
     return OpsSeen()
+
+
+def traced_pair_run(test_file: str, plan_setup: str, select: str):
+    """In a process of its own with the CUDA launch trace on (and no forced CTA-pair choice):
+    ``plan_setup`` (Python with numpy as ``np`` and mlx_native as ``mn``, which defines
+    ``plan``), then the tests of ``test_file`` that ``-k select`` picks. Returns the pairs
+    ``plan`` reports (``choices["pairs"]``) and the set of entry points launched. The inner
+    pytest runs with ``-s``: its capture of stderr would swallow the trace."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, numpy as np, pytest\nimport mlx_native as mn\n" + plan_setup + '\nprint("PAIRS", plan.choices["pairs"])\n'
+        f'sys.exit(pytest.main(["-q", "-s", "-p", "no:cacheprovider", sys.argv[1], "-k", {select!r}]))\n'
+    )
+    env = {**os.environ, "MLX_NATIVE_CUDA_TRACE": "1"}
+    env.pop("MLX_NATIVE_CUDA_PAIR", None)
+    run = subprocess.run([sys.executable, "-c", script, test_file], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(test_file), timeout=1200)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    reported = run.stdout.split("PAIRS ", 1)[1].split()[0]
+    return reported, set(re.findall(r" entry (\w+) arch \w+$", run.stderr, re.M))

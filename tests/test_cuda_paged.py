@@ -24,7 +24,7 @@ import mlx_native as mn
 from mlx_native.dtypes import bfloat16_dtype
 from mlx_native.reference import gather_pages, nmse, reference_paged
 
-from helpers import KERNEL_DIMS
+from helpers import KERNEL_DIMS, traced_pair_run
 from test_paged import contiguous, make_pages
 
 HAS_CUDA = "cuda" in mn.backends()
@@ -284,16 +284,11 @@ def test_paged_pair_forms_without_a_mask(rng, d):
         _bits((out[b], lse[b]), _cuda(q[b], kb, vb, pairs=plan.choices["pairs"], **kw)[0])
 
 
-_TRACED_PAIRS = """
-import sys, numpy as np, pytest
-import mlx_native as mn
+_PAGED_PLAN = """
 from test_paged import make_pages
 k, v, table, used = make_pages(np.random.default_rng(0), [100], 16, 2, 128)
 q = np.zeros((1, 64, 8, 128), np.float32)
 plan = mn.PrefillPlan(q, k, v, device="cuda", causal=True, block_table=table, seqused_k=used, cta_pairs="auto")
-print("PAIRS", plan.choices["pairs"], plan.choices["form"])
-# -s: pytest's capture of stderr would swallow the launch trace
-sys.exit(pytest.main(["-q", "-s", "-p", "no:cacheprovider", sys.argv[1], "-k", "test_paged_pair_forms"]))
 """
 
 
@@ -303,18 +298,8 @@ def test_traced_paged_pairs_launch_what_the_plans_report():
     a paged plan reports CTA pairs (sm_90a, the host launching the paged pair forms), every
     paged pair entry point (``<entry>_pair_heads_paged``, ``_pair_queries_paged``, head dims
     64, 128 and 256, float16 and bfloat16) is launched; where it reports ``off``, none is."""
-    import os
-    import re
-    import subprocess
-    import sys
-
-    env = {**os.environ, "MLX_NATIVE_CUDA_TRACE": "1"}
-    env.pop("MLX_NATIVE_CUDA_PAIR", None)
-    run = subprocess.run([sys.executable, "-c", _TRACED_PAIRS, __file__], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(__file__), timeout=1200)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    reported = run.stdout.split("PAIRS ", 1)[1].split()[0]
-    launched = {e for e in re.findall(r" entry (\w+) arch \w+$", run.stderr, re.M) if "_pair_" in e and "_paged" in e}
+    reported, entries = traced_pair_run(__file__, _PAGED_PLAN, "test_paged_pair_forms")
+    launched = {e for e in entries if "_pair_" in e and "_paged" in e}
     want = {
         f"{e}_pair_{m}_paged"
         for e in ("flash_attn_prefill_d64", "flash_attn_prefill_d64_bf16", "flash_attn_prefill_d128",

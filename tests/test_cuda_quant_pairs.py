@@ -24,6 +24,7 @@ import pytest
 import mlx_native as mn
 from mlx_native.reference import nmse, reference_prefill
 
+from helpers import traced_pair_run
 from test_quant_kv import FP8, kw_of, quantise, values
 
 HAS_CUDA = "cuda" in mn.backends()
@@ -119,16 +120,11 @@ def test_which_quantised_plans_take_the_pair_forms(rng, fmt):
         assert nmse(out, ref) < BAR
 
 
-_TRACED = """
-import sys, numpy as np, pytest
-import mlx_native as mn
+_FP8_PLAN = """
 from test_quant_kv import quantise
 q = np.zeros((1, 64, 8, 128), np.float32)
 k = quantise(np.random.default_rng(0), (1, 64, 2, 128), "float8_e4m3fn")
 plan = mn.PrefillPlan(q, k, k, device="cuda", causal=True, cta_pairs="auto")
-print("PAIRS", plan.choices["pairs"])
-# -s: pytest's capture of stderr would swallow the launch trace
-sys.exit(pytest.main(["-q", "-s", "-p", "no:cacheprovider", sys.argv[1], "-k", "are_the_f16_pair_forms"]))
 """
 
 
@@ -137,18 +133,8 @@ def test_traced_quant_pairs_launch_what_the_plans_report():
     """The first test again in a process of its own with the launch trace on: where an FP8
     plan reports CTA pairs, every quant pair entry point (head dims 64, 128 and 256, heads
     and queries) is launched; where it reports ``off``, none is."""
-    import os
-    import re
-    import subprocess
-    import sys
-
-    env = {**os.environ, "MLX_NATIVE_CUDA_TRACE": "1"}
-    env.pop("MLX_NATIVE_CUDA_PAIR", None)
-    run = subprocess.run([sys.executable, "-c", _TRACED, __file__], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(__file__), timeout=1200)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    reported = run.stdout.split("PAIRS ", 1)[1].split()[0]
-    launched = {e for e in re.findall(r" entry (\w+) arch \w+$", run.stderr, re.M) if e.endswith("_kvq") and "_pair_" in e}
+    reported, entries = traced_pair_run(__file__, _FP8_PLAN, "are_the_f16_pair_forms")
+    launched = {e for e in entries if e.endswith("_kvq") and "_pair_" in e}
     want = {
         f"{e}_pair_{m}_kvq"
         for e in ("flash_attn_prefill_d64", "flash_attn_prefill_d128", "flash_attn_prefill_tensor_f16_d256")
